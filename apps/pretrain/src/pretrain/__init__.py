@@ -1,0 +1,1 @@
+"""pretrain: the trainer and CLI that compose the par packages."""

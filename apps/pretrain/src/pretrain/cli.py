@@ -1,0 +1,27 @@
+"""The `pretrain` command line: one typer app, each subcommand in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from .commands import groups
+
+app = typer.Typer(
+    name="pretrain",
+    help="Train transformers with any mix of tensor, pipeline, context, expert and data parallelism.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Train transformers with any mix of tensor, pipeline, context, expert and data parallelism."""
+
+
+app.command("groups")(groups.groups)
+
+
+def main() -> None:
+    app()

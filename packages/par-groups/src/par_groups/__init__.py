@@ -1,0 +1,7 @@
+"""par-groups: the rank grid, explicit process groups, the counted communication layer."""
+
+from .comm import CommRecord, CommRecorder
+from .grid import LayoutError, RankGrid
+from .groups import ParallelGroups, create_groups, device_mesh
+
+__all__ = ["CommRecord", "CommRecorder", "LayoutError", "ParallelGroups", "RankGrid", "create_groups", "device_mesh"]

@@ -1,0 +1,116 @@
+"""The one thin layer every package sends collectives through, so communication can be counted.
+
+Each call records ``(op, group_size, bytes)`` into every active :class:`CommRecorder`.
+``bytes`` is the size of the logical tensor the operation works on: all-reduce its tensor,
+all-gather the gathered output, reduce-scatter the unreduced input, all-to-all this rank's
+input, send/recv the message. So a reduce-scatter plus an all-gather of the same tensor count
+the same bytes as one all-reduce, as the theory says. ``wire_bytes`` gives what a ring
+algorithm actually puts on the wire per rank.
+
+The active recorders live in a ContextVar (per thread / task), not in module globals.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+_recorders: ContextVar[tuple["CommRecorder", ...]] = ContextVar("par_comm_recorders", default=())
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    group_size: int
+    bytes: int
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes each rank sends with ring algorithms (all-reduce 2(n-1)/n, gather/scatter (n-1)/n)."""
+        n = self.group_size
+        if n <= 1:
+            return 0
+        if self.op == "all_reduce":
+            return 2 * (n - 1) * self.bytes // n
+        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
+            return (n - 1) * self.bytes // n
+        return self.bytes
+
+
+@dataclass
+class CommRecorder:
+    """Context manager collecting every collective issued through this module inside it."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def __enter__(self) -> "CommRecorder":
+        self._token = _recorders.set(_recorders.get() + (self,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _recorders.reset(self._token)
+
+    def ops(self) -> list[str]:
+        return [r.op for r in self.records]
+
+    def count(self, op: str) -> int:
+        return sum(r.op == op for r in self.records)
+
+    def total_bytes(self, op: str | None = None) -> int:
+        return sum(r.bytes for r in self.records if op is None or r.op == op)
+
+
+def _record(op: str, group: ProcessGroup | None, nbytes: int) -> None:
+    recorders = _recorders.get()
+    if recorders:
+        rec = CommRecord(op, dist.get_world_size(group), int(nbytes))
+        for r in recorders:
+            r.records.append(rec)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
+    _record("all_reduce", group, _nbytes(tensor))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
+    _record("all_gather", group, _nbytes(output))
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
+    _record("reduce_scatter", group, _nbytes(input))
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    async_op: bool = False,
+):
+    _record("all_to_all", group, _nbytes(input))
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
+    _record("broadcast", group, _nbytes(tensor))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]):
+    """Batched point-to-point; records each send (receives are the peers' sends)."""
+    for p2p in ops:
+        if p2p.op is dist.isend:
+            _record("send", p2p.group, _nbytes(p2p.tensor))
+    return dist.batch_isend_irecv(ops)

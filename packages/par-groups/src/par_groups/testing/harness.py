@@ -1,0 +1,203 @@
+"""Run a function on N ranks of a gloo process group on the CPU, with workers started once.
+
+Starting processes that import torch is slow (~20 s for 8 on 2 cores), so a :class:`RankPool`
+keeps ``world_size`` worker processes alive and reuses them. For each job the workers make a
+fresh gloo process group (a prefix of one TCPStore the parent hosts), run the function, and
+destroy every group, so no state leaks from one test to the next.
+
+A raising rank fails the job with that rank's traceback; a job that does not finish within its
+timeout fails naming the ranks still running. Either way the pool is killed (ranks may be
+stuck in a collective) and restarted on next use, so nothing is left behind.
+
+The function must be defined at module level (it is sent by reference): the worker imports its
+module, by name or, for test files pytest imported by path, from the file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("PAR_TEST_TIMEOUT", "120"))
+
+
+class RankFailure(AssertionError):
+    """A rank raised, or ranks did not finish in time; the message carries the tracebacks."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when the parent dies, so a crashed pytest leaves no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _load_function(module: str, file: str | None, qualname: str) -> Callable:
+    mod = sys.modules.get(module)
+    if mod is None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            if file is None:
+                raise
+            spec = importlib.util.spec_from_file_location(module, file)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[module] = mod  # so pickled arguments of classes from it resolve
+            spec.loader.exec_module(mod)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connection) -> None:
+    _die_with_parent()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=60))
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        job_id, module, file, qualname, payload, timeout_s = pickle.loads(msg)
+        try:
+            fn = _load_function(module, file, qualname)
+            args, kwargs = pickle.loads(payload)
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(f"job{job_id}", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                dist.destroy_process_group()
+            reply = ("ok", pickle.dumps(result))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            reply = ("err", traceback.format_exc())
+        try:
+            conn.send_bytes(pickle.dumps(reply))
+        except Exception:
+            conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+
+
+class RankPool:
+    """``world_size`` long-lived worker processes that run jobs together."""
+
+    def __init__(self, world_size: int):
+        import torch.distributed as dist
+
+        self.world_size = world_size
+        self._store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, "127.0.0.1", self._store.port, child),
+                daemon=True,
+                name=f"par-rank{rank}",
+            )
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._jobs = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        module = fn.__module__
+        file = getattr(sys.modules.get(module), "__file__", None)
+        self._jobs += 1
+        msg = pickle.dumps((self._jobs, module, file, fn.__qualname__, pickle.dumps((args, kwargs)), timeout))
+        for conn in self._conns:
+            conn.send_bytes(msg)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        first_error: float | None = None
+        while pending:
+            # After the first error, give the others a moment to report theirs, then stop.
+            limit = deadline if first_error is None else min(deadline, first_error + 3.0)
+            ready = wait(list(pending.values()), timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = self._conns.index(conn)
+                del pending[rank]
+                try:
+                    status, body = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    status, body = "err", f"worker process died (exit code {code})"
+                if status == "ok":
+                    results[rank] = pickle.loads(body)
+                else:
+                    errors[rank] = body
+                    first_error = first_error or time.monotonic()
+        if errors or pending:
+            self.close()
+            parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
+            if pending and not errors:
+                parts.insert(0, f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (hang?)")
+            elif pending:
+                parts.append(f"ranks {sorted(pending)} were still running (likely waiting on the failed rank)")
+            raise RankFailure(f"{fn.__qualname__} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+
+class Harness:
+    """One pool per world size, started on first use and kept for the session."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, world_size: int, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    __call__ = run
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,23 @@
+"""pytest plugin (registered by par-groups' entry point): the ``dist_run`` fixture.
+
+    def check(x):                       # module level, runs on every rank
+        import torch.distributed as dist
+        return dist.get_rank() * x
+
+    def test_ranks(dist_run):
+        assert dist_run(4, check, 10) == [0, 10, 20, 30]
+
+``dist_run(world_size, fn, *args, timeout=None, **kwargs)`` returns each rank's result;
+workers are started once per world size and shared by the whole test session.
+"""
+
+import pytest
+
+from .harness import Harness
+
+
+@pytest.fixture(scope="session")
+def dist_run():
+    harness = Harness()
+    yield harness
+    harness.close()

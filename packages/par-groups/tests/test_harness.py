@@ -1,0 +1,67 @@
+"""The multi-rank harness: results per rank, failures reported with the rank's traceback, hangs bounded."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from par_groups.testing import RankFailure
+
+
+def rank_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def raise_on_rank(bad):
+    if dist.get_rank() == bad:
+        raise ValueError(f"boom from rank {bad}")
+    dist.barrier()  # the healthy ranks would wait forever for the bad one
+    return "unreachable"
+
+
+def hang_on_rank(bad):
+    if dist.get_rank() == bad:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def tiny_job(x):
+    return x + dist.get_rank()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_each_rank_returns_its_result_after_a_collective(dist_run, world):
+    total = world * (world + 1) / 2
+    assert dist_run(world, rank_and_sum) == [(r, world, total) for r in range(world)]
+
+
+def test_raising_rank_fails_with_its_traceback_and_no_hang(dist_run):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        dist_run(4, raise_on_rank, 2, timeout=60)
+    assert time.monotonic() - start < 30
+    msg = str(info.value)
+    assert "rank 2 raised" in msg and "ValueError: boom from rank 2" in msg
+    # The pool restarts cleanly afterwards.
+    assert dist_run(4, tiny_job, 10) == [10, 11, 12, 13]
+
+
+def test_hanging_rank_fails_after_the_timeout_and_leaves_no_process(dist_run):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[1\] did not finish within 3 s"):
+        dist_run(2, hang_on_rank, 1, timeout=3)
+    assert time.monotonic() - start < 15
+    pool = dist_run._pools[2]
+    assert not pool._procs  # killed and joined
+    assert dist_run(2, tiny_job, 0) == [0, 1]
+
+
+def test_many_small_jobs_reuse_the_workers(dist_run):
+    dist_run(4, tiny_job, 0)  # warm
+    start = time.monotonic()
+    for i in range(20):
+        assert dist_run(4, tiny_job, i) == [i, i + 1, i + 2, i + 3]
+    assert time.monotonic() - start < 20  # seconds, not a spawn per job

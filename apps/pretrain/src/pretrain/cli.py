@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .commands import groups
+from .commands import groups, schedule, topo
 
 app = typer.Typer(
     name="pretrain",
@@ -21,6 +21,8 @@ def _root() -> None:
 
 
 app.command("groups")(groups.groups)
+app.command("schedule")(schedule.schedule)
+app.command("topo")(topo.topo)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .commands import groups, schedule, topo
+from .commands import convert, groups, plan, prepare, schedule, topo, train
 
 app = typer.Typer(
     name="pretrain",
@@ -20,6 +20,10 @@ def _root() -> None:
     """Train transformers with any mix of tensor, pipeline, context, expert and data parallelism."""
 
 
+app.command("train")(train.train)
+app.command("plan")(plan.plan)
+app.command("prepare")(prepare.prepare)
+app.command("convert")(convert.convert)
 app.command("groups")(groups.groups)
 app.command("schedule")(schedule.schedule)
 app.command("topo")(topo.topo)

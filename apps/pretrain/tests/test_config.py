@@ -1,0 +1,120 @@
+"""Config: shipped files load, --set overrides, and every bad input is a UsageError naming the key."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from pretrain.config import Config, builtin_configs, load_config, parse_override
+from pretrain.errors import UsageError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_shipped_configs_are_the_package_configs_and_all_load():
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.toml")) == builtin_configs() == [
+        "deepseek-v3.toml", "llama3-8b.toml", "tiny-moe.toml", "tiny.toml"]
+    for name in builtin_configs():
+        cfg = load_config(str(CONFIG_DIR / name))
+        cfg.validate_world(cfg.train.nproc)
+    assert load_config(None) == load_config(str(CONFIG_DIR / "tiny.toml"))
+    assert load_config("tiny-moe").model.is_moe
+
+
+def test_published_shapes():
+    llama = load_config("llama3-8b").model
+    assert (llama.hidden, llama.layers, llama.heads, llama.kv_heads, llama.ffn_hidden, llama.vocab_size,
+            llama.rope_theta) == (4096, 32, 32, 8, 14336, 128256, 500000.0)
+    ds = load_config("deepseek-v3").model
+    assert (ds.hidden, ds.layers, ds.moe_layers_start, ds.num_experts, ds.moe_ffn_hidden, ds.top_k, ds.shared_experts,
+            ds.n_groups, ds.topk_groups, ds.score_func, ds.routed_scaling, ds.vocab_size) == (
+        7168, 61, 3, 256, 2048, 8, 1, 8, 4, "sigmoid", 2.5, 129280)
+    assert ds.num_moe_layers == 58 and not ds.is_moe_layer(2) and ds.is_moe_layer(3)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_tiny_fits_every_layout_up_to_8_ranks(name):
+    """tp, pp, cp (and ep for MoE) in {1, 2, 4}, vpp 2 with pp > 1, on up to 8 ranks."""
+    checked = 0
+    for tp, pp, cp, ep in itertools.product((1, 2, 4), repeat=4):
+        if name == "tiny" and ep > 1:
+            continue
+        for world in (1, 2, 4, 8):
+            if world % (tp * pp * cp) or (world // pp) % (tp * ep):
+                continue
+            sets = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.ep={ep}"]
+            if pp > 1:
+                sets += ["parallel.schedule=interleaved", "parallel.vpp=2"]
+            layout = load_config(name, sets).validate_world(world)
+            assert layout.dp * tp * pp * cp == world
+            assert layout.micro_batch * layout.microbatches * layout.dp == 8
+            assert layout.sequence_parallel == (tp > 1)
+            checked += 1
+    assert checked > 20
+
+
+def test_overrides_parse_toml_literals_and_bare_strings():
+    assert parse_override("parallel.hcp=[2,2]") == ("parallel", "hcp", [2, 2])
+    assert parse_override("log.dir=runs/a b") == ("log", "dir", "runs/a b")
+    assert parse_override("train.lr=1e-3") == ("train", "lr", 1e-3)
+    cfg = load_config(None, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]", "train.lr=1",
+                             "log.progress=false", "parallel.sequence_parallel=false", "parallel.tp=2"])
+    assert cfg.parallel.hcp == (2, 2) and cfg.train.lr == 1.0 and cfg.log.progress is False
+    assert cfg.validate_world(8).sequence_parallel is False  # explicitly off with tp > 1 is allowed
+    assert load_config(None, ["parallel.etp=0", "parallel.tp=2"]).parallel.expert_tp == 2
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config("deepseek-v3", ["parallel.sequence_parallel=true"])
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("sets, world, message", [
+    (["parallel.tpp=2"], 1, "unknown key [parallel].tpp (did you mean tp?); valid keys: tp, pp, vpp, cp,"),
+    (["modle.hidden=2"], 1, "unknown section [modle] (did you mean model?)"),
+    (["parallel.tp=two"], 1, "[parallel].tp must be an integer, got 'two'"),
+    (["train.lr=true"], 1, "[train].lr must be a number"),
+    (["parallel.tp=3"], 3, "[parallel].tp=3 does not divide [model].heads=8; use one of 1, 2, 4, 8"),
+    (["parallel.pp=2", "model.layers=6", "parallel.vpp=2", "parallel.schedule=interleaved"], 2,
+     "[model].layers=6 is not divisible by pp*vpp=2*2=4"),
+    (["parallel.pp=3"], 3, "[model].layers=8 is not divisible by pp*chunks=3*1=3"),
+    (["parallel.tp=2"], 3, "does not fit 3 ranks: world_size=3 is not divisible by tp*cp*pp=2*1*1=2"),
+    (["parallel.zero=torch_fsdp2", "parallel.pp=2"], 2, "'torch_fsdp2' is not compatible with pipeline parallelism (pp=2)"),
+    (["parallel.zero=torch_fsdp2", "parallel.ep=2"], 2, "'torch_fsdp2' is not compatible with expert parallelism"),
+    (["parallel.vpp=2"], 1, "[parallel].vpp=2 needs schedule='interleaved'"),
+    (["parallel.ep=2"], 2, "[parallel].ep=2 needs MoE layers"),
+    (["model.num_experts=6", "parallel.ep=4"], 4, "[parallel].ep=4 does not divide [model].num_experts=6"),
+    (["parallel.zero=zero3"], 1, "[parallel].zero='zero3' is not one of no_shard, optim,"),
+    (["parallel.hcp=[2,2]"], 1, "only used with cp_comm_type='a2a+p2p'"),
+    (["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,4]"], 4, "inner*outer = cp=4"),
+    (["parallel.cp=4", "parallel.tp=2", "parallel.cp_comm_type=a2a"], 8, "does not divide the 2 [model].kv_heads per tp rank"),
+    (["train.seq_len=60", "parallel.cp=4"], 4, "[train].seq_len=60 must be divisible by 2*cp=8"),
+    (["train.global_batch=6"], 4, "[train].global_batch=6 is not divisible by dp=4"),
+    (["train.micro_batch=3"], 2, "[train].micro_batch=3 does not divide global_batch/dp=8/2=4"),
+    (["parallel.hsdp_replicas=2"], 4, "needs zero='optim_grads_params'"),
+    (["parallel.hsdp_replicas=3", "parallel.zero=optim_grads_params"], 4, "hsdp_replicas=3 does not divide dp=4"),
+    (["parallel.order=tp-cp-dp-pp", "parallel.ep=2", "model.num_experts=4"], 2, "lacks ep=2"),
+    (["model.kv_heads=3"], 1, "[model].kv_heads=3 does not divide heads=8"),
+    (["train.stop_at=400"], 1, "[train].stop_at=400 is after the last step"),
+    (["model.recompute=some"], 1, "[model].recompute='some' is not one of none, selective, full"),
+    (["parallel.tp"], 1, "must look like section.key=value"),
+])
+def test_bad_input_names_the_key(sets, world, message):
+    with pytest.raises(UsageError) as e:
+        load_config(None, sets).validate_world(world)
+    assert message in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nhidden = 1")
+    with pytest.raises(UsageError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_defaults_are_a_valid_config():
+    assert Config().validate_world(1).microbatches == 1

@@ -1,0 +1,175 @@
+"""MoELayer: router, capacity, dispatch, grouped experts, combine, shared experts, metrics.
+
+Tokens: ``x`` is ``[T, H]`` or ``[S, B, H]``, the tokens local to this rank (with sequence
+parallelism, this rank's disjoint ``[S/tp, B, H]``). Routing and capacity run on local tokens.
+
+Layout (par-groups' expert view, etp x ep x edp): ``ep_group`` splits the experts (rank p holds
+experts ``[p E/ep, (p+1) E/ep)``), ``etp_group`` splits each expert's intermediate size F.
+With etp > 1 the ranks of an etp group must hold *different* tokens of the *same count* (the
+sequence-parallel layout): the layer all-gathers them over etp, every etp rank computes its F
+shard of every token, and a reduce-scatter over etp sums the shards and returns each rank its
+own tokens. The all-gather dispatcher also needs equal token counts over the ep group.
+
+Gradients: expert params (``is_expert``) get the full gradient of the ep group's tokens; sum
+them over expert DP. Router and shared-expert params are replicated; each rank's gradient comes
+from its own tokens (like LayerNorm under sequence parallelism: reduce over every rank that
+holds different tokens). The returned aux loss is this rank's share: summed over ``aux_group``
+(default: this rank alone) it is the loss over the group's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from par_groups import comm
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from . import losses
+from .capacity import capacity_keep
+from .comm import gather_no_grad, gather_tokens, group_rank, group_size, reduce_scatter_tokens
+from .config import MoEConfig
+from .dispatch import make_dispatcher
+from .experts import GroupedSwiGLU, SwiGLU
+from .router import Router, tokens_per_expert
+
+
+class MoELayer(nn.Module):
+    """``forward(x) -> (y, aux_loss)``; ``last_metrics`` holds this step's routing statistics."""
+
+    def __init__(self, config: MoEConfig, ep_group: ProcessGroup | None = None, etp_group: ProcessGroup | None = None,
+                 aux_group: ProcessGroup | None = None):
+        super().__init__()
+        self.config = config
+        self.ep_group, self.etp_group, self.aux_group = ep_group, etp_group, aux_group
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        if config.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide num_experts={config.num_experts}")
+        if config.ffn_hidden % self.etp:
+            raise ValueError(f"etp={self.etp} does not divide ffn_hidden={config.ffn_hidden}")
+        self.num_local_experts = config.num_experts // self.ep
+        self.first_expert = group_rank(ep_group) * self.num_local_experts
+        self.ffn_shard = config.ffn_hidden // self.etp
+        self.ffn_first = group_rank(etp_group) * self.ffn_shard
+        self.router = Router(config)
+        self.experts = GroupedSwiGLU(self.num_local_experts, config.hidden, self.ffn_shard)
+        self.shared = SwiGLU(config.hidden, config.shared_hidden) if config.shared_hidden else None
+        self.dispatcher = make_dispatcher(config.dispatcher, config.num_experts, ep_group)
+        # Routed pairs per expert since the last update_bias (this rank's tokens only).
+        self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
+        self.last_metrics: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        shape = x.shape
+        tokens = x.reshape(-1, c.hidden)
+        routing = self.router(tokens)
+        counts = tokens_per_expert(routing.indices, c.num_experts)
+        capacity = c.capacity(tokens.shape[0])
+        keep = None if capacity is None else capacity_keep(routing.indices, routing.weights, c.num_experts, capacity, c.drop_policy)
+        aux_loss, parts = self._balance_losses(routing, counts, shape)
+        if c.bias_update_rate > 0 and self.training:
+            self.routed_since_update += counts.to(self.routed_since_update.dtype)
+
+        xs, indices, weights, kept = tokens, routing.indices, routing.weights, keep
+        if self.etp > 1:  # every etp rank computes its F shard for the tokens of the whole etp group
+            xs, weights = gather_tokens(xs, self.etp_group), gather_tokens(weights, self.etp_group)
+            indices = gather_no_grad(indices, self.etp_group)
+            kept = None if keep is None else gather_no_grad(keep, self.etp_group)
+        expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept)
+        expert_out = self.experts(expert_in, expert_counts)
+        y = self.dispatcher.combine(expert_out, handle)
+        if self.etp > 1:
+            y = reduce_scatter_tokens(y, self.etp_group)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+
+        dropped = torch.zeros((), device=x.device) if keep is None else 1 - keep.float().mean()
+        load = counts.float()
+        self.last_metrics = {
+            "tokens_per_expert": counts.detach(),
+            "imbalance": (load.max() / load.mean()).detach(),
+            "dropped_fraction": dropped.detach(),
+            **{k: v.detach() for k, v in parts.items()},
+        }
+        return y.reshape(shape).to(x.dtype), aux_loss
+
+    def _balance_losses(self, routing, counts, shape):
+        """This rank's share of the aux, sequence-aux and z losses (see ``losses``)."""
+        c = self.config
+        zero = routing.logits.new_zeros(())
+        parts = {"aux_loss": zero, "seq_aux_loss": zero, "z_loss": zero}
+        if not (c.aux_loss_coeff or c.seq_aux_loss_coeff or c.z_loss_coeff):
+            return zero, parts
+        tokens = routing.logits.shape[0]
+        batch = shape[1] if len(shape) == 3 else 1
+        seq_counts = losses.sequence_counts(routing.indices, batch, c.num_experts) if c.seq_aux_loss_coeff else None
+        group = group_size(self.aux_group)
+        if group > 1:  # counts over every rank holding other tokens of the same sequences
+            stats = torch.cat([counts] + ([seq_counts.reshape(-1)] if seq_counts is not None else [])).to(torch.float64)
+            comm.all_reduce(stats, self.aux_group)
+            counts = stats[: c.num_experts]
+            if seq_counts is not None:
+                seq_counts = stats[c.num_experts:].view(batch, c.num_experts)
+        probs = losses.scores_for_aux(routing.scores, c.score_func)
+        if c.aux_loss_coeff:
+            parts["aux_loss"] = losses.switch_aux_loss(probs, counts, tokens * group, c.top_k, c.aux_loss_coeff)
+        if c.seq_aux_loss_coeff:
+            seq_probs = probs.view(tokens // batch, batch, c.num_experts)
+            parts["seq_aux_loss"] = losses.sequence_aux_loss(seq_probs, seq_counts, (tokens // batch) * group, c.top_k,
+                                                             c.seq_aux_loss_coeff)
+        if c.z_loss_coeff:
+            parts["z_loss"] = losses.z_loss(routing.logits, tokens * group, c.z_loss_coeff)
+        return parts["aux_loss"] + parts["seq_aux_loss"] + parts["z_loss"], parts
+
+    @torch.no_grad()
+    def update_bias(self, *groups: ProcessGroup | None) -> torch.Tensor:
+        """Aux-loss-free balancing, after the optimizer step: ``bias += rate * sign(mean - load)``.
+
+        ``load`` is the routed pairs per expert since the last call summed over ``groups``: pass
+        every group whose ranks see different tokens (e.g. the tp-dp-cp group of the stage), so
+        every rank applies the same update. Returns the load used.
+        """
+        load = self.routed_since_update.clone()
+        for group in groups:
+            if group_size(group) > 1:
+                comm.all_reduce(load, group)
+        delta = torch.sign(load.mean() - load) * self.config.bias_update_rate
+        self.router.expert_bias += delta.to(self.router.expert_bias.dtype)
+        self.routed_since_update.zero_()
+        return load
+
+    @torch.no_grad()
+    def load_full_(self, router_weight, expert_w_gate, expert_w_up, expert_w_down, shared_w_gate=None, shared_w_up=None,
+                   shared_w_down=None, expert_bias=None) -> "MoELayer":
+        """Load FULL single-device weights (experts ``[E, F, H]`` / ``[E, H, F]``); keep this rank's slice."""
+        experts = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        ffn = slice(self.ffn_first, self.ffn_first + self.ffn_shard)
+        self.router.weight.copy_(router_weight)
+        if expert_bias is not None:
+            self.router.expert_bias.copy_(expert_bias)
+        self.experts.w_gate.copy_(expert_w_gate[experts, ffn])
+        self.experts.w_up.copy_(expert_w_up[experts, ffn])
+        self.experts.w_down.copy_(expert_w_down[experts, :, ffn])
+        if self.shared is not None:
+            if shared_w_gate is None:
+                raise ValueError("this layer has shared experts: pass shared_w_gate, shared_w_up, shared_w_down")
+            self.shared.w_gate.copy_(shared_w_gate)
+            self.shared.w_up.copy_(shared_w_up)
+            self.shared.w_down.copy_(shared_w_down)
+        return self
+
+    @classmethod
+    def from_reference(cls, reference: nn.Module, ep_group=None, etp_group=None, aux_group=None) -> "MoELayer":
+        """This rank's slice of a single-device :class:`ReferenceMoE` (same parameter names)."""
+        layer = cls(reference.config, ep_group, etp_group, aux_group)
+        shared = reference.shared
+        return layer.load_full_(
+            reference.router.weight, reference.experts.w_gate, reference.experts.w_up, reference.experts.w_down,
+            *((shared.w_gate, shared.w_up, shared.w_down) if shared is not None else (None, None, None)),
+            expert_bias=reference.router.expert_bias,
+        )
+
+    @classmethod
+    def from_groups(cls, config: MoEConfig, groups, aux_group: ProcessGroup | None = None) -> "MoELayer":
+        """Build from a ``par_groups.ParallelGroups`` (its expert view: ep and etp groups)."""
+        return cls(config, groups.ep, groups.etp, aux_group)

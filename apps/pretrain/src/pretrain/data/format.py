@@ -1,0 +1,125 @@
+"""The token dataset on disk: three files that share a prefix, memory-mapped, nothing unpickled.
+
+::
+
+    PREFIX.bin   all token ids, documents back to back (no separator token), little-endian
+                 uint16 when vocab_size <= 65536, else uint32
+    PREFIX.idx   num_docs + 1 little-endian int64 offsets into PREFIX.bin: document d is
+                 tokens[idx[d]:idx[d+1]]; idx[0] = 0 and idx[-1] = num_tokens
+    PREFIX.json  header: {"format": "par-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+                 "num_tokens": N, "num_docs": D, "tokenizer": "byte"}
+
+``pretrain prepare INPUT... --out PREFIX`` writes them; ``[data].path = "PREFIX"`` trains on them.
+Training samples are windows of seq_len + 1 tokens taken from the concatenated stream, so a
+sequence packs several documents; the offsets tell where each one starts (see ``sampler.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UsageError
+
+FORMAT = "par-tokens"
+VERSION = 1
+HEADER_KEYS = ("format", "version", "dtype", "vocab_size", "num_tokens", "num_docs", "tokenizer")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenDataset:
+    """Token ids (1-D, possibly a read-only memmap) and document offsets ``[num_docs + 1]``."""
+
+    tokens: np.ndarray
+    doc_offsets: np.ndarray
+    vocab_size: int
+    tokenizer: str = "byte"
+    source: str = "<embedded>"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc_offsets.shape[0]) - 1
+
+    def unigram_entropy(self, chunk: int = 1 << 24) -> float:
+        """Entropy of the token frequencies, in nats (the loss a model ignoring all context reaches)."""
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for start in range(0, self.num_tokens, chunk):
+            counts += np.bincount(self.tokens[start:start + chunk], minlength=self.vocab_size)[: self.vocab_size]
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
+
+
+def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte") -> TokenDataset:
+    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    offsets = [0]
+    with open(f"{prefix}.bin", "wb") as out:
+        for doc in docs:
+            ids = np.asarray(doc, dtype=np.int64)
+            if ids.size == 0:
+                continue
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise UsageError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
+            out.write(ids.astype(dtype).tobytes())
+            offsets.append(offsets[-1] + int(ids.size))
+    np.asarray(offsets, dtype="<i8").tofile(f"{prefix}.idx")
+    header = dict(format=FORMAT, version=VERSION, dtype=dtype.name, vocab_size=int(vocab_size),
+                  num_tokens=offsets[-1], num_docs=len(offsets) - 1, tokenizer=tokenizer)
+    Path(f"{prefix}.json").write_text(json.dumps(header, indent=1) + "\n")
+    return open_dataset(prefix)
+
+
+def _strip_suffix(prefix: str) -> str:
+    for suffix in (".json", ".bin", ".idx"):
+        if prefix.endswith(suffix):
+            return prefix[: -len(suffix)]
+    return prefix
+
+
+def open_dataset(prefix: str | Path) -> TokenDataset:
+    """Memory-map a dataset written by :func:`write_dataset`; any missing or malformed part is a UsageError."""
+    prefix = _strip_suffix(str(prefix))
+    paths = {ext: Path(f"{prefix}.{ext}") for ext in ("json", "bin", "idx")}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise UsageError(f"dataset {prefix!r} is missing {', '.join(missing)}; write it with `pretrain prepare`")
+    try:
+        header = json.loads(paths["json"].read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"dataset header {paths['json']} is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+        raise UsageError(f"{paths['json']} is not a {FORMAT} v{VERSION} header")
+    absent = [k for k in HEADER_KEYS if k not in header]
+    if absent:
+        raise UsageError(f"dataset header {paths['json']} lacks {', '.join(absent)}")
+    if header["dtype"] not in ("uint16", "uint32"):
+        raise UsageError(f"dataset header {paths['json']} has dtype {header['dtype']!r}; expected uint16 or uint32")
+    dtype = np.dtype("<u2" if header["dtype"] == "uint16" else "<u4")
+    n, d = header["num_tokens"], header["num_docs"]
+    if paths["bin"].stat().st_size != n * dtype.itemsize:
+        raise UsageError(f"{paths['bin']} has {paths['bin'].stat().st_size} bytes; the header says {n} tokens of "
+                         f"{header['dtype']} ({n * dtype.itemsize} bytes)")
+    if paths["idx"].stat().st_size != (d + 1) * 8:
+        raise UsageError(f"{paths['idx']} has {paths['idx'].stat().st_size} bytes; the header says {d} documents "
+                         f"({(d + 1) * 8} bytes of int64 offsets)")
+    if n == 0:
+        raise UsageError(f"dataset {prefix!r} has no tokens")
+    offsets = np.fromfile(paths["idx"], dtype="<i8")
+    if offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
+        raise UsageError(f"{paths['idx']} offsets must rise strictly from 0 to num_tokens={n}")
+    tokens = np.memmap(paths["bin"], dtype=dtype, mode="r", shape=(n,))
+    return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=int(header["vocab_size"]),
+                        tokenizer=str(header["tokenizer"]), source=prefix)

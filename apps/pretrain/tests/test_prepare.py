@@ -1,0 +1,83 @@
+"""`pretrain prepare`: byte-level and tokenizer.json tokenization into the dataset format; one-line errors."""
+
+import builtins
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.data import open_dataset
+
+runner = CliRunner()
+
+
+def test_byte_level_documents_per_file_paragraph_and_jsonl(tmp_path):
+    a = tmp_path / "a.txt"
+    a.write_text("héllo\n\nworld\n")
+    j = tmp_path / "b.jsonl"
+    j.write_text(json.dumps({"text": "xy"}) + "\n\n" + json.dumps({"text": "z"}) + "\n")
+    res = runner.invoke(app, ["prepare", str(a), str(j), "--out", str(tmp_path / "out" / "d")])
+    assert res.exit_code == 0, res.output
+    ds = open_dataset(tmp_path / "out" / "d")
+    expected = "héllo\n\nworld\n".encode() + b"xyz"
+    assert bytes(ds.tokens.astype(np.uint8)) == expected and ds.tokenizer == "byte"
+    assert list(ds.doc_offsets) == [0, len("héllo\n\nworld\n".encode()), len(expected) - 1, len(expected)]
+    assert "unigram entropy" in res.stdout
+    res = runner.invoke(app, ["prepare", str(a), "--docs", "paragraph", "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0 and open_dataset(tmp_path / "p").num_docs == 2
+
+
+def _tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_json(tmp_path):
+    pytest.importorskip("tokenizers")
+    tok = _tokenizer_json(tmp_path)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\nworld again\nnope\n")
+    res = runner.invoke(app, ["prepare", str(text), "--docs", "line", "--tokenizer", str(tok), "--out", str(tmp_path / "h")])
+    assert res.exit_code == 0, res.output
+    ds = open_dataset(tmp_path / "h")
+    assert list(ds.tokens) == [1, 2, 2, 3, 0] and list(ds.doc_offsets) == [0, 2, 4, 5] and ds.vocab_size == 4
+
+
+def test_missing_tokenizers_package_is_a_clear_error(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_tokenizers(name, *args, **kwargs):
+        if name == "tokenizers":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    res = runner.invoke(app, ["prepare", str(text), "--tokenizer", "tok.json", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "needs the `tokenizers` package" in res.stderr
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (lambda d: None, ["missing.txt"], "input file(s) not found"),
+    (lambda d: (d / "bin.txt").write_bytes(b"\xff\xfe\x00"), ["bin.txt"], "bin.txt is not UTF-8 text"),
+    (lambda d: (d / "bad.jsonl").write_text("{\"text\": 1}\n"), ["bad.jsonl"], "bad.jsonl:1 has no string field"),
+    (lambda d: (d / "bad2.jsonl").write_text("nope\n"), ["bad2.jsonl"], "bad2.jsonl:1 is not a JSON object"),
+    (lambda d: (d / "e.txt").write_text(""), ["e.txt"], "the inputs contain no text"),
+    (lambda d: (d / "x.txt").write_text("x"), ["x.txt", "--tokenizer", "no-such.json"], "does not exist"),
+    (lambda d: (d / "y.txt").write_text("x"), ["y.txt", "--docs", "words"], "--docs 'words' is not one of"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, setup, args, message):
+    monkeypatch.chdir(tmp_path)
+    setup(tmp_path)
+    res = runner.invoke(app, ["prepare", *args, "--out", "o"])
+    assert res.exit_code == 2
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output

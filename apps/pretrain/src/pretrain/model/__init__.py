@@ -1,0 +1,1 @@
+"""The Llama/DeepSeek-style model: single-device reference and its parallel composition."""

@@ -1,0 +1,99 @@
+"""Build what one rank trains: its pipeline chunks, cut from the full model, under a DP wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from par_groups import ParallelGroups, create_groups
+from par_pp import build_schedule, chunks_on_rank, split_layers
+from par_zero import DataParallel
+
+from .parallel import ModelChunk, RankLayout
+from .reference import init_full_state
+
+
+@dataclass
+class RankModel:
+    """This rank's chunks (``chunks[c]`` for global chunk id c), the DP wrapper, and the schedule."""
+
+    groups: ParallelGroups
+    chunks: dict[int, ModelChunk]
+    module: nn.Module  # what the DP wrapper wraps: the single chunk, or a ModuleDict of chunks
+    dp: DataParallel
+    schedule: object | None  # a par_pp Schedule when pp > 1
+    num_chunks: int
+
+    def parameters(self):
+        return self.module.parameters()
+
+
+def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
+    """Split every dp x cp group into ``replicas`` replicas of consecutive inner sharding groups."""
+    grid = groups.grid
+    inner_lists, outer_lists = [], []
+    for g in grid.ranks("dp-cp"):
+        h = len(g) // replicas
+        inner_lists += [g[i * h:(i + 1) * h] for i in range(replicas)]
+        outer_lists += [g[i::h] for i in range(h)]
+    inner, _ = dist.new_subgroups_by_enumeration(inner_lists, timeout=timeout)
+    outer, _ = dist.new_subgroups_by_enumeration(outer_lists, timeout=timeout)
+    return inner, outer
+
+
+def chunk_layout(cfg, layout, pp_rank: int):
+    """(schedule or None, this rank's chunk ids, layer ranges of all chunks)."""
+    p = cfg.parallel
+    if layout.pp == 1:
+        return None, [0], [range(cfg.model.layers)]
+    schedule = build_schedule(p.schedule, layout.pp, layout.microbatches, vpp=layout.vpp)
+    num_chunks = layout.pp * layout.chunks_per_rank
+    return schedule, list(chunks_on_rank(schedule, pp_rank)), split_layers(cfg.model.layers, num_chunks)
+
+
+def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None) -> RankModel:
+    timeout = timedelta(seconds=cfg.train.timeout_s)
+    groups = create_groups(layout.grid(), timeout=timeout)
+    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
+    schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
+    num_chunks = len(ranges)
+    state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
+    chunks = {
+        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state) for c in mine
+    }
+    for chunk in chunks.values():
+        for layer in chunk.layers.values():
+            layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
+    module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
+    _scale_expert_grads(module, layout)
+    t = cfg.train
+    kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                  units=[u for c in mine for u in chunks[c].gather_units()])
+    zero = cfg.parallel.zero
+    if zero == "torch_fsdp2":
+        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    if cfg.parallel.hsdp_replicas > 1:
+        inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
+        dp = DataParallel(module, inner, zero, outer_group=outer, **kwargs)
+    else:
+        dp = DataParallel(module, groups.dp_cp, zero, **kwargs)
+    return RankModel(groups, chunks, module, dp, schedule, num_chunks)
+
+
+def _scale_expert_grads(module: nn.Module, layout) -> None:
+    """Make expert grads come out right under DP's mean over expert DP.
+
+    Each expert's grad sums the contributions of every rank of its ep x etp block (disjoint
+    tokens); DP averages over edp replicas, but the loss is a mean over dp x cp ranks: so scale
+    by edp / (dp * cp).
+    """
+    factor = layout.edp / (layout.dp * layout.cp)
+    if factor == 1.0:
+        return
+    for p in module.parameters():
+        if getattr(p, "is_expert", False) and p.requires_grad:
+            p.register_hook(lambda g, f=factor: g * f)

@@ -1,0 +1,170 @@
+"""The model as one rank holds it: its pipeline chunks, built from par-tp, par-cp and par-moe.
+
+Every chunk is cut out of the full single-device state dict (``reference.init_full_state`` or a
+checkpoint), so any tp x cp x pp x dp (x ep x etp) layout holds the same model.
+
+Shapes inside a chunk: tokens ``[S/cp, B]`` in, activations ``[S/cp/tp, B, H]`` between layers
+with sequence parallelism (``[S/cp, B, H]`` without), vocab-sharded logits ``[S/cp, B, V/tp]`` out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from par_cp import ContextParallelAttention, position_ids
+from par_groups import ParallelGroups
+from par_moe import MoELayer
+from par_tp import (
+    ColumnParallelLinear,
+    TPAttention,
+    TPSwiGLU,
+    VocabParallelEmbedding,
+    mark_sequence_parallel_,
+    scatter_to_sequence_parallel,
+)
+
+from .aux_loss import attach_aux_loss
+from .moe import moe_config
+from .reference import is_moe_layer
+from .rope import apply_rope, rope_tables
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What a chunk needs to know about where it runs."""
+
+    groups: ParallelGroups
+    sequence_parallel: bool
+    cp_mode: str  # p2p | a2a | allgather | a2a+p2p
+    seq_len: int  # full sequence length (before CP)
+    recompute: str  # none | selective | full
+
+
+def context_attention(layout: RankLayout) -> ContextParallelAttention:
+    g = layout.groups
+    if layout.cp_mode == "a2a+p2p":
+        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True)
+    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True)
+
+
+class RopeThenContextAttention(nn.Module):
+    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention."""
+
+    def __init__(self, a, layout: RankLayout) -> None:
+        super().__init__()
+        self.attn = context_attention(layout)
+        cp_rank, cp_size = self.attn.cp_rank_and_size
+        pos = position_ids(layout.seq_len, cp_rank, cp_size, layout=self.attn.layout)
+        cos, sin = rope_tables(pos, a.hidden // a.heads, a.rope_theta, torch.float32)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.selective = layout.recompute == "selective"
+
+    def _core(self, q, k, v):
+        cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
+        return self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+
+    def forward(self, q, k, v):
+        if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
+            return checkpoint(self._core, q, k, v, use_reentrant=False)
+        return self._core(q, k, v)
+
+
+def _norm(a, sp: bool) -> nn.RMSNorm:
+    norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+    return mark_sequence_parallel_(norm) if sp else norm
+
+
+class ParallelDecoderLayer(nn.Module):
+    def __init__(self, a, index: int, layout: RankLayout) -> None:
+        super().__init__()
+        g, sp = layout.groups, layout.sequence_parallel
+        self.full_recompute = layout.recompute == "full"
+        self.input_layernorm = _norm(a, sp)
+        self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
+        self.post_attention_layernorm = _norm(a, sp)
+        self.is_moe = is_moe_layer(a, index)
+        if self.is_moe:
+            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=g.tp_cp)
+            if sp:  # router and shared experts see this rank's sequence shard only
+                for name, p in self.mlp.named_parameters():
+                    if not getattr(p, "is_expert", False):
+                        p.sequence_parallel = True
+        else:
+            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp)
+        # The MoE aux loss is a share over tp x cp ranks; scaled so DP's mean over dp x cp is right.
+        self.aux_scale = 1.0
+        self.cp_size = g.size("cp")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x))
+        if self.is_moe:
+            out, aux = out
+            out = attach_aux_loss(out, aux, self.aux_scale * self.cp_size)
+        return x + out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class ModelChunk(nn.Module):
+    """A contiguous run of layers; the first chunk embeds, the last one norms and projects to logits."""
+
+    def __init__(self, a, layer_ids: range, first: bool, last: bool, layout: RankLayout) -> None:
+        super().__init__()
+        g, sp = layout.groups, layout.sequence_parallel
+        self.tp_group, self.sp = g.tp, sp
+        self.first, self.last = first, last
+        self.layer_ids = list(layer_ids)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
+        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
+        self.norm = _norm(a, sp) if last else None
+        self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed_tokens(x)
+            if self.sp:
+                x = scatter_to_sequence_parallel(x, self.tp_group)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.last:
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def gather_units(self) -> list[nn.Module]:
+        """The modules ZeRO-3 gathers one at a time, in forward order."""
+        units = [self.embed_tokens] if self.first else []
+        units += list(self.layers.values())
+        return units + ([self.norm, self.lm_head] if self.last else [])
+
+    @torch.no_grad()
+    def load_full_state_(self, state: dict[str, torch.Tensor]) -> "ModelChunk":
+        """Copy this rank's shard of every parameter from a full (HF-named) state dict."""
+        if self.first:
+            self.embed_tokens.load_full_(state["model.embed_tokens.weight"])
+        for i, layer in self.layers.items():
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(state[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(state[p + "post_attention_layernorm.weight"])
+            layer.self_attn.load_full_(*(state[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"))
+            if layer.is_moe:
+                m = p + "mlp."
+                shared = [state.get(m + f"shared.w_{n}") for n in ("gate", "up", "down")]
+                layer.mlp.load_full_(
+                    state[m + "router.weight"], state[m + "experts.w_gate"], state[m + "experts.w_up"],
+                    state[m + "experts.w_down"], *shared, expert_bias=state[m + "router.expert_bias"],
+                )
+            else:
+                layer.mlp.load_full_(*(state[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
+        if self.last:
+            self.norm.weight.copy_(state["model.norm.weight"])
+            self.lm_head.load_full_(state["lm_head.weight"])
+        return self

@@ -1,0 +1,154 @@
+"""The single-device model every parallel layout must reproduce: a Llama-3-style decoder.
+
+Plain PyTorch, Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight`` ...), so
+the full state dict is the canonical form shared by initialisation, checkpoints and HF import.
+MoE layers (DeepSeek style) use par-moe's single-device reference layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import apply_rope, rope_tables
+
+
+class Attention(nn.Module):
+    def __init__(self, a) -> None:
+        super().__init__()
+        d = a.hidden // a.heads
+        self.heads, self.kv_heads, self.head_dim, self.theta = a.heads, a.kv_heads, d, a.rope_theta
+        self.q_proj = nn.Linear(a.hidden, a.heads * d, bias=False)
+        self.k_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(a.heads * d, a.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [S, B, H]
+        s, b, _ = x.shape
+        q = self.q_proj(x).view(s, b, self.heads, self.head_dim)
+        k = self.k_proj(x).view(s, b, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(s, b, self.kv_heads, self.head_dim)
+        cos, sin = rope_tables(torch.arange(s), self.head_dim, self.theta, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA wants [B, heads, S, D]; GQA by repeating KV heads.
+        rep = self.heads // self.kv_heads
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def is_moe_layer(a, index: int) -> bool:
+    return a.num_experts > 0 and index >= a.moe_layers_start
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+        if is_moe_layer(a, index):
+            from .moe import reference_moe
+
+            self.mlp = reference_moe(a)
+        else:
+            self.mlp = SwiGLU(a.hidden, a.ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x))
+        out, aux = out if isinstance(out, tuple) else (out, x.new_zeros(()))
+        return x + out, aux
+
+
+class Decoder(nn.Module):
+    def __init__(self, a) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.layers))
+        self.norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+
+
+class LlamaReference(nn.Module):
+    """``forward(tokens [S, B]) -> (logits [S, B, V], aux_loss)``; HF names under ``model.``."""
+
+    def __init__(self, a) -> None:
+        super().__init__()
+        self.args = a
+        self.model = Decoder(a)
+        self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
+        if a.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.model.embed_tokens(tokens)
+        aux = x.new_zeros(())
+        for layer in self.model.layers:
+            x, layer_aux = layer(x)
+            aux = aux + layer_aux
+        return self.lm_head(self.model.norm(x)), aux
+
+
+def full_shapes(a) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of the full state dict (HF names), without building the model."""
+    d, h = a.hidden // a.heads, a.hidden
+    shapes = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (a.vocab_size, h)}
+    for i in range(a.layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (a.heads * d, h), p + "self_attn.k_proj.weight": (a.kv_heads * d, h),
+                   p + "self_attn.v_proj.weight": (a.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, a.heads * d)}
+        if is_moe_layer(a, i):
+            e, f = a.num_experts, a.moe_ffn_hidden or a.ffn_hidden
+            shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
+                       p + "mlp.experts.w_gate": (e, f, h), p + "mlp.experts.w_up": (e, f, h),
+                       p + "mlp.experts.w_down": (e, h, f)}
+            if a.shared_experts:
+                fs = a.shared_experts * f
+                shapes |= {p + "mlp.shared.w_gate": (fs, h), p + "mlp.shared.w_up": (fs, h), p + "mlp.shared.w_down": (h, fs)}
+        else:
+            f = a.ffn_hidden
+            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    return shapes
+
+
+def init_full_state(a, seed: int) -> dict[str, torch.Tensor]:
+    """The model's initial weights as a full (unsharded) state dict, identical for every layout.
+
+    Drawn on the CPU from one generator in name order, so it does not depend on how the model
+    will be split: each parallel rank cuts its shard out of these tensors.
+    """
+    shapes = full_shapes(a)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in sorted(shapes):
+        if a.tie_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shapes[name])
+        elif name.endswith("expert_bias"):
+            state[name] = torch.zeros(shapes[name])
+        else:
+            state[name] = torch.randn(shapes[name], generator=gen) * a.init_std
+    if a.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def build_reference(a, seed: int) -> LlamaReference:
+    model = LlamaReference(a)
+    model.load_state_dict(init_full_state(a, seed))
+    return model

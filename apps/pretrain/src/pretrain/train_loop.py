@@ -1,0 +1,135 @@
+"""One training run on an initialized process group: the loop every layout shares.
+
+Per optimizer step: this dp rank's micro-batches are split over CP (par-cp's zigzag layout), run
+through the pipeline schedule (par-pp) or plain accumulation, gradients are reduced (par-zero),
+TP-partial grads summed, clipped by the global norm, and AdamW steps. The logged loss is the
+mean over every token of the global batch, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from par_cp import shard_sequence
+from par_groups import comm
+from par_tp import vocab_parallel_cross_entropy
+
+from .grads import counted_once, sync_tp_partial_grads
+from .model.build import RankModel, build_rank_model
+from .schedule_lr import lr_at
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    moe: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
+
+    def __init__(self, cfg, full_state: dict | None = None, dataset=None) -> None:
+        from .data import build_sampler
+
+        self.cfg = cfg
+        self.layout = layout = cfg.validate_world(dist.get_world_size())
+        torch.manual_seed(cfg.train.seed)
+        self.model: RankModel = build_rank_model(cfg, layout, full_state)
+        g = self.model.groups
+        self.groups = g
+        self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
+        self.cp_rank, self.cp_size = self._cp_position()
+        self.include = counted_once(g.rank_in("tp"))
+        self.executor = None
+        if self.model.schedule is not None:
+            from par_pp import PipelineExecutor
+
+            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss)
+
+    def _cp_position(self) -> tuple[int, int]:
+        chunk = next(iter(self.model.chunks.values()))
+        layer = next(iter(chunk.layers.values()))
+        return layer.self_attn.core.attn.cp_rank_and_size
+
+    # ---- data ------------------------------------------------------------------------------
+    def _shard(self, x: torch.Tensor) -> torch.Tensor:
+        """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first)."""
+        return shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
+
+    def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        inputs = [self._shard(batch.inputs[m]) for m in range(batch.tokens.shape[0])]
+        labels = [self._shard(batch.labels[m]) for m in range(batch.tokens.shape[0])]
+        return inputs, labels
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.float(), labels, self.groups.tp)
+
+    # ---- one step --------------------------------------------------------------------------
+    def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
+        """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
+        dp, n = self.model.dp, len(inputs)
+        if self.executor is not None:
+            dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
+            losses = self.executor.step(inputs, labels)
+            dp.set_grad_sync(True)
+            dp.reduce_grads()
+            return [l.detach() for l in losses] if losses else []
+        losses = []
+        for m in range(n):
+            dp.set_grad_sync(m == n - 1)
+            loss = self._loss(dp(inputs[m]), labels[m])
+            (loss / n).backward()
+            losses.append(loss.detach())
+        dp.set_grad_sync(True)
+        return losses
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage."""
+        g = self.groups
+        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        total = total.reshape(1).float()
+        comm.all_reduce(total, g.dp_cp)
+        total /= g.size("dp_cp")
+        if g.size("pp") > 1:  # only the last stage has it
+            if not g.is_last_stage:
+                total.zero_()
+            comm.all_reduce(total, g.pp)
+        return total.item()
+
+    def train_step(self, step: int) -> StepResult:
+        cfg, dp, g = self.cfg, self.model.dp, self.groups
+        lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
+                   steps=cfg.train.steps)
+        self.model.module.train()
+        inputs, labels = self.microbatches(self.sampler.train_batch(step))
+        losses = self._forward_backward(inputs, labels)
+        sync_tp_partial_grads(dp, g.tp)
+        norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp), include=self.include,
+                                  expert_norm_groups=(g.tp_ep, g.pp))
+        loss = self._mean_loss(losses)
+        dp.set_lr(lr)
+        dp.step()
+        dp.zero_grad()
+        moe = self._update_moe()
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        return StepResult(step, loss, lr, float(norm), tokens, moe)
+
+    def _update_moe(self) -> dict:
+        """Aux-loss-free bias updates over every rank that saw other tokens; imbalance for the log."""
+        imbalance = []
+        for chunk in self.model.chunks.values():
+            for layer in chunk.layers.values():
+                if layer.is_moe:
+                    if layer.mlp.config.bias_update_rate > 0:
+                        layer.mlp.update_bias(self.groups.tp_dp_cp)
+                    if layer.mlp.last_metrics:
+                        imbalance.append(float(layer.mlp.last_metrics["imbalance"]))
+        return {"imbalance": max(imbalance)} if imbalance else {}

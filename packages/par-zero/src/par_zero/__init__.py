@@ -1,1 +1,17 @@
-"""par_zero."""
+"""par-zero: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, and the model-state memory model."""
+
+from .config import STRATEGIES, DataParallelConfig
+from .data_parallel import DataParallel
+from .memory import ModelState, bytes_per_param, model_state, model_state_for_params
+from .units import default_unit_modules
+
+__all__ = [
+    "STRATEGIES",
+    "DataParallel",
+    "DataParallelConfig",
+    "ModelState",
+    "bytes_per_param",
+    "default_unit_modules",
+    "model_state",
+    "model_state_for_params",
+]

@@ -1,0 +1,261 @@
+"""One bucket: a contiguous flat buffer of params (and grads), its shard, and its collectives.
+
+Layout. The bucket's params sit back to back in one flat buffer of ``N`` elements, padded so
+``N`` divides by the sharding-group size ``d`` (times the replica count for outer 'optim').
+Inner rank ``i`` owns elements ``[i*N/d, (i+1)*N/d)``; the optimizer of that rank updates its
+*optimizer range* of the flat buffer: everything for 'no_shard', the owned shard for the
+sharded strategies, a 1/outer slice of it for HSDP with outer 'optim'.
+
+Gradients are AVERAGED over the data-parallel ranks (``d * outer``): each rank's loss is a mean
+over its own samples, and the average of those equals the mean over the global batch. The flat
+grad buffer is divided by the DP size before a SUM collective, so this holds for any backend.
+
+Which buffers live where (``S = N/d``):
+
+    strategy              params at rest        grads at rest      optimizer (fp32)
+    no_shard              full N                full N             N
+    optim (ZeRO-1)        full N                full N             S
+    optim_grads (ZeRO-2)  full N                S                  S
+    optim_grads_params    S (full N gathered    S                  S
+                          per unit, freed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from par_groups import comm
+
+from .adamw import adamw_step_
+from .config import DataParallelConfig
+
+
+@dataclass(frozen=True)
+class BucketGroups:
+    """The groups one family of buckets (dense or expert) communicates over."""
+
+    inner: ProcessGroup | None  # the sharding group (the whole DP group without HSDP)
+    outer: ProcessGroup | None = None  # HSDP replicas
+    all_gather: ProcessGroup | None = None  # same ranks as inner; separate so gathers overlap reductions
+
+    @property
+    def d(self) -> int:
+        return dist.get_world_size(self.inner)
+
+    @property
+    def r(self) -> int:
+        return dist.get_world_size(self.outer) if self.outer is not None else 1
+
+    @property
+    def gather_group(self) -> ProcessGroup | None:
+        return self.all_gather if self.all_gather is not None else self.inner
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor, numel: int) -> None:
+    t.untyped_storage().resize_(numel * t.element_size())
+
+
+class Bucket:
+    """A flat param/grad buffer of a few params, sharded over ``groups`` by ``cfg.strategy``."""
+
+    def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig):
+        self.params = params
+        self.groups = groups
+        self.cfg = cfg
+        self.strategy = cfg.strategy
+        d, r = groups.d, groups.r
+        self.dp_size = d * r
+        self.zero3 = cfg.strategy == "optim_grads_params"
+        self.outer_optim = groups.outer is not None and cfg.outer_strategy == "optim"
+        self.offsets: list[int] = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        align = d * (r if self.outer_optim else 1)
+        self.N = -(-n // align) * align
+        self.S = self.N // d
+        i = dist.get_rank(groups.inner)
+        self.shard_lo = i * self.S
+        if cfg.strategy == "no_shard":
+            self.opt_lo, self.opt_hi = 0, self.N
+        elif self.outer_optim:
+            s2 = self.S // r
+            self.opt_lo = self.shard_lo + dist.get_rank(groups.outer) * s2
+            self.opt_hi = self.opt_lo + s2
+        else:
+            self.opt_lo, self.opt_hi = self.shard_lo, self.shard_lo + self.S
+
+        with torch.no_grad():
+            original = torch.zeros(self.N, dtype=torch.float32)
+            for p, o in zip(params, self.offsets):
+                original[o : o + p.numel()].copy_(p.detach().reshape(-1))
+            self.full_param = original.to(cfg.param_dtype) if cfg.param_dtype != torch.float32 else original
+            for p, o in zip(params, self.offsets):
+                p.data = self.full_param[o : o + p.numel()].view(p.shape)
+            self.param_shard = None
+            if self.zero3:
+                self.param_shard = self.full_param[self.shard_lo : self.shard_lo + self.S].clone()
+                _free(self.full_param)
+            self.gathered = not self.zero3
+            self._gather_work = None
+
+            # Grads: persistent full buffer for no_shard/optim, transient full + persistent shard otherwise.
+            gdt = cfg.grad_dtype
+            self.persistent_full_grad = cfg.strategy in ("no_shard", "optim")
+            self.full_grad = torch.zeros(self.N, dtype=gdt) if self.persistent_full_grad else None
+            if cfg.strategy == "no_shard":
+                self.opt_grad = self.full_grad
+            elif cfg.strategy == "optim":
+                self.opt_grad = self.full_grad[self.opt_lo : self.opt_hi]
+            else:
+                self.opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=gdt)
+
+            # fp32 master: a view of the param storage when params are fp32, else its own copy.
+            if cfg.param_dtype == torch.float32:
+                self.master = self._param_view_of_opt_range()
+                self.master_is_param = True
+            else:
+                self.master = original[self.opt_lo : self.opt_hi].clone()
+                self.master_is_param = False
+            self.exp_avg = torch.zeros_like(self.master, dtype=torch.float32)
+            self.exp_avg_sq = torch.zeros_like(self.master, dtype=torch.float32)
+        del original
+        self.pending = len(params)
+        self.reduced = False  # opt_grad holds reduced grads not yet stepped
+        self._reduce_work = None
+        self._reduce_out = None
+
+    def _param_view_of_opt_range(self) -> torch.Tensor:
+        if self.zero3:
+            return self.param_shard[self.opt_lo - self.shard_lo : self.opt_hi - self.shard_lo]
+        return self.full_param[self.opt_lo : self.opt_hi]
+
+    # ---- ZeRO-3 gather / release ---------------------------------------------------------
+    def unshard(self) -> None:
+        """Launch the all-gather of the full params (no-op if gathered or in flight)."""
+        if self.gathered or self._gather_work is not None:
+            return
+        _alloc(self.full_param, self.N)
+        self._gather_work = comm.all_gather_into_tensor(self.full_param, self.param_shard, self.groups.gather_group, async_op=True)
+
+    def wait_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self.gathered = True
+
+    def reshard(self) -> None:
+        if self.zero3 and self.gathered:
+            _free(self.full_param)
+            self.gathered = False
+
+    # ---- gradients -----------------------------------------------------------------------
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one param's fresh grad into the flat buffer (called from its post-accumulate hook)."""
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.N, dtype=self.cfg.grad_dtype)
+        elif self.reduced and self.strategy == "optim":
+            # A second synced backward in the same step: the buffer's other shards hold stale
+            # local grads and our shard holds an average; restore "sum of contributions".
+            keep = self.opt_grad * self.dp_size
+            self.full_grad.zero_()
+            self.opt_grad.copy_(keep)
+            self.reduced = False
+        o = self.offsets[index]
+        self.full_grad[o : o + grad.numel()].add_(grad.reshape(-1))
+
+    def launch_reduce(self) -> None:
+        """Start the asynchronous reduction of the full grad buffer over the inner group."""
+        if self._reduce_work is not None or self.full_grad is None:
+            return
+        self.full_grad.div_(self.dp_size)
+        if self.strategy == "no_shard":
+            self._reduce_out = self.full_grad
+            self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
+        else:
+            self._reduce_out = torch.empty(self.S, dtype=self.full_grad.dtype)
+            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True)
+
+    def wait_inner_and_launch_outer(self) -> None:
+        if self._reduce_work is None:
+            return
+        self._reduce_work.wait()
+        self._reduce_work = None
+        out = self._reduce_out
+        if self.groups.outer is not None:
+            if self.outer_optim:
+                self._reduce_out = torch.empty(self.S // self.groups.r, dtype=out.dtype)
+                self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True)
+            else:
+                self._reduce_work = comm.all_reduce(out, self.groups.outer, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reductions and put the averaged grads where the optimizer reads them."""
+        if self._reduce_work is not None:
+            self._reduce_work.wait()
+            self._reduce_work = None
+        out, self._reduce_out = self._reduce_out, None
+        if out is None:
+            return
+        if self.strategy == "optim":
+            self.opt_grad.copy_(out)
+        elif self.strategy != "no_shard":
+            self.opt_grad.add_(out)
+            self.full_grad = None  # ZeRO-2/3 keep only the shard
+        self.reduced = True
+
+    def zero_grad(self) -> None:
+        if self.persistent_full_grad:
+            self.full_grad.zero_()
+        else:
+            self.full_grad = None
+            self.opt_grad.zero_()
+        self.reduced = False
+        self.pending = len(self.params)
+
+    # ---- optimizer -----------------------------------------------------------------------
+    def optimizer_step(self, step: int, lr: float) -> None:
+        c = self.cfg
+        grad = self.opt_grad if self.opt_grad.dtype == torch.float32 else self.opt_grad.float()
+        adamw_step_(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+    def launch_param_sync(self):
+        """After the step: copy the master into the param dtype and start re-assembling params."""
+        with torch.no_grad():
+            if not self.master_is_param:
+                self._param_view_of_opt_range().copy_(self.master)
+            if self.strategy == "no_shard":
+                return None
+            if self.zero3:
+                if not self.outer_optim:
+                    return None  # the shard is the truth; the next forward gathers it
+                mine = self.param_shard[self.opt_lo - self.shard_lo : self.opt_hi - self.shard_lo].clone()
+                return comm.all_gather_into_tensor(self.param_shard, mine, self.groups.outer, async_op=True)
+            mine = self.full_param[self.shard_lo : self.shard_lo + self.S].clone()
+            return comm.all_gather_into_tensor(self.full_param, mine, self.groups.gather_group, async_op=True)
+
+    # ---- introspection -------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent tensors holding params, grads and optimizer state (for measuring bytes)."""
+        params = [self.param_shard] if self.zero3 else [self.full_param]
+        grads = [self.full_grad] if self.persistent_full_grad else [self.opt_grad]
+        optim = [self.exp_avg, self.exp_avg_sq] + ([] if self.master_is_param else [self.master])
+        return {"params": params, "grads": grads, "optim": optim}
+
+    def opt_segments(self):
+        """(param, index, lo, hi, p_lo): the part [lo, hi) of the optimizer range holding
+        elements [p_lo, p_lo + hi - lo) of the flattened param."""
+        for k, (p, o) in enumerate(zip(self.params, self.offsets)):
+            lo, hi = max(o, self.opt_lo), min(o + p.numel(), self.opt_hi)
+            if lo < hi:
+                yield p, k, lo - self.opt_lo, hi - self.opt_lo, lo - o

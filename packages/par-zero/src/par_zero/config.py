@@ -1,0 +1,62 @@
+"""The data-parallel strategy names and the validated configuration of one wrapper."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Megatron's --data-parallel-sharding-strategy names, plus torch's own FSDP2 as an alternative.
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
+OUTER_STRATEGIES = ("no_shard", "optim")
+SHARDED = ("optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """What to shard, how to bucket and cast, and the AdamW hyper-parameters."""
+
+    strategy: str = "no_shard"
+    outer_strategy: str = "no_shard"
+    bucket_mb: float = 25.0
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.outer_strategy not in OUTER_STRATEGIES:
+            raise ValueError(f"outer_strategy={self.outer_strategy!r} is not one of {OUTER_STRATEGIES}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+        for name in ("param_dtype", "reduce_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and dt not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"{name}={dt} must be torch.float32, torch.bfloat16 or torch.float16")
+        if not (0 <= self.betas[0] < 1 and 0 <= self.betas[1] < 1):
+            raise ValueError(f"betas={self.betas} must lie in [0, 1)")
+        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: need lr >= 0, eps > 0, wd >= 0")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """Grads are kept (accumulated and reduced) in reduce_dtype when given, else param_dtype."""
+        return self.reduce_dtype or self.param_dtype
+
+    def check_outer(self, has_outer: bool) -> None:
+        if not has_outer:
+            return
+        if self.strategy not in SHARDED:
+            raise ValueError(
+                f"an outer (HSDP replica) group needs a sharded inner strategy, got strategy={self.strategy!r}; "
+                f"use one of {SHARDED}, or pass one dp group for plain DDP"
+            )
+        if self.outer_strategy == "optim" and self.strategy != "optim_grads_params":
+            raise ValueError(
+                f"outer_strategy='optim' is only valid with strategy='optim_grads_params', got {self.strategy!r}"
+            )

@@ -1,0 +1,285 @@
+"""The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with AdamW.
+
+Usage (the trainer's loop)::
+
+    dp = DataParallel(model, groups.dp_cp, "optim_grads", expert_dp_group=groups.edp, lr=3e-4)
+    for micro in range(n):
+        with dp.no_sync() if micro < n - 1 else nullcontext():
+            loss = loss_fn(dp(x[micro])) / n   # per-rank mean; DP averages it
+            loss.backward()
+    dp.clip_grad_norm_(1.0, norm_groups=(groups.tp, groups.pp), include=not_duplicated)
+    dp.set_lr(lr_schedule(step)); dp.step(); dp.zero_grad()
+
+Gradients are AVERAGED over the data-parallel ranks (dp_group x outer_group; dp_group may be dp x
+cp). Grad reductions start from backward hooks as each bucket fills and are awaited at the end of
+that backward; under ``no_sync()`` grads only accumulate locally, with no communication.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from par_groups import comm
+
+from .bucket import Bucket, BucketGroups
+from .config import DataParallelConfig
+from .units import GatherUnit, default_unit_modules
+
+
+def _size_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes."""
+    buckets, cur, size = [], [], 0
+    for p in reversed(params):
+        cur.append(p)
+        size += p.numel() * 4
+        if size >= bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class DataParallel:
+    """Wrap ``module`` for data parallelism with ``strategy`` and own its AdamW optimizer.
+
+    Strategies: 'no_shard' (DDP), 'optim' (ZeRO-1), 'optim_grads' (ZeRO-2), 'optim_grads_params'
+    (ZeRO-3), 'torch_fsdp2' (delegates to torch's fully_shard; returns a :class:`TorchFSDP2`).
+    HSDP: ``dp_group`` is the inner sharding group, ``outer_group`` the replicas, with
+    ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params with
+    ``is_expert = True`` are data-parallel over ``expert_dp_group``; frozen params are skipped.
+    """
+
+    def __new__(cls, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard", **kwargs):
+        if cls is DataParallel and strategy == "torch_fsdp2":
+            from .fsdp2 import TorchFSDP2
+
+            return TorchFSDP2(module, dp_group, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group: ProcessGroup | None,
+        strategy: str = "no_shard",
+        *,
+        outer_group: ProcessGroup | None = None,
+        outer_strategy: str = "no_shard",
+        expert_dp_group: ProcessGroup | None = None,
+        all_gather_group: ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        units: Iterable[nn.Module] | None = None,
+    ):
+        self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
+                                            reshard_after_forward, lr, tuple(betas), eps, weight_decay)
+        cfg.check_outer(outer_group is not None)
+        self.module = module
+        self.lr = lr
+        self.step_count = 0
+        self._sync = True
+        self._callback_queued = False
+        self.dense_groups = BucketGroups(dp_group, outer_group, all_gather_group)
+        self.expert_groups = BucketGroups(expert_dp_group) if expert_dp_group is not None else self.dense_groups
+        self.param_names = {p: n for n, p in module.named_parameters()}
+        trainable = [p for p in module.parameters() if p.requires_grad]
+
+        def family(ps):  # split params into (dense, expert) with their groups
+            dense = [p for p in ps if not getattr(p, "is_expert", False)]
+            expert = [p for p in ps if getattr(p, "is_expert", False)]
+            return [(dense, self.dense_groups), (expert, self.expert_groups)]
+
+        self.buckets: list[Bucket] = []
+        self.units: list[GatherUnit] = []
+        self._hooks = []
+        if strategy == "optim_grads_params":
+            self._build_units(module, trainable, family, units)
+        else:
+            bucket_bytes = int(bucket_mb * 2**20)
+            for ps, groups in family(trainable):
+                for chunk in _size_buckets(ps, bucket_bytes):
+                    self.buckets.append(Bucket(chunk, groups, cfg))
+        self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        for p in self._where:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _build_units(self, module, trainable, family, unit_modules) -> None:
+        taken: set[nn.Parameter] = set()
+        owned = set(trainable)
+        plan: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        for m in (list(unit_modules) if unit_modules is not None else default_unit_modules(module)):
+            ps = [p for p in m.parameters() if p in owned and p not in taken]
+            taken.update(ps)
+            if ps:
+                plan.append((m, ps))
+        rest = [p for p in trainable if p not in taken]
+        for m, ps in plan + ([(module, rest)] if rest else []):
+            bs = [Bucket(fam, groups, self.cfg) for fam, groups in family(ps) if fam]
+            self.buckets.extend(bs)
+            is_root = m is module
+            unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root)
+            self._hooks.extend(unit.install(is_root))
+            self.units.append(unit)
+        for a, b in zip(self.units, self.units[1:]):
+            a.next, b.prev = b, a
+
+    # ---- forward / backward ----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.cfg.param_dtype != torch.float32:
+            cast = lambda t: t.to(self.cfg.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate grads locally (no communication); the next synced
+        backward reduces the sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def set_grad_sync(self, sync: bool) -> None:
+        """Same as ``no_sync`` for callers (pipeline executors) that cannot use a context."""
+        self._sync = sync
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket, k = self._where[p]
+        bucket.accumulate(k, p.grad)
+        p.grad = None
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if self._sync:
+                bucket.launch_reduce()
+            bucket.reshard()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._sync:
+            for b in self.buckets:  # buckets with unused params: reduce what they have (all ranks alike)
+                if b.pending != 0 or b.full_grad is None:
+                    if b.full_grad is None:
+                        b.full_grad = torch.zeros(b.N, dtype=self.cfg.grad_dtype)
+                    b.launch_reduce()
+            for b in self.buckets:
+                b.wait_inner_and_launch_outer()
+            for b in self.buckets:
+                b.finish_reduce()
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.reshard()
+
+    # ---- optimizer -----------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on each rank's shard, then re-assemble the params (all-gather where sharded)."""
+        self.step_count += 1
+        for b in self.buckets:
+            b.optimizer_step(self.step_count, self.lr)
+        works = [b.launch_param_sync() for b in self.buckets]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_groups: Iterable[ProcessGroup] = (),
+                        include: Callable[[nn.Parameter], bool] | None = None,
+                        expert_norm_groups: Iterable[ProcessGroup] | None = None) -> torch.Tensor:
+        """Scale all grads so their global L2 norm is at most ``max_norm``; return the norm.
+
+        The squared norm is summed over this wrapper's shards, then over each of ``norm_groups``
+        (the model-parallel groups holding other parts of the model: tp, pp, ...); expert params
+        over ``expert_norm_groups`` (default: ``norm_groups``). ``include(param)`` skips params
+        (e.g. TP-replicated copies counted on another rank)."""
+        norm_groups = tuple(norm_groups)
+        expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
+        total = torch.zeros((), dtype=torch.float32)
+        for groups, extra in ((self.dense_groups, norm_groups), (self.expert_groups, expert_norm_groups)):
+            fam = [b for b in self.buckets if b.groups is groups]
+            if not fam:
+                continue
+            sq = torch.zeros((), dtype=torch.float32)
+            for b in fam:
+                if include is None:
+                    sq += b.opt_grad.float().pow(2).sum()
+                else:
+                    for p, _, lo, hi, _ in b.opt_segments():
+                        if include(p):
+                            sq += b.opt_grad[lo:hi].float().pow(2).sum()
+            if self.cfg.strategy != "no_shard":
+                comm.all_reduce(sq, groups.inner)
+                if fam[0].outer_optim:
+                    comm.all_reduce(sq, groups.outer)
+            for g in extra:
+                comm.all_reduce(sq, g)
+            total += sq
+            if self.expert_groups is self.dense_groups:
+                break
+        norm = total.sqrt()
+        coef = min(1.0, max_norm / (norm.item() + 1e-6))
+        if coef < 1.0:
+            for b in self.buckets:
+                b.opt_grad.mul_(coef)
+        return norm
+
+    # ---- introspection -------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in params, grads and optimizer state (distinct storages)."""
+        out = {}
+        seen: set[int] = set()
+        for kind in ("params", "grads", "optim"):
+            total = 0
+            for b in self.buckets:
+                for t in b.state_tensors()[kind]:
+                    if t is None:
+                        continue
+                    st = t.untyped_storage()
+                    if st.data_ptr() in seen or st.nbytes() == 0:
+                        continue
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+            out[kind] = total
+        out["total"] = out["params"] + out["grads"] + out["optim"]
+        return out
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every trainable param, gathered in fp32 from the masters (for tests and export)."""
+        out = {}
+        for b in self.buckets:
+            flat = torch.zeros(b.N, dtype=torch.float32)
+            flat[b.opt_lo : b.opt_hi] = b.master
+            if self.cfg.strategy != "no_shard":
+                # opt ranges are disjoint within the inner group (x outer for outer 'optim')
+                comm.all_reduce(flat, b.groups.inner)
+                if b.outer_optim:
+                    comm.all_reduce(flat, b.groups.outer)
+            for p, o in zip(b.params, b.offsets):
+                out[self.param_names[p]] = flat[o : o + p.numel()].view(p.shape).clone()
+        return out

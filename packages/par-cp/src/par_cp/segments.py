@@ -1,0 +1,78 @@
+"""Attention between a rank's query shard and one key/value shard, both given as segments.
+
+A shard is a list of global token ranges laid end to end in the local tensor (one range for
+the contiguous layout, two for zigzag). Each (query range, key range) pair is one block; blocks
+that the causal or document mask hides completely are skipped, the others go to a kernel and
+are merged per query with the LSE rule. ``segment_attention`` wraps this in an autograd function
+for the modes that see all their keys at once (Ulysses, all-gather, cp=1).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .kernels import BlockMask, block_backward, block_forward, merge_partial
+from .sharding import Segments
+
+
+def iter_blocks(q_segs: Segments, k_segs: Segments, causal: bool, docs) -> Iterator[tuple[slice, slice, BlockMask]]:
+    """(local query slice, local key slice, mask) of every block that is not fully masked."""
+    q_off = 0
+    for qa, qb in q_segs:
+        k_off = 0
+        for ka, kb in k_segs:
+            mask = BlockMask(qa, qb, ka, kb, causal, docs).clipped()
+            if not mask.is_empty():
+                k_lo = k_off + mask.k_start - ka
+                yield slice(q_off, q_off + qb - qa), slice(k_lo, k_lo + mask.k_len), mask
+            k_off += kb - ka
+        q_off += qb - qa
+
+
+def segments_forward(q, k, v, q_segs, k_segs, causal, docs, scale, backend, out=None, lse=None):
+    """Merge the attention of q against this key shard into (out, lse) (fp32; new when None)."""
+    if out is None:
+        sq, b, hq, d = q.shape
+        out = torch.zeros(sq, b, hq, d, device=q.device)
+        lse = torch.full((b, hq, sq), float("-inf"), device=q.device)
+    for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, docs):
+        o, l = block_forward(q[qs], k[ks], v[ks], mask, scale, backend)
+        out[qs], lse[:, :, qs] = merge_partial(out[qs], lse[:, :, qs], o, l)
+    return out, lse
+
+
+def segments_backward(dout, q, k, v, out, lse, q_segs, k_segs, causal, docs, scale, backend, dq=None):
+    """Add this key shard's share to dq (fp32, new when None); return (dq, dk, dv) with fp32 dk, dv."""
+    dq = torch.zeros(q.shape, device=q.device) if dq is None else dq
+    dk = torch.zeros(k.shape, device=k.device)
+    dv = torch.zeros(v.shape, device=v.device)
+    for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, docs):
+        a, b, c = block_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, :, qs], mask, scale, backend)
+        dq[qs] += a
+        dk[ks] += b
+        dv[ks] += c
+    return dq, dk, dv
+
+
+class _SegmentAttention(torch.autograd.Function):
+    """Forward: attention of local queries against keys held locally; backward: its gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_segs, k_segs, causal, docs, scale, backend):
+        out, lse = segments_forward(q, k, v, q_segs, k_segs, causal, docs, scale, backend)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (q_segs, k_segs, causal, docs, scale, backend)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = segments_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def segment_attention(q, k, v, q_segs: Segments, k_segs: Segments, causal: bool, docs, scale: float, backend: str = "auto"):
+    return _SegmentAttention.apply(q, k, v, tuple(q_segs), tuple(k_segs), causal, docs, scale, backend)

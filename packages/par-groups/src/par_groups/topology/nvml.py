@@ -288,14 +288,16 @@ def detect(nvml=None, hostname: str | None = None, bandwidth: Mapping[str, float
 
 
 def gather_topology(group=None, local_rank: int | None = None, nvml=None,
-                    bandwidth: Mapping[str, float] | None = None) -> Topology:
+                    bandwidth: Mapping[str, float] | None = None, hostname: str | None = None) -> Topology:
     """All-gather every rank's local view over ``group`` (default: world) into one topology.
 
-    Call on every rank at start-up. ``local_rank`` defaults to $LOCAL_RANK (torchrun sets it).
+    Call on every rank at start-up; ``topology.gpus[r]`` is then the GPU of rank ``r`` of the
+    group. ``local_rank`` defaults to $LOCAL_RANK (torchrun sets it). Never raises for lack of
+    NVML: such ranks are described by hostname only (``topology.source`` says so).
     """
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    views = all_gather_objects(local_view(local_rank, nvml), group)
+    views = all_gather_objects(local_view(local_rank, nvml, hostname), group)
     return merge_views(views, bandwidth)
 
 

@@ -63,7 +63,7 @@ def render_placement(p: Placement, groups_shown: int = 2) -> str:
              f"order {p.order}, {how}"]
     if p.given is not None:
         lines.append(f"cost model: {p.cost_s * 1e3:.3g} ms exposed communication per step; the given order "
-                     f"{p.given.order} costs {p.given.cost_s * 1e3:.3g} ms ({p.candidates} candidates)")
+                     f"{p.given.order} costs {p.given.cost_s * 1e3:.3g} ms ({p.candidates} order/permutation pairs tried)")
     lines.append("")
     lines.append(f"  {'group':<7}{'size':>5}{'count':>6}  {'link':<8}{'GB/s':>7}{'MB/step':>10}{'ms/step':>9}  groups")
     for name, gp in p.groups.items():

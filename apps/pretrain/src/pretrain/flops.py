@@ -1,0 +1,157 @@
+"""Closed-form sizes of the model: parameters, training FLOPs and activation memory.
+
+Used by `pretrain plan` (no process is started) and by the metrics for MFU. The model is the
+Llama-3-style decoder of ``[model]``: per layer attention (q and o: h x h; k and v: h x kv_heads
+x head_dim), two RMSNorms, and either a SwiGLU MLP (3 x h x ffn) or a DeepSeek-style MoE block
+(router h x E, ``shared_experts`` SwiGLU experts and E routed ones, each 3 x h x moe_ffn).
+
+FLOPs count matmuls only, 2 per multiply-add, forward + backward = 3 x forward, recomputation
+excluded (model FLOPs, as MFU wants): 6 x (active matmul params) per token, plus causal attention
+scores and values, 6 x seq_len x h per layer per token (half of the full 12 x s x h: causal
+attention skips the masked half).
+
+Activation bytes follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
+Models") for a Llama block with flash attention (no s x s scores, no dropout): per token per layer
+the norm inputs/outputs (4h, split over tp only with sequence parallelism), q/k/v, the attention
+output, and the SwiGLU gate, up and product (split over tp); selective recomputation drops the
+attention output and the SwiGLU product (recomputed from q/k/v and gate/up), full recomputation
+keeps only each layer's input. CP splits the tokens. The first pipeline stage holds the most
+micro-batches in flight: 1 without pp, M for GPipe, pp for 1F1B and zero-bubble, pp + (pp-1)/vpp
+for interleaved (the paper's L(1 + (p-1)/(pm))), pp + 1 for DualPipeV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # input embedding (vocab x h)
+    output: int  # output head (0 when tied to the embedding)
+    final_norm: int
+    attention: int  # per layer: q, k, v, o projections and the two norms
+    dense_mlp: int  # per dense layer
+    router: int  # per MoE layer
+    shared_experts: int  # per MoE layer, all shared experts together
+    expert: int  # one routed expert
+    num_experts: int
+    dense_layers: int
+    moe_layers: int
+    top_k: int
+
+    @property
+    def routed_per_layer(self) -> int:
+        return self.expert * self.num_experts
+
+    @property
+    def total(self) -> int:
+        layers = self.attention * (self.dense_layers + self.moe_layers) + self.dense_mlp * self.dense_layers
+        moe = (self.router + self.shared_experts + self.routed_per_layer) * self.moe_layers
+        return self.embedding + self.output + self.final_norm + layers + moe
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: top_k of the routed experts."""
+        return self.total - self.moe_layers * self.expert * (self.num_experts - self.top_k)
+
+
+def param_counts(m: ModelConfig) -> ParamCounts:
+    h, d = m.hidden, m.head_dim
+    attention = 2 * h * h + 2 * h * m.kv_heads * d + 2 * h
+    return ParamCounts(
+        embedding=m.vocab_size * h,
+        output=0 if m.tie_embeddings else m.vocab_size * h,
+        final_norm=h,
+        attention=attention,
+        dense_mlp=3 * h * m.ffn_hidden,
+        router=h * m.num_experts if m.is_moe else 0,
+        shared_experts=3 * h * m.expert_ffn_hidden * m.shared_experts if m.is_moe else 0,
+        expert=3 * h * m.expert_ffn_hidden if m.is_moe else 0,
+        num_experts=m.num_experts if m.is_moe else 0,
+        dense_layers=m.layers - m.num_moe_layers,
+        moe_layers=m.num_moe_layers,
+        top_k=m.top_k if m.is_moe else 0,
+    )
+
+
+def matmul_params_per_token(m: ModelConfig) -> int:
+    """Weights one token multiplies by in a forward pass (norms and the embedding lookup excluded)."""
+    c = param_counts(m)
+    attention = c.attention - 2 * m.hidden
+    moe = c.router + c.shared_experts + c.top_k * c.expert
+    return (attention * m.layers + c.dense_mlp * c.dense_layers + moe * c.moe_layers
+            + m.vocab_size * m.hidden)  # the output head, tied or not
+
+
+def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs (forward + backward, no recomputation) per trained token."""
+    return 6.0 * matmul_params_per_token(m) + 6.0 * m.layers * seq_len * m.hidden
+
+
+def training_flops_per_step(m: ModelConfig, seq_len: int, global_batch: int) -> float:
+    return training_flops_per_token(m, seq_len) * seq_len * global_batch
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes on the rank that holds the most (the first pipeline stage; logits on the last)."""
+
+    dense_layer: float  # one dense layer, one micro-batch
+    moe_layer: float  # one MoE layer, one micro-batch
+    per_microbatch: float  # this rank's layers, one micro-batch
+    in_flight: float  # micro-batches whose activations the first stage holds at its peak
+    logits: float  # fp32 logits of one micro-batch on the last stage (vocab split over tp)
+    total: float
+
+
+def microbatches_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> float:
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved":
+        return pp + (pp - 1) / vpp
+    if schedule == "dualpipev":
+        return float(pp + 1)
+    return float(min(pp, microbatches))
+
+
+def activation_bytes(m: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                     vpp: int = 1, etp: int | None = None, sequence_parallel: bool | None = None,
+                     recompute: str | None = None, schedule: str = "1f1b", microbatches: int = 1,
+                     dtype_bytes: int = 2) -> ActivationEstimate:
+    etp = etp or tp
+    sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
+    recompute = recompute or m.recompute
+    tokens = seq_len / cp * micro_batch
+    h, kvd, ffn = m.hidden, m.kv_heads * m.head_dim, m.ffn_hidden
+    norm_side = 4 * h / (tp if sp else 1)
+    if recompute == "full":
+        dense = moe = h / (tp if sp else 1)
+    else:
+        keep_products = recompute == "none"  # selective recomputes the attention output and SwiGLU product
+        attn = (h + 2 * kvd + (h if keep_products else 0)) / tp
+        mlp = (2 + keep_products) * ffn / tp
+        dense = norm_side + attn + mlp
+        mf = m.expert_ffn_hidden
+        routed = m.top_k * (2 * h + (2 + keep_products) * mf / etp)  # dispatched copy, combine, expert MLP
+        shared = m.shared_experts * (2 + keep_products) * mf / tp
+        moe = norm_side + attn + routed + shared + 2 * m.num_experts  # router scores in fp32
+    dense_layer, moe_layer = dense * tokens * dtype_bytes, moe * tokens * dtype_bytes
+    layers_here = m.layers // pp
+    moe_here = min(layers_here, m.num_moe_layers)  # the first stage holds the dense layers first
+    per_mb = (layers_here - moe_here) * dense_layer + moe_here * moe_layer
+    in_flight = microbatches_in_flight(schedule, pp, vpp, microbatches)
+    if recompute == "full":  # one layer's full activations exist while it is recomputed
+        transient = activation_bytes(m, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, pp=pp, etp=etp,
+                                     sequence_parallel=sp, recompute="none", dtype_bytes=dtype_bytes)
+        per_extra = max(transient.dense_layer, transient.moe_layer if m.is_moe else 0)
+    else:
+        per_extra = 0.0
+    logits = tokens * m.vocab_size / tp * 4
+    stored = per_mb * in_flight + per_extra
+    total = stored + logits if pp == 1 else max(stored, logits + per_mb)
+    return ActivationEstimate(dense_layer, moe_layer, per_mb, in_flight, logits, total)

@@ -1,0 +1,168 @@
+"""Training metrics: a live progress display (rich), ``log.jsonl``, optional TensorBoard, MFU.
+
+Only rank 0 makes a :class:`MetricsLogger`. Each :meth:`MetricsLogger.log` call writes one JSON
+object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_norm``,
+``tokens_per_s``, ``step_time_s``, ``mfu``, ``memory_gb``, ``time`` and any extra keys);
+:meth:`MetricsLogger.log_eval` writes ``{"step", "eval_loss"}`` lines (no ``loss`` key). On a
+terminal the display is a rich progress bar; otherwise (CI, pipes) a plain line every
+``log.every`` steps. MFU = model FLOPs per step (``pretrain.flops``) / (step time x peak FLOP/s per
+device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs (none on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+# Dense peak TFLOP/s per device (no sparsity): bf16 tensor cores, and tf32 for fp32 training.
+PEAK_TFLOPS = {  # name fragment (matched longest first) -> (bf16, tf32)
+    "GB200": (2500.0, 1250.0),
+    "B200": (2250.0, 1100.0),
+    "H200": (989.0, 494.0),
+    "H100 PCIe": (756.0, 378.0),
+    "H100": (989.0, 494.0),
+    "H800": (989.0, 494.0),
+    "H20": (148.0, 74.0),
+    "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "L4": (121.0, 60.0),
+    "A10G": (70.0, 35.0),
+    "A10": (125.0, 62.5),
+    "V100": (125.0, 15.7),
+    "MI300X": (1307.0, 654.0),
+    "MI250X": (383.0, 95.7),
+}
+
+
+def lookup_peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
+    """Peak dense TFLOP/s of a GPU by its name (e.g. 'NVIDIA H100 80GB HBM3'), or None if unknown."""
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            bf16, tf32 = PEAK_TFLOPS[key]
+            return tf32 if dtype == "fp32" else bf16
+    return None
+
+
+def peak_flops(device: torch.device, dtype: str = "bf16", given_tflops: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: ``given_tflops`` if > 0, else the known GPU's; None on the CPU or unknown."""
+    if given_tflops > 0:
+        return given_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    tflops = lookup_peak_tflops(torch.cuda.get_device_name(device), dtype)
+    return None if tflops is None else tflops * 1e12
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocated GPU memory on CUDA, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float | None, devices: int) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    if not peak_flops_per_device or step_time_s <= 0:
+        return None
+    return flops_per_step / step_time_s / (peak_flops_per_device * devices)
+
+
+class MetricsLogger:
+    def __init__(self, log_dir: str | Path, *, total_steps: int, flops_per_step: float = 0.0,
+                 peak_flops_per_device: float | None = None, devices: int = 1, tokens_per_step: int = 0,
+                 device: torch.device = torch.device("cpu"), every: int = 1, progress: bool = True,
+                 tensorboard: bool = False, start_step: int = 0, console: Console | None = None,
+                 description: str = "train"):
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "log.jsonl", "a", buffering=1)
+        self.total_steps, self.flops_per_step = total_steps, flops_per_step
+        self.peak, self.devices, self.tokens_per_step = peak_flops_per_device, devices, tokens_per_step
+        self.device, self.every, self.show = device, every, progress
+        self.console = console or Console(stderr=False)
+        self.last: dict[str, Any] = {}
+        self.tb = self._tensorboard() if tensorboard else None
+        self._progress = None
+        if progress and self.console.is_terminal:
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
+                                      console=self.console, transient=False)
+            self._task = self._progress.add_task(description, total=total_steps, completed=start_step, stats="")
+            self._progress.start()
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.message("[log].tensorboard is on but the tensorboard package is not installed; skipping it")
+            return None
+        return SummaryWriter(str(self.dir / "tensorboard"))
+
+    def message(self, text: str) -> None:
+        """A line above the progress bar (or on its own when there is none)."""
+        self.console.print(text, highlight=False, markup=False)
+
+    def log(self, step: int, loss: float, *, step_time: float, lr: float | None = None,
+            grad_norm: float | None = None, tokens: int | None = None, **extra: Any) -> dict:
+        """Record optimizer step ``step`` (1-based: the number of steps done). Returns the JSON record."""
+        tokens = self.tokens_per_step if tokens is None else tokens
+        record = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+                  "tokens_per_s": tokens / step_time if step_time > 0 else None, "step_time_s": step_time,
+                  "mfu": mfu(self.flops_per_step, step_time, self.peak, self.devices),
+                  "memory_gb": memory_gb(self.device), "time": time.time(), **extra}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.last = record
+        if self.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if record[key] is not None:
+                    self.tb.add_scalar(f"train/{key}", record[key], step)
+        stats = self.format(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, stats=stats)
+        elif self.show and (step % self.every == 0 or step == self.total_steps):
+            self.message(f"step {step}/{self.total_steps} {stats}")
+        return record
+
+    def log_eval(self, step: int, loss: float) -> dict:
+        record = {"step": step, "eval_loss": float(loss), "time": time.time()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", float(loss), step)
+        if self.show:
+            self.message(f"step {step}: eval loss {loss:.4f}")
+        return record
+
+    @staticmethod
+    def format(record: dict) -> str:
+        parts = [f"loss {record['loss']:.4f}" if math.isfinite(record["loss"]) else f"loss {record['loss']}"]
+        if record.get("tokens_per_s"):
+            parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        parts.append(f"mem {record['memory_gb']:.2f} GB")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self.tb is not None:
+            self.tb.close()
+        self.jsonl.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

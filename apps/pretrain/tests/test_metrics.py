@@ -1,0 +1,62 @@
+"""Metrics: log.jsonl records, MFU from model FLOPs and a known peak, plain and live progress, no TensorBoard."""
+
+import builtins
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from pretrain.metrics import MetricsLogger, lookup_peak_tflops, mfu, peak_flops
+
+
+def test_peak_lookup_and_given_value():
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert lookup_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 156.0
+    assert lookup_peak_tflops("Some Future Chip") is None
+    assert peak_flops(torch.device("cpu")) is None
+    assert peak_flops(torch.device("cpu"), given_tflops=2.5) == 2.5e12
+    assert mfu(4e12, 2.0, 1e12, 4) == pytest.approx(0.5) and mfu(1, 1, None, 1) is None
+
+
+def test_jsonl_has_one_object_per_step_and_plain_lines_off_terminal(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    with MetricsLogger(tmp_path / "run", total_steps=4, flops_per_step=1e12, peak_flops_per_device=1e12, devices=2,
+                       tokens_per_step=512, every=2, console=console) as log:
+        for step in range(1, 5):
+            log.log(step, 5.0 - step, step_time=0.25, lr=1e-3, grad_norm=1.5)
+        log.log_eval(4, 0.5)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 4] and [r.get("loss") for r in lines[:4]] == [4.0, 3.0, 2.0, 1.0]
+    assert lines[0]["tokens_per_s"] == 2048 and lines[0]["mfu"] == pytest.approx(2.0) and lines[0]["memory_gb"] > 0
+    assert lines[-1]["eval_loss"] == 0.5 and "loss" not in lines[-1]
+    printed = out.getvalue().splitlines()
+    assert printed[0].startswith("step 2/4 loss 3.0000 | 2,048 tok/s | MFU 200.0% | mem ")
+    assert printed[1].startswith("step 4/4 loss 1.0000") and printed[2] == "step 4: eval loss 0.5000"
+
+
+def test_live_progress_on_a_terminal(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160)
+    with MetricsLogger(tmp_path, total_steps=3, console=console, tokens_per_step=10) as log:
+        for step in range(1, 4):
+            log.log(step, 1.0, step_time=0.1)
+    assert "3/3" in out.getvalue() and "loss 1.0000" in out.getvalue()
+
+
+def test_tensorboard_is_optional(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    out = io.StringIO()
+    with MetricsLogger(tmp_path, total_steps=1, tensorboard=True, console=Console(file=out)) as log:
+        log.log(1, 2.0, step_time=1.0)
+    assert "tensorboard package is not installed" in out.getvalue()

@@ -79,6 +79,7 @@ class ModelConfig:
     topk_groups: int = 1
     routed_scaling: float = 1.0
     aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0  # sequence-wise balancing loss (DeepSeek-V3); layout-independent
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0  # 0 = no token dropping

@@ -53,3 +53,33 @@ def test_dense_layout_matches_single_rank(dist_run, name):
     for rank_losses in results:  # every rank reports the same global loss
         _check(rank_losses, single_rank(None))
     assert results[0][-1] < results[0][0]  # and it learns
+
+
+# Batch-level balancing losses depend on how tokens are grouped into micro-batches per rank, so the
+# equivalence runs use the sequence-wise loss (per sequence: the same under every layout) instead.
+MOE_COMMON = ["model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01", "model.bias_update_rate=0.001"]
+MOE = {
+    "ep2-dp2": ["parallel.ep=2"],
+    "ep4-optim_grads": ["parallel.ep=4", "parallel.zero=optim_grads"],
+    "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+    "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
+}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_layout_matches_single_rank(dist_run, name):
+    results = dist_run(4, train_losses, "tiny-moe", MOE_COMMON + MOE[name], timeout=600)
+    reference = single_rank_with("tiny-moe", tuple(MOE_COMMON))
+    for rank_losses in results:
+        _check(rank_losses, reference)
+
+
+@functools.cache
+def single_rank_with(config, overrides):
+    from par_groups.testing import RankPool
+
+    pool = RankPool(1)
+    try:
+        return pool.run(train_losses, config, list(overrides))[0]
+    finally:
+        pool.close()

@@ -122,6 +122,20 @@ class Trainer:
         tokens = cfg.train.global_batch * cfg.train.seq_len
         return StepResult(step, loss, lr, float(norm), tokens, moe)
 
+    @torch.no_grad()
+    def evaluate(self, batches: int) -> float:
+        """Mean loss over ``batches`` held-out batches (forward only)."""
+        self.model.module.eval()
+        losses = []
+        for index in range(batches):
+            inputs, labels = self.microbatches(self.sampler.eval_batch(index))
+            if self.executor is not None:
+                losses += [l.detach() for l in (self.executor.forward_only(inputs, labels) or [])]
+            else:
+                losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
+        self.model.module.train()
+        return self._mean_loss(losses)
+
     def _update_moe(self) -> dict:
         """Aux-loss-free bias updates over every rank that saw other tokens; imbalance for the log."""
         imbalance = []

@@ -6,6 +6,7 @@
     losses = PipelineExecutor(schedule, chunks, pp_group, loss_fn=loss).step(inputs, targets)
 """
 
+from .executor import ActionRecord, PipelineExecutor
 from .ir import Action, Message, Schedule
 from .render import render_timeline, timeline_json
 from .schedules import SCHEDULE_NAMES, build_schedule, chunks_on_rank
@@ -15,8 +16,10 @@ from .validate import ScheduleError, validate_schedule
 
 __all__ = [
     "Action",
+    "ActionRecord",
     "Costs",
     "Message",
+    "PipelineExecutor",
     "SCHEDULE_NAMES",
     "Schedule",
     "ScheduleError",

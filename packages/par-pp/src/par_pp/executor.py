@@ -1,0 +1,196 @@
+"""Run a schedule on real modules over torch.distributed point-to-point.
+
+Each rank walks its action list in order:
+
+* ``F`` (m, c): the input is microbatch ``m``'s input (chunk 0), or the activation received from
+  (or handed over locally by) chunk ``c - 1``; on the last chunk the output goes to
+  ``loss_fn(output, target) / microbatches``; other outputs are sent to chunk ``c + 1``.
+* ``B`` (m, c), full: backward through the chunk, accumulating weight grads into ``.grad`` and
+  sending the input grad to chunk ``c - 1``. Split (zero-bubble): only the input grad
+  (``torch.autograd.grad`` w.r.t. the chunk's input, graph kept), sent on at once.
+* ``W`` (m, c): the queued weight-grad work of a split B (``backward(inputs=params)``), exact:
+  the same gradients as one full backward.
+
+Gradients accumulate into the chunks' parameters (zero them between optimizer steps); the caller
+runs the optimizer. Per-microbatch extra inputs (position ids, masks) reach a chunk through
+``forward_fn(chunk_id, module, x, microbatch)``, e.g. a closure indexing the caller's lists.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from par_groups import comm
+
+from .ir import Action, Schedule
+from .p2p import StageComm
+
+
+def _call_module(chunk_id: int, module: nn.Module, x: torch.Tensor, microbatch: int) -> torch.Tensor:
+    return module(x)
+
+
+def _with_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The scalar ``sum(output * grad)``, whose backward feeds exactly ``grad`` into ``output``.
+
+    Same gradients as ``backward(output, grad)``, but it skips autograd's grad-shape check, which
+    imports sympy on first use (~15 s per process where bytecode is not cached).
+    """
+    return (output * grad.to(output.dtype)).sum()
+
+
+@dataclass
+class _Live:
+    """What a (microbatch, chunk) keeps between its F and its B/W."""
+
+    input: torch.Tensor
+    output: torch.Tensor  # the scaled loss on the last chunk; a scalar once the B brings the grad
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    action: Action
+    start: float  # time.perf_counter() (one clock for every process on the machine)
+    end: float
+
+
+class PipelineExecutor:
+    """Runs ``schedule``'s actions for this rank (its rank in ``pp_group``).
+
+    ``chunks`` maps each global chunk id on this rank (``chunks_on_rank``) to its module.
+    ``tied_params``: parameters shared by the first and last chunk (tied embeddings) whose grads
+    are summed over ``embedding_group`` after every step (skip the group when both chunks share
+    one rank and one Parameter). ``device`` is where received tensors are placed.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        chunks: dict[int, nn.Module],
+        pp_group: ProcessGroup,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tied_params: list[nn.Parameter] | None = None,
+        embedding_group: ProcessGroup | None = None,
+        forward_fn: Callable[[int, nn.Module, torch.Tensor, int], torch.Tensor] | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        pp_group = pp_group if pp_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(pp_group)
+        if dist.get_world_size(pp_group) != schedule.pp:
+            raise ValueError(f"schedule has pp={schedule.pp} but pp_group has {dist.get_world_size(pp_group)} ranks")
+        expected = schedule.chunks_on(self.rank)
+        if sorted(chunks) != expected:
+            raise ValueError(f"rank {self.rank} holds chunks {expected} in {schedule.name}, got modules for {sorted(chunks)}")
+        self.schedule, self.chunks, self.group = schedule, chunks, pp_group
+        self.loss_fn, self.forward_fn = loss_fn, forward_fn or _call_module
+        self.tied_params, self.embedding_group = list(tied_params or []), embedding_group
+        self.device = torch.device(device)
+        self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
+        self.records: list[ActionRecord] = []
+
+    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Forward and backward over every microbatch; returns the unscaled per-microbatch losses
+        (on the rank holding the last chunk, else ``[]``). ``inputs`` are needed on the rank of
+        chunk 0, ``targets`` on the rank of the last chunk, one per microbatch."""
+        s = self.schedule
+        for name, items, chunk in (("inputs", inputs, 0), ("targets", targets, s.last_chunk)):
+            if chunk in self.chunks and (items is None or len(items) != s.microbatches):
+                raise ValueError(f"rank {self.rank} holds chunk {chunk} and needs {s.microbatches} {name}, got {None if items is None else len(items)}")
+        self.records = []
+        self._inputs, self._targets = inputs, targets
+        self._live: dict[tuple[int, int], _Live] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between chunks of this rank
+        self._losses: dict[int, torch.Tensor] = {}
+        self._comm = StageComm(s, self.rank, self.group, self.device)
+        self._comm.start()
+        for action in s.ranks[self.rank]:
+            start = time.perf_counter()
+            getattr(self, f"_run_{action.kind}")(action)
+            self.records.append(ActionRecord(action, start, time.perf_counter()))
+            self._comm.poll()
+        self._comm.finish()
+        self._reduce_tied_grads()
+        return [self._losses[m] for m in sorted(self._losses)]
+
+    # --- data movement -------------------------------------------------------------------------
+
+    def _receive(self, action: Action) -> torch.Tensor:
+        message = self.schedule.input_message(action)
+        if message is not None:
+            return self._comm.recv(message)
+        kind = "act" if action.kind == "F" else "grad"
+        return self._local.pop((kind, action.microbatch, action.chunk))
+
+    def _deliver(self, action: Action, tensor: torch.Tensor) -> None:
+        message = self.schedule.output_message(action)
+        if message is not None:
+            self._comm.send(message, tensor)
+        else:  # the consumer chunk lives on this rank (the bottom of a V)
+            kind, to = ("act", action.chunk + 1) if action.kind == "F" else ("grad", action.chunk - 1)
+            self._local[(kind, action.microbatch, to)] = tensor.detach()
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def _run_F(self, a: Action) -> None:
+        m, c = a.microbatch, a.chunk
+        if c == 0:
+            x = self._inputs[m]
+        else:
+            x = self._receive(a).detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.forward_fn(c, self.chunks[c], x, m)
+            if c == self.schedule.last_chunk:
+                loss = self.loss_fn(y, self._targets[m])
+                self._losses[m] = loss.detach()
+                y = loss / self.schedule.microbatches
+        self._live[(m, c)] = _Live(x, y)
+        if c != self.schedule.last_chunk:
+            self._deliver(a, y)
+
+    def _run_B(self, a: Action) -> None:
+        m, c = a.microbatch, a.chunk
+        live = self._live[(m, c)]
+        if c != self.schedule.last_chunk:
+            live.output = _with_grad(live.output, self._receive(a))
+        wants_input_grad = c > 0 and live.input.requires_grad
+        if a.split:
+            # Input grad only, graph kept: the W later walks it again for the weight grads.
+            if wants_input_grad:
+                (grad_in,) = torch.autograd.grad(live.output, [live.input], retain_graph=True)
+                self._deliver(a, grad_in)
+            return
+        del self._live[(m, c)]
+        inputs = self._params[c] + ([live.input] if wants_input_grad else [])
+        if inputs:
+            torch.autograd.backward(live.output, inputs=inputs)
+        if wants_input_grad:
+            self._deliver(a, live.input.grad)
+
+    def _run_W(self, a: Action) -> None:
+        live = self._live.pop((a.microbatch, a.chunk))
+        if self._params[a.chunk]:
+            torch.autograd.backward(live.output, inputs=self._params[a.chunk])
+
+    def _reduce_tied_grads(self) -> None:
+        if not self.tied_params or self.embedding_group is None or dist.get_world_size(self.embedding_group) == 1:
+            return
+        for p in self.tied_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, group=self.embedding_group)
+
+    def timeline(self, origin: float | None = None) -> list[dict]:
+        """This rank's executed actions as the simulator's JSON rows, times in seconds from ``origin``."""
+        origin = self.records[0].start if origin is None and self.records else (origin or 0.0)
+        return [
+            {"type": r.action.kind, "microbatch": r.action.microbatch, "chunk": r.action.chunk, "split": r.action.split, "start": r.start - origin, "end": r.end - origin}
+            for r in self.records
+        ]

@@ -1,0 +1,118 @@
+"""Point-to-point streams between pipeline ranks, with shapes sent at run time.
+
+Each message is a small int64 header (dtype, ndim, dims) followed by the payload. Between one
+pair of ranks, messages match in the order they are posted (NCCL's rule, and gloo's for one
+tag), so the receiver posts its receives in the *sender's* send order, which the schedule
+tells it, even when it consumes them in another order. To overlap transfers with compute, the
+next header of every incoming stream is posted ahead of time, and its payload receive as soon
+as the header has landed. Everything goes through ``par_groups.comm.batch_isend_irecv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from par_groups import comm
+
+from .ir import Message
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_MAX_DIMS = 8
+_HEADER_LEN = 2 + _MAX_DIMS
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+        raise ValueError(f"cannot send a {t.dtype} tensor with {t.dim()} dims between stages; use one of {_DTYPES}, at most {_MAX_DIMS} dims")
+    dims = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *dims], dtype=torch.int64)
+
+
+def _empty_from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    code, ndim, *dims = h.tolist()
+    return torch.empty(dims[:ndim], dtype=_DTYPES[code], device=device)
+
+
+class _Incoming:
+    """One peer's messages to this rank, received strictly in the peer's send order."""
+
+    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device):
+        self.expected, self.peer, self.group, self.device = expected, peer, group, device
+        self.next = 0  # index in `expected` of the next message whose header is not yet posted
+        self.header: tuple[torch.Tensor, list] | None = None  # the posted header, if any
+        self.payloads: dict[Message, tuple[torch.Tensor, list]] = {}  # posted, not yet taken
+
+    def _post(self, tensor: torch.Tensor) -> list:
+        return comm.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, self.peer, self.group)])
+
+    def pump(self, block: bool) -> None:
+        """Post the next header; once it has arrived, post its payload (blocking if ``block``)."""
+        if self.header is None and self.next < len(self.expected):
+            buf = torch.empty(_HEADER_LEN, dtype=torch.int64)
+            self.header = (buf, self._post(buf))
+        if self.header is None:
+            return
+        buf, works = self.header
+        if not block and not all(w.is_completed() for w in works):
+            return
+        for w in works:
+            w.wait()
+        payload = _empty_from_header(buf, self.device)
+        self.payloads[self.expected[self.next]] = (payload, self._post(payload))
+        self.next += 1
+        self.header = None
+
+    def take(self, message: Message) -> torch.Tensor:
+        while message not in self.payloads:
+            if self.next >= len(self.expected):
+                raise RuntimeError(f"{message} is not among the messages expected from rank {self.peer}")
+            self.pump(block=True)
+        payload, works = self.payloads.pop(message)
+        for w in works:
+            w.wait()
+        self.pump(block=False)  # keep the next header in flight
+        return payload
+
+
+class StageComm:
+    """This rank's sends and receives for one step of a schedule."""
+
+    def __init__(self, schedule, rank: int, group: ProcessGroup, device: torch.device):
+        self.group = group
+        self._global = lambda r: dist.get_global_rank(group, r)
+        by_src: dict[int, list[Message]] = {}
+        for src in range(schedule.pp):
+            for m in schedule.sends(src):
+                if m.dst == rank:
+                    by_src.setdefault(src, []).append(m)
+        self.incoming = {src: _Incoming(msgs, self._global(src), group, device) for src, msgs in by_src.items()}
+        self.pending_sends: list = []
+
+    def start(self) -> None:
+        for stream in self.incoming.values():
+            stream.pump(block=False)
+
+    def poll(self) -> None:
+        """Advance every stream without blocking, so payload receives get posted early."""
+        for stream in self.incoming.values():
+            stream.pump(block=False)
+
+    def recv(self, message: Message) -> torch.Tensor:
+        return self.incoming[message.src].take(message)
+
+    def send(self, message: Message, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        peer = self._global(message.dst)
+        ops = [dist.P2POp(dist.isend, _header(tensor), peer, self.group), dist.P2POp(dist.isend, tensor, peer, self.group)]
+        self.pending_sends.append((ops, comm.batch_isend_irecv(ops)))  # keep the buffers alive until waited
+
+    def finish(self) -> None:
+        for _, works in self.pending_sends:
+            for w in works:
+                w.wait()
+        self.pending_sends.clear()
+        leftover = {src: s.expected[s.next :] for src, s in self.incoming.items() if s.next < len(s.expected) or s.payloads}
+        if leftover:
+            raise RuntimeError(f"messages never received: {leftover}")

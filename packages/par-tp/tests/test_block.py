@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from par_groups import CommRecorder
-from par_tp import allreduce_tp_replicated_grads
+from par_tp import allreduce_tp_replicated_grads, tp_local_grad_norm_sq
 from par_tp.testing import TPTransformerBlock
 
 S, B, D, FFN = 8, 2, 4, 32
@@ -136,6 +136,10 @@ def run_block_cases():
         errs = {"out": rel_err(out.detach(), shard(ref.detach())), "x.grad": rel_err(x.grad, shard(xr.grad))}
         for pname, param in param_grads(block).items():
             errs[pname] = rel_err(param.grad, local_shard_of(pname, wr[pname].grad, tp, r, hkv))
+        # the grad-norm shares of the TP ranks add up to the single-device grad norm
+        share = tp_local_grad_norm_sq(block, group)
+        dist.all_reduce(share, group=group)
+        errs["grad_norm_sq"] = rel_err(share, sum(t.grad.pow(2).sum() for t in wr.values()))
         record = lambda rec: [(c.op, c.group_size, c.bytes, c.wire_bytes) for c in rec.records]  # noqa: E731
         results[i] = {"errs": errs, "fwd": record(fwd), "bwd": record(bwd), "norm_saved": sum(saved),
                       "act_bytes": S * B * hidden * 4}

@@ -33,9 +33,9 @@ def gather_tensor(shard: torch.Tensor, dim: int, group: ProcessGroup) -> torch.T
     shard = shard.detach()
     if n == 1:
         return shard.clone()
-    out = torch.empty((n, *shard.shape), dtype=shard.dtype, device=shard.device)
+    out = torch.empty((n * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     comm.all_gather_into_tensor(out, shard.contiguous(), group=group)
-    return torch.cat(out.unbind(0), dim=dim)
+    return torch.cat(out.view(n, *shard.shape).unbind(0), dim=dim)
 
 
 def kv_head_layout(num_kv_heads: int, tp_size: int) -> tuple[int, int]:

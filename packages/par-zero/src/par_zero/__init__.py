@@ -2,11 +2,13 @@
 
 from .config import STRATEGIES, DataParallelConfig
 from .data_parallel import DataParallel
+from .fsdp2 import TorchFSDP2
 from .memory import ModelState, bytes_per_param, model_state, model_state_for_params
 from .units import default_unit_modules
 
 __all__ = [
     "STRATEGIES",
+    "TorchFSDP2",
     "DataParallel",
     "DataParallelConfig",
     "ModelState",

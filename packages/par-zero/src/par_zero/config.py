@@ -51,10 +51,10 @@ class DataParallelConfig:
     def check_outer(self, has_outer: bool) -> None:
         if not has_outer:
             return
-        if self.strategy not in SHARDED:
+        if self.strategy not in SHARDED + ("torch_fsdp2",):
             raise ValueError(
                 f"an outer (HSDP replica) group needs a sharded inner strategy, got strategy={self.strategy!r}; "
-                f"use one of {SHARDED}, or pass one dp group for plain DDP"
+                f"use one of {SHARDED + ('torch_fsdp2',)}, or pass one dp group for plain DDP"
             )
         if self.outer_strategy == "optim" and self.strategy != "optim_grads_params":
             raise ValueError(

@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 from par_groups import comm
 
 from .bucket import Bucket, BucketGroups
+from .checkpoint import load_sharded_state_dict, sharded_state_dict
 from .config import DataParallelConfig
 from .units import GatherUnit, default_unit_modules
 
@@ -96,6 +97,10 @@ class DataParallel:
         self.expert_groups = BucketGroups(expert_dp_group) if expert_dp_group is not None else self.dense_groups
         self.param_names = {p: n for n, p in module.named_parameters()}
         trainable = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():  # frozen params compute in param_dtype too (and are not trained)
+            for p in module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(param_dtype)
 
         def family(ps):  # split params into (dense, expert) with their groups
             dense = [p for p in ps if not getattr(p, "is_expert", False)]
@@ -249,6 +254,15 @@ class DataParallel:
                 b.opt_grad.mul_(coef)
         return norm
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Sharded {"model", "optim"} dict for torch.distributed.checkpoint (see checkpoint.py)."""
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Adopt ``sd`` (e.g. our ``state_dict()`` after ``dcp.load`` filled it) and rebuild params."""
+        load_sharded_state_dict(self, sd)
+
     # ---- introspection -------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in params, grads and optimizer state (distinct storages)."""
@@ -271,10 +285,14 @@ class DataParallel:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable param, gathered in fp32 from the masters (for tests and export)."""
+        return self.full_state("master")
+
+    def full_state(self, kind: str = "master") -> dict[str, torch.Tensor]:
+        """Gather ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') of every trainable param, full size."""
         out = {}
         for b in self.buckets:
             flat = torch.zeros(b.N, dtype=torch.float32)
-            flat[b.opt_lo : b.opt_hi] = b.master
+            flat[b.opt_lo : b.opt_hi] = getattr(b, kind)
             if self.cfg.strategy != "no_shard":
                 # opt ranges are disjoint within the inner group (x outer for outer 'optim')
                 comm.all_reduce(flat, b.groups.inner)

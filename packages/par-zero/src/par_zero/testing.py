@@ -1,4 +1,4 @@
-"""Shared helpers: a tiny model with awkward sizes, its batches, and the single-process reference."""
+"""Test helpers (used by the tests and the benchmark): a tiny model with awkward sizes, its batches, the single-process reference."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = T
             sl = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
             ctx = dp.no_sync() if i < MICRO - 1 else _null()
             with ctx:
-                (nn.functional.mse_loss(dp(x[sl]), y[sl]) / MICRO).backward()
+                (nn.functional.mse_loss(dp(x[sl]).float(), y[sl]) / MICRO).backward()
         if clip:
             dp.clip_grad_norm_(MAX_NORM)
         dp.step()

@@ -1,0 +1,137 @@
+"""The 'torch_fsdp2' strategy: torch's own fully_shard (ZeRO-3 / HSDP on a 2-D mesh) behind our API.
+
+The explainer's alternative for users committed to the PyTorch-native stack. Its collectives
+are torch's, not routed through par_groups.comm, so CommRecorder does not see them. Like
+Megatron's --use-torch-fsdp2 it does not handle expert params on their own DP group.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from par_groups import comm
+
+from .config import DataParallelConfig
+from .units import default_unit_modules
+
+
+def _mesh(dp_group: ProcessGroup, outer_group: ProcessGroup | None) -> DeviceMesh:
+    if outer_group is None:
+        return DeviceMesh.from_group(dp_group, "cpu")
+    # Row a of the 2-D mesh is the inner group of the rank with outer index a in our outer group.
+    inner_of = [None] * dist.get_world_size()
+    dist.all_gather_object(inner_of, dist.get_process_group_ranks(dp_group))
+    rows = [inner_of[r] for r in dist.get_process_group_ranks(outer_group)]
+    return DeviceMesh.from_group([outer_group, dp_group], "cpu", mesh=torch.tensor(rows, dtype=torch.int), mesh_dim_names=("outer", "inner"))
+
+
+class TorchFSDP2:
+    """fully_shard on every layer and the root, torch.optim.AdamW, same methods as DataParallel."""
+
+    def __init__(self, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "torch_fsdp2", *,
+                 outer_group: ProcessGroup | None = None, outer_strategy: str = "no_shard",
+                 expert_dp_group: ProcessGroup | None = None, all_gather_group: ProcessGroup | None = None,
+                 bucket_mb: float = 25.0, param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 units: Iterable[nn.Module] | None = None):
+        self.cfg = DataParallelConfig("torch_fsdp2", outer_strategy, bucket_mb, param_dtype, reduce_dtype,
+                                      reshard_after_forward, lr, tuple(betas), eps, weight_decay)
+        if outer_strategy != "no_shard":
+            raise ValueError(f"torch_fsdp2 supports outer_strategy='no_shard' only, got {outer_strategy!r}")
+        if any(getattr(p, "is_expert", False) for p in module.parameters()):
+            raise ValueError("torch_fsdp2 does not support expert params (is_expert=True); use optim_grads_params")
+        self.module = module
+        self.dp_group = dp_group if dp_group is not None else dist.group.WORLD
+        self.lr = lr
+        mesh = _mesh(self.dp_group, outer_group)
+        mp = None
+        if param_dtype != torch.float32 or reduce_dtype is not None:
+            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
+        kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward) | ({"mp_policy": mp} if mp else {})
+        for m in (list(units) if units is not None else default_unit_modules(module)):
+            fully_shard(m, **kw)
+        fully_shard(module, **kw)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.step_count = 0
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def set_grad_sync(self, sync: bool) -> None:
+        self.module.set_requires_gradient_sync(sync)
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_groups: Iterable[ProcessGroup] = (),
+                        include: Callable[[nn.Parameter], bool] | None = None, expert_norm_groups=None) -> torch.Tensor:
+        """Global-norm clipping over the sharded grads (sum over the inner group, then norm_groups)."""
+        sq = torch.zeros((), dtype=torch.float32)
+        grads = []
+        for p in self.params:
+            if p.grad is None or (include is not None and not include(p)):
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            sq += g.float().pow(2).sum()
+            grads.append(g)
+        comm.all_reduce(sq, self.dp_group)
+        for g in norm_groups:
+            comm.all_reduce(sq, g)
+        norm = sq.sqrt()
+        coef = min(1.0, max_norm / (norm.item() + 1e-6))
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
+        return norm
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.module, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def model_state_bytes(self) -> dict[str, int]:
+        local = lambda t: (t.to_local() if hasattr(t, "to_local") else t)
+        nbytes = lambda t: local(t).numel() * local(t).element_size()
+        params = sum(nbytes(p) for p in self.params)
+        grads = sum(nbytes(p.grad) for p in self.params if p.grad is not None)
+        optim = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optim": optim, "total": params + grads + optim}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+                for n, p in self.module.named_parameters() if p.requires_grad}

@@ -59,6 +59,17 @@ def test_ep36_on_nvl72_spans_nine_nodes_on_nvlink():
     assert p.warnings == ()
 
 
+def test_hungry_groups_on_nvlink_come_before_cheaper_gradient_traffic():
+    # The cost model alone would rather keep the big expert-gradient groups (edp) in a node and
+    # send ep across the network; the rule keeps ep, tp and the all-to-all on NVLink first.
+    topo = preset("dgx-h100", nodes=8)
+    grid = RankGrid(64, tp=4, cp=4, hcp=(2, 2), pp=2, ep=8, etp=1)
+    edp_inside = evaluate(RankGrid(64, tp=4, cp=4, hcp=(2, 2), pp=2, ep=8, etp=1, order="tp-cp-dp-ep-pp"), topo)
+    p = place(grid, topo)
+    assert p.cost_s > edp_inside.cost_s and edp_inside.groups["ep"].link == "network"
+    assert {p.groups[n].link for n in ("tp", "ep", "hcp0")} == {"nvlink"} and p.warnings == ()
+
+
 def test_tp16_on_dgx_h100_warns_and_says_how_to_fix():
     p = place(RankGrid(16, tp=16), preset("dgx-h100", nodes=2))
     assert p.groups["tp"].link == "network"
@@ -136,7 +147,7 @@ def test_create_groups_accepts_the_placement(dist_run):
     p = place(RankGrid(4, tp=2, pp=2), topo)
     assert not p.is_identity and p.groups["tp"].link == "nvlink"
     kwargs = dict(world_size=4, tp=2, pp=2, order=p.order)
-    results = dist_run(4, groups_with_placement, kwargs, list(p.placement))
+    results = dist_run(4, groups_with_placement, kwargs, list(p.placement), timeout=300)  # slow start under load
     for rank, r in enumerate(results):
         assert rank in r["tp"] and len(nodes_of(topo, r["tp"])) == 1
         assert r["tp_sum"] == sum(r["tp"])

@@ -4,7 +4,8 @@ A placement is an order string plus a permutation ``placement`` with ``placement
 global rank that plays grid position ``i``, exactly what ``create_groups(grid, placement=...)``
 takes. :func:`place` tries every valid order string, each with the identity permutation and
 with the ranks re-sorted by NVLink domain then node (the explicit permutation needed when the
-launcher did not number ranks node by node), and keeps the cheapest under the cost model of
+launcher did not number ranks node by node). It keeps the candidate with the fewest of tp, ep,
+expert tp and the CP all-to-all level off NVLink, then the cheapest under the cost model of
 :mod:`.cost`. Ties keep the user's order, then the identity permutation.
 """
 
@@ -129,22 +130,28 @@ def _slowness(link: str) -> int:
 
 
 def candidate_orders(grid: RankGrid) -> list[RankGrid]:
-    """The grid under every valid order string with distinct groups; the given order first."""
+    """The grid under every valid order string with distinct groups; the given order first.
+
+    Two orders give the same groups when they list the dimensions larger than one in the same
+    order in both the dense and the expert view, so duplicates are dropped before any rank list
+    is computed.
+    """
+    dense = {"tp": grid.tp, "cp": grid.cp, "ep": 1, "dp": grid.dp, "pp": grid.pp}
+    expert = {"tp": grid.etp, "cp": 1, "ep": grid.ep, "dp": grid.edp, "pp": grid.pp}
     orders = [grid.order, "tp-cp-ep-dp-pp"] + ["-".join(p) for p in itertools.permutations(DIMENSIONS)]
     seen, out = set(), []
     for order in orders:
+        tokens = order.split("-")
+        tokens += [t for t in DIMENSIONS if t not in tokens]
+        signature = (tuple(t for t in tokens if dense[t] > 1), tuple(t for t in tokens if expert[t] > 1))
+        if signature in seen:
+            continue
+        seen.add(signature)
         try:
-            g = RankGrid(grid.world_size, tp=grid.tp, cp=grid.cp, pp=grid.pp, ep=grid.ep, etp=grid.etp,
-                         order=order, hcp=grid.hcp)
+            out.append(RankGrid(grid.world_size, tp=grid.tp, cp=grid.cp, pp=grid.pp, ep=grid.ep, etp=grid.etp,
+                                order=order, hcp=grid.hcp))
         except LayoutError:
             continue
-        signature = (tuple(map(tuple, g.ranks("tp-cp-dp-pp"))), tuple(map(tuple, g.ranks("tp"))),
-                     tuple(map(tuple, g.ranks("cp"))), tuple(map(tuple, g.ranks("dp"))),
-                     tuple(map(tuple, g.expert_ranks("tp"))), tuple(map(tuple, g.expert_ranks("ep"))),
-                     tuple(map(tuple, g.hcp_ranks()[0])) if g.hcp else ())
-        if signature not in seen:
-            seen.add(signature)
-            out.append(g)
     return out
 
 
@@ -178,9 +185,23 @@ def place(grid: RankGrid, topology: Topology, workload: Workload | None = None) 
         for perm in candidate_permutations(topology):
             count += 1
             c = evaluate(g, topology, perm, work)
-            if c.cost_s < best.cost_s * (1 - 1e-6):  # clearly cheaper: float noise keeps the earlier one
+            if _better(c, best):
                 best = c
     return replace(best, candidates=count, given=given)
+
+
+def hungry_off_fast_links(p: Placement) -> int:
+    """How many NVLink-hungry group types (tp, ep, etp, CP all-to-all) leave the fastest link class."""
+    fast = "nvlink" if p.topology.domain_ranks() else "pcie"
+    names = [n for n in HUNGRY if n in p.groups] + [a for a in [a2a_level(p.grid, p.workload)] if a in p.groups]
+    return sum(_slowness(p.groups[n].link) > _slowness(fast) for n in names)
+
+
+def _better(c: Placement, best: Placement) -> bool:
+    """Keeping the hungry groups on NVLink comes first (the rule), the cost model ranks the rest;
+    a cost must be clearly lower to win, so float noise keeps the earlier candidate."""
+    a, b = hungry_off_fast_links(c), hungry_off_fast_links(best)
+    return a < b or (a == b and c.cost_s < best.cost_s * (1 - 1e-6))
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

@@ -58,7 +58,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, here, valid = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = softmax
+        # A copy, not the saved buffer: zero-bubble pipelines walk this graph twice (input grads,
+        # then weight grads with retain_graph), so the saved softmax must survive the first pass.
+        grad = softmax.clone()
         # scatter_add with zeros where the target lives on another rank
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - eps) * here.to(grad.dtype).unsqueeze(-1))
         if eps > 0:

@@ -102,7 +102,7 @@ def test_pcie_box_keeps_tp_inside_the_node():
     assert "a node of 8 GPUs (no NVLink)" in wide.warnings[0]
 
 
-def interleaved(hosts, per_host, node_of):
+def interleaved(hosts, node_of):
     gpus = [{"node": n, "local": sum(1 for m in node_of[:r] if m == n), "domain": n} for r, n in enumerate(node_of)]
     return from_dict({"hosts": [f"h{i}" for i in range(hosts)], "gpus": gpus,
                       "bandwidth": {"nvlink": 450, "pcie": 64, "network": 50}})
@@ -111,7 +111,7 @@ def interleaved(hosts, per_host, node_of):
 def test_scrambled_launch_needs_an_explicit_permutation():
     # Node 0 holds ranks {0, 7, 8, 15}: no order string makes that a tp group.
     node_of = [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3, 3, 2, 1, 0]
-    topo = interleaved(4, 4, node_of)
+    topo = interleaved(4, node_of)
     assert evaluate(RankGrid(16, tp=4, pp=4), topo).groups["tp"].link == "network"
     p = place(RankGrid(16, tp=4, pp=4), topo)
     assert not p.is_identity
@@ -143,7 +143,7 @@ def groups_with_placement(grid_kwargs, placement):
 
 
 def test_create_groups_accepts_the_placement(dist_run):
-    topo = interleaved(2, 2, [0, 1, 1, 0])  # host 0 runs ranks 0 and 3
+    topo = interleaved(2, [0, 1, 1, 0])  # host 0 runs ranks 0 and 3
     p = place(RankGrid(4, tp=2, pp=2), topo)
     assert not p.is_identity and p.groups["tp"].link == "nvlink"
     kwargs = dict(world_size=4, tp=2, pp=2, order=p.order)

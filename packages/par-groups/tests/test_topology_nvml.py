@@ -129,3 +129,8 @@ def test_gather_topology_all_gathers_every_rank_view(dist_run):
     assert r["nodes"] == ("tray0", "tray1") and r["node"] == [0, 0, 1, 1] and r["local"] == [0, 1, 0, 1]
     assert r["domains"] == [[0, 1, 2]]  # rank 3 could not see its GPU: no domain
     assert r["source"] == "nvml+fallback" and r["gathers"] == 2  # sizes, then the padded payloads
+
+
+def test_gather_without_a_process_group_describes_this_process():
+    topo = gather_topology(local_rank=2, nvml=fake.dgx_h100_node(), hostname="dgx0")
+    assert topo.world_size == 1 and topo.gpus[0].local == 2 and topo.nodes == ("dgx0",)

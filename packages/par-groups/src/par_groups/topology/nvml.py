@@ -295,9 +295,12 @@ def gather_topology(group=None, local_rank: int | None = None, nvml=None,
     group. ``local_rank`` defaults to $LOCAL_RANK (torchrun sets it). Never raises for lack of
     NVML: such ranks are described by hostname only (``topology.source`` says so).
     """
+    import torch.distributed as dist
+
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    views = all_gather_objects(local_view(local_rank, nvml, hostname), group)
+    view = local_view(local_rank, nvml, hostname)
+    views = all_gather_objects(view, group) if dist.is_initialized() else [view]  # one process: itself
     return merge_views(views, bandwidth)
 
 

@@ -83,3 +83,20 @@ def single_rank_with(config, overrides):
         return pool.run(train_losses, config, list(overrides))[0]
     finally:
         pool.close()
+
+
+PIPELINE = {
+    "tp2-pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
+    "pp4-interleaved": ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
+    "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
+    "pp2-dp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
+    "pp2-dp2-zb-h1-gpipe": ["parallel.pp=2", "parallel.schedule=zb-h1"],
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINE))
+def test_pipeline_layout_matches_single_rank(dist_run, name):
+    results = dist_run(4, train_losses, None, PIPELINE[name], timeout=600)
+    for rank_losses in results:
+        _check(rank_losses, single_rank(None))

@@ -33,6 +33,12 @@ class StepResult:
     moe: dict = field(default_factory=dict)
 
 
+def reduce_grads_now(dp) -> None:
+    """Reduce the grads accumulated under ``set_grad_sync(False)`` (after a pipeline schedule)."""
+    dp._sync = True
+    dp._end_of_backward()
+
+
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
@@ -80,7 +86,7 @@ class Trainer:
             dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
             losses = self.executor.step(inputs, labels)
             dp.set_grad_sync(True)
-            dp.reduce_grads()
+            reduce_grads_now(dp)
             return [l.detach() for l in losses] if losses else []
         losses = []
         for m in range(n):
@@ -98,8 +104,8 @@ class Trainer:
         total = total.reshape(1).float()
         comm.all_reduce(total, g.dp_cp)
         total /= g.size("dp_cp")
-        if g.size("pp") > 1:  # only the last stage has it
-            if not g.is_last_stage:
+        if g.size("pp") > 1:  # only the rank holding the last chunk has it (rank 0 in V-shapes)
+            if self.model.num_chunks - 1 not in self.model.chunks:
                 total.zero_()
             comm.all_reduce(total, g.pp)
         return total.item()
@@ -122,6 +128,35 @@ class Trainer:
         tokens = cfg.train.global_batch * cfg.train.seq_len
         return StepResult(step, loss, lr, float(norm), tokens, moe)
 
+    def _pipeline_forward(self, inputs, labels) -> list[torch.Tensor]:
+        """Forward-only pipeline: chunks in order, activations sent to the next chunk's rank."""
+        g, schedule = self.groups, self.model.schedule
+        me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
+        owner = {c: r for r in range(g.size("pp")) for c in schedule.chunks_on(r)}
+        last = self.model.num_chunks - 1
+        losses = []
+        for m, (x0, y) in enumerate(zip(inputs, labels)):
+            x = None
+            for c in range(self.model.num_chunks):
+                if owner[c] != me:
+                    continue
+                if c == 0:
+                    x = x0
+                elif owner[c - 1] != me:
+                    x = torch.empty(self._activation_shape(x0))
+                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
+                x = self.model.chunks[c](x)
+                if c == last:
+                    losses.append(self._loss(x, y))
+                elif owner[c + 1] != me:
+                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
+        return losses
+
+    def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
+        s, b = tokens.shape
+        tp = self.groups.size("tp") if self.layout.sequence_parallel else 1
+        return (s // tp, b, self.cfg.model.hidden)
+
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` held-out batches (forward only)."""
@@ -130,7 +165,7 @@ class Trainer:
         for index in range(batches):
             inputs, labels = self.microbatches(self.sampler.eval_batch(index))
             if self.executor is not None:
-                losses += [l.detach() for l in (self.executor.forward_only(inputs, labels) or [])]
+                losses += self._pipeline_forward(inputs, labels)
             else:
                 losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
         self.model.module.train()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from par_groups import CommRecorder
 from par_tp import allreduce_tp_replicated_grads, tp_local_grad_norm_sq
-from par_tp.testing import TPTransformerBlock
+from par_tp.testing import TPTransformerBlock, relative_error, tp_group_of_size
 
 S, B, D, FFN = 8, 2, 4, 32
 # (name, num_heads, num_kv_heads)
@@ -27,16 +27,6 @@ def case_id(i):
     tp, sp, (name, _, _) = CASES[i]
     return f"tp={tp}-{'sp' if sp else 'nosp'}-{name}" + ("-dropout" if i in DROPOUT_CASES else "")
 
-
-def tp_group_of_size(tp):
-    """Every rank must create every group; return the one holding this rank."""
-    mine = None
-    for start in range(0, dist.get_world_size(), tp):
-        ranks = list(range(start, start + tp))
-        g = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = g
-    return mine
 
 
 def full_weights(hidden, hq, hkv, seed):
@@ -92,9 +82,6 @@ def param_grads(block):
     }
 
 
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
 
 def run_block_cases():
     torch.manual_seed(0)
@@ -133,13 +120,13 @@ def run_block_cases():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             block.norm1(x)
 
-        errs = {"out": rel_err(out.detach(), shard(ref.detach())), "x.grad": rel_err(x.grad, shard(xr.grad))}
+        errs = {"out": relative_error(out.detach(), shard(ref.detach())), "x.grad": relative_error(x.grad, shard(xr.grad))}
         for pname, param in param_grads(block).items():
-            errs[pname] = rel_err(param.grad, local_shard_of(pname, wr[pname].grad, tp, r, hkv))
+            errs[pname] = relative_error(param.grad, local_shard_of(pname, wr[pname].grad, tp, r, hkv))
         # the grad-norm shares of the TP ranks add up to the single-device grad norm
         share = tp_local_grad_norm_sq(block, group)
         dist.all_reduce(share, group=group)
-        errs["grad_norm_sq"] = rel_err(share, sum(t.grad.pow(2).sum() for t in wr.values()))
+        errs["grad_norm_sq"] = relative_error(share, sum(t.grad.pow(2).sum() for t in wr.values()))
         record = lambda rec: [(c.op, c.group_size, c.bytes, c.wire_bytes) for c in rec.records]  # noqa: E731
         results[i] = {"errs": errs, "fwd": record(fwd), "bwd": record(bwd), "norm_saved": sum(saved),
                       "act_bytes": S * B * hidden * 4}

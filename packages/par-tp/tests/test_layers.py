@@ -21,23 +21,12 @@ from par_tp import (
     scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
+from par_tp.testing import relative_error, tp_group_of_size
 
 TPS = (1, 2, 4)
 S, B, H, V = 8, 2, 12, 16
 
 
-def tp_group_of_size(tp):
-    mine = None
-    for start in range(0, dist.get_world_size(), tp):
-        ranks = list(range(start, start + tp))
-        g = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = g
-    return mine
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def loss_cases(group, tp, r, errs):
@@ -60,7 +49,7 @@ def loss_cases(group, tp, r, errs):
                     loss = vocab_parallel_cross_entropy(shard, target, group, smoothing, ignore, reduction)
                 (loss * up).sum().backward()
                 key = f"loss[tp={tp}-ls={smoothing}-ignore={ignore}-{reduction}]"
-                errs[key] = max(rel_err(loss.detach(), ref.detach()), rel_err(shard.grad, full.grad.chunk(tp, -1)[r]))
+                errs[key] = max(relative_error(loss.detach(), ref.detach()), relative_error(shard.grad, full.grad.chunk(tp, -1)[r]))
                 errs[key + "-collectives"] = rec.ops() if tp > 1 else []
 
 
@@ -77,9 +66,9 @@ def linear_cases(group, tp, r, errs):
     out = col(xc)
     (out * up).sum().backward()
     errs[f"column-gather_output[tp={tp}]"] = max(
-        rel_err(out.detach(), F.linear(x, w, b)), rel_err(xc.grad, xr.grad),
-        rel_err(col.weight.grad, wr.grad.chunk(tp, 0)[r]), rel_err(col.bias.grad, br.grad.chunk(tp, 0)[r]),
-        rel_err(col.full_weight(), w))
+        relative_error(out.detach(), F.linear(x, w, b)), relative_error(xc.grad, xr.grad),
+        relative_error(col.weight.grad, wr.grad.chunk(tp, 0)[r]), relative_error(col.bias.grad, br.grad.chunk(tp, 0)[r]),
+        relative_error(col.full_weight(), w))
 
     for sp in (False, True):
         row = RowParallelLinear.from_full(w, group, full_bias=b, input_is_parallel=sp, sequence_parallel=sp)
@@ -90,10 +79,10 @@ def linear_cases(group, tp, r, errs):
         allreduce_tp_replicated_grads(row, group)
         ref_out = F.linear(x, w, b)
         errs[f"row-{'sp' if sp else 'full_input'}[tp={tp}]"] = max(
-            rel_err(out.detach(), ref_out.chunk(tp, 0)[r] if sp else ref_out),
-            rel_err(xi.grad, xr.grad.chunk(tp, -1)[r] if sp else xr.grad),
-            rel_err(row.weight.grad, wr.grad.chunk(tp, 1)[r]), rel_err(row.bias.grad, br.grad),
-            rel_err(row.full_weight(), w))
+            relative_error(out.detach(), ref_out.chunk(tp, 0)[r] if sp else ref_out),
+            relative_error(xi.grad, xr.grad.chunk(tp, -1)[r] if sp else xr.grad),
+            relative_error(row.weight.grad, wr.grad.chunk(tp, 1)[r]), relative_error(row.bias.grad, br.grad),
+            relative_error(row.full_weight(), w))
 
 
 def embedding_cases(group, tp, r, errs):
@@ -109,8 +98,8 @@ def embedding_cases(group, tp, r, errs):
         out = emb(ids)
         (out * (up.chunk(tp, 0)[r] if sp else up)).sum().backward()
         errs[f"embedding-{'sp' if sp else 'nosp'}[tp={tp}]"] = max(
-            rel_err(out.detach(), ref.detach().chunk(tp, 0)[r] if sp else ref.detach()),
-            rel_err(emb.weight.grad, tr.grad.chunk(tp, 0)[r]), rel_err(emb.full_weight(), table))
+            relative_error(out.detach(), ref.detach().chunk(tp, 0)[r] if sp else ref.detach()),
+            relative_error(emb.weight.grad, tr.grad.chunk(tp, 0)[r]), relative_error(emb.full_weight(), table))
 
 
 def sequence_entry_exit_cases(group, tp, r, errs):
@@ -118,7 +107,7 @@ def sequence_entry_exit_cases(group, tp, r, errs):
     with CommRecorder() as rec:
         y = gather_from_sequence_parallel(scatter_to_sequence_parallel(x, group) * 3, group, output_grad_is_partial=False)
         (y * y).sum().backward()  # replicated consumer: every rank holds the full gradient
-    errs[f"sp-entry-exit[tp={tp}]"] = max(rel_err(y.detach(), 3 * x.detach()), rel_err(x.grad, 18 * x.detach()))
+    errs[f"sp-entry-exit[tp={tp}]"] = max(relative_error(y.detach(), 3 * x.detach()), relative_error(x.grad, 18 * x.detach()))
     errs[f"sp-entry-exit-collectives[tp={tp}]"] = rec.ops()
 
 
@@ -129,7 +118,7 @@ def attention_roundtrip_cases(group, tp, r, errs):
                 "wv": torch.randn(hkv * 3, H, generator=g), "wo": torch.randn(H, hq * 3, generator=g)}
         attn = TPAttention(H, hq, hkv, group, head_dim=3).load_full_(**full)
         back = attn.full_weights()
-        errs[f"attention-full-weights-roundtrip[tp={tp}-{hq}x{hkv}]"] = max(rel_err(back[k], full[k]) for k in full)
+        errs[f"attention-full-weights-roundtrip[tp={tp}-{hq}x{hkv}]"] = max(relative_error(back[k], full[k]) for k in full)
 
 
 def rng_cases(group, tp, r, errs):

@@ -32,11 +32,21 @@ def mark_tensor_parallel_(param: nn.Parameter, partition_dim: int) -> nn.Paramet
     return param
 
 
+class _LoadsFullWeight:
+    """``Layer.from_full(full_weight, tp_group, full_bias=None, **options)``: build and load this rank's shard."""
+
+    @classmethod
+    def from_full(cls, full_weight: torch.Tensor, tp_group: ProcessGroup, full_bias: torch.Tensor | None = None, **kw):
+        out_f, in_f = full_weight.shape
+        layer = cls(in_f, out_f, tp_group, bias=full_bias is not None, dtype=full_weight.dtype, device=full_weight.device, **kw)
+        return layer.load_full_(full_weight, full_bias)
+
+
 def _new_param(shape, dtype, device, std: float = 0.02) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std))
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_LoadsFullWeight, nn.Module):
     """``y = x W^T + b`` with ``W [out, in]`` split by output rows; output ``[..., out/tp]`` (or full with gather_output).
 
     Input: ``[S, B, in]`` replicated, or ``[S/tp, B, in]`` with ``sequence_parallel`` (all-gathered
@@ -86,18 +96,12 @@ class ColumnParallelLinear(nn.Module):
         """The full ``[out, in]`` weight gathered from every rank (collective)."""
         return gather_tensor(self.weight, 0, self.tp_group)
 
-    @classmethod
-    def from_full(cls, full_weight: torch.Tensor, tp_group: ProcessGroup, full_bias: torch.Tensor | None = None, **kw):
-        out_f, in_f = full_weight.shape
-        layer = cls(in_f, out_f, tp_group, bias=full_bias is not None, dtype=full_weight.dtype, device=full_weight.device, **kw)
-        return layer.load_full_(full_weight, full_bias)
-
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LoadsFullWeight, nn.Module):
     """``y = x W^T + b`` with ``W [out, in]`` split by input columns; the partial sums are reduced over TP.
 
     Input ``[S, B, in/tp]`` (``input_is_parallel``, the output of a column-parallel layer) or the
@@ -149,12 +153,6 @@ class RowParallelLinear(nn.Module):
     def full_weight(self) -> torch.Tensor:
         """The full ``[out, in]`` weight gathered from every rank (collective)."""
         return gather_tensor(self.weight, 1, self.tp_group)
-
-    @classmethod
-    def from_full(cls, full_weight: torch.Tensor, tp_group: ProcessGroup, full_bias: torch.Tensor | None = None, **kw):
-        out_f, in_f = full_weight.shape
-        layer = cls(in_f, out_f, tp_group, bias=full_bias is not None, dtype=full_weight.dtype, device=full_weight.device, **kw)
-        return layer.load_full_(full_weight, full_bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "

@@ -8,6 +8,7 @@ The trainer builds its own block; this one shows the composition and its communi
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -51,3 +52,19 @@ class TPTransformerBlock(nn.Module):
         self.attn.load_full_(full["wq"], full["wk"], full["wv"], full["wo"])
         self.mlp.load_full_(full["w_gate"], full["w_up"], full["w_down"])
         return self
+
+
+def tp_group_of_size(tp: int) -> dist.ProcessGroup:
+    """Cut the world into consecutive TP groups of ``tp`` ranks; return this rank's (all ranks must call)."""
+    mine = None
+    for start in range(0, dist.get_world_size(), tp):
+        ranks = list(range(start, start + tp))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in fp32 (Frobenius norms)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()

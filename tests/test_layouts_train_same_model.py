@@ -34,6 +34,8 @@ DENSE = {
     "dp4-optim": ["parallel.zero=optim"],
     "dp4-optim_grads": ["parallel.zero=optim_grads"],
     "dp4-optim_grads_params": ["parallel.zero=optim_grads_params"],
+    "dp4-torch_fsdp2": ["parallel.zero=torch_fsdp2"],
+    "hsdp2x2-optim_grads_params": ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"],
     "tp2-dp2-sp": ["parallel.tp=2"],
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-dp2-a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],

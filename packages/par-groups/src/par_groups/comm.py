@@ -3,9 +3,9 @@
 Each call records ``(op, group_size, bytes)`` into every active :class:`CommRecorder`.
 ``bytes`` is the size of the logical tensor the operation works on: all-reduce its tensor,
 all-gather the gathered output, reduce-scatter the unreduced input, all-to-all this rank's
-input, send/recv the message. So a reduce-scatter plus an all-gather of the same tensor count
-the same bytes as one all-reduce, as the theory says. ``wire_bytes`` gives what a ring
-algorithm actually puts on the wire per rank.
+input, send/recv the message. ``wire_bytes`` gives what a ring algorithm actually puts on the
+wire per rank: there a reduce-scatter plus an all-gather of one tensor move exactly what one
+all-reduce of it moves, as the theory says.
 
 The active recorders live in a ContextVar (per thread / task), not in module globals.
 """

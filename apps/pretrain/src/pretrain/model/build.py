@@ -13,6 +13,7 @@ from par_groups import ParallelGroups, create_groups
 from par_pp import build_schedule, chunks_on_rank, split_layers
 from par_zero import DataParallel
 
+from ..errors import UsageError
 from .parallel import ModelChunk, RankLayout
 from .reference import init_full_state
 
@@ -75,6 +76,9 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
                   units=[u for c in mine for u in chunks[c].gather_units()])
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+            raise UsageError(f"[parallel].zero=torch_fsdp2 runs with tp=1, pp=1, ep=1 only (got tp={layout.tp}, "
+                             f"pp={layout.pp}, ep={layout.ep}); use optim_grads_params for ZeRO-3 with them")
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)

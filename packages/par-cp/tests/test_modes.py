@@ -94,13 +94,13 @@ CP2_CASES = [_case(m, lay, causal, 4, 2) for m in ("p2p", "allgather", "a2a")
 
 @pytest.fixture(scope="module")
 def cp4_results(dist_run):
-    return dist_run(4, run_cases, 4, 4, (2, 2), CP4_CASES)
+    return dist_run(4, run_cases, 4, 4, (2, 2), CP4_CASES, timeout=300)  # the first job pays worker warm-up
 
 
 @pytest.fixture(scope="module")
 def cp2_results(dist_run):
     # cp=2 inside a 4-rank world (two CP groups side by side), so ring peers are not world ranks
-    return dist_run(4, run_cases, 4, 2, None, CP2_CASES)
+    return dist_run(4, run_cases, 4, 2, None, CP2_CASES, timeout=300)
 
 
 def _assert_close(results, index):

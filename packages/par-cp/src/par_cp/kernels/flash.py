@@ -35,7 +35,10 @@ def flash_fits(q: torch.Tensor, mask: BlockMask) -> bool:
 
 
 def _call(fn, **kwargs):
-    params = inspect.signature(fn).parameters
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # wrapped as a torch custom op in newer flash-attn
+        params = inspect.signature(fn._init_fn).parameters
     if "window_size" in params:
         kwargs["window_size"] = (-1, -1)
     else:

@@ -143,3 +143,24 @@ def test_aux_free_bias_lowers_imbalance_of_a_skewed_router(dist_run):
     late_imbalance, late_share = sum(imbalance[-10:]) / 10, sum(hot_share[-10:]) / 10
     assert late_imbalance < 0.5 * imbalance[0], (imbalance[0], late_imbalance)
     assert late_share < 0.5, late_share  # fair share would be 0.25
+
+
+def test_metrics_count_routed_pairs_and_drops_on_flat_tokens():
+    config = MoEConfig(hidden=H, ffn_hidden=8, num_experts=E, top_k=2, capacity_factor=0.5, drop_policy="probs",
+                       aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    ref = ReferenceMoE(config, seed=3)
+    layer = MoELayer.from_reference(ref)
+    x = torch.randn(40, H)  # [T, H] input works as well as [S, B, H]
+    y, aux = layer(x)
+    y_ref, aux_ref = ref(x)
+    torch.testing.assert_close(y, y_ref, atol=2e-5, rtol=1e-4)
+    m = layer.last_metrics
+    _, _, chosen, weights = ref.route(x)
+    keep = ref.capacity_keep(chosen, weights)
+    assert torch.equal(m["tokens_per_expert"], torch.bincount(chosen.reshape(-1), minlength=E))
+    assert m["dropped_fraction"].item() == pytest.approx(1 - keep.float().mean().item())
+    assert m["imbalance"].item() == pytest.approx((m["tokens_per_expert"].max() / m["tokens_per_expert"].float().mean()).item())
+    assert m["aux_loss"].item() > 0 and m["z_loss"].item() > 0
+    assert (m["aux_loss"] + m["z_loss"]).item() == pytest.approx(aux.item())
+    assert all(getattr(p, "is_expert", False) for p in layer.experts.parameters())
+    assert not any(getattr(p, "is_expert", False) for p in layer.router.parameters())

@@ -17,13 +17,14 @@ def train(
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
-    from ..launch import RankFailed, launch, under_torchrun
+    from ..launch import RankFailed, check_nproc, launch, under_torchrun
     from ..run import run_rank
 
     try:
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         if not under_torchrun():
+            check_nproc(n, device)
             cfg.validate_world(n)
             from ..data import load_dataset
 

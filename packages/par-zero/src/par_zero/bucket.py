@@ -134,6 +134,7 @@ class Bucket:
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
         self._reduce_work = None
         self._reduce_out = None
+        self._outer_pending = False
 
     def _param_view_of_opt_range(self) -> torch.Tensor:
         if self.zero3:
@@ -185,28 +186,37 @@ class Bucket:
         else:
             self._reduce_out = torch.empty(self.S, dtype=self.full_grad.dtype)
             self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True)
+        self._outer_pending = self.groups.outer is not None
 
-    def wait_inner_and_launch_outer(self) -> None:
-        if self._reduce_work is None:
-            return
-        self._reduce_work.wait()
-        self._reduce_work = None
-        out = self._reduce_out
-        if self.groups.outer is not None:
-            if self.outer_optim:
-                self._reduce_out = torch.empty(self.S // self.groups.r, dtype=out.dtype)
-                self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True)
-            else:
-                self._reduce_work = comm.all_reduce(out, self.groups.outer, async_op=True)
+    def try_finish(self, block: bool) -> bool:
+        """Advance this bucket's reduction (inner, then outer, then in place); True once done.
 
-    def finish_reduce(self) -> None:
-        """Wait for the reductions and put the averaged grads where the optimizer reads them."""
+        Finishing early frees ZeRO-2/3's full grad buffer while backward still runs."""
+        if self._reduce_out is None:
+            return True
         if self._reduce_work is not None:
+            if not block and not self._reduce_work.is_completed():
+                return False
             self._reduce_work.wait()
             self._reduce_work = None
+            if self._outer_pending:
+                self._outer_pending = False
+                self._launch_outer()
+                return self.try_finish(block)
+        self._finish()
+        return True
+
+    def _launch_outer(self) -> None:
+        out = self._reduce_out
+        if self.outer_optim:
+            self._reduce_out = torch.empty(self.S // self.groups.r, dtype=out.dtype)
+            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True)
+        else:
+            self._reduce_work = comm.all_reduce(out, self.groups.outer, async_op=True)
+
+    def _finish(self) -> None:
+        """Put the averaged grads where the optimizer reads them."""
         out, self._reduce_out = self._reduce_out, None
-        if out is None:
-            return
         if self.strategy == "optim":
             self.opt_grad.copy_(out)
         elif self.strategy != "no_shard":

@@ -34,6 +34,9 @@ from .config import DataParallelConfig
 from .units import GatherUnit, default_unit_modules
 
 
+MAX_INFLIGHT = 2  # bucket reductions in flight before backward waits for the oldest
+
+
 def _size_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes."""
     buckets, cur, size = [], [], 0
@@ -93,6 +96,7 @@ class DataParallel:
         self.step_count = 0
         self._sync = True
         self._callback_queued = False
+        self._inflight: list[Bucket] = []
         self.dense_groups = BucketGroups(dp_group, outer_group, all_gather_group)
         self.expert_groups = BucketGroups(expert_dp_group) if expert_dp_group is not None else self.dense_groups
         self.param_names = {p: n for n, p in module.named_parameters()}
@@ -175,21 +179,29 @@ class DataParallel:
         bucket.pending -= 1
         if bucket.pending == 0:
             if self._sync:
-                bucket.launch_reduce()
+                self._launch(bucket)
             bucket.reshard()
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start a bucket's reduction; retire finished ones (freeing ZeRO-2/3 full grads early)
+        and keep at most MAX_INFLIGHT in flight."""
+        bucket.launch_reduce()
+        self._inflight.append(bucket)
+        while self._inflight and self._inflight[0].try_finish(block=len(self._inflight) > MAX_INFLIGHT):
+            self._inflight.pop(0)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if self._sync:
             for b in self.buckets:  # buckets with unused params: reduce what they have (all ranks alike)
-                if b.pending != 0 or b.full_grad is None:
+                if b.pending != 0:
                     if b.full_grad is None:
                         b.full_grad = torch.zeros(b.N, dtype=self.cfg.grad_dtype)
                     b.launch_reduce()
-            for b in self.buckets:
-                b.wait_inner_and_launch_outer()
-            for b in self.buckets:
-                b.finish_reduce()
+                    self._inflight.append(b)
+            for b in self._inflight:
+                b.try_finish(block=True)
+            self._inflight.clear()
         for b in self.buckets:
             b.pending = len(b.params)
             b.reshard()

@@ -98,3 +98,145 @@ def test_every_schedule_matches_single_device_losses_and_grads(dist_run, pp):
                 for g, p in zip(got, ref_params):
                     torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6, msg=lambda s: f"{name} m={m} chunk {c}: {s}")
             assert all(results[r][(name, m)]["ran_as_planned"] for r in range(pp)), f"{name} m={m}"
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps `f` seconds forward and `b` seconds backward: a stage of known cost."""
+
+    @staticmethod
+    def forward(ctx, x, f, b):
+        import time
+
+        time.sleep(f)
+        ctx.b = b
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.b)
+        return grad, None, None
+
+
+class SleepyLayer(nn.Module):
+    def __init__(self, f, b):
+        super().__init__()
+        self.linear, self.f, self.b = nn.Linear(4, 4), f, b
+
+    def forward(self, x):
+        return _Sleep.apply(self.linear(x), self.f, self.b)
+
+
+def one_way_latency(rounds=10):
+    """Median one-way time of a header + small payload message between ranks 0 and 1 (ping-pong)."""
+    import statistics
+    import time
+
+    rank, times = dist.get_rank(), []
+    msg = [torch.zeros(10, dtype=torch.int64), torch.zeros(2, 4)]
+    for _ in range(rounds):
+        dist.barrier()
+        t = time.perf_counter()
+        for turn in (0, 1):
+            if rank in (0, 1):
+                op = dist.isend if rank == turn else dist.irecv
+                for w in dist.batch_isend_irecv([dist.P2POp(op, x, 1 - rank) for x in msg]):
+                    w.wait()
+        times.append((time.perf_counter() - t) / 2)
+    latency = torch.tensor([statistics.median(times) if rank == 0 else 0.0])
+    dist.broadcast(latency, 0)
+    return latency.item()
+
+
+def run_timed(cases, unit):
+    """Run each (schedule, vpp, m) with chunks sleeping F = unit/v, full B = 2 unit/v; gather
+    timings, and the measured p2p latency the simulator is given."""
+    rank = dist.get_rank()
+    out = {"latency": one_way_latency()}
+    for name, vpp, m in cases:
+        schedule = build_schedule(name, dist.get_world_size(), m, vpp)
+        f = unit / schedule.vpp
+        chunks = {c: SleepyLayer(f, 2 * f) for c in chunks_on_rank(schedule, rank)}
+        inputs = [torch.randn(2, 4, requires_grad=False) for _ in range(m)]
+        executor = PipelineExecutor(schedule, chunks, None, loss_fn=lambda y, t: (y - t).pow(2).mean())
+        executor.step(inputs, [torch.zeros(2, 4)] * m)  # warm-up: first-call costs are not the schedule's
+        dist.barrier()
+        executor.step(inputs, [torch.zeros(2, 4)] * m)
+        records = [(r.start, r.end) for r in executor.records]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records)
+        out[(name, m)] = gathered
+    return out
+
+
+def test_executed_bubble_within_10_percent_of_simulated(dist_run):
+    from par_pp import Costs, simulate
+
+    cases, unit = [("1f1b", 1, 4), ("interleaved", 2, 4)], 0.08
+    timings = dist_run(4, run_timed, cases, unit, timeout=120)[0]
+    for name, vpp, m in cases:
+        ranks = timings[(name, m)]
+        begin = min(s for row in ranks for s, _ in row)
+        makespan = max(e for row in ranks for _, e in row) - begin
+        executed = sum(1 - sum(e - s for s, e in row) / makespan for row in ranks) / len(ranks)
+        costs = Costs(f=1 / vpp, full_backward=2 / vpp, p2p=timings["latency"] / unit)  # slots of `unit` seconds
+        predicted = simulate(build_schedule(name, 4, m, vpp), costs).bubble_fraction
+        assert abs(executed - predicted) <= 0.1 * predicted, f"{name}: executed bubble {executed:.3f} vs simulated {predicted:.3f}"
+
+
+def tied_embedding_step(pp, name, vpp, m):
+    """Tied input/output embedding plus a per-microbatch extra input passed via forward_fn."""
+    from par_groups.comm import CommRecorder
+
+    rank = dist.get_rank()
+    schedule = build_schedule(name, pp, m, vpp)
+    embed, layers, head = build_model(num_layers_for(pp, schedule.vpp))
+    ranges = split_layers(len(layers), schedule.num_chunks)
+    first_rank, last_rank = schedule.placement[0], schedule.placement[schedule.last_chunk]
+    if first_rank == last_rank:
+        head.weight = embed.weight  # one Parameter shared by both chunks on this rank
+        embedding_group, tied = None, [embed.weight] if rank == first_rank else []
+    else:
+        with torch.no_grad():
+            head.weight.copy_(embed.weight)
+        embedding_group = dist.new_group([first_rank, last_rank])
+        tied = [embed.weight] if rank == first_rank else [head.weight] if rank == last_rank else []
+    chunks = {c: chunk_module(embed, layers, head, ranges, c) for c in chunks_on_rank(schedule, rank)}
+    shifts = [torch.full((H,), 0.1 * (i + 1)) for i in range(m)]
+
+    def forward_fn(c, module, x, mb):
+        return module(x) + shifts[mb] if c == 0 else module(x)
+
+    inputs, targets = make_data(m)
+    ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn, tied_params=tied, embedding_group=embedding_group if rank in (first_rank, last_rank) else None, forward_fn=forward_fn)
+    with CommRecorder() as rec:
+        losses = ex.step(inputs, targets)
+    tied_grads = [p.grad.clone() for p in tied]
+    return {"losses": losses, "tied": tied_grads, "all_reduces": rec.count("all_reduce"), "sends": rec.count("send"), "send_bytes": rec.total_bytes("send")}
+
+
+@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("zb-v", 2)])
+def test_tied_embedding_grads_and_extra_inputs_match_single_device(dist_run, name, vpp):
+    pp, m = 2, 3
+    results = dist_run(pp, tied_embedding_step, pp, name, vpp, m)
+    schedule = build_schedule(name, pp, m, vpp)
+    embed, layers, head = build_model(num_layers_for(pp, schedule.vpp))
+    head.weight = embed.weight
+    inputs, targets = make_data(m)
+    shifts = [torch.full((H,), 0.1 * (i + 1)) for i in range(m)]
+    body = nn.Sequential(*layers[: len(split_layers(len(layers), schedule.num_chunks)[0])])
+    rest = nn.Sequential(*layers[len(body) :], head)
+    # Chunk 0 is embed + its layers; the shift is added to chunk 0's output.
+    ref = [loss_fn(rest(body(embed(x)) + s), t) for x, t, s in zip(inputs, targets, shifts)]
+    (sum(ref) / m).backward()
+    last_rank = schedule.placement[schedule.last_chunk]
+    torch.testing.assert_close(torch.stack(results[last_rank]["losses"]), torch.stack([l.detach() for l in ref]))
+    for r in {schedule.placement[0], last_rank}:
+        torch.testing.assert_close(results[r]["tied"][0], embed.weight.grad, rtol=1e-5, atol=1e-6)
+    if name == "1f1b":
+        # One all-reduce of the tied grad; per microbatch one activation and one grad message,
+        # each a header (10 int64) plus an [S, B, H] fp32 payload.
+        assert [res["all_reduces"] for res in results] == [1, 1]
+        assert [res["sends"] for res in results] == [2 * m, 2 * m]
+        assert results[0]["send_bytes"] == m * (10 * 8 + S * B * H * 4)

@@ -57,7 +57,7 @@ class _Live:
 @dataclass(frozen=True)
 class ActionRecord:
     action: Action
-    start: float  # time.perf_counter() (one clock for every process on the machine)
+    start: float  # time.perf_counter() once the inputs arrived (one clock for all local processes)
     end: float
 
 
@@ -112,9 +112,11 @@ class PipelineExecutor:
         self._comm = StageComm(s, self.rank, self.group, self.device)
         self._comm.start()
         for action in s.ranks[self.rank]:
+            self._compute_start = None
             start = time.perf_counter()
             getattr(self, f"_run_{action.kind}")(action)
-            self.records.append(ActionRecord(action, start, time.perf_counter()))
+            # The record starts once the inputs are here: waiting for a message is bubble.
+            self.records.append(ActionRecord(action, self._compute_start or start, time.perf_counter()))
             self._comm.poll()
         self._comm.finish()
         self._reduce_tied_grads()
@@ -145,6 +147,7 @@ class PipelineExecutor:
             x = self._inputs[m]
         else:
             x = self._receive(a).detach().requires_grad_(True)
+        self._compute_start = time.perf_counter()
         with torch.enable_grad():
             y = self.forward_fn(c, self.chunks[c], x, m)
             if c == self.schedule.last_chunk:
@@ -160,6 +163,7 @@ class PipelineExecutor:
         live = self._live[(m, c)]
         if c != self.schedule.last_chunk:
             live.output = _with_grad(live.output, self._receive(a))
+        self._compute_start = time.perf_counter()
         wants_input_grad = c > 0 and live.input.requires_grad
         if a.split:
             # Input grad only, graph kept: the W later walks it again for the weight grads.

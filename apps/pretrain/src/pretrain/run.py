@@ -22,7 +22,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device)
     try:
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-        trainer = Trainer(cfg, dataset=dataset)
+        trainer = Trainer(cfg, dataset=dataset, device=dev)
         t = cfg.train
         last_step = t.stop_at or t.steps
         logger = None

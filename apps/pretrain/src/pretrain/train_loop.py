@@ -42,13 +42,16 @@ def reduce_grads_now(dp) -> None:
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
-    def __init__(self, cfg, full_state: dict | None = None, dataset=None) -> None:
+    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None) -> None:
         from .data import build_sampler
 
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        # bf16 autocast on GPUs (fp32 master weights and optimizer state stay in par-zero)
+        self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.model: RankModel = build_rank_model(cfg, layout, full_state)
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device)
         g = self.model.groups
         self.groups = g
         self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
@@ -58,7 +61,8 @@ class Trainer:
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
 
-            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss)
+            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
+                                             device=self.device)
 
     def _cp_position(self) -> tuple[int, int]:
         chunk = next(iter(self.model.chunks.values()))
@@ -68,7 +72,8 @@ class Trainer:
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
         """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first)."""
-        return shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
+        x = shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
+        return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         inputs = [self._shard(batch.inputs[m]) for m in range(batch.tokens.shape[0])]
@@ -81,6 +86,10 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
         """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self._run_microbatches(inputs, labels)
+
+    def _run_microbatches(self, inputs, labels) -> list[torch.Tensor]:
         dp, n = self.model.dp, len(inputs)
         if self.executor is not None:
             dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
@@ -143,7 +152,8 @@ class Trainer:
                 if c == 0:
                     x = x0
                 elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0))
+                    x = torch.empty(self._activation_shape(x0), device=self.device,
+                                    dtype=torch.bfloat16 if self.autocast else torch.float32)
                     dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
                 x = self.model.chunks[c](x)
                 if c == last:
@@ -162,12 +172,13 @@ class Trainer:
         """Mean loss over ``batches`` held-out batches (forward only)."""
         self.model.module.eval()
         losses = []
-        for index in range(batches):
-            inputs, labels = self.microbatches(self.sampler.eval_batch(index))
-            if self.executor is not None:
-                losses += self._pipeline_forward(inputs, labels)
-            else:
-                losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            for index in range(batches):
+                inputs, labels = self.microbatches(self.sampler.eval_batch(index))
+                if self.executor is not None:
+                    losses += self._pipeline_forward(inputs, labels)
+                else:
+                    losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
         self.model.module.train()
         return self._mean_loss(losses)
 

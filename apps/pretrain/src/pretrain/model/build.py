@@ -56,7 +56,8 @@ def chunk_layout(cfg, layout, pp_rank: int):
     return schedule, list(chunks_on_rank(schedule, pp_rank)), split_layers(cfg.model.layers, num_chunks)
 
 
-def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None) -> RankModel:
+def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
+                     device: torch.device = torch.device("cpu")) -> RankModel:
     timeout = timedelta(seconds=cfg.train.timeout_s)
     groups = create_groups(layout.grid(), timeout=timeout)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
@@ -64,7 +65,8 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
     chunks = {
-        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state) for c in mine
+        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state).to(device)
+        for c in mine
     }
     for chunk in chunks.values():
         for layer in chunk.layers.values():

@@ -275,6 +275,28 @@ class DataParallel:
         """Adopt ``sd`` (e.g. our ``state_dict()`` after ``dcp.load`` filled it) and rebuild params."""
         load_sharded_state_dict(self, sd)
 
+    @torch.no_grad()
+    def load_full_state(self, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`full_state`: take this rank's part of every param's full (local) tensor.
+
+        ``kind`` 'master' also sets the params (no communication: every rank gets full tensors);
+        'exp_avg' / 'exp_avg_sq' set the AdamW moments. Keys are local param names."""
+        if kind not in ("master", "exp_avg", "exp_avg_sq"):
+            raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
+        for b in self.buckets:
+            flat = torch.zeros(b.N, dtype=torch.float32)
+            for p, o in zip(b.params, b.offsets):
+                flat[o : o + p.numel()] = tensors[self.param_names[p]].reshape(-1).to(torch.float32)
+            if kind != "master":
+                getattr(b, kind).copy_(flat[b.opt_lo : b.opt_hi])
+                continue
+            if not b.master_is_param:
+                b.master.copy_(flat[b.opt_lo : b.opt_hi])
+            if b.zero3:
+                b.param_shard.copy_(flat[b.shard_lo : b.shard_lo + b.S])
+            else:
+                b.full_param.copy_(flat)
+
     # ---- introspection -------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in params, grads and optimizer state (distinct storages)."""

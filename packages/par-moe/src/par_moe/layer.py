@@ -127,7 +127,8 @@ class MoELayer(nn.Module):
 
         ``load`` is the routed pairs per expert since the last call summed over ``groups``: pass
         every group whose ranks see different tokens (e.g. the tp-dp-cp group of the stage), so
-        every rank applies the same update. Returns the load used.
+        every rank applies the same update. Returns the load used. Every training-mode forward adds
+        its counts, so a recomputed (activation-checkpointed) forward counts its tokens twice.
         """
         load = self.routed_since_update.clone()
         for group in groups:

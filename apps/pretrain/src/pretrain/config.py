@@ -257,6 +257,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: bool = False
     async_save: bool = False
+    init_from: str = ""  # a checkpoint (e.g. from `pretrain convert --from-hf`) to take the weights from
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", allow_zero=True)

@@ -1,18 +1,68 @@
-"""What every rank runs for `pretrain train`: join the group, train, evaluate, log, leave."""
+"""What every rank runs for `pretrain train`: join the group, train, evaluate, log, checkpoint, leave."""
 
 from __future__ import annotations
 
-import math
+import os
+import signal
 import time
+from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .config import load_config
 from .launch import init_distributed, shutdown
 
+FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
+
+
+class _StopRequests:
+    """SIGTERM (pre-emption) asks for a checkpoint and a clean exit at the next step boundary.
+
+    The ranks agree over a group with a short timeout: when the launcher SIGTERMs us because a
+    peer died, that agreement fails fast and we exit without trying to save with a dead peer.
+    A second SIGTERM terminates at once.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.requested = False
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(timeout_s, 30.0)))
+        self.previous = None
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self._on_signal)
+        except ValueError:  # not the main thread: no handler, no pre-emption checkpoint
+            pass
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.requested = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _injected_failure(rank: int, step: int) -> None:
+    spec = os.environ.get(FAIL_ENV, "")
+    if spec and spec == f"{rank}:{step + 1}":
+        raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} before step {step + 1}")
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.log.dir) / "checkpoints")
+
 
 def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings."""
+    from .checkpoint import latest_checkpoint
     from .data import load_dataset
     from .flops import training_flops_per_step
     from .metrics import MetricsLogger, peak_flops
@@ -20,10 +70,21 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
 
     cfg = load_config(config, overrides)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device)
+    stops = None
     try:
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
         trainer = Trainer(cfg, dataset=dataset, device=dev)
-        t = cfg.train
+        t, ck = cfg.train, cfg.checkpoint
+        root = checkpoint_root(cfg)
+        start_step, note = 0, ""
+        latest = latest_checkpoint(root) if ck.resume else None
+        if latest is not None:
+            start_step = trainer.load_checkpoint(latest)
+            note = f"; resumed from {latest} at step {start_step}"
+        elif ck.init_from:
+            trainer.load_checkpoint(ck.init_from, model_only=True)
+            note = f"; weights from {ck.init_from}"
+        stops = _StopRequests(t.timeout_s)
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:
@@ -36,15 +97,18 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
             logger.message(f"pretrain: {world} ranks, layout {trainer.layout.grid().world_size}: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
-                           f"{dataset.unigram_entropy():.3f} nats)")
+                           f"{dataset.unigram_entropy():.3f} nats){note}")
         first = last = None
+        saved_at = start_step if latest is not None else -1
+        done = start_step
         start = time.time()
-        for step in range(last_step):
+        for step in range(start_step, last_step):
             t0 = time.time()
+            _injected_failure(rank, step)
             result = trainer.train_step(step)
-            if not math.isfinite(result.loss):
-                if t.nan_policy == "stop":
-                    raise FloatingPointError(f"loss is {result.loss} at step {step + 1}; stopping ([train].nan_policy=stop)")
+            done = step + 1
+            if result.skipped and logger is not None:
+                logger.message(f"step {step + 1}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
             first = result.loss if first is None else first
             last = result.loss
             if logger is not None:
@@ -54,11 +118,30 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
                     logger.log_eval(step + 1, eval_loss)
+            preempted = stops.agreed()
+            if (ck.every and done % ck.every == 0) or preempted:
+                path = trainer.save_checkpoint(root, done, ck.keep)
+                saved_at = done
+                if logger is not None:
+                    logger.message(f"checkpoint {path}")
+            if preempted:
+                if logger is not None:
+                    logger.message(f"SIGTERM: stopped after step {done}, checkpoint written")
+                break
+        stopped_early = done < t.steps
+        if saved_at != done and (ck.every or stopped_early):
+            path = trainer.save_checkpoint(root, done, ck.keep)
+            if logger is not None:
+                logger.message(f"checkpoint {path}")
         if logger is not None:
-            logger.message(f"done: {last_step} steps in {time.time() - start:.1f} s, loss {first:.4f} -> {last:.4f}")
+            if first is not None:
+                logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
+                               f"loss {first:.4f} -> {last:.4f}")
             logger.close()
-        return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start}
+        return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
+        if stops is not None:
+            stops.close()
         if dist.is_initialized():
             dist.barrier()
         shutdown()

@@ -31,6 +31,7 @@ class StepResult:
     grad_norm: float
     tokens: int
     moe: dict = field(default_factory=dict)
+    skipped: bool = False  # non-finite loss under [train].nan_policy=skip: no update was applied
 
 
 def reduce_grads_now(dp) -> None:
@@ -130,12 +131,71 @@ class Trainer:
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp), include=self.include,
                                   expert_norm_groups=(g.tp_ep, g.pp))
         loss = self._mean_loss(losses)
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
+            if cfg.train.nan_policy == "stop":
+                raise FloatingPointError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
+                                         f"([train].nan_policy=stop; 'skip' drops such steps instead)")
+            return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
         dp.set_lr(lr)
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
-        tokens = cfg.train.global_batch * cfg.train.seq_len
         return StepResult(step, loss, lr, float(norm), tokens, moe)
+
+    # ---- checkpoints and inference ---------------------------------------------------------
+    def save_checkpoint(self, root, step: int, keep: int = 2):
+        """Write ``root/step_<step>`` after ``step`` completed steps (every rank calls it)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, root, step, keep)
+
+    def load_checkpoint(self, path, model_only: bool = False) -> int:
+        """Load a checkpoint saved under any layout; returns the number of steps it had completed."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, model_only)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[S, B, V]`` of ``tokens [B, S]``, on every rank (forward only, cp = 1)."""
+        from par_tp import gather_tensor
+
+        g = self.groups
+        if self.cp_size > 1:
+            raise ValueError("Trainer.logits runs with cp=1 only")
+        self.model.module.eval()
+        x0 = tokens.t().contiguous().to(self.device)
+        s, b = x0.shape
+        last = self.model.num_chunks - 1
+        if self.executor is None:
+            out = self.model.dp(x0)
+        else:
+            me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
+            owner = {c: r for r in range(g.size("pp")) for c in self.model.schedule.chunks_on(r)}
+            x = out = None
+            for c in range(self.model.num_chunks):
+                if owner[c] != me:
+                    continue
+                if c == 0:
+                    x = x0
+                elif owner[c - 1] != me:
+                    x = torch.empty(self._activation_shape(x0), device=self.device)
+                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
+                x = self.model.chunks[c](x)
+                if c == last:
+                    out = x
+                elif owner[c + 1] != me:
+                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
+        full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
+        if out is not None:
+            full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
+        if g.size("pp") > 1:
+            src = next(r for r in range(g.size("pp")) if last in self.model.schedule.chunks_on(r))
+            comm.broadcast(full, src=g.ranks["pp"][src], group=g.pp)
+        self.model.module.train()
+        return full
 
     def _pipeline_forward(self, inputs, labels) -> list[torch.Tensor]:
         """Forward-only pipeline: chunks in order, activations sent to the next chunk's rank."""

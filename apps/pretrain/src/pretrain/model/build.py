@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -15,7 +15,7 @@ from par_zero import DataParallel
 
 from ..errors import UsageError
 from .parallel import ModelChunk, RankLayout
-from .reference import init_full_state
+from .reference import full_shapes, init_full_state
 
 
 @dataclass
@@ -28,6 +28,8 @@ class RankModel:
     dp: DataParallel
     schedule: object | None  # a par_pp Schedule when pp > 1
     num_chunks: int
+    # where each tensor of ``module.state_dict()`` sits in the full model (checkpoints reshard with it)
+    shard_specs: dict = field(default_factory=dict)
 
     def parameters(self):
         return self.module.parameters()
@@ -73,6 +75,9 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
+    from ..checkpoint.shards import describe_shards
+
+    specs = describe_shards(module, [chunks[c] for c in mine], full_shapes(cfg.model))
     t = cfg.train
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                   units=[u for c in mine for u in chunks[c].gather_units()])
@@ -87,7 +92,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
         dp = DataParallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
         dp = DataParallel(module, groups.dp_cp, zero, **kwargs)
-    return RankModel(groups, chunks, module, dp, schedule, num_chunks)
+    return RankModel(groups, chunks, module, dp, schedule, num_chunks, specs)
 
 
 def _scale_expert_grads(module: nn.Module, layout) -> None:

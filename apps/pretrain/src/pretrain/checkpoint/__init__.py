@@ -1,0 +1,13 @@
+"""Checkpoints that reshard across layouts, and Hugging Face import/export."""
+
+from .shards import ShardSpec, describe_shards
+from .store import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = ["ShardSpec", "describe_shards", "latest_checkpoint", "load_checkpoint", "read_state",
+           "resolve_checkpoint", "save_checkpoint"]

@@ -1,0 +1,75 @@
+"""Checkpoints reshard: saved under tp2 x pp2 (ZeRO-1), loaded under dp4 (ZeRO-3) and tp4, training
+continues with the uninterrupted run's losses; the same layout resumes bitwise; a save that dies
+before its rename leaves the previous checkpoint as `latest` and loadable."""
+
+import os
+
+STEPS, SAVE_AT = 6, 3
+COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false", "model.layers=4"]
+LAYOUTS = {
+    "tp2xpp2": ["parallel.tp=2", "parallel.pp=2", "parallel.zero=optim"],
+    "dp4-zero3": ["parallel.zero=optim_grads_params"],
+    "tp4": ["parallel.tp=4"],
+}
+
+
+def _trainer(layout):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    return Trainer(load_config(None, COMMON + LAYOUTS[layout]))
+
+
+def reshard_job(root):
+    import torch.distributed as dist
+
+    from pretrain.checkpoint import latest_checkpoint, save_checkpoint
+    from pretrain.checkpoint.store import read_full_tensors
+
+    out = {}
+    t = _trainer("tp2xpp2")
+    losses = []
+    for step in range(STEPS):
+        losses.append(t.train_step(step).loss)
+        if step + 1 == SAVE_AT:
+            t.save_checkpoint(root, SAVE_AT)
+    out["reference"] = losses
+    try:  # a save killed between writing and the rename
+        save_checkpoint(t, root, STEPS, fail_before_rename=True)
+    except RuntimeError:
+        pass
+    dist.barrier()
+    out["latest"] = str(latest_checkpoint(root))
+    out["tmp_left"] = os.path.isdir(os.path.join(root, f"step_{STEPS}.tmp"))
+    saved = read_full_tensors(latest_checkpoint(root))
+    for layout in LAYOUTS:
+        t = _trainer(layout)
+        start = t.load_checkpoint(latest_checkpoint(root))
+        again = os.path.join(root, f"again-{layout}")
+        t.save_checkpoint(again, start)  # what it holds after the load, in full
+        reloaded = read_full_tensors(latest_checkpoint(again))
+        out[f"{layout}/params_equal"] = sorted(saved) == sorted(reloaded) and all(
+            saved[k].equal(reloaded[k]) for k in saved)
+        out[f"{layout}/moments_equal"] = all(
+            read_full_tensors(latest_checkpoint(root), p)[k].equal(v)
+            for p in ("optim/exp_avg/", "optim/exp_avg_sq/")
+            for k, v in read_full_tensors(latest_checkpoint(again), p).items())
+        out[f"{layout}/start"] = start
+        out[f"{layout}/losses"] = [t.train_step(step).loss for step in range(start, STEPS)]
+    return out
+
+
+def test_save_tp2pp2_load_dp4_and_tp4_continue_like_the_uninterrupted_run(dist_run, tmp_path):
+    root = str(tmp_path / "ckpt")
+    res = dist_run(4, reshard_job, root, timeout=600)[0]
+    ref = res["reference"]
+    assert res["latest"].endswith(f"step_{SAVE_AT}") and res["tmp_left"]
+    assert ref[-1] < ref[0]
+    for layout in LAYOUTS:
+        assert res[f"{layout}/start"] == SAVE_AT
+        assert res[f"{layout}/params_equal"] and res[f"{layout}/moments_equal"], layout
+        got = res[f"{layout}/losses"]
+        if layout == "tp2xpp2":  # same layout: bitwise
+            assert got == ref[SAVE_AT:], (got, ref)
+        for a, b in zip(got, ref[SAVE_AT:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, got, ref[SAVE_AT:])

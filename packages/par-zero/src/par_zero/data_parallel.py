@@ -34,7 +34,7 @@ from .config import DataParallelConfig
 from .units import GatherUnit, default_unit_modules
 
 
-MAX_INFLIGHT = 2  # bucket reductions in flight before backward waits for the oldest
+MAX_INFLIGHT = 1  # bucket reductions left in flight when the next launches (bounds ZeRO-2/3 full grads)
 
 
 def _size_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

@@ -76,6 +76,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
         except (EOFError, OSError):
             return
         job_id, module, file, qualname, payload, timeout_s = pickle.loads(msg)
+        joined = False
         try:
             fn = _load_function(module, file, qualname)
             args, kwargs = pickle.loads(payload)
@@ -86,17 +87,18 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
-            try:
-                result = fn(*args, **kwargs)
-            finally:
-                dist.destroy_process_group()
-            reply = ("ok", pickle.dumps(result))
+            joined = True
+            reply = ("ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion errors, to the parent
             reply = ("err", traceback.format_exc())
         try:
             conn.send_bytes(pickle.dumps(reply))
         except Exception:
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        if joined:
+            if reply[0] == "ok":
+                dist.barrier()  # nobody closes its connections while a peer still reads from them
+            dist.destroy_process_group()
 
 
 class RankPool:

@@ -50,6 +50,7 @@ def _quiet(fn):
     def wrapper(*args, **kwargs):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*", category=UserWarning)
             return fn(*args, **kwargs)
 
     return wrapper
@@ -293,6 +294,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@_quiet
 def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Every stored tensor under ``prefix`` as a full tensor (names without the prefix); any process count."""
     path = resolve_checkpoint(path)
@@ -303,6 +305,7 @@ def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, tor
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 
+@_quiet
 def save_full_model(path: str | Path, tensors: dict[str, torch.Tensor], state: dict) -> None:
     """Write a model-only checkpoint from full tensors in one process (Hugging Face import)."""
     path = Path(path)

@@ -1,8 +1,35 @@
-"""`pretrain convert`: placeholder until its issue lands."""
+"""`pretrain convert`: Hugging Face Llama weights <-> pretrain checkpoints."""
 
-from ..errors import fail
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError, fail
 
 
-def convert() -> None:
-    """Not available yet."""
-    raise fail("pretrain convert is not implemented yet")
+def convert(
+    from_hf: Optional[str] = typer.Option(None, "--from-hf", help="A Hugging Face save_pretrained directory to import."),
+    out: Optional[str] = typer.Option(None, "--out", help="With --from-hf: the checkpoint directory to write."),
+    to_hf: Optional[str] = typer.Option(None, "--to-hf", help="A directory to export config.json + model.safetensors to."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --to-hf: a checkpoint (or a run's checkpoint dir)."),
+) -> None:
+    """Import a Llama model from Hugging Face (--from-hf DIR --out CKPT) or export one (--to-hf DIR --checkpoint CKPT)."""
+    from ..checkpoint.hf import export_hf, import_hf
+
+    try:
+        if from_hf and not to_hf:
+            if not out:
+                raise UsageError("--from-hf needs --out CKPT (the checkpoint directory to write)")
+            path = import_hf(from_hf, out)
+            typer.echo(f"wrote {path} (model only) and {path / 'config.toml'}; "
+                       f"train from it with: pretrain train {path / 'config.toml'}")
+        elif to_hf and not from_hf:
+            if not checkpoint:
+                raise UsageError("--to-hf needs --checkpoint CKPT")
+            typer.echo(f"wrote {export_hf(checkpoint, to_hf)} (config.json, model.safetensors)")
+        else:
+            raise UsageError("give either --from-hf DIR --out CKPT or --to-hf DIR --checkpoint CKPT")
+    except UsageError as e:
+        raise fail(str(e))

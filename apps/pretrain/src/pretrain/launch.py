@@ -9,9 +9,11 @@ both cases. When a rank raises, the launcher stops the others at once (SIGTERM) 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable
@@ -103,14 +105,43 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     for log in quiet:
         log.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, entry)(*args)
+        results = elastic_launch(config, _ReportRootCause(entry))(*args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _root_failure(e)
         raise RankFailed(rank, _failure_message(failure), failure.exitcode, _failure_traceback(failure)) from None
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
     return [results[r] for r in sorted(results)]
+
+
+# What a healthy rank reports when a peer died under it: not the error to show the user.
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+
+
+class _ReportRootCause:
+    """Wraps a rank's entry: a rank that only saw a peer die waits a moment before failing, so
+    the launcher records the peer's own error first (it stops everyone at the first failure)."""
+
+    def __init__(self, entry: Callable[..., Any]) -> None:
+        self.entry = entry
+        functools.update_wrapper(self, entry)  # the launcher logs its name
+
+    def __call__(self, *args):
+        try:
+            return self.entry(*args)
+        except Exception as e:
+            if any(c in str(e) for c in _COLLATERAL):
+                time.sleep(3.0)
+            raise
+
+
+def _root_failure(error):
+    """The failing rank to report: the first whose error is its own, not a peer's death seen in a
+    collective (timestamps have one-second resolution, so "first" alone often picks a bystander)."""
+    failures = sorted(error.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    own = [(r, f) for r, f in failures if not any(c in _failure_message(f) for c in _COLLATERAL)]
+    return (own or failures)[0]
 
 
 def _start_method(device: str) -> str:

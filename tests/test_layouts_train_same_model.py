@@ -40,6 +40,9 @@ DENSE = {
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-dp2-a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],
     "tp4-optim": ["parallel.tp=4", "parallel.zero=optim"],
+    "tp2-dp2-recompute-full": ["parallel.tp=2", "model.recompute=full"],
+    "cp2-dp2-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
+    "cp4-a2a+p2p-hcp2x2": ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]"],
 }
 
 

@@ -138,10 +138,9 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                 logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
                                f"loss {first:.4f} -> {last:.4f}")
             logger.close()
+        dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
         if stops is not None:
             stops.close()
-        if dist.is_initialized():
-            dist.barrier()
         shutdown()

@@ -1,0 +1,49 @@
+"""Failure handling: a rank that raises ends the whole run in seconds with its error; a non-finite
+loss stops with the step named ([train].nan_policy=stop) or drops that step's update (skip)."""
+
+import time
+
+import torch
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+runner = CliRunner()
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PRETRAIN_FAIL_AT", "1:3")
+    start = time.time()
+    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
+                              "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
+                              "--set", "train.timeout_s=600"])
+    took = time.time() - start
+    assert res.exit_code == 1, res.output
+    assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
+    assert took < 60, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
+
+
+def nan_job(policy):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    cfg = load_config(None, ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2",
+                             f"train.nan_policy={policy}"])
+    t = Trainer(cfg)
+    t.train_step(0)
+    before = {k: v.clone() for k, v in t.model.dp.full_state("master").items()}
+    with torch.no_grad():
+        t.model.chunks[0].layers["0"].input_layernorm.weight.fill_(float("inf"))
+    try:
+        r = t.train_step(1)
+    except FloatingPointError as e:
+        return {"error": str(e)}
+    after = t.model.dp.full_state("master")
+    changed = [k for k in before if not before[k].equal(after[k]) and "input_layernorm" not in k]
+    return {"skipped": r.skipped, "changed": changed, "optimizer_steps": t.model.dp.step_count}
+
+
+def test_non_finite_loss_stops_or_skips(dist_run):
+    stop, skip = dist_run(1, nan_job, "stop")[0], dist_run(1, nan_job, "skip")[0]
+    assert "at step 2" in stop["error"] and "nan_policy" in stop["error"]
+    assert skip == {"skipped": True, "changed": [], "optimizer_steps": 1}

@@ -26,13 +26,15 @@ def _max_err(dp, ref) -> float:
 
 def train_every_layout(world: int) -> dict[str, float]:
     rank = dist.get_rank()
-    ref = reference_params(world)
+    ref_norms: list[float] = []
+    ref = reference_params(world, ref_norms)
     errors = {}
 
     def run(name, strategy, group=None, **kw):
         dp = DataParallel(tiny_model(kw.pop("expert", False)), group, strategy, bucket_mb=BUCKET_MB, **OPT, **kw)
-        train_parallel(dp, world, rank)
-        errors[name] = _max_err(dp, ref)
+        norms = train_parallel(dp, world, rank)
+        norm_err = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+        errors[name] = max(_max_err(dp, ref), norm_err)  # params and every step's grad norm
 
     for s in STRATEGIES:
         run(s, s)

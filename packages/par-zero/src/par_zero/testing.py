@@ -27,20 +27,27 @@ def batches(world: int):
     return [[(torch.randn(n, 7, generator=g), torch.randn(n, 3, generator=g)) for _ in range(MICRO)] for _ in range(STEPS)]
 
 
-def reference_params(world: int) -> dict[str, torch.Tensor]:
-    """The same training, one process, full batch, torch.optim.AdamW and torch's clipping."""
+def reference_params(world: int, norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """The same training, one process, full batch, torch.optim.AdamW and torch's clipping.
+
+    ``norms`` (if given) receives each step's global grad norm: AdamW is blind to a constant scale
+    on the gradients, so comparing parameters alone would miss a mis-scaled reduction."""
     model = tiny_model()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT)
     for step in batches(world):
         for x, y in step:
             (nn.functional.mse_loss(model(x), y) / MICRO).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True) -> None:
+def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True) -> list[float]:
+    """Train like :func:`reference_params` on this rank's slice of each batch; returns grad norms."""
+    norms = []
     for step in batches(world)[:steps]:
         for i, (x, y) in enumerate(step):
             sl = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
@@ -48,9 +55,10 @@ def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = T
             with ctx:
                 (nn.functional.mse_loss(dp(x[sl]).float(), y[sl]) / MICRO).backward()
         if clip:
-            dp.clip_grad_norm_(MAX_NORM)
+            norms.append(float(dp.clip_grad_norm_(MAX_NORM)))
         dp.step()
         dp.zero_grad()
+    return norms
 
 
 class _null:

@@ -34,12 +34,6 @@ class StepResult:
     skipped: bool = False  # non-finite loss under [train].nan_policy=skip: no update was applied
 
 
-def reduce_grads_now(dp) -> None:
-    """Reduce the grads accumulated under ``set_grad_sync(False)`` (after a pipeline schedule)."""
-    dp._sync = True
-    dp._end_of_backward()
-
-
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
@@ -95,8 +89,7 @@ class Trainer:
         if self.executor is not None:
             dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
             losses = self.executor.step(inputs, labels)
-            dp.set_grad_sync(True)
-            reduce_grads_now(dp)
+            dp.reduce_grads()
             return [l.detach() for l in losses] if losses else []
         losses = []
         for m in range(n):

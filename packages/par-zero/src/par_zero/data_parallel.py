@@ -169,6 +169,12 @@ class DataParallel:
         """Same as ``no_sync`` for callers (pipeline executors) that cannot use a context."""
         self._sync = sync
 
+    def reduce_grads(self) -> None:
+        """Reduce now what backwards under ``no_sync`` accumulated, e.g. after a pipeline schedule
+        whose last backward (a zero-bubble W) is not known in advance; sync is on afterwards."""
+        self._sync = True
+        self._end_of_backward()
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
             self._callback_queued = True

@@ -9,49 +9,16 @@ rank has identical buckets (same shapes), so the shards line up.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from par_groups import comm
+from par_tp import is_tp_partial, sum_partial_grads_
 
 
 def sync_tp_partial_grads(dp, tp_group) -> int:
     """All-reduce (one call) the TP-partial grads held in ``dp``'s buckets; returns how many."""
-    tp = dist.get_world_size(tp_group)
-    if tp == 1:
+    if tp_group.size() == 1:  # nothing is partial (and torch_fsdp2, which runs tp=1 only, has no buckets)
         return 0
-    rank = dist.get_rank(tp_group)
-    views: list[tuple[torch.Tensor, int]] = []  # (view into opt_grad, replicas)
-    for bucket in dp.buckets:
-        for p, _, lo, hi, _ in bucket.opt_segments():
-            if hi <= lo:
-                continue
-            if getattr(p, "sequence_parallel", False):
-                views.append((bucket.opt_grad[lo:hi], tp))
-            elif getattr(p, "tp_replicas", 1) > 1:
-                views.append((bucket.opt_grad[lo:hi], p.tp_replicas))
-    if not views:
-        return 0
-    chunks = []
-    for v, replicas in views:
-        if replicas == tp:
-            chunks.append(v.reshape(-1))
-        else:  # each replica writes into its head's slot, so only ranks sharing a head are summed
-            slots = torch.zeros(tp // replicas, v.numel(), dtype=v.dtype)
-            slots[rank // replicas] = v
-            chunks.append(slots.reshape(-1))
-    flat = torch.cat(chunks)
-    comm.all_reduce(flat, tp_group)
-    offset = 0
-    for v, replicas in views:
-        if replicas == tp:
-            v.copy_(flat[offset:offset + v.numel()])
-            offset += v.numel()
-        else:
-            n = (tp // replicas) * v.numel()
-            v.copy_(flat[offset:offset + n].view(-1, v.numel())[rank // replicas])
-            offset += n
-    return len(views)
+    items = [(bucket.opt_grad[lo:hi], p) for bucket in dp.buckets
+             for p, _, lo, hi, _ in bucket.opt_segments() if hi > lo and is_tp_partial(p)]
+    return sum_partial_grads_(items, tp_group)
 
 
 def counted_once(tp_rank: int):

@@ -35,33 +35,51 @@ def _params(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return list(params.parameters()) if isinstance(params, nn.Module) else list(params)
 
 
-def allreduce_tp_replicated_grads(params: nn.Module | Iterable[nn.Parameter], tp_group: ProcessGroup) -> int:
-    """Sum partial grads over the TP group (one all-reduce); returns the number of params synced."""
+def is_tp_partial(p: nn.Parameter) -> bool:
+    """Whether ``p``'s gradient on one TP rank is only a share (sequence-parallel or a KV replica)."""
+    return p.requires_grad and (getattr(p, "sequence_parallel", False) or getattr(p, "tp_replicas", 1) > 1)
+
+
+def sum_partial_grads_(items: list[tuple[torch.Tensor, nn.Parameter]], tp_group: ProcessGroup) -> int:
+    """Sum, in place and in one all-reduce, the gradient shares ``grad`` of each ``(grad, param)``.
+
+    ``grad`` may be ``param.grad`` or any view holding that param's gradient (e.g. a slice of a
+    data-parallel bucket that lines up on every TP rank). Sequence-parallel params are summed over
+    the whole group; KV-head replicas only over the ranks sharing their head.
+    """
     tp, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    sp = [p for p in _params(params) if p.requires_grad and getattr(p, "sequence_parallel", False)]
-    kv = [p for p in _params(params) if p.requires_grad and getattr(p, "tp_replicas", 1) > 1]
-    if tp == 1 or not (sp or kv):
+    items = [(g, p) for g, p in items if is_tp_partial(p)]
+    if tp == 1 or not items:
         return 0
-    for p in sp + kv:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+
+    def replicas(p) -> int:
+        return tp if getattr(p, "sequence_parallel", False) else p.tp_replicas
+
     # Each KV replica writes into the slot of its head, so the sum only mixes ranks sharing a head.
-    chunks = [p.grad.reshape(-1) for p in sp]
-    for p in kv:
-        slots = torch.zeros(tp // p.tp_replicas, p.numel(), dtype=p.grad.dtype, device=p.grad.device)
-        slots[rank // p.tp_replicas] = p.grad.reshape(-1)
+    chunks = []
+    for g, p in items:
+        slots = torch.zeros(tp // replicas(p), g.numel(), dtype=g.dtype, device=g.device)
+        slots[rank // replicas(p)] = g.reshape(-1)
         chunks.append(slots.reshape(-1))
     flat = torch.cat(chunks)
     comm.all_reduce(flat, group=tp_group)
     offset = 0
-    for p in sp:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
-    for p in kv:
-        slots = flat[offset : offset + (tp // p.tp_replicas) * p.numel()].view(-1, p.numel())
-        p.grad.copy_(slots[rank // p.tp_replicas].view_as(p.grad))
+    for g, p in items:
+        slots = flat[offset : offset + (tp // replicas(p)) * g.numel()].view(-1, g.numel())
+        g.copy_(slots[rank // replicas(p)].view_as(g))
         offset += slots.numel()
-    return len(sp) + len(kv)
+    return len(items)
+
+
+def allreduce_tp_replicated_grads(params: nn.Module | Iterable[nn.Parameter], tp_group: ProcessGroup) -> int:
+    """Sum partial grads over the TP group (one all-reduce); returns the number of params synced."""
+    partial = [p for p in _params(params) if is_tp_partial(p)]
+    if dist.get_world_size(tp_group) == 1:
+        return 0
+    for p in partial:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return sum_partial_grads_([(p.grad, p) for p in partial], tp_group)
 
 
 def tp_local_grad_norm_sq(params: nn.Module | Iterable[nn.Parameter], tp_group: ProcessGroup) -> torch.Tensor:

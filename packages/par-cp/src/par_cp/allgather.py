@@ -9,37 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from par_groups import comm
+from par_groups import all_gather_along_dim0
 
 from .segments import segment_attention
 from .sharding import Segments
 from .ulysses import gathered_order
 
 
-class GatherShards(torch.autograd.Function):
-    """Forward: all-gather shards along dim 0 (rank order); backward: reduce-scatter the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        p = dist.get_world_size(group)
-        out = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
-        comm.all_gather_into_tensor(out, x.contiguous(), group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        p = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // p,) + tuple(grad.shape[1:]))
-        comm.reduce_scatter_tensor(out, grad.contiguous(), ctx.group)
-        return out, None
-
-
 def allgather_attention(q, k, v, group, segments: list[Segments], causal: bool, docs, scale: float, backend: str = "auto"):
     """All-gather CP over ``group``; ``segments[i]`` are the global token ranges of group rank i's shard."""
     p = dist.get_world_size(group)
     s = k.shape[0]
-    kv = GatherShards.apply(torch.stack([k, v], dim=1), group)  # [P*S_local, 2, B, H, D]
+    kv = all_gather_along_dim0(torch.stack([k, v], dim=1), group)  # [P*S_local, 2, B, H, D]
     order, _, merged = gathered_order(segments)
     kv = kv.index_select(0, order.to(k.device))
     k_full, v_full = kv[:, 0], kv[:, 1]

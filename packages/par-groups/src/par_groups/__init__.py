@@ -10,3 +10,8 @@ __all__ = ["CommRecord", "CommRecorder", "LayoutError", "ParallelGroups", "RankG
 from .topology import Placement, Topology, gather_topology, place  # noqa: E402
 
 __all__ += ["Placement", "Topology", "gather_topology", "place"]
+
+# all-gather / reduce-scatter along dim 0, plain and differentiable (each the other's dual).
+from .autograd import all_gather_along_dim0, all_gather_dim0, reduce_scatter_along_dim0, reduce_scatter_dim0  # noqa: E402
+
+__all__ += ["all_gather_along_dim0", "all_gather_dim0", "reduce_scatter_along_dim0", "reduce_scatter_dim0"]

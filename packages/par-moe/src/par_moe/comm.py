@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from par_groups import comm
+from par_groups import all_gather_along_dim0, all_gather_dim0, comm, reduce_scatter_along_dim0
 from torch.distributed import ProcessGroup
 
 
@@ -47,57 +47,19 @@ def all_to_all_tokens(x: torch.Tensor, group: ProcessGroup, output_splits: list[
     return _AllToAllTokens.apply(x, group, output_splits, input_splits)
 
 
-def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
-    comm.all_gather_into_tensor(out, x.contiguous(), group)
-    return out
-
-
-def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    comm.reduce_scatter_tensor(out, x.contiguous(), group)
-    return out
-
-
-class _GatherTokens(torch.autograd.Function):
-    """Forward: all-gather along dim 0. Backward: reduce-scatter (sum) of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterTokens(torch.autograd.Function):
-    """Forward: reduce-scatter (sum) along dim 0. Backward: all-gather of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
-
-
 def gather_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _GatherTokens.apply(x, group)
+    return all_gather_along_dim0(x, group)
 
 
 def reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterTokens.apply(x, group)
+    return reduce_scatter_along_dim0(x, group)
 
 
 def gather_no_grad(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """All-gather along dim 0 of a tensor that carries no gradient (indices, masks)."""
     if x.dtype == torch.bool:
-        return _gather(x.to(torch.uint8), group).bool()
-    return _gather(x, group)
+        return all_gather_dim0(x.to(torch.uint8), group).bool()
+    return all_gather_dim0(x, group)
 
 
 def exchange_counts(counts: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

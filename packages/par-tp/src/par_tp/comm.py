@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from par_groups import comm
+from par_groups import all_gather_along_dim0, all_gather_dim0, comm, reduce_scatter_along_dim0
 
 
 def _size(group: ProcessGroup) -> int:
@@ -50,26 +50,6 @@ def _split_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x.chunk(n, dim=0)[_rank(group)].contiguous()
 
 
-def _gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    n = _size(group)
-    if n == 1:
-        return x
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    n = _size(group)
-    if n == 1:
-        return x
-    if x.shape[0] % n:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
-    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
-
-
 def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = _size(group)
     if n == 1:
@@ -84,7 +64,7 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if n == 1:
         return x
     # all_gather_into_tensor stacks along dim 0; move the rank axis to the end afterwards.
-    stacked = _gather_dim0(x.unsqueeze(0), group)  # [n, ..., d]
+    stacked = all_gather_dim0(x.unsqueeze(0), group)  # [n, ..., d]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -126,35 +106,20 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
+        return all_gather_dim0(grad, ctx.group), None
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    """Forward all-gather dim 0; backward reduce-scatter (partial grads) or split (replicated grads)."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_grad_is_partial):
-        ctx.group, ctx.partial = group, output_grad_is_partial
-        return _gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.partial:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
-        return _split_dim0(grad, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Forward reduce-scatter dim 0 of partial sums; backward all-gather dim 0."""
+class _GatherFromSequenceParallelReplicatedGrad(torch.autograd.Function):
+    """Forward all-gather dim 0; backward split dim 0 (every rank holds the whole, same gradient)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+        return all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
+        return _split_dim0(grad, ctx.group), None
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
@@ -208,12 +173,14 @@ def gather_from_sequence_parallel(x: torch.Tensor, group: ProcessGroup, output_g
     holds part of the input gradient, e.g. a column-parallel layer or a vocab-parallel head) and
     ``False`` when what follows is computed identically on every rank (e.g. a replicated loss).
     """
-    return _GatherFromSequenceParallel.apply(x, group, output_grad_is_partial)
+    if output_grad_is_partial:
+        return all_gather_along_dim0(x, group)  # backward: reduce-scatter the partial gradients
+    return _GatherFromSequenceParallelReplicatedGrad.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Reduce-scatter dim 0 forward, all-gather backward: the exit of a row-parallel region with SP."""
-    return _ReduceScatterToSequenceParallel.apply(x, group)
+    return reduce_scatter_along_dim0(x, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -50,7 +50,9 @@ class Trainer:
         g = self.model.groups
         self.groups = g
         self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
-        self.cp_rank, self.cp_size = self._cp_position()
+        # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
+        # is its index in the cp group too), used to shard tokens like the attention expects.
+        self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")
         self.include = counted_once(g.rank_in("tp"))
         self.executor = None
         if self.model.schedule is not None:
@@ -58,11 +60,6 @@ class Trainer:
 
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
                                              device=self.device)
-
-    def _cp_position(self) -> tuple[int, int]:
-        chunk = next(iter(self.model.chunks.values()))
-        layer = next(iter(chunk.layers.values()))
-        return layer.self_attn.core.attn.cp_rank_and_size
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ def checkpoint_root(cfg) -> Path:
 
 def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings."""
-    from .checkpoint import latest_checkpoint
+    from .checkpoint import CheckpointSaver, latest_checkpoint
     from .data import load_dataset
     from .flops import training_flops_per_step
     from .metrics import MetricsLogger, peak_flops
@@ -85,6 +85,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}"
         stops = _StopRequests(t.timeout_s)
+        saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:
@@ -120,19 +121,23 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                     logger.log_eval(step + 1, eval_loss)
             preempted = stops.agreed()
             if (ck.every and done % ck.every == 0) or preempted:
-                path = trainer.save_checkpoint(root, done, ck.keep)
+                path = saver.save(trainer, root, done, ck.keep)
                 saved_at = done
                 if logger is not None:
-                    logger.message(f"checkpoint {path}")
+                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
             if preempted:
+                saver.finish()  # published before we exit
                 if logger is not None:
                     logger.message(f"SIGTERM: stopped after step {done}, checkpoint written")
                 break
         stopped_early = done < t.steps
         if saved_at != done and (ck.every or stopped_early):
-            path = trainer.save_checkpoint(root, done, ck.keep)
+            path = saver.save(trainer, root, done, ck.keep)
             if logger is not None:
                 logger.message(f"checkpoint {path}")
+        finished = saver.finish()  # the last background save, published once every rank has written it
+        if finished is not None and logger is not None:
+            logger.message(f"checkpoint {finished} complete")
         if logger is not None:
             if first is not None:
                 logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "

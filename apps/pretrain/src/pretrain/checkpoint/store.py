@@ -85,26 +85,32 @@ def _block(spec: ShardSpec, tensor: torch.Tensor) -> ShardedTensor:
     return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(tensor, md)], meta)
 
 
-def _local_values(trainer, kind: str) -> dict[str, torch.Tensor]:
-    """This rank's full local tensors (DP shards gathered) of ``kind``: 'master' (the model) or a moment."""
+def _local_values(trainer, kind: str, copy: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's full local tensors (DP shards gathered) of ``kind``: 'master' (the model) or a moment.
+
+    ``copy``: tensors never shared with the live model (on CPU, ``.cpu()`` would alias it), for a
+    background write that runs while training goes on."""
+    def cpu(t):
+        return t.detach().to("cpu", torch.float32, copy=copy)
+
     dp = trainer.model.dp
-    trained = {k: v.detach().float().cpu() for k, v in dp.full_state(kind).items()}
+    trained = {k: cpu(v) for k, v in dp.full_state(kind).items()}
     if kind != "master":
         return trained
     buffers = trainer.model.module.state_dict()
-    return {n: trained[n] if n in trained else buffers[n].detach().float().cpu() for n in trainer.model.shard_specs}
+    return {n: trained[n] if n in trained else cpu(buffers[n]) for n in trainer.model.shard_specs}
 
 
-def _checkpoint_dict(trainer, with_optim: bool) -> dict:
+def _checkpoint_dict(trainer, with_optim: bool, copy: bool = False) -> dict:
     specs = trainer.model.shard_specs
     out = {}
-    master = _local_values(trainer, "master")
+    master = _local_values(trainer, "master", copy)
     for n, spec in specs.items():
         out[f"model/{spec.full_name}"] = _block(spec, master[n].contiguous())
     if with_optim:
         trained = set(trainer.model.dp.param_names.values())
         for kind in MOMENTS:
-            values = _local_values(trainer, kind)
+            values = _local_values(trainer, kind, copy)
             for n, spec in specs.items():
                 if n in trained:
                     out[f"optim/{kind}/{spec.full_name}"] = _block(spec, values[n].contiguous())
@@ -127,16 +133,31 @@ def trainer_state(trainer, step: int) -> dict:
             "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count}
 
 
-@_quiet
-def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_before_rename: bool = False) -> Path:
-    """Write ``root/step_<step>`` (all ranks call it); returns its path. ``fail_before_rename`` is for tests."""
-    root = Path(root)
+def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+    """(final, tmp) paths of the save of ``step``; rank 0 makes an empty ``tmp`` before any rank writes."""
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
+    return final, tmp
+
+
+def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: state file, rename, ``latest``, prune."""
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_latest(root, final.name)
+    _prune(root, keep)
+
+
+@_quiet
+def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_before_rename: bool = False) -> Path:
+    """Write ``root/step_<step>`` (all ranks call it); returns its path. ``fail_before_rename`` is for tests."""
+    root = Path(root)
+    final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True)
     dcp.save(sd, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
@@ -144,11 +165,7 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_be
     if fail_before_rename:
         raise RuntimeError(f"injected failure while saving step {step} (before the rename)")
     if _rank() == 0:
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state(trainer, step), indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_latest(root, final.name)
-        _prune(root, keep)
+        _finalise(root, tmp, final, trainer_state(trainer, step), keep)
     _barrier()
     return final
 

@@ -95,7 +95,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                 peak_flops_per_device=peak_flops(dev, "fp32", cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
             )
-            logger.message(f"pretrain: {world} ranks, layout {trainer.layout.grid().world_size}: tp={trainer.layout.tp} "
+            logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")

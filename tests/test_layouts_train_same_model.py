@@ -107,6 +107,20 @@ PIPELINE = {
     "pp2-dp2-zb-h1-gpipe": ["parallel.pp=2", "parallel.schedule=zb-h1"],
 }
 
+# Tied input/output embeddings: one Parameter, on the rank that holds both ends of the model.
+TIED = {
+    "tp2-dp2": ["parallel.tp=2"],
+    "pp2-dp2-zb-v": ["parallel.pp=2", "parallel.schedule=zb-v"],
+}
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_tied_embeddings_layout_matches_single_rank(dist_run, name):
+    results = dist_run(4, train_losses, None, ["model.tie_embeddings=true"] + TIED[name], timeout=600)
+    reference = single_rank_with(None, ("model.tie_embeddings=true",))
+    for rank_losses in results:
+        _check(rank_losses, reference)
+
 
 @pytest.mark.parametrize("name", list(PIPELINE))
 def test_pipeline_layout_matches_single_rank(dist_run, name):

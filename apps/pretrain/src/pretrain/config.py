@@ -352,6 +352,10 @@ class Config:
               f"[train].seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal CP)")
         if p.zero == "torch_fsdp2":
             _need(not m.tie_embeddings, "[parallel].zero='torch_fsdp2' needs untied embeddings ([model].tie_embeddings=false)")
+        if m.tie_embeddings and p.pp > 1:  # the tied weight is one Parameter on the rank holding both ends
+            _need(p.schedule in ("zb-v", "dualpipev"),
+                  f"[model].tie_embeddings=true with pp={p.pp} needs the first and last chunk on one rank: "
+                  f"use schedule zb-v or dualpipev (got {p.schedule!r}), or set tie_embeddings=false")
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")

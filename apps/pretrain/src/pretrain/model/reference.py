@@ -7,6 +7,9 @@ MoE layers (DeepSeek style) use par-moe's single-device reference layer.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,30 +128,43 @@ def full_shapes(a) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_full_state(a, seed: int) -> dict[str, torch.Tensor]:
-    """The model's initial weights as a full (unsharded) state dict, identical for every layout.
+class InitialState(Mapping[str, torch.Tensor]):
+    """The model's initial weights as a full (unsharded), HF-named state dict, identical for every layout.
 
-    Drawn on the CPU from one generator in name order, so it does not depend on how the model
-    will be split: each parallel rank cuts its shard out of these tensors.
+    Each tensor is drawn on first access from its own generator, seeded by ``(seed, name)``, so it
+    depends neither on how the model is split nor on which other tensors a rank asks for: a
+    pipeline stage materializes only its own layers (one full tensor at a time when it cuts shards).
     """
-    shapes = full_shapes(a)
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name in sorted(shapes):
-        if a.tie_embeddings and name == "lm_head.weight":
-            continue
+
+    def __init__(self, a, seed: int) -> None:
+        self.a, self.seed, self.shapes = a, seed, full_shapes(a)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        if self.a.tie_embeddings and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        shape = self.shapes[name]
         if name.endswith("norm.weight"):
-            state[name] = torch.ones(shapes[name])
-        elif name.endswith("expert_bias"):
-            state[name] = torch.zeros(shapes[name])
-        else:
-            state[name] = torch.randn(shapes[name], generator=gen) * a.init_std
-    if a.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
+            return torch.ones(shape)
+        if name.endswith("expert_bias"):
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=gen) * self.a.init_std
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def init_full_state(a, seed: int) -> InitialState:
+    """See :class:`InitialState` (a lazy mapping of full tensors)."""
+    return InitialState(a, seed)
 
 
 def build_reference(a, seed: int) -> LlamaReference:
     model = LlamaReference(a)
-    model.load_state_dict(init_full_state(a, seed))
+    model.load_state_dict(dict(init_full_state(a, seed)))
     return model

@@ -71,7 +71,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
         for c in mine
     }
     if cfg.model.tie_embeddings:
-        _tie_embeddings(chunks, num_chunks, layout)
+        _tie_embeddings(chunks, num_chunks)
     for chunk in chunks.values():
         for layer in chunk.layers.values():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
@@ -97,19 +97,15 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     return RankModel(groups, chunks, module, dp, schedule, num_chunks, specs)
 
 
-def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int, layout) -> None:
+def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:
     """One Parameter for the input embedding and the output projection, as in the single-device model.
 
-    Both are split by vocabulary rows over TP, so the shards coincide. The first and last chunk must
-    live on one rank (pp=1, or the V-shaped zb-v / dualpipev schedules, whose rank 0 holds both).
+    Both are split by vocabulary rows over TP, so the shards coincide. Config validation already
+    guarantees the first and last chunk share a rank (pp=1, or zb-v / dualpipev's rank 0).
     """
     first, last = 0, num_chunks - 1
-    if first not in chunks and last not in chunks:
-        return
-    if first not in chunks or last not in chunks:
-        raise UsageError(f"[model].tie_embeddings=true with pp={layout.pp} needs the first and last chunk on one "
-                         "rank: use schedule zb-v or dualpipev, or set tie_embeddings=false")
-    chunks[last].lm_head.weight = chunks[first].embed_tokens.weight
+    if first in chunks and last in chunks:
+        chunks[last].lm_head.weight = chunks[first].embed_tokens.weight
 
 
 def _scale_expert_grads(module: nn.Module, layout) -> None:

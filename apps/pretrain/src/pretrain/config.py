@@ -35,6 +35,7 @@ DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "stop")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
+ATTENTIONS = ("gqa", "mla")
 DEFAULT_CONFIG = "tiny.toml"
 
 
@@ -52,6 +53,15 @@ def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
         value = getattr(obj, name)
         low = 0 if allow_zero else 1
         _need(value >= low, f"[{section}].{name}={value} must be >= {low}")
+
+
+def _validate_mla(m) -> None:
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _need(getattr(m, name) >= 1, f"[model].{name}={getattr(m, name)} must be >= 1 with attention='mla'")
+    _positive("model", m, "q_lora_rank", allow_zero=True)
+    _need(m.qk_rope_head_dim % 2 == 0, f"[model].qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    _need(m.kv_heads == m.heads, f"[model].kv_heads={m.kv_heads} must equal heads={m.heads} with attention='mla' "
+                                 f"(every head has its own K and V, expanded from the latent)")
 
 
 @dataclass(frozen=True)
@@ -84,14 +94,40 @@ class ModelConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0  # 0 = no token dropping
     dispatcher: str = "alltoall"
+    norm_topk_prob: bool = True  # sigmoid routing: divide the chosen scores by their sum (DeepSeek-V3)
+    # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0 = a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN RoPE scaling (as Hugging Face's rope_type "yarn"); factor 0 = plain RoPE
+    yarn_factor: float = 0.0
+    yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden")
-        _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", allow_zero=True)
-        _need(self.hidden % self.heads == 0, f"[model].heads={self.heads} does not divide hidden={self.hidden}")
+        _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
+                  allow_zero=True)
+        _choice("[model].attention", self.attention, ATTENTIONS)
         _need(self.heads % self.kv_heads == 0,
               f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
-        _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        if self.attention == "mla":
+            _validate_mla(self)
+        else:
+            _need(self.hidden % self.heads == 0, f"[model].heads={self.heads} does not divide hidden={self.hidden}")
+            _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        _need(self.yarn_factor == 0 or self.yarn_factor >= 1, f"[model].yarn_factor={self.yarn_factor} must be 0 "
+                                                               f"(no RoPE scaling) or >= 1")
+        _need(self.mtp_loss_weight >= 0, f"[model].mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _choice("[model].recompute", self.recompute, RECOMPUTE)
@@ -113,6 +149,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: nope + rope parts under MLA, head_dim otherwise."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def expert_ffn_hidden(self) -> int:

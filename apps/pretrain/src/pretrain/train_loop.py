@@ -20,6 +20,7 @@ from par_tp import vocab_parallel_cross_entropy
 
 from .grads import counted_once, sync_tp_partial_grads
 from .model.build import RankModel, build_rank_model
+from .model.mtp import mtp_streams
 from .schedule_lr import lr_at
 
 
@@ -68,12 +69,22 @@ class Trainer:
         return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        inputs = [self._shard(batch.inputs[m]) for m in range(batch.tokens.shape[0])]
-        labels = [self._shard(batch.labels[m]) for m in range(batch.tokens.shape[0])]
-        return inputs, labels
+        """Sequence-first CP shards; with MTP the labels carry its token streams too ``[S/cp, B, 1 + 2D]``."""
+        n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
+        inputs = [self._shard(batch.inputs[m]) for m in range(n)]
+        if not depth:
+            return inputs, [self._shard(batch.labels[m]) for m in range(n)]
+        streams = [[batch.labels[m]] + mtp_streams(batch.labels[m], depth) for m in range(n)]
+        return inputs, [torch.stack([self._shard(s) for s in group], dim=-1) for group in streams]
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.float(), labels, self.groups.tp)
+    def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
+        """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart)."""
+        if not self.cfg.model.mtp_depth:
+            return vocab_parallel_cross_entropy(out.float(), labels, self.groups.tp)
+        (logits, hidden), streams = out, list(labels.unbind(-1))
+        loss = vocab_parallel_cross_entropy(logits.float(), streams[0], self.groups.tp)
+        extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
+        return loss + (extra - extra.detach())
 
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
@@ -161,6 +172,7 @@ class Trainer:
         last = self.model.num_chunks - 1
         if self.executor is None:
             out = self.model.dp(x0)
+            out = out[0] if isinstance(out, tuple) else out
         else:
             me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
             owner = {c: r for r in range(g.size("pp")) for c in self.model.schedule.chunks_on(r)}
@@ -175,7 +187,7 @@ class Trainer:
                     dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
                 x = self.model.chunks[c](x)
                 if c == last:
-                    out = x
+                    out = x[0] if isinstance(x, tuple) else x
                 elif owner[c + 1] != me:
                     dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
@@ -236,7 +248,7 @@ class Trainer:
         """Aux-loss-free bias updates over every rank that saw other tokens; imbalance for the log."""
         imbalance = []
         for chunk in self.model.chunks.values():
-            for layer in chunk.layers.values():
+            for layer in chunk.decoder_layers():
                 if layer.is_moe:
                     if layer.mlp.config.bias_update_rate > 0:
                         layer.mlp.update_bias(self.groups.tp_dp_cp)

@@ -72,8 +72,10 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     }
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
+    if num_chunks - 1 in chunks and cfg.model.mtp_depth:  # config validation put chunk 0 on this rank too
+        chunks[num_chunks - 1].mtp_embedding.append(chunks[0].embed_tokens)
     for chunk in chunks.values():
-        for layer in chunk.layers.values():
+        for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)

@@ -16,6 +16,7 @@ def moe_config(a) -> MoEConfig:
         topk_groups=a.topk_groups,
         num_shared_experts=a.shared_experts,
         routed_scaling_factor=a.routed_scaling,
+        normalize_topk=a.norm_topk_prob if a.score_func == "sigmoid" else False,
         aux_loss_coeff=a.aux_loss_coeff,
         seq_aux_loss_coeff=getattr(a, "seq_aux_loss_coeff", 0.0),
         z_loss_coeff=a.z_loss_coeff,

@@ -25,9 +25,12 @@ from par_tp import (
     VocabParallelEmbedding,
     mark_sequence_parallel_,
     scatter_to_sequence_parallel,
+    vocab_parallel_cross_entropy,
 )
 
 from .aux_loss import attach_aux_loss
+from .mla import ContextMLACore, TPMLAttention, softmax_scale
+from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
 from .rope import apply_rope, rope_tables
@@ -44,11 +47,12 @@ class RankLayout:
     recompute: str  # none | selective | full
 
 
-def context_attention(layout: RankLayout) -> ContextParallelAttention:
+def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
     g = layout.groups
     if layout.cp_mode == "a2a+p2p":
-        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True)
-    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True)
+        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
+                                        softmax_scale=softmax_scale)
+    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale)
 
 
 class RopeThenContextAttention(nn.Module):
@@ -85,7 +89,12 @@ class ParallelDecoderLayer(nn.Module):
         g, sp = layout.groups, layout.sequence_parallel
         self.full_recompute = layout.recompute == "full"
         self.input_layernorm = _norm(a, sp)
-        self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
+        if a.attention == "mla":
+            core = ContextMLACore(a, context_attention(layout, softmax_scale(a)), layout.seq_len,
+                                  layout.recompute == "selective")
+            self.self_attn = TPMLAttention(a, g.tp, sp, core)
+        else:
+            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
         self.post_attention_layernorm = _norm(a, sp)
         self.is_moe = is_moe_layer(a, index)
         if self.is_moe:
@@ -114,6 +123,13 @@ class ParallelDecoderLayer(nn.Module):
         return self._forward(x)
 
 
+def _mtp_layer(a, j: int, layout: RankLayout) -> ParallelDecoderLayer:
+    layer = add_mtp_parts_(ParallelDecoderLayer(a, j, layout), a, lambda: _norm(a, layout.sequence_parallel))
+    if layout.sequence_parallel:  # replicated, applied to this rank's S/tp tokens
+        mark_sequence_parallel_(layer.eh_proj)
+    return layer
+
+
 class ModelChunk(nn.Module):
     """A contiguous run of layers; the first chunk embeds, the last one norms and projects to logits."""
 
@@ -121,40 +137,66 @@ class ModelChunk(nn.Module):
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
         self.tp_group, self.sp = g.tp, sp
-        self.first, self.last = first, last
+        self.first, self.last, self.a = first, last, a
         self.layer_ids = list(layer_ids)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, sp) if last else None
         self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
+        # Multi-token prediction modules sit with the output head; the embedding they share is
+        # handed over by the builder (``mtp_embedding``: a list, so it is not registered twice).
+        self.mtp = nn.ModuleDict({str(j): _mtp_layer(a, j, layout) for j in mtp_layer_ids(a)} if last else {})
+        self.mtp_embedding: list[VocabParallelEmbedding] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
+        x = embedding(tokens)
+        return scatter_to_sequence_parallel(x, self.tp_group) if self.sp else x
+
+    def forward(self, x: torch.Tensor):
+        """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP."""
         if self.first:
-            x = self.embed_tokens(x)
-            if self.sp:
-                x = scatter_to_sequence_parallel(x, self.tp_group)
+            x = self._embed(x, self.embed_tokens)
         for layer in self.layers.values():
             x = layer(x)
         if self.last:
-            x = self.lm_head(self.norm(x))
+            logits = self.lm_head(self.norm(x))
+            return (logits, x) if len(self.mtp) else logits
         return x
+
+    def mtp_loss(self, hidden: torch.Tensor, streams: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's weighted MTP loss (see mtp.py) from the main model's last hidden states."""
+        def cross_entropy(logits, targets):
+            return vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group, reduction="sum")
+
+        return mtp_loss(self.a, hidden, streams, list(self.mtp.values()),
+                        lambda t: self._embed(t, self.mtp_embedding[0]), lambda layer, x: layer(x),
+                        self.lm_head, cross_entropy)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.layers.values()) + list(self.mtp.values())
 
     def gather_units(self) -> list[nn.Module]:
         """The modules ZeRO-3 gathers one at a time, in forward order."""
         units = [self.embed_tokens] if self.first else []
         units += list(self.layers.values())
-        return units + ([self.norm, self.lm_head] if self.last else [])
+        return units + ([self.norm, self.lm_head] + list(self.mtp.values()) if self.last else [])
 
     @torch.no_grad()
     def load_full_state_(self, state: dict[str, torch.Tensor]) -> "ModelChunk":
         """Copy this rank's shard of every parameter from a full (HF-named) state dict."""
         if self.first:
             self.embed_tokens.load_full_(state["model.embed_tokens.weight"])
-        for i, layer in self.layers.items():
+        for i, layer in list(self.layers.items()) + list(self.mtp.items()):
             p = f"model.layers.{i}."
+            if i in self.mtp:
+                for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm"):
+                    layer.get_submodule(name).weight.copy_(state[f"{p}{name}.weight"])
             layer.input_layernorm.weight.copy_(state[p + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(state[p + "post_attention_layernorm.weight"])
-            layer.self_attn.load_full_(*(state[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"))
+            if isinstance(layer.self_attn, TPMLAttention):
+                layer.self_attn.load_full_(state, p + "self_attn.")
+            else:
+                layer.self_attn.load_full_(*(state[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"))
             if layer.is_moe:
                 m = p + "mlp."
                 shared = [state.get(m + f"shared.w_{n}") for n in ("gate", "up", "down")]

@@ -61,7 +61,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, a, index: int) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-        self.self_attn = Attention(a)
+        if a.attention == "mla":
+            from .mla import MLAttention
+
+            self.self_attn = MLAttention(a)
+        else:
+            self.self_attn = Attention(a)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
         if is_moe_layer(a, index):
             from .moe import reference_moe
@@ -80,8 +85,12 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, a) -> None:
         super().__init__()
+        from .mtp import add_mtp_parts_, mtp_layer_ids
+
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden)
         self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.layers))
+        self.layers.extend(add_mtp_parts_(DecoderLayer(a, j), a, lambda: nn.RMSNorm(a.hidden, eps=a.norm_eps))
+                           for j in mtp_layer_ids(a))  # multi-token prediction: see mtp.py
         self.norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
 
 
@@ -96,36 +105,54 @@ class LlamaReference(nn.Module):
         if a.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_states(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output before the final norm, summed aux loss) of the main model."""
         x = self.model.embed_tokens(tokens)
         aux = x.new_zeros(())
-        for layer in self.model.layers:
+        for layer in self.model.layers[: self.args.layers]:
             x, layer_aux = layer(x)
             aux = aux + layer_aux
+        return x, aux
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, aux = self.hidden_states(tokens)
         return self.lm_head(self.model.norm(x)), aux
+
+
+def layer_shapes(a, i: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of decoder layer ``i``'s tensors (HF names under ``model.layers.{i}.``)."""
+    d, h, p = a.hidden // a.heads, a.hidden, f"model.layers.{i}."
+    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    if a.attention == "mla":
+        from .mla import mla_shapes
+
+        shapes |= mla_shapes(a, p + "self_attn.")
+    else:
+        shapes |= {p + "self_attn.q_proj.weight": (a.heads * d, h), p + "self_attn.k_proj.weight": (a.kv_heads * d, h),
+                   p + "self_attn.v_proj.weight": (a.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, a.heads * d)}
+    if is_moe_layer(a, i):
+        e, f = a.num_experts, a.moe_ffn_hidden or a.ffn_hidden
+        shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
+                   p + "mlp.experts.w_gate": (e, f, h), p + "mlp.experts.w_up": (e, f, h),
+                   p + "mlp.experts.w_down": (e, h, f)}
+        if a.shared_experts:
+            fs = a.shared_experts * f
+            shapes |= {p + "mlp.shared.w_gate": (fs, h), p + "mlp.shared.w_up": (fs, h), p + "mlp.shared.w_down": (h, fs)}
+    else:
+        f = a.ffn_hidden
+        shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    return shapes
 
 
 def full_shapes(a) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor of the full state dict (HF names), without building the model."""
-    d, h = a.hidden // a.heads, a.hidden
+    from .mtp import mtp_shapes
+
+    h = a.hidden
     shapes = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (a.vocab_size, h)}
     for i in range(a.layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (a.heads * d, h), p + "self_attn.k_proj.weight": (a.kv_heads * d, h),
-                   p + "self_attn.v_proj.weight": (a.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, a.heads * d)}
-        if is_moe_layer(a, i):
-            e, f = a.num_experts, a.moe_ffn_hidden or a.ffn_hidden
-            shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
-                       p + "mlp.experts.w_gate": (e, f, h), p + "mlp.experts.w_up": (e, f, h),
-                       p + "mlp.experts.w_down": (e, h, f)}
-            if a.shared_experts:
-                fs = a.shared_experts * f
-                shapes |= {p + "mlp.shared.w_gate": (fs, h), p + "mlp.shared.w_up": (fs, h), p + "mlp.shared.w_down": (h, fs)}
-        else:
-            f = a.ffn_hidden
-            shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
-    return shapes
+        shapes |= layer_shapes(a, i)
+    return shapes | mtp_shapes(a)
 
 
 class InitialState(Mapping[str, torch.Tensor]):

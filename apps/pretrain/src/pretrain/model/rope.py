@@ -1,21 +1,52 @@
-"""Rotary position embeddings (Llama / Hugging Face convention: rotate the two halves)."""
+"""Rotary position embeddings: Llama's rotate-half layout, DeepSeek's interleaved pairs, YaRN scaling.
+
+Frequencies are computed in float32 as Hugging Face does, so imported models give the same logits.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, a) -> torch.Tensor:
+    """YaRN: interpolate the slow frequencies by ``yarn_factor``, keep the fast ones, ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(a.yarn_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(a.rope_theta))
+
+    low = max(math.floor(correction_dim(a.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(a.yarn_beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (inv_freq / a.yarn_factor) * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape ``[S, head_dim]`` for the given absolute positions ``[S]``.
 
     Positions are explicit so a context-parallel shard (zigzag or contiguous) gets the angles of
-    the tokens it actually holds.
+    the tokens it actually holds. ``scaling``: a ``[model]`` config whose ``yarn_factor`` > 0
+    turns on YaRN (frequencies and the cos/sin attention factor).
     """
-    # float32 as Hugging Face computes it, so imported models give the same logits.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factor = 1.0
+    if scaling is not None and scaling.yarn_factor:
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, scaling)
+        a = scaling
+        factor = (yarn_mscale(a.yarn_factor, a.yarn_mscale) / yarn_mscale(a.yarn_factor, a.yarn_mscale_all_dim)
+                  if a.yarn_mscale and a.yarn_mscale_all_dim else yarn_mscale(a.yarn_factor, 1.0))
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -23,3 +54,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, None, :] + rotated * sin[:, None, None, :]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: pairs ``(x0, x1), (x2, x3) ...`` rotate together; the result comes out
+    de-interleaved (evens then odds), as in Hugging Face. q and k get the same permutation, so
+    their dot products are those of the interleaved rotation."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, None, :half], sin[:, None, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -1,0 +1,183 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), single-device and tensor/context parallel.
+
+Per token: the query comes through a low-rank path ``q_b(norm(q_a(x)))`` (or a full ``q_proj``
+when ``q_lora_rank`` is 0); keys and values are expanded per head from one compressed latent
+``c = norm(kv_a(x)[:kv_lora_rank])`` by ``kv_b``, plus one RoPE key ``kv_a(x)[kv_lora_rank:]``
+shared by every head. A head's query/key is ``[nope | rope]`` (qk_nope_head_dim +
+qk_rope_head_dim), its value v_head_dim wide. RoPE uses DeepSeek's interleaved pairs; the
+softmax scale is ``1/sqrt(qk_head_dim)``, times YaRN's mscale squared when RoPE is scaled.
+Hugging Face names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
+``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), so released checkpoints load unchanged.
+
+Tensor parallel (as Megatron): the down-projections ``q_a``/``kv_a`` and their norms are
+replicated; the up-projections ``q_b``/``kv_b`` are column-parallel (heads split) and ``o_proj``
+row-parallel. The latents ``[cq | ckv | k_rope]`` (q_lora_rank + kv_lora_rank +
+qk_rope_head_dim wide, narrower than hidden) enter the TP region in ONE collective: with
+sequence parallelism the down-projections run on this rank's ``S/tp`` tokens and the latents are
+all-gathered (backward: reduce-scatter), so the replicated weights hold partial grads
+(``sequence_parallel``); without it the latents are copied (backward: one all-reduce).
+Context parallel: K and V are formed per head before par-cp's ring/all-to-all, which then moves
+``[S/cp, B, heads/tp, D]`` keys and values with ``D = max(qk_head_dim, v_head_dim)`` (the
+narrower side zero-padded: q.k and the output are unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from par_cp import position_ids
+from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region, mark_sequence_parallel_
+
+from .rope import apply_rope_interleaved, rope_tables, yarn_mscale
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
+
+
+def softmax_scale(a) -> float:
+    scale = a.qk_head_dim ** -0.5
+    if a.yarn_factor and a.yarn_mscale_all_dim:
+        scale *= yarn_mscale(a.yarn_factor, a.yarn_mscale_all_dim) ** 2
+    return scale
+
+
+def mla_shapes(a, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Full shapes of one layer's MLA tensors (HF names under ``prefix``, e.g. ``model.layers.0.self_attn.``)."""
+    h, n, dqk = a.hidden, a.heads, a.qk_head_dim
+    out = {}
+    if a.q_lora_rank:
+        out |= {"q_a_proj.weight": (a.q_lora_rank, h), "q_a_layernorm.weight": (a.q_lora_rank,),
+                "q_b_proj.weight": (n * dqk, a.q_lora_rank)}
+    else:
+        out["q_proj.weight"] = (n * dqk, h)
+    out |= {"kv_a_proj_with_mqa.weight": (a.kv_lora_rank + a.qk_rope_head_dim, h),
+            "kv_a_layernorm.weight": (a.kv_lora_rank,),
+            "kv_b_proj.weight": (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+            "o_proj.weight": (h, n * a.v_head_dim)}
+    return {prefix + k: v for k, v in out.items()}
+
+
+def mla_params_per_layer(a) -> int:
+    """DeepSeek's count: q (low-rank or full), kv_a, kv_b, o and the two latent norms."""
+    return sum(math.prod(s) for s in mla_shapes(a, "").values())
+
+
+def _split_heads(a, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos, sin):
+    """q ``[S, B, n*dqk]``, kv ``[S, B, n*(dn+dv)]``, k_rope ``[S, B, dr]`` -> q, k ``[S, B, n, dqk]``, v."""
+    s, b = q.shape[:2]
+    dn, dr = a.qk_nope_head_dim, a.qk_rope_head_dim
+    q = q.view(s, b, -1, dn + dr)
+    kv = kv.view(s, b, q.shape[2], dn + a.v_head_dim)
+    q_nope, q_rope = q.split([dn, dr], dim=-1)
+    k_nope, v = kv.split([dn, a.v_head_dim], dim=-1)
+    q_rope = apply_rope_interleaved(q_rope, cos, sin)
+    k_rope = apply_rope_interleaved(k_rope.view(s, b, 1, dr), cos, sin).expand(s, b, q.shape[2], dr)
+    return torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v
+
+
+class MLAttention(nn.Module):
+    """The single-device reference: ``forward(x [S, B, H]) -> [S, B, H]``, torch SDPA as the kernel."""
+
+    def __init__(self, a) -> None:
+        super().__init__()
+        self.a = a
+        n, dqk = a.heads, a.qk_head_dim
+        if a.q_lora_rank:
+            self.q_a_proj = nn.Linear(a.hidden, a.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, n * dqk, bias=False)
+        else:
+            self.q_proj = nn.Linear(a.hidden, n * dqk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * a.v_head_dim, a.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, s = self.a, x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        cos, sin = rope_tables(torch.arange(s), a.qk_rope_head_dim, a.rope_theta, x.dtype, scaling=a)
+        q, k, v = _split_heads(a, q, self.kv_b_proj(self.kv_a_layernorm(c)), k_rope, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, n, S, D]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale(a))
+        return self.o_proj(o.permute(2, 0, 1, 3).reshape(s, x.shape[1], -1))
+
+
+class ContextMLACore(nn.Module):
+    """RoPE at this CP shard's positions, then par-cp attention on K and V padded to one width."""
+
+    def __init__(self, a, attn, seq_len: int, selective: bool) -> None:
+        super().__init__()
+        self.a, self.attn, self.selective = a, attn, selective
+        cp_rank, cp_size = attn.cp_rank_and_size
+        pos = position_ids(seq_len, cp_rank, cp_size, layout=attn.layout)
+        cos, sin = rope_tables(pos, a.qk_rope_head_dim, a.rope_theta, torch.float32, scaling=a)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _core(self, q, kv, k_rope):
+        q, k, v = _split_heads(self.a, q, kv, k_rope, self.cos.to(q.dtype), self.sin.to(q.dtype))
+        width = max(q.shape[-1], v.shape[-1])
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        return self.attn(q, k, v)[..., : self.a.v_head_dim]
+
+    def forward(self, q, kv, k_rope):
+        if self.selective and torch.is_grad_enabled():  # recompute attention only
+            return checkpoint(self._core, q, kv, k_rope, use_reentrant=False)
+        return self._core(q, kv, k_rope)
+
+
+class TPMLAttention(nn.Module):
+    """MLA with heads split over TP (see the module docstring); input/output like ``par_tp.TPAttention``."""
+
+    def __init__(self, a, tp_group, sequence_parallel: bool, core: ContextMLACore) -> None:
+        super().__init__()
+        self.a, self.tp_group, self.sp, self.core = a, tp_group, sequence_parallel, core
+        n, dqk, sp = a.heads, a.qk_head_dim, sequence_parallel
+        if a.q_lora_rank:
+            self.q_a_proj = nn.Linear(a.hidden, a.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(a.q_lora_rank, n * dqk, tp_group)
+        else:
+            self.q_proj = ColumnParallelLinear(a.hidden, n * dqk, tp_group, sequence_parallel=sp)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), tp_group)
+        self.o_proj = RowParallelLinear(n * a.v_head_dim, a.hidden, tp_group, input_is_parallel=True,
+                                        sequence_parallel=sp)
+        if sp:  # replicated weights applied to S/tp tokens: their grads are partial sums over TP
+            for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+                if hasattr(self, name):
+                    mark_sequence_parallel_(getattr(self, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        parts = [self.kv_a_layernorm(c), k_rope]
+        if a.q_lora_rank:
+            parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))
+        latent = enter_tensor_parallel_region(torch.cat(parts, -1), self.tp_group, self.sp)  # the one entry
+        if a.q_lora_rank:
+            cq, c, k_rope = latent.split([a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+            q = self.q_b_proj.forward_local(cq)
+        else:
+            c, k_rope = latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+            q = self.q_proj(x)  # a second entry (all-gather of x) only without the q low-rank path
+        out = self.core(q, self.kv_b_proj.forward_local(c), k_rope)
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
+
+    @torch.no_grad()
+    def load_full_(self, state, prefix: str) -> "TPMLAttention":
+        """Copy this rank's part of every MLA tensor from the full state (names under ``prefix``)."""
+        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+            if hasattr(self, name):
+                getattr(self, name).weight.copy_(state[f"{prefix}{name}.weight"])
+        for name in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj"):
+            if hasattr(self, name):
+                getattr(self, name).load_full_(state[f"{prefix}{name}.weight"])
+        return self

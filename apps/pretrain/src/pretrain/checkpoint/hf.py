@@ -1,12 +1,13 @@
-"""Hugging Face Llama import/export: config.json + safetensors (never pickle) <-> our checkpoints.
+"""Hugging Face import/export: config.json + safetensors (never pickle) <-> our checkpoints.
 
-Our full state dict already uses HF names and HF's rotate-half RoPE convention, so weights copy
-over unchanged; only the config keys are translated.
+Llama: our full state dict already uses HF names and HF's rotate-half RoPE convention, so weights
+copy over unchanged; only the config keys are translated. DeepSeek-V3: see hf_deepseek.py.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from ..config import Config, ModelConfig
 from ..errors import UsageError
 from ..model.reference import full_shapes
+from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .store import FORMAT, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
 # HF config.json key -> [model] key
@@ -24,8 +26,13 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_laye
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     kind = hf.get("model_type")
+    if kind == "deepseek_v3":
+        try:
+            return deepseek_model_config(hf, where)
+        except KeyError as e:
+            raise UsageError(f"{where}: missing {e.args[0]}") from None
     if kind not in ("llama", "mistral", None):
-        raise UsageError(f"{where}: model_type={kind!r} is not a Llama-family model (llama)")
+        raise UsageError(f"{where}: model_type={kind!r} is not supported (llama, mistral or deepseek_v3)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise UsageError(f"{where}: {key}=true is not supported (the model has no biases)")
@@ -51,8 +58,11 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def hf_config_from_model(m: ModelConfig) -> dict:
+    if m.attention == "mla":
+        return deepseek_hf_config(m)
     if m.num_experts:
-        raise UsageError("export to Hugging Face supports dense Llama models only (this one has MoE layers)")
+        raise UsageError("export to Hugging Face supports dense Llama and DeepSeek-V3 (MLA) models only "
+                         "(this one has MoE layers with attention='gqa')")
     out = {hf: getattr(m, ours) for hf, ours in HF_KEYS.items()}
     return out | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
                   "head_dim": m.head_dim, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
@@ -79,6 +89,10 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for f in files:
         state.update(load_file(str(f)))
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if m.attention == "mla":
+        if m.mtp_depth and not any(k.startswith(f"model.layers.{m.layers}.") for k in state):
+            m = replace(m, mtp_depth=0)  # transformers saves no MTP layers: import the main model alone
+        state = from_deepseek_names(state, m)
     if m.tie_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
@@ -113,6 +127,8 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     m = ModelConfig(**read_state(path)["config"]["model"])
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
+    if m.attention == "mla":
+        state = to_deepseek_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
     dst = Path(dst)

@@ -1,0 +1,119 @@
+"""Hugging Face DeepSeek-V3 (``model_type = deepseek_v3``) import/export: config keys and tensor names.
+
+Attention (MLA), norms, dense MLPs, the embedding and the head keep their released names. MoE
+layers are renamed: ``mlp.experts.N.{gate,up,down}_proj.weight`` stack into our
+``mlp.experts.w_{gate,up,down}`` ``[E, ...]``, ``mlp.gate.weight`` is ``mlp.router.weight``,
+``mlp.gate.e_score_correction_bias`` is ``mlp.router.expert_bias``, ``mlp.shared_experts.*_proj``
+is ``mlp.shared.w_*``. The multi-token-prediction layers ``model.layers.{L..L+D-1}`` keep their
+names; their copies of the shared embedding and head (``embed_tokens``, ``shared_head.head``) are
+dropped on import (we share one tensor) and written back on export.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UsageError
+
+PROJ = ("gate", "up", "down")
+
+
+def deepseek_model_config(hf: dict, where: str) -> ModelConfig:
+    """Our ``[model]`` for a DeepSeek-V3 ``config.json`` (bad or unsupported keys: one UsageError line)."""
+    for key, want in (("attention_bias", False), ("hidden_act", "silu"), ("rope_interleave", True),
+                      ("tie_word_embeddings", False), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if key in hf and hf[key] != want:
+            raise UsageError(f"{where}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {want!r})")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise UsageError(f"{where}: RoPE type {kind!r} is not supported (default or yarn)")
+    n_group, topk_group, top_k = hf.get("n_group", 1), hf.get("topk_group", 1), hf["num_experts_per_tok"]
+    if n_group > 1 and top_k != 2 * topk_group:  # transformers scores a group by its top-2 experts
+        raise UsageError(f"{where}: num_experts_per_tok={top_k} must be 2 * topk_group={topk_group} with n_group > 1")
+    heads = hf["num_attention_heads"]
+    kwargs = dict(
+        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
+        kv_heads=heads, ffn_hidden=hf["intermediate_size"], rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        moe_layers_start=hf.get("first_k_dense_replace", 0), num_experts=hf["n_routed_experts"] or 0, top_k=top_k,
+        moe_ffn_hidden=hf["moe_intermediate_size"], shared_experts=hf.get("n_shared_experts") or 0,
+        score_func="sigmoid", n_groups=n_group, topk_groups=topk_group,
+        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        mtp_depth=hf.get("num_nextn_predict_layers", 0) or 0)
+    if kind == "yarn":
+        kwargs |= dict(yarn_factor=float(rope["factor"]), yarn_original_max_positions=rope["original_max_position_embeddings"],
+                       yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                       yarn_mscale=float(rope.get("mscale") or 0), yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
+    try:
+        return ModelConfig(**kwargs)
+    except (UsageError, TypeError) as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+def deepseek_hf_config(m: ModelConfig) -> dict:
+    rope = {"rope_theta": m.rope_theta, "rope_type": "default"}
+    if m.yarn_factor:
+        rope = {"rope_theta": m.rope_theta, "rope_type": "yarn", "factor": m.yarn_factor,
+                "original_max_position_embeddings": m.yarn_original_max_positions, "beta_fast": m.yarn_beta_fast,
+                "beta_slow": m.yarn_beta_slow, "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+            "num_key_value_heads": m.heads, "intermediate_size": m.ffn_hidden, "rms_norm_eps": m.norm_eps,
+            "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim,
+            "first_k_dense_replace": m.moe_layers_start if m.num_experts else m.layers,
+            "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_ffn_hidden,
+            "n_shared_experts": m.shared_experts, "n_group": m.n_groups, "topk_group": m.topk_groups,
+            "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.norm_topk_prob,
+            "num_nextn_predict_layers": m.mtp_depth, "rope_interleave": True, "attention_bias": False,
+            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32", "rope_parameters": rope,
+            "max_position_embeddings": max(4096, int(m.yarn_original_max_positions * (m.yarn_factor or 1)))}
+
+
+def _moe_layers(m: ModelConfig):
+    return [i for i in range(m.layers + m.mtp_depth) if m.is_moe_layer(i)]
+
+
+def from_deepseek_names(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Released names -> ours (stacked experts, router). Missing tensors are left for the caller to report."""
+    out = dict(state)
+    for j in range(m.layers, m.layers + m.mtp_depth):  # MTP's copies of the shared tensors
+        out.pop(f"model.layers.{j}.embed_tokens.weight", None)
+        out.pop(f"model.layers.{j}.shared_head.head.weight", None)
+    for i in _moe_layers(m):
+        p = f"model.layers.{i}.mlp."
+        for w in PROJ:
+            names = [f"{p}experts.{e}.{w}_proj.weight" for e in range(m.num_experts)]
+            if all(n in out for n in names):
+                out[f"{p}experts.w_{w}"] = torch.stack([out.pop(n) for n in names])
+            if f"{p}shared_experts.{w}_proj.weight" in out:
+                out[f"{p}shared.w_{w}"] = out.pop(f"{p}shared_experts.{w}_proj.weight")
+        for theirs, ours in (("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.expert_bias")):
+            if p + theirs in out:
+                out[p + ours] = out.pop(p + theirs)
+    return out
+
+
+def to_deepseek_names(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Ours -> the released names (inverse of :func:`from_deepseek_names`)."""
+    out = {}
+    for name, t in state.items():
+        hit = re.fullmatch(r"(model\.layers\.\d+\.mlp\.)(experts\.w_|shared\.w_|router\.)(\w+)", name)
+        if not hit:
+            out[name] = t
+        elif hit[2] == "experts.w_":
+            out |= {f"{hit[1]}experts.{e}.{hit[3]}_proj.weight": t[e] for e in range(t.shape[0])}
+        elif hit[2] == "shared.w_":
+            out[f"{hit[1]}shared_experts.{hit[3]}_proj.weight"] = t
+        else:
+            out[hit[1] + {"weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias"}[hit[3]]] = t
+    for j in range(m.layers, m.layers + m.mtp_depth):
+        out[f"model.layers.{j}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        out[f"model.layers.{j}.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    return out

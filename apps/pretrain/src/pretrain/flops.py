@@ -59,8 +59,13 @@ class ParamCounts:
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
+    """The main model's counts (as DeepSeek reports 671B / 37B); the MTP modules are ``mtp_params``."""
     h, d = m.hidden, m.head_dim
     attention = 2 * h * h + 2 * h * m.kv_heads * d + 2 * h
+    if m.attention == "mla":
+        from .model.mla import mla_params_per_layer
+
+        attention = mla_params_per_layer(m) + 2 * h  # + the two layer norms
     return ParamCounts(
         embedding=m.vocab_size * h,
         output=0 if m.tie_embeddings else m.vocab_size * h,
@@ -75,6 +80,16 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         moe_layers=m.num_moe_layers,
         top_k=m.top_k if m.is_moe else 0,
     )
+
+
+def mtp_params(m: ModelConfig) -> int:
+    """The multi-token-prediction modules: per depth one decoder layer (layer ``layers + k``), eh_proj, 3 norms."""
+    c, h = param_counts(m), m.hidden
+    total = 0
+    for j in range(m.layers, m.layers + m.mtp_depth):
+        mlp = c.router + c.shared_experts + c.routed_per_layer if m.is_moe_layer(j) else c.dense_mlp
+        total += c.attention + mlp + 2 * h * h + 3 * h
+    return total
 
 
 def matmul_params_per_token(m: ModelConfig) -> int:

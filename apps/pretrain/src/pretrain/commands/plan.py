@@ -18,7 +18,7 @@ from par_zero import model_state
 
 from ..config import Config, Layout, load_config
 from ..errors import UsageError, fail
-from ..flops import activation_bytes, param_counts, training_flops_per_step, training_flops_per_token
+from ..flops import activation_bytes, mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 
 GB, MB = 1e9, 1e6
 STRATEGIES = (("DDP", "no_shard"), ("ZeRO-1", "optim"), ("ZeRO-2", "optim_grads"), ("ZeRO-3", "optim_grads_params"))
@@ -81,13 +81,17 @@ def stage_params(cfg: Config, layout: Layout) -> tuple[float, float, int]:
     m, c = cfg.model, param_counts(cfg.model)
     best = (0.0, 0.0, 0)
     for stage, layers in enumerate(cfg.parallel.stage_layers(m.layers)):
+        experts_extra = 0.0
         moe = sum(m.is_moe_layer(i) for i in layers)
         dense = c.attention * len(layers) + c.dense_mlp * (len(layers) - moe) + (c.router + c.shared_experts) * moe
         if stage == 0:
             dense += c.embedding
         if stage == layout.pp - 1:
             dense += c.output + c.final_norm + (c.embedding if m.tie_embeddings and layout.pp > 1 else 0)
-        experts = moe * (c.num_experts // layout.ep) * c.expert / layout.etp
+            mtp_routed = sum(m.is_moe_layer(j) for j in range(m.layers, m.layers + m.mtp_depth)) * c.routed_per_layer
+            dense += mtp_params(m) - mtp_routed  # the MTP modules sit with the output head
+            experts_extra = mtp_routed / layout.ep / layout.etp
+        experts = moe * (c.num_experts // layout.ep) * c.expert / layout.etp + experts_extra
         candidate = (dense / layout.tp, experts, stage)
         if candidate[0] + candidate[1] > best[0] + best[1]:
             best = candidate
@@ -122,7 +126,7 @@ def config_plan(cfg: Config, world: int, gpus_per_node: int, gpu_memory_gb: floa
         "config": cfg.source, "world": world, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
         "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "edp",
                                                    "sequence_parallel", "micro_batch", "microbatches")},
-        "params": {"total": c.total, "active": c.active, "per_rank_dense": dense, "per_rank_experts": experts,
+        "params": {"total": c.total, "active": c.active, "mtp": mtp_params(m), "per_rank_dense": dense, "per_rank_experts": experts,
                    "heaviest_stage": stage},
         "model_state": table, "current": p.zero, "convention": CONVENTION if dtype == "bf16" else "fp32 params and grads, fp32 Adam moments",
         "activations": {"dense_layer": act.dense_layer, "moe_layer": act.moe_layer, "per_microbatch": act.per_microbatch,
@@ -174,7 +178,8 @@ def render_config(plan: dict) -> str:
         f"{plan['config']} on {plan['world']} ranks ({plan['gpus_per_node']} per node, {num(plan['gpu_memory_gb'])} GB each)",
         "layout: " + " ".join(f"{k}={lay[k]}" for k in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "edp"))
         + f" sp={'on' if lay['sequence_parallel'] else 'off'}; {lay['microbatches']} micro-batch(es) of {lay['micro_batch']} per dp rank",
-        f"params: {human_count(prm['total'])} total, {human_count(prm['active'])} active per token; per rank (stage "
+        f"params: {human_count(prm['total'])} total, {human_count(prm['active'])} active per token"
+        + (f" (+ {human_count(prm['mtp'])} in the MTP modules)" if prm["mtp"] else "") + "; per rank (stage "
         f"{prm['heaviest_stage']}): {human_count(prm['per_rank_dense'])} dense + {human_count(prm['per_rank_experts'])} experts",
     ]
     if "experts" in plan:

@@ -1,0 +1,181 @@
+"""DeepSeek-V3's pieces train the same model under every layout: multi-head latent attention (MLA)
+and multi-token prediction (MTP), 10 fp32 steps, loss and global grad norm equal to the single-rank
+run (the tolerance of test_layouts_train_same_model). Also: the single-rank MLA + MTP model equals
+the plain-PyTorch reference (loss and every gradient); MLA's TP communication is what the latent
+widths predict; MLA's parameter count is DeepSeek's formula; `plan deepseek-v3` gives the published
+totals; bad MLA/MTP input is one line."""
+
+import functools
+
+import pytest
+import torch
+
+STEPS = 10
+COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false"]
+RTOL = 1e-5  # fp32 layouts differ by rounding only (measured: see the report)
+
+
+def train_losses(config, overrides):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    trainer = Trainer(load_config(config, COMMON + list(overrides)))
+    results = [trainer.train_step(step) for step in range(STEPS)]
+    return [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def _check(result, reference):
+    for got, want in zip(result, reference):  # losses, then grad norms
+        assert len(got) == len(want) == STEPS
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+        assert worst <= RTOL, f"relative error {worst:.2e} vs single rank: {got} vs {want}"
+
+MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.layers=6",
+       "model.mtp_depth=1", "model.mtp_loss_weight=0.5"]
+LAYOUTS = {
+    "tp2-dp2-sp": ["parallel.tp=2"],
+    "tp2-dp2-no-sp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
+    "cp2-dp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
+    "cp2-tp2-a2a": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a"],
+    "pp2-dp2-dualpipev-uneven": ["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.first_stage_layers=2",
+                                 "parallel.last_stage_layers=4"],
+}
+MOE = ["model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01", "model.bias_update_rate=0.001",
+       "model.score_func=sigmoid", "model.n_groups=2", "model.topk_groups=1", "model.moe_layers_start=1"]
+
+
+@functools.cache
+def single_rank(config, overrides):
+    from par_groups.testing import RankPool
+
+    pool = RankPool(1)
+    try:
+        return pool.run(train_losses, config, list(overrides))[0]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mla_mtp_layout_matches_single_rank(dist_run, name):
+    for result in dist_run(4, train_losses, None, MLA + LAYOUTS[name], timeout=600):
+        _check(result, single_rank(None, tuple(MLA)))
+
+
+def test_mla_mtp_moe_ep2_matches_single_rank(dist_run):
+    overrides = MLA + MOE
+    for result in dist_run(4, train_losses, "tiny-moe", overrides + ["parallel.ep=2"], timeout=600):
+        _check(result, single_rank("tiny-moe", tuple(overrides)))
+
+
+def matches_reference_job():
+    """One rank: the trainer's loss (with MTP's gradient) and every gradient equal plain PyTorch's."""
+    import torch.nn.functional as F
+
+    from pretrain.config import load_config
+    from pretrain.model.mtp import reference_mtp_loss
+    from pretrain.model.reference import build_reference
+    from pretrain.train_loop import Trainer
+
+    cfg = load_config(None, MLA + ["train.global_batch=2", "model.yarn_factor=4.0", "model.yarn_mscale_all_dim=1.0",
+                                   "model.yarn_original_max_positions=16"])
+    trainer = Trainer(cfg)
+    chunk = trainer.model.chunks[0]
+    grads = {}
+    for name, p in chunk.named_parameters():  # read grads before the DP wrapper moves them into buckets
+        p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
+    inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
+    loss = trainer._loss(chunk(inputs[0]), labels[0])
+    loss.backward()
+    ref = build_reference(cfg.model, cfg.train.seed)
+    logits, _ = ref(inputs[0])
+    want = F.cross_entropy(logits.flatten(0, 1), labels[0][..., 0].flatten())
+    (want + reference_mtp_loss(ref, inputs[0], labels[0][..., 0])).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst = 0.0
+    for name, g in grads.items():
+        r = ref_grads[trainer.model.shard_specs[name].full_name]  # one rank: the whole tensor
+        worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+    return loss.item(), want.item(), worst, len(grads), len(ref_grads)
+
+
+def test_single_rank_mla_mtp_equals_plain_pytorch(dist_run):
+    loss, want, worst, n, n_ref = dist_run(1, matches_reference_job)[0]
+    assert n == n_ref
+    assert abs(loss - want) <= 1e-6 * want
+    assert worst <= 1e-5, worst
+
+
+def comm_job(sp):
+    import torch.distributed as dist
+
+    from par_groups import RankGrid, comm, create_groups
+    from pretrain.config import load_config
+    from pretrain.model.mla import TPMLAttention
+    from pretrain.model.parallel import ContextMLACore, RankLayout, context_attention
+
+    a = load_config(None, MLA).model
+    g = create_groups(RankGrid(dist.get_world_size(), tp=2))
+    layout = RankLayout(g, sp, "p2p", 8, "none")
+    attn = TPMLAttention(a, g.tp, sp, ContextMLACore(a, context_attention(layout), 8, False))
+    s, b = 8, 2
+    x = torch.randn(s // (2 if sp else 1), b, a.hidden, requires_grad=True)
+    with comm.CommRecorder() as rec:
+        attn(x).sum().backward()
+    return [(r.op, r.bytes) for r in rec.records]
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_mla_tp_communication_is_the_latent_and_the_output(dist_run, sp):
+    """Forward: the latents [cq | ckv | k_rope] enter the TP region in one collective (all-gather with
+    SP, a copy without), o_proj leaves it (reduce-scatter / all-reduce of hidden); backward the duals."""
+    s, b, h, latent, fp32 = 8, 2, 64, 32 + 16 + 4, 4
+    if sp:
+        want = sorted([("all_gather", s * b * latent * fp32), ("reduce_scatter", s * b * h * fp32),
+                       ("all_gather", s * b * h * fp32), ("reduce_scatter", s * b * latent * fp32)])
+    else:
+        want = sorted([("all_reduce", s * b * h * fp32), ("all_reduce", s * b * latent * fp32)])
+    for got in dist_run(2, comm_job, sp):
+        assert sorted(got) == want
+
+
+def test_mla_params_per_layer_is_deepseeks_formula():
+    from pretrain.config import load_config
+    from pretrain.model.mla import MLAttention, mla_params_per_layer
+
+    a = load_config("deepseek-v3").model
+    h, n, rq, rkv, dn, dr, dv = 7168, 128, 1536, 512, 128, 64, 128
+    formula = h * rq + rq + rq * n * (dn + dr) + h * (rkv + dr) + rkv + rkv * n * (dn + dv) + n * dv * h
+    assert mla_params_per_layer(a) == formula == 187_107_328
+    tiny = load_config(None, MLA).model
+    assert mla_params_per_layer(tiny) == sum(p.numel() for p in MLAttention(tiny).parameters())
+
+
+def test_plan_deepseek_v3_gives_the_published_totals():
+    from pretrain.config import load_config
+    from pretrain.flops import mtp_params, param_counts
+
+    cfg = load_config("deepseek-v3")
+    c = param_counts(cfg.model)
+    assert abs(c.total - 671e9) <= 0.01 * 671e9, c.total
+    # DeepSeek's "37B" is rounded down: we count 37.55B (every weight a token uses, embedding row included)
+    assert abs(c.active - 37e9) <= 0.02 * 37e9, c.active
+    assert mtp_params(load_config("deepseek-v3", ["model.mtp_depth=1", "parallel.pp=1",
+                                                  "parallel.last_stage_layers=0"]).model) > 11e9
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (MLA + ["model.qk_rope_head_dim=5"], "qk_rope_head_dim=5 must be even"),
+    (MLA + ["model.kv_lora_rank=0"], "kv_lora_rank=0 must be >= 1 with attention='mla'"),
+    (MLA + ["parallel.pp=2"], "mtp_depth=1 with pp=2: the last stage cannot hold the MTP modules"),
+    (MLA + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "parallel.last_stage_layers=2"],
+     "must add up"),
+])
+def test_bad_mla_mtp_input_is_one_line_exit_2(overrides, needle):
+    from typer.testing import CliRunner
+
+    from pretrain.cli import app
+
+    args = ["plan", "--world", "2"] + [a for o in overrides for a in ("--set", o)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -34,10 +34,10 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.layers=6",
        "model.mtp_depth=1", "model.mtp_loss_weight=0.5"]
 LAYOUTS = {
-    "tp2-dp2-sp": ["parallel.tp=2"],
-    "tp2-dp2-no-sp-recompute-full": ["parallel.tp=2", "parallel.sequence_parallel=false", "model.recompute=full"],
+    "tp2-dp2-sp-recompute-full": ["parallel.tp=2", "model.recompute=full"],
     "cp2-dp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
-    "cp2-tp2-a2a": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a"],
+    "cp2-tp2-a2a-no-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a",
+                          "parallel.sequence_parallel=false"],
     "pp2-dp2-dualpipev-uneven": ["parallel.pp=2", "parallel.schedule=dualpipev", "parallel.first_stage_layers=2",
                                  "parallel.last_stage_layers=4"],
 }

@@ -1,7 +1,7 @@
 """Hugging Face DeepSeek-V3 interop: a tiny random DeepseekV3ForCausalLM (built offline; MLA with the
 low-rank query, YaRN RoPE, first-k dense, group-limited sigmoid routing with a non-zero correction
 bias, a shared expert) imported with `pretrain convert` gives transformers' logits and loss (fp32,
-<= 1e-5 relative) on 1 rank, tp 2 and ep 2; export writes back every tensor bitwise, including the
+<= 1e-5 relative) on 1 rank, tp 2, ep 2 and pp 2 split unevenly (1 | 2 layers); export writes back every tensor bitwise, including the
 multi-token-prediction layer ``model.layers.L.*`` of the released checkpoints."""
 
 import json
@@ -60,7 +60,8 @@ def logits_job(ckpt, overrides, tokens):
     return trainer.logits(tokens)
 
 
-@pytest.mark.parametrize("overrides,world", [([], 1), (["parallel.tp=2"], 2), (["parallel.ep=2"], 2)])
+@pytest.mark.parametrize("overrides,world", [([], 1), (["parallel.tp=2"], 2), (["parallel.ep=2"], 2),
+                                             (["parallel.pp=2", "parallel.first_stage_layers=1"], 2)])
 def test_imported_deepseek_gives_transformers_logits_and_loss(dist_run, hf_model, overrides, world):
     root, tokens, want, want_loss = hf_model
     for got in dist_run(world, logits_job, str(root / "ckpt"), overrides, tokens):

@@ -8,7 +8,8 @@ x head_dim), two RMSNorms, and either a SwiGLU MLP (3 x h x ffn) or a DeepSeek-s
 FLOPs count matmuls only, 2 per multiply-add, forward + backward = 3 x forward, recomputation
 excluded (model FLOPs, as MFU wants): 6 x (active matmul params) per token, plus causal attention
 scores and values, 6 x seq_len x h per layer per token (half of the full 12 x s x h: causal
-attention skips the masked half).
+attention skips the masked half; with MLA 3 x s x heads x (qk_head_dim + v_head_dim)). Latent
+attention (MLA) counts DeepSeek's projections (mla.py); the MTP modules are counted apart.
 
 Activation bytes follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
 Models") for a Llama block with flash attention (no s x s scores, no dropout): per token per layer
@@ -103,7 +104,8 @@ def matmul_params_per_token(m: ModelConfig) -> int:
 
 def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs (forward + backward, no recomputation) per trained token."""
-    return 6.0 * matmul_params_per_token(m) + 6.0 * m.layers * seq_len * m.hidden
+    v_width = m.v_head_dim if m.attention == "mla" else m.head_dim  # scores over qk, values over v
+    return 6.0 * matmul_params_per_token(m) + 3.0 * m.layers * seq_len * m.heads * (m.qk_head_dim + v_width)
 
 
 def training_flops_per_step(m: ModelConfig, seq_len: int, global_batch: int) -> float:

@@ -73,8 +73,8 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     }
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
-    if num_chunks - 1 in chunks and cfg.model.mtp_depth:  # config validation put chunk 0 on this rank too
-        chunks[num_chunks - 1].mtp_embedding.append(chunks[0].embed_tokens)
+    if num_chunks > 1 and num_chunks - 1 in chunks and cfg.model.mtp_depth:  # validation put chunk 0 here too
+        chunks[num_chunks - 1].shared_embedding = chunks[0].embed_tokens
     for chunk in chunks.values():
         for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss

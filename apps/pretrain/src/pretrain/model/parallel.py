@@ -143,10 +143,11 @@ class ModelChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, sp) if last else None
         self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
-        # Multi-token prediction modules sit with the output head; the embedding they share is
-        # handed over by the builder (``mtp_embedding``: a list, so it is not registered twice).
+        # Multi-token prediction modules sit with the output head and share the input embedding:
+        # this chunk's, or chunk 0's on the same rank (V schedules), registered by the builder so the
+        # pipeline's backward of this chunk reaches it (one Parameter: counted and reduced once).
         self.mtp = nn.ModuleDict({str(j): _mtp_layer(a, j, layout) for j in mtp_layer_ids(a)} if last else {})
-        self.mtp_embedding: list[VocabParallelEmbedding] = []
+        self.shared_embedding = None
 
     def _embed(self, tokens: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
         x = embedding(tokens)
@@ -169,7 +170,8 @@ class ModelChunk(nn.Module):
             return vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group, reduction="sum")
 
         return mtp_loss(self.a, hidden, streams, list(self.mtp.values()),
-                        lambda t: self._embed(t, self.mtp_embedding[0]), lambda layer, x: layer(x),
+                        lambda t: self._embed(t, self.embed_tokens if self.first else self.shared_embedding),
+                        lambda layer, x: layer(x),
                         self.lm_head, cross_entropy)
 
     def decoder_layers(self) -> list[nn.Module]:

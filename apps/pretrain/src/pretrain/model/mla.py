@@ -15,7 +15,7 @@ row-parallel. The latents ``[cq | ckv | k_rope]`` (q_lora_rank + kv_lora_rank +
 qk_rope_head_dim wide, narrower than hidden) enter the TP region in ONE collective: with
 sequence parallelism the down-projections run on this rank's ``S/tp`` tokens and the latents are
 all-gathered (backward: reduce-scatter), so the replicated weights hold partial grads
-(``sequence_parallel``); without it the latents are copied (backward: one all-reduce).
+(declared as TP copies with ``partial_grad``); without it the latents are copied (backward: one all-reduce).
 Context parallel: K and V are formed per head before par-cp's ring/all-to-all, which then moves
 ``[S/cp, B, heads/tp, D]`` keys and values with ``D = max(qk_head_dim, v_head_dim)`` (the
 narrower side zero-padded: q.k and the output are unchanged).
@@ -31,7 +31,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from par_cp import position_ids
-from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region, mark_sequence_parallel_
+from par_groups import declare_copies_
+from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
 from .rope import apply_rope_interleaved, rope_tables, yarn_mscale
 
@@ -150,10 +151,10 @@ class TPMLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), tp_group)
         self.o_proj = RowParallelLinear(n * a.v_head_dim, a.hidden, tp_group, input_is_parallel=True,
                                         sequence_parallel=sp)
-        if sp:  # replicated weights applied to S/tp tokens: their grads are partial sums over TP
-            for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-                if hasattr(self, name):
-                    mark_sequence_parallel_(getattr(self, name))
+        # Copies on every TP rank; with SP each sees its S/tp tokens, so their grads are partial sums.
+        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+            if hasattr(self, name):
+                declare_copies_(getattr(self, name), tp_group, partial_grad=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.a

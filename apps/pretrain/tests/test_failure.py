@@ -25,6 +25,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
 
 def nan_job(policy):
     from pretrain.config import load_config
+    from pretrain.errors import UsageError
     from pretrain.train_loop import Trainer
 
     cfg = load_config(None, ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2",
@@ -36,7 +37,7 @@ def nan_job(policy):
         t.model.chunks[0].layers["0"].input_layernorm.weight.fill_(float("inf"))
     try:
         r = t.train_step(1)
-    except FloatingPointError as e:
+    except UsageError as e:  # a NaN stop is the user's to fix (lr, data): exit 2 and one line
         return {"error": str(e)}
     after = t.model.dp.full_state("master")
     changed = [k for k in before if not before[k].equal(after[k]) and "input_layernorm" not in k]

@@ -18,6 +18,7 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
+from .errors import UsageError
 from .grads import counted_once, sync_tp_partial_grads
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
@@ -125,7 +126,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             if cfg.train.nan_policy == "stop":
-                raise FloatingPointError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
+                raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
                                          f"([train].nan_policy=stop; 'skip' drops such steps instead)")
             return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
         dp.set_lr(lr)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import UsageError
 
-LOCK_FILE = "pretrain.lock"
+PID_FILE = "pretrain.pid"
 
 
 def checkpoint_root(cfg) -> Path:
@@ -53,19 +53,27 @@ def check_writable(path: Path, what: str) -> None:
 
 @contextmanager
 def run_lock(log_dir: str | Path):
-    """Hold ``<log_dir>/pretrain.lock`` for the run; another live run holding it is a UsageError."""
-    path = Path(log_dir) / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold a lock on ``log_dir`` for the run; another live run holding it is a UsageError naming its PID.
+
+    The lock is on the directory itself (released by the kernel when the process dies); the holder's
+    PID is in ``pretrain.pid`` while it runs."""
+    path = Path(log_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            raise UsageError(f"{log_dir} is in use by another run (PID {holder}); wait for it, or choose another "
-                             f"--set log.dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+            try:
+                holder = (path / PID_FILE).read_text().strip()
+            except OSError:
+                holder = "?"
+            raise UsageError(f"{log_dir} is in use by another run (PID {holder}); wait for it to end, or choose "
+                             f"another --set log.dir") from None
+        (path / PID_FILE).write_text(f"{os.getpid()}\n")
+        try:
+            yield
+        finally:
+            (path / PID_FILE).unlink(missing_ok=True)
     finally:
         os.close(fd)

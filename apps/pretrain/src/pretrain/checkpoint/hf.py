@@ -94,7 +94,7 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except Exception as e:  # safetensors raises its own error type on a malformed header
             raise UsageError(f"{f} is not a valid safetensors file ({e})") from None
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.tie_embeddings or "lm_head.weight" not in state:
+    if (m.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
     problems = [f"{k}: missing" for k in shapes if k not in state]

@@ -37,8 +37,8 @@ def train(
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
         leader = not under_torchrun() or os.environ.get("RANK") == "0"
+        check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir) if leader else nullcontext():
-            check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device)
     except UsageError as e:

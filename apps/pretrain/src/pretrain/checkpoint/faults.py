@@ -13,6 +13,8 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..errors import UsageError
 
 KILL_ENV = "PRETRAIN_KILL_IN_SAVE"  # "RANK:STEP": that rank SIGKILLs itself mid-save of that step; for fault tests
@@ -40,12 +42,20 @@ def removed_if_disk_full(tmp: Path):
     """Run a save into ``tmp``; on ENOSPC remove ``tmp`` (it would keep the disk full) and say so."""
     try:
         yield
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if not disk_full(e):
+            if isinstance(e, CheckpointException):  # else the launcher records no message for it
+                raise RuntimeError(f"writing checkpoint {tmp} failed: {_first_failure(e)}") from e
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"disk full (ENOSPC) while writing checkpoint {tmp} (removed); free space on that "
                          f"filesystem, lower [checkpoint].keep or choose another [checkpoint].dir") from None
+
+
+def _first_failure(error) -> str:
+    for rank, (exc, _) in sorted(error.failures.items()):
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return str(error)
 
 
 def injected_kill(rank: int, step: int) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -255,7 +256,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
         dcp.load(sd, storage_reader=SafeReader(str(path)))
     except UsageError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {type(e).__name__}: {e}") from None
 
     def values(prefix):
@@ -304,7 +305,7 @@ def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, tor
           if k.startswith(prefix) and hasattr(m, "size")}
     try:
         dcp.load(sd, storage_reader=SafeReader(str(path)))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise UsageError(f"checkpoint {path} is corrupt: reading it failed with {type(e).__name__}: {e}") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 

@@ -21,6 +21,21 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
     assert res.exit_code == 1, res.output
     assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
     assert took < 60, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
+    # an internal error: one short line; the traceback is in a file under log.dir
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"traceback in {tmp_path / 'error.log'}" in res.stderr
+    assert "injected failure" in (tmp_path / "error.log").read_text()
+
+
+def test_a_users_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
+    """A NaN stop is raised inside every rank: at --nproc 2 it reads as at --nproc 1 (exit 2, one line)."""
+    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=3", "--set", "model.layers=2",
+                              "--set", "train.warmup_steps=0", "--set", "train.lr=1e30", "--set", "train.min_lr=0",
+                              "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
+                              "--set", "train.timeout_s=600"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: loss is") and "nan_policy" in res.stderr, \
+        res.stderr
 
 
 def nan_job(policy):

@@ -120,7 +120,7 @@ CASES = {
                                          "--set", "log.dir=run"),
     "train another run's dir": _train("--set", "checkpoint.dir=ck_other_run", "--set", "log.dir=run"),
     "train log.dir is a file": _train("--set", "log.dir=a_file/run"),
-    "train checkpoint.dir is a file": _train("--set", "checkpoint.dir=a_file/ck", "--set", "log.dir=a_file"),
+    "train checkpoint.dir is a file": _train("--set", "checkpoint.dir=a_file/ck", "--set", "log.dir=run"),
     "train crafted metadata": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_pickle",
                                      "--set", "log.dir=ck_pickle"),
     # prepare

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import pickle
+import signal
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from typer.testing import CliRunner
 from pretrain.cli import app
 
 runner = CliRunner()
+LIMIT_S = 60
 SMALL = ["--set", "model.layers=2", "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set",
          "train.eval_every=0", "--set", "log.progress=false"]
 
@@ -166,17 +168,26 @@ CASES = {
 }
 
 
+def _hung(signum, frame):
+    raise TimeoutError(f"no answer within {LIMIT_S} s")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(workspace, monkeypatch, name):
     monkeypatch.chdir(workspace)
     before = _snapshot(workspace)
     start = time.time()
-    res = runner.invoke(app, CASES[name])
+    signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(LIMIT_S)  # a hang fails this case instead of the whole run
+    try:
+        res = runner.invoke(app, CASES[name])
+    finally:
+        signal.alarm(0)
     took = time.time() - start
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
     assert len(lines) == 1 and lines[0].startswith("error: "), (name, res.stderr)
     assert "Traceback" not in res.output, (name, res.output)
-    assert took < 60, f"{name}: {took:.0f} s"
+    assert took < LIMIT_S, f"{name}: {took:.0f} s"
     assert _snapshot(workspace) == before, name
     assert not os.path.exists(workspace / "PWNED"), "a crafted .metadata ran code"

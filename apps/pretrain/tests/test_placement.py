@@ -98,3 +98,14 @@ def test_no_topology_keeps_the_configured_grid():
     decision = decide(cfg, cfg.validate_world(WORLD), None)
     assert decision.permutation is None and decision.grid == cfg.validate_world(WORLD).grid()
     assert decision.message == UNKNOWN
+
+
+def test_without_nvml_train_runs_as_before_and_says_topology_unknown_once(tmp_path):
+    from par_groups.topology import local_view
+
+    if local_view(0)["gpu"] is not None:
+        pytest.skip("this machine has NVML: the topology is known")
+    res = CliRunner().invoke(app, ["train", "--nproc", "1", "--set", "train.steps=2", "--set", "train.warmup_steps=1",
+                                   "--set", "train.eval_every=0", "--set", f"log.dir={tmp_path}"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("topology unknown") == 1, res.output

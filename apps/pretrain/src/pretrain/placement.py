@@ -62,6 +62,7 @@ def workload(cfg, layout) -> Workload:
     return Workload(hidden=m.hidden, ffn_hidden=m.ffn_hidden, layers=m.layers, seq_len=t.seq_len,
                     micro_batch=layout.micro_batch, microbatches=layout.microbatches, vocab=m.vocab_size,
                     moe_layers=m.num_moe_layers, experts=m.num_experts or None, topk=max(1, m.top_k),
+                    expert_ffn_hidden=m.expert_ffn_hidden if m.is_moe else None,
                     cp_comm=cp_comm, act_bytes=4 if t.dtype == "fp32" else 2)
 
 

@@ -2,8 +2,7 @@
 
 Prints the five fastest layouts (each shape's best ZeRO strategy, micro-batch size and
 recompute) with per-rank memory, estimated step time and its parts, the MFU that step time
-implies, and why each lost to the first; the assumptions behind the estimate are printed too
-(see :mod:`.estimate`).
+implies, and why each lost to the first, then the assumptions behind the estimate.
 """
 
 from __future__ import annotations
@@ -16,12 +15,10 @@ from ..config import TopologyConfig
 from ..errors import UsageError
 from ..metrics import lookup_peak_tflops
 from ..placement import described_topology
-from .estimate import Cluster
-from .estimate import __doc__ as ESTIMATE_DOC
+from .estimate import ASSUMPTIONS, Cluster
 from .search import HEADROOM, Choice, search
 
 GB = 1e9
-COMPONENTS = ("compute", "bubble")
 
 
 def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflops: float = 0.0,
@@ -54,7 +51,7 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
         "model": cfg.source, "world": world, "topology": topo.describe(),
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
-                        "notes": " ".join(ESTIMATE_DOC.split("Assumptions (stated, since they decide the ranking):")[1].split())},
+                        "notes": list(ASSUMPTIONS)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
         "best": [row(c, found[0]) for c in found[:top]],
     }
@@ -137,5 +134,5 @@ def render(plan: dict) -> str:
                      f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")
         lines.append(f"   {r['why']}")
         lines.append(f"   {r['set']}")
-    lines += ["", "assumptions: " + a["notes"]]
+    lines += ["", "assumptions:"] + [f"  - {note}" for note in a["notes"]]
     return "\n".join(lines)

@@ -1,21 +1,8 @@
 """Step time of one layout, estimated: compute, pipeline bubble, exposed communication.
 
-Assumptions (stated, since they decide the ranking):
-
-* compute: the model FLOPs of a step (:mod:`pretrain.flops`) plus what recomputation repeats
-  (full: one more forward of every layer; selective: the attention core forward), spread evenly
-  over the ranks, at the device's peak bf16 rate times ``efficiency`` (default 0.6: large bf16
-  GEMMs and flash attention on H100-class GPUs; pass your measured figure);
-* bubble: par-pp's simulator on the schedule (F = 1 slot, B = 2, or 1 + 1 split for zero-bubble
-  schedules, +1 with full recomputation). A schedule's idle time stops growing once its steady
-  state is reached, so more than 2 x pp micro-batches are simulated as 2 x pp and the idle time
-  carried over;
-* communication: par_groups' placement cost model: bytes per step of each group type over the
-  bandwidth of the slowest link its groups cross, times the share that is not hidden (tp, ep,
-  etp and the CP all-to-all 100 %, CP rings, gradient reductions and pipeline sends 50 %). The
-  groups are placed in order tp-cp-ep-dp-pp with ranks numbered node by node. Gradients are
-  all-reduced in fp32 (DDP); ZeRO-1/2 reduce-scatter them and all-gather bf16 parameters once per
-  step; ZeRO-3 all-gathers parameters for the forward and the backward of every micro-batch.
+The assumptions decide the ranking, so `plan --auto` prints them (:data:`ASSUMPTIONS`); the
+default efficiency, 0.6 of peak, is a round figure for large bf16 GEMMs and flash attention on
+H100-class GPUs, not a measurement: pass your own.
 """
 
 from __future__ import annotations
@@ -31,6 +18,19 @@ from par_groups.topology.placement import MULTI_RAIL
 from par_pp import Costs, build_schedule, simulate
 
 GRADIENT_GROUPS = ("dp", "dp_cp", "edp")
+ASSUMPTIONS = (
+    "compute: the model FLOPs of a step plus what recomputation repeats (full: every layer's forward again; "
+    "selective: the attention core forward), spread evenly over the ranks, at the GPU's peak bf16 rate x efficiency",
+    "bubble: par-pp's simulator on the schedule (F = 1 slot, B = 2, or 1 + 1 split for ZB-V; +1 with full "
+    "recompute); past 2 x pp micro-batches the idle time of 2 x pp is carried over (steady state)",
+    "communication: par_groups' placement cost model with groups in order tp-cp-ep-dp-pp on ranks numbered node "
+    "by node: bytes per step of each group type / bandwidth of the slowest link its groups cross x the share not "
+    "hidden (tp, ep, etp and CP all-to-all 100 %; CP ring, gradient reductions and pipeline sends 50 %)",
+    "gradients: fp32 all-reduce (DDP); ZeRO-1/2 reduce-scatter them and all-gather bf16 parameters once per step; "
+    "ZeRO-3 all-gathers parameters for the forward and the backward of every micro-batch",
+    "memory: model state (bf16 params and grads, fp32 Adam moments) of the heaviest pipeline stage plus "
+    "activations (pretrain.flops) within the GPU's memory less the headroom",
+)
 CANONICAL_ORDER = "tp-cp-ep-dp-pp"
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_groups import ParallelGroups, create_groups
-from par_pp import build_schedule, chunks_on_rank, split_layers
+from par_groups import ParallelGroups, create_groups, placement_of
+from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
 from ..errors import UsageError
@@ -53,8 +53,9 @@ def chunk_layout(cfg, layout, pp_rank: int):
     if layout.pp == 1:
         return None, [0], [range(cfg.model.layers)]
     schedule = build_schedule(p.schedule, layout.pp, layout.microbatches, vpp=layout.vpp)
-    num_chunks = layout.pp * layout.chunks_per_rank
-    return schedule, list(chunks_on_rank(schedule, pp_rank)), split_layers(cfg.model.layers, num_chunks)
+    ranges = p.chunk_layers(cfg.model.layers)
+    assert len(ranges) == len(schedule.placement)
+    return schedule, list(chunks_on_rank(schedule, pp_rank)), ranges
 
 
 def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
@@ -120,5 +121,5 @@ def _scale_expert_grads(module: nn.Module, layout) -> None:
     if factor == 1.0:
         return
     for p in module.parameters():
-        if getattr(p, "is_expert", False) and p.requires_grad:
+        if placement_of(p).expert and p.requires_grad:
             p.register_hook(lambda g, f=factor: g * f)

@@ -65,26 +65,26 @@ def shapes(cfg, world: int) -> list[Shape]:
                     for ep in experts:
                         for etp in sorted({1, tp}) if m.is_moe else [tp]:
                             shape = Shape(tp, cp, pp, ep, etp, schedule, vpp, world)
-                            if (world // pp) % (etp * ep) == 0 and _valid(cfg, shape):
+                            if (world // pp) % (etp * ep) == 0 and shape_config(cfg, shape) is not None:
                                 out.append(shape)
     return out
 
 
-def _valid(cfg, s: Shape) -> bool:
+def shape_config(cfg, s: Shape):
+    """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
     parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
                                    etp=s.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
                                    microbatches=0, order=CANONICAL_ORDER)
     try:
-        dataclasses.replace(cfg, parallel=parallel)
+        return dataclasses.replace(cfg, parallel=parallel)
     except UsageError:
-        return False
-    return True
+        return None
 
 
 def model_state(cfg, s: Shape) -> dict:
     """Per-rank model state bytes for each ZeRO strategy (the heaviest pipeline stage)."""
     layout = SimpleNamespace(tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp)
-    dense, experts, _ = stage_params(cfg, layout)
+    dense, experts, _ = stage_params(shape_config(cfg, s), layout)
     return state_table(dense, experts, s.dp * s.cp, s.edp, "bf16")
 
 

@@ -61,7 +61,8 @@ def layout_of(c: Choice) -> dict:
     s = c.shape
     return {"tp": s.tp, "cp": s.cp, "pp": s.pp, "vpp": s.vpp, "schedule": s.schedule, "dp": s.dp, "ep": s.ep,
             "etp": s.etp, "edp": s.edp, "zero": c.zero, "micro_batch": c.micro_batch,
-            "microbatches": c.microbatches, "recompute": c.recompute}
+            "microbatches": c.microbatches, "recompute": c.recompute, "first_stage_layers": s.first,
+            "last_stage_layers": s.last}
 
 
 def overrides(c: Choice) -> str:
@@ -76,6 +77,8 @@ def overrides(c: Choice) -> str:
         out.append(f"parallel.schedule={s.schedule}")
         if s.vpp > 1:
             out.append(f"parallel.vpp={s.vpp}")
+        if s.first:
+            out += [f"parallel.first_stage_layers={s.first}", f"parallel.last_stage_layers={s.last}"]
     out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={c.recompute}"]
     return " ".join(f"--set {o}" for o in out)
 
@@ -128,6 +131,8 @@ def render(plan: dict) -> str:
             shape += f" etp={lay['etp']} edp={lay['edp']}"
         if lay["pp"] > 1:
             shape += f" {lay['schedule']}" + (f" vpp={lay['vpp']}" if lay["vpp"] > 1 else "")
+            if lay["first_stage_layers"]:
+                shape += f" stages {lay['first_stage_layers']}|..|{lay['last_stage_layers']}"
         comm = sum(r["comm_s"].values())
         lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}, micro-batch {lay['micro_batch']} x "
                      f"{lay['microbatches']}: {r['memory_gb']:.1f} GB, step {r['step_s']:.3g} s (compute "

@@ -22,7 +22,7 @@ ASSUMPTIONS = (
     "compute: the model FLOPs of a step plus what recomputation repeats (full: every layer's forward again; "
     "selective: the attention core forward), spread evenly over the ranks, at the GPU's peak bf16 rate x efficiency",
     "bubble: par-pp's simulator on the schedule (F = 1 slot, B = 2, or 1 + 1 split for ZB-V; +1 with full "
-    "recompute); past 2 x pp micro-batches the idle time of 2 x pp is carried over (steady state)",
+    "recompute); past pp micro-batches (2 x pp for ZB-V) the idle time is carried over (steady state)",
     "communication: par_groups' placement cost model with groups in order tp-cp-ep-dp-pp on ranks numbered node "
     "by node: bytes per step of each group type / bandwidth of the slowest link its groups cross x the share not "
     "hidden (tp, ep, etp and CP all-to-all 100 %; CP ring, gradient reductions and pipeline sends 50 %)",
@@ -46,6 +46,8 @@ class Shape:
     schedule: str
     vpp: int
     world: int
+    first: int = 0  # layers on the first / last pipeline rank when the layers do not split evenly (0: even)
+    last: int = 0
 
     @property
     def dp(self) -> int:
@@ -54,6 +56,12 @@ class Shape:
     @property
     def edp(self) -> int:
         return self.world // (self.etp * self.ep * self.pp)
+
+    def heaviest_stage(self, layers: int) -> int:
+        """Layers on the busiest pipeline rank (the middle ones under an uneven split)."""
+        if not self.first:
+            return layers // self.pp
+        return max(self.first, self.last, (layers - self.first - self.last) // max(1, self.pp - 2))
 
     @property
     def chunks_per_rank(self) -> int:
@@ -91,7 +99,8 @@ def pipeline_idle(schedule: str, pp: int, vpp: int, microbatches: int, full_reco
         return 0.0, 1.0
     b = 2.0 if full_recompute else 1.0
     costs = Costs(f=1.0, b=b, w=1.0, full_backward=b + 1.0)
-    simulated = microbatches if microbatches <= 2 * pp else 2 * pp
+    steady = 2 * pp if schedule in ("zb-v", "dualpipev") else pp  # V schedules fill over two passes
+    simulated = min(microbatches, steady)
     result = simulate(build_schedule(schedule, pp, simulated, vpp=vpp), costs)
     busy = result.makespan - min(result.idle_time(r) for r in range(pp))
     idle = result.makespan - busy
@@ -173,6 +182,7 @@ def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, mod
              peak_flops: float, efficiency: float, bandwidth: dict) -> Estimate:
     """Step time and MFU of one layout."""
     compute = model_flops / shape.world * (1.0 + recompute_fraction(model, work.seq_len, recompute))
+    compute *= shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
     compute /= peak_flops * efficiency
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches, recompute == "full")
     bubble = compute * idle / busy if shape.pp > 1 else 0.0

@@ -1,7 +1,7 @@
 """The search behind `pretrain plan --auto`: every layout the trainer can run on ``world`` ranks.
 
-Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (divisors of the layers, up to
-64) with 1F1B, interleaved (vpp 2) or ZB-V, ep (divisors of the experts) with expert tp 1 or tp;
+Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (up to 32) with 1F1B,
+interleaved (vpp 2) or ZB-V, or 1F1B with uneven first / last stages when the layers do not split, ep (divisors of the experts) with expert tp 1 or tp;
 each shape is checked by the config's own validation. For every shape, each micro-batch size
 (1, 2, 4 sequences), recompute (none, selective, full) and ZeRO strategy whose per-rank memory
 (model state from par-zero's memory model, activations from :mod:`pretrain.flops`) fits the
@@ -9,7 +9,7 @@ GPU less ``HEADROOM`` is estimated (:mod:`.estimate`), and the shape keeps its f
 
 Pruning: memory is checked before anything is timed; the link and bandwidth of each group
 pattern (stride, size) are computed once, on the fewest nodes that repeat it; pipeline
-simulations are cached and capped at 2 x pp micro-batches.
+simulations are cached and capped at the micro-batches a schedule needs to reach steady state.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group
 
 TP = (1, 2, 4, 8, 16, 32, 64)
 CP = (1, 2, 4, 8)
-MAX_PP = 64
+MAX_PP = 32
 MICRO_BATCH = (1, 2, 4)
 ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 RECOMPUTE = ("none", "selective", "full")
@@ -58,23 +58,38 @@ def shapes(cfg, world: int) -> list[Shape]:
         for cp in CP:
             if (t.seq_len // cp) % tp or t.seq_len % (2 * cp):
                 continue
-            for pp in (p for p in range(1, MAX_PP + 1) if m.layers % p == 0 and world % (tp * cp * p) == 0):
+            for pp in (p for p in range(1, MAX_PP + 1) if world % (tp * cp * p) == 0):
                 if t.global_batch % (world // (tp * cp * pp)):
                     continue
-                for schedule, vpp in pipelines(pp):
+                first, last = uneven_split(m.layers, pp)
+                for schedule, vpp in pipelines(pp) if not first else (("1f1b", 1),) if first > 0 else ():
                     for ep in experts:
                         for etp in sorted({1, tp}) if m.is_moe else [tp]:
-                            shape = Shape(tp, cp, pp, ep, etp, schedule, vpp, world)
+                            shape = Shape(tp, cp, pp, ep, etp, schedule, vpp, world, max(first, 0), last)
                             if (world // pp) % (etp * ep) == 0 and shape_config(cfg, shape) is not None:
                                 out.append(shape)
     return out
+
+
+def uneven_split(layers: int, pp: int) -> tuple[int, int]:
+    """(0, 0) when ``layers`` split evenly over ``pp`` ranks; else Megatron-style first / last stage
+    sizes with ceil(layers / pp) on every other rank (as Llama 3 405B's 126 layers on 16 stages:
+    7 | 8 x 14 | 7); (-1, 0) when no such split exists."""
+    if layers % pp == 0:
+        return 0, 0
+    per = -(-layers // pp)
+    rest = layers - (pp - 2) * per
+    if pp < 3 or not 2 <= rest <= 2 * per - 1:
+        return -1, 0
+    return rest - rest // 2, rest // 2
 
 
 def shape_config(cfg, s: Shape):
     """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
     parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
                                    etp=s.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
-                                   microbatches=0, order=CANONICAL_ORDER)
+                                   microbatches=0, order=CANONICAL_ORDER, first_stage_layers=s.first,
+                                   last_stage_layers=s.last)
     try:
         return dataclasses.replace(cfg, parallel=parallel)
     except UsageError:
@@ -107,7 +122,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         for recompute in RECOMPUTE:
             act = activation_bytes(m, seq_len=t.seq_len, micro_batch=mb, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp,
                                    etp=s.etp, sequence_parallel=s.tp > 1, recompute=recompute, schedule=s.schedule,
-                                   microbatches=microbatches, dtype_bytes=2).total
+                                   microbatches=microbatches, dtype_bytes=2,
+                                   first_stage_layers=s.heaviest_stage(m.layers) if s.first else 0).total
             if act + lightest > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)

@@ -1,6 +1,6 @@
 """The run configuration: TOML sections read into frozen, validated dataclasses.
 
-A config is six sections, ``[model] [parallel] [train] [data] [checkpoint] [log]``; every key has a
+A config is seven sections, ``[model] [parallel] [train] [data] [checkpoint] [log] [topology]``; every key has a
 default, so a file names only what differs. ``--set section.key=value`` overrides (repeatable) are
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).

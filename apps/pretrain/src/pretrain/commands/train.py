@@ -36,6 +36,10 @@ def train(
         if not under_torchrun():
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
+        if not under_torchrun():
+            from ..placement import check_before_launch
+
+            check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
         leader = not under_torchrun() or os.environ.get("RANK") == "0"
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir) if leader else nullcontext():

@@ -102,7 +102,11 @@ PIPELINE = {
     "tp2-pp2": ["parallel.tp=2", "parallel.pp=2"],
     "pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
     "pp4-interleaved": ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
-    "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
+    # uneven stages (Megatron's decoder_first_pipeline_num_layers): rank 0 holds 2 of the 8 layers
+    "pp2-dp2-zb-v-optim-uneven": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim",
+                                  "parallel.first_stage_layers=2"],
+    "pp2-dp2-interleaved-uneven": ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                                   "parallel.first_stage_layers=2"],
     "pp2-dp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
     "pp2-dp2-zb-h1-gpipe": ["parallel.pp=2", "parallel.schedule=zb-h1"],
 }

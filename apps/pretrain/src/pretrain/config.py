@@ -23,6 +23,7 @@ from pathlib import Path
 import tomli
 
 from par_groups import LayoutError, RankGrid
+from par_pp import chunk_placement, split_stages
 
 from .errors import UsageError
 
@@ -149,11 +150,14 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
     order: str = "tp-cp-ep-dp-pp"
+    # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
-        _positive("parallel", self, "etp", "microbatches", allow_zero=True)
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
         _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
         _choice("[parallel].schedule", self.schedule, SCHEDULES)
@@ -191,6 +195,28 @@ class ParallelConfig:
         if self.pp == 1:
             return 1
         return 2 if self.schedule in V_SCHEDULES else self.vpp
+
+    @property
+    def uneven(self) -> bool:
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[range]:
+        """Layer range of every pipeline chunk in model order (one chunk when pp = 1)."""
+        if self.pp == 1:
+            return [range(num_layers)]
+        placement = chunk_placement(self.schedule, self.pp, self.vpp)
+        try:
+            return split_stages(num_layers, placement, self.first_stage_layers, self.last_stage_layers)
+        except ValueError as e:
+            raise UsageError(f"[parallel] layer split: {e}") from None
+
+    def stage_layers(self, num_layers: int) -> list[list[int]]:
+        """The layer ids each pipeline rank holds (all its chunks), by pp rank."""
+        placement = chunk_placement(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
+        out: list[list[int]] = [[] for _ in range(self.pp)]
+        for rank, layers in zip(placement, self.chunk_layers(num_layers)):
+            out[rank] += list(layers)
+        return out
 
 
 @dataclass(frozen=True)
@@ -338,9 +364,13 @@ class Config:
               f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
               f"(kv heads are split over tp, or replicated when fewer than tp)")
         chunks = p.pp * p.chunks_per_rank
-        _need(m.layers % chunks == 0,
-              f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
-              f"{p.chunks_per_rank}={chunks}")
+        if p.uneven:
+            _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
+            p.chunk_layers(m.layers)  # raises the one-line error when the sizes do not add up
+        else:
+            _need(m.layers % chunks == 0,
+                  f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
+                  f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
         if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
             a2a = p.hcp[0] if p.hcp else p.cp
             for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):

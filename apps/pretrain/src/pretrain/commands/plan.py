@@ -79,12 +79,10 @@ def params_only_plan(num_params: float, dp: int) -> dict:
 def stage_params(cfg: Config, layout: Layout) -> tuple[float, float, int]:
     """(dense params, routed expert params, stage index) on the rank of the heaviest pipeline stage."""
     m, c = cfg.model, param_counts(cfg.model)
-    per_stage = m.layers // layout.pp
     best = (0.0, 0.0, 0)
-    for stage in range(layout.pp):
-        layers = range(stage * per_stage, (stage + 1) * per_stage)
+    for stage, layers in enumerate(cfg.parallel.stage_layers(m.layers)):
         moe = sum(m.is_moe_layer(i) for i in layers)
-        dense = c.attention * per_stage + c.dense_mlp * (per_stage - moe) + (c.router + c.shared_experts) * moe
+        dense = c.attention * len(layers) + c.dense_mlp * (len(layers) - moe) + (c.router + c.shared_experts) * moe
         if stage == 0:
             dense += c.embedding
         if stage == layout.pp - 1:
@@ -115,7 +113,8 @@ def config_plan(cfg: Config, world: int, gpus_per_node: int, gpu_memory_gb: floa
                         expert_replicas=p.hsdp_replicas if p.hsdp_replicas > 1 else edp_nodes)
     act = activation_bytes(m, seq_len=t.seq_len, micro_batch=layout.micro_batch, tp=layout.tp, cp=layout.cp,
                            pp=layout.pp, vpp=layout.vpp, etp=layout.etp, sequence_parallel=layout.sequence_parallel,
-                           schedule=p.schedule, microbatches=layout.microbatches, dtype_bytes=4 if dtype == "fp32" else 2)
+                           schedule=p.schedule, microbatches=layout.microbatches, dtype_bytes=4 if dtype == "fp32" else 2,
+                           first_stage_layers=len(p.stage_layers(m.layers)[0]))
     budget = gpu_memory_gb * GB
     fits = {k: v["total"] + act.total <= budget for k, v in table.items()}
     decision = decide(fits, dp_nodes, layout.dp * layout.cp, table)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from par_groups import ParallelGroups, create_groups, placement_of
-from par_pp import build_schedule, chunks_on_rank, split_layers
+from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
 from ..errors import UsageError
@@ -57,8 +57,9 @@ def chunk_layout(cfg, layout, pp_rank: int):
     if layout.pp == 1:
         return None, [0], [range(cfg.model.layers)]
     schedule = build_schedule(p.schedule, layout.pp, layout.microbatches, vpp=layout.vpp)
-    num_chunks = layout.pp * layout.chunks_per_rank
-    return schedule, list(chunks_on_rank(schedule, pp_rank)), split_layers(cfg.model.layers, num_chunks)
+    ranges = p.chunk_layers(cfg.model.layers)
+    assert len(ranges) == len(schedule.placement)
+    return schedule, list(chunks_on_rank(schedule, pp_rank)), ranges
 
 
 def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,

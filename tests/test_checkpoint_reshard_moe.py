@@ -54,4 +54,4 @@ def test_save_ep2_tp2_vpp2_load_cp2_dp2_zero3_and_hsdp(dist_run, tmp_path):
         got = res[f"{name}/losses"]
         assert len(got) == len(ref)
         for a, b in zip(got, ref):
-            assert abs(a - b) <= 1e-5 * abs(b), (name, got, ref)
+            assert abs(a - b) <= 1e-6 * abs(b), (name, got, ref)  # measured 9.6e-8 (one fp32 ulp)

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from par_zero import Pieces, load_pieces, save_pieces
-from par_zero.checkpoint import whole_pieces
+from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 

@@ -36,8 +36,11 @@ class StepResult:
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
-    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None) -> None:
+    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
+                 topology=None) -> None:
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement)."""
         from .data import build_sampler
+        from .placement import place_groups
 
         self.cfg = cfg
         self.device = device or torch.device("cpu")
@@ -45,10 +48,11 @@ class Trainer:
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device)
+        self.placement = place_groups(cfg, layout, topology)  # collective
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement)
         g = self.model.groups
         self.groups = g
-        self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
+        self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
         self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")

@@ -74,6 +74,7 @@ def matches_reference_job():
 
     from pretrain.config import load_config
     from pretrain.model.mtp import reference_mtp_loss
+    from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
     from pretrain.train_loop import Trainer
 
@@ -94,7 +95,7 @@ def matches_reference_job():
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = 0.0
     for name, g in grads.items():
-        r = ref_grads[trainer.model.shard_specs[name].full_name]  # one rank: the whole tensor
+        r = ref_grads[hf_name(name)]  # one rank: the whole tensor
         worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
     return loss.item(), want.item(), worst, len(grads), len(ref_grads)
 

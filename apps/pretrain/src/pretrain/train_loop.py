@@ -37,7 +37,11 @@ class StepResult:
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
-    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None) -> None:
+    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
+                 simulated: bool = False) -> None:
+        """``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
+        tensor's values, so checkpoint shard specs are not probed and pipeline messages have a
+        declared shape instead of a shape header."""
         from .data import build_sampler
 
         self.cfg = cfg
@@ -46,7 +50,7 @@ class Trainer:
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device)
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, describe_shards=not simulated)
         g = self.model.groups
         self.groups = g
         self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
@@ -58,8 +62,12 @@ class Trainer:
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
 
+            shape = None
+            if simulated:
+                tokens = torch.empty(cfg.train.seq_len // layout.cp, layout.micro_batch)
+                shape = (self._activation_shape(tokens), torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
-                                             device=self.device)
+                                             device=self.device, message_shape=shape)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +81,7 @@ class Trainer:
         return inputs, labels
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.float(), labels, self.groups.tp)
+        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)  # in fp32 inside
 
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:

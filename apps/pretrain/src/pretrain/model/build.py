@@ -60,17 +60,17 @@ def chunk_layout(cfg, layout, pp_rank: int):
 
 
 def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
-                     device: torch.device = torch.device("cpu")) -> RankModel:
+                     device: torch.device = torch.device("cpu"), describe_shards: bool = True) -> RankModel:
+    """``describe_shards=False`` skips probing where each tensor sits in the full model (checkpoint
+    specs): the probe reads values, which fake tensors (``pretrain plan --simulate``) do not have."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
     groups = create_groups(layout.grid(), timeout=timeout)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    chunks = {
-        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state).to(device)
-        for c in mine
-    }
+    chunks = {c: _to(ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state), device)
+              for c in mine}
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
     for chunk in chunks.values():
@@ -78,12 +78,17 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
-    from ..checkpoint.shards import describe_shards
+    from ..checkpoint import shards
 
-    specs = describe_shards(module, [chunks[c] for c in mine], full_shapes(cfg.model))
+    specs = shards.describe_shards(module, [chunks[c] for c in mine], full_shapes(cfg.model)) if describe_shards else {}
     t = cfg.train
+    # Megatron's mixed precision: bf16 params for compute; fp32 main weights and Adam moments in the
+    # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
+    bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                  units=[u for c in mine for u in chunks[c].gather_units()])
+                  units=[u for c in mine for u in chunks[c].gather_units()],
+                  param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":
         if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
@@ -96,6 +101,11 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     else:
         dp = DataParallel(module, groups.dp_cp, zero, **kwargs)
     return RankModel(groups, chunks, module, dp, schedule, num_chunks, specs)
+
+
+def _to(chunk: ModelChunk, device: torch.device) -> ModelChunk:
+    """Move a chunk built on the CPU to ``device`` (no-op on the CPU, where fake tensors cannot be swapped)."""
+    return chunk if device.type == "cpu" else chunk.to(device)
 
 
 def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:

@@ -104,9 +104,12 @@ class StageComm:
             stream.pump(block=False)
 
     def poll(self) -> None:
-        """Advance every stream without blocking, so payload receives get posted early."""
+        """Advance every stream without blocking, so payload receives get posted early; let go of
+        sends that have completed (their buffers would otherwise live until the step ends)."""
         for stream in self.incoming.values():
             stream.pump(block=False)
+        self.pending_sends = [(ops, works) for ops, works in self.pending_sends
+                              if not all(w.is_completed() for w in works)]
 
     def recv(self, message: Message) -> torch.Tensor:
         return self.incoming[message.src].take(message)

@@ -16,13 +16,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-CATEGORIES = ("params", "grads", "optim", "activations", "temporaries", "save")
+# "activations" are everything the step allocates beyond model state (saved tensors and the
+# temporaries alive with them); "other" is what construction left that is not model state.
+CATEGORIES = ("params", "grads", "optim", "activations", "other", "save")
 
 
 class MemoryTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.phase = "temporaries"
+        self.phase = "other"
         self.live: dict[int, list] = {}  # key -> [bytes, category, weakref]
         self.current: dict[str, int] = defaultdict(int)
         self.total = 0

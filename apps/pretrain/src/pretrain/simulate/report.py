@@ -70,10 +70,10 @@ def render(result: dict) -> str:
                      f"peak {r['measured_peak'] / GB:.2f} GB measured, {r['planned_peak'] / GB:.2f} GB planned; "
                      f"build peak {r['build_peak'] / GB:.2f} GB; checkpoint save peak {r['save_peak'] / GB:.2f} GB; "
                      f"{r['timings_s']['total_s']:.0f} s")
-        for k in SHOWN:
+        for k in SHOWN:  # activations include the temporaries alive at the peak
             lines.append(f"  {k:12} {r['measured'][k] / GB:9.2f} GB measured  {r['planned'][k] / GB:9.2f} GB planned  "
                          f"{_pct(r['measured'][k], r['planned'][k])}")
-        lines.append(f"  {'temporaries':12} {r['measured']['temporaries'] / GB:9.2f} GB measured (not planned)")
+        lines.append(f"  {'other':12} {r['measured']['other'] / GB:9.2f} GB measured (RoPE tables, buffers; not planned)")
         for c in r["collectives"]:
             want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
             lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}")

@@ -67,7 +67,7 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
         tracker = MemoryTracker()
         t0 = time.perf_counter()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-            tracker.phase = "temporaries"
+            tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, simulated=True)
             build = tracker.snapshot()
             timings["build_s"] = time.perf_counter() - t0

@@ -87,8 +87,7 @@ def layer_bytes_per_token(cfg, layout) -> float:
     """Bytes one dense decoder layer keeps for backward, per token of the micro-batch, as the
     trainer's layers save them (bf16 compute, RMSNorm in fp32, SwiGLU, SDPA attention):
 
-    * each RMSNorm: its input upcast to fp32 and the fp32 normalized value (8 h per token it sees),
-      plus one bf16 copy of the layer input;
+    * each RMSNorm: its input upcast to fp32 and the fp32 normalized value (8 h per token it sees);
     * attention: the TP region's gathered input (h), q, k, v for the recomputed core (selective)
       and the core's output (q width), all TP-local widths;
     * MLP: the gathered input (h), gate, silu(gate), up and their product (4 ffn/tp).
@@ -103,7 +102,7 @@ def layer_bytes_per_token(cfg, layout) -> float:
         return h / norm_share * pb
     q = m.heads * d / tp
     kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * d
-    norms = 2 * 8 * h / norm_share + h / norm_share * pb
+    norms = 2 * 8 * h / norm_share
     attention = (h + 2 * q + 2 * kv) * pb + ((q + kv) * pb if m.recompute == "none" else 0)
     mlp = (h + 4 * m.ffn_hidden / tp) * pb
     return norms + attention + mlp
@@ -127,7 +126,9 @@ def planned_activations(cfg, layout, stage: int) -> float:
     pb = 2 if t.resolved_dtype("cuda") == "bf16" else 4
     tokens = t.seq_len / layout.cp * layout.micro_batch
     layers = len(cfg.parallel.stage_layers(m.layers)[stage])
-    per_mb = layers * layer_bytes_per_token(cfg, layout) * tokens
+    received = [c for c in chunks_of(cfg, layout, stage) if c > 0]  # inputs kept for the chunk's backward
+    norm_share = layout.tp if layout.sequence_parallel else 1
+    per_mb = (layers * layer_bytes_per_token(cfg, layout) + len(received) * m.hidden / norm_share * pb) * tokens
     if m.recompute == "full":  # one layer's activations exist while it is recomputed
         full = dataclasses.replace(cfg, model=dataclasses.replace(m, recompute="selective"))
         per_mb_extra = layer_bytes_per_token(full, layout) * tokens

@@ -18,7 +18,6 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
-from .grads import counted_once, sync_tp_partial_grads
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
 
@@ -57,7 +56,6 @@ class Trainer:
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
         self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")
-        self.include = counted_once(g.rank_in("tp"))
         self.executor = None
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
@@ -125,8 +123,8 @@ class Trainer:
         self.model.module.train()
         inputs, labels = self.microbatches(self.sampler.train_batch(step))
         losses = self._forward_backward(inputs, labels)
-        sync_tp_partial_grads(dp, g.tp)
-        norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp), include=self.include,
+        dp.sum_partial_grads()
+        norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
         loss = self._mean_loss(losses)
         tokens = cfg.train.global_batch * cfg.train.seq_len

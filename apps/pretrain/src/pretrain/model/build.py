@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_groups import ParallelGroups, create_groups
+from par_groups import ParallelGroups, create_groups, placement_of
 from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
@@ -130,5 +130,5 @@ def _scale_expert_grads(module: nn.Module, layout) -> None:
     if factor == 1.0:
         return
     for p in module.parameters():
-        if getattr(p, "is_expert", False) and p.requires_grad:
+        if placement_of(p).expert and p.requires_grad:
             p.register_hook(lambda g, f=factor: g * f)

@@ -7,7 +7,7 @@ import time
 
 from ..errors import UsageError
 from .collectives import compare, step_collectives
-from .run import default_roles, simulate_rank
+from .run import check_rank, default_roles, simulate_rank
 
 GB = 1e9
 SHOWN = ("params", "grads", "optim", "activations")
@@ -40,8 +40,7 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
         raise UsageError("--simulate runs dense models only so far: MoE routing sizes its all-to-all from token "
                          "counts (data-dependent shapes), which the fake-tensor run cannot size yet")
     for r in ranks:
-        if not 0 <= r < world:
-            raise UsageError(f"--rank {r} is not a rank of --world {world}; use 0..{world - 1}")
+        check_rank(r, world)
     sim_cfg, kept, total = simulated_config(cfg, layout, all_microbatches)
     sim_layout = sim_cfg.validate_world(world)
     out = {"config": cfg.source, "world": world, "routing": "dense (no experts)",

@@ -9,6 +9,7 @@ process plays any rank of any world. :class:`MemoryTracker` counts what is alloc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -25,6 +26,11 @@ def default_roles(layout) -> list[int]:
     stages = layout.grid().ranks("pp")[0]  # the pp group of rank 0, by stage
     picks = sorted({0, layout.pp // 2, layout.pp - 1})
     return [stages[s] for s in picks]
+
+
+def check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise UsageError(f"--rank {rank} is not a rank of --world {world}; use 0..{world - 1}")
 
 
 def _state_tensors(dp) -> dict[str, list[torch.Tensor]]:
@@ -58,9 +64,8 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
     from ..train_loop import Trainer
 
     layout = cfg.validate_world(world)
-    if not 0 <= rank < world:
-        raise UsageError(f"--rank {rank} is not a rank of --world {world}; use 0..{world - 1}")
-    dataset = load_dataset(dataclass_replace(cfg.data, path=""), cfg.model.vocab_size)
+    check_rank(rank, world)
+    dataset = load_dataset(dataclasses.replace(cfg.data, path=""), cfg.model.vocab_size)  # shapes only: embedded data
     timings = {}
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -104,12 +109,6 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
         }
     finally:
         dist.destroy_process_group()
-
-
-def dataclass_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 def _summarize(records, names: dict[int, str]) -> list[dict]:

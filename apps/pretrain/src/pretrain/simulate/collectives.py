@@ -45,10 +45,9 @@ def step_collectives(cfg, layout, stage: int, microbatches: int) -> dict[tuple[s
         else:
             out[("all_reduce", "tp")] += regions * (forwards + 1) * act
         chunks = chunks_of(cfg, layout, stage)
-        if 0 in chunks:  # vocab-parallel embedding: partial rows reduced (scattered with SP)
-            op = "reduce_scatter" if layout.sequence_parallel else "all_reduce"
-            out[(op, "tp")] += microbatches * act
-            if layout.sequence_parallel:
+        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (then split with SP)
+            out[("all_reduce", "tp")] += microbatches * act
+            if layout.sequence_parallel:  # the split's backward gathers
                 out[("all_gather", "tp")] += microbatches * act
         if layout.pp * layout.chunks_per_rank - 1 in chunks:  # lm_head input gathered; loss: max + 3 sums
             if layout.sequence_parallel:

@@ -13,7 +13,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 def test_shipped_configs_are_the_package_configs_and_all_load():
     assert sorted(p.name for p in CONFIG_DIR.glob("*.toml")) == builtin_configs() == [
-        "deepseek-v3.toml", "llama3-405b.toml", "llama3-70b.toml", "llama3-8b.toml", "tiny-moe.toml", "tiny.toml"]
+        "deepseek-v3.toml", "llama3-405b.toml", "llama3-70b.toml", "llama3-8b.toml", "llama3.2-1b.toml",
+        "tiny-moe.toml", "tiny.toml"]
     for name in builtin_configs():
         cfg = load_config(str(CONFIG_DIR / name))
         cfg.validate_world(cfg.train.nproc)
@@ -25,10 +26,13 @@ def test_published_shapes():
     llama = load_config("llama3-8b").model
     assert (llama.hidden, llama.layers, llama.heads, llama.kv_heads, llama.ffn_hidden, llama.vocab_size,
             llama.rope_theta) == (4096, 32, 32, 8, 14336, 128256, 500000.0)
-    for name, shape in (("llama3-70b", (8192, 80, 64, 8, 28672)), ("llama3-405b", (16384, 126, 128, 8, 53248))):
-        m = load_config(name).model
-        assert (m.hidden, m.layers, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size) == shape + (128256,)
-    assert [len(s) for s in load_config("llama3-405b").parallel.stage_layers(126)] == [7] + [8] * 14 + [7]
+    shapes = {name: (m.hidden, m.layers, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings)
+              for name in ("llama3-70b", "llama3-405b", "llama3.2-1b") for m in [load_config(name).model]}
+    assert shapes == {"llama3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+                      "llama3-405b": (16384, 126, 128, 8, 53248, 128256, False),
+                      "llama3.2-1b": (2048, 16, 32, 8, 8192, 128256, True)}
+    uneven = ["parallel.pp=16", "parallel.first_stage_layers=7", "parallel.last_stage_layers=7"]
+    assert [len(s) for s in load_config("llama3-405b", uneven).parallel.stage_layers(126)] == [7] + [8] * 14 + [7]
     ds = load_config("deepseek-v3").model
     assert (ds.hidden, ds.layers, ds.moe_layers_start, ds.num_experts, ds.moe_ffn_hidden, ds.top_k, ds.shared_experts,
             ds.n_groups, ds.topk_groups, ds.score_func, ds.routed_scaling, ds.vocab_size) == (

@@ -18,6 +18,7 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
+from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
 
@@ -37,11 +38,13 @@ class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
-                 simulated: bool = False) -> None:
-        """``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
+                 topology=None, simulated: bool = False) -> None:
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
+        ``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
         tensor's values, so checkpoint shard specs are not probed and pipeline messages have a
         declared shape instead of a shape header."""
         from .data import build_sampler
+        from .placement import place_groups
 
         self.cfg = cfg
         self.device = device or torch.device("cpu")
@@ -49,10 +52,12 @@ class Trainer:
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, describe_shards=not simulated)
+        self.placement = place_groups(cfg, layout, topology)  # collective
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement,
+                                                 describe_shards=not simulated)
         g = self.model.groups
         self.groups = g
-        self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
+        self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
         self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")
@@ -131,7 +136,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             if cfg.train.nan_policy == "stop":
-                raise FloatingPointError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
+                raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
                                          f"([train].nan_policy=stop; 'skip' drops such steps instead)")
             return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
         dp.set_lr(lr)

@@ -211,6 +211,10 @@ def plan(
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", help="Memory per GPU in GB for the decision tree."),
     params: Optional[float] = typer.Option(None, "--params", help="Model-state-only form: number of parameters."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Model-state-only form: data-parallel size."),
+    auto: bool = typer.Option(False, "--auto", help="Search the layouts for --world GPUs of --topology; print the best 5."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description."),
+    efficiency: float = typer.Option(0.6, "--efficiency", help="With --auto: achieved / peak FLOP/s of the compute."),
+    peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
     simulate: bool = typer.Option(False, "--simulate", help="Run the real training step of one rank on fake tensors "
                                   "and report measured memory and collectives beside the plan."),
     ranks: List[int] = typer.Option([], "--rank", help="With --simulate: the rank(s) to simulate (default: first, "
@@ -221,6 +225,14 @@ def plan(
 ) -> None:
     """Per-rank memory (model state per ZeRO strategy, activations, experts), FLOPs and the ZeRO decision."""
     try:
+        if auto:
+            from ..planner.auto import auto_plan, render
+
+            if world is None or topology is None:
+                raise UsageError("--auto needs --world N and --topology PRESET, e.g. --world 64 --topology dgx-h100")
+            result = auto_plan(load_config(config, overrides), world, topology, efficiency, peak_tflops)
+            typer.echo(json.dumps(result) if as_json else render(result))
+            return
         if params is not None or dp is not None:
             if params is None or dp is None:
                 raise UsageError("the model-state-only form needs both --params and --dp, e.g. --params 7e9 --dp 8")

@@ -37,9 +37,8 @@ class RankModel:
 
 def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
     """Split every dp x cp group into ``replicas`` replicas of consecutive inner sharding groups."""
-    grid = groups.grid
     inner_lists, outer_lists = [], []
-    for g in grid.ranks("dp-cp"):
+    for g in groups.physical(groups.grid.ranks("dp-cp")):
         h = len(g) // replicas
         inner_lists += [g[i * h:(i + 1) * h] for i in range(replicas)]
         outer_lists += [g[i::h] for i in range(h)]
@@ -60,11 +59,14 @@ def chunk_layout(cfg, layout, pp_rank: int):
 
 
 def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
-                     device: torch.device = torch.device("cpu"), describe_shards: bool = True) -> RankModel:
-    """``describe_shards=False`` skips probing where each tensor sits in the full model (checkpoint
+                     device: torch.device = torch.device("cpu"), placement=None,
+                     describe_shards: bool = True) -> RankModel:
+    """``placement``: a :class:`pretrain.placement.RunPlacement` (grid + rank permutation); None = as configured.
+    ``describe_shards=False`` skips probing where each tensor sits in the full model (checkpoint
     specs): the probe reads values, which fake tensors (``pretrain plan --simulate``) do not have."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
-    groups = create_groups(layout.grid(), timeout=timeout)
+    grid = placement.grid if placement is not None else layout.grid()
+    groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)

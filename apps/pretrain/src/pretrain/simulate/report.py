@@ -20,6 +20,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     memory peak (2 x pp; GPipe keeps all), which is what bounds the time on a small machine."""
     if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
+    # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement="off"))
     m = layout.microbatches
     if all_microbatches or cfg.parallel.schedule == "gpipe":
         keep = m

@@ -41,8 +41,7 @@ class Trainer:
                  topology=None, simulated: bool = False) -> None:
         """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
         ``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
-        tensor's values, so checkpoint shard specs are not probed and pipeline messages have a
-        declared shape instead of a shape header."""
+        tensor's values, so pipeline messages have a declared shape instead of a shape header."""
         from .data import build_sampler
         from .placement import place_groups
 
@@ -53,8 +52,7 @@ class Trainer:
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.placement = place_groups(cfg, layout, topology)  # collective
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement,
-                                                 describe_shards=not simulated)
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement)
         g = self.model.groups
         self.groups = g
         self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
@@ -67,8 +65,9 @@ class Trainer:
 
             shape = None
             if simulated:
-                tokens = torch.empty(cfg.train.seq_len // layout.cp, layout.micro_batch)
-                shape = (self._activation_shape(tokens), torch.bfloat16 if self.autocast else torch.float32)
+                split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
+                shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
+                         torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
                                              device=self.device, message_shape=shape)
 
@@ -173,22 +172,8 @@ class Trainer:
         if self.executor is None:
             out = self.model.dp(x0)
         else:
-            me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-            owner = {c: r for r in range(g.size("pp")) for c in self.model.schedule.chunks_on(r)}
-            x = out = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    out = x
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
+            outs = self.executor.forward([x0])
+            out = outs[0] if outs else None
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
         if out is not None:
             full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
@@ -198,36 +183,6 @@ class Trainer:
         self.model.module.train()
         return full
 
-    def _pipeline_forward(self, inputs, labels) -> list[torch.Tensor]:
-        """Forward-only pipeline: chunks in order, activations sent to the next chunk's rank."""
-        g, schedule = self.groups, self.model.schedule
-        me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-        owner = {c: r for r in range(g.size("pp")) for c in schedule.chunks_on(r)}
-        last = self.model.num_chunks - 1
-        losses = []
-        for m, (x0, y) in enumerate(zip(inputs, labels)):
-            x = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device,
-                                    dtype=torch.bfloat16 if self.autocast else torch.float32)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    losses.append(self._loss(x, y))
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
-        return losses
-
-    def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
-        s, b = tokens.shape
-        tp = self.groups.size("tp") if self.layout.sequence_parallel else 1
-        return (s // tp, b, self.cfg.model.hidden)
-
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` held-out batches (forward only)."""
@@ -236,8 +191,8 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for index in range(batches):
                 inputs, labels = self.microbatches(self.sampler.eval_batch(index))
-                if self.executor is not None:
-                    losses += self._pipeline_forward(inputs, labels)
+                if self.executor is not None:  # the last chunk's rank gets the logits
+                    losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
                 else:
                     losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
         self.model.module.train()

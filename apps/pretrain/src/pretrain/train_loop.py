@@ -39,8 +39,10 @@ class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
-                 topology=None) -> None:
-        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement)."""
+                 topology=None, simulated: bool = False) -> None:
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
+        ``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
+        tensor's values, so pipeline messages have a declared shape instead of a shape header."""
         from .data import build_sampler
         from .placement import place_groups
 
@@ -62,8 +64,13 @@ class Trainer:
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
 
+            shape = None
+            if simulated:
+                split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
+                shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
+                         torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
-                                             device=self.device)
+                                             device=self.device, message_shape=shape)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,9 +90,9 @@ class Trainer:
     def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
         """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart)."""
         if not self.cfg.model.mtp_depth:
-            return vocab_parallel_cross_entropy(out.float(), labels, self.groups.tp)
+            return vocab_parallel_cross_entropy(out, labels, self.groups.tp)  # in fp32 inside
         (logits, hidden), streams = out, list(labels.unbind(-1))
-        loss = vocab_parallel_cross_entropy(logits.float(), streams[0], self.groups.tp)
+        loss = vocab_parallel_cross_entropy(logits, streams[0], self.groups.tp)
         extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
         return loss + (extra - extra.detach())
 

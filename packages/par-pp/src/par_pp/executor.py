@@ -68,6 +68,8 @@ class PipelineExecutor:
     ``tied_params``: parameters shared by the first and last chunk (tied embeddings) whose grads
     are summed over ``embedding_group`` after every step (skip the group when both chunks share
     one rank and one Parameter). ``device`` is where received tensors are placed.
+    ``message_shape = (shape, dtype)`` declares every activation and gradient message (no shape
+    headers; see ``StageComm``).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class PipelineExecutor:
         embedding_group: ProcessGroup | None = None,
         forward_fn: Callable[[int, nn.Module, torch.Tensor, int], torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
+        message_shape: tuple[tuple[int, ...], torch.dtype] | None = None,
     ):
         pp_group = pp_group if pp_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(pp_group)
@@ -93,6 +96,7 @@ class PipelineExecutor:
         self.loss_fn, self.forward_fn = loss_fn, forward_fn or _call_module
         self.tied_params, self.embedding_group = list(tied_params or []), embedding_group
         self.device = torch.device(device)
+        self.message_shape = message_shape
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
         self.records: list[ActionRecord] = []
 
@@ -109,7 +113,7 @@ class PipelineExecutor:
         self._live: dict[tuple[int, int], _Live] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between chunks of this rank
         self._losses: dict[int, torch.Tensor] = {}
-        self._comm = StageComm(s, self.rank, self.group, self.device)
+        self._comm = StageComm(s, self.rank, self.group, self.device, self.message_shape)
         self._comm.start()
         for action in s.ranks[self.rank]:
             self._compute_start = None

@@ -71,10 +71,8 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    chunks = {
-        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state).to(device)
-        for c in mine
-    }
+    chunks = {c: _to(ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state), device)
+              for c in mine}
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
     if num_chunks > 1 and num_chunks - 1 in chunks and cfg.model.mtp_depth:  # validation put chunk 0 here too
@@ -85,8 +83,13 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
     t = cfg.train
+    # Megatron's mixed precision: bf16 params for compute; fp32 main weights and Adam moments in the
+    # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
+    bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                  units=[u for c in mine for u in chunks[c].gather_units()], no_decay=no_decay)
+                  units=[u for c in mine for u in chunks[c].gather_units()], no_decay=no_decay,
+                  param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":
         if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
@@ -104,6 +107,11 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """No weight decay on norms and biases (1-D) nor on the input embedding (tied or not), as nanoGPT and Megatron."""
     return param.dim() < 2 or "embed_tokens" in name
+
+
+def _to(chunk: ModelChunk, device: torch.device) -> ModelChunk:
+    """Move a chunk built on the CPU to ``device`` (no-op on the CPU, where fake tensors cannot be swapped)."""
+    return chunk if device.type == "cpu" else chunk.to(device)
 
 
 def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:

@@ -4,7 +4,8 @@ with `torch.optim.AdamW` and `torch.nn.utils.clip_grad_norm_` on the same batche
 
 Everything of the reference is transformers' or torch's: its attention, RoPE (plain positions,
 while the cp2 run sees the zigzag shard's positions), RMSNorm, loss, optimizer and clipping.
-5 steps at a constant LR; losses and pre-clip grad norms agree to 1e-6 relative (measured <= 2.2e-7).
+5 steps at a constant LR; losses and pre-clip grad norms agree to 1e-6 relative (measured: loss
+<= 1.9e-7, grad norm <= 5.1e-7 over the four layouts).
 """
 
 import pytest
@@ -73,14 +74,14 @@ def train_transformers(batches):
     return losses, norms
 
 
-@pytest.mark.parametrize("name,overrides", [("1rank", []), ("tp2", ["parallel.tp=2"]), ("pp2", ["parallel.pp=2"]),
-                                            ("cp2", ["parallel.cp=2"])])
-def test_trainer_from_imported_llama_trains_like_transformers(dist_run, name, overrides):
-    world = 1 if name == "1rank" else 2
-    runs = dist_run(world, train_imported, overrides)
+LAYOUTS = {"1rank": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_trainer_from_imported_llama_trains_like_transformers(dist_run, name):
+    runs = dist_run(1 if name == "1rank" else 2, train_imported, LAYOUTS[name])
     ref_losses, ref_norms = train_transformers(runs[0][2])
     for losses, norms, _ in runs:
-        print(name, max(abs(a - b) / b for a, b in zip(losses, ref_losses)), max(abs(a - b) / b for a, b in zip(norms, ref_norms)))
         for step in range(STEPS):
             assert abs(losses[step] - ref_losses[step]) <= TOLERANCE * ref_losses[step], \
                 f"{name} step {step}: loss {losses[step]} vs transformers {ref_losses[step]}"

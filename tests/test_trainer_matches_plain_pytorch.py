@@ -5,6 +5,7 @@ that run to an independent computation: `LlamaReference` (nn.Linear, SDPA, nn.RM
 loop-over-experts `ReferenceMoE` with its balancing losses added to the loss), the same batches,
 `torch.optim.AdamW`, `torch.nn.utils.clip_grad_norm_`, the same LR schedule, and for MoE the
 aux-free bias update written out here (``bias += rate * sign(mean load - load)``).
+fp32, 6 steps: loss within 1.1e-7 and grad norm within 4.3e-7 (relative) measured, so 1e-6.
 """
 
 import pytest
@@ -80,6 +81,5 @@ CASES = {"dense": (None, []), "tied": (None, ["model.tie_embeddings=true"]), "mo
 def test_single_rank_trainer_equals_plain_pytorch(dist_run, name):
     ours, plain = dist_run(1, trainer_and_plain_pytorch, *CASES[name])[0]
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, plain)):
-        print(name, step, abs(loss - ref_loss) / ref_loss, abs(norm - ref_norm) / ref_norm)
         assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} vs plain PyTorch {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=1e-6), f"step {step}: grad norm {norm} vs plain PyTorch {ref_norm}"

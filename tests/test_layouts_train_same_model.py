@@ -13,7 +13,7 @@ router away from such ties for these 20 steps; they are what limits how long MoE
 
 import pytest
 
-from layout_runs import assert_same, single_rank, train_steps
+from layout_runs import COMMON, STEPS, assert_same, single_rank, train_steps
 
 TOLERANCE = 1e-6
 
@@ -44,6 +44,14 @@ PIPELINE = {
     "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
     "pp2-dp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
 }
+# Uneven stages (Megatron's decoder_first_pipeline_num_layers), on the 8-layer model: rank 0 holds 2.
+EIGHT_LAYERS = ("model.layers=8",)
+UNEVEN = {
+    "pp2-dp2-zb-v-optim-uneven": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim",
+                                  "parallel.first_stage_layers=2"],
+    "pp2-dp2-interleaved-uneven": ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                                   "parallel.first_stage_layers=2"],
+}
 
 
 @pytest.mark.parametrize("name", list(DENSE) + list(PIPELINE))
@@ -51,6 +59,12 @@ def test_dense_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, (DENSE | PIPELINE)[name], timeout=900)
     assert_same(results, single_rank(None), TOLERANCE, name)
     assert results[0][0][-1] < results[0][0][0]  # and it learns
+
+
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
+    results = dist_run(4, train_steps, None, list(EIGHT_LAYERS) + UNEVEN[name], timeout=900)
+    assert_same(results, single_rank(None, EIGHT_LAYERS), TOLERANCE, name)
 
 
 # Tied input/output embeddings: one Parameter, on the rank that holds both ends of the model.
@@ -89,3 +103,45 @@ def test_moe_layout_matches_single_rank(dist_run, name):
     extra = ("train.micro_batch=1",) if name in MOE_PIPELINE else ()
     results = dist_run(4, train_steps, "tiny-moe", list(MOE_COMMON + extra) + (MOE | MOE_PIPELINE)[name], timeout=900)
     assert_same(results, single_rank("tiny-moe", MOE_COMMON + extra), TOLERANCE, name)
+
+
+# A placement only changes which process plays which grid position: the same model trains.
+# Two hosts of two NVLink-connected GPUs; "interleaved": the launcher numbered the hosts' GPUs alternately.
+TOPOLOGY = '''name = "{name}"
+hosts = ["a", "b"]
+[bandwidth]
+nvlink = 450.0
+pcie = 64.0
+network = 50.0
+''' + "".join(f"[[gpus]]\nnode = {{n{r}}}\nlocal = {{l{r}}}\ndomain = {{n{r}}}\n" for r in range(4))
+PLACED = {  # name: (nodes of ranks 0..3, layout, what the placement must change)
+    "tp2-pp2-order": ([0, 0, 1, 1], ["parallel.tp=2", "parallel.pp=2", "parallel.order=pp-tp-cp-ep-dp"], "order"),
+    "tp2-dp2-permuted": ([0, 1, 0, 1], ["parallel.tp=2"], "permutation"),
+}
+
+
+def placed_train_steps(overrides):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    trainer = Trainer(load_config(None, list(COMMON) + list(overrides)))
+    results = [trainer.train_step(step) for step in range(STEPS)]
+    p = trainer.placement
+    return ([r.loss for r in results], [r.grad_norm for r in results]), p.grid.order, p.permutation, p.message
+
+
+@pytest.mark.parametrize("name", list(PLACED))
+def test_placed_layout_matches_single_rank(dist_run, tmp_path, name):
+    nodes, layout, changes = PLACED[name]
+    local = [nodes[:r].count(nodes[r]) for r in range(4)]
+    path = tmp_path / "cluster.toml"
+    path.write_text(TOPOLOGY.format(name=name, **{f"n{r}": nodes[r] for r in range(4)},
+                                    **{f"l{r}": local[r] for r in range(4)}))
+    results = dist_run(4, placed_train_steps, layout + [f"topology.file={path}"], timeout=900)
+    for _, order, permutation, message in results:
+        assert "network: tp" not in message, message
+        if changes == "order":
+            assert order != "pp-tp-cp-ep-dp" and permutation is None, message
+        else:
+            assert permutation is not None, message
+    assert_same([losses for losses, *_ in results], single_rank(None), TOLERANCE, name)

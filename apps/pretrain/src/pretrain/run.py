@@ -99,6 +99,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")
+            logger.message(trainer.placement.message)
         first = last = None
         saved_at = start_step if latest is not None else -1
         done = start_step

@@ -3,7 +3,7 @@ many layouts give the loss and global grad norm of the single-rank run at every 
 
 The tolerance comes from the measured error (`pytest -s` prints each layout's maximum relative
 error over the 20 steps): fp32 layouts differ from one rank by rounding only, at most 2.1e-7 in
-the loss and 2.5e-7 in the grad norm over every layout here, so 1e-6 (a 4x margin).
+the loss and 4.3e-7 in the grad norm (uneven zb-v; <= 2.5e-7 for the rest), so 1e-6.
 
 MoE routing is a discrete top-k: a token whose two best experts tie at the fp32 resolution of
 its router logits goes one way or the other depending on the last bit, in any two runs that sum

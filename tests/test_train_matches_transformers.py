@@ -61,7 +61,11 @@ def train_transformers(batches):
 
     t = load_config(None, COMMON).train
     model = tiny_llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    # no weight decay on norms and the embedding (the trainer's mask, as nanoGPT and Megatron)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "model.embed_tokens.weight"]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, betas=(t.beta1, t.beta2),
+                            eps=1e-8, weight_decay=t.weight_decay)
     losses, norms = [], []
     for tokens in batches:
         logits = model(tokens[:, :-1]).logits

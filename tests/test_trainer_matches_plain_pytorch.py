@@ -3,8 +3,9 @@
 The layout tests compare every layout with the trainer's own single-rank run; this one anchors
 that run to an independent computation: `LlamaReference` (nn.Linear, SDPA, nn.RMSNorm, par-moe's
 loop-over-experts `ReferenceMoE` with its balancing losses added to the loss), the same batches,
-`torch.optim.AdamW`, `torch.nn.utils.clip_grad_norm_`, the same LR schedule, and for MoE the
-aux-free bias update written out here (``bias += rate * sign(mean load - load)``).
+`torch.optim.AdamW` with two param groups (no weight decay on norms and the embedding),
+`torch.nn.utils.clip_grad_norm_`, the same LR schedule, and for MoE the aux-free bias update
+written out here (``bias += rate * sign(mean load - load)``).
 fp32, 6 steps: loss within 1.1e-7 and grad norm within 4.3e-7 (relative) measured, so 1e-6.
 """
 
@@ -46,8 +47,12 @@ def trainer_and_plain_pytorch(config, overrides):
 
     t = cfg.train
     model = build_reference(cfg.model, t.seed)
-    params = list(dict.fromkeys(model.parameters()))  # tied weights once
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    named = dict(model.named_parameters())  # tied weights once
+    params = list(named.values())
+    # two groups, as nanoGPT and Megatron: no weight decay on norms, biases and the embedding
+    plain_decay = [p for n, p in named.items() if p.dim() >= 2 and n != "model.embed_tokens.weight"]
+    groups = [{"params": plain_decay}, {"params": [p for p in params if all(p is not q for q in plain_decay)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
     moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "route")]
     loads = [torch.zeros(m.config.num_experts, dtype=torch.int64) for m in moes]
     for moe, load in zip(moes, loads):

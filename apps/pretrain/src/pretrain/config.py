@@ -222,6 +222,9 @@ class ParallelConfig:
         return out
 
 
+MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
@@ -248,6 +251,9 @@ class TrainConfig:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
         _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "eval_batches", "seed",
                   allow_zero=True)
+        _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
+              f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
+              f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
         _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
         _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
@@ -479,7 +485,8 @@ def _micro_batching(global_batch: int, micro_batch: int, microbatches: int, dp: 
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
 
 
 def _toml_literal(value) -> str:

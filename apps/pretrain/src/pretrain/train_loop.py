@@ -18,6 +18,7 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
+from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
 
@@ -127,7 +128,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             if cfg.train.nan_policy == "stop":
-                raise FloatingPointError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
+                raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
                                          f"([train].nan_policy=stop; 'skip' drops such steps instead)")
             return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
         dp.set_lr(lr)
@@ -164,22 +165,8 @@ class Trainer:
         if self.executor is None:
             out = self.model.dp(x0)
         else:
-            me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-            owner = {c: r for r in range(g.size("pp")) for c in self.model.schedule.chunks_on(r)}
-            x = out = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    out = x
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
+            outs = self.executor.forward([x0])
+            out = outs[0] if outs else None
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
         if out is not None:
             full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
@@ -189,36 +176,6 @@ class Trainer:
         self.model.module.train()
         return full
 
-    def _pipeline_forward(self, inputs, labels) -> list[torch.Tensor]:
-        """Forward-only pipeline: chunks in order, activations sent to the next chunk's rank."""
-        g, schedule = self.groups, self.model.schedule
-        me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-        owner = {c: r for r in range(g.size("pp")) for c in schedule.chunks_on(r)}
-        last = self.model.num_chunks - 1
-        losses = []
-        for m, (x0, y) in enumerate(zip(inputs, labels)):
-            x = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device,
-                                    dtype=torch.bfloat16 if self.autocast else torch.float32)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    losses.append(self._loss(x, y))
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
-        return losses
-
-    def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
-        s, b = tokens.shape
-        tp = self.groups.size("tp") if self.layout.sequence_parallel else 1
-        return (s // tp, b, self.cfg.model.hidden)
-
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` held-out batches (forward only)."""
@@ -227,8 +184,8 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for index in range(batches):
                 inputs, labels = self.microbatches(self.sampler.eval_batch(index))
-                if self.executor is not None:
-                    losses += self._pipeline_forward(inputs, labels)
+                if self.executor is not None:  # the last chunk's rank gets the logits
+                    losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
                 else:
                     losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
         self.model.module.train()

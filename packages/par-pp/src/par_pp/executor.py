@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
-from .ir import Action, Schedule
+from .ir import Action, Schedule, make_schedule
 from .p2p import StageComm
 
 
@@ -121,6 +121,34 @@ class PipelineExecutor:
         self._comm.finish()
         self._reduce_tied_grads()
         return [self._losses[m] for m in sorted(self._losses)]
+
+    @torch.no_grad()
+    def forward(self, inputs: list[torch.Tensor] | None, microbatches: int | None = None) -> list[torch.Tensor]:
+        """Forward only (evaluation, inference): the schedule's F actions for the first
+        ``microbatches`` (default ``len(inputs)``; every rank must agree), no graph, no loss.
+        Returns the last chunk's outputs, one per microbatch, on its rank (else ``[]``)."""
+        s = self.schedule
+        n = len(inputs) if microbatches is None else microbatches
+        if not 0 < n <= s.microbatches:
+            raise ValueError(f"forward runs 1..{s.microbatches} microbatches (the schedule's), got {n}")
+        fwd = make_schedule(f"{s.name}-forward", s.pp, n, s.placement,
+                            [[a for a in row if a.kind == "F" and a.microbatch < n] for row in s.ranks])
+        stage, local, outputs = StageComm(fwd, self.rank, self.group, self.device), {}, {}
+        stage.start()
+        for a in fwd.ranks[self.rank]:
+            m, c = a.microbatch, a.chunk
+            message = fwd.input_message(a)
+            x = inputs[m] if c == 0 else stage.recv(message) if message is not None else local.pop((m, c))
+            y = self.forward_fn(c, self.chunks[c], x, m)
+            if c == fwd.last_chunk:
+                outputs[m] = y
+            elif (out := fwd.output_message(a)) is not None:
+                stage.send(out, y)
+            else:  # the next chunk lives on this rank
+                local[(m, c + 1)] = y
+            stage.poll()
+        stage.finish()
+        return [outputs[m] for m in sorted(outputs)]
 
     # --- data movement -------------------------------------------------------------------------
 

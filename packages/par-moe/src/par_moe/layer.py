@@ -15,8 +15,13 @@ sum them over expert DP. Router and shared-expert params are replicated; each ra
 comes from its own tokens (like LayerNorm under sequence parallelism: reduce over every rank that
 holds different tokens). ``copies`` names the model-parallel group (e.g. TP) also holding them,
 ``partial_grad`` whether its ranks see different tokens (sequence parallel), so their placement
-tells the data-parallel wrapper to sum their gradients over it. The returned aux loss is this rank's share: summed over ``aux_group``
-(default: this rank alone) it is the loss over the group's tokens.
+tells the data-parallel wrapper to sum their gradients over it.
+
+Balancing losses: the returned aux loss is this rank's share: summed over ``aux_group`` (default:
+this rank alone) it is the loss over the group's tokens. ``sequence_group`` (default: the aux
+group) is the part of it that splits the same sequences (tp x cp in a model, while the aux group
+also spans dp): the sequence-wise loss counts per sequence over it and averages over every
+sequence of the aux group.
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ class MoELayer(nn.Module):
     """``forward(x) -> (y, aux_loss)``; ``last_metrics`` holds this step's routing statistics."""
 
     def __init__(self, config: MoEConfig, ep_group: ProcessGroup | None = None, etp_group: ProcessGroup | None = None,
-                 aux_group: ProcessGroup | None = None, copies: ProcessGroup | None = None, partial_grad: bool = False):
+                 aux_group: ProcessGroup | None = None, sequence_group: ProcessGroup | None | str = "aux_group",
+                 copies: ProcessGroup | None = None, partial_grad: bool = False):
         super().__init__()
         self.config = config
         self.ep_group, self.etp_group, self.aux_group = ep_group, etp_group, aux_group
+        self.sequence_group = aux_group if sequence_group == "aux_group" else sequence_group
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)
         if config.num_experts % self.ep:
             raise ValueError(f"ep={self.ep} does not divide num_experts={config.num_experts}")
@@ -110,20 +117,22 @@ class MoELayer(nn.Module):
         tokens = routing.logits.shape[0]
         batch = shape[1] if len(shape) == 3 else 1
         seq_counts = losses.sequence_counts(routing.indices, batch, c.num_experts) if c.seq_aux_loss_coeff else None
-        group = group_size(self.aux_group)
-        if group > 1:  # counts over every rank holding other tokens of the same sequences
-            stats = torch.cat([counts] + ([seq_counts.reshape(-1)] if seq_counts is not None else [])).to(torch.float64)
-            comm.all_reduce(stats, self.aux_group)
-            counts = stats[: c.num_experts]
-            if seq_counts is not None:
-                seq_counts = stats[c.num_experts:].view(batch, c.num_experts)
+        group, seq_group = group_size(self.aux_group), group_size(self.sequence_group)
+        if group > 1 and c.aux_loss_coeff:  # counts over every rank holding other tokens of the micro-batch
+            counts = counts.to(torch.float64)
+            comm.all_reduce(counts, self.aux_group)
+        if seq_group > 1 and seq_counts is not None:  # ... and of the same sequences
+            seq_counts = seq_counts.to(torch.float64)
+            comm.all_reduce(seq_counts, self.sequence_group)
         probs = losses.scores_for_aux(routing.scores, c.score_func)
         if c.aux_loss_coeff:
             parts["aux_loss"] = losses.switch_aux_loss(probs, counts, tokens * group, c.top_k, c.aux_loss_coeff)
         if c.seq_aux_loss_coeff:
             seq_probs = probs.view(tokens // batch, batch, c.num_experts)
-            parts["seq_aux_loss"] = losses.sequence_aux_loss(seq_probs, seq_counts, (tokens // batch) * group, c.top_k,
-                                                             c.seq_aux_loss_coeff)
+            # the mean over the aux group's sequences: this rank's batch is 1/(group/seq_group) of them
+            coeff = c.seq_aux_loss_coeff * seq_group / group
+            parts["seq_aux_loss"] = losses.sequence_aux_loss(seq_probs, seq_counts, (tokens // batch) * seq_group,
+                                                             c.top_k, coeff)
         if c.z_loss_coeff:
             parts["z_loss"] = losses.z_loss(routing.logits, tokens * group, c.z_loss_coeff)
         return parts["aux_loss"] + parts["seq_aux_loss"] + parts["z_loss"], parts

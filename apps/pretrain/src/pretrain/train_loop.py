@@ -9,6 +9,7 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
 from .grads import counted_once, sync_tp_partial_grads
+from .kernels import fp8_context, select_kernels
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
 
@@ -44,6 +46,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         # bf16 autocast on GPUs (fp32 master weights and optimizer state stay in par-zero)
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
+        self.kernels = select_kernels(cfg.model, cfg.train, self.device)
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device)
@@ -78,8 +81,15 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
         """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self._compute_context():
             return self._run_microbatches(inputs, labels)
+
+    def _compute_context(self):
+        """bf16 autocast (when the run is bf16), inside it TE's FP8 autocast (when [train].fp8 is on)."""
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast))
+        stack.enter_context(fp8_context(self.kernels))
+        return stack
 
     def _run_microbatches(self, inputs, labels) -> list[torch.Tensor]:
         dp, n = self.model.dp, len(inputs)
@@ -100,7 +110,7 @@ class Trainer:
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage."""
         g = self.groups
-        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         total = total.reshape(1).float()
         comm.all_reduce(total, g.dp_cp)
         total /= g.size("dp_cp")
@@ -171,7 +181,7 @@ class Trainer:
                 if c == 0:
                     x = x0
                 elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device)
+                    x = self._activation_buffer(x0)
                     dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
                 x = self.model.chunks[c](x)
                 if c == last:
@@ -202,8 +212,7 @@ class Trainer:
                 if c == 0:
                     x = x0
                 elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device,
-                                    dtype=torch.bfloat16 if self.autocast else torch.float32)
+                    x = self._activation_buffer(x0)
                     dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
                 x = self.model.chunks[c](x)
                 if c == last:
@@ -212,17 +221,20 @@ class Trainer:
                     dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
         return losses
 
-    def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
+    def _activation_buffer(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Receive buffer for the activations a previous stage sends: the residual stream keeps the
+        params' dtype (autocast's bf16 matmul outputs are added to it), on this rank's device."""
         s, b = tokens.shape
         tp = self.groups.size("tp") if self.layout.sequence_parallel else 1
-        return (s // tp, b, self.cfg.model.hidden)
+        dtype = next(self.model.module.parameters()).dtype
+        return torch.empty((s // tp, b, self.cfg.model.hidden), device=self.device, dtype=dtype)
 
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` held-out batches (forward only)."""
         self.model.module.eval()
         losses = []
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self._compute_context():
             for index in range(batches):
                 inputs, labels = self.microbatches(self.sampler.eval_batch(index))
                 if self.executor is not None:

@@ -89,13 +89,14 @@ def tp_local_grad_norm_sq(params: nn.Module | Iterable[nn.Parameter], tp_group: 
     params replicated over TP count on TP rank 0 only. Returns an fp32 scalar (not reduced).
     """
     rank = dist.get_rank(tp_group)
-    total = torch.zeros((), dtype=torch.float32)
+    total = None  # on the grads' device
     for p in _params(params):
         if p.grad is None:
             continue
-        sq = p.grad.detach().float().pow(2).sum().cpu()
+        sq = p.grad.detach().float().pow(2).sum()
+        total = torch.zeros_like(sq) if total is None else total
         if getattr(p, "tensor_parallel", False):
             total += sq / getattr(p, "tp_replicas", 1)
         elif rank == 0:
             total += sq
-    return total
+    return torch.zeros((), dtype=torch.float32) if total is None else total

@@ -41,7 +41,7 @@ def _sharded(bucket: Bucket, tensor: torch.Tensor, offset: int, numel: int) -> S
     other = (rank + 1) % world  # placement of chunks held elsewhere; only offsets matter to DCP
     metas, local = [], []
     for p_off, size, is_mine in _chunks_of(bucket, offset, numel):
-        md = ShardMetadata([p_off], [size], f"rank:{rank if is_mine else other}/cpu")
+        md = ShardMetadata([p_off], [size], f"rank:{rank if is_mine else other}/{tensor.device}")
         metas.append(md)
         if is_mine:
             lo = offset + p_off - bucket.opt_lo

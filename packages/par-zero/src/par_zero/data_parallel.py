@@ -202,7 +202,7 @@ class DataParallel:
             for b in self.buckets:  # buckets with unused params: reduce what they have (all ranks alike)
                 if b.pending != 0:
                     if b.full_grad is None:
-                        b.full_grad = torch.zeros(b.N, dtype=self.cfg.grad_dtype)
+                        b.new_full_grad()
                     b.launch_reduce()
                     self._inflight.append(b)
             for b in self._inflight:
@@ -243,12 +243,13 @@ class DataParallel:
         (e.g. TP-replicated copies counted on another rank)."""
         norm_groups = tuple(norm_groups)
         expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
-        total = torch.zeros((), dtype=torch.float32)
+        device = self.buckets[0].device if self.buckets else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for groups, extra in ((self.dense_groups, norm_groups), (self.expert_groups, expert_norm_groups)):
             fam = [b for b in self.buckets if b.groups is groups]
             if not fam:
                 continue
-            sq = torch.zeros((), dtype=torch.float32)
+            sq = torch.zeros((), dtype=torch.float32, device=device)
             for b in fam:
                 if include is None:
                     sq += b.opt_grad.float().pow(2).sum()
@@ -290,7 +291,7 @@ class DataParallel:
         if kind not in ("master", "exp_avg", "exp_avg_sq"):
             raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
         for b in self.buckets:
-            flat = torch.zeros(b.N, dtype=torch.float32)
+            flat = torch.zeros(b.N, dtype=torch.float32, device=b.device)
             for p, o in zip(b.params, b.offsets):
                 flat[o : o + p.numel()] = tensors[self.param_names[p]].reshape(-1).to(torch.float32)
             if kind != "master":
@@ -331,7 +332,7 @@ class DataParallel:
         """Gather ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') of every trainable param, full size."""
         out = {}
         for b in self.buckets:
-            flat = torch.zeros(b.N, dtype=torch.float32)
+            flat = torch.zeros(b.N, dtype=torch.float32, device=b.device)
             flat[b.opt_lo : b.opt_hi] = getattr(b, kind)
             if self.cfg.strategy != "no_shard":
                 # opt ranges are disjoint within the inner group (x outer for outer 'optim')

@@ -62,7 +62,8 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
                      device: torch.device = torch.device("cpu")) -> RankModel:
     timeout = timedelta(seconds=cfg.train.timeout_s)
     groups = create_groups(layout.grid(), timeout=timeout)
-    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
+    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
+                    cfg.model.attention, cfg.model.backend)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
@@ -72,6 +73,11 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     }
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
+    if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
+        from .te import use_te_linears_
+
+        for chunk in chunks.values():
+            use_te_linears_(chunk)
     for chunk in chunks.values():
         for layer in chunk.layers.values():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss

@@ -42,13 +42,20 @@ class RankLayout:
     cp_mode: str  # p2p | a2a | allgather | a2a+p2p
     seq_len: int  # full sequence length (before CP)
     recompute: str  # none | selective | full
+    attention: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
+    backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
 
 
 def context_attention(layout: RankLayout) -> ContextParallelAttention:
     g = layout.groups
+    if layout.backend == "te":
+        from .te import TEContextAttention
+
+        return TEContextAttention(layout)
     if layout.cp_mode == "a2a+p2p":
-        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True)
-    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True)
+        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
+                                        backend=layout.attention)
+    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, backend=layout.attention)
 
 
 class RopeThenContextAttention(nn.Module):

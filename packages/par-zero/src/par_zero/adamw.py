@@ -43,3 +43,11 @@ def fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float,
     steps = [torch.tensor(float(step), dtype=torch.float32, device=param.device)]
     torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0], beta2=betas[1],
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) as a tensor on the norm's device: no host sync on a GPU.
+
+    Computed in fp64 like the Python float it replaces, so the grads (multiplied by it even when
+    it is 1, which is exact) come out bitwise as before on the CPU; a NaN norm leaves them as they are."""
+    return (max_norm / (norm.double() + 1e-6)).clamp(max=1.0).nan_to_num(nan=1.0)

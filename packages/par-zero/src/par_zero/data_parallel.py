@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
+from .adamw import clip_coefficient
 from .bucket import Bucket, BucketGroups
 from .checkpoint import load_sharded_state_dict, sharded_state_dict
 from .config import DataParallelConfig
@@ -267,10 +268,9 @@ class DataParallel:
             if self.expert_groups is self.dense_groups:
                 break
         norm = total.sqrt()
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
-        if coef < 1.0:
-            for b in self.buckets:
-                b.opt_grad.mul_(coef)
+        coef = clip_coefficient(norm, max_norm)
+        for b in self.buckets:
+            b.opt_grad.mul_(coef)
         return norm
 
     # ---- checkpoints ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from par_groups import comm
 
+from .adamw import clip_coefficient
 from .config import DataParallelConfig
 from .units import default_unit_modules
 
@@ -103,22 +104,19 @@ class TorchFSDP2:
                         include: Callable[[nn.Parameter], bool] | None = None, expert_norm_groups=None) -> torch.Tensor:
         """Global-norm clipping over the sharded grads (sum over the inner group, then norm_groups)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else None)
-        grads = []
         for p in self.params:
             if p.grad is None or (include is not None and not include(p)):
                 continue
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             sq += g.float().pow(2).sum()
-            grads.append(g)
         comm.all_reduce(sq, self.dp_group)
         for g in norm_groups:
             comm.all_reduce(sq, g)
         norm = sq.sqrt()
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
-        if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
+        coef = clip_coefficient(norm, max_norm)
+        for p in self.params:
+            if p.grad is not None:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
         return norm
 
     def state_dict(self) -> dict:

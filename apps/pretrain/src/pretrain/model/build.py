@@ -67,10 +67,10 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    chunks = {
-        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state).to(device)
-        for c in mine
-    }
+    with torch.device(device):  # built where it runs (no host copy of the shard), then filled from the full state
+        chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
+    for chunk in chunks.values():
+        chunk.load_full_state_(state)
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
     if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours

@@ -12,7 +12,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     the tokens it actually holds.
     """
     # float32 as Hugging Face computes it, so imported models give the same logits.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

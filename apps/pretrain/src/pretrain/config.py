@@ -1,6 +1,6 @@
 """The run configuration: TOML sections read into frozen, validated dataclasses.
 
-A config is six sections, ``[model] [parallel] [train] [data] [checkpoint] [log]``; every key has a
+A config is seven sections, ``[model] [parallel] [train] [data] [checkpoint] [log] [topology]``; every key has a
 default, so a file names only what differs. ``--set section.key=value`` overrides (repeatable) are
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).
@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
+from par_pp import chunk_placement, split_stages
 
 from .errors import UsageError
 
@@ -42,6 +43,7 @@ FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
+PLACEMENTS = ("auto", "strict", "off")  # see pretrain.placement
 DEFAULT_CONFIG = "tiny.toml"
 
 
@@ -160,11 +162,16 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
     order: str = "tp-cp-ep-dp-pp"
+    placement: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
+    # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
+        _choice("[parallel].placement", self.placement, PLACEMENTS)
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
-        _positive("parallel", self, "etp", "microbatches", allow_zero=True)
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
         _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
         _choice("[parallel].schedule", self.schedule, SCHEDULES)
@@ -202,6 +209,28 @@ class ParallelConfig:
         if self.pp == 1:
             return 1
         return 2 if self.schedule in V_SCHEDULES else self.vpp
+
+    @property
+    def uneven(self) -> bool:
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[range]:
+        """Layer range of every pipeline chunk in model order (one chunk when pp = 1)."""
+        if self.pp == 1:
+            return [range(num_layers)]
+        placement = chunk_placement(self.schedule, self.pp, self.vpp)
+        try:
+            return split_stages(num_layers, placement, self.first_stage_layers, self.last_stage_layers)
+        except ValueError as e:
+            raise UsageError(f"[parallel] layer split: {e}") from None
+
+    def stage_layers(self, num_layers: int) -> list[list[int]]:
+        """The layer ids each pipeline rank holds (all its chunks), by pp rank."""
+        placement = chunk_placement(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
+        out: list[list[int]] = [[] for _ in range(self.pp)]
+        for rank, layers in zip(placement, self.chunk_layers(num_layers)):
+            out[rank] += list(layers)
+        return out
 
 
 @dataclass(frozen=True)
@@ -280,6 +309,23 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class TopologyConfig:
+    """Where the ranks run, for placement when NVML cannot tell (NVML is asked first)."""
+
+    preset: str = ""  # a par_groups topology preset (dgx-h100, dgx-a100, pcie-8gpu, nvl72)
+    file: str = ""  # or a TOML description (`pretrain topo --save` writes one)
+    nodes: int = 0  # 0 = as many as the world size needs
+
+    def __post_init__(self) -> None:
+        from par_groups.topology import preset_names
+
+        _need(not (self.preset and self.file), "[topology] takes preset or file, not both")
+        if self.preset:
+            _choice("[topology].preset", self.preset, tuple(preset_names()))
+        _positive("topology", self, "nodes", allow_zero=True)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     dir: str = "runs/latest"  # run output directory; log.jsonl goes inside
     every: int = 1
@@ -328,6 +374,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "topology": TopologyConfig,
 }
 
 
@@ -339,6 +386,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     source: str = field(default="", compare=False)  # the file it came from ("" = built in)
 
     def __post_init__(self) -> None:
@@ -353,9 +401,13 @@ class Config:
               f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
               f"(kv heads are split over tp, or replicated when fewer than tp)")
         chunks = p.pp * p.chunks_per_rank
-        _need(m.layers % chunks == 0,
-              f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
-              f"{p.chunks_per_rank}={chunks}")
+        if p.uneven:
+            _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
+            p.chunk_layers(m.layers)  # raises the one-line error when the sizes do not add up
+        else:
+            _need(m.layers % chunks == 0,
+                  f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
+                  f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
         if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
             a2a = p.hcp[0] if p.hcp else p.cp
             for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):

@@ -26,7 +26,9 @@ def train(
         device = device or cfg.train.device
         if not under_torchrun():
             check_nproc(n, device)
-            cfg.validate_world(n)
+            from ..placement import check_before_launch
+
+            check_before_launch(cfg, cfg.validate_world(n))  # placement = "strict" refuses here, exit 2
             from ..data import load_dataset
 
             load_dataset(cfg.data, cfg.model.vocab_size)  # a missing or malformed file fails here, once

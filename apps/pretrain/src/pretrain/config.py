@@ -233,6 +233,9 @@ class ParallelConfig:
         return out
 
 
+MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
@@ -256,11 +259,16 @@ class TrainConfig:
     nproc: int = 2
     timeout_s: float = 300.0
     nan_policy: str = "stop"
+    # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
         _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "eval_batches", "seed",
                   allow_zero=True)
+        _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
+              f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
+              f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
         _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
         _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
@@ -271,6 +279,7 @@ class TrainConfig:
         _choice("[train].device", self.device, DEVICES)
         _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
+        _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
 
     @property
     def last_step(self) -> int:
@@ -496,7 +505,8 @@ def _micro_batching(global_batch: int, micro_batch: int, microbatches: int, dp: 
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
 
 
 def _toml_literal(value) -> str:

@@ -6,13 +6,13 @@ import os
 import signal
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .config import load_config
 from .launch import init_distributed, shutdown
+from .preflight import checkpoint_root
 
 FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
 
@@ -56,14 +56,12 @@ def _injected_failure(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} before step {step + 1}")
 
 
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.log.dir) / "checkpoints")
-
-
-def run_rank(config: str | None, overrides: list[str], device: str | None = None) -> dict:
+def run_rank(config: str | None, overrides: list[str], device: str | None = None, force: bool = False) -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
-    ``device`` (the CLI's --device) overrides [train].device."""
+
+    ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
     from .checkpoint import CheckpointSaver, latest_checkpoint
+    from .checkpoint.retention import start_run
     from .data import load_dataset
     from .flops import training_flops_per_step
     from .metrics import MetricsLogger
@@ -91,11 +89,13 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:
+            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
             logger = MetricsLogger(
                 cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
                 peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                start_step=start_step, run_id=run_id,
             )
             logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
@@ -135,8 +135,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 if logger is not None:
                     logger.message(f"SIGTERM: stopped after step {done}, checkpoint written")
                 break
-        stopped_early = done < t.steps
-        if saved_at != done and (ck.every or stopped_early):
+        if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
             path = saver.save(trainer, root, done, ck.keep)
             if logger is not None:
                 logger.message(f"checkpoint {path}")

@@ -28,7 +28,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
                           weight_decay=weight_decay)
         return
-    param.mul_(1 - lr * weight_decay)
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step

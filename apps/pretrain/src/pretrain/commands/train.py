@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from ..errors import UsageError, fail
+
+USAGE_PREFIX = "UsageError: "  # how a rank's UsageError reads in the launcher's failure record
+TRACEBACK_FILE = "error.log"
 
 
 def train(
@@ -14,29 +21,49 @@ def train(
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set section.key=value (repeatable)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Local ranks to start (default [train].nproc); ignored under torchrun."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda (default [train].device)."),
+    force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
     from ..launch import RankFailed, check_nproc, launch, under_torchrun
+    from ..preflight import check_run, run_lock
     from ..run import run_rank
 
+    log_dir = None
     try:
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         device = device or cfg.train.device
         if not under_torchrun():
             check_nproc(n, device)
+        layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
+        if not under_torchrun():
             from ..placement import check_before_launch
 
-            check_before_launch(cfg, cfg.validate_world(n))  # placement = "strict" refuses here, exit 2
-            from ..data import load_dataset
-
-            load_dataset(cfg.data, cfg.model.vocab_size)  # a missing or malformed file fails here, once
-        launch(run_rank, (config, list(overrides), device), nproc=n, device=device)
+            check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
+        leader = not under_torchrun() or os.environ.get("RANK") == "0"
+        check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
+        with run_lock(cfg.log.dir) if leader else nullcontext():
+            log_dir = cfg.log.dir
+            launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device)
     except UsageError as e:
         raise fail(str(e))
     except RankFailed as e:
-        typer.echo(f"error: rank {e.rank} failed: {e.error}", err=True)
-        if e.traceback:
-            typer.echo(e.traceback, err=True)
-        raise typer.Exit(code=1)
+        if e.error.startswith(USAGE_PREFIX):  # a user's mistake found inside a rank: as on one rank
+            raise fail(e.error[len(USAGE_PREFIX):].strip())
+        _internal_error(f"rank {e.rank} failed: {e.error}", e.traceback, log_dir)
+    except Exception as e:  # one in-process rank (--nproc 1, torchrun): same short line
+        _internal_error(f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(), log_dir)
+
+
+def _internal_error(cause: str, trace: str, log_dir: str | None) -> None:
+    """Exit 1 with one line; the traceback goes to ``<log.dir>/error.log`` (or stderr if unwritable)."""
+    where = ""
+    if trace and log_dir:
+        try:
+            (Path(log_dir) / TRACEBACK_FILE).write_text(trace)
+            where = f" (traceback in {Path(log_dir) / TRACEBACK_FILE})"
+        except OSError:
+            typer.echo(trace, err=True)
+    typer.echo(f"error: {cause}{where}", err=True)
+    raise typer.Exit(code=1)

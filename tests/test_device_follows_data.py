@@ -51,8 +51,6 @@ def _build(overrides, world, device, monkeypatch):
     from pretrain.config import load_config
     from pretrain.model.build import build_rank_model
 
-    # checkpoint shard specs are found by loading probe values (data-dependent): not a device question
-    monkeypatch.setattr("pretrain.checkpoint.shards.describe_shards", lambda *a, **k: {})
     cfg = load_config(None, BASE + overrides)
     layout = cfg.validate_world(world)
     return cfg, layout, build_rank_model(cfg, layout, device=torch.device(device))

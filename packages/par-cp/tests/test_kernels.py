@@ -57,3 +57,21 @@ def test_block_mask_skips_hidden_blocks_and_clips_keys():
     assert BlockMask(8, 16, 0, 8, causal=False, docs=(0, 8, 16)).is_empty()  # different documents
     clipped = BlockMask(8, 12, 0, 32, causal=True, docs=(0, 6, 32)).clipped()
     assert (clipped.k_start, clipped.k_end) == (6, 12)
+
+
+def test_dense_sdpa_path_matches_reference_and_is_chosen_only_on_a_gpu():
+    """cp=1 on a GPU skips the block path: torch SDPA with native GQA (checked here on the CPU, fp32)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from par_cp.kernels.dense import dense_kernel, sdpa_attention
+    from par_cp.reference import reference_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(24, 2, 4, 8, generator=g), torch.randn(24, 2, 2, 8, generator=g), torch.randn(24, 2, 2, 8, generator=g)
+    out = sdpa_attention(q, k, v, True, 8 ** -0.5)
+    assert (out.double() - reference_attention(q, k, v, causal=True)).abs().max() < 1e-6
+    assert dense_kernel(q, "auto") is None  # the CPU keeps the block kernels
+    with FakeTensorMode():
+        qc = torch.empty(24, 2, 4, 8, device="cuda", dtype=torch.bfloat16)
+        assert dense_kernel(qc, "torch") is None and dense_kernel(qc, "sdpa") == "sdpa"
+        assert dense_kernel(qc, "auto") in ("sdpa", "flash")

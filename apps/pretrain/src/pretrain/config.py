@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import tomli
+try:  # Python >= 3.11 ships the TOML reader; tomli is the same module for older ones
+    import tomllib as tomli
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli
 
 from par_groups import LayoutError, RankGrid
 from par_pp import chunk_placement, split_stages
@@ -33,6 +36,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two model chunks per rank, laid out in a V
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
+FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
@@ -114,8 +121,12 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.1
+    backend: str = "torch"  # te = Transformer Engine layers and attention (CUDA, optional)
+    attention_backend: str = "auto"  # auto | flash | sdpa | torch: the attention kernel
 
     def __post_init__(self) -> None:
+        _choice("[model].backend", self.backend, BACKENDS)
+        _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden")
         _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
                   allow_zero=True)
@@ -282,6 +293,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
+    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around the step ([model].backend=te)
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2
@@ -304,6 +317,8 @@ class TrainConfig:
         _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
         _need(self.timeout_s > 0, f"[train].timeout_s={self.timeout_s} must be > 0")
         _choice("[train].dtype", self.dtype, DTYPES)
+        _choice("[train].device", self.device, DEVICES)
+        _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
 
@@ -455,6 +470,8 @@ class Config:
                 _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
                                         f"which does not divide the {local} [model].{name} per tp rank")
         t = self.train
+        _need(t.fp8 == "off" or m.backend == "te",
+              f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
         _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),
               f"[train].seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal CP)")
         if p.zero == "torch_fsdp2":

@@ -6,7 +6,8 @@ object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_n
 :meth:`MetricsLogger.log_eval` writes ``{"step", "eval_loss"}`` lines (no ``loss`` key). On a
 terminal the display is a rich progress bar; otherwise (CI, pipes) a plain line every
 ``log.every`` steps. MFU = model FLOPs per step (``pretrain.flops``) / (step time x peak FLOP/s per
-device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs (none on the CPU).
+device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs in the dtype the
+matmuls run in (``pretrain.peak``; none on the CPU).
 """
 
 from __future__ import annotations
@@ -24,45 +25,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-# Dense peak TFLOP/s per device (no sparsity): bf16 tensor cores, and tf32 for fp32 training.
-PEAK_TFLOPS = {  # name fragment (matched longest first) -> (bf16, tf32)
-    "GB200": (2500.0, 1250.0),
-    "B200": (2250.0, 1100.0),
-    "H200": (989.0, 494.0),
-    "H100 PCIe": (756.0, 378.0),
-    "H100": (989.0, 494.0),
-    "H800": (989.0, 494.0),
-    "H20": (148.0, 74.0),
-    "A100": (312.0, 156.0),
-    "A800": (312.0, 156.0),
-    "L40S": (362.0, 183.0),
-    "L4": (121.0, 60.0),
-    "A10G": (70.0, 35.0),
-    "A10": (125.0, 62.5),
-    "V100": (125.0, 15.7),
-    "MI300X": (1307.0, 654.0),
-    "MI250X": (383.0, 95.7),
-}
-
-
-def lookup_peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
-    """Peak dense TFLOP/s of a GPU by its name (e.g. 'NVIDIA H100 80GB HBM3'), or None if unknown."""
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
-            bf16, tf32 = PEAK_TFLOPS[key]
-            return tf32 if dtype == "fp32" else bf16
-    return None
-
-
-def peak_flops(device: torch.device, dtype: str = "bf16", given_tflops: float = 0.0) -> float | None:
-    """Peak FLOP/s of one device: ``given_tflops`` if > 0, else the known GPU's; None on the CPU or unknown."""
-    if given_tflops > 0:
-        return given_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    tflops = lookup_peak_tflops(torch.cuda.get_device_name(device), dtype)
-    return None if tflops is None else tflops * 1e12
-
+from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MFU's denominator
 
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory on CUDA, resident set size on the CPU."""

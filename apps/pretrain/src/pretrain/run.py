@@ -56,19 +56,20 @@ def _injected_failure(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} before step {step + 1}")
 
 
-def run_rank(config: str | None, overrides: list[str], device: str = "auto", force: bool = False) -> dict:
+def run_rank(config: str | None, overrides: list[str], device: str | None = None, force: bool = False) -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
 
-    ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
+    ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
     from .checkpoint import CheckpointSaver, latest_checkpoint
     from .checkpoint.retention import start_run
     from .data import load_dataset
     from .flops import training_flops_per_step
-    from .metrics import MetricsLogger, peak_flops
+    from .metrics import MetricsLogger
+    from .peak import matmul_dtype, peak_flops
     from .train_loop import Trainer
 
     cfg = load_config(config, overrides)
-    rank, world, _, dev = init_distributed(cfg.train.timeout_s, device)
+    rank, world, _, dev = init_distributed(cfg.train.timeout_s, device or cfg.train.device)
     stops = None
     try:
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
@@ -92,7 +93,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto", for
             logger = MetricsLogger(
                 cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
-                peak_flops_per_device=peak_flops(dev, "fp32", cfg.log.peak_tflops),
+                peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                 start_step=start_step, run_id=run_id,
             )
@@ -101,6 +102,8 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto", for
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")
             logger.message(trainer.placement.message)
+            if dev.type == "cuda":
+                logger.message(f"kernels: {trainer.kernels.describe()}")
         first = last = None
         saved_at = start_step if latest is not None else -1
         done = start_step

@@ -9,6 +9,7 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
+from .kernels import fp8_context, select_kernels
 from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
@@ -50,6 +52,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         # bf16 autocast on GPUs (fp32 master weights and optimizer state stay in par-zero)
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
+        self.kernels = select_kernels(cfg.model, cfg.train, self.device)
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.placement = place_groups(cfg, layout, topology)  # collective
@@ -99,8 +102,15 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
         """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self._compute_context():
             return self._run_microbatches(inputs, labels)
+
+    def _compute_context(self):
+        """bf16 autocast (when the run is bf16), inside it TE's FP8 autocast (when [train].fp8 is on)."""
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast))
+        stack.enter_context(fp8_context(self.kernels))
+        return stack
 
     def _run_microbatches(self, inputs, labels) -> list[torch.Tensor]:
         dp, n = self.model.dp, len(inputs)
@@ -121,7 +131,7 @@ class Trainer:
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage."""
         g = self.groups
-        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         total = total.reshape(1).float()
         comm.all_reduce(total, g.dp_cp)
         total /= g.size("dp_cp")
@@ -201,7 +211,7 @@ class Trainer:
         """Mean loss over ``batches`` held-out batches (forward only)."""
         self.model.module.eval()
         losses = []
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self._compute_context():
             for index in range(batches):
                 inputs, labels = self.microbatches(self.sampler.eval_batch(index))
                 if self.executor is not None:  # the last chunk's rank gets the logits

@@ -21,8 +21,8 @@ def allgather_attention(q, k, v, group, segments: list[Segments], causal: bool, 
     p = dist.get_world_size(group)
     s = k.shape[0]
     kv = all_gather_along_dim0(torch.stack([k, v], dim=1), group)  # [P*S_local, 2, B, H, D]
-    order, _, merged = gathered_order(segments)
-    kv = kv.index_select(0, order.to(k.device))
+    order, _, merged = gathered_order(segments, k.device)
+    kv = kv.index_select(0, order)
     k_full, v_full = kv[:, 0], kv[:, 1]
     assert k_full.shape[0] == p * s
     return segment_attention(q, k_full, v_full, segments[dist.get_rank(group)], merged, causal, docs, scale, backend)

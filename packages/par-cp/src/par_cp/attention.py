@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .allgather import allgather_attention
 from .hierarchical import hierarchical_attention, hierarchical_cp_rank
 from .kernels import BACKENDS
+from .kernels.dense import dense_attention
 from .ring import ring_attention
 from .segments import segment_attention
 from .sharding import LAYOUTS, shard_segments
@@ -83,6 +84,10 @@ class ContextParallelAttention(torch.nn.Module):
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
         args = (self.causal, docs, scale, self.backend)
         if cp == 1:
+            if docs is None:  # on a GPU: one fused call (None on the CPU: the block kernels below)
+                out = dense_attention(q, k, v, self.causal, scale, self.backend)
+                if out is not None:
+                    return out
             segs = ((0, seq_len),)
             return segment_attention(q, k, v, segs, segs, *args)
         if self.mode == "a2a+p2p":

@@ -28,8 +28,7 @@ def hierarchical_attention(q, k, v, inner_group, outer_group, seq_len: int, layo
     me = dist.get_rank(outer_group)
     segs = [shard_segments(seq_len, c, cp, layout) for c in range(cp)]
     qh, kh, vh = heads_scatter(q, k, v, inner_group)
-    order, inverse, _ = gathered_order(segs[me * inner:(me + 1) * inner])
-    order, inverse = order.to(q.device), inverse.to(q.device)
+    order, inverse, _ = gathered_order(segs[me * inner:(me + 1) * inner], q.device)
     qh, kh, vh = (t.index_select(0, order) for t in (qh, kh, vh))
     outer_segs = [merge_segments([r for s in segs[o * inner:(o + 1) * inner] for r in s]) for o in range(outer)]
     out = ring_attention(qh, kh, vh, outer_group, outer_segs, causal, docs, scale, backend)

@@ -42,9 +42,9 @@ def shard_segments(seq_len: int, cp_rank: int, cp_size: int, layout: str = "zigz
     return ((first * n, (first + 1) * n), (second * n, (second + 1) * n))
 
 
-def segment_indices(segments: Segments) -> torch.Tensor:
+def segment_indices(segments: Segments, device=None) -> torch.Tensor:
     """The global token index of every local token of a shard."""
-    return torch.cat([torch.arange(a, b) for a, b in segments])
+    return torch.cat([torch.arange(a, b, device=device) for a, b in segments])
 
 
 def merge_segments(segments: Sequence[tuple[int, int]]) -> Segments:

@@ -87,10 +87,10 @@ def heads_scatter(q, k, v, group):
     return full.split([hq // p, hkv // p, hkv // p], dim=2)
 
 
-def gathered_order(segments: list[Segments]) -> tuple[torch.Tensor, torch.Tensor, Segments]:
+def gathered_order(segments: list[Segments], device=None) -> tuple[torch.Tensor, torch.Tensor, Segments]:
     """After an a2a the shards of all group ranks lie end to end; return the permutation that
-    sorts them by global position, its inverse, and the sorted (merged) segments."""
-    index = torch.cat([segment_indices(s) for s in segments])
+    sorts them by global position (on ``device``), its inverse, and the sorted (merged) segments."""
+    index = torch.cat([segment_indices(s, device) for s in segments])
     order = torch.argsort(index)
     return order, torch.argsort(order), merge_segments([r for s in segments for r in s])
 
@@ -98,8 +98,7 @@ def gathered_order(segments: list[Segments]) -> tuple[torch.Tensor, torch.Tensor
 def ulysses_attention(q, k, v, group, segments: list[Segments], causal: bool, docs, scale: float, backend: str = "auto"):
     """Ulysses over ``group``; ``segments[i]`` are the global token ranges of group rank i's shard."""
     qh, kh, vh = heads_scatter(q, k, v, group)
-    order, inverse, merged = gathered_order(segments)
-    order, inverse = order.to(q.device), inverse.to(q.device)
+    order, inverse, merged = gathered_order(segments, q.device)
     qh, kh, vh = (t.index_select(0, order) for t in (qh, kh, vh))
     out = segment_attention(qh, kh, vh, merged, merged, causal, docs, scale, backend)
     return HeadsToSeq.apply(out.index_select(0, inverse), group)

@@ -3,13 +3,13 @@
 from .capacity import capacity_keep
 from .config import MoEConfig
 from .dispatch import AllGatherDispatcher, AllToAllDispatcher, DispatchHandle, make_dispatcher
-from .experts import GroupedSwiGLU, SwiGLU, grouped_mm_supported
+from .experts import GroupedSwiGLU, SwiGLU, grouped_mm_available, grouped_mm_supported
 from .layer import MoELayer
 from .reference import ReferenceMoE
 from .router import Router, Routing, tokens_per_expert
 
 __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "DispatchHandle", "GroupedSwiGLU", "MoEConfig", "MoELayer",
-    "ReferenceMoE", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_supported", "make_dispatcher",
+    "ReferenceMoE", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
     "tokens_per_expert",
 ]

@@ -2,7 +2,7 @@
 
 Tokens arrive sorted by local expert with ``counts[e]`` rows for expert ``e``. On devices with a
 grouped-GEMM kernel (``torch.nn.functional.grouped_mm``: bf16, CUDA SM >= 80 or CPU) each of the
-three projections is one grouped matmul; otherwise the rows are scattered into a zero-padded
+three projections is one grouped matmul (under bf16 autocast the fp32 weights are cast for it); otherwise the rows are scattered into a zero-padded
 ``[E_local, max_count, H]`` batch and multiplied with one ``bmm``. Either way no Python loop over
 experts. Expert tensor parallelism shards the intermediate dimension F: each etp rank holds
 ``F / etp`` rows of w_gate/w_up and columns of w_down, and returns a partial sum over F.
@@ -17,15 +17,26 @@ from torch import nn
 from par_groups.param_placement import declare_
 
 
+# torch >= 2.10 names it F.grouped_mm; 2.8/2.9 have the same kernel as torch._grouped_mm
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    """Whether this torch has a grouped GEMM kernel for bf16 operands on ``device``."""
+    if _GROUPED_MM is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
+
+
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM kernel takes these operands (bf16, 16-byte aligned rows)."""
-    if not hasattr(F, "grouped_mm") or x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+    if _GROUPED_MM is None or x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
         return False
     if any(w.shape[-1] % 8 or w.shape[-2] % 8 for w in weights):
         return False
-    if x.is_cuda:
-        return torch.cuda.get_device_capability(x.device) >= (8, 0)
-    return x.device.type == "cpu"
+    return grouped_mm_available(x.device)
 
 
 class GroupLayout:
@@ -44,7 +55,7 @@ class GroupLayout:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, use_grouped_mm: bool) -> torch.Tensor:
     """Row block g of ``x [N, I]`` times ``weight[g].T`` (weight ``[G, O, I]``) -> ``[N, O]``."""
     if use_grouped_mm:
-        return F.grouped_mm(x, weight.transpose(-2, -1), offs=layout.offsets.to(torch.int32))
+        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=layout.offsets.to(torch.int32))
     padded = x.new_zeros(layout.num_groups, layout.max_count, x.shape[-1])
     padded = padded.index_put((layout.group_of_row, layout.pos_in_group), x)
     out = torch.bmm(padded, weight.transpose(1, 2))
@@ -76,10 +87,22 @@ class GroupedSwiGLU(nn.Module):
         if tokens.shape[0] == 0:
             # Keep every weight in the graph so its (zero) gradient exists on every rank.
             return tokens + 0 * (self.w_gate.sum() + self.w_up.sum() + self.w_down.sum()).to(tokens.dtype)
-        fast = grouped_mm_supported(tokens, self.w_gate, self.w_up, self.w_down)
-        gate = grouped_linear(tokens, self.w_gate, layout, fast)
-        up = grouped_linear(tokens, self.w_up, layout, fast)
-        return grouped_linear(F.silu(gate) * up, self.w_down, layout, fast)
+        tokens, w_gate, w_up, w_down = _autocast_operands(tokens, self.w_gate, self.w_up, self.w_down)
+        fast = grouped_mm_supported(tokens, w_gate, w_up, w_down)
+        gate = grouped_linear(tokens, w_gate, layout, fast)
+        up = grouped_linear(tokens, w_up, layout, fast)
+        return grouped_linear(F.silu(gate) * up, w_down, layout, fast)
+
+
+def _autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the operands in its dtype, as autocast does for every matmul (fp32 master
+    weights get bf16 copies whose grads flow back in fp32): this is what lets the grouped GEMM
+    kernel, which autocast does not cover, run in bf16. Outside autocast: unchanged."""
+    kind = tensors[0].device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 class SwiGLU(nn.Module):

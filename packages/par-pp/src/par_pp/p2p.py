@@ -27,7 +27,7 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
         raise ValueError(f"cannot send a {t.dtype} tensor with {t.dim()} dims between stages; use one of {_DTYPES}, at most {_MAX_DIMS} dims")
     dims = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *dims], dtype=torch.int64)
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *dims], dtype=torch.int64, device=t.device)
 
 
 def _empty_from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,7 +56,7 @@ class _Incoming:
                 self.next += 1
             return
         if self.header is None and self.next < len(self.expected):
-            buf = torch.empty(_HEADER_LEN, dtype=torch.int64)
+            buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
             self.header = (buf, self._post(buf))
         if self.header is None:
             return

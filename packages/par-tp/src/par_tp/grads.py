@@ -43,8 +43,9 @@ def tp_local_grad_norm_sq(params: nn.Module | Iterable[nn.Parameter]) -> torch.T
 
     Each block counts on one of its copies (the placement's first). Returns an fp32 scalar (not reduced).
     """
-    total = torch.zeros((), dtype=torch.float32)
+    total = None  # on the grads' device
     for p in _params(params):
         if p.grad is not None and placement_of(p).counted():
-            total += p.grad.detach().float().pow(2).sum().cpu()
-    return total
+            sq = p.grad.detach().float().pow(2).sum()
+            total = sq if total is None else total + sq
+    return torch.zeros((), dtype=torch.float32) if total is None else total

@@ -42,7 +42,15 @@ def _new_param(shape, dtype, device, std: float = 0.02) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std))
 
 
-class ColumnParallelLinear(_LoadsFullWeight, nn.Module):
+class _LocalMatmul:
+    """The rank-local ``F.linear`` of a TP layer, replaceable per layer by another kernel with the
+    same signature ``(x, weight, bias=None)`` (e.g. Transformer Engine's, for FP8): the weight
+    Parameter, its sharding and the communication stay this package's."""
+
+    linear_kernel = staticmethod(F.linear)
+
+
+class ColumnParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
     """``y = x W^T + b`` with ``W [out, in]`` split by output rows; output ``[..., out/tp]`` (or full with gather_output).
 
     Input: ``[S, B, in]`` replicated, or ``[S/tp, B, in]`` with ``sequence_parallel`` (all-gathered
@@ -75,7 +83,7 @@ class ColumnParallelLinear(_LoadsFullWeight, nn.Module):
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """The local matmul on an input already in the TP region (lets several layers share one entry)."""
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_kernel(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.forward_local(enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel))
@@ -98,7 +106,7 @@ class ColumnParallelLinear(_LoadsFullWeight, nn.Module):
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(_LoadsFullWeight, nn.Module):
+class RowParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
     """``y = x W^T + b`` with ``W [out, in]`` split by input columns; the partial sums are reduced over TP.
 
     Input ``[S, B, in/tp]`` (``input_is_parallel``, the output of a column-parallel layer) or the
@@ -136,7 +144,7 @@ class RowParallelLinear(_LoadsFullWeight, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = exit_tensor_parallel_region(F.linear(x, self.weight), self.tp_group, self.sequence_parallel)
+        y = exit_tensor_parallel_region(self.linear_kernel(x, self.weight), self.tp_group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     @torch.no_grad()

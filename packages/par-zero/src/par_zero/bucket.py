@@ -55,6 +55,14 @@ class BucketGroups:
         return self.all_gather if self.all_gather is not None else self.inner
 
 
+def _common_device(params: list[torch.nn.Parameter]) -> torch.device:
+    """The device every param of a bucket lives on: its flat buffers are allocated there."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"a bucket's params must share one device, got {sorted(map(str, devices))}")
+    return devices.pop()
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -81,6 +89,7 @@ class Bucket:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
+        self.device = _common_device(params)
         align = d * (r if self.outer_optim else 1)
         self.N = -(-n // align) * align
         self.S = self.N // d
@@ -96,7 +105,7 @@ class Bucket:
             self.opt_lo, self.opt_hi = self.shard_lo, self.shard_lo + self.S
 
         with torch.no_grad():
-            original = torch.zeros(self.N, dtype=torch.float32)
+            original = torch.zeros(self.N, dtype=torch.float32, device=self.device)
             for p, o in zip(params, self.offsets):
                 original[o : o + p.numel()].copy_(p.detach().reshape(-1))
             self.full_param = original.to(cfg.param_dtype) if cfg.param_dtype != torch.float32 else original
@@ -112,13 +121,13 @@ class Bucket:
             # Grads: persistent full buffer for no_shard/optim, transient full + persistent shard otherwise.
             gdt = cfg.grad_dtype
             self.persistent_full_grad = cfg.strategy in ("no_shard", "optim")
-            self.full_grad = torch.zeros(self.N, dtype=gdt) if self.persistent_full_grad else None
+            self.full_grad = torch.zeros(self.N, dtype=gdt, device=self.device) if self.persistent_full_grad else None
             if cfg.strategy == "no_shard":
                 self.opt_grad = self.full_grad
             elif cfg.strategy == "optim":
                 self.opt_grad = self.full_grad[self.opt_lo : self.opt_hi]
             else:
-                self.opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=gdt)
+                self.opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=gdt, device=self.device)
 
             # fp32 master: a view of the param storage when params are fp32, else its own copy.
             if cfg.param_dtype == torch.float32:
@@ -165,7 +174,7 @@ class Bucket:
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one param's fresh grad into the flat buffer (called from its post-accumulate hook)."""
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.N, dtype=self.cfg.grad_dtype)
+            self.new_full_grad()
         elif self.reduced and self.strategy == "optim":
             # A second synced backward in the same step: the buffer's other shards hold stale
             # local grads and our shard holds an average; restore "sum of contributions".
@@ -176,6 +185,10 @@ class Bucket:
         o = self.offsets[index]
         self.full_grad[o : o + grad.numel()].add_(grad.reshape(-1))
 
+    def new_full_grad(self) -> None:
+        """A zeroed full grad buffer on the params' device (ZeRO-2/3 make one per step)."""
+        self.full_grad = torch.zeros(self.N, dtype=self.cfg.grad_dtype, device=self.device)
+
     def launch_reduce(self) -> None:
         """Start the asynchronous reduction of the full grad buffer over the inner group."""
         if self._reduce_work is not None or self.full_grad is None:
@@ -185,7 +198,7 @@ class Bucket:
             self._reduce_out = self.full_grad
             self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
         else:
-            self._reduce_out = torch.empty(self.S, dtype=self.full_grad.dtype)
+            self._reduce_out = self.full_grad.new_empty(self.S)
             self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True)
         self._outer_pending = self.groups.outer is not None
 
@@ -210,7 +223,7 @@ class Bucket:
     def _launch_outer(self) -> None:
         out = self._reduce_out
         if self.outer_optim:
-            self._reduce_out = torch.empty(self.S // self.groups.r, dtype=out.dtype)
+            self._reduce_out = out.new_empty(self.S // self.groups.r)
             self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True)
         else:
             self._reduce_work = comm.all_reduce(out, self.groups.outer, async_op=True)

@@ -30,6 +30,7 @@ from torch.distributed import ProcessGroup
 from par_groups import comm
 from par_groups.param_placement import placement_of, sum_partial_grads_
 
+from .adamw import clip_coefficient
 from .bucket import Bucket, BucketGroups
 from .checkpoint import load_sharded_state_dict, owned_pieces, sharded_state_dict
 from .config import DataParallelConfig, skip_decay
@@ -209,7 +210,7 @@ class DataParallel:
             for b in self.buckets:  # buckets with unused params: reduce what they have (all ranks alike)
                 if b.pending != 0:
                     if b.full_grad is None:
-                        b.full_grad = torch.zeros(b.N, dtype=self.cfg.grad_dtype)
+                        b.new_full_grad()
                     b.launch_reduce()
                     self._inflight.append(b)
             for b in self._inflight:
@@ -264,12 +265,13 @@ class DataParallel:
         counts on the first copy only (its placement says which), so each element counts once."""
         norm_groups = tuple(norm_groups)
         expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
-        total = torch.zeros((), dtype=torch.float32)
+        device = self.buckets[0].device if self.buckets else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for groups, extra in ((self.dense_groups, norm_groups), (self.expert_groups, expert_norm_groups)):
             fam = [b for b in self.buckets if b.groups is groups]
             if not fam:
                 continue
-            sq = torch.zeros((), dtype=torch.float32)
+            sq = torch.zeros((), dtype=torch.float32, device=device)
             for b in fam:
                 for p, _, lo, hi, _ in b.opt_segments():
                     if placement_of(p).counted():
@@ -284,10 +286,9 @@ class DataParallel:
             if self.expert_groups is self.dense_groups:
                 break
         norm = total.sqrt()
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
-        if coef < 1.0:
-            for b in self.buckets:
-                b.opt_grad.mul_(coef)
+        coef = clip_coefficient(norm, max_norm)
+        for b in self.buckets:
+            b.opt_grad.mul_(coef)
         return norm
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -331,7 +332,7 @@ class DataParallel:
         """Gather ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') of every trainable param, full size."""
         out = {}
         for b in self.buckets:
-            flat = torch.zeros(b.N, dtype=torch.float32)
+            flat = torch.zeros(b.N, dtype=torch.float32, device=b.device)
             flat[b.opt_lo : b.opt_hi] = getattr(b, kind)
             if self.cfg.strategy != "no_shard":
                 # opt ranges are disjoint within the inner group (x outer for outer 'optim')

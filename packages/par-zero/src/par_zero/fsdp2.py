@@ -20,18 +20,27 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from par_groups import comm
 from par_groups.param_placement import placement_of
 
+from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
 from .units import default_unit_modules
 
 
-def _mesh(dp_group: ProcessGroup, outer_group: ProcessGroup | None) -> DeviceMesh:
+def _mesh(dp_group: ProcessGroup, outer_group: ProcessGroup | None, device_type: str) -> DeviceMesh:
+    """The (1-D, or 2-D for HSDP) mesh over our groups, of the params' device type."""
     if outer_group is None:
-        return DeviceMesh.from_group(dp_group, "cpu")
+        return DeviceMesh.from_group(dp_group, device_type)
     # Row a of the 2-D mesh is the inner group of the rank with outer index a in our outer group.
     inner_of = [None] * dist.get_world_size()
     dist.all_gather_object(inner_of, dist.get_process_group_ranks(dp_group))
     rows = [inner_of[r] for r in dist.get_process_group_ranks(outer_group)]
-    return DeviceMesh.from_group([outer_group, dp_group], "cpu", mesh=torch.tensor(rows, dtype=torch.int), mesh_dim_names=("outer", "inner"))
+    return DeviceMesh.from_group([outer_group, dp_group], device_type, mesh=torch.tensor(rows, dtype=torch.int), mesh_dim_names=("outer", "inner"))
+
+
+def _device_type(module: nn.Module) -> str:
+    types = {p.device.type for p in module.parameters()}
+    if len(types) != 1:
+        raise ValueError(f"torch_fsdp2 needs the module's params on one device type, got {sorted(types)}")
+    return types.pop()
 
 
 class TorchFSDP2:
@@ -53,7 +62,7 @@ class TorchFSDP2:
         self.module = module
         self.dp_group = dp_group if dp_group is not None else dist.group.WORLD
         self.lr = lr
-        mesh = _mesh(self.dp_group, outer_group)
+        mesh = _mesh(self.dp_group, outer_group, _device_type(module))
         mp = None
         if param_dtype != torch.float32 or reduce_dtype is not None:
             mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or param_dtype)
@@ -102,23 +111,20 @@ class TorchFSDP2:
     def clip_grad_norm_(self, max_norm: float, norm_groups: Iterable[ProcessGroup] = (),
                         expert_norm_groups=None) -> torch.Tensor:
         """Global-norm clipping over the sharded grads (sum over the inner group, then norm_groups)."""
-        sq = torch.zeros((), dtype=torch.float32)
-        grads = []
+        sq = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else None)
         for p in self.params:
             if p.grad is None:
                 continue
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             sq += g.float().pow(2).sum()
-            grads.append(g)
         comm.all_reduce(sq, self.dp_group)
         for g in norm_groups:
             comm.all_reduce(sq, g)
         norm = sq.sqrt()
-        coef = min(1.0, max_norm / (norm.item() + 1e-6))
-        if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
+        coef = clip_coefficient(norm, max_norm)
+        for p in self.params:
+            if p.grad is not None:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
         return norm
 
     def state_dict(self) -> dict:

@@ -20,7 +20,7 @@ def train(
     config: Optional[str] = typer.Argument(None, help="TOML config (default: the embedded tiny.toml) or a shipped name."),
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set section.key=value (repeatable)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Local ranks to start (default [train].nproc); ignored under torchrun."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda (default [train].device)."),
     force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
@@ -33,6 +33,7 @@ def train(
     try:
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
+        device = device or cfg.train.device
         if not under_torchrun():
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)

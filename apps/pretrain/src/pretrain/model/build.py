@@ -67,16 +67,24 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     timeout = timedelta(seconds=cfg.train.timeout_s)
     grid = placement.grid if placement is not None else layout.grid()
     groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
-    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
+    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
+                    cfg.model.attention_backend, cfg.model.backend)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    chunks = {c: _to(ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state), device)
-              for c in mine}
+    with torch.device(device):  # built where it runs (no host copy of the shard), then filled from the full state
+        chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
+    for chunk in chunks.values():
+        chunk.load_full_state_(state)
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
     if num_chunks > 1 and num_chunks - 1 in chunks and cfg.model.mtp_depth:  # validation put chunk 0 here too
         chunks[num_chunks - 1].shared_embedding = chunks[0].embed_tokens
+    if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
+        from .te import use_te_linears_
+
+        for chunk in chunks.values():
+            use_te_linears_(chunk)
     for chunk in chunks.values():
         for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
@@ -107,11 +115,6 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """No weight decay on norms and biases (1-D) nor on the input embedding (tied or not), as nanoGPT and Megatron."""
     return param.dim() < 2 or "embed_tokens" in name
-
-
-def _to(chunk: ModelChunk, device: torch.device) -> ModelChunk:
-    """Move a chunk built on the CPU to ``device`` (no-op on the CPU, where fake tensors cannot be swapped)."""
-    return chunk if device.type == "cpu" else chunk.to(device)
 
 
 def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:

@@ -45,14 +45,20 @@ class RankLayout:
     cp_mode: str  # p2p | a2a | allgather | a2a+p2p
     seq_len: int  # full sequence length (before CP)
     recompute: str  # none | selective | full
+    attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
+    backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
 
 
 def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
     g = layout.groups
+    if layout.backend == "te":
+        from .te import TEContextAttention
+
+        return TEContextAttention(layout)
     if layout.cp_mode == "a2a+p2p":
         return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
-                                        softmax_scale=softmax_scale)
-    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale)
+                                        softmax_scale=softmax_scale, backend=layout.attention_backend)
+    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale, backend=layout.attention_backend)
 
 
 class RopeThenContextAttention(nn.Module):

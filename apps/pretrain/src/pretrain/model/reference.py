@@ -32,7 +32,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(s, b, self.heads, self.head_dim)
         k = self.k_proj(x).view(s, b, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(s, b, self.kv_heads, self.head_dim)
-        cos, sin = rope_tables(torch.arange(s), self.head_dim, self.theta, x.dtype)
+        cos, sin = rope_tables(torch.arange(s, device=x.device), self.head_dim, self.theta, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA wants [B, heads, S, D]; GQA by repeating KV heads.
         rep = self.heads // self.kv_heads

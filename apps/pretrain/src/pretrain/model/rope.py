@@ -17,7 +17,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, a) -> torch.Tensor:
 
     low = max(math.floor(correction_dim(a.yarn_beta_fast)), 0)
     high = min(math.ceil(correction_dim(a.yarn_beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / ((high - low) or 0.001)).clamp(0, 1)
     extrapolate = 1 - ramp
     return (inv_freq / a.yarn_factor) * (1 - extrapolate) + inv_freq * extrapolate
 
@@ -34,7 +34,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     the tokens it actually holds. ``scaling``: a ``[model]`` config whose ``yarn_factor`` > 0
     turns on YaRN (frequencies and the cos/sin attention factor).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
     factor = 1.0
     if scaling is not None and scaling.yarn_factor:
         inv_freq = _yarn_inv_freq(inv_freq, head_dim, scaling)

@@ -32,6 +32,11 @@ def _scores(qf, kf, mask: BlockMask, lo: int, hi: int, scale: float):
     return s, m
 
 
+def _tile_is_empty(mask: BlockMask, lo: int, hi: int) -> bool:
+    """Whether no query sees keys lo..hi of the block, from the positions alone (no device sync)."""
+    return BlockMask(mask.q_start, mask.q_end, mask.k_start + lo, mask.k_start + hi, mask.causal, mask.docs).is_empty()
+
+
 def blockwise_forward(q, k, v, mask: BlockMask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """out [Sq, B, Hq, D] (fp32), lse [B, Hq, Sq] (fp32, -inf where a query sees no key)."""
     sq, b, hq, d = q.shape
@@ -42,9 +47,9 @@ def blockwise_forward(q, k, v, mask: BlockMask, scale: float) -> tuple[torch.Ten
     acc = torch.zeros(qf.shape, device=q.device)
     for lo in range(0, mask.k_len, KEY_TILE):
         hi = min(lo + KEY_TILE, mask.k_len)
-        s, m = _scores(qf, kf, mask, lo, hi, scale)
-        if m is not None and not bool(m.any()):
+        if _tile_is_empty(mask, lo, hi):
             continue
+        s, m = _scores(qf, kf, mask, lo, hi, scale)
         new_max = torch.maximum(row_max, s.amax(-1))
         safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max.unsqueeze(-1))
@@ -74,9 +79,9 @@ def blockwise_backward(dout, q, k, v, out, lse, mask: BlockMask, scale: float):
     dv = torch.zeros_like(dk)
     for lo in range(0, mask.k_len, KEY_TILE):
         hi = min(lo + KEY_TILE, mask.k_len)
-        s, m = _scores(qf, kf, mask, lo, hi, scale)
-        if m is not None and not bool(m.any()):
+        if _tile_is_empty(mask, lo, hi):
             continue
+        s, m = _scores(qf, kf, mask, lo, hi, scale)
         p = torch.exp(s - lse.unsqueeze(-1))
         dv[:, :, lo:hi] = torch.matmul(p.transpose(-1, -2), do).sum(2)
         dp = torch.matmul(do, vf[..., lo:hi, :].transpose(-1, -2))

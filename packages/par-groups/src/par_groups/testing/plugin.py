@@ -16,6 +16,11 @@ import pytest
 from .harness import Harness
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: CUDA checks against the CPU fp32 result (tools/gpu/check.sh runs them); "
+                                       "skipped without a GPU")
+
+
 @pytest.fixture(scope="session")
 def dist_run():
     harness = Harness()

@@ -311,13 +311,16 @@ def all_gather_objects(obj: Any, group=None) -> list:
 
     from .. import comm
 
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    # NCCL moves CUDA tensors only (this rank's current GPU, as torch's all_gather_object does)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
-    sizes = torch.zeros(world, dtype=torch.int64)
-    comm.all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
     longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
-    out = torch.zeros(world * longest, dtype=torch.uint8)
+    out = torch.zeros(world * longest, dtype=torch.uint8, device=device)
     comm.all_gather_into_tensor(out, padded, group=group)
+    out, sizes = out.cpu(), sizes.cpu()
     return [pickle.loads(out[r * longest: r * longest + int(sizes[r])].numpy().tobytes()) for r in range(world)]

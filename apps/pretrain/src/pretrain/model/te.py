@@ -1,0 +1,90 @@
+"""Transformer Engine as the layers' backend (``[model].backend = "te"``, CUDA only).
+
+What changes, and what does not: par-tp keeps the weights (same Parameters, same shards, same
+ZeRO buckets and checkpoints) and the TP/SP communication; TE computes
+
+- every rank-local matmul of the TP layers and the KV projections (``te.Linear`` borrowing our
+  weight Parameter), so ``[train].fp8`` runs them in FP8 under TE's autocast;
+- the attention core (``te.DotProductAttention``, sequence-first ``sbhd``, causal, GQA), with TE's
+  own context parallelism for cp > 1 (its names for Megatron's cp_comm_type; TE expects the
+  same load-balanced zigzag shards par-cp uses, so RoPE positions and data sharding stay ours).
+
+LayerNormLinear (norm fused into the next matmul) is not used: it would move the norm weights
+into other modules and change the checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from par_tp import ColumnParallelLinear, RowParallelLinear
+
+from ..kernels import require
+
+TE_CP_COMM_TYPES = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
+
+
+def _te():
+    return require("transformer_engine.pytorch", "[model].backend='te'")
+
+
+class TELinearKernel:
+    """``(x, weight, bias=None) -> y`` through a ``te.Linear`` that holds ``weight`` (our Parameter)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        out_features, in_features = weight.shape
+        linear = _te().Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device=weight.device)
+        linear.weight = weight  # borrow: TE reads the weight by name at each call
+        self.linear = [linear]  # a list: not a submodule, so the Parameter is not registered twice
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.linear[0](x)
+        return y if bias is None else y + bias
+
+
+def use_te_linears_(module: nn.Module) -> int:
+    """Route every TP layer's and KV projection's local matmul through TE; returns how many."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.linear_kernel = TELinearKernel(m.weight)
+            count += 1
+        elif type(m) is nn.Linear:
+            kernel = TELinearKernel(m.weight)
+            m.forward = lambda x, m=m, kernel=kernel: kernel(x, m.weight, m.bias)
+            count += 1
+    return count
+
+
+class TEContextAttention(nn.Module):
+    """``(q, k, v) [S/cp, B, H, D] -> [S/cp, B, Hq, D]`` through TE's DotProductAttention (and its CP)."""
+
+    layout = "zigzag"  # what TE's load balancing expects; RopeThenContextAttention takes positions from it
+
+    def __init__(self, rank_layout) -> None:
+        super().__init__()
+        self.rank_layout = rank_layout
+        self.dpa = None  # built on first call, when the local head counts are known
+
+    @property
+    def cp_rank_and_size(self) -> tuple[int, int]:
+        g = self.rank_layout.groups
+        return g.rank_in("cp"), g.size("cp")
+
+    def _build(self, q: torch.Tensor, k: torch.Tensor):
+        te, layout, g = _te(), self.rank_layout, self.rank_layout.groups
+        dpa = te.DotProductAttention(q.shape[2], q.shape[3], num_gqa_groups=k.shape[2], attention_dropout=0.0,
+                                     qkv_format="sbhd", attn_mask_type="causal")
+        if g.size("cp") > 1:
+            cp_group = [g.hcp[0], g.hcp[1]] if layout.cp_mode == "a2a+p2p" else g.cp
+            dpa.set_context_parallel_group(cp_group, dist.get_process_group_ranks(g.cp), torch.cuda.Stream(),
+                                           TE_CP_COMM_TYPES[layout.cp_mode])
+        return dpa
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.dpa is None:
+            self.dpa = self._build(q, k)
+        out = self.dpa(q, k, v)  # [S, B, Hq * D]
+        return out.view(q.shape)

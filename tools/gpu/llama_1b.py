@@ -1,0 +1,147 @@
+"""A ~1B Llama trained by `pretrain` on one GPU, and the same model in plain PyTorch, in one process.
+
+par: the trainer (bf16 autocast, fp32 master weights and AdamW in par-zero's buckets, fused AdamW,
+flash-attn or SDPA attention). Baseline: ``pretrain.model.reference.LlamaReference`` (nn.Linear,
+nn.RMSNorm, torch SDPA) under the same autocast, ``torch.optim.AdamW(fused=True)``, torch's
+clipping, on the very same batches (``--compile`` compiles it). Steps after ``--warmup`` are timed
+(CUDA-synchronized); the medians give
+
+    RESULT gpu-1b tokens_per_s=<par> mfu=<par, against the GPU's bf16 (or fp8) peak> ratio=<par step / baseline step>
+
+    python tools/gpu/llama_1b.py                       # 16 layers, hidden 2048, seq 4096, 50 steps
+    python tools/gpu/llama_1b.py --label te --set model.backend=te --no-baseline
+    python tools/gpu/llama_1b.py --device cpu --tiny   # the same code path on the CPU, tiny model (a check)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+LLAMA_1B = ["model.layers=16", "model.hidden=2048", "model.heads=32", "model.kv_heads=8", "model.ffn_hidden=8192",
+            "model.vocab_size=32000", "model.rope_theta=500000", "train.seq_len=4096", "train.global_batch=8",
+            "train.micro_batch=2"]
+TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=128",
+        "train.seq_len=64", "train.global_batch=4", "train.micro_batch=2"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each step after the first ``warmup`` ones."""
+    times = []
+    for s in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(s)
+        sync(device)
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_par(cfg, device, warmup: int):
+    from pretrain.data import load_dataset
+    from pretrain.train_loop import Trainer
+
+    trainer = Trainer(cfg, dataset=load_dataset(cfg.data, cfg.model.vocab_size), device=device)
+    print(f"par: kernels {trainer.kernels.describe()}", flush=True)
+    losses = []
+    times = timed(lambda s: losses.append(trainer.train_step(s).loss), cfg.train.steps, warmup, device)
+    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+    print(f"par: loss {losses[0]:.4f} -> {losses[-1]:.4f}, peak memory {peak_gb:.1f} GB", flush=True)
+    return times, trainer.sampler, trainer.autocast, trainer.kernels
+
+
+def run_baseline(cfg, sampler, device, bf16: bool, compile_model: bool, warmup: int) -> list[float]:
+    from pretrain.model.reference import build_reference
+    from pretrain.schedule_lr import lr_at
+
+    t = cfg.train
+    model = build_reference(cfg.model, t.seed).to(device)
+    params = list(dict.fromkeys(model.parameters()))
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                            fused=device.type == "cuda")
+    forward = torch.compile(model) if compile_model else model
+    losses = []
+
+    def step(s):
+        batch = sampler.train_batch(s)
+        n, total = batch.tokens.shape[0], 0.0
+        for m in range(n):
+            x, y = batch.inputs[m].t().to(device), batch.labels[m].t().to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits, _ = forward(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            (loss / n).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(s, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total) / n)
+
+    times = timed(step, t.steps, warmup, device)
+    print(f"baseline: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="a tiny model (for checking this script on the CPU)")
+    p.add_argument("--label", default="gpu-1b")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="extra --set for the par run")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the baseline")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"RESULT {args.label} skipped: no CUDA device")
+        return 0
+    warmup = min(args.warmup, args.steps - 1)
+
+    from pretrain.config import load_config
+    from pretrain.flops import training_flops_per_step
+    from pretrain.launch import init_distributed, shutdown
+    from pretrain.peak import matmul_dtype, peak_flops
+
+    common = (TINY if args.tiny else LLAMA_1B) + [f"train.steps={args.steps}", "train.warmup_steps=1",
+                                                   "train.eval_every=0", "log.progress=false", "train.nproc=1"]
+    cfg = load_config(None, common + [f"train.device={args.device}"] + args.overrides)
+    _, _, _, device = init_distributed(cfg.train.timeout_s, args.device)
+    try:
+        par_times, sampler, bf16, kernels = run_par(cfg, device, warmup)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        base_times = None if args.no_baseline else run_baseline(cfg, sampler, device, bf16, args.compile, warmup)
+    finally:
+        shutdown()
+    par_s = statistics.median(par_times)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    peak = peak_flops(device, matmul_dtype(bf16, kernels.fp8))
+    mfu = training_flops_per_step(cfg.model, cfg.train.seq_len, cfg.train.global_batch) / par_s / peak if peak else None
+    spread = f"{min(par_times):.3f}..{max(par_times):.3f}"
+    line = f"RESULT {args.label} tokens_per_s={tokens / par_s:.0f} mfu={'n/a' if mfu is None else f'{mfu:.3f}'}"
+    if base_times:
+        base_s = statistics.median(base_times)
+        line += f" ratio={par_s / base_s:.3f}"
+        spread += f" s/step; baseline median {base_s:.3f} s ({min(base_times):.3f}..{max(base_times):.3f})"
+    print(f"par median {par_s:.3f} s/step ({spread})")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,6 +29,9 @@ class CommRecord:
     bytes: int
     group: ProcessGroup | None = field(default=None, compare=False, repr=False)  # which group (None: world)
 
+    def __reduce__(self):  # a ProcessGroup lives in one process: records sent to another drop it
+        return (CommRecord, (self.op, self.group_size, self.bytes))
+
     @property
     def wire_bytes(self) -> int:
         """Bytes each rank sends with ring algorithms (all-reduce 2(n-1)/n, gather/scatter (n-1)/n)."""

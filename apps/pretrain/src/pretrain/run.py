@@ -3,51 +3,22 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+# imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
+from .checkpoint import CheckpointSaver, latest_checkpoint
 from .config import load_config
+from .data import load_dataset
+from .flops import training_flops_per_step
 from .launch import init_distributed, shutdown
+from .metrics import MetricsLogger, peak_flops
+from .preempt import StopRequests
+from .train_loop import Trainer
 
 FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
-
-
-class _StopRequests:
-    """SIGTERM (pre-emption) asks for a checkpoint and a clean exit at the next step boundary.
-
-    The ranks agree over a group with a short timeout: when the launcher SIGTERMs us because a
-    peer died, that agreement fails fast and we exit without trying to save with a dead peer.
-    A second SIGTERM terminates at once.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.requested = False
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(timeout_s, 30.0)))
-        self.previous = None
-        try:
-            self.previous = signal.signal(signal.SIGTERM, self._on_signal)
-        except ValueError:  # not the main thread: no handler, no pre-emption checkpoint
-            pass
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.requested:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.requested = True
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
-
-    def close(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _injected_failure(rank: int, step: int) -> None:
@@ -62,15 +33,9 @@ def checkpoint_root(cfg) -> Path:
 
 def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings."""
-    from .checkpoint import CheckpointSaver, latest_checkpoint
-    from .data import load_dataset
-    from .flops import training_flops_per_step
-    from .metrics import MetricsLogger, peak_flops
-    from .train_loop import Trainer
-
     cfg = load_config(config, overrides)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device)
-    stops = None
+    stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
     try:
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
         trainer = Trainer(cfg, dataset=dataset, device=dev)
@@ -84,7 +49,6 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}"
-        stops = _StopRequests(t.timeout_s)
         saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
         last_step = t.stop_at or t.steps
         logger = None
@@ -128,7 +92,8 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
             if preempted:
                 saver.finish()  # published before we exit
                 if logger is not None:
-                    logger.message(f"SIGTERM: stopped after step {done}, checkpoint written")
+                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                   f"checkpoint written")
                 break
         stopped_early = done < t.steps
         if saved_at != done and (ck.every or stopped_early):
@@ -146,6 +111,5 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
         dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
-        if stops is not None:
-            stops.close()
+        stops.close()
         shutdown()

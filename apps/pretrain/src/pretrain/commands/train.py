@@ -17,7 +17,7 @@ def train(
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
-    from ..launch import RankFailed, check_nproc, launch, under_torchrun
+    from ..launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
     from ..run import run_rank
 
     try:
@@ -29,9 +29,13 @@ def train(
             from ..data import load_dataset
 
             load_dataset(cfg.data, cfg.model.vocab_size)  # a missing or malformed file fails here, once
-        launch(run_rank, (config, list(overrides), device), nproc=n, device=device)
+        launch(run_rank, (config, list(overrides), device), nproc=n, device=device,
+               join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s)
     except UsageError as e:
         raise fail(str(e))
+    except Aborted as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=e.exit_code)
     except RankFailed as e:
         typer.echo(f"error: rank {e.rank} failed: {e.error}", err=True)
         if e.traceback:

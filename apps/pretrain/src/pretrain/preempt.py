@@ -4,7 +4,7 @@ step boundary, agreed by every rank.
 Repeated signals are one request: under SLURM or Kubernetes a rank gets SIGTERM from the process
 group and again from its launcher. Escalation is the launcher's (pretrain's kills the ranks on a
 second Ctrl-C or after ``[train].preempt_timeout_s``; torchrun kills after its own timeout); only a
-rank that is its own launcher (``--nproc 1``) aborts on a second signal itself.
+rank that is its own launcher (``--nproc 1``) aborts on a Ctrl-C that follows the first signal.
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ class StopRequests:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def _on_signal(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.signal is not None and self.own_launcher:
-            raise Aborted(f"{name} again: stopped without saving", 130)
-        self.signal = self.signal or name
+        if self.signal is not None and self.own_launcher and signum == signal.SIGINT:
+            raise Aborted("interrupted again (SIGINT): stopped without saving", 130)
+        self.signal = self.signal or signal.Signals(signum).name
 
     def agreed(self) -> bool:
         flag = torch.tensor([0.0 if self.signal is None else 1.0])

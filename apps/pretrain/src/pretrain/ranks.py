@@ -13,7 +13,7 @@ Each rank marks its arrival and its join in the store; a rank that has not joine
 Signals: the first SIGTERM or SIGINT reaching the launcher (alone, or with its whole process group,
 as SLURM and Kubernetes send it) is forwarded to every rank once, as SIGTERM; the ranks save at
 the next step boundary and exit. Ranks that have not finished ``preempt_timeout_s`` later are
-killed; a second signal kills them at once. Ranks ignore SIGINT and hold SIGTERM pending until the
+killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. Ranks ignore SIGINT and hold SIGTERM pending until the
 entry installs its handler (``pretrain.preempt``), so a signal during start-up is not lost.
 """
 
@@ -51,6 +51,7 @@ def _rank_main(env: dict[str, str], entry: Callable, args: tuple, conn) -> None:
     """Runs in each rank process: the torchrun environment, then ``entry(*args)``; reports the outcome."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher turns Ctrl-C into one SIGTERM
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until the entry handles it
+    os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
     threading.Thread(target=_exit_with_launcher, args=(conn,), daemon=True).start()
     try:
@@ -106,7 +107,7 @@ class LocalRanks:
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
         ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, entry.__module__])
-        base = {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
+        base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
         for rank in range(self.nproc):
             parent, child = ctx.Pipe()
@@ -122,9 +123,10 @@ class LocalRanks:
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.stop_signal is not None:
-            raise Aborted(f"{name} again: stopped the ranks without saving", 130)
+        if self.stop_signal is not None:  # SIGTERM may come twice (the group's and a wrapper's): one request
+            if signum == signal.SIGINT:
+                raise Aborted("interrupted again (SIGINT): stopped the ranks without saving", 130)
+            return
         self.stop_signal, self.stop_at = signum, time.monotonic()
         for proc in self.procs:
             if proc.exitcode is None:

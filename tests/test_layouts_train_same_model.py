@@ -102,7 +102,11 @@ PIPELINE = {
     "tp2-pp2": ["parallel.tp=2", "parallel.pp=2"],
     "pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
     "pp4-interleaved": ["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved"],
-    "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
+    # uneven stages (Megatron's decoder_first_pipeline_num_layers): rank 0 holds 2 of the 8 layers
+    "pp2-dp2-zb-v-optim-uneven": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim",
+                                  "parallel.first_stage_layers=2"],
+    "pp2-dp2-interleaved-uneven": ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                                   "parallel.first_stage_layers=2"],
     "pp2-dp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
     "pp2-dp2-zb-h1-gpipe": ["parallel.pp=2", "parallel.schedule=zb-h1"],
 }
@@ -127,3 +131,45 @@ def test_pipeline_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_losses, None, PIPELINE[name], timeout=600)
     for rank_losses in results:
         _check(rank_losses, single_rank(None))
+
+
+# A placement only changes which process plays which grid position: the same model trains.
+# Two hosts of two NVLink-connected GPUs; "interleaved": the launcher numbered the hosts' GPUs alternately.
+TOPOLOGY = '''name = "{name}"
+hosts = ["a", "b"]
+[bandwidth]
+nvlink = 450.0
+pcie = 64.0
+network = 50.0
+''' + "".join(f"[[gpus]]\nnode = {{n{r}}}\nlocal = {{l{r}}}\ndomain = {{n{r}}}\n" for r in range(4))
+PLACED = {  # name: (nodes of ranks 0..3, layout, what the placement must change)
+    "tp2-pp2-order": ([0, 0, 1, 1], ["parallel.tp=2", "parallel.pp=2", "parallel.order=pp-tp-cp-ep-dp"], "order"),
+    "tp2-dp2-permuted": ([0, 1, 0, 1], ["parallel.tp=2"], "permutation"),
+}
+
+
+def placed_train_losses(overrides):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    trainer = Trainer(load_config(None, COMMON + list(overrides)))
+    results = [trainer.train_step(step) for step in range(STEPS)]
+    p = trainer.placement
+    return ([r.loss for r in results], [r.grad_norm for r in results]), p.grid.order, p.permutation, p.message
+
+
+@pytest.mark.parametrize("name", list(PLACED))
+def test_placed_layout_matches_single_rank(dist_run, tmp_path, name):
+    nodes, layout, changes = PLACED[name]
+    local = [nodes[:r].count(nodes[r]) for r in range(4)]
+    path = tmp_path / "cluster.toml"
+    path.write_text(TOPOLOGY.format(name=name, **{f"n{r}": nodes[r] for r in range(4)},
+                                    **{f"l{r}": local[r] for r in range(4)}))
+    results = dist_run(4, placed_train_losses, layout + [f"topology.file={path}"], timeout=600)
+    for losses, order, permutation, message in results:
+        assert "network: tp" not in message, message
+        if changes == "order":
+            assert order != "pp-tp-cp-ep-dp" and permutation is None, message
+        else:
+            assert permutation is not None, message
+        _check(losses, single_rank(None))

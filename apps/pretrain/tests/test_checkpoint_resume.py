@@ -43,7 +43,7 @@ def test_stop_at_then_resume_is_bitwise_the_uninterrupted_run_and_bad_checkpoint
                  "--set", f"log.dir={tmp_path / 'c'}", nproc=1)
     assert res.exit_code == 2 and "[model].hidden: checkpoint 64, config 32" in res.stderr, res.output
     assert "Traceback" not in res.output
-    (ck / "step_3" / ".metadata").unlink()  # corrupt
+    (ck / (ck / "latest").read_text().strip() / ".metadata").unlink()  # corrupt the checkpoint resume would take
     res = _train("--set", "checkpoint.resume=true", "--set", f"checkpoint.dir={ck}", "--set", f"log.dir={tmp_path / 'd'}",
                  nproc=1)
     assert res.exit_code == 2 and "corrupt" in res.stderr, res.output

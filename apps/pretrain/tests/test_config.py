@@ -13,7 +13,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 def test_shipped_configs_are_the_package_configs_and_all_load():
     assert sorted(p.name for p in CONFIG_DIR.glob("*.toml")) == builtin_configs() == [
-        "deepseek-v3.toml", "llama3-8b.toml", "tiny-moe.toml", "tiny.toml"]
+        "deepseek-v3.toml", "llama3-405b.toml", "llama3-70b.toml", "llama3-8b.toml", "llama3.2-1b.toml",
+        "tiny-moe.toml", "tiny.toml"]
     for name in builtin_configs():
         cfg = load_config(str(CONFIG_DIR / name))
         cfg.validate_world(cfg.train.nproc)
@@ -25,6 +26,11 @@ def test_published_shapes():
     llama = load_config("llama3-8b").model
     assert (llama.hidden, llama.layers, llama.heads, llama.kv_heads, llama.ffn_hidden, llama.vocab_size,
             llama.rope_theta) == (4096, 32, 32, 8, 14336, 128256, 500000.0)
+    shapes = {name: (m.hidden, m.layers, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings)
+              for name in ("llama3-70b", "llama3-405b", "llama3.2-1b") for m in [load_config(name).model]}
+    assert shapes == {"llama3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+                      "llama3-405b": (16384, 126, 128, 8, 53248, 128256, False),
+                      "llama3.2-1b": (2048, 16, 32, 8, 8192, 128256, True)}
     ds = load_config("deepseek-v3").model
     assert (ds.hidden, ds.layers, ds.moe_layers_start, ds.num_experts, ds.moe_ffn_hidden, ds.top_k, ds.shared_experts,
             ds.n_groups, ds.topk_groups, ds.score_func, ds.routed_scaling, ds.vocab_size) == (
@@ -80,6 +86,13 @@ def test_round_trip_through_toml(tmp_path):
     (["parallel.pp=2", "model.layers=6", "parallel.vpp=2", "parallel.schedule=interleaved"], 2,
      "[model].layers=6 is not divisible by pp*vpp=2*2=4"),
     (["parallel.pp=3"], 3, "[model].layers=8 is not divisible by pp*chunks=3*1=3"),
+    (["parallel.pp=2", "parallel.first_stage_layers=3", "parallel.last_stage_layers=4"], 2,
+     "[parallel] layer split: num_layers=8 with first_stage_layers=3, last_stage_layers=4: the two stages must add up"),
+    (["parallel.pp=4", "parallel.first_stage_layers=3"], 4, "the other 3 stages get 5 layers, which must split evenly"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved", "parallel.first_stage_layers=3"], 2,
+     "3 layers on stage 0 do not split evenly into its 2 chunks"),
+    (["parallel.first_stage_layers=4"], 1, "[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp=1)"),
+    (["parallel.last_stage_layers=-1"], 1, "[parallel].last_stage_layers"),
     (["parallel.tp=2"], 3, "does not fit 3 ranks: world_size=3 is not divisible by tp*cp*pp=2*1*1=2"),
     (["parallel.zero=torch_fsdp2", "parallel.pp=2"], 2, "'torch_fsdp2' is not compatible with pipeline parallelism (pp=2)"),
     (["parallel.zero=torch_fsdp2", "parallel.ep=2"], 2, "'torch_fsdp2' is not compatible with expert parallelism"),
@@ -118,3 +131,17 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_defaults_are_a_valid_config():
     assert Config().validate_world(1).microbatches == 1
+
+
+def test_uneven_pipeline_stages_set_the_layers_each_chunk_builds():
+    from pretrain.model.build import chunk_layout
+
+    cfg = load_config(None, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved",
+                             "parallel.first_stage_layers=2"])
+    layout = cfg.validate_world(2)
+    _, mine, ranges = chunk_layout(cfg, layout, 0)
+    assert mine == [0, 2] and [len(r) for r in ranges] == [1, 3, 1, 3]  # rank 0: 2 layers, rank 1: 6
+    assert cfg.parallel.stage_layers(8) == [[0, 4], [1, 2, 3, 5, 6, 7]]
+    big = load_config("llama3-8b", ["model.layers=126", "parallel.pp=16", "parallel.first_stage_layers=7",
+                                    "parallel.last_stage_layers=7"])
+    assert [len(s) for s in big.parallel.stage_layers(126)] == [7] + [8] * 14 + [7]

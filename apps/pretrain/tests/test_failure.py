@@ -21,10 +21,26 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
     assert res.exit_code == 1, res.output
     assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
     assert took < 60, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
+    # an internal error: one short line; the traceback is in a file under log.dir
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"traceback in {tmp_path / 'error.log'}" in res.stderr
+    assert "injected failure" in (tmp_path / "error.log").read_text()
+
+
+def test_a_users_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
+    """A NaN stop is raised inside every rank: at --nproc 2 it reads as at --nproc 1 (exit 2, one line)."""
+    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=3", "--set", "model.layers=2",
+                              "--set", "train.warmup_steps=0", "--set", "train.lr=1e30", "--set", "train.min_lr=0",
+                              "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
+                              "--set", "train.timeout_s=600"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: loss is") and "nan_policy" in res.stderr, \
+        res.stderr
 
 
 def nan_job(policy):
     from pretrain.config import load_config
+    from pretrain.errors import UsageError
     from pretrain.train_loop import Trainer
 
     cfg = load_config(None, ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2",
@@ -36,7 +52,7 @@ def nan_job(policy):
         t.model.chunks[0].layers["0"].input_layernorm.weight.fill_(float("inf"))
     try:
         r = t.train_step(1)
-    except FloatingPointError as e:
+    except UsageError as e:  # a NaN stop is the user's to fix (lr, data): exit 2 and one line
         return {"error": str(e)}
     after = t.model.dp.full_state("master")
     changed = [k for k in before if not before[k].equal(after[k]) and "input_layernorm" not in k]

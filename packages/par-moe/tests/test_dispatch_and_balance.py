@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from par_groups import CommRecorder, RankGrid, create_groups
+from par_groups import CommRecorder, RankGrid, create_groups, placement_of
 from par_moe import GroupedSwiGLU, MoEConfig, MoELayer, ReferenceMoE, capacity_keep, make_dispatcher
 from par_moe.router import Router
 
@@ -162,5 +162,5 @@ def test_metrics_count_routed_pairs_and_drops_on_flat_tokens():
     assert m["imbalance"].item() == pytest.approx((m["tokens_per_expert"].max() / m["tokens_per_expert"].float().mean()).item())
     assert m["aux_loss"].item() > 0 and m["z_loss"].item() > 0
     assert (m["aux_loss"] + m["z_loss"]).item() == pytest.approx(aux.item())
-    assert all(getattr(p, "is_expert", False) for p in layer.experts.parameters())
-    assert not any(getattr(p, "is_expert", False) for p in layer.router.parameters())
+    assert all(placement_of(p).expert for p in layer.experts.parameters())
+    assert not any(placement_of(p).expert for p in layer.router.parameters())

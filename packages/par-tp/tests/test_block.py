@@ -124,7 +124,7 @@ def run_block_cases():
         for pname, param in param_grads(block).items():
             errs[pname] = relative_error(param.grad, local_shard_of(pname, wr[pname].grad, tp, r, hkv))
         # the grad-norm shares of the TP ranks add up to the single-device grad norm
-        share = tp_local_grad_norm_sq(block, group)
+        share = tp_local_grad_norm_sq(block)
         dist.all_reduce(share, group=group)
         errs["grad_norm_sq"] = relative_error(share, sum(t.grad.pow(2).sum() for t in wr.values()))
         record = lambda rec: [(c.op, c.group_size, c.bytes, c.wire_bytes) for c in rec.records]  # noqa: E731

@@ -1,6 +1,6 @@
 """The run configuration: TOML sections read into frozen, validated dataclasses.
 
-A config is six sections, ``[model] [parallel] [train] [data] [checkpoint] [log]``; every key has a
+A config is seven sections, ``[model] [parallel] [train] [data] [checkpoint] [log] [topology]``; every key has a
 default, so a file names only what differs. ``--set section.key=value`` overrides (repeatable) are
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).
@@ -23,6 +23,7 @@ from pathlib import Path
 import tomli
 
 from par_groups import LayoutError, RankGrid
+from par_pp import chunk_placement, split_stages
 
 from .errors import UsageError
 
@@ -35,6 +36,7 @@ DTYPES = ("auto", "fp32", "bf16")
 NAN_POLICIES = ("skip", "stop")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
+PLACEMENTS = ("auto", "strict", "off")  # see pretrain.placement
 DEFAULT_CONFIG = "tiny.toml"
 
 
@@ -149,11 +151,16 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
     order: str = "tp-cp-ep-dp-pp"
+    placement: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
+    # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
+        _choice("[parallel].placement", self.placement, PLACEMENTS)
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
-        _positive("parallel", self, "etp", "microbatches", allow_zero=True)
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
         _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
         _choice("[parallel].schedule", self.schedule, SCHEDULES)
@@ -192,6 +199,31 @@ class ParallelConfig:
             return 1
         return 2 if self.schedule in V_SCHEDULES else self.vpp
 
+    @property
+    def uneven(self) -> bool:
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[range]:
+        """Layer range of every pipeline chunk in model order (one chunk when pp = 1)."""
+        if self.pp == 1:
+            return [range(num_layers)]
+        placement = chunk_placement(self.schedule, self.pp, self.vpp)
+        try:
+            return split_stages(num_layers, placement, self.first_stage_layers, self.last_stage_layers)
+        except ValueError as e:
+            raise UsageError(f"[parallel] layer split: {e}") from None
+
+    def stage_layers(self, num_layers: int) -> list[list[int]]:
+        """The layer ids each pipeline rank holds (all its chunks), by pp rank."""
+        placement = chunk_placement(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
+        out: list[list[int]] = [[] for _ in range(self.pp)]
+        for rank, layers in zip(placement, self.chunk_layers(num_layers)):
+            out[rank] += list(layers)
+        return out
+
+
+MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -220,6 +252,9 @@ class TrainConfig:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
         _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "eval_batches", "seed",
                   allow_zero=True)
+        _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
+              f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
+              f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
         _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
         _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
@@ -264,6 +299,23 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", allow_zero=True)
         _positive("checkpoint", self, "keep")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Where the ranks run, for placement when NVML cannot tell (NVML is asked first)."""
+
+    preset: str = ""  # a par_groups topology preset (dgx-h100, dgx-a100, pcie-8gpu, nvl72)
+    file: str = ""  # or a TOML description (`pretrain topo --save` writes one)
+    nodes: int = 0  # 0 = as many as the world size needs
+
+    def __post_init__(self) -> None:
+        from par_groups.topology import preset_names
+
+        _need(not (self.preset and self.file), "[topology] takes preset or file, not both")
+        if self.preset:
+            _choice("[topology].preset", self.preset, tuple(preset_names()))
+        _positive("topology", self, "nodes", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -315,6 +367,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "topology": TopologyConfig,
 }
 
 
@@ -326,6 +379,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
     source: str = field(default="", compare=False)  # the file it came from ("" = built in)
 
     def __post_init__(self) -> None:
@@ -340,9 +394,13 @@ class Config:
               f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
               f"(kv heads are split over tp, or replicated when fewer than tp)")
         chunks = p.pp * p.chunks_per_rank
-        _need(m.layers % chunks == 0,
-              f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
-              f"{p.chunks_per_rank}={chunks}")
+        if p.uneven:
+            _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
+            p.chunk_layers(m.layers)  # raises the one-line error when the sizes do not add up
+        else:
+            _need(m.layers % chunks == 0,
+                  f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
+                  f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
         if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
             a2a = p.hcp[0] if p.hcp else p.cp
             for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
@@ -429,7 +487,8 @@ def _micro_batching(global_batch: int, micro_batch: int, microbatches: int, dp: 
 
 
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
+    return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))
 
 
 def _toml_literal(value) -> str:

@@ -122,7 +122,7 @@ def microbatches_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) 
 def activation_bytes(m: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, pp: int = 1,
                      vpp: int = 1, etp: int | None = None, sequence_parallel: bool | None = None,
                      recompute: str | None = None, schedule: str = "1f1b", microbatches: int = 1,
-                     dtype_bytes: int = 2) -> ActivationEstimate:
+                     dtype_bytes: int = 2, first_stage_layers: int = 0) -> ActivationEstimate:
     etp = etp or tp
     sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
     recompute = recompute or m.recompute
@@ -141,7 +141,7 @@ def activation_bytes(m: ModelConfig, *, seq_len: int, micro_batch: int, tp: int 
         shared = m.shared_experts * (2 + keep_products) * mf / tp
         moe = norm_side + attn + routed + shared + 2 * m.num_experts  # router scores in fp32
     dense_layer, moe_layer = dense * tokens * dtype_bytes, moe * tokens * dtype_bytes
-    layers_here = m.layers // pp
+    layers_here = first_stage_layers or m.layers // pp  # the first stage holds the most micro-batches
     moe_here = min(layers_here, m.num_moe_layers)  # the first stage holds the dense layers first
     per_mb = (layers_here - moe_here) * dense_layer + moe_here * moe_layer
     in_flight = microbatches_in_flight(schedule, pp, vpp, microbatches)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -78,15 +79,33 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float 
     return flops_per_step / step_time_s / (peak_flops_per_device * devices)
 
 
+def _open_log(path: Path, start_step: int):
+    """``log.jsonl`` for appending, keeping only the lines of steps <= ``start_step`` (a resumed run
+    repeats the steps after its checkpoint; a new run starts an empty log). Rewritten via a rename."""
+    kept = []
+    if start_step > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= start_step:
+                    kept.append(line + "\n")
+            except (ValueError, AttributeError):
+                continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return open(path, "a", buffering=1)
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, *, total_steps: int, flops_per_step: float = 0.0,
                  peak_flops_per_device: float | None = None, devices: int = 1, tokens_per_step: int = 0,
                  device: torch.device = torch.device("cpu"), every: int = 1, progress: bool = True,
                  tensorboard: bool = False, start_step: int = 0, console: Console | None = None,
-                 description: str = "train"):
+                 description: str = "train", run_id: str | None = None):
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "log.jsonl", "a", buffering=1)
+        self.run_id = run_id
+        self.jsonl = _open_log(self.dir / "log.jsonl", start_step)
         self.total_steps, self.flops_per_step = total_steps, flops_per_step
         self.peak, self.devices, self.tokens_per_step = peak_flops_per_device, devices, tokens_per_step
         self.device, self.every, self.show = device, every, progress
@@ -120,7 +139,7 @@ class MetricsLogger:
         record = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                   "tokens_per_s": tokens / step_time if step_time > 0 else None, "step_time_s": step_time,
                   "mfu": mfu(self.flops_per_step, step_time, self.peak, self.devices),
-                  "memory_gb": memory_gb(self.device), "time": time.time(), **extra}
+                  "memory_gb": memory_gb(self.device), "time": time.time(), **extra, **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
         self.last = record
         if self.tb is not None:
@@ -135,13 +154,16 @@ class MetricsLogger:
         return record
 
     def log_eval(self, step: int, loss: float) -> dict:
-        record = {"step": step, "eval_loss": float(loss), "time": time.time()}
+        record = {"step": step, "eval_loss": float(loss), "time": time.time(), **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
             self.tb.add_scalar("eval/loss", float(loss), step)
         if self.show:
             self.message(f"step {step}: eval loss {loss:.4f}")
         return record
+
+    def _run(self) -> dict:
+        return {} if self.run_id is None else {"run_id": self.run_id}
 
     @staticmethod
     def format(record: dict) -> str:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 
 # imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
 from .checkpoint import CheckpointSaver, latest_checkpoint
+from .checkpoint.retention import start_run
 from .config import load_config
 from .data import load_dataset
 from .flops import training_flops_per_step
 from .launch import init_distributed, shutdown
 from .metrics import MetricsLogger, peak_flops
 from .preempt import StopRequests
+from .preflight import checkpoint_root
 from .train_loop import Trainer
 
 FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
@@ -27,12 +28,10 @@ def _injected_failure(rank: int, step: int) -> None:
         raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} before step {step + 1}")
 
 
-def checkpoint_root(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.log.dir) / "checkpoints")
+def run_rank(config: str | None, overrides: list[str], device: str = "auto", force: bool = False) -> dict:
+    """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
 
-
-def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> dict:
-    """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings."""
+    ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
     cfg = load_config(config, overrides)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device)
     stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
@@ -53,16 +52,19 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:
+            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
             logger = MetricsLogger(
                 cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
                 peak_flops_per_device=peak_flops(dev, "fp32", cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                start_step=start_step, run_id=run_id,
             )
             logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")
+            logger.message(trainer.placement.message)
         first = last = None
         saved_at = start_step if latest is not None else -1
         done = start_step
@@ -95,8 +97,7 @@ def run_rank(config: str | None, overrides: list[str], device: str = "auto") -> 
                     logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
                                    f"checkpoint written")
                 break
-        stopped_early = done < t.steps
-        if saved_at != done and (ck.every or stopped_early):
+        if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
             path = saver.save(trainer, root, done, ck.keep)
             if logger is not None:
                 logger.message(f"checkpoint {path}")

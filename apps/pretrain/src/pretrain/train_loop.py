@@ -18,7 +18,7 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
-from .grads import counted_once, sync_tp_partial_grads
+from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .schedule_lr import lr_at
 
@@ -37,8 +37,11 @@ class StepResult:
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
-    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None) -> None:
+    def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
+                 topology=None) -> None:
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement)."""
         from .data import build_sampler
+        from .placement import place_groups
 
         self.cfg = cfg
         self.device = device or torch.device("cpu")
@@ -46,14 +49,14 @@ class Trainer:
         self.autocast = cfg.train.resolved_dtype(self.device.type) == "bf16"
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device)
+        self.placement = place_groups(cfg, layout, topology)  # collective
+        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement)
         g = self.model.groups
         self.groups = g
-        self.sampler = build_sampler(cfg, layout, g.grid.coords(g.rank)["dp"], dataset)
+        self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
         self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")
-        self.include = counted_once(g.rank_in("tp"))
         self.executor = None
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
@@ -117,15 +120,15 @@ class Trainer:
         self.model.module.train()
         inputs, labels = self.microbatches(self.sampler.train_batch(step))
         losses = self._forward_backward(inputs, labels)
-        sync_tp_partial_grads(dp, g.tp)
-        norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp), include=self.include,
+        dp.sum_partial_grads()
+        norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
         loss = self._mean_loss(losses)
         tokens = cfg.train.global_batch * cfg.train.seq_len
         if not (math.isfinite(loss) and math.isfinite(float(norm))):
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             if cfg.train.nan_policy == "stop":
-                raise FloatingPointError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
+                raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
                                          f"([train].nan_policy=stop; 'skip' drops such steps instead)")
             return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
         dp.set_lr(lr)

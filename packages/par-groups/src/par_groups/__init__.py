@@ -15,3 +15,8 @@ __all__ += ["Placement", "Topology", "gather_topology", "place"]
 from .autograd import all_gather_along_dim0, all_gather_dim0, reduce_scatter_along_dim0, reduce_scatter_dim0  # noqa: E402
 
 __all__ += ["all_gather_along_dim0", "all_gather_dim0", "reduce_scatter_along_dim0", "reduce_scatter_dim0"]
+
+# Each parameter's declared placement (its block of the full tensor, copies, grad ownership).
+from .param_placement import ParamPlacement, declare_, declare_copies_, placement_of, sum_partial_grads_  # noqa: E402
+
+__all__ += ["ParamPlacement", "declare_", "declare_copies_", "placement_of", "sum_partial_grads_"]

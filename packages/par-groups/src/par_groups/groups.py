@@ -62,6 +62,7 @@ class ParallelGroups:
     rank: int
     groups: dict[str, ProcessGroup] = field(repr=False)
     ranks: dict[str, tuple[int, ...]]
+    placement: tuple[int, ...] | None = None  # placement[i] = global rank of grid position i; None = identity
 
     def __getattr__(self, name: str) -> ProcessGroup:
         groups = self.__dict__.get("groups", {})
@@ -72,6 +73,19 @@ class ParallelGroups:
     @property
     def hcp(self) -> tuple[ProcessGroup, ...]:
         return tuple(self.groups[f"hcp{i}"] for i in range(len(self.grid.hcp or ())))
+
+    @property
+    def position(self) -> int:
+        """This rank's grid position (its rank when the placement is the identity)."""
+        return self.rank if self.placement is None else self.placement.index(self.rank)
+
+    def coords(self) -> dict[str, int]:
+        """This rank's logical grid coordinates (tp, cp, dp, pp, etp, ep, edp), whatever the placement."""
+        return self.grid.coords(self.position)
+
+    def physical(self, logical: list[list[int]]) -> list[list[int]]:
+        """Grid-position rank lists (e.g. ``grid.ranks("dp-cp")``) as global ranks under the placement."""
+        return [list(g) if self.placement is None else [self.placement[r] for r in g] for g in logical]
 
     def size(self, name: str) -> int:
         return len(self.ranks[name])
@@ -125,7 +139,8 @@ def create_groups(
         if mine_ranks is not None:  # middle pipeline stages are in no embedding group
             groups[name] = made[physical]
             ranks[name] = mine_ranks
-    return ParallelGroups(grid=grid, rank=me, groups=groups, ranks=ranks)
+    return ParallelGroups(grid=grid, rank=me, groups=groups, ranks=ranks,
+                          placement=None if placement is None else tuple(perm))
 
 
 def device_mesh(grid: RankGrid, device_type: str = "cpu", view: str = "dense"):

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from par_groups.param_placement import declare_
+
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM kernel takes these operands (bf16, 16-byte aligned rows)."""
@@ -52,16 +54,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, u
 class GroupedSwiGLU(nn.Module):
     """``num_experts`` SwiGLU experts: w_gate, w_up ``[E, F, H]`` and w_down ``[E, H, F]``.
 
-    Every parameter carries ``is_expert = True``: its gradient is reduced over expert DP only.
+    Every parameter's placement says ``expert``: its gradient is reduced over expert DP only.
+    ``block = ((ep_rank, ep), (etp_rank, etp))``: these are expert block ``ep_rank`` of ``ep`` and
+    F block ``etp_rank`` of ``etp`` of the full ``[E, F, H]`` / ``[E, H, F]`` tensors.
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int):
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int,
+                 block: tuple[tuple[int, int], tuple[int, int]] = ((0, 1), (0, 1))):
         super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
-        self.w_up = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden))
-        for p in self.parameters():
-            p.is_expert = True
+        experts, ffn = block
+        self.w_gate = declare_(nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden)), {0: experts, 1: ffn}, expert=True)
+        self.w_up = declare_(nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden)), {0: experts, 1: ffn}, expert=True)
+        self.w_down = declare_(nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden)), {0: experts, 2: ffn}, expert=True)
         nn.init.normal_(self.w_gate, std=hidden ** -0.5)
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)

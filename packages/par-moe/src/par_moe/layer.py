@@ -10,10 +10,12 @@ sequence-parallel layout): the layer all-gathers them over etp, every etp rank c
 shard of every token, and a reduce-scatter over etp sums the shards and returns each rank its
 own tokens. The all-gather dispatcher also needs equal token counts over the ep group.
 
-Gradients: expert params (``is_expert``) get the full gradient of the ep group's tokens; sum
-them over expert DP. Router and shared-expert params are replicated; each rank's gradient comes
-from its own tokens (like LayerNorm under sequence parallelism: reduce over every rank that
-holds different tokens). The returned aux loss is this rank's share: summed over ``aux_group``
+Gradients: expert params (placement ``expert``) get the full gradient of the ep group's tokens;
+sum them over expert DP. Router and shared-expert params are replicated; each rank's gradient
+comes from its own tokens (like LayerNorm under sequence parallelism: reduce over every rank that
+holds different tokens). ``copies`` names the model-parallel group (e.g. TP) also holding them,
+``partial_grad`` whether its ranks see different tokens (sequence parallel), so their placement
+tells the data-parallel wrapper to sum their gradients over it. The returned aux loss is this rank's share: summed over ``aux_group``
 (default: this rank alone) it is the loss over the group's tokens.
 """
 
@@ -23,6 +25,8 @@ import torch
 from par_groups import comm
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from par_groups.param_placement import declare_copies_
 
 from . import losses
 from .capacity import capacity_keep
@@ -37,7 +41,7 @@ class MoELayer(nn.Module):
     """``forward(x) -> (y, aux_loss)``; ``last_metrics`` holds this step's routing statistics."""
 
     def __init__(self, config: MoEConfig, ep_group: ProcessGroup | None = None, etp_group: ProcessGroup | None = None,
-                 aux_group: ProcessGroup | None = None):
+                 aux_group: ProcessGroup | None = None, copies: ProcessGroup | None = None, partial_grad: bool = False):
         super().__init__()
         self.config = config
         self.ep_group, self.etp_group, self.aux_group = ep_group, etp_group, aux_group
@@ -50,9 +54,12 @@ class MoELayer(nn.Module):
         self.first_expert = group_rank(ep_group) * self.num_local_experts
         self.ffn_shard = config.ffn_hidden // self.etp
         self.ffn_first = group_rank(etp_group) * self.ffn_shard
-        self.router = Router(config)
-        self.experts = GroupedSwiGLU(self.num_local_experts, config.hidden, self.ffn_shard)
+        self.router = declare_copies_(Router(config), copies, partial_grad)
+        block = ((group_rank(ep_group), self.ep), (group_rank(etp_group), self.etp))
+        self.experts = GroupedSwiGLU(self.num_local_experts, config.hidden, self.ffn_shard, block)
         self.shared = SwiGLU(config.hidden, config.shared_hidden) if config.shared_hidden else None
+        if self.shared is not None:
+            declare_copies_(self.shared, copies, partial_grad)
         self.dispatcher = make_dispatcher(config.dispatcher, config.num_experts, ep_group)
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)

@@ -9,9 +9,9 @@
 from .executor import ActionRecord, PipelineExecutor
 from .ir import Action, Message, Schedule
 from .render import render_timeline, timeline_json
-from .schedules import SCHEDULE_NAMES, build_schedule, chunks_on_rank
+from .schedules import SCHEDULE_NAMES, build_schedule, chunk_placement, chunks_on_rank
 from .simulate import Costs, SimResult, TimedAction, parse_costs, simulate
-from .split import split_layers
+from .split import split_layers, split_stages, stage_layer_counts
 from .validate import ScheduleError, validate_schedule
 
 __all__ = [
@@ -26,11 +26,14 @@ __all__ = [
     "SimResult",
     "TimedAction",
     "build_schedule",
+    "chunk_placement",
     "chunks_on_rank",
     "parse_costs",
     "render_timeline",
     "simulate",
     "split_layers",
+    "split_stages",
+    "stage_layer_counts",
     "timeline_json",
     "validate_schedule",
 ]

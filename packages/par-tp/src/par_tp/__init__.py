@@ -18,7 +18,7 @@ from .comm import (
     scatter_to_tensor_parallel_region,
 )
 from .embedding import VocabParallelEmbedding
-from .grads import allreduce_tp_replicated_grads, is_tp_partial, mark_sequence_parallel_, sum_partial_grads_, tp_local_grad_norm_sq
+from .grads import allreduce_tp_replicated_grads, tp_local_grad_norm_sq
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
 from .mlp import TPSwiGLU
@@ -33,7 +33,6 @@ __all__ = [
     "TensorParallelRNG",
     "VocabParallelEmbedding",
     "allreduce_tp_replicated_grads",
-    "is_tp_partial",
     "causal_attention",
     "copy_to_tensor_parallel_region",
     "dropout",
@@ -44,7 +43,6 @@ __all__ = [
     "gather_kv_heads",
     "gather_tensor",
     "kv_head_layout",
-    "mark_sequence_parallel_",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel",
     "scatter_to_sequence_parallel",
@@ -52,7 +50,6 @@ __all__ = [
     "shard_kv_heads",
     "shard_tensor",
     "sharded_dropout",
-    "sum_partial_grads_",
     "tp_local_grad_norm_sq",
     "validate_heads",
     "vocab_parallel_cross_entropy",

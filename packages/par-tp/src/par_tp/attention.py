@@ -6,8 +6,8 @@ Full weight layout (Llama / Hugging Face, heads contiguous and head-major along 
 Rank r holds query heads ``[r*Hq/tp, (r+1)*Hq/tp)``. KV heads (grouped-query attention) are split
 the same way when tp divides Hkv; when Hkv < tp each rank holds the one KV head its query heads
 use, so each KV head is replicated on ``tp/Hkv`` ranks. Those replicas see only their own query
-heads' gradient: their grads are summed by ``allreduce_tp_replicated_grads`` (attribute
-``tp_replicas``), so replicas stay identical.
+heads' gradient: their placement declares them partial copies, and their grads are summed by
+``allreduce_tp_replicated_grads`` (or the data-parallel wrapper), so replicas stay identical.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from par_groups.param_placement import declare_
 
 from .comm import enter_tensor_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -89,9 +91,8 @@ class TPAttention(nn.Module):
     def _kv_projection(self, hidden: int, dtype, device) -> nn.Linear:
         proj = nn.Linear(hidden, self.local_kv_heads * self.head_dim, bias=False, dtype=dtype, device=device)
         nn.init.normal_(proj.weight, 0.0, 0.02)
-        proj.weight.tensor_parallel = True
-        proj.weight.partition_dim = 0
-        proj.weight.tp_replicas = self.kv_replicas  # > 1: identical copies on tp_replicas ranks
+        r = self.kv_replicas  # > 1: identical copies on r consecutive ranks, each with its query heads' grad
+        declare_(proj.weight, {0: (self.tp_rank // r, self.tp_size // r)}, copies=self.tp_group, span=r, partial_grad=True)
         return proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from par_groups.param_placement import declare_
+
 from .comm import exit_tensor_parallel_region
-from .layers import mark_tensor_parallel_
 from .sharding import check_divisible, gather_tensor, shard_tensor
 
 
@@ -39,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = num_embeddings // tp
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
         weight = torch.empty(per_rank, dim, dtype=dtype, device=device).normal_(0.0, 0.02)
-        self.weight = mark_tensor_parallel_(nn.Parameter(weight), 0)
+        self.weight = declare_(nn.Parameter(weight), {0: (self.tp_rank, tp)})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

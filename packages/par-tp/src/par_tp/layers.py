@@ -4,9 +4,9 @@ Sequence-first activations ``[S, B, H]``. A column-parallel layer owns ``out/tp`
 the weight and needs the full input; a row-parallel layer owns ``in/tp`` input columns, produces
 a partial sum and reduces it over the group. Column followed by row needs one reduction.
 
-Parameter attributes (Megatron's convention, read by grad-norm and grad-sync code):
-``tensor_parallel=True`` + ``partition_dim`` on sharded params; ``sequence_parallel=True`` on
-replicated params whose gradient is a partial sum over sequence shards (see ``grads.py``).
+Each parameter declares its placement (par_groups' ``declare_``): weights split by rows or
+columns over TP; the row-parallel bias is a copy on every TP rank whose gradient is a partial
+sum over sequence shards with ``sequence_parallel`` (see ``grads.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from par_groups.param_placement import declare_
+
 from .comm import (
     enter_tensor_parallel_region,
     exit_tensor_parallel_region,
@@ -24,12 +26,6 @@ from .comm import (
     scatter_to_tensor_parallel_region,
 )
 from .sharding import check_divisible, gather_tensor, shard_tensor
-
-
-def mark_tensor_parallel_(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    param.tensor_parallel = True
-    param.partition_dim = partition_dim
-    return param
 
 
 class _LoadsFullWeight:
@@ -73,8 +69,9 @@ class ColumnParallelLinear(_LoadsFullWeight, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, dist.get_rank(tp_group)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.weight = mark_tensor_parallel_(_new_param((out_features // tp, in_features), dtype, device), 0)
-        self.bias = mark_tensor_parallel_(nn.Parameter(torch.zeros(out_features // tp, dtype=dtype, device=device)), 0) if bias else None
+        rows = {0: (self.tp_rank, tp)}
+        self.weight = declare_(_new_param((out_features // tp, in_features), dtype, device), rows)
+        self.bias = declare_(nn.Parameter(torch.zeros(out_features // tp, dtype=dtype, device=device)), rows) if bias else None
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """The local matmul on an input already in the TP region (lets several layers share one entry)."""
@@ -129,12 +126,12 @@ class RowParallelLinear(_LoadsFullWeight, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, dist.get_rank(tp_group)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = mark_tensor_parallel_(_new_param((out_features, in_features // tp), dtype, device), 1)
+        self.weight = declare_(_new_param((out_features, in_features // tp), dtype, device), {1: (self.tp_rank, tp)})
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             # Replicated; with SP each rank only sees its sequence shard, so its grad is partial.
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias = declare_(nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)),
+                                 copies=tp_group, partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

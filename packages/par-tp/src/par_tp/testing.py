@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .attention import TPAttention
-from .grads import mark_sequence_parallel_
+from par_groups.param_placement import declare_copies_
+
 from .mlp import TPSwiGLU
 from .rng import dropout, sharded_dropout
 
@@ -28,9 +29,8 @@ class TPTransformerBlock(nn.Module):
         self.attn = TPAttention(hidden, num_heads, num_kv_heads, tp_group, sequence_parallel)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = TPSwiGLU(hidden, ffn_hidden, tp_group, sequence_parallel)
-        if sequence_parallel:
-            mark_sequence_parallel_(self.norm1)
-            mark_sequence_parallel_(self.norm2)
+        for norm in (self.norm1, self.norm2):  # copies on every TP rank; partial grads over sequence shards
+            declare_copies_(norm, tp_group, partial_grad=sequence_parallel)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout_p == 0.0 or not self.training:

@@ -7,7 +7,8 @@ Usage (the trainer's loop)::
         with dp.no_sync() if micro < n - 1 else nullcontext():
             loss = loss_fn(dp(x[micro])) / n   # per-rank mean; DP averages it
             loss.backward()
-    dp.clip_grad_norm_(1.0, norm_groups=(groups.tp, groups.pp), include=not_duplicated)
+    dp.sum_partial_grads()      # grads whose placement says partial over model-parallel copies
+    dp.clip_grad_norm_(1.0, norm_groups=(groups.tp, groups.pp))
     dp.set_lr(lr_schedule(step)); dp.step(); dp.zero_grad()
 
 Gradients are AVERAGED over the data-parallel ranks (dp_group x outer_group; dp_group may be dp x
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from par_groups import comm
+from par_groups.param_placement import placement_of, sum_partial_grads_
 
 from .bucket import Bucket, BucketGroups
 from .checkpoint import load_sharded_state_dict, sharded_state_dict
@@ -57,8 +59,9 @@ class DataParallel:
     Strategies: 'no_shard' (DDP), 'optim' (ZeRO-1), 'optim_grads' (ZeRO-2), 'optim_grads_params'
     (ZeRO-3), 'torch_fsdp2' (delegates to torch's fully_shard; returns a :class:`TorchFSDP2`).
     HSDP: ``dp_group`` is the inner sharding group, ``outer_group`` the replicas, with
-    ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params with
-    ``is_expert = True`` are data-parallel over ``expert_dp_group``; frozen params are skipped.
+    ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params whose
+    placement (``par_groups.placement_of``) says ``expert`` are data-parallel over
+    ``expert_dp_group``; frozen params are skipped.
     """
 
     def __new__(cls, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard", **kwargs):
@@ -107,8 +110,8 @@ class DataParallel:
                     p.data = p.data.to(param_dtype)
 
         def family(ps):  # split params into (dense, expert) with their groups
-            dense = [p for p in ps if not getattr(p, "is_expert", False)]
-            expert = [p for p in ps if getattr(p, "is_expert", False)]
+            dense = [p for p in ps if not placement_of(p).expert]
+            expert = [p for p in ps if placement_of(p).expert]
             return [(dense, self.dense_groups), (expert, self.expert_groups)]
 
         self.buckets: list[Bucket] = []
@@ -232,15 +235,24 @@ class DataParallel:
                 w.wait()
 
     @torch.no_grad()
+    def sum_partial_grads(self) -> int:
+        """After the reduction: sum the grads whose placement is partial over model-parallel copies
+        (sequence-parallel norms, replicated KV heads), in this rank's optimizer range. Sums are
+        linear, so after the DP mean is as good as before it; copies hold identical buckets, so the
+        ranges line up. Returns how many param pieces were summed."""
+        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
+                 for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
+        return sum_partial_grads_(items)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_groups: Iterable[ProcessGroup] = (),
-                        include: Callable[[nn.Parameter], bool] | None = None,
                         expert_norm_groups: Iterable[ProcessGroup] | None = None) -> torch.Tensor:
         """Scale all grads so their global L2 norm is at most ``max_norm``; return the norm.
 
         The squared norm is summed over this wrapper's shards, then over each of ``norm_groups``
         (the model-parallel groups holding other parts of the model: tp, pp, ...); expert params
-        over ``expert_norm_groups`` (default: ``norm_groups``). ``include(param)`` skips params
-        (e.g. TP-replicated copies counted on another rank)."""
+        over ``expert_norm_groups`` (default: ``norm_groups``). A param with model-parallel copies
+        counts on the first copy only (its placement says which), so each element counts once."""
         norm_groups = tuple(norm_groups)
         expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
         total = torch.zeros((), dtype=torch.float32)
@@ -250,12 +262,9 @@ class DataParallel:
                 continue
             sq = torch.zeros((), dtype=torch.float32)
             for b in fam:
-                if include is None:
-                    sq += b.opt_grad.float().pow(2).sum()
-                else:
-                    for p, _, lo, hi, _ in b.opt_segments():
-                        if include(p):
-                            sq += b.opt_grad[lo:hi].float().pow(2).sum()
+                for p, _, lo, hi, _ in b.opt_segments():
+                    if placement_of(p).counted():
+                        sq += b.opt_grad[lo:hi].float().pow(2).sum()
             if self.cfg.strategy != "no_shard":
                 comm.all_reduce(sq, groups.inner)
                 if fam[0].outer_optim:

@@ -8,7 +8,7 @@ Megatron's --use-torch-fsdp2 it does not handle expert params on their own DP gr
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from par_groups import comm
+from par_groups.param_placement import placement_of
 
 from .config import DataParallelConfig
 from .units import default_unit_modules
@@ -47,8 +48,8 @@ class TorchFSDP2:
                                       reshard_after_forward, lr, tuple(betas), eps, weight_decay)
         if outer_strategy != "no_shard":
             raise ValueError(f"torch_fsdp2 supports outer_strategy='no_shard' only, got {outer_strategy!r}")
-        if any(getattr(p, "is_expert", False) for p in module.parameters()):
-            raise ValueError("torch_fsdp2 does not support expert params (is_expert=True); use optim_grads_params")
+        if any(placement_of(p).expert for p in module.parameters()):
+            raise ValueError("torch_fsdp2 does not support expert params (placement expert=True); use optim_grads_params")
         self.module = module
         self.dp_group = dp_group if dp_group is not None else dist.group.WORLD
         self.lr = lr
@@ -90,14 +91,18 @@ class TorchFSDP2:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def sum_partial_grads(self) -> int:
+        """Nothing is partial: torch_fsdp2 runs with tp=1 only."""
+        return 0
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_groups: Iterable[ProcessGroup] = (),
-                        include: Callable[[nn.Parameter], bool] | None = None, expert_norm_groups=None) -> torch.Tensor:
+                        expert_norm_groups=None) -> torch.Tensor:
         """Global-norm clipping over the sharded grads (sum over the inner group, then norm_groups)."""
         sq = torch.zeros((), dtype=torch.float32)
         grads = []
         for p in self.params:
-            if p.grad is None or (include is not None and not include(p)):
+            if p.grad is None:
                 continue
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             sq += g.float().pow(2).sum()

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from par_groups.param_placement import declare_
+
 STEPS, MICRO, LOCAL_B, MAX_NORM = 5, 2, 3, 0.05
 OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -17,7 +19,7 @@ def tiny_model(expert: bool = False) -> nn.Sequential:
     m[2].bias.requires_grad_(False)
     if expert:
         for p in m[2].parameters():
-            p.is_expert = True
+            declare_(p, expert=True)
     return m
 
 

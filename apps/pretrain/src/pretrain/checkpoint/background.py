@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from .faults import removed_if_disk_full
 from .store import _checkpoint_dict, _finalise, _prepare, _quiet, _rank, rng_state, save_checkpoint, trainer_state
 
 
@@ -48,10 +49,11 @@ class PendingSave:
         self.state, self.keep, self.group = state, keep, group
 
     def finish(self) -> Path:
-        self.future.result()  # this rank's files are written (re-raises the writer's error)
-        dist.barrier(group=self.group)  # ... and every rank's
-        if _rank() == 0:
-            _finalise(self.root, self.tmp, self.final, self.state, self.keep)
+        with removed_if_disk_full(self.tmp):
+            self.future.result()  # this rank's files are written (re-raises the writer's error)
+            dist.barrier(group=self.group)  # ... and every rank's
+            if _rank() == 0:
+                _finalise(self.root, self.tmp, self.final, self.state, self.keep)
         dist.barrier(group=self.group)
         return self.final
 
@@ -63,7 +65,8 @@ def start_async_save(trainer, root: str | Path, step: int, keep: int, group) -> 
     root = Path(root)
     final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True, copy=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    with removed_if_disk_full(tmp):
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     response = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=group, async_stager=_AlreadyStaged())
     future = getattr(response, "upload_completion", response)  # an AsyncSaveResponse or a Future
     return PendingSave(future, root, tmp, final, trainer_state(trainer, step), keep, group)

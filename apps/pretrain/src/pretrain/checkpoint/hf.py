@@ -14,12 +14,16 @@ import torch
 from ..config import Config, ModelConfig
 from ..errors import UsageError
 from ..model.reference import full_shapes
-from .store import FORMAT, read_full_tensors, read_state, resolve_checkpoint, save_full_model
+from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
 # HF config.json key -> [model] key
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_layers": "layers",
            "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "intermediate_size": "ffn_hidden",
            "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+
+
+INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "head_dim")
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -40,6 +44,12 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
                if k not in hf]
     if missing:
         raise UsageError(f"{where}: missing {', '.join(missing)}")
+    wrong = [f"{k}={hf[k]!r}" for k in INT_KEYS if k in hf and (type(hf[k]) is not int or hf[k] < 1)]
+    wrong += [f"{k}={hf[k]!r}" for k in ("rope_theta", "rms_norm_eps")
+              if k in hf and (type(hf[k]) not in (int, float) or hf[k] <= 0)]
+    if wrong:
+        raise UsageError(f"{where}: {', '.join(wrong)}: sizes must be positive integers, rope_theta and "
+                         f"rms_norm_eps positive numbers")
     kwargs = {ours: hf[k] for k, ours in HF_KEYS.items() if k in hf}
     kwargs.setdefault("kv_heads", hf["num_attention_heads"])
     if "head_dim" in hf and hf["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]:
@@ -71,15 +81,20 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         hf = json.loads((src / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{src / 'config.json'} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{src / 'config.json'} is not a JSON object")
     m = model_config_from_hf(hf, str(src / "config.json"))
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise UsageError(f"{src} has no *.safetensors files (pickled .bin weights are not read, for safety)")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error type on a malformed header
+            raise UsageError(f"{f} is not a valid safetensors file ({e})") from None
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.tie_embeddings or "lm_head.weight" not in state:
+    if (m.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
     problems = [f"{k}: missing" for k in shapes if k not in state]
@@ -93,8 +108,10 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def import_hf(src: str | Path, out: str | Path) -> Path:
     """Write a model-only checkpoint at ``out`` and ``out/config.toml`` (training starts from it)."""
-    m, state = read_hf(src)
     out = Path(out).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out} already exists and is not empty; choose a new directory (nothing is overwritten)")
+    m, state = read_hf(src)
     from ..config import CheckpointConfig
 
     cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)))
@@ -110,7 +127,10 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     from safetensors.torch import save_file
 
     path = resolve_checkpoint(checkpoint)
-    m = ModelConfig(**read_state(path)["config"]["model"])
+    try:
+        m = ModelConfig(**read_state(path)["config"]["model"])
+    except (KeyError, TypeError) as e:
+        raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
     if m.tie_embeddings:

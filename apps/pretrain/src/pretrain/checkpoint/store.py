@@ -27,16 +27,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from ..errors import UsageError
+from .faults import injected_kill, removed_if_disk_full
+from .retention import LATEST, STATE_FILE, publish, run_id_of
+from .safe_metadata import SafeReader
 from .shards import ShardSpec
 
 FORMAT = "pretrain-checkpoint-v1"
-STATE_FILE = "trainer_state.json"
-LATEST = "latest"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
 SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "moe_layers_start", "num_experts",
@@ -139,18 +141,18 @@ def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        with removed_if_disk_full(tmp):
+            (tmp / "rng").mkdir(parents=True)
     _barrier()
     return final, tmp
 
 
 def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: state file, rename, ``latest``, prune."""
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    """Rank 0, once every rank's files are in ``tmp``: state file (with the run's id), rename, ``latest``, prune."""
+    (tmp / STATE_FILE).write_text(json.dumps(state | {"run_id": run_id_of(root)}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_latest(root, final.name)
-    _prune(root, keep)
+    publish(root, final, keep)
 
 
 @_quiet
@@ -159,31 +161,17 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_be
     root = Path(root)
     final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True)
-    dcp.save(sd, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    _barrier()
-    if fail_before_rename:
-        raise RuntimeError(f"injected failure while saving step {step} (before the rename)")
-    if _rank() == 0:
-        _finalise(root, tmp, final, trainer_state(trainer, step), keep)
+    with removed_if_disk_full(tmp):
+        dcp.save(sd, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+        injected_kill(_rank(), step)
+        _barrier()
+        if fail_before_rename:
+            raise RuntimeError(f"injected failure while saving step {step} (before the rename)")
+        if _rank() == 0:
+            _finalise(root, tmp, final, trainer_state(trainer, step), keep)
     _barrier()
     return final
-
-
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-
-
-def _prune(root: Path, keep: int) -> None:
-    done = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                  key=lambda p: int(p.name.split("_")[1]))
-    for p in done[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -229,10 +217,7 @@ def check_compatible(path: Path, state: dict, cfg) -> None:
 
 def _check_metadata(path: Path, wanted: dict) -> set[str]:
     """Compare the stored tensors' shapes with what we need; returns the stored keys."""
-    try:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a missing or truncated .metadata file
-        raise UsageError(f"checkpoint {path} is corrupt or incomplete: cannot read its metadata ({e})") from None
+    meta = SafeReader(str(path)).read_metadata()  # a missing, truncated or crafted .metadata: UsageError
     stored = meta.state_dict_metadata
     for key, st in wanted.items():
         if key.startswith("optim/") and key not in stored:
@@ -268,10 +253,10 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     try:
-        dcp.load(sd, checkpoint_id=str(path))
+        dcp.load(sd, storage_reader=SafeReader(str(path)))
     except UsageError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {type(e).__name__}: {e}") from None
 
     def values(prefix):
@@ -315,10 +300,13 @@ def set_rng_state(state: dict) -> None:
 def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
     """Every stored tensor under ``prefix`` as a full tensor (names without the prefix); any process count."""
     path = resolve_checkpoint(path)
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = SafeReader(str(path)).read_metadata()
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
           if k.startswith(prefix) and hasattr(m, "size")}
-    dcp.load(sd, checkpoint_id=str(path))
+    try:
+        dcp.load(sd, storage_reader=SafeReader(str(path)))
+    except (Exception, CheckpointException) as e:
+        raise UsageError(f"checkpoint {path} is corrupt: reading it failed with {type(e).__name__}: {e}") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 

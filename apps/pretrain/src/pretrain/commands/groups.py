@@ -11,6 +11,8 @@ from par_groups import LayoutError, RankGrid
 
 from ..errors import fail
 
+MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it the listing alone takes minutes
+
 
 def parse_sizes(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:
     """'2,2' -> (2, 2); a clear error otherwise."""
@@ -61,6 +63,8 @@ def groups(
     """Print the rank lists of every dense and expert group (and hierarchical CP levels)."""
     if gpus_per_node < 1:
         raise fail(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if not 1 <= world <= MAX_WORLD:
+        raise fail(f"--world {world} must be in 1..{MAX_WORLD} (the table lists every rank)")
     grid = build_grid(world, tp, cp, pp, ep, etp, order, hcp)
     if as_json:
         typer.echo(json.dumps(grid.to_dict()))

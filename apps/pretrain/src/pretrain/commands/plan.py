@@ -79,12 +79,10 @@ def params_only_plan(num_params: float, dp: int) -> dict:
 def stage_params(cfg: Config, layout: Layout) -> tuple[float, float, int]:
     """(dense params, routed expert params, stage index) on the rank of the heaviest pipeline stage."""
     m, c = cfg.model, param_counts(cfg.model)
-    per_stage = m.layers // layout.pp
     best = (0.0, 0.0, 0)
-    for stage in range(layout.pp):
-        layers = range(stage * per_stage, (stage + 1) * per_stage)
+    for stage, layers in enumerate(cfg.parallel.stage_layers(m.layers)):
         moe = sum(m.is_moe_layer(i) for i in layers)
-        dense = c.attention * per_stage + c.dense_mlp * (per_stage - moe) + (c.router + c.shared_experts) * moe
+        dense = c.attention * len(layers) + c.dense_mlp * (len(layers) - moe) + (c.router + c.shared_experts) * moe
         if stage == 0:
             dense += c.embedding
         if stage == layout.pp - 1:
@@ -115,7 +113,8 @@ def config_plan(cfg: Config, world: int, gpus_per_node: int, gpu_memory_gb: floa
                         expert_replicas=p.hsdp_replicas if p.hsdp_replicas > 1 else edp_nodes)
     act = activation_bytes(m, seq_len=t.seq_len, micro_batch=layout.micro_batch, tp=layout.tp, cp=layout.cp,
                            pp=layout.pp, vpp=layout.vpp, etp=layout.etp, sequence_parallel=layout.sequence_parallel,
-                           schedule=p.schedule, microbatches=layout.microbatches, dtype_bytes=4 if dtype == "fp32" else 2)
+                           schedule=p.schedule, microbatches=layout.microbatches, dtype_bytes=4 if dtype == "fp32" else 2,
+                           first_stage_layers=len(p.stage_layers(m.layers)[0]))
     budget = gpu_memory_gb * GB
     fits = {k: v["total"] + act.total <= budget for k, v in table.items()}
     decision = decide(fits, dp_nodes, layout.dp * layout.cp, table)
@@ -212,9 +211,21 @@ def plan(
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", help="Memory per GPU in GB for the decision tree."),
     params: Optional[float] = typer.Option(None, "--params", help="Model-state-only form: number of parameters."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Model-state-only form: data-parallel size."),
+    auto: bool = typer.Option(False, "--auto", help="Search the layouts for --world GPUs of --topology; print the best 5."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description."),
+    efficiency: float = typer.Option(0.6, "--efficiency", help="With --auto: achieved / peak FLOP/s of the compute."),
+    peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
 ) -> None:
     """Per-rank memory (model state per ZeRO strategy, activations, experts), FLOPs and the ZeRO decision."""
     try:
+        if auto:
+            from ..planner.auto import auto_plan, render
+
+            if world is None or topology is None:
+                raise UsageError("--auto needs --world N and --topology PRESET, e.g. --world 64 --topology dgx-h100")
+            result = auto_plan(load_config(config, overrides), world, topology, efficiency, peak_tflops)
+            typer.echo(json.dumps(result) if as_json else render(result))
+            return
         if params is not None or dp is not None:
             if params is None or dp is None:
                 raise UsageError("the model-state-only form needs both --params and --dp, e.g. --params 7e9 --dp 8")

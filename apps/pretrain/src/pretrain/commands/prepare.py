@@ -51,17 +51,14 @@ def prepare(
     try:
         if docs not in DOC_MODES:
             raise UsageError(f"--docs {docs!r} is not one of {', '.join(DOC_MODES)}")
+        if out.endswith(("/", "\\")) or Path(out).is_dir():
+            raise UsageError(f"--out {out!r} is a directory; give a file prefix inside it, e.g. {Path(out) / 'corpus'}")
         missing = [str(p) for p in inputs if not p.is_file()]
         if missing:
             raise UsageError(f"input file(s) not found: {', '.join(missing)}")
         tok = get_tokenizer(tokenizer)
         encoded = (tok.encode(text) for path in inputs for text in _texts(path, docs))
-        try:
-            ds = write_dataset(out, encoded, tok.vocab_size, tokenizer=tok.name)
-        except UsageError as e:
-            if "has no tokens" in str(e) or "offsets must rise" in str(e):
-                raise UsageError(f"the inputs contain no text to tokenize") from None
-            raise
+        ds = write_dataset(out, encoded, tok.vocab_size, tokenizer=tok.name)
     except UsageError as e:
         raise fail(str(e))
     except OSError as e:

@@ -10,6 +10,8 @@ from par_pp import build_schedule, parse_costs, render_timeline, simulate, timel
 
 from ..errors import fail
 
+MAX_CELLS = 1 << 16  # pp x chunks x microbatches: the timeline of 65536 passes still prints in seconds
+
 
 def _caption(name: str, pp: int, vpp: int, microbatches: int, costs) -> str:
     full = costs.b + costs.w if costs.full_backward is None else costs.full_backward
@@ -27,6 +29,9 @@ def schedule(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     """Print a pipeline schedule's timeline (the explainer's format), bubble fraction and peak activations."""
+    if pp * max(vpp, 2) * microbatches > MAX_CELLS:
+        raise fail(f"--pp {pp} x --vpp {vpp} x --microbatches {microbatches} is more than {MAX_CELLS:,} chunk passes "
+                   f"to simulate and draw; use fewer microbatches (the bubble fraction settles after a few x pp)")
     try:
         plan = build_schedule(schedule_name, pp, microbatches, vpp)
         slot_costs = parse_costs(costs)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from ..errors import UsageError, fail
+
+USAGE_PREFIX = "UsageError: "  # how a rank's UsageError reads in the launcher's failure record
+TRACEBACK_FILE = "error.log"
 
 
 def train(
@@ -14,30 +21,52 @@ def train(
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set section.key=value (repeatable)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Local ranks to start (default [train].nproc); ignored under torchrun."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
     from ..launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
+    from ..preflight import check_run, run_lock
     from ..run import run_rank
 
+    log_dir = None
     try:
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         if not under_torchrun():
             check_nproc(n, device)
-            cfg.validate_world(n)
-            from ..data import load_dataset
+        layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
+        if not under_torchrun():
+            from ..placement import check_before_launch
 
-            load_dataset(cfg.data, cfg.model.vocab_size)  # a missing or malformed file fails here, once
-        launch(run_rank, (config, list(overrides), device), nproc=n, device=device,
-               join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s)
+            check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
+        leader = not under_torchrun() or os.environ.get("RANK") == "0"
+        check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
+        with run_lock(cfg.log.dir) if leader else nullcontext():
+            log_dir = cfg.log.dir
+            launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
+                   join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s)
     except UsageError as e:
         raise fail(str(e))
-    except Aborted as e:
+    except Aborted as e:  # a second Ctrl-C, or ranks that did not stop within [train].preempt_timeout_s
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(code=e.exit_code)
     except RankFailed as e:
-        typer.echo(f"error: rank {e.rank} failed: {e.error}", err=True)
-        if e.traceback:
-            typer.echo(e.traceback, err=True)
-        raise typer.Exit(code=1)
+        if e.usage:  # a user's mistake found inside a rank: as on one rank
+            raise fail(e.error.removeprefix(USAGE_PREFIX).strip())
+        _internal_error(f"rank {e.rank} failed: {e.error}", e.traceback, log_dir)
+    except Exception as e:  # one in-process rank (--nproc 1, torchrun): same short line
+        _internal_error(f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(), log_dir)
+
+
+def _internal_error(cause: str, trace: str, log_dir: str | None) -> None:
+    """Exit 1 with one line; the traceback goes to ``<log.dir>/error.log`` (or stderr if unwritable)."""
+    where = ""
+    if trace and log_dir:
+        try:
+            (Path(log_dir) / TRACEBACK_FILE).write_text(trace)
+            where = f" (traceback in {Path(log_dir) / TRACEBACK_FILE})"
+        except OSError:
+            typer.echo(trace, err=True)
+    typer.echo(f"error: {cause}{where}", err=True)
+    raise typer.Exit(code=1)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .format import TokenDataset, open_dataset, write_dataset
+from .format import TokenDataset, check_token_ids, open_dataset, write_dataset
 from .sampler import Batch, TokenSampler
 from .synthetic import embedded_dataset
 from .tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 
-__all__ = ["Batch", "ByteTokenizer", "HFTokenizer", "TokenDataset", "TokenSampler", "build_sampler", "embedded_dataset",
+__all__ = ["Batch", "ByteTokenizer", "HFTokenizer", "TokenDataset", "TokenSampler", "build_sampler", "check_token_ids", "embedded_dataset",
            "get_tokenizer", "load_dataset", "open_dataset", "write_dataset"]
 
 

@@ -61,25 +61,53 @@ class TokenDataset:
 
 
 def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte") -> TokenDataset:
-    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json."""
+    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json.
+
+    The files are written under temporary names and renamed only once every document was read, so
+    a failing input (or no text at all) leaves an existing dataset at ``prefix`` untouched."""
     prefix = Path(prefix)
+    if not prefix.name or prefix.is_dir():
+        raise UsageError(f"{str(prefix)!r} is a directory; give a file prefix inside it, e.g. {prefix / 'corpus'}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(vocab_size)
+    final = {ext: Path(f"{prefix}.{ext}") for ext in ("bin", "idx", "json")}
+    tmp = {ext: p.with_name(f".{p.name}.tmp") for ext, p in final.items()}
     offsets = [0]
-    with open(f"{prefix}.bin", "wb") as out:
-        for doc in docs:
-            ids = np.asarray(doc, dtype=np.int64)
-            if ids.size == 0:
-                continue
-            if ids.min() < 0 or ids.max() >= vocab_size:
-                raise UsageError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
-            out.write(ids.astype(dtype).tobytes())
-            offsets.append(offsets[-1] + int(ids.size))
-    np.asarray(offsets, dtype="<i8").tofile(f"{prefix}.idx")
-    header = dict(format=FORMAT, version=VERSION, dtype=dtype.name, vocab_size=int(vocab_size),
-                  num_tokens=offsets[-1], num_docs=len(offsets) - 1, tokenizer=tokenizer)
-    Path(f"{prefix}.json").write_text(json.dumps(header, indent=1) + "\n")
+    try:
+        with open(tmp["bin"], "wb") as out:
+            for doc in docs:
+                ids = np.asarray(doc, dtype=np.int64)
+                if ids.size == 0:
+                    continue
+                if ids.min() < 0 or ids.max() >= vocab_size:
+                    raise UsageError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
+                out.write(ids.astype(dtype).tobytes())
+                offsets.append(offsets[-1] + int(ids.size))
+        if offsets[-1] == 0:
+            raise UsageError("the inputs contain no text to tokenize")
+        np.asarray(offsets, dtype="<i8").tofile(tmp["idx"])
+        header = dict(format=FORMAT, version=VERSION, dtype=dtype.name, vocab_size=int(vocab_size),
+                      num_tokens=offsets[-1], num_docs=len(offsets) - 1, tokenizer=tokenizer)
+        tmp["json"].write_text(json.dumps(header, indent=1) + "\n")
+        for ext in ("bin", "idx", "json"):  # the header last: a reader never sees a header without its data
+            tmp[ext].replace(final[ext])
+    finally:
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
     return open_dataset(prefix)
+
+
+def check_token_ids(ds: TokenDataset, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """UsageError naming the first token id >= ``vocab_size`` (they would index past the embedding)."""
+    if np.iinfo(ds.tokens.dtype).max < vocab_size:
+        return
+    for start in range(0, ds.num_tokens, chunk):
+        part = np.asarray(ds.tokens[start:start + chunk])
+        bad = np.flatnonzero(part >= vocab_size)
+        if bad.size:
+            at = start + int(bad[0])
+            raise UsageError(f"dataset {ds.source}: token id {int(part[bad[0]])} at offset {at} is outside the "
+                             f"vocabulary of {vocab_size}; re-run `pretrain prepare` with the model's tokenizer")
 
 
 def _strip_suffix(prefix: str) -> str:
@@ -105,8 +133,14 @@ def open_dataset(prefix: str | Path) -> TokenDataset:
     absent = [k for k in HEADER_KEYS if k not in header]
     if absent:
         raise UsageError(f"dataset header {paths['json']} lacks {', '.join(absent)}")
-    if header["dtype"] not in ("uint16", "uint32"):
+    if header["dtype"] not in ("uint16", "uint32") or not isinstance(header["dtype"], str):
         raise UsageError(f"dataset header {paths['json']} has dtype {header['dtype']!r}; expected uint16 or uint32")
+    wrong = [f"{k}={header[k]!r}" for k in ("vocab_size", "num_tokens", "num_docs")
+             if type(header[k]) is not int or header[k] < 0]
+    wrong += [] if isinstance(header["tokenizer"], str) else [f"tokenizer={header['tokenizer']!r}"]
+    if wrong:
+        raise UsageError(f"dataset header {paths['json']} has {', '.join(wrong)}; expected non-negative integers "
+                         f"and a tokenizer name")
     dtype = np.dtype("<u2" if header["dtype"] == "uint16" else "<u4")
     n, d = header["num_tokens"], header["num_docs"]
     if paths["bin"].stat().st_size != n * dtype.itemsize:

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_groups import ParallelGroups, create_groups
-from par_pp import build_schedule, chunks_on_rank, split_layers
+from par_groups import ParallelGroups, create_groups, placement_of
+from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
 from ..errors import UsageError
@@ -37,9 +37,8 @@ class RankModel:
 
 def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
     """Split every dp x cp group into ``replicas`` replicas of consecutive inner sharding groups."""
-    grid = groups.grid
     inner_lists, outer_lists = [], []
-    for g in grid.ranks("dp-cp"):
+    for g in groups.physical(groups.grid.ranks("dp-cp")):
         h = len(g) // replicas
         inner_lists += [g[i * h:(i + 1) * h] for i in range(replicas)]
         outer_lists += [g[i::h] for i in range(h)]
@@ -54,14 +53,17 @@ def chunk_layout(cfg, layout, pp_rank: int):
     if layout.pp == 1:
         return None, [0], [range(cfg.model.layers)]
     schedule = build_schedule(p.schedule, layout.pp, layout.microbatches, vpp=layout.vpp)
-    num_chunks = layout.pp * layout.chunks_per_rank
-    return schedule, list(chunks_on_rank(schedule, pp_rank)), split_layers(cfg.model.layers, num_chunks)
+    ranges = p.chunk_layers(cfg.model.layers)
+    assert len(ranges) == len(schedule.placement)
+    return schedule, list(chunks_on_rank(schedule, pp_rank)), ranges
 
 
 def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
-                     device: torch.device = torch.device("cpu")) -> RankModel:
+                     device: torch.device = torch.device("cpu"), placement=None) -> RankModel:
+    """``placement``: a :class:`pretrain.placement.RunPlacement` (grid + rank permutation); None = as configured."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
-    groups = create_groups(layout.grid(), timeout=timeout)
+    grid = placement.grid if placement is not None else layout.grid()
+    groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
@@ -119,5 +121,5 @@ def _scale_expert_grads(module: nn.Module, layout) -> None:
     if factor == 1.0:
         return
     for p in module.parameters():
-        if getattr(p, "is_expert", False) and p.requires_grad:
+        if placement_of(p).expert and p.requires_grad:
             p.register_hook(lambda g, f=factor: g * f)

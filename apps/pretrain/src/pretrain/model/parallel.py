@@ -16,14 +16,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from par_cp import ContextParallelAttention, position_ids
-from par_groups import ParallelGroups
+from par_groups import ParallelGroups, declare_copies_
 from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
     TPAttention,
     TPSwiGLU,
     VocabParallelEmbedding,
-    mark_sequence_parallel_,
     scatter_to_sequence_parallel,
 )
 
@@ -74,9 +73,9 @@ class RopeThenContextAttention(nn.Module):
         return self._core(q, k, v)
 
 
-def _norm(a, sp: bool) -> nn.RMSNorm:
-    norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-    return mark_sequence_parallel_(norm) if sp else norm
+def _norm(a, layout: RankLayout) -> nn.RMSNorm:
+    """A copy on every TP rank; with sequence parallelism each sees its shard, so its grad is partial."""
+    return declare_copies_(nn.RMSNorm(a.hidden, eps=a.norm_eps), layout.groups.tp, layout.sequence_parallel)
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -84,16 +83,13 @@ class ParallelDecoderLayer(nn.Module):
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
         self.full_recompute = layout.recompute == "full"
-        self.input_layernorm = _norm(a, sp)
+        self.input_layernorm = _norm(a, layout)
         self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
-        self.post_attention_layernorm = _norm(a, sp)
+        self.post_attention_layernorm = _norm(a, layout)
         self.is_moe = is_moe_layer(a, index)
         if self.is_moe:
-            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=g.tp_cp)
-            if sp:  # router and shared experts see this rank's sequence shard only
-                for name, p in self.mlp.named_parameters():
-                    if not getattr(p, "is_expert", False):
-                        p.sequence_parallel = True
+            # router and shared experts: copies over TP, seeing this rank's sequence shard under SP
+            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=g.tp_cp, copies=g.tp, partial_grad=sp)
         else:
             self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp)
         # The MoE aux loss is a share over tp x cp ranks; scaled so DP's mean over dp x cp is right.
@@ -125,7 +121,7 @@ class ModelChunk(nn.Module):
         self.layer_ids = list(layer_ids)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
-        self.norm = _norm(a, sp) if last else None
+        self.norm = _norm(a, layout) if last else None
         self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

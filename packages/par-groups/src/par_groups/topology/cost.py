@@ -43,6 +43,7 @@ class Workload:
     vocab: int = 32000
     moe_layers: int | None = None
     experts: int | None = None
+    expert_ffn_hidden: int | None = None  # width of one routed expert; default ffn_hidden
     topk: int = 2
     cp_comm: str = "p2p"
     act_bytes: int = 2
@@ -113,7 +114,7 @@ def bytes_per_step(grid: RankGrid, work: Workload) -> dict[str, float]:
                     + 2 * w.vocab * w.hidden) / (pp * t)
     if grid.dp * cp > 1:  # gradients all-reduced over dp x cp once per step
         out["dp_cp" if cp > 1 else "dp"] = 2 * _ring(grid.dp * cp) * dense_params * w.grad_bytes
-    expert_params = moe_layers * (experts / grid.ep) * 2 * w.hidden * ffn / (pp * grid.etp)
+    expert_params = moe_layers * (experts / grid.ep) * 2 * w.hidden * (w.expert_ffn_hidden or ffn) / (pp * grid.etp)
     if grid.edp > 1 and expert_params:
         out["edp"] = 2 * _ring(grid.edp) * expert_params * w.grad_bytes
     if pp > 1:  # one activation forward and one gradient backward per microbatch

@@ -59,11 +59,15 @@ def chunks_on_rank(schedule_or_name: Schedule | str, rank: int, pp: int | None =
         return schedule_or_name.chunks_on(rank)
     if pp is None:
         raise ValueError("chunks_on_rank(name, rank, pp, vpp) needs pp when given a schedule name")
-    per_rank = _check(schedule_or_name, pp, pp, vpp)
     if not 0 <= rank < pp:
         raise ValueError(f"rank={rank} is outside pp={pp}")
-    placement = v_placement(pp) if schedule_or_name in _V_SHAPED else linear_placement(pp, per_rank)
-    return [c for c, r in enumerate(placement) if r == rank]
+    return [c for c, r in enumerate(chunk_placement(schedule_or_name, pp, vpp)) if r == rank]
 
 
-__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunks_on_rank"]
+def chunk_placement(name: str, pp: int, vpp: int = 1) -> list[int]:
+    """The rank of every global chunk (model order) under the named schedule."""
+    per_rank = _check(name, pp, pp, vpp)
+    return v_placement(pp) if name in _V_SHAPED else linear_placement(pp, per_rank)
+
+
+__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_placement", "chunks_on_rank"]

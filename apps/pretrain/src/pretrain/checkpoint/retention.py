@@ -1,0 +1,117 @@
+"""Which checkpoints a run owns, and which it may delete.
+
+A run's checkpoint directory holds ``manifest.json``: ``{"run_id": ..., "saves": ["step_10", ...]}``,
+the names this run published, in the order it saved them. Retention keeps the last ``keep`` saves
+*by that order* (a re-run that saves step_10 after an older step_40 keeps step_10), and deletes
+only a ``step_<int>`` directory that is in the manifest and whose ``trainer_state.json`` carries the
+run's id: a user's ``step_5_backup/`` or ``step_best/`` is never touched. ``latest`` is replaced
+only after the new checkpoint is complete and before anything is deleted.
+
+A new run (no resume) refuses a directory that holds another run's checkpoints unless forced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from ..errors import UsageError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+STEP_DIR = re.compile(r"step_\d+")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, fsync, then rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(root: Path) -> dict | None:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{root / MANIFEST} is unreadable ({e}); move it away to start a new run there") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("run_id"), str) \
+            or not isinstance(manifest.get("saves"), list):
+        raise UsageError(f"{root / MANIFEST} is not a pretrain checkpoint manifest; move it away")
+    return manifest
+
+
+def foreign_checkpoints(root: Path) -> list[str]:
+    """Names in ``root`` that belong to some run's checkpoints (manifest, latest, complete step_N)."""
+    if not root.is_dir():
+        return []
+    found = [LATEST] if (root / LATEST).exists() else []
+    found += [MANIFEST] if (read_manifest(root) or {}).get("saves") else []
+    found += sorted(p.name for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / STATE_FILE).is_file())
+    return found
+
+
+def start_run(root: Path, resuming: bool, force: bool) -> str:
+    """Claim ``root`` for this run (rank 0, before training); returns the run id.
+
+    Resuming continues the manifest's run; a new run refuses a directory holding another run's
+    checkpoints unless ``force`` (their files stay, but this run's retention never deletes them)."""
+    manifest = read_manifest(root)
+    if resuming and manifest is not None:
+        return manifest["run_id"]
+    if not resuming and not force:
+        check_unclaimed(root)
+    run_id = uuid.uuid4().hex[:12]
+    root.mkdir(parents=True, exist_ok=True)
+    write_atomic(root / MANIFEST, json.dumps({"run_id": run_id, "saves": []}) + "\n")
+    return run_id
+
+
+def check_unclaimed(root: Path) -> None:
+    """UsageError when ``root`` already holds checkpoints (a new run would mix with them)."""
+    found = foreign_checkpoints(root)
+    if found:
+        raise UsageError(f"{root} holds another run's checkpoints ({', '.join(found[:3])}); resume it with --set "
+                         f"checkpoint.resume=true, choose another --set log.dir / checkpoint.dir, or pass --force")
+
+
+def run_id_of(root: Path) -> str:
+    """The id of the run that owns ``root``; a manifest is started if there is none (direct saves)."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        manifest = {"run_id": uuid.uuid4().hex[:12], "saves": []}
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomic(root / MANIFEST, json.dumps(manifest) + "\n")
+    return manifest["run_id"]
+
+
+def publish(root: Path, final: Path, keep: int) -> None:
+    """Rank 0, once ``final`` is complete: record it, point ``latest`` at it, prune by save order."""
+    manifest = read_manifest(root) or {"run_id": run_id_of(root), "saves": []}
+    saves = [s for s in manifest["saves"] if s != final.name] + [final.name]
+    manifest["saves"] = saves
+    write_atomic(root / MANIFEST, json.dumps(manifest) + "\n")
+    write_atomic(root / LATEST, final.name + "\n")
+    for name in saves[:-keep]:
+        if _owned(root / name, manifest["run_id"]):
+            shutil.rmtree(root / name, ignore_errors=True)
+    manifest["saves"] = [s for s in saves if (root / s).is_dir()]
+    write_atomic(root / MANIFEST, json.dumps(manifest) + "\n")
+
+
+def _owned(path: Path, run_id: str) -> bool:
+    if not STEP_DIR.fullmatch(path.name) or not path.is_dir():
+        return False
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("run_id") == run_id
+    except (OSError, ValueError, AttributeError):
+        return False

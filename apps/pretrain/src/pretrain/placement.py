@@ -1,0 +1,198 @@
+"""Where the trainer's groups go: the topology at start-up, then par_groups' :func:`place`.
+
+Every rank calls :func:`place_groups` (collectively) before it creates its groups:
+
+1. the topology: each rank asks NVML about its GPU and the views are all-gathered; where NVML
+   cannot describe every rank, ``[topology] preset`` or ``file`` from the config; else unknown
+   (the groups follow ``[parallel].order`` as before, and the trainer says so once);
+2. ``[parallel].placement``: ``auto`` takes the cheapest order string and rank permutation that
+   :func:`par_groups.topology.place` finds, ``strict`` keeps the configured order but refuses
+   (one line naming the fix) when tp, ep, expert tp or the CP all-to-all level would leave an
+   NVLink domain, ``off`` keeps the configured order without looking.
+
+A placement only decides which process plays which grid position: every rank keeps its logical
+coordinates (tp, cp, dp, pp, ep ...), which is what the sampler, the checkpoint blocks and the
+logs are keyed by, so losses and checkpoints do not depend on it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from par_groups import RankGrid
+from par_groups.topology import (
+    LINK_CLASSES,
+    Placement,
+    Topology,
+    TopologyError,
+    Workload,
+    load_toml,
+    local_view,
+    merge_views,
+    place,
+    preset,
+)
+from par_groups.topology.model import ceil_div
+from par_groups.topology.placement import hungry_off_fast_links
+
+from .errors import UsageError
+
+UNKNOWN = ("topology unknown (no NVML here and no [topology] preset or file in the config): "
+           "groups follow [parallel].order as given")
+
+
+@dataclass(frozen=True)
+class RunPlacement:
+    """The grid whose groups this run creates and the permutation of ranks that plays it."""
+
+    grid: RankGrid  # its order may differ from [parallel].order under placement = "auto"
+    permutation: tuple[int, ...] | None  # permutation[i] = global rank of grid position i; None = identity
+    message: str  # the one start-up line
+    topology: Topology | None = None
+    chosen: Placement | None = None
+
+
+def workload(cfg, layout) -> Workload:
+    """What one step of this config moves, for the placement cost model."""
+    m, t = cfg.model, cfg.train
+    cp_comm = cfg.parallel.cp_comm_type if cfg.parallel.cp_comm_type in ("p2p", "a2a", "allgather") else "p2p"
+    return Workload(hidden=m.hidden, ffn_hidden=m.ffn_hidden, layers=m.layers, seq_len=t.seq_len,
+                    micro_batch=layout.micro_batch, microbatches=layout.microbatches, vocab=m.vocab_size,
+                    moe_layers=m.num_moe_layers, experts=m.num_experts or None, topk=max(1, m.top_k),
+                    expert_ffn_hidden=m.expert_ffn_hidden if m.is_moe else None,
+                    cp_comm=cp_comm, act_bytes=4 if t.dtype == "fp32" else 2)
+
+
+def described_topology(cfg, world: int) -> Topology | None:
+    """``[topology] preset`` or ``file``, sized to ``world`` GPUs (the first ``world`` of it); None if neither."""
+    tc = cfg.topology
+    if not (tc.preset or tc.file):
+        return None
+    try:
+        if tc.preset:
+            topo = preset(tc.preset, tc.nodes or None)
+            if not tc.nodes:
+                per_node = topo.world_size // len(topo.nodes)
+                topo = preset(tc.preset, max(len(topo.nodes), ceil_div(world, per_node)))
+        else:
+            topo = load_toml(Path(tc.file), tc.nodes or None)
+            per_node = topo.world_size // len(topo.nodes)
+            if not tc.nodes and topo.world_size < world and "gpus" not in _toml_keys(tc.file):
+                topo = load_toml(Path(tc.file), ceil_div(world, per_node))
+    except TopologyError as e:
+        raise UsageError(f"[topology]: {e}") from None
+    if topo.world_size < world:
+        raise UsageError(f"[topology] describes {topo.world_size} GPUs but the run has {world} ranks; "
+                         f"raise [topology].nodes or describe more GPUs")
+    if topo.world_size > world:  # a part of the cluster: the first `world` GPUs, as a launcher fills them
+        topo = replace(topo, gpus=topo.gpus[:world], labels={})
+    return topo
+
+
+def _toml_keys(path: str) -> set[str]:
+    import tomllib
+
+    try:
+        return set(tomllib.loads(Path(path).read_text()))
+    except (OSError, tomllib.TOMLDecodeError):
+        return set()
+
+
+def gathered_topology(views: list[dict]) -> Topology | None:
+    """The topology NVML gives when every rank's view has its GPU; None when any rank lacks NVML."""
+    if not views or any(v["gpu"] is None for v in views):
+        return None
+    return merge_views(views)
+
+
+def find_topology(cfg, world: int) -> Topology | None:
+    """Collective: NVML views of every rank all-gathered, else the config's description, else None."""
+    import torch.distributed as dist
+
+    view = local_view(int(os.environ.get("LOCAL_RANK", "0")))
+    views = [None] * world
+    if dist.is_initialized() and world > 1:
+        dist.all_gather_object(views, view)
+    else:
+        views = [view]
+    return gathered_topology(views) or described_topology(cfg, world)
+
+
+def decide(cfg, layout, topology: Topology | None) -> RunPlacement:
+    """The grid and permutation for ``[parallel].placement`` on ``topology``; UsageError under strict."""
+    grid, mode = layout.grid(), cfg.parallel.placement
+    if mode == "off":
+        return RunPlacement(grid, None, f"placement off: groups follow order {grid.order} as given", topology)
+    if topology is None:
+        return RunPlacement(grid, None, UNKNOWN)
+    try:
+        best = place(grid, topology, workload(cfg, layout))
+    except (TopologyError, ValueError) as e:
+        raise UsageError(f"placement on {topology.name}: {e}") from None
+    given = best.given
+    if mode == "strict":
+        if hungry_off_fast_links(given):
+            raise UsageError(strict_refusal(given, best))
+        chosen = given
+    else:
+        chosen = best
+    perm = None if chosen.is_identity else tuple(chosen.placement)
+    return RunPlacement(chosen.grid, perm, summary(chosen, given, mode), topology, chosen)
+
+
+def strict_refusal(given: Placement, best: Placement) -> str:
+    """One line: which hungry group leaves NVLink under the configured order, and the fix."""
+    warning = given.warnings[0].split(". Fix:")[0] if given.warnings else "a bandwidth-hungry group leaves NVLink"
+    if hungry_off_fast_links(best) == 0:
+        fix = (f'set [parallel].order = "{best.order}"' if best.is_identity else
+               'set [parallel].placement = "auto" (the ranks must also be permuted: the launcher interleaved the hosts)')
+    else:
+        fix = config_words(best.warnings[0].split(". Fix: ")[-1])
+    return (f"[parallel].placement=strict: with order {given.order}, {warning}. Fix: {fix}, "
+            f'or set [parallel].placement = "auto"')
+
+
+def config_words(text: str) -> str:
+    """par_groups' fixes name CLI flags (``--tp 8``); the trainer's user writes ``parallel.tp=8``."""
+    return re.sub(r"--(\w+)(?: (\d[\d,]*))?", lambda m: f"parallel.{m[1]}" + (f"={m[2]}" if m[2] else ""), text)
+
+
+def summary(chosen: Placement, given: Placement, mode: str) -> str:
+    """The start-up line: which groups stay on NVLink, which cross slower links, estimated comm time."""
+    by_link: dict[str, list[str]] = {}
+    for name, g in chosen.groups.items():
+        by_link.setdefault(g.link, []).append(name)
+    where = "; ".join(f"{_LINK_WORDS[link]}: {', '.join(by_link[link])}" for link in LINK_CLASSES if link in by_link)
+    head = f"placement {mode} on {chosen.topology.describe().split(':')[0]} ({chosen.topology.source})"
+    if chosen.order != given.order or not chosen.is_identity:
+        what = f"order {chosen.order} instead of {given.order}" + ("" if chosen.is_identity else ", ranks permuted")
+    else:
+        what = f"order {chosen.order} as given"
+    cost = (f"estimated exposed communication {chosen.cost_s * 1e3:.3g} ms/step "
+            f"(the configured order: {given.cost_s * 1e3:.3g} ms)")
+    line = f"{head}: {what}; {where or 'every group has one rank'}; {cost}"
+    if chosen.warnings:  # no order keeps every hungry group inside a domain
+        line += f"; warning: {config_words(chosen.warnings[0])}"
+    return line
+
+
+_LINK_WORDS = {"nvlink": "on NVLink", "pcie": "over PCIe", "network": "across the network"}
+
+
+def place_groups(cfg, layout, topology: Topology | None = None) -> RunPlacement:
+    """Collective (every rank): find the topology unless given, then :func:`decide`."""
+    if topology is None and cfg.parallel.placement != "off":
+        topology = find_topology(cfg, layout.world_size)
+    return decide(cfg, layout, topology)
+
+
+def check_before_launch(cfg, layout) -> RunPlacement:
+    """A standalone launch (all ranks on this host): the same decision in the launching process, so
+    ``strict`` refuses with exit 2 before any rank starts."""
+    if cfg.parallel.placement == "off":
+        return decide(cfg, layout, None)
+    views = [local_view(r) for r in range(layout.world_size)]
+    return decide(cfg, layout, gathered_topology(views) or described_topology(cfg, layout.world_size))

@@ -1,0 +1,143 @@
+"""`pretrain plan MODEL --world N --topology PRESET --auto [--json]`: the best layouts, explained.
+
+Prints the five fastest layouts (each shape's best ZeRO strategy, micro-batch size and
+recompute) with per-rank memory, estimated step time and its parts, the MFU that step time
+implies, and why each lost to the first, then the assumptions behind the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ..config import TopologyConfig
+from ..errors import UsageError
+from ..metrics import lookup_peak_tflops
+from ..placement import described_topology
+from .estimate import ASSUMPTIONS, Cluster
+from .search import HEADROOM, Choice, search
+
+GB = 1e9
+
+
+def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflops: float = 0.0,
+              top: int = 5) -> dict:
+    """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts)."""
+    from par_groups.topology import PRESETS
+
+    if topology in PRESETS:
+        spec = TopologyConfig(preset=topology)
+    elif Path(topology).is_file():
+        spec = TopologyConfig(file=topology)
+    else:
+        raise UsageError(f"--topology {topology!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a TOML file")
+    if not 0 < efficiency <= 1:
+        raise UsageError(f"--efficiency {efficiency:g} must be in (0, 1]: achieved / peak FLOP/s of the compute")
+    topo = described_topology(dataclasses.replace(cfg, topology=spec), world)
+    cluster = Cluster(spec, len(topo.node_ranks()[0]), topo.largest_domain())
+    gpu = topo.gpus[0]
+    tflops = peak_tflops or lookup_peak_tflops(gpu.name, "bf16")
+    if not tflops:
+        raise UsageError(f"no known peak for {gpu.name!r}; give --peak-tflops (bf16 dense TFLOP/s per GPU)")
+    budget = gpu.memory_gb * GB * (1 - HEADROOM)
+    start = time.perf_counter()
+    found, tried = search(cfg, world, budget, tflops * 1e12, efficiency, cluster)
+    seconds = time.perf_counter() - start
+    if not found:
+        raise UsageError(f"no layout of {cfg.source or 'the config'} fits {world} x {gpu.memory_gb:g} GB "
+                         f"({tried} shapes tried): use more GPUs or a smaller global batch / sequence")
+    return {
+        "model": cfg.source, "world": world, "topology": topo.describe(),
+        "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
+                        "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
+                        "notes": list(ASSUMPTIONS)},
+        "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
+        "best": [row(c, found[0]) for c in found[:top]],
+    }
+
+
+def layout_of(c: Choice) -> dict:
+    s = c.shape
+    return {"tp": s.tp, "cp": s.cp, "pp": s.pp, "vpp": s.vpp, "schedule": s.schedule, "dp": s.dp, "ep": s.ep,
+            "etp": s.etp, "edp": s.edp, "zero": c.zero, "micro_batch": c.micro_batch,
+            "microbatches": c.microbatches, "recompute": c.recompute, "first_stage_layers": s.first,
+            "last_stage_layers": s.last}
+
+
+def overrides(c: Choice) -> str:
+    """The layout as the `--set` flags `pretrain train` takes."""
+    s, out = c.shape, []
+    for key, value in (("tp", s.tp), ("cp", s.cp), ("pp", s.pp), ("ep", s.ep)):
+        if value > 1:
+            out.append(f"parallel.{key}={value}")
+    if s.ep > 1 and s.etp != s.tp:
+        out.append(f"parallel.etp={s.etp}")
+    if s.pp > 1:
+        out.append(f"parallel.schedule={s.schedule}")
+        if s.vpp > 1:
+            out.append(f"parallel.vpp={s.vpp}")
+        if s.first:
+            out += [f"parallel.first_stage_layers={s.first}", f"parallel.last_stage_layers={s.last}"]
+    out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={c.recompute}"]
+    return " ".join(f"--set {o}" for o in out)
+
+
+def parts(c: Choice) -> dict[str, float]:
+    e = c.estimate
+    return {"compute": e.compute_s, "bubble": e.bubble_s, **{f"{n} comm": v for n, v in e.comm_s.items()}}
+
+
+def why_lost(c: Choice, first: Choice) -> str:
+    """The parts of the step time that make ``c`` slower than ``first``, largest first."""
+    if c is first:
+        return "fastest"
+    mine, theirs = parts(c), parts(first)
+    delta = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
+    worse = sorted((d, k) for k, d in delta.items() if d > 0)[::-1][:3]
+    gap = c.estimate.step_s - first.estimate.step_s
+    if gap <= 1e-9 * first.estimate.step_s:
+        return "ties with the first, which is simpler (less sharding, recompute or parallelism)"
+    text = ", ".join(f"{k} +{_ms(d)}" + _link_note(c, k) for d, k in worse)
+    return f"{_ms(gap)} slower ({100 * gap / first.estimate.step_s:.1f} %): {text}"
+
+
+def _link_note(c: Choice, part: str) -> str:
+    name = part.removesuffix(" comm")
+    return f" ({name} over {c.links[name]})" if part.endswith(" comm") and name in c.links else ""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
+
+
+def row(c: Choice, first: Choice) -> dict:
+    e = c.estimate
+    return {"layout": layout_of(c), "set": overrides(c), "memory_gb": c.memory / GB, "step_s": e.step_s,
+            "compute_s": e.compute_s, "bubble_s": e.bubble_s, "comm_s": dict(e.comm_s), "mfu": e.mfu,
+            "links": dict(c.links), "why": why_lost(c, first)}
+
+
+def render(plan: dict) -> str:
+    a = plan["assumptions"]
+    lines = [f"{plan['model']} on {plan['world']} GPUs: {plan['topology']}",
+             f"searched {plan['shapes_tried']} shapes ({plan['shapes_fitting']} fit {a['memory_budget_gb']:.0f} GB = "
+             f"GPU memory less {a['headroom']:.0%}) in {plan['search_seconds']:.1f} s; peak {a['peak_tflops']:g} "
+             f"TFLOP/s x efficiency {a['efficiency']:g}; seq {a['seq_len']}, global batch {a['global_batch']}", ""]
+    for i, r in enumerate(plan["best"], 1):
+        lay = r["layout"]
+        shape = " ".join(f"{k}={lay[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if lay[k] > 1 or k == "dp")
+        if lay["ep"] > 1:
+            shape += f" etp={lay['etp']} edp={lay['edp']}"
+        if lay["pp"] > 1:
+            shape += f" {lay['schedule']}" + (f" vpp={lay['vpp']}" if lay["vpp"] > 1 else "")
+            if lay["first_stage_layers"]:
+                shape += f" stages {lay['first_stage_layers']}|..|{lay['last_stage_layers']}"
+        comm = sum(r["comm_s"].values())
+        lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}, micro-batch {lay['micro_batch']} x "
+                     f"{lay['microbatches']}: {r['memory_gb']:.1f} GB, step {r['step_s']:.3g} s (compute "
+                     f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")
+        lines.append(f"   {r['why']}")
+        lines.append(f"   {r['set']}")
+    lines += ["", "assumptions:"] + [f"  - {note}" for note in a["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""The search behind `pretrain plan --auto`: every layout the trainer can run on ``world`` ranks.
+
+Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (up to 32) with 1F1B,
+interleaved (vpp 2) or ZB-V, or 1F1B with uneven first / last stages when the layers do not split, ep (divisors of the experts) with expert tp 1 or tp;
+each shape is checked by the config's own validation. For every shape, each micro-batch size
+(1, 2, 4 sequences), recompute (none, selective, full) and ZeRO strategy whose per-rank memory
+(model state from par-zero's memory model, activations from :mod:`pretrain.flops`) fits the
+GPU less ``HEADROOM`` is estimated (:mod:`.estimate`), and the shape keeps its fastest variant.
+
+Pruning: memory is checked before anything is timed; the link and bandwidth of each group
+pattern (stride, size) are computed once, on the fewest nodes that repeat it; pipeline
+simulations are cached and capped at the micro-batches a schedule needs to reach steady state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ..commands.plan import stage_params, state_table
+from ..errors import UsageError
+from ..flops import activation_bytes, training_flops_per_step
+from ..placement import workload
+from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
+
+TP = (1, 2, 4, 8, 16, 32, 64)
+CP = (1, 2, 4, 8)
+MAX_PP = 32
+MICRO_BATCH = (1, 2, 4)
+ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+RECOMPUTE = ("none", "selective", "full")
+HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Choice:
+    shape: Shape
+    zero: str
+    micro_batch: int
+    microbatches: int
+    recompute: str
+    memory: float  # bytes per rank
+    estimate: Estimate
+    links: dict  # group type -> link class
+
+
+def pipelines(pp: int) -> tuple[tuple[str, int], ...]:
+    return (("1f1b", 1),) if pp == 1 else (("1f1b", 1), ("interleaved", 2), ("zb-v", 1))
+
+
+def shapes(cfg, world: int) -> list[Shape]:
+    """Every shape whose config validates on ``world`` ranks."""
+    m, t = cfg.model, cfg.train
+    experts = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0] if m.is_moe else [1]
+    out = []
+    for tp in (tp for tp in TP if m.heads % tp == 0 and world % tp == 0):
+        for cp in CP:
+            if (t.seq_len // cp) % tp or t.seq_len % (2 * cp):
+                continue
+            for pp in (p for p in range(1, MAX_PP + 1) if world % (tp * cp * p) == 0):
+                if t.global_batch % (world // (tp * cp * pp)):
+                    continue
+                first, last = uneven_split(m.layers, pp)
+                for schedule, vpp in pipelines(pp) if not first else (("1f1b", 1),) if first > 0 else ():
+                    for ep in experts:
+                        for etp in sorted({1, tp}) if m.is_moe else [tp]:
+                            shape = Shape(tp, cp, pp, ep, etp, schedule, vpp, world, max(first, 0), last)
+                            if (world // pp) % (etp * ep) == 0 and shape_config(cfg, shape) is not None:
+                                out.append(shape)
+    return out
+
+
+def uneven_split(layers: int, pp: int) -> tuple[int, int]:
+    """(0, 0) when ``layers`` split evenly over ``pp`` ranks; else Megatron-style first / last stage
+    sizes with ceil(layers / pp) on every other rank (as Llama 3 405B's 126 layers on 16 stages:
+    7 | 8 x 14 | 7); (-1, 0) when no such split exists."""
+    if layers % pp == 0:
+        return 0, 0
+    per = -(-layers // pp)
+    rest = layers - (pp - 2) * per
+    if pp < 3 or not 2 <= rest <= 2 * per - 1:
+        return -1, 0
+    return rest - rest // 2, rest // 2
+
+
+def shape_config(cfg, s: Shape):
+    """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
+    parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
+                                   etp=s.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
+                                   microbatches=0, order=CANONICAL_ORDER, first_stage_layers=s.first,
+                                   last_stage_layers=s.last)
+    try:
+        return dataclasses.replace(cfg, parallel=parallel)
+    except UsageError:
+        return None
+
+
+def model_state(cfg, s: Shape) -> dict:
+    """Per-rank model state bytes for each ZeRO strategy (the heaviest pipeline stage)."""
+    layout = SimpleNamespace(tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp)
+    dense, experts, _ = stage_params(shape_config(cfg, s), layout)
+    return state_table(dense, experts, s.dp * s.cp, s.edp, "bf16")
+
+
+def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster) -> Choice | None:
+    """The fastest (micro-batch, recompute, ZeRO) of one shape that fits ``budget`` bytes."""
+    m, t = cfg.model, cfg.train
+    table = model_state(cfg, s)
+    lightest = min(v["total"] for v in table.values())
+    if lightest > budget:
+        return None
+    flops = training_flops_per_step(m, t.seq_len, t.global_batch)
+    per_rank = t.global_batch // s.dp
+    bandwidth = None
+    best = None
+    for mb in (b for b in MICRO_BATCH if per_rank % b == 0):
+        microbatches = per_rank // mb
+        if s.schedule == "interleaved" and microbatches % s.pp:
+            continue
+        work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
+        for recompute in RECOMPUTE:
+            act = activation_bytes(m, seq_len=t.seq_len, micro_batch=mb, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp,
+                                   etp=s.etp, sequence_parallel=s.tp > 1, recompute=recompute, schedule=s.schedule,
+                                   microbatches=microbatches, dtype_bytes=2,
+                                   first_stage_layers=s.heaviest_stage(m.layers) if s.first else 0).total
+            if act + lightest > budget:
+                continue
+            bandwidth = bandwidth or group_bandwidth(s, cluster)
+            for zero in ZERO:
+                memory = table[zero]["total"] + act
+                if memory > budget:
+                    continue
+                est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth)
+                choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
+                                {n: link for n, (_, link) in bandwidth.items()})
+                if best is None or _key(choice) < _key(best):
+                    best = choice
+    return best
+
+
+def _key(c: Choice) -> tuple:
+    """Fastest first; on a tie, the simpler layout (less sharding, recompute, parallelism)."""
+    return (c.estimate.step_s, ZERO.index(c.zero), RECOMPUTE.index(c.recompute), c.shape.tp * c.shape.cp * c.shape.pp)
+
+
+def search(cfg, world: int, budget: float, peak: float, efficiency: float,
+           cluster: Cluster) -> tuple[list[Choice], int]:
+    """(every shape's best variant that fits, fastest first; how many shapes were tried)."""
+    tried = shapes(cfg, world)
+    found = [c for c in (best_variant(cfg, s, budget, peak, efficiency, cluster) for s in tried) if c]
+    return sorted(found, key=_key), len(tried)

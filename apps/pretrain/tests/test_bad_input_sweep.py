@@ -1,0 +1,193 @@
+"""Bad input to every verb: exit 2, one line on stderr, no traceback, no hang, no file changed.
+
+Each case runs in-process (CliRunner) in a prepared directory: a good dataset, a Hugging Face
+model directory, checkpoints with a crafted or truncated ``.metadata``, and files standing where
+directories are expected. The directory's files (names and bytes) must be the same afterwards.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+runner = CliRunner()
+LIMIT_S = 60
+SMALL = ["--set", "model.layers=2", "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set",
+         "train.eval_every=0", "--set", "log.progress=false"]
+
+
+class _CreatesFile:
+    """A pickle whose loading would create ``PWNED`` (via builtins.open)."""
+
+    def __reduce__(self):
+        return (open, ("PWNED", "w"))
+
+
+def _state(hidden=64):
+    from pretrain.config import load_config
+
+    cfg = load_config(None, ["model.layers=2", f"model.hidden={hidden}"])
+    return {"format": "pretrain-checkpoint-v1", "step": 2, "config": cfg.to_dict(), "optimizer": True}
+
+
+def _checkpoint(root: Path, name: str, metadata: bytes, hidden=64) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "trainer_state.json").write_text(json.dumps(_state(hidden)))
+    (root / name / ".metadata").write_bytes(metadata)
+    (root / "latest").write_text(name + "\n")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from safetensors.torch import save_file
+    import torch
+
+    from pretrain.data import write_dataset
+
+    w = tmp_path_factory.mktemp("sweep")
+    write_dataset(w / "data" / "good", [list(range(256)) * 20], 256)
+    write_dataset(w / "data" / "tiny", [[1, 2, 3, 4, 5]], 256)
+    write_dataset(w / "data" / "oov", [list(range(512)) * 10], 512)  # ids up to 511 for a 256-token model
+    (w / "data" / "oov.json").write_text((w / "data" / "oov.json").read_text().replace('"vocab_size": 512',
+                                                                                       '"vocab_size": 256'))
+    write_dataset(w / "data" / "floaty", [list(range(256)) * 20], 256)
+    header = json.loads((w / "data" / "floaty.json").read_text())
+    (w / "data" / "floaty.json").write_text(json.dumps(header | {"num_tokens": float(header["num_tokens"])}))
+    (w / "good.txt").write_text("hello world\n")
+    (w / "empty.txt").write_text("")
+    (w / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (w / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    (w / "notext.jsonl").write_text('{"body": "a"}\n')
+    (w / "a_file").write_text("a file where a directory is expected\n")
+    (w / "bad.toml").write_text("[model\n")
+    hf = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128}
+    for name, cfg in {"hf_float": hf | {"hidden_size": 64.0}, "hf_string": hf | {"num_hidden_layers": "2"},
+                      "hf_garbage": hf, "hf_list": [hf]}.items():
+        (w / name).mkdir()
+        (w / name / "config.json").write_text(json.dumps(cfg))
+    (w / "hf_garbage" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    (w / "hf_badjson").mkdir()
+    (w / "hf_badjson" / "config.json").write_text("{")
+    (w / "hf_empty").mkdir()
+    (w / "hf_empty" / "config.json").write_text(json.dumps(hf))
+    save_file({"x": torch.zeros(1)}, str(w / "hf_empty" / "unrelated.safetensors"))
+    (w / "existing").mkdir()
+    (w / "existing" / "keep.txt").write_text("mine\n")
+    _checkpoint(w / "ck_pickle", "step_2", pickle.dumps(_CreatesFile()))
+    _checkpoint(w / "ck_truncated", "step_2", b"\x80\x04\x95")
+    _checkpoint(w / "ck_shape", "step_2", b"", hidden=32)
+    _checkpoint(w / "ck_other_run", "step_2", b"")
+    return w
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _train(*args):
+    return ["train", "--nproc", "1", *SMALL, *args]
+
+
+CASES = {
+    # train: config and layout
+    "train unknown key": _train("--set", "model.foo=1"),
+    "train bad --set": _train("--set", "model.hidden"),
+    "train missing config": _train("nosuch.toml"),
+    "train invalid toml": _train("bad.toml"),
+    "train string steps": _train("--set", "train.steps=abc"),
+    "train bad nan_policy": _train("--set", "train.nan_policy=maybe"),
+    "train impossible tp": _train("--set", "parallel.tp=3"),
+    "train nproc 0": ["train", "--nproc", "0", *SMALL],
+    "train nproc too many": ["train", "--nproc", "1000", *SMALL],
+    "train device tpu": _train("--device", "tpu"),
+    "train huge global batch": _train("--set", "train.global_batch=100000000"),
+    # train: data
+    "train missing data": _train("--set", "data.path=data/nosuch", "--set", "log.dir=run"),
+    "train dataset too small": _train("--set", "data.path=data/tiny", "--set", "log.dir=run"),
+    "train out-of-vocab ids": _train("--set", "data.path=data/oov", "--set", "log.dir=run"),
+    "train float header": _train("--set", "data.path=data/floaty", "--set", "log.dir=run"),
+    # train: checkpoints and directories
+    "train missing init_from": _train("--set", "checkpoint.init_from=nosuch", "--set", "log.dir=run"),
+    "train resume another shape": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_shape",
+                                         "--set", "log.dir=run"),
+    "train another run's dir": _train("--set", "checkpoint.dir=ck_other_run", "--set", "log.dir=run"),
+    "train log.dir is a file": _train("--set", "log.dir=a_file/run"),
+    "train checkpoint.dir is a file": _train("--set", "checkpoint.dir=a_file/ck", "--set", "log.dir=run"),
+    "train crafted metadata": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_pickle",
+                                     "--set", "log.dir=ck_pickle"),
+    # prepare
+    "prepare missing input": ["prepare", "nosuch.txt", "--out", "data/x"],
+    "prepare empty input": ["prepare", "empty.txt", "--out", "data/x"],
+    "prepare out is a dir": ["prepare", "good.txt", "--out", "data/"],
+    "prepare bad docs": ["prepare", "good.txt", "--out", "data/x", "--docs", "sentence"],
+    "prepare not utf8 keeps dataset": ["prepare", "good.txt", "latin1.txt", "--out", "data/good"],
+    "prepare bad jsonl keeps dataset": ["prepare", "good.txt", "bad.jsonl", "--out", "data/good"],
+    "prepare jsonl without text": ["prepare", "notext.jsonl", "--out", "data/x"],
+    "prepare missing tokenizer": ["prepare", "good.txt", "--out", "data/x", "--tokenizer", "nosuch.json"],
+    # convert
+    "convert no direction": ["convert"],
+    "convert from-hf without out": ["convert", "--from-hf", "hf_float"],
+    "convert missing hf dir": ["convert", "--from-hf", "nosuch", "--out", "ck_new"],
+    "convert float size": ["convert", "--from-hf", "hf_float", "--out", "ck_new"],
+    "convert string size": ["convert", "--from-hf", "hf_string", "--out", "ck_new"],
+    "convert config list": ["convert", "--from-hf", "hf_list", "--out", "ck_new"],
+    "convert config bad json": ["convert", "--from-hf", "hf_badjson", "--out", "ck_new"],
+    "convert garbage safetensors": ["convert", "--from-hf", "hf_garbage", "--out", "ck_new"],
+    "convert weights mismatch": ["convert", "--from-hf", "hf_empty", "--out", "ck_new"],
+    "convert out exists": ["convert", "--from-hf", "hf_empty", "--out", "existing"],
+    "convert to-hf without checkpoint": ["convert", "--to-hf", "out_hf"],
+    "convert to-hf missing checkpoint": ["convert", "--to-hf", "out_hf", "--checkpoint", "nosuch"],
+    "convert to-hf truncated metadata": ["convert", "--to-hf", "out_hf", "--checkpoint", "ck_truncated"],
+    "convert to-hf crafted metadata": ["convert", "--to-hf", "out_hf", "--checkpoint", "ck_pickle"],
+    # groups, schedule, plan, topo
+    "groups missing world": ["groups"],
+    "groups world not int": ["groups", "--world", "x"],
+    "groups world zero": ["groups", "--world", "0"],
+    "groups huge world": ["groups", "--world", "10000000"],
+    "groups tp does not divide": ["groups", "--world", "8", "--tp", "3"],
+    "groups bad hcp": ["groups", "--world", "8", "--cp", "4", "--hcp", "2,x"],
+    "groups bad order": ["groups", "--world", "8", "--order", "tp-xx"],
+    "schedule huge": ["schedule", "--pp", "64", "--microbatches", "100000"],
+    "schedule unknown name": ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "2f2b"],
+    "schedule pp zero": ["schedule", "--pp", "0", "--microbatches", "8"],
+    "schedule bad costs": ["schedule", "--pp", "4", "--microbatches", "8", "--costs", "f=x"],
+    "plan unknown key": ["plan", "--set", "model.nosuch=1"],
+    "plan bad world": ["plan", "--world", "3", "--set", "parallel.tp=2"],
+    "topo unknown topology": ["topo", "--topology", "nosuch"],
+    "unknown verb": ["fly"],
+}
+
+
+def _hung(signum, frame):
+    raise TimeoutError(f"no answer within {LIMIT_S} s")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(workspace, monkeypatch, name):
+    monkeypatch.chdir(workspace)
+    before = _snapshot(workspace)
+    start = time.time()
+    signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(LIMIT_S)  # a hang fails this case instead of the whole run
+    try:
+        res = runner.invoke(app, CASES[name])
+    finally:
+        signal.alarm(0)
+    took = time.time() - start
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, res.stderr)
+    assert "Traceback" not in res.output, (name, res.output)
+    assert took < LIMIT_S, f"{name}: {took:.0f} s"
+    assert _snapshot(workspace) == before, name
+    assert not os.path.exists(workspace / "PWNED"), "a crafted .metadata ran code"

@@ -1,0 +1,70 @@
+"""`pretrain plan --auto` gives the known answers (each search well under 60 s).
+
+* Llama-3-8B on one DGX-H100 keeps tp inside the node; Llama-3-70B on 8 nodes never puts tp
+  across nodes; a 1B model trains with plain data parallelism (ZeRO-1 at most);
+* DeepSeek-V3 on 2048 GPUs of DGX-H100 keeps every ep group inside a node (NVLink), with the
+  pipeline deep enough that a node holds the experts of its stage.
+"""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.config import load_config
+from pretrain.planner.auto import auto_plan
+
+GB200_64 = """# GB200 NVL72 racks run as 64-GPU NVLink domains (16 trays of 4 GPUs; the spare trays idle)
+preset = "nvl72"
+gpus_per_node = 4
+nvlink_domain_gpus = 64
+"""
+
+
+def plan(name, world, topology):
+    result = auto_plan(load_config(name), world, topology)
+    assert result["search_seconds"] < 60 and len(result["best"]) == 5
+    return result
+
+
+def test_llama3_8b_on_one_node_keeps_tp_inside_it():
+    best = plan("llama3-8b", 8, "dgx-h100")["best"]
+    for row in best:
+        assert row["layout"]["tp"] <= 8 and row["links"].get("tp", "nvlink") == "nvlink"
+        assert row["memory_gb"] <= 72
+
+
+def test_llama3_70b_on_eight_nodes_never_puts_tp_across_nodes():
+    best = plan("llama3-70b", 64, "dgx-h100")["best"]
+    for row in best:
+        assert row["layout"]["tp"] <= 8 and row["links"].get("tp", "nvlink") == "nvlink", row
+    assert best[0]["step_s"] <= best[-1]["step_s"] and "slower" in best[1]["why"]
+
+
+def test_1b_model_trains_with_plain_data_parallelism():
+    first = plan("llama3.2-1b", 8, "dgx-h100")["best"][0]["layout"]
+    assert (first["tp"], first["cp"], first["pp"], first["dp"]) == (1, 1, 1, 8)
+    assert first["zero"] in ("no_shard", "optim")
+
+
+def test_deepseek_v3_keeps_ep_inside_the_nvlink_domain_where_the_experts_fit():
+    best = plan("deepseek-v3", 2048, "dgx-h100")["best"]
+    # 61 layers: pp 16 with uneven first / last stages leaves few enough experts per rank for one node
+    assert best[0]["layout"]["ep"] > 1 and best[0]["layout"]["pp"] > 1, best[0]
+    for row in best:
+        assert row["links"].get("ep", "nvlink") == "nvlink" and row["memory_gb"] <= 72, row
+
+
+def test_cli_auto_prints_json_for_a_described_cluster_and_bad_input_is_one_line(tmp_path):
+    runner = CliRunner()
+    path = tmp_path / "gb200-64.toml"
+    path.write_text(GB200_64)
+    res = runner.invoke(app, ["plan", "llama3.2-1b", "--world", "128", "--topology", str(path), "--auto", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert "2 NVLink domain(s) of [64] GPUs" in out["topology"] and out["assumptions"]["efficiency"] == 0.6
+    assert "--set parallel.zero=" in out["best"][0]["set"] and out["best"][0]["step_s"] > 0
+    for args, needle in ((["--auto", "--world", "8"], "--topology"), (["--auto", "--world", "8", "--topology", "dgx"], "dgx")):
+        res = runner.invoke(app, ["plan", "llama3.2-1b", *args])
+        assert res.exit_code == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.output

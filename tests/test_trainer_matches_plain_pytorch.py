@@ -2,7 +2,8 @@
 
 The layout tests compare every layout with the trainer's own single-rank run; this one anchors
 that run to an independent computation: `LlamaReference` (nn.Linear, SDPA, nn.RMSNorm), the same
-batches, `torch.optim.AdamW`, `torch.nn.utils.clip_grad_norm_` and the same LR schedule.
+batches, `torch.optim.AdamW` with two param groups (no weight decay on norms and the embedding),
+`torch.nn.utils.clip_grad_norm_` and the same LR schedule.
 """
 
 import pytest
@@ -26,8 +27,12 @@ def trainer_and_plain_pytorch(overrides):
 
     t = cfg.train
     model = build_reference(cfg.model, t.seed)
-    params = list(dict.fromkeys(model.parameters()))  # tied weights once
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    named = dict(model.named_parameters())  # tied weights once
+    params = list(named.values())
+    # two groups, as nanoGPT and Megatron: no weight decay on norms, biases and the embedding
+    plain_decay = [p for n, p in named.items() if p.dim() >= 2 and n != "model.embed_tokens.weight"]
+    groups = [{"params": plain_decay}, {"params": [p for p in params if all(p is not q for q in plain_decay)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
     plain = []
     for step in range(STEPS):
         batch = trainer.sampler.train_batch(step)

@@ -31,6 +31,8 @@ def test_published_shapes():
     assert shapes == {"llama3-70b": (8192, 80, 64, 8, 28672, 128256, False),
                       "llama3-405b": (16384, 126, 128, 8, 53248, 128256, False),
                       "llama3.2-1b": (2048, 16, 32, 8, 8192, 128256, True)}
+    uneven = ["parallel.pp=16", "parallel.first_stage_layers=7", "parallel.last_stage_layers=7"]
+    assert [len(s) for s in load_config("llama3-405b", uneven).parallel.stage_layers(126)] == [7] + [8] * 14 + [7]
     ds = load_config("deepseek-v3").model
     assert (ds.hidden, ds.layers, ds.moe_layers_start, ds.num_experts, ds.moe_ffn_hidden, ds.top_k, ds.shared_experts,
             ds.n_groups, ds.topk_groups, ds.score_func, ds.routed_scaling, ds.vocab_size) == (

@@ -63,7 +63,9 @@ def run_all_schedules(pp, microbatch_counts):
             grads = {c: [p.grad.clone() if p.grad is not None else None for p in mod.parameters()] for c, mod in chunks.items()}
             order = [(r.action.kind, r.action.microbatch, r.action.chunk) for r in executor.records]
             planned = [(a.kind, a.microbatch, a.chunk) for a in schedule.ranks[rank]]
-            out[(name, m)] = {"losses": losses, "grads": grads, "ran_as_planned": order == planned}
+            # forward only (eval): the schedule's F actions; logits of every microbatch on the last chunk's rank
+            logits = executor.forward(inputs if 0 in chunks else None, m)
+            out[(name, m)] = {"losses": losses, "grads": grads, "ran_as_planned": order == planned, "logits": logits}
     return out
 
 
@@ -89,6 +91,10 @@ def test_every_schedule_matches_single_device_losses_and_grads(dist_run, pp):
             last_rank = schedule.placement[schedule.last_chunk]
             got_losses = results[last_rank][(name, m)]["losses"]
             torch.testing.assert_close(torch.stack(got_losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6)
+            with torch.no_grad():  # the forward-only walk gives the single-device logits
+                ref_logits = torch.stack([model(x) for x in make_data(m)[0]])
+            torch.testing.assert_close(torch.stack(results[last_rank][(name, m)]["logits"]), ref_logits, rtol=1e-6, atol=1e-6)
+            assert all(results[r][(name, m)]["logits"] == [] for r in range(pp) if r != last_rank)
             embed, layers, head = model[0], list(model[1:-1]), model[-1]
             for c in range(schedule.num_chunks):
                 rank = schedule.placement[c]

@@ -247,6 +247,8 @@ class TrainConfig:
     timeout_s: float = 300.0  # bounds every collective and the ranks' rendezvous
     preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
     nan_policy: str = "stop"
+    # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
@@ -264,6 +266,7 @@ class TrainConfig:
         _need(self.preempt_timeout_s > 0, f"[train].preempt_timeout_s={self.preempt_timeout_s} must be > 0")
         _choice("[train].dtype", self.dtype, DTYPES)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
+        _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
 
     @property
     def last_step(self) -> int:

@@ -38,8 +38,10 @@ class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
-                 topology=None) -> None:
-        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement)."""
+                 topology=None, simulated: bool = False) -> None:
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
+        ``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
+        tensor's values, so pipeline messages have a declared shape instead of a shape header."""
         from .data import build_sampler
         from .placement import place_groups
 
@@ -61,8 +63,13 @@ class Trainer:
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
 
+            shape = None
+            if simulated:
+                split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
+                shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
+                         torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
-                                             device=self.device)
+                                             device=self.device, message_shape=shape)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +83,7 @@ class Trainer:
         return inputs, labels
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits.float(), labels, self.groups.tp)
+        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp)  # in fp32 inside
 
     # ---- one step --------------------------------------------------------------------------
     def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
@@ -165,22 +172,8 @@ class Trainer:
         if self.executor is None:
             out = self.model.dp(x0)
         else:
-            me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-            owner = {c: r for r in range(g.size("pp")) for c in self.model.schedule.chunks_on(r)}
-            x = out = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    out = x
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
+            outs = self.executor.forward([x0])
+            out = outs[0] if outs else None
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
         if out is not None:
             full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
@@ -190,36 +183,6 @@ class Trainer:
         self.model.module.train()
         return full
 
-    def _pipeline_forward(self, inputs, labels) -> list[torch.Tensor]:
-        """Forward-only pipeline: chunks in order, activations sent to the next chunk's rank."""
-        g, schedule = self.groups, self.model.schedule
-        me, pp_ranks = g.rank_in("pp"), g.ranks["pp"]
-        owner = {c: r for r in range(g.size("pp")) for c in schedule.chunks_on(r)}
-        last = self.model.num_chunks - 1
-        losses = []
-        for m, (x0, y) in enumerate(zip(inputs, labels)):
-            x = None
-            for c in range(self.model.num_chunks):
-                if owner[c] != me:
-                    continue
-                if c == 0:
-                    x = x0
-                elif owner[c - 1] != me:
-                    x = torch.empty(self._activation_shape(x0), device=self.device,
-                                    dtype=torch.bfloat16 if self.autocast else torch.float32)
-                    dist.recv(x, src=pp_ranks[owner[c - 1]], group=g.pp)
-                x = self.model.chunks[c](x)
-                if c == last:
-                    losses.append(self._loss(x, y))
-                elif owner[c + 1] != me:
-                    dist.send(x.contiguous(), dst=pp_ranks[owner[c + 1]], group=g.pp)
-        return losses
-
-    def _activation_shape(self, tokens: torch.Tensor) -> tuple[int, ...]:
-        s, b = tokens.shape
-        tp = self.groups.size("tp") if self.layout.sequence_parallel else 1
-        return (s // tp, b, self.cfg.model.hidden)
-
     @torch.no_grad()
     def evaluate(self, batches: int) -> float:
         """Mean loss over ``batches`` held-out batches (forward only)."""
@@ -228,8 +191,8 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             for index in range(batches):
                 inputs, labels = self.microbatches(self.sampler.eval_batch(index))
-                if self.executor is not None:
-                    losses += self._pipeline_forward(inputs, labels)
+                if self.executor is not None:  # the last chunk's rank gets the logits
+                    losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
                 else:
                     losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
         self.model.module.train()

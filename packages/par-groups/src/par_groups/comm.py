@@ -27,6 +27,7 @@ class CommRecord:
     op: str
     group_size: int
     bytes: int
+    group: ProcessGroup | None = field(default=None, compare=False, repr=False)  # which group (None: world)
 
     @property
     def wire_bytes(self) -> int:
@@ -67,7 +68,7 @@ class CommRecorder:
 def _record(op: str, group: ProcessGroup | None, nbytes: int) -> None:
     recorders = _recorders.get()
     if recorders:
-        rec = CommRecord(op, dist.get_world_size(group), int(nbytes))
+        rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group)
         for r in recorders:
             r.records.append(rec)
 

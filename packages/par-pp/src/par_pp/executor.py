@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
-from .ir import Action, Schedule
+from .ir import Action, Schedule, make_schedule
 from .p2p import StageComm
 
 
@@ -68,6 +68,8 @@ class PipelineExecutor:
     ``tied_params``: parameters shared by the first and last chunk (tied embeddings) whose grads
     are summed over ``embedding_group`` after every step (skip the group when both chunks share
     one rank and one Parameter). ``device`` is where received tensors are placed.
+    ``message_shape = (shape, dtype)`` declares every activation and gradient message (no shape
+    headers; see ``StageComm``).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class PipelineExecutor:
         embedding_group: ProcessGroup | None = None,
         forward_fn: Callable[[int, nn.Module, torch.Tensor, int], torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
+        message_shape: tuple[tuple[int, ...], torch.dtype] | None = None,
     ):
         pp_group = pp_group if pp_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(pp_group)
@@ -93,6 +96,7 @@ class PipelineExecutor:
         self.loss_fn, self.forward_fn = loss_fn, forward_fn or _call_module
         self.tied_params, self.embedding_group = list(tied_params or []), embedding_group
         self.device = torch.device(device)
+        self.message_shape = message_shape
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
         self.records: list[ActionRecord] = []
 
@@ -109,7 +113,7 @@ class PipelineExecutor:
         self._live: dict[tuple[int, int], _Live] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between chunks of this rank
         self._losses: dict[int, torch.Tensor] = {}
-        self._comm = StageComm(s, self.rank, self.group, self.device)
+        self._comm = StageComm(s, self.rank, self.group, self.device, self.message_shape)
         self._comm.start()
         for action in s.ranks[self.rank]:
             self._compute_start = None
@@ -121,6 +125,34 @@ class PipelineExecutor:
         self._comm.finish()
         self._reduce_tied_grads()
         return [self._losses[m] for m in sorted(self._losses)]
+
+    @torch.no_grad()
+    def forward(self, inputs: list[torch.Tensor] | None, microbatches: int | None = None) -> list[torch.Tensor]:
+        """Forward only (evaluation, inference): the schedule's F actions for the first
+        ``microbatches`` (default ``len(inputs)``; every rank must agree), no graph, no loss.
+        Returns the last chunk's outputs, one per microbatch, on its rank (else ``[]``)."""
+        s = self.schedule
+        n = len(inputs) if microbatches is None else microbatches
+        if not 0 < n <= s.microbatches:
+            raise ValueError(f"forward runs 1..{s.microbatches} microbatches (the schedule's), got {n}")
+        fwd = make_schedule(f"{s.name}-forward", s.pp, n, s.placement,
+                            [[a for a in row if a.kind == "F" and a.microbatch < n] for row in s.ranks])
+        stage, local, outputs = StageComm(fwd, self.rank, self.group, self.device), {}, {}
+        stage.start()
+        for a in fwd.ranks[self.rank]:
+            m, c = a.microbatch, a.chunk
+            message = fwd.input_message(a)
+            x = inputs[m] if c == 0 else stage.recv(message) if message is not None else local.pop((m, c))
+            y = self.forward_fn(c, self.chunks[c], x, m)
+            if c == fwd.last_chunk:
+                outputs[m] = y
+            elif (out := fwd.output_message(a)) is not None:
+                stage.send(out, y)
+            else:  # the next chunk lives on this rank
+                local[(m, c + 1)] = y
+            stage.poll()
+        stage.finish()
+        return [outputs[m] for m in sorted(outputs)]
 
     # --- data movement -------------------------------------------------------------------------
 

@@ -38,8 +38,8 @@ def _empty_from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 class _Incoming:
     """One peer's messages to this rank, received strictly in the peer's send order."""
 
-    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device):
-        self.expected, self.peer, self.group, self.device = expected, peer, group, device
+    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device, fixed=None):
+        self.expected, self.peer, self.group, self.device, self.fixed = expected, peer, group, device, fixed
         self.next = 0  # index in `expected` of the next message whose header is not yet posted
         self.header: tuple[torch.Tensor, list] | None = None  # the posted header, if any
         self.payloads: dict[Message, tuple[torch.Tensor, list]] = {}  # posted, not yet taken
@@ -49,6 +49,12 @@ class _Incoming:
 
     def pump(self, block: bool) -> None:
         """Post the next header; once it has arrived, post its payload (blocking if ``block``)."""
+        if self.fixed is not None:  # no header: every message has the declared shape and dtype
+            if self.next < len(self.expected):
+                payload = torch.empty(self.fixed[0], dtype=self.fixed[1], device=self.device)
+                self.payloads[self.expected[self.next]] = (payload, self._post(payload))
+                self.next += 1
+            return
         if self.header is None and self.next < len(self.expected):
             buf = torch.empty(_HEADER_LEN, dtype=torch.int64)
             self.header = (buf, self._post(buf))
@@ -77,17 +83,20 @@ class _Incoming:
 
 
 class StageComm:
-    """This rank's sends and receives for one step of a schedule."""
+    """This rank's sends and receives for one step of a schedule.
 
-    def __init__(self, schedule, rank: int, group: ProcessGroup, device: torch.device):
-        self.group = group
+    ``fixed = (shape, dtype)`` declares every message's shape (Megatron's fixed ``tensor_shape``):
+    no headers are exchanged, and a receiver never needs a value to size its buffer."""
+
+    def __init__(self, schedule, rank: int, group: ProcessGroup, device: torch.device, fixed=None):
+        self.group, self.fixed = group, fixed
         self._global = lambda r: dist.get_global_rank(group, r)
         by_src: dict[int, list[Message]] = {}
         for src in range(schedule.pp):
             for m in schedule.sends(src):
                 if m.dst == rank:
                     by_src.setdefault(src, []).append(m)
-        self.incoming = {src: _Incoming(msgs, self._global(src), group, device) for src, msgs in by_src.items()}
+        self.incoming = {src: _Incoming(msgs, self._global(src), group, device, fixed) for src, msgs in by_src.items()}
         self.pending_sends: list = []
 
     def start(self) -> None:
@@ -95,9 +104,12 @@ class StageComm:
             stream.pump(block=False)
 
     def poll(self) -> None:
-        """Advance every stream without blocking, so payload receives get posted early."""
+        """Advance every stream without blocking, so payload receives get posted early; let go of
+        sends that have completed (their buffers would otherwise live until the step ends)."""
         for stream in self.incoming.values():
             stream.pump(block=False)
+        self.pending_sends = [(ops, works) for ops, works in self.pending_sends
+                              if not all(w.is_completed() for w in works)]
 
     def recv(self, message: Message) -> torch.Tensor:
         return self.incoming[message.src].take(message)
@@ -105,7 +117,12 @@ class StageComm:
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
         peer = self._global(message.dst)
-        ops = [dist.P2POp(dist.isend, _header(tensor), peer, self.group), dist.P2POp(dist.isend, tensor, peer, self.group)]
+        if self.fixed is not None and (tuple(tensor.shape), tensor.dtype) != (tuple(self.fixed[0]), self.fixed[1]):
+            raise ValueError(f"{message}: tensor {tuple(tensor.shape)} {tensor.dtype} differs from the declared "
+                             f"message shape {tuple(self.fixed[0])} {self.fixed[1]}")
+        ops = [dist.P2POp(dist.isend, tensor, peer, self.group)]
+        if self.fixed is None:
+            ops.insert(0, dist.P2POp(dist.isend, _header(tensor), peer, self.group))
         self.pending_sends.append((ops, comm.batch_isend_irecv(ops)))  # keep the buffers alive until waited
 
     def finish(self) -> None:

@@ -24,11 +24,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * local_vocab
 
         in_dtype = logits.dtype
-        logits = logits.float()
-        max_logit = logits.amax(dim=-1)
+        # One fp32 buffer for the whole forward (Megatron's in-place shift, exp and divide): the
+        # logits are the largest activation of a step, [S, B, V/tp].
+        shifted = logits.to(torch.float32, copy=True)
+        max_logit = shifted.amax(dim=-1)
         if tp > 1:
             comm.all_reduce(max_logit, group=group, op=ReduceOp.MAX)
-        shifted = logits - max_logit.unsqueeze(-1)
+        shifted.sub_(max_logit.unsqueeze(-1))
 
         valid = target != ignore_index
         local_target = target - start
@@ -36,8 +38,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = local_target.masked_fill(~here, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
 
-        exp = shifted.exp()
-        sums = torch.stack([target_logit, exp.sum(-1), shifted.sum(-1) if label_smoothing > 0 else torch.zeros_like(target_logit)])
+        sum_shifted = shifted.sum(-1) if label_smoothing > 0 else torch.zeros_like(target_logit)
+        exp = shifted.exp_()
+        sums = torch.stack([target_logit, exp.sum(-1), sum_shifted])
         if tp > 1:
             comm.all_reduce(sums, group=group)
         target_logit, sum_exp, sum_logits = sums.unbind(0)
@@ -60,13 +63,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.label_smoothing
         # A copy, not the saved buffer: zero-bubble pipelines walk this graph twice (input grads,
         # then weight grads with retain_graph), so the saved softmax must survive the first pass.
-        grad = softmax.clone()
+        # The copy is made in the logits' dtype: for bf16 logits that halves the largest temporary.
+        grad = softmax.to(ctx.in_dtype, copy=True)
         # scatter_add with zeros where the target lives on another rank
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - eps) * here.to(grad.dtype).unsqueeze(-1))
         if eps > 0:
             grad.sub_(eps / ctx.vocab)
         grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -3,6 +3,8 @@
 from .config import STRATEGIES, DataParallelConfig
 from .data_parallel import DataParallel
 from .fsdp2 import TorchFSDP2
+from .checkpoint import owned_pieces, whole_pieces
+from .pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, load_pieces, save_pieces
 from .memory import ModelState, bytes_per_param, model_state, model_state_for_params
 from .units import default_unit_modules
 
@@ -12,6 +14,13 @@ __all__ = [
     "DataParallel",
     "DataParallelConfig",
     "ModelState",
+    "Pieces",
+    "PiecesLoadPlanner",
+    "PiecesSavePlanner",
+    "load_pieces",
+    "owned_pieces",
+    "whole_pieces",
+    "save_pieces",
     "bytes_per_param",
     "default_unit_modules",
     "model_state",

@@ -12,7 +12,8 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """One decoupled-weight-decay Adam update of ``param`` in place (all fp32, same shape)."""
     beta1, beta2 = betas
-    param.mul_(1 - lr * weight_decay)
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step

@@ -131,6 +131,7 @@ class Bucket:
             self.exp_avg_sq = torch.zeros_like(self.master, dtype=torch.float32)
         del original
         self.pending = len(params)
+        self.decay_ranges = [(lo, hi) for _, _, lo, hi, _ in self.opt_segments()]  # see set_decay
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
         self._reduce_work = None
         self._reduce_out = None
@@ -234,10 +235,16 @@ class Bucket:
         self.pending = len(self.params)
 
     # ---- optimizer -----------------------------------------------------------------------
+    def set_decay(self, decayed) -> None:
+        """Weight decay applies to the params for which ``decayed(param)`` holds (ranges of the optimizer range)."""
+        self.decay_ranges = [(lo, hi) for p, _, lo, hi, _ in self.opt_segments() if decayed(p)]
+
     def optimizer_step(self, step: int, lr: float) -> None:
         c = self.cfg
         grad = self.opt_grad if self.opt_grad.dtype == torch.float32 else self.opt_grad.float()
-        adamw_step_(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+        for lo, hi in self.decay_ranges:  # decoupled decay first, with torch.optim.AdamW's arithmetic
+            self.master[lo:hi].mul_(1 - lr * c.weight_decay)
+        adamw_step_(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
 
     def launch_param_sync(self):
         """After the step: copy the master into the param dtype and start re-assembling params."""

@@ -12,6 +12,11 @@ OUTER_STRATEGIES = ("no_shard", "optim")
 SHARDED = ("optim", "optim_grads", "optim_grads_params")
 
 
+def skip_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """The default weight-decay mask (nanoGPT's, Megatron's): no decay on 1-D params, i.e. norms and biases."""
+    return param.dim() < 2
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
     """What to shard, how to bucket and cast, and the AdamW hyper-parameters."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,8 @@ from par_groups import comm
 from par_groups.param_placement import placement_of, sum_partial_grads_
 
 from .bucket import Bucket, BucketGroups
-from .checkpoint import load_sharded_state_dict, sharded_state_dict
-from .config import DataParallelConfig
+from .checkpoint import load_sharded_state_dict, owned_pieces, sharded_state_dict
+from .config import DataParallelConfig, skip_decay
 from .units import GatherUnit, default_unit_modules
 
 
@@ -61,7 +61,8 @@ class DataParallel:
     HSDP: ``dp_group`` is the inner sharding group, ``outer_group`` the replicas, with
     ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params whose
     placement (``par_groups.placement_of``) says ``expert`` are data-parallel over
-    ``expert_dp_group``; frozen params are skipped.
+    ``expert_dp_group``; frozen params are skipped. Weight decay skips the params for which
+    ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases).
     """
 
     def __new__(cls, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard", **kwargs):
@@ -90,6 +91,7 @@ class DataParallel:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         units: Iterable[nn.Module] | None = None,
+        no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay)
@@ -124,6 +126,8 @@ class DataParallel:
             for ps, groups in family(trainable):
                 for chunk in _size_buckets(ps, bucket_bytes):
                     self.buckets.append(Bucket(chunk, groups, cfg))
+        for b in self.buckets:
+            b.set_decay(lambda p: not no_decay(self.param_names[p], p))
         self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         for p in self._where:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -229,6 +233,11 @@ class DataParallel:
         self.step_count += 1
         for b in self.buckets:
             b.optimizer_step(self.step_count, self.lr)
+        self.sync_params()
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
         works = [b.launch_param_sync() for b in self.buckets]
         for w in works:
             if w is not None:
@@ -282,35 +291,17 @@ class DataParallel:
         return norm
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def owned_pieces(self, kind: str = "master") -> dict:
+        """``{param: Pieces}``: the boxes of each param's full tensor this rank owns (views; see checkpoint.py)."""
+        return owned_pieces(self, kind)
+
     def state_dict(self) -> dict:
-        """Sharded {"model", "optim"} dict for torch.distributed.checkpoint (see checkpoint.py)."""
+        """This rank's pieces of the model and optimizer state, for ``par_zero.save_pieces`` / ``load_pieces``."""
         return sharded_state_dict(self)
 
     def load_state_dict(self, sd: dict) -> None:
-        """Adopt ``sd`` (e.g. our ``state_dict()`` after ``dcp.load`` filled it) and rebuild params."""
+        """After ``load_pieces`` filled our ``state_dict()`` (views of the buffers): step count, then params."""
         load_sharded_state_dict(self, sd)
-
-    @torch.no_grad()
-    def load_full_state(self, kind: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`full_state`: take this rank's part of every param's full (local) tensor.
-
-        ``kind`` 'master' also sets the params (no communication: every rank gets full tensors);
-        'exp_avg' / 'exp_avg_sq' set the AdamW moments. Keys are local param names."""
-        if kind not in ("master", "exp_avg", "exp_avg_sq"):
-            raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
-        for b in self.buckets:
-            flat = torch.zeros(b.N, dtype=torch.float32)
-            for p, o in zip(b.params, b.offsets):
-                flat[o : o + p.numel()] = tensors[self.param_names[p]].reshape(-1).to(torch.float32)
-            if kind != "master":
-                getattr(b, kind).copy_(flat[b.opt_lo : b.opt_hi])
-                continue
-            if not b.master_is_param:
-                b.master.copy_(flat[b.opt_lo : b.opt_hi])
-            if b.zero3:
-                b.param_shard.copy_(flat[b.shard_lo : b.shard_lo + b.S])
-            else:
-                b.full_param.copy_(flat)
 
     # ---- introspection -------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

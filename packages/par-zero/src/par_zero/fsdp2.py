@@ -8,7 +8,7 @@ Megatron's --use-torch-fsdp2 it does not handle expert params on their own DP gr
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from par_groups import comm
 from par_groups.param_placement import placement_of
 
-from .config import DataParallelConfig
+from .config import DataParallelConfig, skip_decay
 from .units import default_unit_modules
 
 
@@ -43,7 +43,7 @@ class TorchFSDP2:
                  bucket_mb: float = 25.0, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 units: Iterable[nn.Module] | None = None):
+                 units: Iterable[nn.Module] | None = None, no_decay: Callable[[str, nn.Parameter], bool] = skip_decay):
         self.cfg = DataParallelConfig("torch_fsdp2", outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                       reshard_after_forward, lr, tuple(betas), eps, weight_decay)
         if outer_strategy != "no_shard":
@@ -61,8 +61,11 @@ class TorchFSDP2:
         for m in (list(units) if units is not None else default_unit_modules(module)):
             fully_shard(m, **kw)
         fully_shard(module, **kw)
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        groups = [{"params": [p for n, p in named if not no_decay(n, p)]},
+                  {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.step_count = 0
 
     def __call__(self, *args, **kwargs):

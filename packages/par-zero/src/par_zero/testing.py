@@ -35,7 +35,10 @@ def reference_params(world: int, norms: list[float] | None = None) -> dict[str, 
     ``norms`` (if given) receives each step's global grad norm: AdamW is blind to a constant scale
     on the gradients, so comparing parameters alone would miss a mis-scaled reduction."""
     model = tiny_model()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **OPT)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # two groups, as nanoGPT and Megatron: no weight decay on biases (1-D)
+    groups = [{"params": [p for p in trained if p.dim() >= 2]}, {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, foreach=False, **OPT)
     for step in batches(world):
         for x, y in step:
             (nn.functional.mse_loss(model(x), y) / MICRO).backward()

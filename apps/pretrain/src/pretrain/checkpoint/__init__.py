@@ -1,7 +1,6 @@
 """Checkpoints that reshard across layouts, and Hugging Face import/export."""
 
 from .background import CheckpointSaver, PendingSave, start_async_save
-from .shards import ShardSpec, describe_shards
 from .store import (
     latest_checkpoint,
     load_checkpoint,
@@ -10,5 +9,5 @@ from .store import (
     save_checkpoint,
 )
 
-__all__ = ["CheckpointSaver", "PendingSave", "ShardSpec", "describe_shards", "latest_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointSaver", "PendingSave", "latest_checkpoint", "load_checkpoint",
            "read_state", "resolve_checkpoint", "save_checkpoint", "start_async_save"]

@@ -1,8 +1,7 @@
 """Checkpoints written in the background (``[checkpoint].async_save = true``).
 
-The training thread does what needs the training groups: it gathers this rank's blocks (DP
-collectives) into private CPU copies and writes its small RNG file. DCP then plans and writes the
-files in a background thread over a gloo group used only for checkpoints, so its collectives never
+The training thread copies the pieces this rank owns into private CPU copies (no collective) and
+writes its small RNG file. DCP then plans and writes the files in a background thread over a gloo group used only for checkpoints, so its collectives never
 run at the same time as training collectives on the same group.
 
 The save stays crash safe the same way as the synchronous one: the files go to ``step_N.tmp``, and
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
+
+from par_zero import PiecesSavePlanner
 
 from .faults import removed_if_disk_full
 from .store import _checkpoint_dict, _finalise, _prepare, _quiet, _rank, rng_state, save_checkpoint, trainer_state
@@ -67,7 +68,8 @@ def start_async_save(trainer, root: str | Path, step: int, keep: int, group) -> 
     sd = _checkpoint_dict(trainer, with_optim=True, copy=True)
     with removed_if_disk_full(tmp):
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    response = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=group, async_stager=_AlreadyStaged())
+    response = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=group, async_stager=_AlreadyStaged(),
+                              planner=PiecesSavePlanner())
     future = getattr(response, "upload_completion", response)  # an AsyncSaveResponse or a Future
     return PendingSave(future, root, tmp, final, trainer_state(trainer, step), keep, group)
 

@@ -5,9 +5,10 @@ A checkpoint directory ``DIR/step_N`` holds, written with torch.distributed.chec
 - ``model/<hf name>``: every tensor of the FULL model (Hugging Face names), and
 - ``optim/exp_avg/<hf name>``, ``optim/exp_avg_sq/<hf name>``: AdamW's moments in the same shape,
 
-each rank contributing the block it holds (its tp / ep / etp slice; the DP shards are gathered
-first), and DCP writing every block once. Loading under another layout reads the blocks the new
-ranks need and cuts them with the same code as initialisation (see :mod:`.shards`).
+each rank contributing exactly the pieces it owns, with their global offsets: its tp / ep / etp
+block (the placement each parameter declares) cut further by its ZeRO shard, written straight from
+its buffers (par_zero's ``owned_pieces``: no gather, no full-size buffer), replicas once. Loading
+under another layout reads only the stored chunks overlapping the pieces each new rank owns.
 ``trainer_state.json`` (step, format, config, layout) and ``rng/rank_R.pt`` (RNG states, read
 back with ``weights_only=True``) complete it.
 
@@ -28,15 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from .faults import injected_kill, removed_if_disk_full
 from .retention import LATEST, STATE_FILE, publish, run_id_of
 from .safe_metadata import SafeReader
-from .shards import ShardSpec
 
 FORMAT = "pretrain-checkpoint-v1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -46,77 +45,37 @@ SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden
 
 
 def _quiet(fn):
-    """DCP still reads and writes ShardedTensor blocks; its deprecation warning is noise here."""
+    """Single-process DCP (``no_dist``) warns that torch.distributed is disabled: noise here."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*", category=UserWarning)
             return fn(*args, **kwargs)
 
     return wrapper
 
 
-def _complement(offsets, sizes, shape) -> list[tuple[list[int], list[int]]]:
-    """Non-overlapping boxes covering ``shape`` minus the box (offsets, sizes)."""
-    boxes = []
-    lo, hi = [0] * len(shape), list(shape)  # the slab still to split, narrowed dim by dim
-    for d in range(len(shape)):
-        for a, b in ((0, offsets[d]), (offsets[d] + sizes[d], shape[d])):
-            if b > a:
-                o, z = list(lo), [h - l for l, h in zip(lo, hi)]
-                o[d], z[d] = a, b - a
-                boxes.append((o, z))
-        lo[d], hi[d] = offsets[d], offsets[d] + sizes[d]
-    return boxes
+def _pieces(trainer, with_optim: bool) -> dict[str, Pieces]:
+    """``model/<hf name>`` (and the moments) of every tensor this rank holds: the pieces it owns.
 
-
-def _block(spec: ShardSpec, tensor: torch.Tensor) -> ShardedTensor:
-    """This rank's block of one full tensor, as DCP understands it (only its own chunk is described)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    md = ShardMetadata(list(spec.offsets), list(spec.sizes), f"rank:{rank}/cpu")
-    # ShardedTensor insists its metadata tiles the whole tensor; DCP only reads the local shards, so
-    # the rest is described as blocks "elsewhere" (their placement does not matter)
-    elsewhere = f"rank:{(rank + 1) % world}/cpu"
-    others = [ShardMetadata(o, z, elsewhere) for o, z in _complement(spec.offsets, spec.sizes, spec.full_shape)]
-    props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata([md] + others, torch.Size(spec.full_shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(tensor, md)], meta)
-
-
-def _local_values(trainer, kind: str, copy: bool = False) -> dict[str, torch.Tensor]:
-    """This rank's full local tensors (DP shards gathered) of ``kind``: 'master' (the model) or a moment.
-
-    ``copy``: tensors never shared with the live model (on CPU, ``.cpu()`` would alias it), for a
-    background write that runs while training goes on."""
-    def cpu(t):
-        return t.detach().to("cpu", torch.float32, copy=copy)
-
+    Trained params come from the optimizer's buffers (views); buffers and frozen params whole."""
     dp = trainer.model.dp
-    trained = {k: cpu(v) for k, v in dp.full_state(kind).items()}
-    if kind != "master":
-        return trained
-    buffers = trainer.model.module.state_dict()
-    return {n: trained[n] if n in trained else cpu(buffers[n]) for n in trainer.model.shard_specs}
-
-
-def _checkpoint_dict(trainer, with_optim: bool, copy: bool = False) -> dict:
-    specs = trainer.model.shard_specs
+    owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + (MOMENTS if with_optim else ())}
     out = {}
-    master = _local_values(trainer, "master", copy)
-    for n, spec in specs.items():
-        out[f"model/{spec.full_name}"] = _block(spec, master[n].contiguous())
-    if with_optim:
-        trained = set(trainer.model.dp.param_names.values())
-        for kind in MOMENTS:
-            values = _local_values(trainer, kind, copy)
-            for n, spec in specs.items():
-                if n in trained:
-                    out[f"optim/{kind}/{spec.full_name}"] = _block(spec, values[n].contiguous())
+    for name, t in trainer.model.full_named_tensors().items():
+        if t not in owned["master"]:
+            out[f"model/{name}"] = whole_pieces(t)
+            continue
+        out |= {f"model/{name}": owned["master"][t]}
+        out |= {f"optim/{kind}/{name}": owned[kind][t] for kind in MOMENTS if with_optim}
     return out
+
+
+def _checkpoint_dict(trainer, with_optim: bool, copy: bool = False) -> dict[str, Pieces]:
+    """What this rank writes; ``copy``: private CPU copies, for a write that runs while training goes on."""
+    sd = _pieces(trainer, with_optim)
+    return {k: v.to_cpu_copy() for k, v in sd.items()} if copy else sd
 
 
 def _barrier() -> None:
@@ -162,7 +121,7 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_be
     final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True)
     with removed_if_disk_full(tmp):
-        dcp.save(sd, checkpoint_id=str(tmp))
+        save_pieces(sd, str(tmp))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
         injected_kill(_rank(), step)
         _barrier()
@@ -225,8 +184,8 @@ def _check_metadata(path: Path, wanted: dict) -> set[str]:
         if key not in stored:
             raise UsageError(f"checkpoint {path} lacks tensor {key}")
         have = tuple(stored[key].size)
-        if have != tuple(st.size()):
-            raise UsageError(f"checkpoint {path}: {key} has shape {list(have)}, the model needs {list(st.size())}")
+        if have != tuple(st.full_shape):
+            raise UsageError(f"checkpoint {path}: {key} has shape {list(have)}, the model needs {list(st.full_shape)}")
     return set(stored)
 
 
@@ -239,41 +198,21 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     path = resolve_checkpoint(path)
     state = read_state(path)
     check_compatible(path, state, trainer.cfg)
-    specs = trainer.model.shard_specs
-    sd = {}
-    for n, spec in specs.items():
-        sd[f"model/{spec.full_name}"] = _block(spec, torch.zeros(spec.sizes))
-    trained = set(trainer.model.dp.param_names.values())
-    for kind in MOMENTS:
-        for n, spec in specs.items():
-            if n in trained:
-                sd[f"optim/{kind}/{spec.full_name}"] = _block(spec, torch.zeros(spec.sizes))
+    sd = _pieces(trainer, with_optim=True)  # views of this rank's buffers: loading fills them in place
     stored = _check_metadata(path, sd)
     with_optim = state.get("optimizer", False) and not model_only and all(k in stored for k in sd)
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     try:
-        dcp.load(sd, storage_reader=SafeReader(str(path)))
+        load_pieces(sd, str(path), storage_reader=SafeReader(str(path)))
     except UsageError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {type(e).__name__}: {e}") from None
-
-    def values(prefix):
-        return {n: sd[f"{prefix}/{spec.full_name}"].local_shards()[0].tensor for n, spec in specs.items()
-                if f"{prefix}/{spec.full_name}" in sd}
-
-    dp, module = trainer.model.dp, trainer.model.module
-    model = values("model")
-    dp.load_full_state("master", {n: t for n, t in model.items() if n in trained})
-    local = module.state_dict(keep_vars=True)
-    for n, t in model.items():
-        if n not in trained:
-            local[n].data.copy_(t)
+    dp = trainer.model.dp
+    dp.sync_params()  # every rank loaded its owned range: re-assemble the params
     if not with_optim:
         return 0
-    for kind in MOMENTS:
-        dp.load_full_state(kind, values(f"optim/{kind}"))
     step = int(state["step"])
     dp.step_count = int(state.get("optimizer_steps", step))
     if state.get("world_size") == trainer.layout.world_size:

@@ -215,6 +215,13 @@ def plan(
     topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description."),
     efficiency: float = typer.Option(0.6, "--efficiency", help="With --auto: achieved / peak FLOP/s of the compute."),
     peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
+    simulate: bool = typer.Option(False, "--simulate", help="Run the real training step of one rank on fake tensors "
+                                  "and report measured memory and collectives beside the plan."),
+    ranks: List[int] = typer.Option([], "--rank", help="With --simulate: the rank(s) to simulate (default: first, "
+                                    "middle and last pipeline stage)."),
+    imbalance: float = typer.Option(1.0, "--expert-imbalance", help="With --simulate: one expert gets F times its share."),
+    all_microbatches: bool = typer.Option(False, "--all-microbatches", help="With --simulate: run every micro-batch "
+                                          "(default: enough to reach the schedule's memory peak)."),
 ) -> None:
     """Per-rank memory (model state per ZeRO strategy, activations, experts), FLOPs and the ZeRO decision."""
     try:
@@ -239,6 +246,14 @@ def plan(
         if gpus_per_node < 1 or gpu_memory <= 0:
             raise UsageError(f"--gpus-per-node {gpus_per_node} must be >= 1 and --gpu-memory {gpu_memory:g} > 0")
         cfg = load_config(config, overrides)
+        if simulate or ranks:
+            from ..simulate.report import render as render_simulation, simulate as run_simulation
+
+            if not simulate:
+                raise UsageError("--rank selects ranks for --simulate; add --simulate")
+            sim = run_simulation(cfg, world if world is not None else cfg.train.nproc, ranks, imbalance, all_microbatches)
+            typer.echo(json.dumps(sim) if as_json else render_simulation(sim))
+            return
         result = config_plan(cfg, world if world is not None else cfg.train.nproc, gpus_per_node, gpu_memory)
     except UsageError as e:
         raise fail(str(e))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -14,8 +14,8 @@ from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
 from ..errors import UsageError
-from .parallel import ModelChunk, RankLayout
-from .reference import full_shapes, init_full_state
+from .parallel import ModelChunk, RankLayout, hf_name
+from .reference import init_full_state
 
 
 @dataclass
@@ -28,11 +28,14 @@ class RankModel:
     dp: DataParallel
     schedule: object | None  # a par_pp Schedule when pp > 1
     num_chunks: int
-    # where each tensor of ``module.state_dict()`` sits in the full model (checkpoints reshard with it)
-    shard_specs: dict = field(default_factory=dict)
 
     def parameters(self):
         return self.module.parameters()
+
+    def full_named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer of this rank's chunks, by its full-model (HF) name;
+        each one's placement says which block of that full tensor it is."""
+        return {hf_name(n): t for chunk in self.chunks.values() for n, t in chunk.state_dict(keep_vars=True).items()}
 
 
 def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
@@ -68,10 +71,8 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    chunks = {
-        c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state).to(device)
-        for c in mine
-    }
+    chunks = {c: _to(ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl).load_full_state_(state), device)
+              for c in mine}
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
     for chunk in chunks.values():
@@ -79,24 +80,36 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
-    from ..checkpoint.shards import describe_shards
-
-    specs = describe_shards(module, [chunks[c] for c in mine], full_shapes(cfg.model))
     t = cfg.train
+    # Megatron's mixed precision: bf16 params for compute; fp32 main weights and Adam moments in the
+    # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
+    bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                  units=[u for c in mine for u in chunks[c].gather_units()])
+                  units=[u for c in mine for u in chunks[c].gather_units()], no_decay=no_decay,
+                  param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":
         if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
             raise UsageError(f"[parallel].zero=torch_fsdp2 runs with tp=1, pp=1, ep=1 only (got tp={layout.tp}, "
                              f"pp={layout.pp}, ep={layout.ep}); use optim_grads_params for ZeRO-3 with them")
-        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = DataParallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
         dp = DataParallel(module, groups.dp_cp, zero, **kwargs)
-    return RankModel(groups, chunks, module, dp, schedule, num_chunks, specs)
+    return RankModel(groups, chunks, module, dp, schedule, num_chunks)
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """No weight decay on norms and biases (1-D) nor on the input embedding (tied or not), as nanoGPT and Megatron."""
+    return param.dim() < 2 or "embed_tokens" in name
+
+
+def _to(chunk: ModelChunk, device: torch.device) -> ModelChunk:
+    """Move a chunk built on the CPU to ``device`` (no-op on the CPU, where fake tensors cannot be swapped)."""
+    return chunk if device.type == "cpu" else chunk.to(device)
 
 
 def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:

@@ -1,7 +1,8 @@
 """The model as one rank holds it: its pipeline chunks, built from par-tp, par-cp and par-moe.
 
 Every chunk is cut out of the full single-device state dict (``reference.init_full_state`` or a
-checkpoint), so any tp x cp x pp x dp (x ep x etp) layout holds the same model.
+checkpoint), each tensor taking the block its placement declares (``par_groups.placement_of``), so
+any tp x cp x pp x dp (x ep x etp) layout holds the same model.
 
 Shapes inside a chunk: tokens ``[S/cp, B]`` in, activations ``[S/cp/tp, B, H]`` between layers
 with sequence parallelism (``[S/cp, B, H]`` without), vocab-sharded logits ``[S/cp, B, V/tp]`` out.
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from par_cp import ContextParallelAttention, position_ids
-from par_groups import ParallelGroups, declare_copies_
+from par_groups import ParallelGroups, declare_copies_, placement_of
 from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
@@ -142,25 +143,22 @@ class ModelChunk(nn.Module):
         return units + ([self.norm, self.lm_head] if self.last else [])
 
     @torch.no_grad()
-    def load_full_state_(self, state: dict[str, torch.Tensor]) -> "ModelChunk":
-        """Copy this rank's shard of every parameter from a full (HF-named) state dict."""
-        if self.first:
-            self.embed_tokens.load_full_(state["model.embed_tokens.weight"])
-        for i, layer in self.layers.items():
-            p = f"model.layers.{i}."
-            layer.input_layernorm.weight.copy_(state[p + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(state[p + "post_attention_layernorm.weight"])
-            layer.self_attn.load_full_(*(state[p + f"self_attn.{n}_proj.weight"] for n in "qkvo"))
-            if layer.is_moe:
-                m = p + "mlp."
-                shared = [state.get(m + f"shared.w_{n}") for n in ("gate", "up", "down")]
-                layer.mlp.load_full_(
-                    state[m + "router.weight"], state[m + "experts.w_gate"], state[m + "experts.w_up"],
-                    state[m + "experts.w_down"], *shared, expert_bias=state[m + "router.expert_bias"],
-                )
-            else:
-                layer.mlp.load_full_(*(state[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
-        if self.last:
-            self.norm.weight.copy_(state["model.norm.weight"])
-            self.lm_head.load_full_(state["lm_head.weight"])
+    def load_full_state_(self, state) -> "ModelChunk":
+        """Copy into every parameter and buffer its block of the full (HF-named) tensor, as its placement says."""
+        for name, t in self.state_dict(keep_vars=True).items():
+            pl = placement_of(t)
+            t.copy_(state[hf_name(name)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
         return self
+
+
+# chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."
+HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
+    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+
+
+def hf_name(name: str) -> str:
+    """The full model's (Hugging Face) name of a chunk's state-dict entry."""
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        return f"model.layers.{i}." + HF_RENAMES.get(rest, rest)
+    return name if name == "lm_head.weight" else "model." + name

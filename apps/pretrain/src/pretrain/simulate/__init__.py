@@ -1,0 +1,1 @@
+"""``pretrain plan --simulate``: one rank of a large world run on fake tensors, measured against the plan."""

@@ -1,0 +1,78 @@
+"""The collectives one training step should issue on one rank, in closed form, by (op, group).
+
+Bytes follow ``par_groups.comm``'s convention (all-reduce: its tensor; all-gather: the gathered
+output; reduce-scatter: the unreduced input; send: the message). ``A`` is one micro-batch's
+activation between layers, ``[S/cp, mb, H]`` in the compute dtype (the full sequence shard:
+sequence parallelism gathers it before each TP region and reduce-scatters it after).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .theory import chunks_of, dtypes, rank_params
+
+
+def step_collectives(cfg, layout, stage: int, microbatches: int) -> dict[tuple[str, str], float]:
+    """{(op, group): bytes} for one optimizer step of ``microbatches`` micro-batches on pipeline ``stage``."""
+    m, p = cfg.model, cfg.parallel
+    pb, gb, _ = dtypes(cfg)
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    tokens = cfg.train.seq_len // layout.cp * layout.micro_batch
+    act = tokens * m.hidden * pb
+    layers = len(p.stage_layers(m.layers)[stage])
+    dp = "dp" if layout.cp == 1 else "dp_cp"
+    params = rank_params(cfg, layout, stage)
+
+    # data parallel: gradients once per step; parameters gathered after the step (ZeRO-1/2) or per
+    # micro-batch in forward and again in backward (ZeRO-3)
+    if layout.dp * layout.cp > 1:
+        n = params.dense
+        if p.zero == "no_shard":
+            out[("all_reduce", dp)] += n * gb
+        else:
+            out[("reduce_scatter", dp)] += n * gb
+            gathers = 2 * microbatches if p.zero == "optim_grads_params" else 1
+            out[("all_gather", dp)] += gathers * n * pb
+
+    # tensor parallel: per layer and micro-batch, two regions (attention, MLP) forward and backward
+    if layout.tp > 1:
+        forwards = 2 if m.recompute == "full" else 1
+        regions = 2 * layers * microbatches
+        if layout.sequence_parallel:
+            out[("all_gather", "tp")] += regions * (forwards + 1) * act
+            out[("reduce_scatter", "tp")] += regions * (forwards + 1) * act
+        else:
+            out[("all_reduce", "tp")] += regions * (forwards + 1) * act
+        chunks = chunks_of(cfg, layout, stage)
+        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (then split with SP)
+            out[("all_reduce", "tp")] += microbatches * act
+            if layout.sequence_parallel:  # the split's backward gathers
+                out[("all_gather", "tp")] += microbatches * act
+        if layout.pp * layout.chunks_per_rank - 1 in chunks:  # lm_head input gathered; loss: max + 3 sums
+            if layout.sequence_parallel:
+                out[("all_gather", "tp")] += microbatches * act
+                out[("reduce_scatter", "tp")] += microbatches * act
+            out[("all_reduce", "tp")] += microbatches * tokens * 4 * 4
+
+    # pipeline: one message per activation and per input gradient that leaves this rank
+    if layout.pp > 1:
+        from par_pp import build_schedule
+
+        schedule = build_schedule(p.schedule, layout.pp, microbatches, vpp=layout.vpp)
+        message = act // (layout.tp if layout.sequence_parallel else 1)
+        out[("send", "pp")] += len(schedule.sends(stage)) * message
+    return dict(out)
+
+
+def compare(measured: list[dict], theory: dict[tuple[str, str], float]) -> list[dict]:
+    """Measured rows with the theory beside them (small norm and loss reductions have none)."""
+    rows = []
+    for r in measured:
+        want = theory.get((r["op"], r["group"]))
+        rows.append(dict(r, theory_bytes=want, ratio=(r["bytes"] / want) if want else None))
+    seen = {(r["op"], r["group"]) for r in measured}
+    for (op, group), want in theory.items():
+        if (op, group) not in seen and want:
+            rows.append({"op": op, "group": group, "count": 0, "bytes": 0, "theory_bytes": want, "ratio": 0.0})
+    return rows

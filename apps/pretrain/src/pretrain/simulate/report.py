@@ -1,0 +1,81 @@
+"""``pretrain plan CONFIG --world N --simulate``: simulate ranks, print measured beside planned."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..errors import UsageError
+from .collectives import compare, step_collectives
+from .run import check_rank, default_roles, simulate_rank
+
+GB = 1e9
+SHOWN = ("params", "grads", "optim", "activations")
+
+
+def simulated_config(cfg, layout, all_microbatches: bool):
+    """The config the simulation runs, and (micro-batches simulated, per step).
+
+    Without ``all_microbatches`` a pipeline runs the fewest micro-batches that reach its schedule's
+    memory peak (2 x pp; GPipe keeps all), which is what bounds the time on a small machine."""
+    if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
+    # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement="off"))
+    m = layout.microbatches
+    if all_microbatches or cfg.parallel.schedule == "gpipe":
+        keep = m
+    else:
+        keep = min(m, 2 * layout.pp if layout.pp > 1 else 1)
+    if keep == m:
+        return cfg, keep, m
+    train = dataclasses.replace(cfg.train, global_batch=keep * layout.dp * layout.micro_batch)
+    parallel = dataclasses.replace(cfg.parallel, microbatches=keep if cfg.parallel.microbatches else 0)
+    return dataclasses.replace(cfg, train=train, parallel=parallel), keep, m
+
+
+def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_microbatches: bool = False) -> dict:
+    layout = cfg.validate_world(world)
+    if imbalance < 1.0:
+        raise UsageError(f"--expert-imbalance {imbalance:g} must be >= 1 (1 = balanced routing)")
+    if cfg.model.is_moe:
+        raise UsageError("--simulate runs dense models only so far: MoE routing sizes its all-to-all from token "
+                         "counts (data-dependent shapes), which the fake-tensor run cannot size yet")
+    for r in ranks:
+        check_rank(r, world)
+    sim_cfg, kept, total = simulated_config(cfg, layout, all_microbatches)
+    sim_layout = sim_cfg.validate_world(world)
+    out = {"config": cfg.source, "world": world, "routing": "dense (no experts)",
+           "microbatches": {"simulated": kept, "per_step": total}, "ranks": []}
+    for rank in ranks or default_roles(layout):
+        t0 = time.perf_counter()
+        r = simulate_rank(sim_cfg, world, rank)
+        r["collectives"] = compare(r["collectives"], step_collectives(sim_cfg, sim_layout, r["stage"], kept))
+        r["timings_s"]["total_s"] = time.perf_counter() - t0
+        out["ranks"].append(r)
+    return out
+
+
+def _pct(measured: float, planned: float) -> str:
+    return f"{100 * (measured - planned) / planned:+.1f}%" if planned else "n/a"
+
+
+def render(result: dict) -> str:
+    mb = result["microbatches"]
+    lines = [f"simulated {len(result['ranks'])} rank(s) of world {result['world']} on fake tensors "
+             f"({result['routing']}); {mb['simulated']} of {mb['per_step']} micro-batches per step"
+             + (" (the schedule's peak is reached; --all-microbatches runs them all)" if mb["simulated"] < mb["per_step"] else "")]
+    for r in result["ranks"]:
+        layers = r["layers"]
+        lines.append(f"rank {r['rank']} (pp stage {r['stage']}, layers {layers[0]}..{layers[-1]}, {len(layers)} layers): "
+                     f"peak {r['measured_peak'] / GB:.2f} GB measured, {r['planned_peak'] / GB:.2f} GB planned; "
+                     f"build peak {r['build_peak'] / GB:.2f} GB; checkpoint save peak {r['save_peak'] / GB:.2f} GB; "
+                     f"{r['timings_s']['total_s']:.0f} s")
+        for k in SHOWN:  # activations include the temporaries alive at the peak
+            lines.append(f"  {k:12} {r['measured'][k] / GB:9.2f} GB measured  {r['planned'][k] / GB:9.2f} GB planned  "
+                         f"{_pct(r['measured'][k], r['planned'][k])}")
+        lines.append(f"  {'other':12} {r['measured']['other'] / GB:9.2f} GB measured (RoPE tables, buffers; not planned)")
+        for c in r["collectives"]:
+            want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
+            lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Simulate one rank of a world of N: the trainer's real code on fake tensors and a fake process group.
+
+Construction, the DP wrapper, one optimizer step (every micro-batch through the pipeline
+schedule, backward, gradient reduction, clipping, AdamW) and the building of a checkpoint's
+tensors run exactly as in ``pretrain train``; tensors carry shapes, not values
+(``FakeTensorMode``), and every collective returns at once (torch's ``fake`` backend), so one
+process plays any rank of any world. :class:`MemoryTracker` counts what is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+from .memory import MemoryTracker
+from .theory import planned_activations, planned_state
+
+
+def default_roles(layout) -> list[int]:
+    """The global ranks of the first, a middle and the last pipeline stage (tp, cp, dp rank 0)."""
+    stages = layout.grid().ranks("pp")[0]  # the pp group of rank 0, by stage
+    picks = sorted({0, layout.pp // 2, layout.pp - 1})
+    return [stages[s] for s in picks]
+
+
+def check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise UsageError(f"--rank {rank} is not a rank of --world {world}; use 0..{world - 1}")
+
+
+def _state_tensors(dp) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list] = defaultdict(list)
+    for b in getattr(dp, "buckets", []):
+        for kind, ts in b.state_tensors().items():
+            out[kind] += ts
+    return out
+
+
+def _group_names(groups) -> dict[int, str]:
+    """id(ProcessGroup) -> the first ParallelGroups name for it (groups with equal members are shared)."""
+    names: dict[int, str] = {}
+    for name in ("tp", "pp", "dp", "cp", "dp_cp", "ep", "etp", "edp", "tp_ep", "tp_cp", "tp_pp", "tp_dp_cp",
+                 "tp_ep_pp", "embedding"):
+        g = groups.groups.get(name)
+        if g is not None:
+            names.setdefault(id(g), name)
+    return names
+
+
+def simulate_rank(cfg, world: int, rank: int) -> dict:
+    """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from par_groups import comm
+
+    from ..checkpoint.store import _checkpoint_dict
+    from ..data import load_dataset
+    from ..train_loop import Trainer
+
+    layout = cfg.validate_world(world)
+    check_rank(rank, world)
+    dataset = load_dataset(dataclasses.replace(cfg.data, path=""), cfg.model.vocab_size)  # shapes only: embedded data
+    timings = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        tracker = MemoryTracker()
+        t0 = time.perf_counter()
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            tracker.phase = "other"
+            trainer = Trainer(cfg, dataset=dataset, simulated=True)
+            build = tracker.snapshot()
+            timings["build_s"] = time.perf_counter() - t0
+            tracker.retag(_state_tensors(trainer.model.dp))
+            tracker.phase = "activations"
+            tracker.reset_peak()
+            t1 = time.perf_counter()
+            with comm.CommRecorder() as rec:
+                trainer.train_step(0)
+            step = tracker.snapshot()
+            timings["step_s"] = time.perf_counter() - t1
+            tracker.phase = "save"
+            tracker.reset_peak()
+            t2 = time.perf_counter()
+            with comm.CommRecorder() as save_rec:
+                tensors = _checkpoint_dict(trainer, with_optim=True)
+            save = tracker.snapshot()
+            del tensors
+            timings["save_s"] = time.perf_counter() - t2
+        g = trainer.groups
+        stage = g.rank_in("pp")
+        names = _group_names(g)
+        planned = planned_state(cfg, layout, stage)
+        planned["activations"] = planned_activations(cfg, layout, stage)
+        return {
+            "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
+            "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],
+            "measured": {k: v for k, v in step["by_category"].items() if k != "save"},
+            "measured_peak": step["peak"], "planned": planned, "planned_peak": sum(planned.values()),
+            "build_peak": build["peak"], "save_peak": save["peak"],
+            "largest_state_tensor": {k: tracker.largest[k] for k in ("params", "grads", "optim")},
+            "collectives": _summarize(rec.records, names), "save_collectives": _summarize(save_rec.records, names),
+            "timings_s": timings,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _summarize(records, names: dict[int, str]) -> list[dict]:
+    out: dict[tuple, dict] = {}
+    for r in records:
+        group = names.get(id(r.group), f"size {r.group_size}") if r.group is not None else "world"
+        row = out.setdefault((r.op, group), {"op": r.op, "group": group, "group_size": r.group_size, "count": 0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += r.bytes
+    return sorted(out.values(), key=lambda x: (x["group"], x["op"]))

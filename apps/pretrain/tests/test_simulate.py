@@ -1,0 +1,58 @@
+"""`pretrain plan --simulate`: the real training step of one rank of a large world, on fake tensors.
+
+Llama-3-8B shapes (2 of its 32 layers, to stay fast) at world 64: measured parameter, gradient
+and optimizer bytes equal the plan's closed form (which models bf16 params, fp32 grads and fp32
+main weights + moments, sharded by ZeRO), activations within 10%, and the data-parallel and
+pipeline collectives equal the theory for ZeRO-1 and ZeRO-3.
+"""
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.config import load_config
+
+runner = CliRunner()
+EIGHT_B = ["model.layers=2", "train.global_batch=32"]
+
+
+def simulated(overrides, world, ranks):
+    from pretrain.simulate.report import simulate
+
+    return simulate(load_config("llama3-8b", EIGHT_B + overrides), world, ranks)["ranks"]
+
+
+def _check(rank, ops):
+    for k in ("params", "grads", "optim"):
+        assert rank["measured"][k] == pytest.approx(rank["planned"][k], rel=0.01), k
+    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10)
+    rows = {(c["op"], c["group"]): c for c in rank["collectives"]}
+    for key in ops:
+        assert rows[key]["bytes"] == pytest.approx(rows[key]["theory_bytes"], rel=0.01), key
+
+
+def test_llama3_8b_zero1_pipeline_at_world_64_matches_the_plan():
+    # tp 2 x pp 2 x dp 16: the last stage (head and loss); ZeRO-1 reduce-scatters grads, gathers params
+    (rank,) = simulated(["parallel.pp=2", "parallel.zero=optim"], 64, [32])
+    assert rank["stage"] == 1 and rank["layers"] == [1]
+    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp"), ("send", "pp")])
+    # fp32 grads are twice the bf16 params; fp32 main weights + 2 moments are 12 bytes per param / 16
+    assert rank["measured"]["grads"] == pytest.approx(2 * rank["measured"]["params"], rel=0.01)
+    assert rank["measured"]["optim"] == pytest.approx(6 * rank["measured"]["params"] / 16, rel=0.01)
+
+
+def test_zero3_shards_params_and_gathers_them_per_micro_batch():
+    (rank,) = simulated(["parallel.zero=optim_grads_params", "model.layers=1"], 64, [0])
+    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp")])
+    assert rank["measured"]["params"] == pytest.approx(rank["measured"]["grads"] / 2, rel=0.01)  # both 1/32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world", "64", "--set", "parallel.tp=3"], "[parallel].tp=3 does not divide [model].heads=32"),
+    (["--world", "63"], "does not fit 63 ranks"),
+    (["--world", "64", "--rank", "64"], "--rank 64 is not a rank of --world 64; use 0..63"),
+    (["--world", "64", "--expert-imbalance", "0.5"], "--expert-imbalance 0.5 must be >= 1"),
+])
+def test_bad_simulate_input_is_one_line_exit_2(args, message):
+    res = runner.invoke(app, ["plan", "llama3-8b", "--simulate", *args])
+    assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output

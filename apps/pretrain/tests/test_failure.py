@@ -20,7 +20,8 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
     took = time.time() - start
     assert res.exit_code == 1, res.output
     assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
-    assert took < 60, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
+    # ranks import the trainer after they start (forkserver): minutes on a loaded machine, still far from 600 s
+    assert took < 300, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
     # an internal error: one short line; the traceback is in a file under log.dir
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert f"traceback in {tmp_path / 'error.log'}" in res.stderr

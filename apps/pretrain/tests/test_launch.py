@@ -1,27 +1,57 @@
-"""Standalone launch: N local ranks with the torchrun environment; a raising rank ends all promptly."""
+"""Standalone launch: N local ranks with the torchrun environment, started safely whatever threads
+the caller runs; the store listens on the master address only; a raising rank ends all promptly; a
+rank that does not join in time is named."""
 
+import gc
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from pretrain.launch import RankFailed, check_nproc, launch
 from pretrain.errors import UsageError
 
 ENTRIES = '''
-import os, time
+import os, threading, time
 import torch
 import torch.distributed as dist
 from pretrain.launch import init_distributed, shutdown
+
+LOCK = threading.Lock()  # the test holds it in a thread of its own while ranks start
+
+def listening(port):
+    """Addresses (hex, as /proc/net shows them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:
+                    found.append(address)
+    return found
 
 def report(scale):
     rank, world, local_rank, device = init_distributed(timeout_s=60)
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    out = (rank, world, local_rank, str(device), t.item() * scale, bool(os.environ["MASTER_ADDR"]))
+    out = (rank, world, local_rank, str(device), t.item() * scale, listening(int(os.environ["MASTER_PORT"])))
     shutdown()
     return out
+
+def report_after_lock(scale):
+    with LOCK:  # a forked rank would inherit it held by a thread that does not exist there: a hang
+        pass
+    return report(scale)
+
+def late_rank(seconds):
+    if os.environ["RANK"] == "1":
+        time.sleep(seconds)
+    return report(1.0)
 
 def one_rank_fails(stamp):
     rank, *_ = init_distributed(timeout_s=600)
@@ -45,10 +75,52 @@ def entries(tmp_path_factory):
     sys.path.remove(str(root))
 
 
-def test_standalone_ranks_see_the_torchrun_environment(entries):
+LOOPBACK = "0100007F"  # 127.0.0.1 in /proc/net/tcp
+
+
+def test_standalone_ranks_see_the_torchrun_environment_and_the_store_listens_on_the_master_address_only(entries):
     out = launch(entries.report, (2.0,), nproc=2)
-    assert out == [(0, 2, 0, "cpu", 6.0, True), (1, 2, 1, "cpu", 6.0, True)]
-    assert launch(entries.report, (1.0,), nproc=1) == [(0, 1, 0, "cpu", 1.0, True)]
+    assert out == [(0, 2, 0, "cpu", 6.0, [LOOPBACK]), (1, 2, 1, "cpu", 6.0, [LOOPBACK])]
+    assert launch(entries.report, (1.0,), nproc=1) == [(0, 1, 0, "cpu", 1.0, [])]  # one rank: nothing listens
+
+
+def _churn(stop: threading.Event) -> None:
+    while not stop.is_set():  # allocate and collect, as a program's worker threads do
+        [object() for _ in range(1000)]
+        gc.collect()
+        time.sleep(0.001)  # leave the ranks some CPU
+
+
+def test_ranks_start_safely_while_the_caller_runs_threads(entries):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(256, 256) @ torch.ones(256, 256)  # torch's intra-op pool is up
+    stop, locked = threading.Event(), threading.Event()
+
+    def hold_lock():
+        with entries.LOCK:
+            locked.set()
+            stop.wait()
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            pool.submit(hold_lock)
+            churners = [pool.submit(_churn, stop) for _ in range(2)]
+            locked.wait()
+            try:
+                out = launch(entries.report_after_lock, (1.0,), nproc=4)
+            finally:
+                stop.set()
+            [c.result() for c in churners]
+    finally:
+        torch.set_num_threads(threads)
+    assert [r[4] for r in out] == [10.0] * 4
+
+
+def test_a_rank_that_does_not_join_in_time_is_named(entries):
+    with pytest.raises(RankFailed) as e:  # before rank 0's own 60 s rendezvous timeout, and rank 1's 600 s sleep
+        launch(entries.late_rank, (600,), nproc=2, join_timeout_s=10)
+    assert str(e.value) == "rank 1 failed: did not reach the rendezvous within 10 s ([train].timeout_s)"
 
 
 def test_a_raising_rank_ends_every_rank_within_seconds_with_its_error(entries, tmp_path):

@@ -298,7 +298,8 @@ class TrainConfig:
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # bounds every collective and the ranks' rendezvous
+    preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
     nan_policy: str = "stop"
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
     grad_reduce_dtype: str = "fp32"
@@ -316,6 +317,7 @@ class TrainConfig:
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1, beta2 must be in [0, 1)")
         _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
         _need(self.timeout_s > 0, f"[train].timeout_s={self.timeout_s} must be > 0")
+        _need(self.preempt_timeout_s > 0, f"[train].preempt_timeout_s={self.preempt_timeout_s} must be > 0")
         _choice("[train].dtype", self.dtype, DTYPES)
         _choice("[train].device", self.device, DEVICES)
         _choice("[train].fp8", self.fp8, FP8)

@@ -1,20 +1,16 @@
 """Starting the ranks: standalone (``pretrain train --nproc N``) or under ``torchrun`` / ``srun torchrun``.
 
-Standalone runs reuse torch's elastic launcher (what ``torchrun --standalone`` does) with a local
-c10d rendezvous, so each rank sees the same ``RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-MASTER_PORT`` environment as under torchrun, and :func:`init_distributed` is the same call in
-both cases. When a rank raises, the launcher stops the others at once (SIGTERM) and
-:func:`launch` raises :class:`RankFailed` carrying that rank's error.
+Standalone ranks (:mod:`pretrain.ranks`) see the same ``RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT`` environment as under torchrun, so :func:`init_distributed` is the same
+call in both cases. When a rank raises, the launcher stops the others at once and :func:`launch`
+raises :class:`RankFailed` carrying that rank's error; a signal stops the run as
+:mod:`pretrain.ranks` describes.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 import socket
-import time
-import uuid
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -26,12 +22,31 @@ from .errors import UsageError
 MAX_CPU_PROCS = 64  # gloo on one host: beyond this, start-up and memory make no sense
 
 
-class RankFailed(RuntimeError):
-    """A rank raised or died; ``rank`` is the first failing global rank, ``error`` its message."""
+LAUNCHER_ENV = "PRETRAIN_LAUNCHER"  # the pid of the process that started this rank (set by pretrain's launcher)
 
-    def __init__(self, rank: int, error: str, exitcode: int | None = None, traceback: str = ""):
-        self.rank, self.error, self.exitcode, self.traceback = rank, error, exitcode, traceback
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or did not join; ``rank`` is the first failing global rank, ``error`` its message.
+
+    ``usage`` is true when the rank raised a :class:`UsageError` (the user's to fix)."""
+
+    def __init__(self, rank: int, error: str, exitcode: int | None = None, traceback: str = "", usage: bool = False):
+        self.rank, self.error, self.exitcode, self.traceback, self.usage = rank, error, exitcode, traceback, usage
         super().__init__(f"rank {rank} failed: {error}")
+
+
+class Aborted(RuntimeError):
+    """The run was stopped from outside without a clean save (a second Ctrl-C, or the pre-emption
+    deadline passed); ``exit_code`` is what the command line exits with."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        self.exit_code = exit_code
+        super().__init__(message)
+
+
+def join_key(stage: str, rank: int) -> str:
+    """Store key a standalone rank sets when it reaches (``arrived``) and completes (``joined``) the rendezvous."""
+    return f"pretrain/{stage}/{rank}"
 
 
 def under_torchrun() -> bool:
@@ -61,112 +76,63 @@ def check_nproc(nproc: int, device: str = "auto") -> None:
         raise UsageError(f"--nproc {nproc} is more than {MAX_CPU_PROCS}, the most CPU ranks one host may start")
 
 
+def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: str = "auto",
+           join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0) -> list[Any]:
+    """Run ``entry(*args)`` on every rank; returns the ranks' return values in rank order.
+
+    Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
+    ``nproc`` local ranks start (1 runs in this process). ``entry`` must be a module-level function
+    (ranks import it); it calls :func:`init_distributed`. A rank that has not joined the group
+    within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT, ranks get ``preempt_timeout_s``
+    to save and exit.
+    """
+    if under_torchrun():
+        return [entry(*args)]
+    check_nproc(nproc, device)
+    if nproc > 1:
+        from .ranks import run_local_ranks
+
+        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s)
+    env = _single_rank_env()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return [entry(*args)]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _single_rank_env() -> dict[str, str]:
+    """One rank in this process, its own launcher; its group lives in memory (nothing listens on the port)."""
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), LAUNCHER_ENV: str(os.getpid())}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _single_rank_env() -> dict[str, str]:
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-
-
-def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: str = "auto") -> list[Any]:
-    """Run ``entry(*args)`` on every rank; returns the ranks' return values in rank order.
-
-    Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
-    ``nproc`` local ranks start (1 runs in this process). ``entry`` must be a module-level function
-    (with CUDA the ranks are spawned processes that import it); it calls :func:`init_distributed`.
-    """
-    if under_torchrun():
-        return [entry(*args)]
-    check_nproc(nproc, device)
-    if nproc == 1:
-        saved = {k: os.environ.get(k) for k in _single_rank_env()}
-        os.environ.update(_single_rank_env())
-        try:
-            return [entry(*args)]
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pretrain-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method=_start_method(device))
-    # their failure tables and "terminating process" notes repeat what RankFailed says
-    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.CRITICAL)
-    try:
-        results = elastic_launch(config, _ReportRootCause(entry))(*args)
-    except ChildFailedError as e:
-        rank, failure = _root_failure(e)
-        raise RankFailed(rank, _failure_message(failure), failure.exitcode, _failure_traceback(failure)) from None
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
-    return [results[r] for r in sorted(results)]
-
-
-# What a healthy rank reports when a peer died under it: not the error to show the user.
-_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
-
-
-class _ReportRootCause:
-    """Wraps a rank's entry: a rank that only saw a peer die waits a moment before failing, so
-    the launcher records the peer's own error first (it stops everyone at the first failure)."""
-
-    def __init__(self, entry: Callable[..., Any]) -> None:
-        self.entry = entry
-        functools.update_wrapper(self, entry)  # the launcher logs its name
-
-    def __call__(self, *args):
-        try:
-            return self.entry(*args)
-        except Exception as e:
-            if any(c in str(e) for c in _COLLATERAL):
-                time.sleep(3.0)
-            raise
-
-
-def _root_failure(error):
-    """The failing rank to report: the first whose error is its own, not a peer's death seen in a
-    collective (timestamps have one-second resolution, so "first" alone often picks a bystander)."""
-    failures = sorted(error.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    own = [(r, f) for r, f in failures if not any(c in _failure_message(f) for c in _COLLATERAL)]
-    return (own or failures)[0]
-
-
-def _start_method(device: str) -> str:
-    """fork on the CPU (ranks skip re-importing torch: seconds on a small machine); spawn with CUDA,
-    which cannot be used in a forked child once the parent has touched it."""
-    return "spawn" if device_type(device) == "cuda" else "fork"
-
-
-def _failure_traceback(failure) -> str:
-    message = failure.message
-    return str(message.get("extraInfo", {}).get("py_callstack", "")) if isinstance(message, dict) else ""
-
-
-def _failure_message(failure) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    message = str(message or "").strip()
-    if not message or message.startswith("To enable traceback"):
-        return f"exited with code {failure.exitcode}" + (f" (signal {failure.signal_name()})" if failure.exitcode < 0 else "")
-    return message
+def _rendezvous_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
+    """Where the ranks meet: memory for one rank; under pretrain's launcher its store, where this rank
+    marks its arrival (the launcher names a rank that never arrives); None: env://, torchrun's store."""
+    if world == 1:
+        return dist.HashStore()
+    if LAUNCHER_ENV not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                          timedelta(seconds=timeout_s))
+    store.set(join_key("arrived", rank), "1")
+    return store
 
 
 def init_distributed(timeout_s: float = 300.0, device: str = "auto") -> tuple[int, int, int, torch.device]:
-    """Join the default process group (env:// rendezvous); returns (rank, world_size, local_rank, device).
+    """Join the default process group; returns (rank, world_size, local_rank, device).
 
     CUDA: binds LOCAL_RANK's GPU and uses NCCL. CPU: gloo, and this host's cores are shared among
     its local ranks (torch threads per rank = cores / local ranks). ``timeout_s`` bounds every
@@ -185,8 +151,11 @@ def init_distributed(timeout_s: float = 300.0, device: str = "auto") -> tuple[in
         else:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        store = _rendezvous_store(rank, world, timeout_s)
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))  # no store: env://
+        if store is not None:
+            store.set(join_key("joined", rank), "1")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     return rank, world, local_rank, torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")

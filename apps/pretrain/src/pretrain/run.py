@@ -3,51 +3,24 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
-from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
+# imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
+from .checkpoint import CheckpointSaver, latest_checkpoint
+from .checkpoint.retention import start_run
 from .config import load_config
+from .data import load_dataset
+from .flops import training_flops_per_step
 from .launch import init_distributed, shutdown
+from .metrics import MetricsLogger
+from .peak import matmul_dtype, peak_flops
+from .preempt import StopRequests
 from .preflight import checkpoint_root
+from .train_loop import Trainer
 
 FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
-
-
-class _StopRequests:
-    """SIGTERM (pre-emption) asks for a checkpoint and a clean exit at the next step boundary.
-
-    The ranks agree over a group with a short timeout: when the launcher SIGTERMs us because a
-    peer died, that agreement fails fast and we exit without trying to save with a dead peer.
-    A second SIGTERM terminates at once.
-    """
-
-    def __init__(self, timeout_s: float) -> None:
-        self.requested = False
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=min(timeout_s, 30.0)))
-        self.previous = None
-        try:
-            self.previous = signal.signal(signal.SIGTERM, self._on_signal)
-        except ValueError:  # not the main thread: no handler, no pre-emption checkpoint
-            pass
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.requested:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-        self.requested = True
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
-
-    def close(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _injected_failure(rank: int, step: int) -> None:
@@ -60,17 +33,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
 
     ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
-    from .checkpoint import CheckpointSaver, latest_checkpoint
-    from .checkpoint.retention import start_run
-    from .data import load_dataset
-    from .flops import training_flops_per_step
-    from .metrics import MetricsLogger
-    from .peak import matmul_dtype, peak_flops
-    from .train_loop import Trainer
-
     cfg = load_config(config, overrides)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device or cfg.train.device)
-    stops = None
+    stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
     try:
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
         trainer = Trainer(cfg, dataset=dataset, device=dev)
@@ -84,7 +49,6 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}"
-        stops = _StopRequests(t.timeout_s)
         saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
         last_step = t.stop_at or t.steps
         logger = None
@@ -133,7 +97,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             if preempted:
                 saver.finish()  # published before we exit
                 if logger is not None:
-                    logger.message(f"SIGTERM: stopped after step {done}, checkpoint written")
+                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                   f"checkpoint written")
                 break
         if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
             path = saver.save(trainer, root, done, ck.keep)
@@ -150,6 +115,5 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
-        if stops is not None:
-            stops.close()
+        stops.close()
         shutdown()

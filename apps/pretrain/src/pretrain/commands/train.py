@@ -25,7 +25,7 @@ def train(
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
-    from ..launch import RankFailed, check_nproc, launch, under_torchrun
+    from ..launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
     from ..preflight import check_run, run_lock
     from ..run import run_rank
 
@@ -45,12 +45,16 @@ def train(
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir) if leader else nullcontext():
             log_dir = cfg.log.dir
-            launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device)
+            launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
+                   join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s)
     except UsageError as e:
         raise fail(str(e))
+    except Aborted as e:  # a second Ctrl-C, or ranks that did not stop within [train].preempt_timeout_s
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(code=e.exit_code)
     except RankFailed as e:
-        if e.error.startswith(USAGE_PREFIX):  # a user's mistake found inside a rank: as on one rank
-            raise fail(e.error[len(USAGE_PREFIX):].strip())
+        if e.usage:  # a user's mistake found inside a rank: as on one rank
+            raise fail(e.error.removeprefix(USAGE_PREFIX).strip())
         _internal_error(f"rank {e.rank} failed: {e.error}", e.traceback, log_dir)
     except Exception as e:  # one in-process rank (--nproc 1, torchrun): same short line
         _internal_error(f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(), log_dir)

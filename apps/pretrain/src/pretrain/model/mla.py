@@ -102,7 +102,7 @@ class MLAttention(nn.Module):
         a, s = self.a, x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        cos, sin = rope_tables(torch.arange(s), a.qk_rope_head_dim, a.rope_theta, x.dtype, scaling=a)
+        cos, sin = rope_tables(torch.arange(s, device=x.device), a.qk_rope_head_dim, a.rope_theta, x.dtype, scaling=a)
         q, k, v = _split_heads(a, q, self.kv_b_proj(self.kv_a_layernorm(c)), k_rope, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, n, S, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale(a))

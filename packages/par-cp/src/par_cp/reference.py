@@ -17,11 +17,11 @@ def reference_attention(q, k, v, causal: bool = True, cu_seqlens=None, scale: fl
     qd = q.double().permute(1, 2, 0, 3)
     kd = k.double().permute(1, 2, 0, 3).repeat_interleave(g, dim=1)
     vd = v.double().permute(1, 2, 0, 3).repeat_interleave(g, dim=1)
-    allowed = torch.ones(s, s, dtype=torch.bool)
+    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device)
     if causal:
         allowed = torch.tril(allowed)
     if cu_seqlens is not None:
-        doc = torch.zeros(s, dtype=torch.long)
+        doc = torch.zeros(s, dtype=torch.long, device=q.device)
         for start in list(cu_seqlens)[1:-1]:
             doc[int(start):] += 1
         allowed = allowed & (doc[:, None] == doc[None, :])

@@ -1,7 +1,9 @@
 """Faults while saving: a full disk is named as such and its partial ``step_N.tmp`` removed.
 
 DCP reports a rank's write error inside a ``CheckpointException`` (``failures``: rank -> the
-exception), so the ENOSPC may sit a few levels down; :func:`disk_full` looks through them.
+exception), so the ENOSPC may sit a few levels down; :func:`disk_full` looks through them. torch's
+zip writer loses the errno altogether (a short write becomes ``RuntimeError: ... unexpected pos``),
+so when no ENOSPC is found the filesystem itself is asked: :func:`cannot_write_here` tries 1 MiB.
 """
 
 from __future__ import annotations
@@ -37,13 +39,36 @@ def disk_full(error: BaseException) -> bool:
     return False
 
 
+PROBE_BYTES = 1 << 20
+
+
+def cannot_write_here(directory: Path) -> bool:
+    """True when ``directory``'s filesystem refuses ``PROBE_BYTES`` more with ENOSPC (probe removed)."""
+    probe = Path(directory) / f".space-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as e:
+        return e.errno == errno.ENOSPC
+    try:
+        left = memoryview(bytes(PROBE_BYTES))
+        while left:  # a write near the end of the space is short; the next one raises ENOSPC
+            left = left[os.write(fd, left):]
+        os.fsync(fd)
+        return False
+    except OSError as e:
+        return e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
 @contextmanager
 def removed_if_disk_full(tmp: Path):
     """Run a save into ``tmp``; on ENOSPC remove ``tmp`` (it would keep the disk full) and say so."""
     try:
         yield
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        if not disk_full(e):
+        if not (disk_full(e) or cannot_write_here(tmp.parent)):
             if isinstance(e, CheckpointException):  # else the launcher records no message for it
                 raise RuntimeError(f"writing checkpoint {tmp} failed: {_first_failure(e)}") from e
             raise

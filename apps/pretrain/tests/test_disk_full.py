@@ -1,0 +1,38 @@
+"""The disk-full test of a save failure: ENOSPC found in DCP's wrapped exceptions, or, when torch's
+zip writer has lost the errno, a filesystem that refuses another MiB. The second half needs a small
+tmpfs (root); elsewhere it is skipped and the non-full answer is still checked."""
+
+import errno
+import subprocess
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from pretrain.checkpoint.faults import PROBE_BYTES, cannot_write_here, disk_full
+
+
+def test_enospc_is_found_inside_dcp_failures_and_causes():
+    inner = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = inner
+    assert disk_full(CheckpointException("save", {3: (wrapped, None)}))
+    assert not disk_full(CheckpointException("save", {3: (RuntimeError("unexpected pos 704 vs 598"), None)}))
+    assert not disk_full(OSError(errno.EIO, "I/O error"))
+
+
+def test_a_directory_with_room_is_not_full_and_the_probe_is_removed(tmp_path):
+    assert not cannot_write_here(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_tmpfs_refuses_the_probe(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        (small / "filler").write_bytes(bytes(PROBE_BYTES // 2))
+        assert cannot_write_here(small)
+        assert sorted(p.name for p in small.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(small)])

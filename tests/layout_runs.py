@@ -2,13 +2,11 @@
 with, and the comparison (relative error of the loss and the global grad norm at every step).
 
 A layout test is ``dist_run(world, train_steps, config, overrides)`` compared with
-``single_rank(config, overrides)`` by ``assert_same``. The global grad norm matters: AdamW is blind
+``single_rank(dist_run, config, overrides)`` by ``assert_same``. The global grad norm matters: AdamW is blind
 to a constant scale on a parameter's gradient, so losses alone would miss a mis-scaled reduction.
 """
 
 from __future__ import annotations
-
-import functools
 
 STEPS = 20
 # A smaller tiny model (4 layers, 32 tokens) keeps 20 steps of ~30 layouts inside the suite budget.
@@ -27,15 +25,15 @@ def train_steps(config: str | None, overrides) -> tuple[list[float], list[float]
     return [r.loss for r in results], [r.grad_norm for r in results]
 
 
-@functools.cache
-def single_rank(config: str | None, overrides: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
-    from par_groups.testing import RankPool
+_SINGLE_RANK: dict = {}
 
-    pool = RankPool(1)
-    try:
-        return pool.run(train_steps, config, list(overrides))[0]
-    finally:
-        pool.close()
+
+def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
+    """The 1-rank run of ``config`` + ``overrides``, computed once per session on the harness's 1-rank pool."""
+    key = (config, tuple(overrides))
+    if key not in _SINGLE_RANK:
+        _SINGLE_RANK[key] = dist_run(1, train_steps, config, list(overrides), timeout=600)[0]
+    return _SINGLE_RANK[key]
 
 
 def max_errors(result, reference) -> tuple[float, float]:

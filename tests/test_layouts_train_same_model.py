@@ -34,11 +34,14 @@ DENSE = {
     "cp4-a2a+p2p-hcp2x2": ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]"],
 }
 
+# With dp = 1 a pipeline would default to 8 micro-batches of one sequence; 4 of two keep its gloo
+# messages (~2 ms each on this 2-core machine) to what the dp = 2 layouts send.
+FOUR_MICROBATCHES = "parallel.microbatches=4"
 PIPELINE = {
-    "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2"],
-    "pp2-cp2-1f1b": ["parallel.pp=2", "parallel.cp=2"],
+    "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2", FOUR_MICROBATCHES],
+    "pp2-cp2-1f1b": ["parallel.pp=2", "parallel.cp=2", FOUR_MICROBATCHES],
     "pp2-dp2-interleaved-vpp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"],
-    "pp4-1f1b": ["parallel.pp=4"],
+    "pp4-1f1b": ["parallel.pp=4", FOUR_MICROBATCHES],
     "pp2-dp2-gpipe": ["parallel.pp=2", "parallel.schedule=gpipe"],
     "pp2-dp2-zb-h1": ["parallel.pp=2", "parallel.schedule=zb-h1"],
     "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
@@ -57,14 +60,14 @@ UNEVEN = {
 @pytest.mark.parametrize("name", list(DENSE) + list(PIPELINE))
 def test_dense_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, (DENSE | PIPELINE)[name], timeout=900)
-    assert_same(results, single_rank(None), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, None), TOLERANCE, name)
     assert results[0][0][-1] < results[0][0][0]  # and it learns
 
 
 @pytest.mark.parametrize("name", list(UNEVEN))
 def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, list(EIGHT_LAYERS) + UNEVEN[name], timeout=900)
-    assert_same(results, single_rank(None, EIGHT_LAYERS), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, None, EIGHT_LAYERS), TOLERANCE, name)
 
 
 # Tied input/output embeddings: one Parameter, on the rank that holds both ends of the model.
@@ -77,7 +80,7 @@ TIED = {
 @pytest.mark.parametrize("name", list(TIED))
 def test_tied_embeddings_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, ["model.tie_embeddings=true"] + TIED[name], timeout=900)
-    assert_same(results, single_rank(None, ("model.tie_embeddings=true",)), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, None, ("model.tie_embeddings=true",)), TOLERANCE, name)
 
 
 # Every balancing term on, each large enough to move the grad norm by far more than the tolerance,
@@ -96,7 +99,8 @@ MOE = {
     "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
     "cp2-dp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
 }
-# Micro-batches of one sequence, so the pipeline's global micro-batches are the single rank's.
+# Micro-batches of two sequences on the single rank too, so the pipeline's global micro-batches
+# (dp = 1) are the single rank's: the balancing losses are per micro-batch.
 MOE_PIPELINE = {
     "tp2-pp2-ep2-1f1b": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "parallel.etp=1"],
 }
@@ -104,9 +108,9 @@ MOE_PIPELINE = {
 
 @pytest.mark.parametrize("name", list(MOE) + list(MOE_PIPELINE))
 def test_moe_layout_matches_single_rank(dist_run, name):
-    extra = ("train.micro_batch=1",) if name in MOE_PIPELINE else ()
+    extra = ("train.micro_batch=2",) if name in MOE_PIPELINE else ()
     results = dist_run(4, train_steps, "tiny-moe", list(MOE_COMMON + extra) + (MOE | MOE_PIPELINE)[name], timeout=900)
-    assert_same(results, single_rank("tiny-moe", MOE_COMMON + extra), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, "tiny-moe", MOE_COMMON + extra), TOLERANCE, name)
 
 
 # A placement only changes which process plays which grid position: the same model trains.
@@ -119,7 +123,8 @@ pcie = 64.0
 network = 50.0
 ''' + "".join(f"[[gpus]]\nnode = {{n{r}}}\nlocal = {{l{r}}}\ndomain = {{n{r}}}\n" for r in range(4))
 PLACED = {  # name: (nodes of ranks 0..3, layout, what the placement must change)
-    "tp2-pp2-order": ([0, 0, 1, 1], ["parallel.tp=2", "parallel.pp=2", "parallel.order=pp-tp-cp-ep-dp"], "order"),
+    "tp2-pp2-order": ([0, 0, 1, 1], ["parallel.tp=2", "parallel.pp=2", "parallel.order=pp-tp-cp-ep-dp",
+                                     FOUR_MICROBATCHES], "order"),
     "tp2-dp2-permuted": ([0, 1, 0, 1], ["parallel.tp=2"], "permutation"),
 }
 
@@ -148,4 +153,4 @@ def test_placed_layout_matches_single_rank(dist_run, tmp_path, name):
             assert order != "pp-tp-cp-ep-dp" and permutation is None, message
         else:
             assert permutation is not None, message
-    assert_same([losses for losses, *_ in results], single_rank(None), TOLERANCE, name)
+    assert_same([losses for losses, *_ in results], single_rank(dist_run, None), TOLERANCE, name)

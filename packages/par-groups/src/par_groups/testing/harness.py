@@ -1,7 +1,9 @@
 """Run a function on N ranks of a gloo process group on the CPU, with workers started once.
 
 Starting processes that import torch is slow (~20 s for 8 on 2 cores), so workers are forked
-from a forkserver that imported torch once, and a :class:`RankPool`
+from a forkserver that imported torch once (and the heavy parts of torch.distributed, and whatever
+the caller's ``preload`` names: a test suite's own packages, else every worker imports them), and a
+:class:`RankPool`
 keeps ``world_size`` worker processes alive and reuses them. For each job the workers make a
 fresh gloo process group (a prefix of one TCPStore the parent hosts), run the function, and
 destroy every group, so no state leaks from one test to the next.
@@ -101,10 +103,20 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
             dist.destroy_process_group()
 
 
-class RankPool:
-    """``world_size`` long-lived worker processes that run jobs together."""
+# torch.distributed.checkpoint and .tensor import sympy: ~4.5 s of CPU each time a process imports them.
+TORCH_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
-    def __init__(self, world_size: int):
+
+class RankPool:
+    """``world_size`` long-lived worker processes that run jobs together.
+
+    ``preload``: modules the forkserver imports once, before any worker forks. The forkserver is one
+    per process and keeps the preload of whoever started it, so a session passes the same list to
+    every pool (the pytest plugin's ``par_preload`` ini option does); a module that fails to import
+    there is skipped.
+    """
+
+    def __init__(self, world_size: int, preload: tuple[str, ...] = ()):
         import torch.distributed as dist
 
         self.world_size = world_size
@@ -112,7 +124,7 @@ class RankPool:
         # forkserver: one clean process imports torch once; workers fork from it in a fraction of a
         # second. (Forking the test process itself is faster still but crashes: its OpenMP state.)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "par_groups.testing.harness"])
+        ctx.set_forkserver_preload([*TORCH_PRELOAD, "par_groups.testing.harness", *preload])
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(world_size):
@@ -190,15 +202,16 @@ class RankPool:
 class Harness:
     """One pool per world size, started on first use and kept for the session."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self._pools: dict[int, RankPool] = {}
+        self.preload = tuple(preload)
 
     def run(self, world_size: int, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         pool = self._pools.get(world_size)
         if pool is None or not pool.alive:
-            pool = self._pools[world_size] = RankPool(world_size)
+            pool = self._pools[world_size] = RankPool(world_size, self.preload)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     __call__ = run

@@ -16,13 +16,18 @@ import pytest
 from .harness import Harness
 
 
+def pytest_addoption(parser):
+    parser.addini("par_preload", "modules the rank workers' forkserver imports once (the suite's own packages)",
+                  type="linelist", default=[])
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: CUDA checks against the CPU fp32 result (tools/gpu/check.sh runs them); "
                                        "skipped without a GPU")
 
 
 @pytest.fixture(scope="session")
-def dist_run():
-    harness = Harness()
+def dist_run(pytestconfig):
+    harness = Harness(tuple(pytestconfig.getini("par_preload")))
     yield harness
     harness.close()

@@ -43,9 +43,12 @@ def tp_local_grad_norm_sq(params: nn.Module | Iterable[nn.Parameter]) -> torch.T
 
     Each block counts on one of its copies (the placement's first). Returns an fp32 scalar (not reduced).
     """
+    params = _params(params)
     total = None  # on the grads' device
-    for p in _params(params):
+    for p in params:
         if p.grad is not None and placement_of(p).counted():
             sq = p.grad.detach().float().pow(2).sum()
             total = sq if total is None else total + sq
-    return torch.zeros((), dtype=torch.float32) if total is None else total
+    if total is None:  # no grads yet (a stage before its first backward): a zero where the params live
+        return torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    return total

@@ -96,7 +96,7 @@ def test_no_topology_keeps_the_configured_grid():
 
     cfg = load_config(None, LAYOUT)
     decision = decide(cfg, cfg.validate_world(WORLD), None)
-    assert decision.permutation is None and decision.grid == cfg.validate_world(WORLD).grid()
+    assert decision.permutation is None and decision.grid == cfg.validate_world(WORLD).grid
     assert decision.message == UNKNOWN
 
 

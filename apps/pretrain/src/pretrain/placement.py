@@ -123,7 +123,7 @@ def find_topology(cfg, world: int) -> Topology | None:
 
 def decide(cfg, layout, topology: Topology | None) -> RunPlacement:
     """The grid and permutation for ``[parallel].placement`` on ``topology``; UsageError under strict."""
-    grid, mode = layout.grid(), cfg.parallel.placement
+    grid, mode = layout.grid, cfg.parallel.placement
     if mode == "off":
         return RunPlacement(grid, None, f"placement off: groups follow order {grid.order} as given", topology)
     if topology is None:

@@ -109,7 +109,7 @@ def config_plan(cfg: Config, world: int, gpus_per_node: int, gpu_memory_gb: floa
     dtype = "fp32" if t.dtype == "fp32" else "bf16"
     c = param_counts(m)
     dense, experts, stage = stage_params(cfg, layout)
-    grid = layout.grid()
+    grid = layout.grid
     dp_nodes = crosses_nodes(grid.ranks("dp-cp"), gpus_per_node)
     edp_nodes = crosses_nodes(grid.expert_ranks("dp"), gpus_per_node)
     table = state_table(dense, experts, layout.dp * layout.cp, layout.edp, dtype,

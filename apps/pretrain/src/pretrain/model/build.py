@@ -13,7 +13,6 @@ from par_groups import ParallelGroups, create_groups, placement_of
 from par_pp import build_schedule, chunks_on_rank
 from par_zero import DataParallel
 
-from ..errors import UsageError
 from .parallel import ModelChunk, RankLayout, hf_name
 from .reference import init_full_state
 
@@ -65,7 +64,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
                      device: torch.device = torch.device("cpu"), placement=None) -> RankModel:
     """``placement``: a :class:`pretrain.placement.RunPlacement` (grid + rank permutation); None = as configured."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
-    grid = placement.grid if placement is not None else layout.grid()
+    grid = placement.grid if placement is not None else layout.grid
     groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend)
@@ -99,10 +98,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
-    if zero == "torch_fsdp2":
-        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
-            raise UsageError(f"[parallel].zero=torch_fsdp2 runs with tp=1, pp=1, ep=1 only (got tp={layout.tp}, "
-                             f"pp={layout.pp}, ep={layout.ep}); use optim_grads_params for ZeRO-3 with them")
+    if zero == "torch_fsdp2":  # Config allows it with tp = pp = ep = 1 only
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)

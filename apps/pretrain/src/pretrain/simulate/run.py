@@ -23,7 +23,7 @@ from .theory import planned_activations, planned_state
 
 def default_roles(layout) -> list[int]:
     """The global ranks of the first, a middle and the last pipeline stage (tp, cp, dp rank 0)."""
-    stages = layout.grid().ranks("pp")[0]  # the pp group of rank 0, by stage
+    stages = layout.grid.ranks("pp")[0]  # the pp group of rank 0, by stage
     picks = sorted({0, layout.pp // 2, layout.pp - 1})
     return [stages[s] for s in picks]
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from ..grid import RankGrid
 
+# The single-level CP modes. par-cp's fourth, "a2a+p2p", is two levels: it is the grid's ``hcp`` here
+# (level hcp0 all-to-all, hcp1.. p2p rings), not a ``cp_comm`` value.
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")
 # Share of each group type's time on the critical path. TP, all-to-all and expert traffic sits
 # between dependent matmuls; a CP ring overlaps each hop with attention on the previous block,
@@ -56,7 +58,8 @@ class Workload:
         if bad:
             raise ValueError(f"workload sizes must be positive integers, got {bad}")
         if self.cp_comm not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm={self.cp_comm!r}; use one of {', '.join(CP_COMM_TYPES)}")
+            hint = "; a2a+p2p is hierarchical: give the grid hcp=[inner, outer]" if self.cp_comm == "a2a+p2p" else ""
+            raise ValueError(f"cp_comm={self.cp_comm!r}; use one of {', '.join(CP_COMM_TYPES)}{hint}")
         if self.moe_layers is not None and not 0 <= self.moe_layers <= self.layers:
             raise ValueError(f"moe_layers={self.moe_layers} must be within 0..layers={self.layers}")
 

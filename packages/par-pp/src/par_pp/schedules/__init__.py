@@ -12,7 +12,7 @@ from .zero_bubble import zb_h1, zb_v
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 _ONE_CHUNK = ("gpipe", "1f1b", "zb-h1")
-_V_SHAPED = ("zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")  # two model chunks per rank, laid out in a V
 
 
 def _check(name: str, pp: int, microbatches: int, vpp: int) -> int:
@@ -26,9 +26,9 @@ def _check(name: str, pp: int, microbatches: int, vpp: int) -> int:
     if name == "interleaved":
         if vpp < 2:
             raise ValueError(f"interleaved needs vpp >= 2 chunks per rank (got vpp={vpp}); use 1f1b for vpp=1")
-    if name in _V_SHAPED and vpp not in (1, 2):
+    if name in V_SCHEDULES and vpp not in (1, 2):
         raise ValueError(f"{name} always places 2 chunks per rank (V shape); pass vpp=2 or leave it at 1, not vpp={vpp}")
-    return 2 if name in _V_SHAPED else vpp
+    return 2 if name in V_SCHEDULES else vpp
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
@@ -67,7 +67,7 @@ def chunks_on_rank(schedule_or_name: Schedule | str, rank: int, pp: int | None =
 def chunk_placement(name: str, pp: int, vpp: int = 1) -> list[int]:
     """The rank of every global chunk (model order) under the named schedule."""
     per_rank = _check(name, pp, pp, vpp)
-    return v_placement(pp) if name in _V_SHAPED else linear_placement(pp, per_rank)
+    return v_placement(pp) if name in V_SCHEDULES else linear_placement(pp, per_rank)
 
 
 __all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_placement", "chunks_on_rank"]

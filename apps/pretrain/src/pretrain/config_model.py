@@ -1,0 +1,135 @@
+"""The ``[model]`` section: a Llama-3-style decoder, MoE (DeepSeek-style) and MLA options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config_rules import _choice, _need, _positive
+
+BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
+RECOMPUTE = ("none", "selective", "full")
+SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCHERS = ("alltoall", "allgather")
+ATTENTIONS = ("gqa", "mla")
+
+
+def _validate_mla(m) -> None:
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _need(getattr(m, name) >= 1, f"[model].{name}={getattr(m, name)} must be >= 1 with attention='mla'")
+    _positive("model", m, "q_lora_rank", allow_zero=True)
+    _need(m.qk_rope_head_dim % 2 == 0, f"[model].qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    _need(m.kv_heads == m.heads, f"[model].kv_heads={m.kv_heads} must equal heads={m.heads} with attention='mla' "
+                                 f"(every head has its own K and V, expanded from the latent)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
+
+    vocab_size: int = 256
+    hidden: int = 64
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    ffn_hidden: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    recompute: str = "none"
+    moe_layers_start: int = 0
+    num_experts: int = 0
+    top_k: int = 2
+    moe_ffn_hidden: int = 0  # 0 = ffn_hidden
+    shared_experts: int = 0
+    score_func: str = "softmax"
+    n_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0  # sequence-wise balancing loss (DeepSeek-V3); layout-independent
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float = 0.0  # 0 = no token dropping
+    dispatcher: str = "alltoall"
+    norm_topk_prob: bool = True  # sigmoid routing: divide the chosen scores by their sum (DeepSeek-V3)
+    # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0 = a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN RoPE scaling (as Hugging Face's rope_type "yarn"); factor 0 = plain RoPE
+    yarn_factor: float = 0.0
+    yarn_original_max_positions: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
+    backend: str = "torch"  # te = Transformer Engine layers and attention (CUDA, optional)
+    attention_backend: str = "auto"  # auto | flash | sdpa | torch: the attention kernel
+
+    def __post_init__(self) -> None:
+        _choice("[model].backend", self.backend, BACKENDS)
+        _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden")
+        _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
+                  allow_zero=True)
+        _choice("[model].attention", self.attention, ATTENTIONS)
+        _need(self.heads % self.kv_heads == 0,
+              f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
+        if self.attention == "mla":
+            _validate_mla(self)
+        else:
+            _need(self.hidden % self.heads == 0, f"[model].heads={self.heads} does not divide hidden={self.hidden}")
+            _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        _need(self.yarn_factor == 0 or self.yarn_factor >= 1, f"[model].yarn_factor={self.yarn_factor} must be 0 "
+                                                               f"(no RoPE scaling) or >= 1")
+        _need(self.mtp_loss_weight >= 0, f"[model].mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
+              "[model].init_std, norm_eps and rope_theta must be > 0")
+        _choice("[model].recompute", self.recompute, RECOMPUTE)
+        _choice("[model].score_func", self.score_func, SCORE_FUNCS)
+        _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
+        if self.num_experts:
+            _need(1 <= self.top_k <= self.num_experts,
+                  f"[model].top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+            _need(self.n_groups >= 1 and self.num_experts % self.n_groups == 0,
+                  f"[model].n_groups={self.n_groups} does not divide num_experts={self.num_experts}")
+            _need(1 <= self.topk_groups <= self.n_groups,
+                  f"[model].topk_groups={self.topk_groups} must be in 1..n_groups={self.n_groups}")
+            per_group = self.num_experts // self.n_groups
+            _need(self.top_k <= self.topk_groups * per_group,
+                  f"[model].top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in topk_groups="
+                  f"{self.topk_groups} groups of {per_group}")
+            _need(self.capacity_factor >= 0, f"[model].capacity_factor={self.capacity_factor} must be >= 0 (0 = no drop)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: nope + rope parts under MLA, head_dim otherwise."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def expert_ffn_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return max(0, self.layers - self.moe_layers_start) if self.num_experts else 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) has routed experts: the first ``moe_layers_start`` layers stay dense."""
+        return bool(self.num_experts) and index >= self.moe_layers_start

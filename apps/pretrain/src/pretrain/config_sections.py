@@ -1,0 +1,227 @@
+"""The ``[parallel] [train] [data] [checkpoint] [topology] [log]`` sections, each validating itself.
+
+The choice lists of what a package implements come from that package (CP modes from par-cp, ZeRO
+strategies from par-zero, schedules from par-pp), so a new mode there is a valid key here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from par_cp import MODES as CP_COMM_TYPES
+from par_groups import LayoutError, RankGrid
+from par_pp import SCHEDULE_NAMES as SCHEDULES
+from par_pp import V_SCHEDULES, chunk_placement, split_stages
+from par_zero import STRATEGIES as ZERO_STRATEGIES
+
+from .config_rules import _choice, _need, _positive
+from .errors import UsageError
+
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
+NAN_POLICIES = ("skip", "stop")
+PLACEMENTS = ("auto", "strict", "off")  # see pretrain.placement
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout; dp (and expert dp) are derived from the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    cp_comm_type: str = "p2p"
+    hcp: tuple[int, ...] = ()
+    ep: int = 1
+    etp: int = 0  # 0 = tp (Megatron's default)
+    sequence_parallel: bool | None = None  # None = on when tp > 1
+    zero: str = "no_shard"
+    hsdp_replicas: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
+    order: str = "tp-cp-ep-dp-pp"
+    placement: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
+    # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hcp", tuple(self.hcp))
+        _choice("[parallel].placement", self.placement, PLACEMENTS)
+        _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
+        _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
+        _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
+        _choice("[parallel].schedule", self.schedule, SCHEDULES)
+        _need(all(isinstance(s, int) and s >= 1 for s in self.hcp), f"[parallel].hcp={list(self.hcp)} must be positive integers")
+        if self.cp_comm_type == "a2a+p2p":
+            _need(len(self.hcp) == 2 and math.prod(self.hcp) == self.cp,
+                  f"[parallel].cp_comm_type='a2a+p2p' needs hcp=[inner, outer] with inner*outer = cp={self.cp}, "
+                  f"got hcp={list(self.hcp)}")
+        else:
+            _need(not self.hcp, f"[parallel].hcp={list(self.hcp)} is only used with cp_comm_type='a2a+p2p'")
+        if self.vpp > 1:
+            _need(self.schedule == "interleaved",
+                  f"[parallel].vpp={self.vpp} needs schedule='interleaved', got schedule={self.schedule!r}")
+        if self.schedule == "interleaved" and self.pp > 1:
+            _need(self.vpp > 1, "[parallel].schedule='interleaved' needs vpp >= 2 model chunks per rank")
+        if self.hsdp_replicas > 1:
+            _need(self.zero in ("optim_grads_params", "torch_fsdp2"),
+                  f"[parallel].hsdp_replicas={self.hsdp_replicas} needs zero='optim_grads_params' or 'torch_fsdp2' "
+                  f"(HSDP shards parameters inside each replica), got zero={self.zero!r}")
+        try:  # the order string alone (unknown or repeated tokens); sizes are checked per world
+            RankGrid(1, order=self.order)
+        except LayoutError as e:
+            raise UsageError(f"[parallel].order: {e}") from None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds: vpp for interleaved, 2 for the V schedules, else 1."""
+        if self.pp == 1:
+            return 1
+        return 2 if self.schedule in V_SCHEDULES else self.vpp
+
+    @property
+    def uneven(self) -> bool:
+        return bool(self.first_stage_layers or self.last_stage_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[range]:
+        """Layer range of every pipeline chunk in model order (one chunk when pp = 1)."""
+        if self.pp == 1:
+            return [range(num_layers)]
+        placement = chunk_placement(self.schedule, self.pp, self.vpp)
+        try:
+            return split_stages(num_layers, placement, self.first_stage_layers, self.last_stage_layers)
+        except ValueError as e:
+            raise UsageError(f"[parallel] layer split: {e}") from None
+
+    def stage_layers(self, num_layers: int) -> list[list[int]]:
+        """The layer ids each pipeline rank holds (all its chunks), by pp rank."""
+        placement = chunk_placement(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
+        out: list[list[int]] = [[] for _ in range(self.pp)]
+        for rank, layers in zip(placement, self.chunk_layers(num_layers)):
+            out[rank] += list(layers)
+        return out
+
+
+MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    stop_at: int = 0  # 0 = run to `steps`; else end after this step (as a pre-emption would)
+    seq_len: int = 64
+    global_batch: int = 8  # sequences per optimizer step, over all dp ranks
+    micro_batch: int = 0  # sequences per micro-batch per dp rank; 0 = derived
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 1234
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
+    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around the step ([model].backend=te)
+    eval_every: int = 50  # 0 = never
+    eval_batches: int = 4
+    nproc: int = 2
+    timeout_s: float = 300.0  # bounds every collective and the ranks' rendezvous
+    preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
+    nan_policy: str = "stop"
+    # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
+    grad_reduce_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
+        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "eval_batches", "seed",
+                  allow_zero=True)
+        _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
+              f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
+              f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
+        _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
+        _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
+        _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
+        _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
+        _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
+        _need(self.timeout_s > 0, f"[train].timeout_s={self.timeout_s} must be > 0")
+        _need(self.preempt_timeout_s > 0, f"[train].preempt_timeout_s={self.preempt_timeout_s} must be > 0")
+        _choice("[train].dtype", self.dtype, DTYPES)
+        _choice("[train].device", self.device, DEVICES)
+        _choice("[train].fp8", self.fp8, FP8)
+        _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
+        _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+
+    @property
+    def last_step(self) -> int:
+        return self.stop_at or self.steps
+
+    def resolved_dtype(self, device_type: str) -> str:
+        """'fp32' or 'bf16': ``auto`` is bf16 on CUDA and fp32 on the CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if device_type == "cuda" else "fp32"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # "" = the embedded generated dataset; else a prefix written by `pretrain prepare`
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
+    valid_fraction: float = 0.05
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # "" = <log.dir>/checkpoints
+    every: int = 0  # 0 = never (a final checkpoint is the trainer's choice)
+    keep: int = 2
+    resume: bool = False
+    async_save: bool = False
+    init_from: str = ""  # a checkpoint (e.g. from `pretrain convert --from-hf`) to take the weights from
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", self, "every", allow_zero=True)
+        _positive("checkpoint", self, "keep")
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Where the ranks run, for placement when NVML cannot tell (NVML is asked first)."""
+
+    preset: str = ""  # a par_groups topology preset (dgx-h100, dgx-a100, pcie-8gpu, nvl72)
+    file: str = ""  # or a TOML description (`pretrain topo --save` writes one)
+    nodes: int = 0  # 0 = as many as the world size needs
+
+    def __post_init__(self) -> None:
+        from par_groups.topology import preset_names
+
+        _need(not (self.preset and self.file), "[topology] takes preset or file, not both")
+        if self.preset:
+            _choice("[topology].preset", self.preset, tuple(preset_names()))
+        _positive("topology", self, "nodes", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    dir: str = "runs/latest"  # run output directory; log.jsonl goes inside
+    every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
+
+    def __post_init__(self) -> None:
+        _positive("log", self, "every")
+        _need(self.peak_tflops >= 0, f"[log].peak_tflops={self.peak_tflops} must be >= 0")

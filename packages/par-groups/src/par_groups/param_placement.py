@@ -17,7 +17,7 @@ re-derives a layout from attribute conventions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 import torch
@@ -77,9 +77,17 @@ def declare_(tensor: torch.Tensor, split: dict[int, tuple[int, int]] | None = No
 
 
 def declare_copies_(module: torch.nn.Module, copies: ProcessGroup | None, partial_grad: bool = False) -> torch.nn.Module:
-    """Declare every parameter of ``module`` a full copy on each rank of ``copies`` (e.g. a norm over TP)."""
+    """Declare every parameter of ``module`` a copy on each rank of ``copies`` (e.g. a norm over TP).
+
+    A block already declared stays that block (a TP shard copied over another group, such as the
+    input embedding's vocabulary shard on the first and last pipeline stage); it can have one copies group."""
     for p in module.parameters():
-        declare_(p, copies=copies, partial_grad=partial_grad)
+        old = getattr(p, "placement", None)
+        if old is not None and old.copies is not None:
+            raise ValueError("a parameter already has copies over one group; it cannot be copied over a second")
+        declare_(p, copies=copies, partial_grad=partial_grad, expert=old is not None and old.expert)
+        if old is not None:
+            p.placement = replace(p.placement, full_shape=old.full_shape, offsets=old.offsets)
     return module
 
 

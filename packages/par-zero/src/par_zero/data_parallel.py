@@ -40,10 +40,15 @@ from .units import GatherUnit, default_unit_modules
 MAX_INFLIGHT = 1  # bucket reductions left in flight when the next launches (bounds ZeRO-2/3 full grads)
 
 
-def _size_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes."""
+def _size_buckets(params: list[nn.Parameter], bucket_bytes: int, alone=frozenset()) -> list[list[nn.Parameter]]:
+    """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes;
+    each param in ``alone`` gets a bucket of its own."""
     buckets, cur, size = [], [], 0
     for p in reversed(params):
+        if p in alone:
+            buckets += ([cur] if cur else []) + [[p]]
+            cur, size = [], 0
+            continue
         cur.append(p)
         size += p.numel() * 4
         if size >= bucket_bytes:
@@ -52,6 +57,12 @@ def _size_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def _apart(params: list[nn.Parameter], alone) -> list[list[nn.Parameter]]:
+    """``params`` as one bucket, less those in ``alone``, which get one each."""
+    rest = [p for p in params if p not in alone]
+    return [[p] for p in params if p in alone] + ([rest] if rest else [])
 
 
 class DataParallel:
@@ -63,7 +74,10 @@ class DataParallel:
     ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params whose
     placement (``par_groups.placement_of``) says ``expert`` are data-parallel over
     ``expert_dp_group``; frozen params are skipped. Weight decay skips the params for which
-    ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases).
+    ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases). Each param of
+    ``own_bucket`` gets a bucket of its own, so ranks holding different other params still shard
+    it alike (Megatron's shared embedding on the first and last pipeline stage: its copies' grads
+    are summed shard by shard in :meth:`sum_partial_grads`).
     """
 
     def __new__(cls, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard", **kwargs):
@@ -93,6 +107,7 @@ class DataParallel:
         weight_decay: float = 0.0,
         units: Iterable[nn.Module] | None = None,
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
+        own_bucket: Iterable[nn.Parameter] = (),
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay)
@@ -120,12 +135,13 @@ class DataParallel:
         self.buckets: list[Bucket] = []
         self.units: list[GatherUnit] = []
         self._hooks = []
+        alone = frozenset(own_bucket)
         if strategy == "optim_grads_params":
-            self._build_units(module, trainable, family, units)
+            self._build_units(module, trainable, family, units, alone)
         else:
             bucket_bytes = int(bucket_mb * 2**20)
             for ps, groups in family(trainable):
-                for chunk in _size_buckets(ps, bucket_bytes):
+                for chunk in _size_buckets(ps, bucket_bytes, alone):
                     self.buckets.append(Bucket(chunk, groups, cfg))
         for b in self.buckets:
             b.set_decay(lambda p: not no_decay(self.param_names[p], p))
@@ -133,7 +149,7 @@ class DataParallel:
         for p in self._where:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _build_units(self, module, trainable, family, unit_modules) -> None:
+    def _build_units(self, module, trainable, family, unit_modules, alone) -> None:
         taken: set[nn.Parameter] = set()
         owned = set(trainable)
         plan: list[tuple[nn.Module, list[nn.Parameter]]] = []
@@ -144,7 +160,7 @@ class DataParallel:
                 plan.append((m, ps))
         rest = [p for p in trainable if p not in taken]
         for m, ps in plan + ([(module, rest)] if rest else []):
-            bs = [Bucket(fam, groups, self.cfg) for fam, groups in family(ps) if fam]
+            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in _apart(fam, alone)]
             self.buckets.extend(bs)
             is_root = m is module
             unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root)

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_groups import ParallelGroups, create_groups, placement_of
+from par_groups import ParallelGroups, create_groups, declare_copies_, placement_of
 from par_pp import build_schedule, chunks_on_rank
+from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel
 
 from .parallel import ModelChunk, RankLayout, hf_name
@@ -73,12 +74,11 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
     with torch.device(device):  # built where it runs (no host copy of the shard), then filled from the full state
         chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
+    copies = _share_embedding_(chunks, num_chunks, groups, cfg.model, device) if cfg.model.mtp_depth else []
     for chunk in chunks.values():
-        chunk.load_full_state_(state)
+        chunk.load_full_state_(state)  # the last stage's embedding copy loads model.embed_tokens too
     if cfg.model.tie_embeddings:
         _tie_embeddings(chunks, num_chunks)
-    if num_chunks > 1 and num_chunks - 1 in chunks and cfg.model.mtp_depth:  # validation put chunk 0 here too
-        chunks[num_chunks - 1].shared_embedding = chunks[0].embed_tokens
     if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
         from .te import use_te_linears_
 
@@ -95,6 +95,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                   units=[u for c in mine for u in chunks[c].gather_units()], no_decay=no_decay,
+                  own_bucket=[p for m in copies for p in m.parameters()],
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
@@ -110,7 +111,33 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
 
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """No weight decay on norms and biases (1-D) nor on the input embedding (tied or not), as nanoGPT and Megatron."""
-    return param.dim() < 2 or "embed_tokens" in name
+    return param.dim() < 2 or "embed_tokens" in name or "shared_embedding" in name
+
+
+def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, a,
+                      device: torch.device) -> list[nn.Module]:
+    """Give the last chunk's MTP modules the input embedding; returns the embedding copies made.
+
+    On the rank of chunk 0 (pp=1, V schedules) it is that very module. Otherwise, as Megatron's
+    shared embedding: the last stage holds a copy of chunk 0's vocabulary shard (filled from
+    ``model.embed_tokens``, so equal at start), and both are declared copies over the embedding
+    group with partial grads: ``DataParallel.sum_partial_grads`` adds the input use's and MTP's
+    grads once per step, so both copies take the same update; the norm and checkpoints count
+    the first copy. Each copy sits in a bucket of its own so both stages shard it alike.
+    """
+    first, last = 0, num_chunks - 1
+    if first in chunks and last in chunks:  # pp=1 (chunk 0 is the last) or a V schedule's rank 0
+        if first != last:
+            chunks[last].shared_embedding = chunks[first].embed_tokens
+        return []
+    if last in chunks:
+        with torch.device(device):
+            module = chunks[last].shared_embedding = VocabParallelEmbedding(a.vocab_size, a.hidden, groups.tp)
+    elif first in chunks:
+        module = chunks[first].embed_tokens
+    else:  # a middle stage
+        return []
+    return [declare_copies_(module, groups.embedding, partial_grad=True)]
 
 
 def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:

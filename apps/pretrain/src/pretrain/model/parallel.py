@@ -151,8 +151,8 @@ class ModelChunk(nn.Module):
         self.norm = _norm(a, layout) if last else None
         self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
         # Multi-token prediction modules sit with the output head and share the input embedding:
-        # this chunk's, or chunk 0's on the same rank (V schedules), registered by the builder so the
-        # pipeline's backward of this chunk reaches it (one Parameter: counted and reduced once).
+        # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
+        # embedding group (other schedules); the builder sets it (build.py's _share_embedding_).
         self.mtp = nn.ModuleDict({str(j): _mtp_layer(a, j, layout) for j in mtp_layer_ids(a)} if last else {})
         self.shared_embedding = None
 
@@ -188,7 +188,8 @@ class ModelChunk(nn.Module):
         """The modules ZeRO-3 gathers one at a time, in forward order."""
         units = [self.embed_tokens] if self.first else []
         units += list(self.layers.values())
-        return units + ([self.norm, self.lm_head] + list(self.mtp.values()) if self.last else [])
+        shared = [self.shared_embedding] if self.shared_embedding is not None else []
+        return units + ([self.norm, self.lm_head] + shared + list(self.mtp.values()) if self.last else [])
 
     @torch.no_grad()
     def load_full_state_(self, state) -> "ModelChunk":

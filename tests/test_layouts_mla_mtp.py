@@ -68,20 +68,56 @@ def test_mla_mtp_layout_matches_single_rank(dist_run, name):
 
 def mtp_pp_job(overrides):
     """Losses and grad norms of the run, and whether the embedding's two copies stayed bitwise equal."""
-    import torch.distributed as dist
-
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     trainer = Trainer(load_config(None, COMMON + list(overrides)))
     results = [trainer.train_step(step) for step in range(STEPS)]
+    return [r.loss for r in results], [r.grad_norm for r in results], _embedding_copies_equal(trainer)
+
+
+def _embedding_copies_equal(trainer) -> bool:
+    """Whether the input embedding on the first stage and its copy on the last are bitwise equal."""
+    import torch.distributed as dist
+
     g, chunks, last = trainer.model.groups, trainer.model.chunks, trainer.model.num_chunks - 1
     copy = chunks[0].embed_tokens if 0 in chunks else chunks[last].shared_embedding
-    # the trained (fp32 master) values this rank owns: the params themselves are sharded under ZeRO-3
+    # the fp32 master values this rank's optimizer owns (both stages shard the copies alike)
     mine = torch.cat([t.reshape(-1) for _, t in trainer.model.dp.owned_pieces()[copy.weight].boxes])
     theirs = mine.clone()
     dist.broadcast(theirs, dist.get_global_rank(g.embedding, 0), group=g.embedding)
-    return [r.loss for r in results], [r.grad_norm for r in results], bool(theirs.equal(mine))
+    return bool(theirs.equal(mine))
+
+
+def mtp_checkpoint_job(root):
+    """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2."""
+    from pretrain.checkpoint import latest_checkpoint
+    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    def trainer(layout):
+        return Trainer(load_config(None, COMMON + MLA + layout))
+
+    pp2, out = MTP_PP["pp2-dp2-1f1b-zero2"], {}
+    t = trainer(pp2)
+    for step in range(2):
+        t.train_step(step)
+    t.save_checkpoint(f"{root}/pp2", 2)
+    for name, layout, src in (("pp1", [], "pp2"), ("pp2-again", pp2, "pp1")):
+        t = trainer(layout)
+        t.load_checkpoint(latest_checkpoint(f"{root}/{src}"))
+        t.save_checkpoint(f"{root}/{name}", 2)
+        for prefix in ("model/", "optim/exp_avg/", "optim/exp_avg_sq/"):
+            a, b = (read_full_tensors(latest_checkpoint(f"{root}/{d}"), prefix) for d in (src, name))
+            out[name, prefix] = sorted(a) == sorted(b) and len(a) > 0 and all(a[k].equal(b[k]) for k in a)
+    out["copies equal after load"] = _embedding_copies_equal(t)
+    return out
+
+
+def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path):
+    out = dist_run(4, mtp_checkpoint_job, str(tmp_path), timeout=600)[0]
+    assert all(out.values()), out
 
 
 @pytest.mark.parametrize("name", list(MTP_PP))

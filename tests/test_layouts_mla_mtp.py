@@ -116,8 +116,8 @@ def mtp_checkpoint_job(root):
 
 
 def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path):
-    out = dist_run(4, mtp_checkpoint_job, str(tmp_path), timeout=600)[0]
-    assert all(out.values()), out
+    for rank, out in enumerate(dist_run(4, mtp_checkpoint_job, str(tmp_path), timeout=600)):
+        assert all(out.values()), (rank, out)
 
 
 @pytest.mark.parametrize("name", list(MTP_PP))

@@ -1,0 +1,56 @@
+"""The distributed optimizer: AdamW on each rank's optimizer range of every bucket.
+
+Each bucket holds, for its optimizer range (everything for 'no_shard', the owned shard when
+sharded), the reduced grads and the fp32 master; this optimizer keeps the AdamW moments of that
+range and steps it, with torch.optim.AdamW's arithmetic. Weight decay applies to the params for
+which ``decayed(param)`` holds, as ranges of the optimizer range. Re-assembling the params from
+the masters afterwards is the buffer's job (:meth:`GradBuffer.sync_params`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .adamw import adamw_step_
+from .bucket import Bucket
+from .config import DataParallelConfig
+
+
+class DistributedAdamW:
+    """AdamW over the optimizer ranges of ``buckets``; ``lr`` may change every step (``set_lr``)."""
+
+    def __init__(self, buckets: list[Bucket], cfg: DataParallelConfig, decayed: Callable[[nn.Parameter], bool]):
+        self.buckets = buckets
+        self.cfg = cfg
+        self.lr = cfg.lr
+        self.step_count = 0
+        self.exp_avg = [torch.zeros_like(b.master, dtype=torch.float32) for b in buckets]
+        self.exp_avg_sq = [torch.zeros_like(b.master, dtype=torch.float32) for b in buckets]
+        self.decay_ranges = [[(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)] for b in buckets]
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def state(self, i: int, kind: str) -> torch.Tensor:
+        """Bucket ``i``'s ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') over its optimizer range."""
+        if kind not in ("master", "exp_avg", "exp_avg_sq"):
+            raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
+        return self.buckets[i].master if kind == "master" else getattr(self, kind)[i]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The moments (for measuring bytes; the masters are the buckets')."""
+        return self.exp_avg + self.exp_avg_sq
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW update of every bucket's master (the params are not re-assembled here)."""
+        self.step_count += 1
+        c, lr = self.cfg, self.lr
+        for b, m, v, decay in zip(self.buckets, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
+            grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
+            for lo, hi in decay:  # decoupled decay first, with torch.optim.AdamW's arithmetic
+                b.master[lo:hi].mul_(1 - lr * c.weight_decay)
+            adamw_step_(b.master, grad, m, v, step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)

@@ -29,8 +29,8 @@ def owned_pieces(dp, kind: str = "master") -> dict[nn.Parameter, Pieces]:
     if kind not in STATE:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(STATE)}")
     out = {}
-    for i, b in enumerate(dp.buckets):
-        src = dp.optimizer.state(i, kind)
+    for b in dp.buckets:
+        src = dp.optimizer.range_state(b, kind)
         for p in b.params:
             out[p] = Pieces(placement_of(p).full_shape)
         for p, _, lo, hi, p_lo in b.opt_segments():
@@ -74,9 +74,9 @@ def gather_full_state(dp, kind: str = "master") -> dict[str, torch.Tensor]:
     """``kind`` of every trainable param, full size on every rank (for tests and export): each
     rank's optimizer range summed into zeros over the ranks holding the other ranges."""
     out = {}
-    for i, b in enumerate(dp.buckets):
+    for b in dp.buckets:
         flat = torch.zeros(b.N, dtype=torch.float32, device=b.device)
-        flat[b.opt_lo : b.opt_hi] = dp.optimizer.state(i, kind)
+        flat[b.opt_lo : b.opt_hi] = dp.optimizer.range_state(b, kind)
         if dp.cfg.shard_optimizer:
             # opt ranges are disjoint within the inner group (x outer for outer 'optim')
             comm.all_reduce(flat, b.groups.inner)

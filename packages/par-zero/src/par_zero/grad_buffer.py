@@ -178,13 +178,3 @@ class GradBuffer:
         items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
                  for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
         return sum_partial_grads_(items)
-
-    @torch.no_grad()
-    def sum_partial_grads(self) -> int:
-        """After the reduction: sum the grads whose placement is partial over model-parallel copies
-        (sequence-parallel norms, replicated KV heads), in this rank's optimizer range. Sums are
-        linear, so after the DP mean is as good as before it; copies hold identical buckets, so the
-        ranges line up. Returns how many param pieces were summed."""
-        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
-                 for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
-        return sum_partial_grads_(items)

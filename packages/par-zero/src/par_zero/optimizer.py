@@ -27,30 +27,32 @@ class DistributedAdamW:
         self.cfg = cfg
         self.lr = cfg.lr
         self.step_count = 0
-        self.exp_avg = [torch.zeros_like(b.master, dtype=torch.float32) for b in buckets]
-        self.exp_avg_sq = [torch.zeros_like(b.master, dtype=torch.float32) for b in buckets]
-        self.decay_ranges = [[(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)] for b in buckets]
+        # {bucket: {moment: tensor over its optimizer range}}, as torch.optim's per-param ``state``
+        self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+                      for b in buckets}
+        self.decay_ranges = {b: [(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)] for b in buckets}
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
-    def state(self, i: int, kind: str) -> torch.Tensor:
-        """Bucket ``i``'s ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') over its optimizer range."""
+    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
+        """``bucket``'s ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') over its optimizer range."""
         if kind not in ("master", "exp_avg", "exp_avg_sq"):
             raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
-        return self.buckets[i].master if kind == "master" else getattr(self, kind)[i]
+        return bucket.master if kind == "master" else self.state[bucket][kind]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The moments (for measuring bytes; the masters are the buckets')."""
-        return self.exp_avg + self.exp_avg_sq
+        return [t for moments in self.state.values() for t in moments.values()]
 
     @torch.no_grad()
     def step(self) -> None:
         """One AdamW update of every bucket's master (the params are not re-assembled here)."""
         self.step_count += 1
         c, lr = self.cfg, self.lr
-        for b, m, v, decay in zip(self.buckets, self.exp_avg, self.exp_avg_sq, self.decay_ranges):
+        for b in self.buckets:
             grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
-            for lo, hi in decay:  # decoupled decay first, with torch.optim.AdamW's arithmetic
+            m, v = self.state[b]["exp_avg"], self.state[b]["exp_avg_sq"]
+            for lo, hi in self.decay_ranges[b]:  # decoupled decay first, with torch.optim.AdamW's arithmetic
                 b.master[lo:hi].mul_(1 - lr * c.weight_decay)
             adamw_step_(b.master, grad, m, v, step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from par_groups import CommRecorder
-from par_zero import DataParallel
+from par_zero import data_parallel
 
 PAIRS = [  # (our strategy, our kwargs, peer name)
     ("no_shard", {}, "ddp"),
@@ -64,16 +64,16 @@ class Runner:
         inner, outer = groups
         kw = dict(lr=1e-3)
         if name in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-            self.dp = DataParallel(model, None, name, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, None, name, bucket_mb=args.bucket_mb, **kw)
             self.opt = None
         elif name == "hsdp":
-            self.dp = DataParallel(model, inner, "optim_grads_params", outer_group=outer, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, bucket_mb=args.bucket_mb, **kw)
             self.opt = None
         elif name == "ddp":
-            self.dp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+            self.dp = nn.parallel.Distributeddata_parallel(model, bucket_cap_mb=args.bucket_mb)
             self.opt = torch.optim.AdamW(model.parameters(), foreach=False, **kw)
         elif name in ("fsdp2", "fsdp2_hsdp", "fsdp2_noreshard"):
-            self.dp = DataParallel(model, inner if name == "fsdp2_hsdp" else None, "torch_fsdp2",
+            self.dp = data_parallel(model, inner if name == "fsdp2_hsdp" else None, "torch_fsdp2",
                                    outer_group=outer if name == "fsdp2_hsdp" else None,
                                    reshard_after_forward=name != "fsdp2_noreshard", **kw)
             self.opt = None

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from par_zero.testing import OPT, hsdp_groups, reference_params, tiny_model, train_parallel
 
-from par_zero import DataParallel
+from par_zero import data_parallel
 
 BUCKET_MB = 300 / 2**20
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2"]
@@ -31,7 +31,7 @@ def train_every_layout(world: int) -> dict[str, float]:
     errors = {}
 
     def run(name, strategy, group=None, **kw):
-        dp = DataParallel(tiny_model(kw.pop("expert", False)), group, strategy, bucket_mb=BUCKET_MB, **OPT, **kw)
+        dp = data_parallel(tiny_model(kw.pop("expert", False)), group, strategy, bucket_mb=BUCKET_MB, **OPT, **kw)
         norms = train_parallel(dp, world, rank)
         norm_err = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         errors[name] = max(_max_err(dp, ref), norm_err)  # params and every step's grad norm
@@ -58,7 +58,7 @@ def train_bf16(world: int) -> dict[str, float]:
     out = {}
     for s in ("no_shard", "optim", "optim_grads_params"):
         for rd in (None, torch.float32):
-            dp = DataParallel(tiny_model(), None, s, bucket_mb=BUCKET_MB, param_dtype=torch.bfloat16, reduce_dtype=rd, **OPT)
+            dp = data_parallel(tiny_model(), None, s, bucket_mb=BUCKET_MB, param_dtype=torch.bfloat16, reduce_dtype=rd, **OPT)
             train_parallel(dp, world, rank)
             out[f"{s}-reduce-{rd}"] = _max_err(dp, ref)
     return out

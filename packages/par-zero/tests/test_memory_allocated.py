@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_zero import DataParallel, model_state_for_params
+from par_zero import DataParallel, data_parallel, model_state_for_params
 
 WORLD = 4
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2"]
@@ -39,7 +39,7 @@ def model() -> nn.Module:
 
 def trained_one_step(strategy: str) -> DataParallel:
     kwargs = {} if strategy == "torch_fsdp2" else {"bucket_mb": 0.01}
-    dp = DataParallel(model(), None, strategy, **kwargs)
+    dp = data_parallel(model(), None, strategy, **kwargs)
     dp(torch.randn(4, 128)).float().pow(2).mean().backward()
     dp.step()
     return dp

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_zero import DataParallel, model_state_for_params
+from par_zero import data_parallel, model_state_for_params
 from par_zero.testing import hsdp_groups
 
 WORLD = 4
@@ -35,7 +35,7 @@ def measure(world: int) -> dict:
         hsdp = outer_strategy is not None
         m = model()
         n = sum(p.numel() for p in m.parameters())
-        dp = DataParallel(m, inner if hsdp else None, strategy, param_dtype=dtype, bucket_mb=0.01,
+        dp = data_parallel(m, inner if hsdp else None, strategy, param_dtype=dtype, bucket_mb=0.01,
                           outer_group=outer if hsdp else None, outer_strategy=outer_strategy or "no_shard")
         dp(torch.randn(4, 64)).float().pow(2).mean().backward()
         dp.step()  # at rest after the step: optimizer state exists, transient buffers are gone

@@ -1,8 +1,11 @@
 """par-zero: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, and the model-state memory model."""
 
 from .config import STRATEGIES, DataParallelConfig
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, data_parallel
 from .fsdp2 import TorchFSDP2
+from .grad_buffer import GradBuffer
+from .optimizer import DistributedAdamW
+from .clipping import clip_grad_norm_
 from .checkpoint import owned_pieces, whole_pieces
 from .pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, load_pieces, save_pieces
 from .memory import ModelState, bytes_per_param, model_state, model_state_for_params
@@ -12,6 +15,10 @@ __all__ = [
     "STRATEGIES",
     "TorchFSDP2",
     "DataParallel",
+    "data_parallel",
+    "GradBuffer",
+    "DistributedAdamW",
+    "clip_grad_norm_",
     "DataParallelConfig",
     "ModelState",
     "Pieces",

@@ -30,7 +30,6 @@ from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
-from .adamw import adamw_step_
 from .config import DataParallelConfig
 
 
@@ -72,17 +71,18 @@ def _alloc(t: torch.Tensor, numel: int) -> None:
 
 
 class Bucket:
-    """A flat param/grad buffer of a few params, sharded over ``groups`` by ``cfg.strategy``."""
+    """A flat param/grad buffer of a few params, sharded over ``groups`` as ``cfg``'s booleans say.
+
+    It holds the fp32 master of its optimizer range (the optimizer's moments live in the optimizer)."""
 
     def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig):
         self.params = params
         self.groups = groups
         self.cfg = cfg
-        self.strategy = cfg.strategy
         d, r = groups.d, groups.r
         self.dp_size = d * r
-        self.zero3 = cfg.strategy == "optim_grads_params"
-        self.outer_optim = groups.outer is not None and cfg.outer_strategy == "optim"
+        self.zero3 = cfg.shard_params
+        self.outer_optim = groups.outer is not None and cfg.outer_shard_optimizer
         self.offsets: list[int] = []
         n = 0
         for p in params:
@@ -95,7 +95,7 @@ class Bucket:
         self.S = self.N // d
         i = dist.get_rank(groups.inner)
         self.shard_lo = i * self.S
-        if cfg.strategy == "no_shard":
+        if not cfg.shard_optimizer:
             self.opt_lo, self.opt_hi = 0, self.N
         elif self.outer_optim:
             s2 = self.S // r
@@ -120,11 +120,11 @@ class Bucket:
 
             # Grads: persistent full buffer for no_shard/optim, transient full + persistent shard otherwise.
             gdt = cfg.grad_dtype
-            self.persistent_full_grad = cfg.strategy in ("no_shard", "optim")
+            self.persistent_full_grad = not cfg.shard_grads
             self.full_grad = torch.zeros(self.N, dtype=gdt, device=self.device) if self.persistent_full_grad else None
-            if cfg.strategy == "no_shard":
+            if not cfg.shard_optimizer:
                 self.opt_grad = self.full_grad
-            elif cfg.strategy == "optim":
+            elif self.persistent_full_grad:  # ZeRO-1: the optimizer reads its range of the full buffer
                 self.opt_grad = self.full_grad[self.opt_lo : self.opt_hi]
             else:
                 self.opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=gdt, device=self.device)
@@ -136,11 +136,8 @@ class Bucket:
             else:
                 self.master = original[self.opt_lo : self.opt_hi].clone()
                 self.master_is_param = False
-            self.exp_avg = torch.zeros_like(self.master, dtype=torch.float32)
-            self.exp_avg_sq = torch.zeros_like(self.master, dtype=torch.float32)
         del original
         self.pending = len(params)
-        self.decay_ranges = [(lo, hi) for _, _, lo, hi, _ in self.opt_segments()]  # see set_decay
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
         self._reduce_work = None
         self._reduce_out = None
@@ -175,7 +172,7 @@ class Bucket:
         """Add one param's fresh grad into the flat buffer (called from its post-accumulate hook)."""
         if self.full_grad is None:
             self.new_full_grad()
-        elif self.reduced and self.strategy == "optim":
+        elif self.reduced and self.cfg.shard_optimizer and self.persistent_full_grad:  # ZeRO-1
             # A second synced backward in the same step: the buffer's other shards hold stale
             # local grads and our shard holds an average; restore "sum of contributions".
             keep = self.opt_grad * self.dp_size
@@ -194,7 +191,7 @@ class Bucket:
         if self._reduce_work is not None or self.full_grad is None:
             return
         self.full_grad.div_(self.dp_size)
-        if self.strategy == "no_shard":
+        if not self.cfg.shard_optimizer:
             self._reduce_out = self.full_grad
             self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
         else:
@@ -231,11 +228,11 @@ class Bucket:
     def _finish(self) -> None:
         """Put the averaged grads where the optimizer reads them."""
         out, self._reduce_out = self._reduce_out, None
-        if self.strategy == "optim":
-            self.opt_grad.copy_(out)
-        elif self.strategy != "no_shard":
+        if self.cfg.shard_grads:
             self.opt_grad.add_(out)
             self.full_grad = None  # ZeRO-2/3 keep only the shard
+        elif self.cfg.shard_optimizer:  # ZeRO-1 (no_shard reduced in place)
+            self.opt_grad.copy_(out)
         self.reduced = True
 
     def zero_grad(self) -> None:
@@ -247,24 +244,13 @@ class Bucket:
         self.reduced = False
         self.pending = len(self.params)
 
-    # ---- optimizer -----------------------------------------------------------------------
-    def set_decay(self, decayed) -> None:
-        """Weight decay applies to the params for which ``decayed(param)`` holds (ranges of the optimizer range)."""
-        self.decay_ranges = [(lo, hi) for p, _, lo, hi, _ in self.opt_segments() if decayed(p)]
-
-    def optimizer_step(self, step: int, lr: float) -> None:
-        c = self.cfg
-        grad = self.opt_grad if self.opt_grad.dtype == torch.float32 else self.opt_grad.float()
-        for lo, hi in self.decay_ranges:  # decoupled decay first, with torch.optim.AdamW's arithmetic
-            self.master[lo:hi].mul_(1 - lr * c.weight_decay)
-        adamw_step_(self.master, grad, self.exp_avg, self.exp_avg_sq, step=step, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
-
+    # ---- parameters ----------------------------------------------------------------------
     def launch_param_sync(self):
         """After the step: copy the master into the param dtype and start re-assembling params."""
         with torch.no_grad():
             if not self.master_is_param:
                 self._param_view_of_opt_range().copy_(self.master)
-            if self.strategy == "no_shard":
+            if not self.cfg.shard_optimizer:
                 return None
             if self.zero3:
                 if not self.outer_optim:
@@ -276,11 +262,11 @@ class Bucket:
 
     # ---- introspection -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The persistent tensors holding params, grads and optimizer state (for measuring bytes)."""
+        """The persistent tensors holding params, grads and the fp32 master (for measuring bytes;
+        the master counts as optimizer state, and only when it is not the params themselves)."""
         params = [self.param_shard] if self.zero3 else [self.full_param]
         grads = [self.full_grad] if self.persistent_full_grad else [self.opt_grad]
-        optim = [self.exp_avg, self.exp_avg_sq] + ([] if self.master_is_param else [self.master])
-        return {"params": params, "grads": grads, "optim": optim}
+        return {"params": params, "grads": grads, "optim": [] if self.master_is_param else [self.master]}
 
     def opt_segments(self):
         """(param, index, lo, hi, p_lo): the part [lo, hi) of the optimizer range holding

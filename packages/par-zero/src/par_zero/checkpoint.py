@@ -16,6 +16,7 @@ from math import prod
 import torch
 from torch import nn
 
+from par_groups import comm
 from par_groups.param_placement import placement_of
 
 from .pieces import Pieces
@@ -29,7 +30,7 @@ def owned_pieces(dp, kind: str = "master") -> dict[nn.Parameter, Pieces]:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(STATE)}")
     out = {}
     for b in dp.buckets:
-        src = getattr(b, kind)
+        src = dp.optimizer.range_state(b, kind)
         for p in b.params:
             out[p] = Pieces(placement_of(p).full_shape)
         for p, _, lo, hi, p_lo in b.opt_segments():
@@ -66,3 +67,21 @@ def load_sharded_state_dict(dp, sd: dict[str, Pieces]) -> None:
     are views of the buffers): take the step and re-assemble the params from the owned ranges."""
     dp.step_count = int(sd["optim/step"].boxes[0][1].item())
     dp.sync_params()
+
+
+@torch.no_grad()
+def gather_full_state(dp, kind: str = "master") -> dict[str, torch.Tensor]:
+    """``kind`` of every trainable param, full size on every rank (for tests and export): each
+    rank's optimizer range summed into zeros over the ranks holding the other ranges."""
+    out = {}
+    for b in dp.buckets:
+        flat = torch.zeros(b.N, dtype=torch.float32, device=b.device)
+        flat[b.opt_lo : b.opt_hi] = dp.optimizer.range_state(b, kind)
+        if dp.cfg.shard_optimizer:
+            # opt ranges are disjoint within the inner group (x outer for outer 'optim')
+            comm.all_reduce(flat, b.groups.inner)
+            if b.outer_optim:
+                comm.all_reduce(flat, b.groups.outer)
+        for p, o in zip(b.params, b.offsets):
+            out[dp.param_names[p]] = flat[o : o + p.numel()].view(p.shape).clone()
+    return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,12 @@ class DataParallelConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # The strategy, parsed once (in __post_init__) into what it shards; the rest reads these.
+    shard_optimizer: bool = field(init=False)  # ZeRO-1 and up: each rank steps its range only
+    shard_grads: bool = field(init=False)  # ZeRO-2 and up: only the reduced shard of the grads is kept
+    shard_params: bool = field(init=False)  # ZeRO-3: params at rest are a shard, gathered per unit
+    outer_shard_optimizer: bool = field(init=False)  # HSDP outer 'optim': the range split over replicas too
+    torch_native: bool = field(init=False)  # 'torch_fsdp2': torch's fully_shard does all of it
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -47,6 +53,11 @@ class DataParallelConfig:
             raise ValueError(f"betas={self.betas} must lie in [0, 1)")
         if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(f"lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: need lr >= 0, eps > 0, wd >= 0")
+        level = STRATEGIES.index(self.strategy)  # no_shard < optim < optim_grads < optim_grads_params < torch_fsdp2
+        for name, value in (("shard_optimizer", level >= 1), ("shard_grads", level >= 2), ("shard_params", level >= 3),
+                            ("outer_shard_optimizer", self.outer_strategy == "optim"),
+                            ("torch_native", self.strategy == "torch_fsdp2")):
+            object.__setattr__(self, name, value)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -56,12 +67,12 @@ class DataParallelConfig:
     def check_outer(self, has_outer: bool) -> None:
         if not has_outer:
             return
-        if self.strategy not in SHARDED + ("torch_fsdp2",):
+        if not self.shard_optimizer:
             raise ValueError(
                 f"an outer (HSDP replica) group needs a sharded inner strategy, got strategy={self.strategy!r}; "
                 f"use one of {SHARDED + ('torch_fsdp2',)}, or pass one dp group for plain DDP"
             )
-        if self.outer_strategy == "optim" and self.strategy != "optim_grads_params":
+        if self.outer_shard_optimizer and not (self.shard_params and not self.torch_native):
             raise ValueError(
                 f"outer_strategy='optim' is only valid with strategy='optim_grads_params', got {self.strategy!r}"
             )

@@ -55,7 +55,7 @@ class TorchFSDP2:
                  units: Iterable[nn.Module] | None = None, no_decay: Callable[[str, nn.Parameter], bool] = skip_decay):
         self.cfg = DataParallelConfig("torch_fsdp2", outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                       reshard_after_forward, lr, tuple(betas), eps, weight_decay)
-        if outer_strategy != "no_shard":
+        if self.cfg.outer_shard_optimizer:
             raise ValueError(f"torch_fsdp2 supports outer_strategy='no_shard' only, got {outer_strategy!r}")
         if any(placement_of(p).expert for p in module.parameters()):
             raise ValueError("torch_fsdp2 does not support expert params (placement expert=True); use optim_grads_params")

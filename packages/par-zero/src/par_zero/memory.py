@@ -37,20 +37,14 @@ class ModelState:
 
 def model_state(P: float, G: float, O: float, strategy: str, d: int, *, outer: int = 1, outer_strategy: str = "no_shard") -> ModelState:
     """Per-rank model state for ``strategy`` sharded over ``d`` ranks (HSDP: d = inner size, ``outer`` replicas)."""
-    DataParallelConfig(strategy=strategy, outer_strategy=outer_strategy)  # validates the names
+    cfg = DataParallelConfig(strategy=strategy, outer_strategy=outer_strategy)  # validates the names
     if d < 1 or outer < 1:
         raise ValueError(f"d={d} and outer={outer} must be >= 1")
     if outer > 1:
-        DataParallelConfig(strategy=strategy, outer_strategy=outer_strategy).check_outer(True)
-    if strategy == "no_shard":
-        return ModelState(P, G, O)
-    if strategy == "optim":
-        return ModelState(P, G, O / d)
-    if strategy == "optim_grads":
-        return ModelState(P, G / d, O / d)
-    # ZeRO-3 (ours or torch's fully_shard)
-    split = d * outer if outer_strategy == "optim" else d
-    return ModelState(P / d, G / split, O / split)
+        cfg.check_outer(True)
+    split = d * outer if cfg.outer_shard_optimizer else d  # grads and optimizer state (ZeRO-3 with outer 'optim')
+    return ModelState(P / d if cfg.shard_params else P, G / split if cfg.shard_grads else G,
+                      O / split if cfg.shard_optimizer else O)
 
 
 def bytes_per_param(param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None) -> tuple[int, int, int]:

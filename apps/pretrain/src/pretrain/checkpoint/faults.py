@@ -2,8 +2,10 @@
 
 DCP reports a rank's write error inside a ``CheckpointException`` (``failures``: rank -> the
 exception), so the ENOSPC may sit a few levels down; :func:`disk_full` looks through them. torch's
-zip writer loses the errno altogether (a short write becomes ``RuntimeError: ... unexpected pos``),
-so when no ENOSPC is found the filesystem itself is asked: :func:`cannot_write_here` tries 1 MiB.
+zip writer loses the errno altogether: a short write becomes ``RuntimeError: ... unexpected pos``
+(a regular file takes a short write only when the space runs out), which counts as full too. Every
+rank sees the same DCP failure, so they all decide alike. Failing both, the filesystem itself is
+asked (:func:`cannot_write_here` tries 1 MiB).
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ from ..errors import UsageError
 KILL_ENV = "PRETRAIN_KILL_IN_SAVE"  # "RANK:STEP": that rank SIGKILLs itself mid-save of that step; for fault tests
 
 
+SHORT_WRITE = "unexpected pos"  # torch's zip writer (inline_container.cc) when fewer bytes were written than given
+
+
 def disk_full(error: BaseException) -> bool:
-    """True when ``error`` is, wraps or was caused by ENOSPC."""
+    """True when ``error`` is, wraps or was caused by ENOSPC (or a quota), or is torch's short write."""
     stack, seen = [error], set()
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, RuntimeError) and SHORT_WRITE in str(e):
             return True
         if isinstance(e, tuple):
             stack += [x for x in e if isinstance(x, BaseException)]

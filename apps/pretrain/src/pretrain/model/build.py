@@ -12,7 +12,7 @@ from torch import nn
 from par_groups import ParallelGroups, create_groups, declare_copies_, placement_of
 from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
-from par_zero import DataParallel
+from par_zero import DataParallel, TorchFSDP2, data_parallel
 
 from .parallel import ModelChunk, RankLayout, hf_name
 from .reference import init_full_state
@@ -25,7 +25,7 @@ class RankModel:
     groups: ParallelGroups
     chunks: dict[int, ModelChunk]
     module: nn.Module  # what the DP wrapper wraps: the single chunk, or a ModuleDict of chunks
-    dp: DataParallel
+    dp: DataParallel | TorchFSDP2
     schedule: object | None  # a par_pp Schedule when pp > 1
     num_chunks: int
 
@@ -103,9 +103,9 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
-        dp = DataParallel(module, inner, zero, outer_group=outer, **kwargs)
+        dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
-        dp = DataParallel(module, groups.dp_cp, zero, **kwargs)
+        dp = data_parallel(module, groups.dp_cp, zero, **kwargs)
     return RankModel(groups, chunks, module, dp, schedule, num_chunks)
 
 

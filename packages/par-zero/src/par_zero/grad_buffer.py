@@ -1,0 +1,192 @@
+"""The gradient/parameter buffer: params in flat buckets, the grad-ready hooks, the collectives.
+
+Trainable params are packed into buckets (:class:`Bucket`) in grad-ready order, dense and expert
+params apart (each family reduces over its own groups); for ZeRO-3 one or more buckets per gather
+unit (a layer), whose hooks gather them just in time. Each param's post-accumulate-grad hook adds
+its grad into its bucket; when a bucket is complete its reduction starts (unless grad sync is off),
+and all are awaited at the end of that backward. Under ``no_sync()`` grads only accumulate locally,
+with no communication. Gradients are AVERAGED over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from par_groups.param_placement import placement_of, sum_partial_grads_
+
+from .bucket import Bucket, BucketGroups
+from .config import DataParallelConfig
+from .units import GatherUnit, default_unit_modules
+
+
+MAX_INFLIGHT = 1  # bucket reductions left in flight when the next launches (bounds ZeRO-2/3 full grads)
+
+
+def _size_buckets(params: list[nn.Parameter], bucket_bytes: int, alone=frozenset()) -> list[list[nn.Parameter]]:
+    """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes;
+    each param in ``alone`` gets a bucket of its own."""
+    buckets, cur, size = [], [], 0
+    for p in reversed(params):
+        if p in alone:
+            buckets += ([cur] if cur else []) + [[p]]
+            cur, size = [], 0
+            continue
+        cur.append(p)
+        size += p.numel() * 4
+        if size >= bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _apart(params: list[nn.Parameter], alone) -> list[list[nn.Parameter]]:
+    """``params`` as one bucket, less those in ``alone``, which get one each."""
+    rest = [p for p in params if p not in alone]
+    return [[p] for p in params if p in alone] + ([rest] if rest else [])
+
+
+class GradBuffer:
+    """The buckets of ``module``'s trainable params, their hooks and collectives (see the module doc)."""
+
+    def __init__(self, module: nn.Module, cfg: DataParallelConfig, dense_groups: BucketGroups,
+                 expert_groups: BucketGroups, units: Iterable[nn.Module] | None = None, own_bucket=()):
+        self.cfg = cfg
+        self.dense_groups = dense_groups
+        self.expert_groups = expert_groups
+        self._sync = True
+        self._callback_queued = False
+        self._inflight: list[Bucket] = []
+        trainable = [p for p in module.parameters() if p.requires_grad]
+
+        def family(ps):  # split params into (dense, expert) with their groups
+            dense = [p for p in ps if not placement_of(p).expert]
+            expert = [p for p in ps if placement_of(p).expert]
+            return [(dense, self.dense_groups), (expert, self.expert_groups)]
+
+        self.buckets: list[Bucket] = []
+        self.units: list[GatherUnit] = []
+        self._hooks = []
+        alone = frozenset(own_bucket)
+        if cfg.shard_params:
+            self._build_units(module, trainable, family, units, alone)
+        else:
+            bucket_bytes = int(cfg.bucket_mb * 2**20)
+            for ps, groups in family(trainable):
+                for chunk in _size_buckets(ps, bucket_bytes, alone):
+                    self.buckets.append(Bucket(chunk, groups, cfg))
+        self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
+        for p in self._where:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def families(self) -> list[tuple[BucketGroups, list[Bucket]]]:
+        """The dense buckets and the expert ones (if on their own groups), each with its groups."""
+        if self.expert_groups is self.dense_groups:
+            return [(self.dense_groups, self.buckets)] if self.buckets else []
+        out = [(g, [b for b in self.buckets if b.groups is g]) for g in (self.dense_groups, self.expert_groups)]
+        return [(g, bs) for g, bs in out if bs]
+
+    def _build_units(self, module, trainable, family, unit_modules, alone) -> None:
+        taken: set[nn.Parameter] = set()
+        owned = set(trainable)
+        plan: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        for m in (list(unit_modules) if unit_modules is not None else default_unit_modules(module)):
+            ps = [p for p in m.parameters() if p in owned and p not in taken]
+            taken.update(ps)
+            if ps:
+                plan.append((m, ps))
+        rest = [p for p in trainable if p not in taken]
+        for m, ps in plan + ([(module, rest)] if rest else []):
+            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in _apart(fam, alone)]
+            self.buckets.extend(bs)
+            is_root = m is module
+            unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root)
+            self._hooks.extend(unit.install(is_root))
+            self.units.append(unit)
+        for a, b in zip(self.units, self.units[1:]):
+            a.next, b.prev = b, a
+
+    # ---- backward ---------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate grads locally (no communication); the next synced
+        backward reduces the sum."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def set_grad_sync(self, sync: bool) -> None:
+        """Same as ``no_sync`` for callers (pipeline executors) that cannot use a context."""
+        self._sync = sync
+
+    def reduce_grads(self) -> None:
+        """Reduce now what backwards under ``no_sync`` accumulated, e.g. after a pipeline schedule
+        whose last backward (a zero-bubble W) is not known in advance; sync is on afterwards."""
+        self._sync = True
+        self._end_of_backward()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket, k = self._where[p]
+        bucket.accumulate(k, p.grad)
+        p.grad = None
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if self._sync:
+                self._launch(bucket)
+            bucket.reshard()
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start a bucket's reduction; retire finished ones (freeing ZeRO-2/3 full grads early)
+        and keep at most MAX_INFLIGHT in flight."""
+        bucket.launch_reduce()
+        self._inflight.append(bucket)
+        while self._inflight and self._inflight[0].try_finish(block=len(self._inflight) > MAX_INFLIGHT):
+            self._inflight.pop(0)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._sync:
+            for b in self.buckets:  # buckets with unused params: reduce what they have (all ranks alike)
+                if b.pending != 0:
+                    if b.full_grad is None:
+                        b.new_full_grad()
+                    b.launch_reduce()
+                    self._inflight.append(b)
+            for b in self._inflight:
+                b.try_finish(block=True)
+            self._inflight.clear()
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.reshard()
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    @torch.no_grad()
+    def sync_params(self) -> None:
+        """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
+        works = [b.launch_param_sync() for b in self.buckets]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    @torch.no_grad()
+    def sum_partial_grads(self) -> int:
+        """After the reduction: sum the grads whose placement is partial over model-parallel copies
+        (sequence-parallel norms, replicated KV heads), in this rank's optimizer range. Sums are
+        linear, so after the DP mean is as good as before it; copies hold identical buckets, so the
+        ranges line up. Returns how many param pieces were summed."""
+        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
+                 for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
+        return sum_partial_grads_(items)

@@ -38,6 +38,9 @@ def _state_tensors(dp) -> dict[str, list[torch.Tensor]]:
     for b in getattr(dp, "buckets", []):
         for kind, ts in b.state_tensors().items():
             out[kind] += ts
+    optimizer = getattr(dp, "optimizer", None)  # the AdamW moments live in par-zero's optimizer, not the buckets
+    if optimizer is not None:
+        out["optim"] += optimizer.state_tensors()
     return out
 
 

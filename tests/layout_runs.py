@@ -28,11 +28,12 @@ def train_steps(config: str | None, overrides) -> tuple[list[float], list[float]
 _SINGLE_RANK: dict = {}
 
 
-def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = ()) -> tuple[list[float], list[float]]:
-    """The 1-rank run of ``config`` + ``overrides``, computed once per session on the harness's 1-rank pool."""
-    key = (config, tuple(overrides))
+def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = (), fn=train_steps):
+    """``fn(config, overrides)`` on one rank (default: :func:`train_steps`), computed once per session
+    on the harness's 1-rank pool."""
+    key = (fn.__module__, fn.__qualname__, config, tuple(overrides))
     if key not in _SINGLE_RANK:
-        _SINGLE_RANK[key] = dist_run(1, train_steps, config, list(overrides), timeout=600)[0]
+        _SINGLE_RANK[key] = dist_run(1, fn, config, list(overrides), timeout=600)[0]
     return _SINGLE_RANK[key]
 
 

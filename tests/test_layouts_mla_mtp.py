@@ -9,6 +9,8 @@ totals; bad MLA/MTP input is one line."""
 import pytest
 import torch
 
+import layout_runs
+
 STEPS = 10
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false"]
 RTOL = 1e-5  # fp32: layouts differ by rounding only; the bound of the HF logits tests
@@ -50,14 +52,9 @@ MOE = ["model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01", "model.bias_
        "model.score_func=sigmoid", "model.n_groups=2", "model.topk_groups=1", "model.moe_layers_start=1"]
 
 
-_SINGLE_RANK: dict = {}
-
-
 def single_rank(dist_run, config, overrides):
-    """The 1-rank run, once per session, on the harness's 1-rank pool."""
-    if (config, overrides) not in _SINGLE_RANK:
-        _SINGLE_RANK[config, overrides] = dist_run(1, train_losses, config, list(overrides), timeout=600)[0]
-    return _SINGLE_RANK[config, overrides]
+    """The 1-rank run of :func:`train_losses`, once per session (layout_runs' cache)."""
+    return layout_runs.single_rank(dist_run, config, overrides, fn=train_losses)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -184,10 +184,17 @@ class DataParallel:
         return gather_full_state(self, kind)
 
     # ---- introspection -------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent tensors this rank holds, by kind: 'params', 'grads', 'optim' (fp32 masters
+        and AdamW moments)."""
+        held = {kind: [t for b in self.buckets for t in b.state_tensors()[kind]]
+                for kind in ("params", "grads", "optim")}
+        held["optim"] += self.optimizer.state_tensors()
+        return held
+
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in params, grads and optimizer state (distinct storages)."""
-        held = {kind: [t for b in self.buckets for t in b.state_tensors()[kind]] for kind in ("params", "grads", "optim")}
-        held["optim"] += self.optimizer.state_tensors()
+        held = self.state_tensors()
         out = {}
         seen: set[int] = set()
         for kind, tensors in held.items():

@@ -114,7 +114,7 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     return param.dim() < 2 or "embed_tokens" in name or "shared_embedding" in name
 
 
-def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, a,
+def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, model_cfg,
                       device: torch.device) -> list[nn.Module]:
     """Give the last chunk's MTP modules the input embedding; returns the embedding copies made.
 
@@ -132,7 +132,8 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
         return []
     if last in chunks:
         with torch.device(device):
-            module = chunks[last].shared_embedding = VocabParallelEmbedding(a.vocab_size, a.hidden, groups.tp)
+            module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp)
+            chunks[last].shared_embedding = module
     elif first in chunks:
         module = chunks[first].embed_tokens
     else:  # a middle stage

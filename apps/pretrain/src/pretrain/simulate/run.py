@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -34,14 +33,8 @@ def check_rank(rank: int, world: int) -> None:
 
 
 def _state_tensors(dp) -> dict[str, list[torch.Tensor]]:
-    out: dict[str, list] = defaultdict(list)
-    for b in getattr(dp, "buckets", []):
-        for kind, ts in b.state_tensors().items():
-            out[kind] += ts
-    optimizer = getattr(dp, "optimizer", None)  # the AdamW moments live in par-zero's optimizer, not the buckets
-    if optimizer is not None:
-        out["optim"] += optimizer.state_tensors()
-    return out
+    """par-zero's own account of what it holds; torch's FSDP2 gives none (its tensors stay 'other')."""
+    return dp.state_tensors() if hasattr(dp, "state_tensors") else {}
 
 
 def _group_names(groups) -> dict[int, str]:

@@ -17,7 +17,7 @@ rank holding any of its experts and its result sent back once, forward and again
 (2 x 2 x rows x hidden x 4 B). ``bytes_ratio`` is ours / that minimum, ``peer_bytes_ratio`` the
 naive loop's.
 
-    uv run python tools/bench/bench_moe.py [--tokens 512 --hidden 256 --ffn 256 --experts 64 --top-k 8 --repeats 7]
+    uv run python tools/bench/bench_moe.py [--tokens 256 --hidden 256 --ffn 256 --experts 64 --top-k 8 --repeats 7]
 
 Ends with ``RESULT <dispatcher>-ep<N> ratio=<median ours/naive> ratio_min= ratio_max= repeats=
 bytes_ratio=<moved/minimum> peer_bytes_ratio=``.
@@ -133,7 +133,7 @@ def _worker(rank, world, init_file, args, queue):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--experts", type=int, default=64)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from par_groups import RankGrid, create_groups
-from par_moe import MoEConfig, MoELayer, ReferenceMoE
+from par_moe import MoEConfig, MoELayer, ReferenceMoE, make_dispatcher
 
 T, H, F, E, WORLD = 24, 16, 8, 64, 4
 CASES = {
@@ -48,6 +48,13 @@ def ep_job(ep):
     for name in CASES:
         layer = MoELayer.from_reference(ReferenceMoE(config_of(name), seed=1), pg.ep)
         out[name] = run(layer, dist.get_rank()) | {"first": layer.first_expert}
+    # bf16 rows carry the expert ids bit-cast into 16-bit columns: unit weights and identity experts
+    # give back k * x exactly (values on a 1/4 grid).
+    x = (inputs(dist.get_rank())[0] * 4).round().bfloat16() / 4
+    indices = ReferenceMoE(config_of("top8-softmax"), seed=1).route(x.float())[2]
+    d = make_dispatcher("alltoall", E, pg.ep)
+    rows, counts, handle = d.dispatch(x, indices, torch.ones(T, 8))
+    out["bf16_exact"] = torch.equal(d.combine(rows, handle), 8 * x) and counts.sum().item() == len(rows)
     return out
 
 
@@ -62,6 +69,7 @@ def single_rank(name):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_dedup_all_to_all_matches_single_rank_layer(dist_run, ep):
     per_rank = dist_run(WORLD, ep_job, ep, timeout=600)
+    assert all(r["bf16_exact"] for r in per_rank)
     for name in CASES:
         chosen = ReferenceMoE(config_of(name), seed=1).route(inputs(0)[0])[2]
         shared_rank = [len(set((row // (E // ep)).tolist())) < 8 for row in chosen]

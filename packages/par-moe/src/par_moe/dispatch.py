@@ -119,16 +119,17 @@ class AllToAllDispatcher:
         return returned.new_zeros(handle.num_source_tokens, returned.shape[1]).index_add(0, handle.source_token, returned)
 
 
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # per float size: bf16/fp16, fp32, fp64
+
+
 def _ids_as(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Small integer ids as columns of a floating ``dtype`` (bit-cast, so they travel with the rows)."""
-    same_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
-    return ids.to(same_size).view(dtype)
+    return ids.to(_INT_OF_SIZE[dtype.itemsize]).view(dtype)
 
 
 def _ids_from(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Undo :func:`_ids_as`."""
-    same_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[columns.dtype.itemsize]
-    return columns.detach().contiguous().view(same_size).to(dtype)
+    return columns.detach().contiguous().view(_INT_OF_SIZE[columns.dtype.itemsize]).to(dtype)
 
 
 class AllGatherDispatcher:

@@ -21,7 +21,10 @@ CASES = {
     "top8-softmax": dict(top_k=8),
     "top8-sigmoid-capacity": dict(top_k=8, score_func="sigmoid", capacity_factor=1.0, routed_scaling_factor=2.5),
 }
-TOL = dict(atol=1e-6, rtol=1e-6)
+TOL = dict(atol=1e-6, rtol=1e-6)  # measured: outputs and input grads use under half of it
+# An expert's weight grad sums up to WORLD * T token terms, added in another order than on one rank:
+# measured up to 0.97 of the 1e-6 budget, so twice that.
+EXPERT_TOL = dict(atol=2e-6, rtol=2e-6)
 
 
 def config_of(name):
@@ -83,4 +86,4 @@ def test_dedup_all_to_all_matches_single_rank_layer(dist_run, ep):
             full = torch.zeros_like(grads[n])
             for r in per_rank:  # each expert lives on WORLD/ep ranks (expert DP): their grads add up
                 full[r[name]["first"]:r[name]["first"] + E // ep] += r[name][n]
-            torch.testing.assert_close(full, grads[n], **TOL, msg=lambda m: f"{name} expert {n} grad: {m}")
+            torch.testing.assert_close(full, grads[n], **EXPERT_TOL, msg=lambda m: f"{name} expert {n} grad: {m}")

@@ -1,18 +1,19 @@
 """par-pp vs torch.distributed.pipelining: same MLP chunks, same microbatches, CPU gloo, 4 ranks.
 
-    uv run python tools/bench/bench_pp.py [--pp 4] [--microbatches 8] [--hidden 256] [--steps 3]
+    uv run python tools/bench/bench_pp.py [--pp 4] [--microbatches 8] [--hidden 256] [--repeats 7]
 
-Prints step times (median), their ratio (ours / peer), bytes sent by par-pp (CommRecorder), the
-bubble measured from par-pp's executed timeline, and ends with
-``RESULT <schedule> ratio=<ours/peer step time> bubble=<measured>``.
+Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
+warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Bytes sent per rank per step: ours
+recorded by ``par_groups.CommRecorder``, the peer's from its dispatched sends
+(``torch_comm.TorchCommBytes``). The bubble is measured from par-pp's executed timeline. Ends with
+``RESULT <schedule> ratio= ratio_min= ratio_max= repeats= bubble=<measured> bytes= peer_bytes=``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ def loss_fn(y, t):
     return (y - t).pow(2).mean()
 
 
-def run_ours(name, vpp, pp, m, args, data):
-    from par_groups.comm import CommRecorder
+def build_ours(name, vpp, pp, m, args, data):
+    """One step of par-pp's executor, and a function measuring the bubble of one step."""
     from par_pp import PipelineExecutor, build_schedule, chunks_on_rank
 
     rank = dist.get_rank()
@@ -48,24 +49,23 @@ def run_ours(name, vpp, pp, m, args, data):
     chunks = {c: make_chunk(c, args.hidden, layers) for c in chunks_on_rank(schedule, rank)}
     ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn)
     xs, ts = data
-    times, bubbles, nbytes = [], [], 0
-    for i in range(args.steps + 1):
-        dist.barrier()
-        t = time.perf_counter()
-        with CommRecorder() as rec:
-            ex.step(xs, ts)
-        dist.barrier()
-        if i:  # step 0 warms up
-            times.append(time.perf_counter() - t)
-            rows = [None] * pp
-            dist.all_gather_object(rows, [(r.start, r.end) for r in ex.records])
-            begin, end = min(s for row in rows for s, _ in row), max(e for row in rows for _, e in row)
-            bubbles.append(sum(1 - sum(e - s for s, e in row) / (end - begin) for row in rows) / pp)
-            nbytes = rec.total_bytes("send")
-    return statistics.median(times), statistics.median(bubbles), nbytes
+
+    def step():
+        ex.step(xs, ts)
+
+    def bubble() -> float:
+        """Idle share of the step's span, from the executor's timeline, averaged over ranks."""
+        step()
+        rows = [None] * pp
+        dist.all_gather_object(rows, [(r.start, r.end) for r in ex.records])
+        begin, end = min(s for row in rows for s, _ in row), max(e for row in rows for _, e in row)
+        return sum(1 - sum(e - s for s, e in row) / (end - begin) for row in rows) / pp
+
+    return step, bubble
 
 
-def run_peer(cls_name, placement, pp, m, args, data):
+def build_peer(cls_name, placement, pp, m, args, data, group):
+    """One step of torch's schedule; its stages talk over ``group``, apart from our messages."""
     from torch.distributed import pipelining
 
     rank = dist.get_rank()
@@ -76,25 +76,33 @@ def run_peer(cls_name, placement, pp, m, args, data):
     else:
         mine = [rank + k * pp for k in range(per_rank)]
     layers = args.layers_per_rank // per_rank
-    stages = [pipelining.PipelineStage(make_chunk(c, args.hidden, layers), c, stages_total, torch.device("cpu")) for c in mine]
+    stages = [pipelining.PipelineStage(make_chunk(c, args.hidden, layers), c, stages_total, torch.device("cpu"), group=group)
+              for c in mine]
     cls = getattr(pipelining, cls_name)
     sched = cls(stages[0], m, loss_fn=loss_fn) if per_rank == 1 else cls(stages, m, loss_fn=loss_fn)
     xs, ts = data
     x, t = torch.cat(xs, dim=1), torch.cat(ts, dim=1)  # microbatches split along the batch dim
-    times = []
-    for i in range(args.steps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        holds_first, holds_last = 0 in mine, stages_total - 1 in mine
-        kwargs = {"target": t} if holds_last else {}
-        sched.step(*(x,) if holds_first else (), **kwargs)
-        dist.barrier()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    inputs = (x,) if 0 in mine else ()
+    kwargs = {"target": t} if stages_total - 1 in mine else {}
+
+    def step():
+        sched.step(*inputs, **kwargs)
+
+    return step
+
+
+def _send_bytes(step, recorder) -> int:
+    with recorder as rec:
+        step()
+    return sum(r.bytes for r in rec.records if r.op == "send")
 
 
 def worker(rank, world, port, args, queue):
+    from paired_timing import Summary, paired_times
+    from torch_comm import TorchCommBytes
+
+    from par_groups import CommRecorder
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -102,16 +110,22 @@ def worker(rank, world, port, args, queue):
     m = args.microbatches
     xs = [torch.randn(args.seq, args.batch, args.hidden, generator=g) for _ in range(m)]
     ts = [torch.randn(args.seq, args.batch, args.hidden, generator=g) for _ in range(m)]
+    peer_group = dist.new_group(list(range(world)))  # interleaved steps: keep the two sides' p2p apart
     for name, vpp, cls_name, placement in PAIRS:
-        ours, bubble, nbytes = run_ours(name, vpp, world, m, args, (xs, ts))
+        ours, bubble = build_ours(name, vpp, world, m, args, (xs, ts))
         try:
-            peer = run_peer(cls_name, placement, world, m, args, (xs, ts))
+            peer = build_peer(cls_name, placement, world, m, args, (xs, ts), peer_group)
+            summary = Summary.of(paired_times(ours, peer, args.repeats, args.warmup))
+            peer_bytes = _send_bytes(peer, TorchCommBytes())
         except Exception as e:  # report, keep benchmarking the others
-            peer = float("nan")
+            summary, peer_bytes = None, 0
             if rank == 0:
+                import traceback; traceback.print_exc()
                 print(f"peer {cls_name} failed: {type(e).__name__}: {e}", flush=True)
+        measured = bubble()
+        nbytes = _send_bytes(ours, CommRecorder())
         if rank == 0:
-            queue.put((name, cls_name, ours, peer, bubble, nbytes))
+            queue.put((name, cls_name, summary, measured, nbytes, peer_bytes))
     dist.destroy_process_group()
 
 
@@ -123,7 +137,8 @@ def main():
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--layers-per-rank", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
+    p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -134,11 +149,18 @@ def main():
     results = [queue.get() for _ in PAIRS]
     for proc in procs:
         proc.join()
-    print(f"pp={args.pp} microbatches={args.microbatches} hidden={args.hidden} seq={args.seq} batch={args.batch} layers/rank={args.layers_per_rank} (CPU gloo)")
-    for name, cls_name, ours, peer, bubble, nbytes in results:
-        print(f"{name:12s} ours {ours * 1e3:8.1f} ms   {cls_name:30s} {peer * 1e3:8.1f} ms   ratio {ours / peer:5.2f}   bubble {bubble:.3f}   sent {nbytes / 1e6:.2f} MB")
-    for name, _, ours, peer, bubble, _ in results:
-        print(f"RESULT {name} ratio={ours / peer:.2f} bubble={bubble:.3f}")
+    print(f"pp={args.pp} microbatches={args.microbatches} hidden={args.hidden} seq={args.seq} batch={args.batch} "
+          f"layers/rank={args.layers_per_rank} (CPU gloo); {args.repeats} paired repeats after {args.warmup} warm-up, "
+          "slowest rank; ratio [min, max] of per-repeat ratios; bytes sent per rank per step")
+    for name, cls_name, s, bubble, nbytes, peer_bytes in results:
+        if s is None:
+            print(f"{name:12s} peer {cls_name} failed")
+            continue
+        print(f"{name:12s} ours {s.ours_s * 1e3:8.1f} ms   {cls_name:30s} {s.peer_s * 1e3:8.1f} ms   ratio {s.ratio:5.2f} "
+              f"[{s.ratio_min:.2f}, {s.ratio_max:.2f}]   bubble {bubble:.3f}   sent {nbytes / 1e6:.2f} MB, peer {peer_bytes / 1e6:.2f} MB")
+    for name, _, s, bubble, nbytes, peer_bytes in results:
+        if s is not None:
+            print(f"RESULT {name} {s.spread()} bubble={bubble:.3f} bytes={nbytes} peer_bytes={peer_bytes}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,26 @@
 """Benchmark: par-tp transformer block vs torch DTensor ``parallelize_module``, CPU gloo.
 
 Same block (LayerNorm, GQA attention, LayerNorm, SwiGLU; sequence-first [S, B, H]) and the same
-full weights on both sides; forward + backward (+ the replicated-grad all-reduce SP needs)
-timed interleaved, median over iterations of the slowest rank. Bytes are ours, counted with
-CommRecorder: what each rank puts on the wire per step (ring algorithms). The peer's collective
-calls are counted with torch's CommDebugMode.
+full weights on both sides; one step is forward + backward (+ the replicated-grad all-reduce SP
+needs on our side). The peer is planned as torchtitan plans a block: with sequence parallelism
+the norms are ``SequenceParallel`` and the attention / MLP inputs ``PrepareModuleInput(Shard ->
+Replicate, use_local_output=False)``, so the all-gather's backward is a reduce-scatter, as ours;
+without it the inputs stay Replicate DTensors, so q/k/v's (and gate/up's) partial input grads
+are summed before one all-reduce, as ours.
 
-    uv run python tools/bench/bench_tp.py [--iters 20]
+Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
+warm-up discarded, the slowest rank's time; ratio = median of per-repeat ratios, with min/max.
+Bytes per rank per step (``wire_bytes``, ring algorithms): ours from ``par_groups.CommRecorder``,
+the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``, a CommDebugMode).
 
-Ends with ``RESULT tp<N>[-sp] ratio=<ours/peer time> bytes=<bytes per rank per step>``.
+    uv run python tools/bench/bench_tp.py [--repeats 15]
+
+Ends with ``RESULT tp<N>[-sp] ratio= ratio_min= ratio_max= repeats= bytes=<ours> peer_bytes=``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -81,10 +86,13 @@ def build_peer(full, sp, mesh):
     plan.update({"attn.wo": RowwiseParallel(output_layouts=out_layout), "mlp.gate": ColwiseParallel(),
                  "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=out_layout)})
     if sp:
-        to_full = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=True)
-        plan.update({"norm1": SequenceParallel(sequence_dim=0, use_local_output=True),
-                     "norm2": SequenceParallel(sequence_dim=0, use_local_output=True),
+        # torchtitan's plan: DTensors flow from the norm into the projections (use_local_output=False)
+        to_full = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),), use_local_output=False)
+        plan.update({"norm1": SequenceParallel(sequence_dim=0), "norm2": SequenceParallel(sequence_dim=0),
                      "attn": to_full, "mlp": to_full})
+    else:  # one DTensor input per sub-block: its projections' partial input grads meet in one all-reduce
+        shared = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
+        plan.update({"attn": shared, "mlp": shared})
     return parallelize_module(blk, mesh, plan)
 
 
@@ -97,9 +105,10 @@ def full_weights(seed=0):
             "w_gate": r(FFN, H), "w_up": r(FFN, H), "w_down": r(H, FFN)}
 
 
-def bench_rank(sp: bool, iters: int):
+def bench_rank(sp: bool, repeats: int, warmup: int):
+    from paired_timing import Summary, paired_times
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
+    from torch_comm import TorchCommBytes
 
     from par_groups import CommRecorder
     from par_tp import allreduce_tp_replicated_grads
@@ -128,23 +137,12 @@ def bench_rank(sp: bool, iters: int):
         diff = (ours(x) - peer(x)).abs().max().item()
     with CommRecorder() as rec:
         step_ours()
-    with CommDebugMode() as peer_comm:
+    with TorchCommBytes() as peer_comm:
         step_peer()
-    times = {"ours": [], "peer": []}
-    for i in range(iters + 3):
-        for name, step in (("ours", step_ours), ("peer", step_peer)) if i % 2 else (("peer", step_peer), ("ours", step_ours)):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            t = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step takes as long as its slowest rank
-            if i >= 3:
-                times[name].append(t.item())
+    summary = Summary.of(paired_times(step_ours, step_peer, repeats, warmup))
     return {
-        "ours_s": statistics.median(times["ours"]), "peer_s": statistics.median(times["peer"]),
-        "wire_bytes": sum(r.wire_bytes for r in rec.records), "logical_bytes": rec.total_bytes(),
-        "ours_ops": rec.ops(), "peer_counts": {str(k): v for k, v in peer_comm.get_comm_counts().items()},
-        "max_abs_diff": diff,
+        "summary": summary, "wire_bytes": sum(r.wire_bytes for r in rec.records), "peer_wire_bytes": peer_comm.wire_bytes(),
+        "ours_ops": rec.ops(), "peer_ops": peer_comm.ops(), "max_abs_diff": diff,
     }
 
 
@@ -152,27 +150,28 @@ def main():
     from par_groups.testing import RankPool
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=15, help="timed repeats (pairs of steps)")
+    ap.add_argument("--warmup", type=int, default=3, help="discarded repeats before them")
     args = ap.parse_args()
-    print(f"block: S={S} B={B} H={H} heads={HEADS} kv_heads={KV_HEADS} ffn={FFN}, fp32, CPU gloo, "
-          f"fwd+bwd median of {args.iters} (slowest rank)")
+    print(f"block: S={S} B={B} H={H} heads={HEADS} kv_heads={KV_HEADS} ffn={FFN}, fp32, CPU gloo, fwd+bwd, "
+          f"{args.repeats} paired repeats after {args.warmup} warm-up (slowest rank)")
     results = []
     for world in (2, 4):
         pool = RankPool(world)
         try:
             for sp in (False, True):
-                r = pool.run(bench_rank, sp, args.iters, timeout=600)[0]
-                name = f"tp{world}" + ("-sp" if sp else "")
+                r = pool.run(bench_rank, sp, args.repeats, args.warmup, timeout=600)[0]
+                name, s = f"tp{world}" + ("-sp" if sp else ""), r["summary"]
                 ops = {op: r["ours_ops"].count(op) for op in dict.fromkeys(r["ours_ops"])}
-                print(f"{name:7s} ours {r['ours_s'] * 1e3:7.2f} ms  peer(DTensor) {r['peer_s'] * 1e3:7.2f} ms  "
-                      f"ratio {r['ours_s'] / r['peer_s']:.3f}  max|diff| {r['max_abs_diff']:.1e}")
-                print(f"        ours collectives {ops}, logical bytes {r['logical_bytes']}, wire bytes/rank {r['wire_bytes']}")
-                print(f"        peer collectives {r['peer_counts']}")
+                print(f"{name:7s} ours {s.ours_s * 1e3:7.2f} ms  peer(DTensor) {s.peer_s * 1e3:7.2f} ms  "
+                      f"ratio {s.ratio:.3f} [{s.ratio_min:.3f}, {s.ratio_max:.3f}]  max|diff| {r['max_abs_diff']:.1e}")
+                print(f"        ours collectives {ops}, wire bytes/rank {r['wire_bytes']}")
+                print(f"        peer collectives {r['peer_ops']}, wire bytes/rank {r['peer_wire_bytes']}")
                 results.append((name, r))
         finally:
             pool.close()
     for name, r in results:
-        print(f"RESULT {name} ratio={r['ours_s'] / r['peer_s']:.3f} bytes={r['wire_bytes']}")
+        print(f"RESULT {name} {r['summary'].spread()} bytes={r['wire_bytes']} peer_bytes={r['peer_wire_bytes']}")
 
 
 if __name__ == "__main__":

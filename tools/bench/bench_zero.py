@@ -1,15 +1,20 @@
-"""par-zero vs torch DDP / FSDP2 fully_shard (and HSDP on a 2-D mesh): step time and peak memory.
+"""par-zero vs torch DDP / FSDP2 fully_shard (and HSDP on a 2-D mesh): step time, peak memory, bytes.
 
 World 4, CPU gloo, one thread per rank. Each pair (ours, peer) trains the same MLP on the same
-batch; their iterations are interleaved so machine noise hits both alike; the figure is the
-median step time (forward + backward + clip-free AdamW step). Peak memory is the rise of the
-rank's resident-set high-water mark (/proc VmHWM, reset before each measured run; malloc's mmap
+batch; a step is forward + backward + clip-free AdamW step.
+
+Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
+warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Peak memory is the rise of the rank's
+resident-set high-water mark (/proc VmHWM, reset before each measured run; malloc's mmap
 threshold pinned so freed tensors go back to the OS) over its RSS before building the model.
-Bytes communicated per step by our wrapper are counted with par_groups.CommRecorder.
+Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
+``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
-    uv run python tools/bench/bench_zero.py [--iters 8] [--hidden 384] [--layers 6]
+    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6]
 
-Ends with ``RESULT <strategy>-vs-<peer> ratio=<ours/peer time> mem_ratio=<ours/peer peak bytes>``.
+Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= repeats= mem_ratio=<ours/peer
+peak bytes> bytes= peer_bytes=``.
 """
 
 from __future__ import annotations
@@ -17,8 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
-import time
 from datetime import timedelta
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed big tensors leave RSS at once
@@ -27,6 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from paired_timing import Summary, paired_times
+from torch_comm import TorchCommBytes
 
 from par_groups import CommRecorder
 from par_zero import data_parallel
@@ -120,22 +126,17 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     rows = []
     for ours, _, peer in PAIRS:
         runners = [Runner(ours, args, groups), Runner(peer, args, groups)]
-        for r in runners:
-            r.step(x, y)  # warm-up
-        times = ([], [])
-        for _ in range(args.iters):
-            for k, r in enumerate(runners):
-                dist.barrier()
-                t = time.perf_counter()
-                r.step(x, y)
-                times[k].append(time.perf_counter() - t)
+        steps = [lambda r=r: r.step(x, y) for r in runners]
+        summary = Summary.of(paired_times(*steps, args.repeats, args.warmup))
         with CommRecorder() as rec:
-            runners[0].step(x, y)
+            steps[0]()
+        with TorchCommBytes() as peer_comm:
+            steps[1]()
         del runners
         # alternate and keep each one's smaller peak, so neither profits from the other's freed heap
         peaks = [peak_bytes(n, args, groups, x, y) for n in (peer, ours, peer, ours)]
         mem = [min(peaks[1], peaks[3]), min(peaks[0], peaks[2])]
-        rows.append((ours, peer, statistics.median(times[0]), statistics.median(times[1]), mem[0], mem[1], rec.total_bytes()))
+        rows.append((ours, peer, summary, mem[0], mem[1], sum(r.wire_bytes for r in rec.records), peer_comm.wire_bytes()))
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -144,7 +145,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
+    ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
@@ -162,11 +164,14 @@ def main() -> None:
         p.join()
     n = sum(p.numel() for p in make_model(args.hidden, args.layers).parameters())
     print(f"model: {args.layers}x Linear({args.hidden},{args.hidden}) + head = {n} params; world {world}, gloo, batch {args.batch}/rank")
-    print(f"{'ours':>20} {'peer':>11} {'ours ms':>8} {'peer ms':>8} {'ours MB':>8} {'peer MB':>8} {'ours comm MB/step':>18}")
-    for ours, peer, t0, t1, m0, m1, c in rows:
-        print(f"{ours:>20} {peer:>11} {t0 * 1e3:8.1f} {t1 * 1e3:8.1f} {m0 / 2**20:8.2f} {m1 / 2**20:8.2f} {c / 2**20:18.2f}")
-    for ours, peer, t0, t1, m0, m1, _ in rows:
-        print(f"RESULT {ours}-vs-{peer} ratio={t0 / t1:.3f} mem_ratio={m0 / max(m1, 1):.3f}")
+    print(f"{args.repeats} paired repeats after {args.warmup} warm-up, slowest rank; ratio [min, max] of per-repeat ratios")
+    print(f"{'ours':>20} {'peer':>16} {'ours ms':>8} {'peer ms':>8} {'ratio':>18} {'ours MB':>8} {'peer MB':>8} "
+          f"{'ours comm MB':>12} {'peer comm MB':>12}")
+    for ours, peer, s, m0, m1, c0, c1 in rows:
+        print(f"{ours:>20} {peer:>16} {s.ours_s * 1e3:8.1f} {s.peer_s * 1e3:8.1f} {s.ratio:6.2f} [{s.ratio_min:.2f}, "
+              f"{s.ratio_max:.2f}] {m0 / 2**20:8.2f} {m1 / 2**20:8.2f} {c0 / 2**20:12.2f} {c1 / 2**20:12.2f}")
+    for ours, peer, s, m0, m1, c0, c1 in rows:
+        print(f"RESULT {ours}-vs-{peer} {s.spread()} mem_ratio={m0 / max(m1, 1):.3f} bytes={c0} peer_bytes={c1}")
 
 
 if __name__ == "__main__":

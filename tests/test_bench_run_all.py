@@ -1,0 +1,44 @@
+"""tools/bench/run_all.py on canned bench output (no bench runs): RESULT lines parsed, the
+spread read in both formats the benches write, the markdown table and the PNG chart written."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CANNED = """cp=4 S=1024 ... (a header line, ignored)
+RESULT p2p ratio=1.84 ratio_min=1.50 ratio_max=2.31 repeats=7 bytes=9437184
+noise RESULT not at the start of a line=1
+RESULT allgather-fwd-vs-torch-flex ratio=0.71 ratio_min=0.60 ratio_max=0.95 repeats=7 bytes=6291456 peer_bytes=6291456
+"""
+SPLIT = "RESULT split-backward ratio=0.982 spread=0.951-1.040 replay_ratio=1.310\n"
+
+
+def _run_all():
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "tools/bench/run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("run_all", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parses_result_lines_and_writes_table_and_chart(tmp_path):
+    run_all = _run_all()
+    rows = run_all.parse_results("bench_cp.py", CANNED, "uv run python tools/bench/bench_cp.py --seq 1024")
+    rows += run_all.parse_results("bench_split_backward.py", SPLIT, "uv run python tools/bench/bench_split_backward.py")
+    assert [(r.case, r.ratio, r.spread) for r in rows] == [
+        ("p2p", 1.84, (1.50, 2.31)), ("allgather-fwd-vs-torch-flex", 0.71, (0.60, 0.95)),
+        ("split-backward", 0.982, (0.951, 1.040))]
+    assert rows[1].other_fields() == "repeats=7 bytes=6291456 peer_bytes=6291456"
+
+    run_all.write_table(rows, tmp_path / "RESULTS.md", "# header\n\n")
+    lines = (tmp_path / "RESULTS.md").read_text().splitlines()
+    assert lines[0] == "# header" and lines[2].startswith("| bench | case | ratio |")
+    assert lines[4] == ("| bench_cp.py | p2p | 1.84 | [1.50, 2.31] | repeats=7 bytes=9437184 | "
+                        "`uv run python tools/bench/bench_cp.py --seq 1024` |")
+    assert len(lines) == 4 + len(rows)
+
+    run_all.plot_ratios(rows, tmp_path / "ratios.png")
+    assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md", "ratios.png"]  # no temporaries left

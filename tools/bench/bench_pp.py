@@ -76,7 +76,7 @@ def build_peer(cls_name, placement, pp, m, args, data, group):
     else:
         mine = [rank + k * pp for k in range(per_rank)]
     layers = args.layers_per_rank // per_rank
-    stages = [pipelining.PipelineStage(make_chunk(c, args.hidden, layers), c, stages_total, torch.device("cpu"), group=group)
+    stages = [pipelining.PipelineStage(make_chunk(c, args.hidden, layers), c, stages_total, torch.device("cpu"))
               for c in mine]
     cls = getattr(pipelining, cls_name)
     sched = cls(stages[0], m, loss_fn=loss_fn) if per_rank == 1 else cls(stages, m, loss_fn=loss_fn)
@@ -111,7 +111,7 @@ def worker(rank, world, port, args, queue):
     xs = [torch.randn(args.seq, args.batch, args.hidden, generator=g) for _ in range(m)]
     ts = [torch.randn(args.seq, args.batch, args.hidden, generator=g) for _ in range(m)]
     peer_group = dist.new_group(list(range(world)))  # interleaved steps: keep the two sides' p2p apart
-    for name, vpp, cls_name, placement in PAIRS:
+    for name, vpp, cls_name, placement in [p for p in PAIRS if p[0] in args.schedules]:
         ours, bubble = build_ours(name, vpp, world, m, args, (xs, ts))
         try:
             peer = build_peer(cls_name, placement, world, m, args, (xs, ts), peer_group)
@@ -119,9 +119,7 @@ def worker(rank, world, port, args, queue):
             peer_bytes = _send_bytes(peer, TorchCommBytes())
         except Exception as e:  # report, keep benchmarking the others
             summary, peer_bytes = None, 0
-            if rank == 0:
-                import traceback; traceback.print_exc()
-                print(f"peer {cls_name} failed: {type(e).__name__}: {e}", flush=True)
+            print(f"rank {rank}: peer {cls_name} failed: {type(e).__name__}: {e}", flush=True)
         measured = bubble()
         nbytes = _send_bytes(ours, CommRecorder())
         if rank == 0:
@@ -137,6 +135,7 @@ def main():
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--layers-per-rank", type=int, default=4)
+    p.add_argument("--schedules", nargs="+", default=[p[0] for p in PAIRS], choices=[p[0] for p in PAIRS])
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
@@ -146,7 +145,7 @@ def main():
     procs = [ctx.Process(target=worker, args=(r, args.pp, port, args, queue)) for r in range(args.pp)]
     for proc in procs:
         proc.start()
-    results = [queue.get() for _ in PAIRS]
+    results = [queue.get() for _ in args.schedules]
     for proc in procs:
         proc.join()
     print(f"pp={args.pp} microbatches={args.microbatches} hidden={args.hidden} seq={args.seq} batch={args.batch} "

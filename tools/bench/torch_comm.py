@@ -1,21 +1,24 @@
 """Count the bytes of the collectives a torch peer issues (DTensor, FSDP2, pipelining, context parallel).
 
 torch's ``CommDebugMode`` sees every c10d and functional collective as it is dispatched, but
-counts calls only. ``TorchCommBytes`` is that mode plus a ``par_groups.CommRecord`` per call,
-with the same byte convention as ours (all-gather: the gathered output; reduce-scatter: the
+counts calls only, and its module tracker breaks ``autograd.grad(inputs=...)`` (torch's
+zero-bubble schedules). ``TorchCommBytes`` is the same dispatch mode without the tracker,
+recording a ``par_groups.CommRecord`` per call, with the same byte convention as ours (all-gather: the gathered output; reduce-scatter: the
 unreduced input; all-reduce: the tensor; all-to-all: the input, ``sent`` the off-rank splits;
 send: the message), so ``wire_bytes`` compares the two sides on one rule:
 
     with TorchCommBytes() as peer_comm:
         peer_step()
-    peer_comm.wire_bytes(), peer_comm.get_comm_counts()
+    peer_comm.wire_bytes(), peer_comm.ops()
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from par_groups import CommRecord
 
@@ -48,10 +51,12 @@ def _nbytes(x) -> int:
 
 
 def _group(args):
-    """The process group of a c10d op (an argument) or a functional one (its name, the last str)."""
+    """The process group of a c10d op (an argument, boxed as a ScriptObject) or a functional one (its name)."""
     for a in args:
-        if hasattr(a, "size") and hasattr(a, "rank") and not isinstance(a, torch.Tensor):
+        if isinstance(a, ProcessGroup):
             return a
+        if isinstance(a, torch.ScriptObject):
+            return ProcessGroup.unbox(a)
     return _resolve_process_group([a for a in args if isinstance(a, str)][-1])
 
 
@@ -68,20 +73,20 @@ def _record(kind: str, where: str, args) -> CommRecord:
     return CommRecord(kind, n, nbytes, None, sent)
 
 
-class TorchCommBytes(CommDebugMode):
-    """CommDebugMode that also records a CommRecord (op, group size, bytes) per collective call."""
+class TorchCommBytes(TorchDispatchMode):
+    """Records a CommRecord (op, group size, bytes) per collective call dispatched inside it."""
 
     def __init__(self):
         super().__init__()
         self.records: list[CommRecord] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        packet = getattr(func, "_overloadpacket", None)
-        if out is not NotImplemented and packet is not None:
-            ns, _, name = str(packet).partition(".")
-            if ns in _NAMESPACES and name in _OPS:
-                self.records.append(_record(*_OPS[name], args))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower itself to the collectives it issues (as CommDebugMode does)
+        out = func(*args, **(kwargs or {}))
+        ns, _, name = str(func._overloadpacket).partition(".")
+        if ns in _NAMESPACES and name in _OPS:
+            self.records.append(_record(*_OPS[name], args))
         return out
 
     def wire_bytes(self) -> int:

@@ -116,6 +116,8 @@ CASES = {
     "train dataset too small": _train("--set", "data.path=data/tiny", "--set", "log.dir=run"),
     "train out-of-vocab ids": _train("--set", "data.path=data/oov", "--set", "log.dir=run"),
     "train float header": _train("--set", "data.path=data/floaty", "--set", "log.dir=run"),
+    "train document_mask without EOS": _train("--set", "data.path=data/good", "--set", "data.document_mask=true",
+                                              "--set", "log.dir=run"),
     # train: checkpoints and directories
     "train missing init_from": _train("--set", "checkpoint.init_from=nosuch", "--set", "log.dir=run"),
     "train resume another shape": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_shape",

@@ -109,8 +109,14 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
-        _need(self.data.path or m.vocab_size >= 256,
-              f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's 256")
+        embedded_vocab = 257 if self.data.packed else 256  # with EOS when documents matter
+        _need(self.data.path or m.vocab_size >= embedded_vocab,
+              f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
+              f"{' (256 bytes and EOS: [data] document keys are set)' if self.data.packed else ''}")
+        if self.data.packed:
+            _need(not m.mtp_depth and m.backend != "te",
+                  f"[data].document_mask/reset_position_ids/eod_mask_loss do not run with "
+                  f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
 
     def validate_world(self, world_size: int) -> Layout:
         """Check everything that depends on the number of ranks; return the resolved layout."""

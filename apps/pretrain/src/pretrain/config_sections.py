@@ -178,9 +178,20 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
     valid_fraction: float = 0.05
     seed: int = 1234
+    # Packed documents, as Megatron's --reset-attention-mask / --reset-position-ids / --eod-mask-loss:
+    # attention stays inside each document, RoPE positions restart at each document, and the loss
+    # of predicting the token after an EOS is dropped. They need a dataset whose documents end with EOS.
+    document_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+
+    @property
+    def packed(self) -> bool:
+        """Whether any key needs the documents' boundaries (so the dataset's EOS)."""
+        return self.document_mask or self.reset_position_ids or self.eod_mask_loss
 
 
 @dataclass(frozen=True)

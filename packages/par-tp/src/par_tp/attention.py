@@ -95,13 +95,14 @@ class TPAttention(nn.Module):
         declare_(proj.weight, {0: (self.tp_rank // r, self.tp_size // r)}, copies=self.tp_group, span=r, partial_grad=True)
         return proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **core_args) -> torch.Tensor:
+        """``core_args`` go to ``core`` (e.g. the document boundaries of packed sequences)."""
         x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)  # one entry for q, k, v
         s, b = x.shape[0], x.shape[1]
         q = self.wq.forward_local(x).view(s, b, self.local_heads, self.head_dim)
         k = self.wk(x).view(s, b, self.local_kv_heads, self.head_dim)
         v = self.wv(x).view(s, b, self.local_kv_heads, self.head_dim)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, **core_args)
         return self.wo(out.reshape(s, b, self.local_heads * self.head_dim))
 
     @torch.no_grad()

@@ -28,12 +28,13 @@ from par_tp import (
     vocab_parallel_cross_entropy,
 )
 
+from ..data.packing import Documents
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
 from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, rope_for, rope_tables
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,12 @@ def context_attention(layout: RankLayout, softmax_scale: float | None = None) ->
 
 
 class RopeThenContextAttention(nn.Module):
-    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention."""
+    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention.
+    ``docs`` (packed documents) restarts the positions and keeps attention inside each document."""
 
     def __init__(self, a, layout: RankLayout) -> None:
         super().__init__()
+        self.a = a
         self.attn = context_attention(layout)
         cp_rank, cp_size = self.attn.cp_rank_and_size
         pos = position_ids(layout.seq_len, cp_rank, cp_size, layout=self.attn.layout)
@@ -74,14 +77,14 @@ class RopeThenContextAttention(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.selective = layout.recompute == "selective"
 
-    def _core(self, q, k, v):
-        cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
-        return self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    def _core(self, q, k, v, docs):
+        cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)
+        return self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None if docs is None else docs.cu_seqlens)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, docs: Documents | None = None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return checkpoint(self._core, q, k, v, use_reentrant=False)
-        return self._core(q, k, v)
+            return checkpoint(self._core, q, k, v, docs, use_reentrant=False)
+        return self._core(q, k, v, docs)
 
 
 def _norm(a, layout: RankLayout) -> nn.RMSNorm:
@@ -117,18 +120,19 @@ class ParallelDecoderLayer(nn.Module):
         self.aux_scale = 1.0
         self.dp_cp_size = g.size("dp_cp")
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
+        x = x + self.self_attn(self.input_layernorm(x), **packed)
         out = self.mlp(self.post_attention_layernorm(x))
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
         return x + out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, docs, use_reentrant=False)
+        return self._forward(x, docs)
 
 
 def _mtp_layer(a, j: int, layout: RankLayout) -> ParallelDecoderLayer:
@@ -160,12 +164,13 @@ class ModelChunk(nn.Module):
         x = embedding(tokens)
         return scatter_to_sequence_parallel(x, self.tp_group) if self.sp else x
 
-    def forward(self, x: torch.Tensor):
-        """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP."""
+    def forward(self, x: torch.Tensor, docs: Documents | None = None):
+        """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP.
+        ``docs``: the micro-batch's packed documents (``[data].document_mask`` / ``reset_position_ids``)."""
         if self.first:
             x = self._embed(x, self.embed_tokens)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, docs)
         if self.last:
             logits = self.lm_head(self.norm(x))
             return (logits, x) if len(self.mtp) else logits

@@ -77,6 +77,8 @@ class Trainer:
                                              device=self.device, message_shape=shape, forward_fn=self._forward_chunk)
         # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss): the current
         # batch's per-micro-batch Documents, and the loss's token count (eod_mask_loss); see packing.py.
+        # A simulation cannot read boundaries from fake tokens: it runs whole sequences (same shapes).
+        self.packed = cfg.data.packed and not simulated
         self._docs: list = []
         self._loss_tokens: float | None = None
 
@@ -91,7 +93,7 @@ class Trainer:
         Also takes the batch's packed documents (see :meth:`_take_documents`)."""
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
-        if self.cfg.data.packed:
+        if self.packed:
             return inputs, self._take_documents(batch)
         if not depth:
             return inputs, [self._shard(batch.labels[m]) for m in range(n)]

@@ -8,8 +8,9 @@ Each rank walks its action list in order:
 * ``B`` (m, c), full: backward through the chunk, accumulating weight grads into ``.grad`` and
   sending the input grad to chunk ``c - 1``. Split (zero-bubble): only the input grad
   (``torch.autograd.grad`` w.r.t. the chunk's input, graph kept), sent on at once.
-* ``W`` (m, c): the queued weight-grad work of a split B (``backward(inputs=params)``), exact:
-  the same gradients as one full backward.
+* ``W`` (m, c): the weight-grad work a split B left (``split_backward``): it restarts at the
+  nodes where weight branches leave the activation path, so B + W do one backward's work, and
+  the gradients are exactly one full backward's.
 
 Gradients accumulate into the chunks' parameters (zero them between optimizer steps); the caller
 runs the optimizer. Per-microbatch extra inputs (position ids, masks) reach a chunk through
@@ -31,6 +32,7 @@ from par_groups import comm
 
 from .ir import Action, Schedule, make_schedule
 from .p2p import StageComm
+from .split_backward import PendingWeightGrad, backward_input, backward_weight
 
 
 def _call_module(chunk_id: int, module: nn.Module, x: torch.Tensor, microbatch: int) -> torch.Tensor:
@@ -52,6 +54,7 @@ class _Live:
 
     input: torch.Tensor
     output: torch.Tensor  # the scaled loss on the last chunk; a scalar once the B brings the grad
+    pending: PendingWeightGrad | None = None  # a split B's leftover weight-grad work
 
 
 @dataclass(frozen=True)
@@ -198,9 +201,9 @@ class PipelineExecutor:
         self._compute_start = time.perf_counter()
         wants_input_grad = c > 0 and live.input.requires_grad
         if a.split:
-            # Input grad only, graph kept: the W later walks it again for the weight grads.
+            # Input grad only; the W finishes the weight grads from where B left them.
             if wants_input_grad:
-                (grad_in,) = torch.autograd.grad(live.output, [live.input], retain_graph=True)
+                grad_in, live.pending = backward_input(live.output, live.input, self._params[c])
                 self._deliver(a, grad_in)
             return
         del self._live[(m, c)]
@@ -212,7 +215,9 @@ class PipelineExecutor:
 
     def _run_W(self, a: Action) -> None:
         live = self._live.pop((a.microbatch, a.chunk))
-        if self._params[a.chunk]:
+        if live.pending is not None:
+            backward_weight(live.pending)
+        elif self._params[a.chunk]:  # no input grad was due (chunk 0): W is the whole backward
             torch.autograd.backward(live.output, inputs=self._params[a.chunk])
 
     def _reduce_tied_grads(self) -> None:

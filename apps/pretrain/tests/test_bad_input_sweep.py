@@ -110,6 +110,7 @@ CASES = {
     "train nproc 0": ["train", "--nproc", "0", *SMALL],
     "train nproc too many": ["train", "--nproc", "1000", *SMALL],
     "train device tpu": _train("--device", "tpu"),
+    "train dynamic cp with cp 1": _train("--set", "parallel.dynamic_cp=true", "--set", "parallel.max_seq_per_rank=64"),
     "train huge global batch": _train("--set", "train.global_batch=100000000"),
     # train: data
     "train missing data": _train("--set", "data.path=data/nosuch", "--set", "log.dir=run"),

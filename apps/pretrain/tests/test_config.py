@@ -1,6 +1,7 @@
 """Config: shipped files load, --set overrides, and every bad input is a UsageError naming the key."""
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,20 @@ def test_uneven_pipeline_stages_set_the_layers_each_chunk_builds():
     big = load_config("llama3-8b", ["model.layers=126", "parallel.pp=16", "parallel.first_stage_layers=7",
                                     "parallel.last_stage_layers=7"])
     assert [len(s) for s in big.parallel.stage_layers(126)] == [7] + [8] * 14 + [7]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.dynamic_cp=true", "parallel.max_seq_per_rank=64", "data.document_mask=true",
+      "model.vocab_size=257"], 2, "dynamic_cp=true needs cp > 1"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "data.document_mask=true", "model.vocab_size=257"], 2,
+     "needs max_seq_per_rank >= 1"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.max_seq_per_rank=8"], 2, "needs [data].document_mask=true"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.max_seq_per_rank=8", "data.document_mask=true",
+      "model.vocab_size=257"], 4, "can hold a document longer than [parallel].max_seq_per_rank=8 x dp x cp=4"),
+])
+def test_dynamic_cp_bad_input_is_one_line(overrides, world, message):
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_config(None, overrides).validate_world(world)

@@ -113,6 +113,10 @@ class Config:
         _need(self.data.path or m.vocab_size >= embedded_vocab,
               f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
               f"{' (256 bytes and EOS: [data] document keys are set)' if self.data.packed else ''}")
+        if p.dynamic_cp:
+            _need(self.data.document_mask and not m.is_moe and m.attention != "mla",
+                  "[parallel].dynamic_cp=true needs [data].document_mask=true and a dense GQA model "
+                  "([model].num_experts=0, attention='gqa')")
         if self.data.packed:
             _need(not m.mtp_depth and m.backend != "te",
                   f"[data].document_mask/reset_position_ids/eod_mask_loss do not run with "
@@ -136,6 +140,10 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved":
             _need(microbatches % p.pp == 0, f"the interleaved schedule needs micro-batches ({microbatches}) to be a "
                                             f"multiple of pp={p.pp}; set [parallel].microbatches")
+        if p.dynamic_cp:
+            from .dynamic_cp import check_lengths
+
+            check_lengths(t.seq_len, p.max_seq_per_rank, dp * p.cp)
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,
                   f"[parallel].hsdp_replicas={p.hsdp_replicas} does not divide dp={dp} (world {world_size})")

@@ -47,12 +47,25 @@ class ParallelConfig:
     # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    # Dynamic CP (Megatron's --hybrid-context-parallel, see pretrain.dynamic_cp): each document over
+    # as many of the dp x cp ranks as its length needs, at most max_seq_per_rank tokens per rank.
+    dynamic_cp: bool = False
+    max_seq_per_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
         _choice("[parallel].placement", self.placement, PLACEMENTS)
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
-        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", "max_seq_per_rank",
+                  allow_zero=True)
+        if self.dynamic_cp:
+            _need(self.cp > 1, "[parallel].dynamic_cp=true needs cp > 1 (it spreads documents over dp x cp ranks); "
+                               "got cp=1")
+            _need(self.max_seq_per_rank >= 1, "[parallel].dynamic_cp=true needs max_seq_per_rank >= 1 (tokens one "
+                                              "rank holds)")
+            _need(self.tp == self.pp == self.ep == 1 and self.cp_comm_type == "p2p",
+                  f"[parallel].dynamic_cp=true runs with tp=pp=ep=1 and cp_comm_type='p2p' for now (got tp={self.tp}, "
+                  f"pp={self.pp}, ep={self.ep}, cp_comm_type={self.cp_comm_type!r})")
         _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
         _choice("[parallel].schedule", self.schedule, SCHEDULES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
 from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
+from .dynamic_cp import SpanGroups, imbalance, plan_step
 from .kernels import fp8_context, select_kernels
 from .errors import UsageError
 from .model.build import RankModel, build_rank_model
@@ -79,6 +80,9 @@ class Trainer:
         # batch's per-micro-batch Documents, and the loss's token count (eod_mask_loss); see packing.py.
         # A simulation cannot read boundaries from fake tokens: it runs whole sequences (same shapes).
         self.packed = cfg.data.packed and not simulated
+        # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
+        self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
+        self.cp_imbalance: float | None = None  # the last batch's attention-work imbalance under dynamic CP
         self._docs: list = []
         self._loss_tokens: float | None = None
 
@@ -91,6 +95,8 @@ class Trainer:
     def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sequence-first CP shards; with MTP the labels carry its token streams too ``[S/cp, B, 1 + 2D]``.
         Also takes the batch's packed documents (see :meth:`_take_documents`)."""
+        if self.span_groups is not None:
+            return self._dynamic_microbatches(batch)
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
         if self.packed:
@@ -119,6 +125,23 @@ class Trainer:
             comm.all_reduce(kept, self.groups.dp_cp)
             self._loss_tokens = kept.item() / (self.groups.size("dp_cp") * n)
         return labels
+
+    def _batch(self, step: int, eval: bool = False):
+        """This rank's batch; under dynamic CP the global one (every rank plans all of it)."""
+        s = self.sampler
+        if self.span_groups is not None:
+            return s.global_eval_batch(step) if eval else s.global_train_batch(step)
+        return s.eval_batch(step) if eval else s.train_batch(step)
+
+    def _dynamic_microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
+        p, d = self.cfg.parallel, self.cfg.data
+        rounds, kept, work = plan_step(batch, self.sampler.dataset.eos, d.eod_mask_loss, p.max_seq_per_rank,
+                                       self.span_groups)
+        self.cp_imbalance = imbalance(work)
+        self._docs = [replace(docs, positions=docs.positions.to(self.device)) for _, _, docs in rounds]
+        self._loss_tokens = kept / (self.groups.size("dp_cp") * len(rounds))
+        return [x.to(self.device) for x, _, _ in rounds], [y.to(self.device) for _, y, _ in rounds]
 
     def _forward_chunk(self, chunk_id: int, module, x: torch.Tensor, microbatch: int):
         """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any."""
@@ -184,7 +207,7 @@ class Trainer:
         lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
                    steps=cfg.train.steps)
         self.model.module.train()
-        inputs, labels = self.microbatches(self.sampler.train_batch(step))
+        inputs, labels = self.microbatches(self._batch(step))
         losses = self._forward_backward(inputs, labels)
         dp.sum_partial_grads()
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
@@ -252,7 +275,7 @@ class Trainer:
         losses = []
         with self._compute_context():
             for index in range(batches):
-                inputs, labels = self.microbatches(self.sampler.eval_batch(index))
+                inputs, labels = self.microbatches(self._batch(index, eval=True))
                 if self.executor is not None:  # the last chunk's rank gets the logits
                     losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
                 else:

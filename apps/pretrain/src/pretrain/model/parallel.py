@@ -10,6 +10,7 @@ with sequence parallelism (``[S/cp, B, H]`` without), vocab-sharded logits ``[S/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from par_tp import (
 )
 
 from ..data.packing import Documents
+from ..dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
 from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
@@ -79,7 +81,11 @@ class RopeThenContextAttention(nn.Module):
 
     def _core(self, q, k, v, docs):
         cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)
-        return self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, None if docs is None else docs.cu_seqlens)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
+            scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+            return docs.attend(q, k, v, scale, self.attn.backend)
+        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
 
     def forward(self, q, k, v, docs: Documents | None = None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate

@@ -224,6 +224,8 @@ class Trainer:
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
+        if self.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
+            moe["cp_imbalance"] = self.cp_imbalance
         return StepResult(step, loss, lr, float(norm), tokens, moe)
 
     # ---- checkpoints and inference ---------------------------------------------------------

@@ -138,16 +138,10 @@ def matches_reference_job():
     from pretrain.model.mtp import reference_mtp_loss
     from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
-    from pretrain.train_loop import Trainer
 
     cfg = load_config(None, MLA + ["train.global_batch=2", "model.yarn_factor=4.0", "model.yarn_mscale_all_dim=1.0",
                                    "model.yarn_original_max_positions=16"])
-    trainer = Trainer(cfg)
-    chunk = trainer.model.chunks[0]
-    grads = {}
-    for name, p in chunk.named_parameters():  # read grads before the DP wrapper moves them into buckets
-        p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
-    inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
+    trainer, chunk, grads, inputs, labels = layout_runs.one_rank_first_batch(cfg)
     loss = trainer._loss(chunk(inputs[0]), labels[0])
     loss.backward()
     ref = build_reference(cfg.model, cfg.train.seed)

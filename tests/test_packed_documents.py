@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from layout_runs import one_rank_first_batch
 from test_trainer_matches_plain_pytorch import COMMON, trainer_and_plain_pytorch
 
 EOS = 255
@@ -139,15 +140,9 @@ def grads_job(path, overrides):
     from pretrain.config import load_config
     from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
-    from pretrain.train_loop import Trainer
 
     cfg = load_config(None, [*COMMON, f"data.path={path}", *PACKED, "train.global_batch=4", *overrides])
-    trainer = Trainer(cfg)
-    chunk = trainer.model.chunks[0]
-    grads = {}
-    for name, p in chunk.named_parameters():  # read grads before the DP wrapper moves them into buckets
-        p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
-    inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
+    trainer, chunk, grads, inputs, labels = one_rank_first_batch(cfg)
     loss = sum(trainer._loss(trainer._forward_chunk(0, chunk, x, m), y) for m, (x, y) in enumerate(zip(inputs, labels)))
     (loss / len(inputs)).backward()
     ref = build_reference(cfg.model, cfg.train.seed)

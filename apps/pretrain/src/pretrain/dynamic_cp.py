@@ -47,7 +47,6 @@ class DynamicDocuments:
 
     pieces: tuple[Piece, ...]
     positions: torch.Tensor  # [T, 1] RoPE positions within each document
-    cu_seqlens = None  # attention is by pieces, never over the whole local tensor
 
     def attend(self, q, k, v, scale: float, backend: str) -> torch.Tensor:
         """Causal attention of every piece: locally, or by ring over its block."""

@@ -123,6 +123,9 @@ def test_round_trip_through_toml(tmp_path):
     (["train.stop_at=400"], 1, "[train].stop_at=400 is after the last step"),
     (["model.recompute=some"], 1, "[model].recompute='some' is not one of none, selective, full"),
     (["parallel.tp"], 1, "must look like section.key=value"),
+    (["parallel.tp_comm_overlap=true"], 1, "tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1"),
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=true"], 2, "sequence_parallel=False"),
+    (["parallel.tp=2", "parallel.tp_comm_overlap=true", "model.backend=te"], 2, "use [model].backend='torch'"),
 ])
 def test_bad_input_names_the_key(sets, world, message):
     with pytest.raises(UsageError) as e:

@@ -96,6 +96,9 @@ class Config:
                 _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
                                         f"which does not divide the {local} [model].{name} per tp rank")
         t = self.train
+        _need(not self.parallel.tp_comm_overlap or m.backend == "torch",
+              "[parallel].tp_comm_overlap=true runs par-tp's own ring matmuls: use [model].backend='torch' "
+              "(Transformer Engine overlaps with its own userbuffers)")
         _need(t.fp8 == "off" or m.backend == "te",
               f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
         _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),

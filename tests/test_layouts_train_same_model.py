@@ -25,7 +25,8 @@ DENSE = {
     "dp4-torch_fsdp2": ["parallel.zero=torch_fsdp2"],
     "hsdp2x2-optim_grads_params": ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"],
     "tp2-dp2-sp": ["parallel.tp=2"],
-    "tp2-dp2-sp-optim": ["parallel.tp=2", "parallel.zero=optim"],  # ZeRO-1 shards over dp=2
+    # ZeRO-1 shards over dp=2; SP's gathers/scatters as p2p rings under the matmuls
+    "tp2-dp2-sp-optim-overlap": ["parallel.tp=2", "parallel.zero=optim", "parallel.tp_comm_overlap=true"],
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-dp2-a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],
     "tp4": ["parallel.tp=4"],

@@ -1,63 +1,54 @@
 """Benchmark par-moe's dispatch + grouped experts + combine against a naive per-expert loop.
 
 CPU, gloo, 4 ranks; ep = 2 (expert DP 2) and ep = 4; both dispatchers. The same fixed routing
-(top-k of a mildly skewed random router) and the same expert weights on both sides; forward +
-backward per step, median over iterations of the slowest rank. The naive peer is what one writes
-first: all-gather the EP group's tokens with plain torch.distributed, loop over the local experts
-with a boolean mask each, weighted-add, reduce-scatter.
+(top-k of a mildly skewed random router) and the same expert weights on both sides; one step is
+forward + backward. The naive peer is what one writes first: all-gather the EP group's tokens,
+loop over the local experts with a boolean mask each, weighted-add, reduce-scatter.
 
-Bytes are ours over one forward (dispatch + combine), per rank: for the all-to-all the rows that
-leave the rank (from its split sizes) plus the counts exchange; for the all-gather dispatcher
-(n-1)/n of each op's bytes counted with CommRecorder. Compared with the minimum tokens x hidden x 4 B x (1 - 1/ep)
-each way (every token leaving its rank once and coming back once; top-k sends a token once per
-routed expert, so the all-to-all's floor is about k times that).
+Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
+warm-up repeats discarded, each step's time the slowest rank's; ``ratio`` is the median of the
+per-repeat ratios ours / peer, ``ratio_min`` / ``ratio_max`` their spread.
 
-    uv run python tools/bench/bench_moe.py [--tokens 1024 --hidden 256 --ffn 256 --experts 16 --top-k 2 --iters 5]
+Bytes: every collective of one step (forward + backward) of each side goes through
+``par_groups.comm`` and is recorded; a rank's bytes are what it sends to other ranks
+(``wire_bytes``: an all-to-all's off-rank split sizes, (n-1)/n of an all-gather or reduce-scatter),
+averaged over the ranks. The minimum is the routing's: each token sent once to each other EP
+rank holding any of its experts and its result sent back once, forward and again backward
+(2 x 2 x rows x hidden x 4 B). ``bytes_ratio`` is ours / that minimum, ``peer_bytes_ratio`` the
+naive loop's.
 
-Ends with ``RESULT <dispatcher>-ep<N> ratio=<ours/naive time> bytes_ratio=<moved/minimum>``.
+    uv run python tools/bench/bench_moe.py [--tokens 256 --hidden 256 --ffn 256 --experts 64 --top-k 8 --repeats 7]
+
+Ends with ``RESULT <dispatcher>-ep<N> ratio=<median ours/naive> ratio_min= ratio_max= repeats=
+bytes_ratio=<moved/minimum> peer_bytes_ratio=``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from paired_timing import Summary, paired_times
 
 DISPATCHERS = ("alltoall", "allgather")
 
 
-def _time(step, iters: int) -> float:
-    step()  # warm-up
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(statistics.median(times))
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
-
-
 def naive_moe(x, indices, weights, experts, first, ep_group):
     """All-gather tokens, loop over local experts with a mask each, reduce-scatter."""
-    ep = dist.get_world_size(ep_group)
-    gathered = [torch.empty_like(x) for _ in range(ep)]
-    dist.all_gather(gathered, x.detach(), group=ep_group)
-    xs = torch.cat(gathered).requires_grad_(x.requires_grad)
-    idx = [torch.empty_like(indices) for _ in range(ep)]
-    dist.all_gather(idx, indices, group=ep_group)
-    idx = torch.cat(idx)
-    w = [torch.empty_like(weights) for _ in range(ep)]
-    dist.all_gather(w, weights.detach(), group=ep_group)
-    w = torch.cat(w)
+    from par_groups import comm
+
+    def gather(t):
+        out = t.new_empty((t.shape[0] * dist.get_world_size(ep_group), *t.shape[1:]))
+        comm.all_gather_into_tensor(out, t.contiguous(), ep_group)
+        return out
+
+    xs = gather(x.detach()).requires_grad_(x.requires_grad)
+    idx, w = gather(indices), gather(weights.detach())
     y = torch.zeros_like(xs)
     for e in range(experts.w_gate.shape[0]):
         hit = idx == first + e
@@ -68,21 +59,39 @@ def naive_moe(x, indices, weights, experts, first, ep_group):
         out = F.linear(F.silu(F.linear(t, experts.w_gate[e])) * F.linear(t, experts.w_up[e]), experts.w_down[e])
         y = y.index_add(0, token, out * (w[token] * hit[token]).sum(-1, keepdim=True))
     out = torch.empty_like(x)
-    dist.reduce_scatter_tensor(out, y.detach().contiguous(), group=ep_group)
-    return out, y, xs
+    comm.reduce_scatter_tensor(out, y.detach().contiguous(), ep_group)
+    return out, y, xs, gather
+
+
+def minimum_bytes(indices, experts_per_rank, me, ep_group, hidden):
+    """This rank's share of the routing's minimum for one step (see the module docstring)."""
+    ep = dist.get_world_size(ep_group)
+    needs = torch.zeros(indices.shape[0], ep, dtype=torch.bool).scatter_(1, indices // experts_per_rank, True)
+    needs[:, me] = False
+    rows_out = needs.sum(0)  # rows this rank sends to each other rank
+    rows_in = torch.empty_like(rows_out)
+    dist.all_to_all_single(rows_in, rows_out, group=ep_group)
+    return 2 * (rows_out.sum() + rows_in.sum()).item() * hidden * 4
+
+
+def mean_over_ranks(value: float) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 def _worker(rank, world, init_file, args, queue):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from par_groups import CommRecorder, RankGrid, create_groups
+    from par_groups import CommRecorder, RankGrid, comm, create_groups
     from par_moe import GroupedSwiGLU, make_dispatcher
 
     T, H, Fh, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
     results = {}
     for ep in (2, 4):
         pg = create_groups(RankGrid(world, ep=ep))
-        local, first = E // ep, pg.rank_in("ep") * (E // ep)
+        local, me = E // ep, pg.rank_in("ep")
+        first = me * local
         torch.manual_seed(1234 + first)  # experts depend on the expert id only
         experts = GroupedSwiGLU(local, H, Fh)
         gen = torch.Generator().manual_seed(rank)
@@ -92,41 +101,30 @@ def _worker(rank, world, init_file, args, queue):
         top = logits.softmax(-1).topk(K, dim=-1)
         indices, weights = top.indices, top.values
         dy = torch.randn(T, H, generator=gen)
+        minimum = mean_over_ranks(minimum_bytes(indices, local, me, pg.ep, H))
 
         def naive_step():
-            out, y_partial, xs = naive_moe(x, indices, weights, experts, first, pg.ep)
+            out, y_partial, xs, gather = naive_moe(x, indices, weights, experts, first, pg.ep)
             # backward of the reduce-scatter: gather the output grad, then the gathered-input grad back
-            grads = [torch.empty_like(dy) for _ in range(ep)]
-            dist.all_gather(grads, dy, group=pg.ep)
-            y_partial.backward(torch.cat(grads))
+            y_partial.backward(gather(dy))
             gx = torch.empty_like(x)
-            dist.reduce_scatter_tensor(gx, xs.grad.contiguous(), group=pg.ep)
+            comm.reduce_scatter_tensor(gx, xs.grad.contiguous(), pg.ep)
 
-        naive_s = _time(naive_step, args.iters)
+        with CommRecorder() as rec:
+            naive_step()
+        peer_moved = mean_over_ranks(sum(r.wire_bytes for r in rec.records))
         for kind in DISPATCHERS:
             d = make_dispatcher(kind, E, pg.ep)
 
-            def forward():
-                rows, counts, handle = d.dispatch(x, indices, weights)
-                return d.combine(experts(rows, counts), handle), handle
-
             def step():
-                forward()[0].backward(dy)
+                rows, counts, handle = d.dispatch(x, indices, weights)
+                d.combine(experts(rows, counts), handle).backward(dy)
 
-            ours_s = _time(step, args.iters)
-            with CommRecorder() as rec, torch.no_grad():
-                _, handle = forward()
-            if kind == "alltoall":  # exact: rows that leave this rank, out and back, plus the counts exchange
-                me = pg.rank_in("ep")
-                off_rank = sum(handle.input_splits) - handle.input_splits[me] + sum(handle.output_splits) - handle.output_splits[me]
-                moved = off_rank * H * 4 + rec.records[0].wire_bytes  # records[0]: the counts all-to-all
-            else:  # all-gather / reduce-scatter: (n-1)/n of each op's bytes is exact
-                moved = sum(r.wire_bytes for r in rec.records)
-            moved_t = torch.tensor(float(moved))
-            dist.all_reduce(moved_t)  # routing is skewed, so ranks differ: report the mean over ranks
-            moved = moved_t.item() / world
-            minimum = T * H * 4 * (1 - 1 / ep) * 2
-            results[f"{kind}-ep{ep}"] = (ours_s, naive_s, moved, minimum)
+            summary = Summary.of(paired_times(step, naive_step, args.repeats, args.warmup))
+            with CommRecorder() as rec:
+                step()
+            moved = mean_over_ranks(sum(r.wire_bytes for r in rec.records))
+            results[f"{kind}-ep{ep}"] = (summary, moved, peer_moved, minimum)
     if rank == 0:
         queue.put(results)
     dist.barrier()
@@ -135,12 +133,13 @@ def _worker(rank, world, init_file, args, queue):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
+    parser.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = parser.parse_args()
     world = 4
     ctx = mp.get_context("spawn")
@@ -149,12 +148,14 @@ def main() -> None:
         mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), args, queue), nprocs=world, start_method="spawn")
         results = queue.get()
     print(f"tokens/rank={args.tokens} hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k} "
-          f"world={world} (fwd+bwd, median of {args.iters}, slowest rank)")
-    for name, (ours, naive, moved, minimum) in results.items():
-        print(f"{name:14s} ours {ours * 1e3:8.1f} ms  naive loop {naive * 1e3:8.1f} ms  ratio {ours / naive:.2f}  "
-              f"fwd bytes/rank (mean) {moved / 1e6:.2f} MB  minimum {minimum / 1e6:.2f} MB")
-    for name, (ours, naive, moved, minimum) in results.items():
-        print(f"RESULT {name} ratio={ours / naive:.2f} bytes_ratio={moved / minimum:.2f}")
+          f"world={world} (fwd+bwd, ours and naive interleaved, {args.repeats} repeats after {args.warmup} warm-up, "
+          f"slowest rank)")
+    for name, (s, moved, peer_moved, minimum) in results.items():
+        print(f"{name:14s} ours {s.ours_s * 1e3:8.1f} ms  naive loop {s.peer_s * 1e3:8.1f} ms  ratio {s.ratio:.2f} "
+              f"[{s.ratio_min:.2f}, {s.ratio_max:.2f}]  bytes/rank/step ours {moved / 1e6:.2f} MB  naive "
+              f"{peer_moved / 1e6:.2f} MB  minimum {minimum / 1e6:.2f} MB")
+    for name, (s, moved, peer_moved, minimum) in results.items():
+        print(f"RESULT {name} {s.spread()} bytes_ratio={moved / minimum:.3f} peer_bytes_ratio={peer_moved / minimum:.2f}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class Runner:
             self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, bucket_mb=args.bucket_mb, **kw)
             self.opt = None
         elif name == "ddp":
-            self.dp = nn.parallel.Distributeddata_parallel(model, bucket_cap_mb=args.bucket_mb)
+            self.dp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
             self.opt = torch.optim.AdamW(model.parameters(), foreach=False, **kw)
         elif name in ("fsdp2", "fsdp2_hsdp", "fsdp2_noreshard"):
             self.dp = data_parallel(model, inner if name == "fsdp2_hsdp" else None, "torch_fsdp2",

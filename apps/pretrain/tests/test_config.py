@@ -113,15 +113,36 @@ def test_round_trip_through_toml(tmp_path):
     (["parallel.hsdp_replicas=2"], 4, "needs zero='optim_grads_params'"),
     (["parallel.hsdp_replicas=3", "parallel.zero=optim_grads_params"], 4, "hsdp_replicas=3 does not divide dp=4"),
     (["parallel.order=tp-cp-dp-pp", "parallel.ep=2", "model.num_experts=4"], 2, "lacks ep=2"),
+    (["model.num_experts=8", "model.max_route_nodes=2"], 1, "[model].max_route_nodes=2 needs n_groups > 1"),
+    (["model.num_experts=8", "model.n_groups=2", "model.max_route_nodes=3"], 1, "max_route_nodes=3 must be in 1..n_groups=2"),
+    (["model.num_experts=8", "model.n_groups=4", "model.max_route_nodes=3"], 1, "max_route_nodes=3 must divide top_k=2"),
+    (["model.num_experts=8", "model.n_groups=4", "model.topk_groups=2", "model.max_route_nodes=1"], 1,
+     "max_route_nodes=1 and topk_groups=2 set the same limit"),
+    (["model.num_experts=12", "model.n_groups=3", "model.max_route_nodes=1", "parallel.ep=4"], 4,
+     "n_groups must divide [parallel].ep=4 or be a multiple of it"),
     (["model.kv_heads=3"], 1, "[model].kv_heads=3 does not divide heads=8"),
     (["train.stop_at=400"], 1, "[train].stop_at=400 is after the last step"),
     (["model.recompute=some"], 1, "[model].recompute='some' is not one of none, selective, full"),
     (["parallel.tp"], 1, "must look like section.key=value"),
+    (["parallel.tp_comm_overlap=true"], 1, "tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1"),
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=true"], 2, "sequence_parallel=False"),
+    (["parallel.tp=2", "parallel.tp_comm_overlap=true", "model.backend=te"], 2, "use [model].backend='torch'"),
 ])
 def test_bad_input_names_the_key(sets, world, message):
     with pytest.raises(UsageError) as e:
         load_config(None, sets).validate_world(world)
     assert message in str(e.value)
+
+
+def test_max_route_nodes_is_the_routers_group_limit(tmp_path):
+    from pretrain.model.moe import moe_config
+
+    cfg = load_config(None, ["model.num_experts=8", "model.n_groups=4", "model.max_route_nodes=2", "parallel.ep=4"])
+    cfg.validate_world(4)
+    assert (moe_config(cfg.model).n_groups, moe_config(cfg.model).topk_groups) == (4, 2)
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(str(path)) == cfg
 
 
 def test_missing_and_malformed_files(tmp_path):

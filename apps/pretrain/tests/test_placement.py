@@ -109,3 +109,19 @@ def test_without_nvml_train_runs_as_before_and_says_topology_unknown_once(tmp_pa
                                    "--set", "train.eval_every=0", "--set", f"log.dir={tmp_path}"])
     assert res.exit_code == 0, res.output
     assert res.output.count("topology unknown") == 1, res.output
+
+
+def test_node_limited_routing_warns_when_an_expert_group_spans_nodes():
+    from par_groups import RankGrid
+    from par_groups.topology import preset
+
+    from pretrain.placement import route_node_spread
+
+    topo = preset("pcie-8gpu", 2)  # ranks 0-7 on node 0, 8-15 on node 1
+    grid = RankGrid(WORLD, ep=16)
+    assert route_node_spread(4, 2, grid, None, topo) == ""  # groups of 8 EP ranks = the two nodes
+    assert route_node_spread(0, 2, grid, None, topo) == ""  # off
+    interleaved = tuple((i % 2) * 8 + i // 2 for i in range(WORLD))  # EP ranks alternate between nodes
+    warning = route_node_spread(1, 2, grid, interleaved, topo)
+    assert "expert group 0 is on ranks [0, 8, 1, 9, 2, 10, 3, 11] of 2 nodes" in warning
+    assert route_node_spread(1, 16, grid, interleaved, topo) == ""  # one EP rank per group

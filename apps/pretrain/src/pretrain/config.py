@@ -70,6 +70,9 @@ class Config:
                                      f"moe_layers_start < layers)")
         if m.is_moe:
             _need(m.num_experts % p.ep == 0, f"[parallel].ep={p.ep} does not divide [model].num_experts={m.num_experts}")
+            _need(not m.max_route_nodes or p.ep % m.n_groups == 0 or m.n_groups % p.ep == 0,
+                  f"[model].max_route_nodes needs each of the n_groups={m.n_groups} node groups of experts on whole "
+                  f"EP ranks: n_groups must divide [parallel].ep={p.ep} or be a multiple of it")
         _need(m.heads % p.tp == 0, f"[parallel].tp={p.tp} does not divide [model].heads={m.heads}; "
                                    f"use one of {_divisors(m.heads)}")
         _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
@@ -93,6 +96,9 @@ class Config:
                 _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
                                         f"which does not divide the {local} [model].{name} per tp rank")
         t = self.train
+        _need(not self.parallel.tp_comm_overlap or m.backend == "torch",
+              "[parallel].tp_comm_overlap=true runs par-tp's own ring matmuls: use [model].backend='torch' "
+              "(Transformer Engine overlaps with its own userbuffers)")
         _need(t.fp8 == "off" or m.backend == "te",
               f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
         _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),

@@ -23,6 +23,17 @@ def _validate_mla(m) -> None:
                                  f"(every head has its own K and V, expanded from the latent)")
 
 
+def _validate_route_nodes(m) -> None:
+    M = m.max_route_nodes
+    _need(m.n_groups > 1, f"[model].max_route_nodes={M} needs n_groups > 1: the nodes the experts are spread over, "
+                          f"one expert group per node (DeepSeek-V3: n_groups = 8, max_route_nodes = 4)")
+    _need(M <= m.n_groups, f"[model].max_route_nodes={M} must be in 1..n_groups={m.n_groups}")
+    _need(m.top_k % M == 0, f"[model].max_route_nodes={M} must divide top_k={m.top_k} (a node is scored by the sum "
+                            f"of its top top_k/max_route_nodes experts)")
+    _need(m.topk_groups in (1, M), f"[model].max_route_nodes={M} and topk_groups={m.topk_groups} set the same "
+                                   f"limit; set only max_route_nodes")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
@@ -46,6 +57,9 @@ class ModelConfig:
     score_func: str = "softmax"
     n_groups: int = 1
     topk_groups: int = 1
+    # Node-limited routing (DeepSeek-V3): the n_groups expert groups are nodes (one group per node of
+    # the EP group) and a token's experts span at most this many; sets topk_groups. 0 = off.
+    max_route_nodes: int = 0
     routed_scaling: float = 1.0
     aux_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0  # sequence-wise balancing loss (DeepSeek-V3); layout-independent
@@ -96,6 +110,10 @@ class ModelConfig:
         _choice("[model].recompute", self.recompute, RECOMPUTE)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
+        _positive("model", self, "max_route_nodes", allow_zero=True)
+        if self.num_experts and self.max_route_nodes:
+            _validate_route_nodes(self)
+            object.__setattr__(self, "topk_groups", self.max_route_nodes)  # the same rule, under its node name
         if self.num_experts:
             _need(1 <= self.top_k <= self.num_experts,
                   f"[model].top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
@@ -107,6 +125,9 @@ class ModelConfig:
             _need(self.top_k <= self.topk_groups * per_group,
                   f"[model].top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in topk_groups="
                   f"{self.topk_groups} groups of {per_group}")
+            _need(self.n_groups == 1 or self.top_k % self.topk_groups == 0,
+                  f"[model].topk_groups={self.topk_groups} must divide top_k={self.top_k} (a group is scored by the "
+                  f"sum of its top top_k/topk_groups experts)")
             _need(self.capacity_factor >= 0, f"[model].capacity_factor={self.capacity_factor} must be >= 0 (0 = no drop)")
 
     @property

@@ -38,6 +38,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 0  # 0 = tp (Megatron's default)
     sequence_parallel: bool | None = None  # None = on when tp > 1
+    tp_comm_overlap: bool = False  # Megatron's --tp-comm-overlap: SP gathers/scatters as rings under the matmuls
     zero: str = "no_shard"
     hsdp_replicas: int = 1
     schedule: str = "1f1b"
@@ -81,6 +82,10 @@ class ParallelConfig:
                   f"[parallel].vpp={self.vpp} needs schedule='interleaved', got schedule={self.schedule!r}")
         if self.schedule == "interleaved" and self.pp > 1:
             _need(self.vpp > 1, "[parallel].schedule='interleaved' needs vpp >= 2 model chunks per rank")
+        if self.tp_comm_overlap:
+            _need(self.tp > 1 and self.sequence_parallel is not False,
+                  f"[parallel].tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1 and "
+                  f"sequence_parallel on, got tp={self.tp}, sequence_parallel={self.sequence_parallel}")
         if self.hsdp_replicas > 1:
             _need(self.zero in ("optim_grads_params", "torch_fsdp2"),
                   f"[parallel].hsdp_replicas={self.hsdp_replicas} needs zero='optim_grads_params' or 'torch_fsdp2' "

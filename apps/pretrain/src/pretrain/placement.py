@@ -140,7 +140,26 @@ def decide(cfg, layout, topology: Topology | None) -> RunPlacement:
     else:
         chosen = best
     perm = None if chosen.is_identity else tuple(chosen.placement)
-    return RunPlacement(chosen.grid, perm, summary(chosen, given, mode), topology, chosen)
+    line = summary(chosen, given, mode)
+    spread = route_node_spread(cfg.model.max_route_nodes, cfg.model.n_groups, chosen.grid, perm, topology)
+    return RunPlacement(chosen.grid, perm, f"{line}; {spread}" if spread else line, topology, chosen)
+
+
+def route_node_spread(max_route_nodes: int, n_groups: int, grid: RankGrid, permutation, topology: Topology) -> str:
+    """'' or a warning: an expert group's EP ranks span several nodes, so ``[model].max_route_nodes``
+    (one group per node) does not bound the nodes a token reaches."""
+    if not max_route_nodes or grid.ep <= n_groups:  # off, or every group on one EP rank
+        return ""
+    per_group = grid.ep // n_groups
+    for ep_group in grid.expert_ranks("ep"):
+        placed = [permutation[i] if permutation else i for i in ep_group]
+        for first in range(0, grid.ep, per_group):
+            nodes = {topology.gpus[r].node for r in placed[first:first + per_group]}
+            if len(nodes) > 1:
+                return (f"warning: [model].max_route_nodes={max_route_nodes} does not bound the nodes a token "
+                        f"reaches: expert group {first // per_group} is on ranks {placed[first:first + per_group]} "
+                        f"of {len(nodes)} nodes; each {per_group} consecutive EP ranks (ep/n_groups) should share one")
+    return ""
 
 
 def strict_refusal(given: Placement, best: Placement) -> str:

@@ -5,7 +5,8 @@ Each call records ``(op, group_size, bytes)`` into every active :class:`CommReco
 all-gather the gathered output, reduce-scatter the unreduced input, all-to-all this rank's
 input, send/recv the message. ``wire_bytes`` gives what a ring algorithm actually puts on the
 wire per rank: there a reduce-scatter plus an all-gather of one tensor move exactly what one
-all-reduce of it moves, as the theory says.
+all-reduce of it moves, as the theory says. An all-to-all records exactly the bytes it sends to
+other ranks (``sent``, from its split sizes), which is its ``wire_bytes``.
 
 The active recorders live in a ContextVar (per thread / task), not in module globals.
 """
@@ -28,9 +29,10 @@ class CommRecord:
     group_size: int
     bytes: int
     group: ProcessGroup | None = field(default=None, compare=False, repr=False)  # which group (None: world)
+    sent: int | None = field(default=None, compare=False)  # all-to-all: bytes this rank sent to other ranks
 
     def __reduce__(self):  # a ProcessGroup lives in one process: records sent to another drop it
-        return (CommRecord, (self.op, self.group_size, self.bytes))
+        return (CommRecord, (self.op, self.group_size, self.bytes, None, self.sent))
 
     @property
     def wire_bytes(self) -> int:
@@ -38,6 +40,8 @@ class CommRecord:
         n = self.group_size
         if n <= 1:
             return 0
+        if self.sent is not None:
+            return self.sent
         if self.op == "all_reduce":
             return 2 * (n - 1) * self.bytes // n
         if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -68,10 +72,10 @@ class CommRecorder:
         return sum(r.bytes for r in self.records if op is None or r.op == op)
 
 
-def _record(op: str, group: ProcessGroup | None, nbytes: int) -> None:
+def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None = None) -> None:
     recorders = _recorders.get()
     if recorders:
-        rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group)
+        rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group, sent)
         for r in recorders:
             r.records.append(rec)
 
@@ -95,6 +99,15 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
+def _sent_off_rank(input: torch.Tensor, group: ProcessGroup | None, input_split_sizes: list[int] | None) -> int:
+    """Bytes of ``input`` that leave this rank: all but the split it sends to itself."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if input_split_sizes is None:
+        return _nbytes(input) * (n - 1) // n
+    row = _nbytes(input) // max(input.shape[0], 1)
+    return row * (sum(input_split_sizes) - input_split_sizes[me])
+
+
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -103,7 +116,7 @@ def all_to_all_single(
     input_split_sizes: list[int] | None = None,
     async_op: bool = False,
 ):
-    _record("all_to_all", group, _nbytes(input))
+    _record("all_to_all", group, _nbytes(input), _sent_off_rank(input, group, input_split_sizes))
     return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 

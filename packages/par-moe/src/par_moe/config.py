@@ -17,7 +17,8 @@ class MoEConfig:
     ``ffn_hidden`` is one routed expert's intermediate size. ``n_groups``/``topk_groups`` turn on
     group-limited routing: experts form ``n_groups`` contiguous groups (align them with EP ranks
     or nodes: with ``n_groups = ep`` a group is one rank's experts) and a token picks its experts
-    from its best ``topk_groups`` groups only. ``normalize_topk`` (None: True for sigmoid, False
+    from its best ``topk_groups`` groups only; with one group per node this is DeepSeek-V3's
+    node-limited routing (``topk_groups`` = M nodes), which bounds the all-to-all leaving a node. ``normalize_topk`` (None: True for sigmoid, False
     for softmax) divides the chosen scores by their sum before ``routed_scaling_factor``.
     ``num_shared_experts`` shared experts are one SwiGLU of size ``num_shared_experts * ffn_hidden``
     (or ``shared_ffn_hidden``) every token goes through. ``capacity_factor`` None is dropless;

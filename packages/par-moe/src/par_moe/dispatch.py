@@ -1,13 +1,16 @@
-"""Token dispatchers: send each (token, expert) pair to the EP rank holding the expert, and back.
+"""Token dispatchers: bring each token to the EP ranks holding its experts, and the results back.
 
 EP rank ``p`` of a group of ``P`` holds experts ``[p * E/P, (p + 1) * E/P)``. ``dispatch`` returns
 the rows for this rank's experts sorted by local expert, their per-expert counts and a handle;
-``combine`` takes the experts' output rows, brings them home, weights them and sums each
+``combine`` takes the experts' output rows, weights them by the routing weights and sums each
 token's k contributions.
 
-* :class:`AllToAllDispatcher`: pairs are permuted by expert, counts are exchanged first (one
-  small all-to-all), then ``all_to_all_single`` with split sizes moves only the routed rows;
-  on return the reverse all-to-all, un-permute, weight, sum.
+* :class:`AllToAllDispatcher`: each token is sent once per destination rank (not once per
+  expert): counts per rank first (one small all-to-all), then ``all_to_all_single`` with split
+  sizes moves the rows with their slots' weights and local expert ids. The expert side expands
+  rows to experts, and on combine weights and sums each row's experts there, so one row per
+  (token, rank) comes back; the source adds its token's rows. The weighted sum is the one a
+  single device computes, grouped by rank.
 * :class:`AllGatherDispatcher`: every rank gathers all tokens of the EP group (and routing),
   computes its experts' share of every token, then a reduce-scatter sums the shares and hands
   each rank its own tokens. Needs the same token count on every EP rank.
@@ -28,12 +31,13 @@ from .comm import (all_to_all_tokens, exchange_counts, gather_no_grad, gather_to
 class DispatchHandle:
     """What ``combine`` needs to undo a ``dispatch``."""
 
-    num_tokens: int  # rows of the tensor combine returns into
-    token_of_row: torch.Tensor  # token index of each sent/selected row
-    weight_of_row: torch.Tensor  # combine weight of each row (differentiable)
-    unsort: torch.Tensor | None = None  # received order <- expert-sorted order (all-to-all)
-    input_splits: list[int] | None = None
-    output_splits: list[int] | None = None
+    num_tokens: int  # rows the expert outputs are summed into (tokens; all-to-all: received rows)
+    token_of_row: torch.Tensor  # which of those rows each expert row belongs to
+    weight_of_row: torch.Tensor  # combine weight of each expert row (differentiable)
+    input_splits: list[int] | None = None  # all-to-all: rows sent to each rank
+    output_splits: list[int] | None = None  # all-to-all: rows received from each rank
+    source_token: torch.Tensor | None = None  # all-to-all: the token of each sent row
+    num_source_tokens: int = 0
 
 
 def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None, experts: tuple[int, int] | None = None):
@@ -63,7 +67,13 @@ def weighted_sum(rows: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
 
 
 class AllToAllDispatcher:
-    """Dispatch by all-to-all over ``ep_group`` (None or size 1: local permute only)."""
+    """Dispatch by all-to-all over ``ep_group`` (None or size 1: local permute only).
+
+    A token goes once to each EP rank holding any of its experts (not once per expert), with
+    its k slots' local expert ids and weights beside it; that rank expands the row to its
+    experts, weights their outputs and sums them, and sends one row back per row received; the
+    source sums the rows of each token.
+    """
 
     def __init__(self, num_experts: int, ep_group: ProcessGroup | None):
         self.group = ep_group
@@ -72,29 +82,54 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x, indices, weights, keep=None):
-        expert, token, weight = sort_pairs(indices, weights, keep)
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        handle = DispatchHandle(x.shape[0], token, weight)
-        sent = x[token]
         if self.ep == 1:
-            return sent, counts, handle
-        # Counts first, so every rank knows how many rows it receives from whom.
-        received_counts = exchange_counts(counts, self.group).view(self.ep, self.num_local)
-        handle.input_splits = counts.view(self.ep, self.num_local).sum(1).tolist()
-        handle.output_splits = received_counts.sum(1).tolist()
-        received = all_to_all_tokens(sent, self.group, handle.output_splits, handle.input_splits)
-        # Rows arrive grouped by (source rank, local expert); regroup by local expert.
-        local_expert = torch.arange(self.num_local, device=x.device).repeat(self.ep)
-        expert_of_row = torch.repeat_interleave(local_expert, received_counts.reshape(-1))
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        handle.unsort = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(by_expert.numel(), device=x.device))
-        return received[by_expert], received_counts.sum(0), handle
+            expert, token, weight = sort_pairs(indices, weights, keep)
+            return x[token], torch.bincount(expert, minlength=self.num_experts), DispatchHandle(x.shape[0], token, weight)
+        hidden, top_k = x.shape[1], indices.shape[1]
+        rank_of_slot = indices // self.num_local  # [T, k]
+        kept = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
+        needs = torch.zeros(x.shape[0], self.ep, dtype=torch.bool, device=x.device)
+        needs[torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(indices)[kept], rank_of_slot[kept]] = True
+        dest, token = needs.t().nonzero(as_tuple=True)  # one row per (destination rank, token), by rank
+        # Each row carries its k slots: the weight and local expert id of the slots bound for dest, else 0 / -1.
+        mine = (rank_of_slot[token] == dest.unsqueeze(1)) & kept[token]
+        slot_weight = torch.where(mine, weights[token], 0.0).to(x.dtype)
+        slot_expert = torch.where(mine, indices[token] - dest.unsqueeze(1) * self.num_local, -1)
+        payload = torch.cat([x[token], slot_weight, _ids_as(slot_expert, x.dtype)], dim=1)
+        input_splits = torch.bincount(dest, minlength=self.ep)
+        output_splits = exchange_counts(input_splits, self.group).tolist()
+        input_splits = input_splits.tolist()
+        received = all_to_all_tokens(payload, self.group, output_splits, input_splits)
+        # Expand each received row to its local experts, sorted by expert.
+        rows_x, rows_w = received[:, :hidden], received[:, hidden:hidden + top_k]
+        rows_e = _ids_from(received[:, hidden + top_k:], torch.int64)
+        row, slot = (rows_e >= 0).nonzero(as_tuple=True)
+        expert = rows_e[row, slot]
+        order = torch.argsort(expert, stable=True)
+        row, slot, expert = row[order], slot[order], expert[order]
+        handle = DispatchHandle(received.shape[0], row, rows_w[row, slot], input_splits=input_splits,
+                                output_splits=output_splits, source_token=token, num_source_tokens=x.shape[0])
+        return rows_x[row], torch.bincount(expert, minlength=self.num_local), handle
 
     def combine(self, expert_out, handle: DispatchHandle):
+        per_row = weighted_sum(expert_out, handle)  # each received row's experts, weighted and summed
         if self.ep == 1:
-            return weighted_sum(expert_out, handle)
-        returned = all_to_all_tokens(expert_out[handle.unsort], self.group, handle.input_splits, handle.output_splits)
-        return weighted_sum(returned, handle)
+            return per_row
+        returned = all_to_all_tokens(per_row, self.group, handle.input_splits, handle.output_splits)
+        return returned.new_zeros(handle.num_source_tokens, returned.shape[1]).index_add(0, handle.source_token, returned)
+
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # per float size: bf16/fp16, fp32, fp64
+
+
+def _ids_as(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Small integer ids as columns of a floating ``dtype`` (bit-cast, so they travel with the rows)."""
+    return ids.to(_INT_OF_SIZE[dtype.itemsize]).view(dtype)
+
+
+def _ids_from(columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undo :func:`_ids_as`."""
+    return columns.detach().contiguous().view(_INT_OF_SIZE[columns.dtype.itemsize]).to(dtype)
 
 
 class AllGatherDispatcher:

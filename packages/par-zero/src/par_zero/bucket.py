@@ -15,9 +15,12 @@ Which buffers live where (``S = N/d``):
     strategy              params at rest        grads at rest      optimizer (fp32)
     no_shard              full N                full N             N
     optim (ZeRO-1)        full N                full N             S
-    optim_grads (ZeRO-2)  full N                S                  S
-    optim_grads_params    S (full N gathered    S                  S
+    optim_grads (ZeRO-2)  full N                S *                S
+    optim_grads_params    S (full N gathered    S *                S
                           per unit, freed)
+
+    * from the first reduction of a step to ``zero_grad``, which frees it (full N transiently
+      per bucket while its grads arrive, freed as soon as its reduce-scatter completes)
 """
 
 from __future__ import annotations
@@ -123,11 +126,11 @@ class Bucket:
             self.persistent_full_grad = not cfg.shard_grads
             self.full_grad = torch.zeros(self.N, dtype=gdt, device=self.device) if self.persistent_full_grad else None
             if not cfg.shard_optimizer:
-                self.opt_grad = self.full_grad
+                self._opt_grad = self.full_grad
             elif self.persistent_full_grad:  # ZeRO-1: the optimizer reads its range of the full buffer
-                self.opt_grad = self.full_grad[self.opt_lo : self.opt_hi]
-            else:
-                self.opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=gdt, device=self.device)
+                self._opt_grad = self.full_grad[self.opt_lo : self.opt_hi]
+            else:  # ZeRO-2/3: the grad shard exists only from the first reduction to zero_grad
+                self._opt_grad = None
 
             # fp32 master: a view of the param storage when params are fp32, else its own copy.
             if cfg.param_dtype == torch.float32:
@@ -142,6 +145,13 @@ class Bucket:
         self._reduce_work = None
         self._reduce_out = None
         self._outer_pending = False
+
+    @property
+    def opt_grad(self) -> torch.Tensor:
+        """The averaged grads of the optimizer range (zeros if no synced backward ran this step)."""
+        if self._opt_grad is None:
+            self._opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=self.cfg.grad_dtype, device=self.device)
+        return self._opt_grad
 
     def _param_view_of_opt_range(self) -> torch.Tensor:
         if self.zero3:
@@ -229,7 +239,10 @@ class Bucket:
         """Put the averaged grads where the optimizer reads them."""
         out, self._reduce_out = self._reduce_out, None
         if self.cfg.shard_grads:
-            self.opt_grad.add_(out)
+            if self._opt_grad is None:  # the first reduction of the step: its output is the shard
+                self._opt_grad = out
+            else:
+                self._opt_grad.add_(out)
             self.full_grad = None  # ZeRO-2/3 keep only the shard
         elif self.cfg.shard_optimizer:  # ZeRO-1 (no_shard reduced in place)
             self.opt_grad.copy_(out)
@@ -238,9 +251,9 @@ class Bucket:
     def zero_grad(self) -> None:
         if self.persistent_full_grad:
             self.full_grad.zero_()
-        else:
+        else:  # ZeRO-2/3 free the grad shard between steps, as torch's zero_grad(set_to_none)
             self.full_grad = None
-            self.opt_grad.zero_()
+            self._opt_grad = None
         self.reduced = False
         self.pending = len(self.params)
 

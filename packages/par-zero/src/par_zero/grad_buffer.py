@@ -136,6 +136,8 @@ class GradBuffer:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        while self._inflight and self._inflight[0].try_finish(block=False):
+            self._inflight.pop(0)  # a reduction done: free its full grads now, not at the next launch
         bucket, k = self._where[p]
         bucket.accumulate(k, p.grad)
         p.grad = None

@@ -50,6 +50,7 @@ class RankLayout:
     recompute: str  # none | selective | full
     attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
+    tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
 
 
 def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
@@ -109,7 +110,8 @@ class ParallelDecoderLayer(nn.Module):
                                   layout.recompute == "selective")
             self.self_attn = TPMLAttention(a, g.tp, sp, core)
         else:
-            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
+            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
+                                         comm_overlap=layout.tp_comm_overlap)
         self.post_attention_layernorm = _norm(a, layout)
         self.is_moe = is_moe_layer(a, index)
         if self.is_moe:
@@ -120,7 +122,7 @@ class ParallelDecoderLayer(nn.Module):
             self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=sp)
         else:
-            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp)
+            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
@@ -159,7 +161,8 @@ class ModelChunk(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, layout) if last else None
-        self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
+        self.lm_head = (ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
+                        if last else None)
         # Multi-token prediction modules sit with the output head and share the input embedding:
         # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
         # embedding group (other schedules); the builder sets it (build.py's _share_embedding_).

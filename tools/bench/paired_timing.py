@@ -1,0 +1,63 @@
+"""Paired timing for the benchmarks: ours and the peer, step by step in the same processes.
+
+Each repeat runs one step of each, in alternating order (so neither always runs on a warm or a
+cold cache), each started after a barrier; a step's time is the slowest rank's (all-reduce MAX).
+The first ``warmup`` repeats are discarded. The figure is the median of the per-repeat ratios
+ours / peer, with their min and max as the spread: a machine shared with other work slows both
+sides of a repeat alike, which a ratio of two separately taken medians does not cancel.
+
+    pairs = paired_times(ours_step, peer_step, repeats=7, warmup=2)   # inside every rank
+    summary = Summary.of(pairs)                                       # ratio, ratio_min, ratio_max
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(step, group) -> float:
+    dist.barrier(group)
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def paired_times(ours, peer, repeats: int = 7, warmup: int = 2, group=None) -> list[tuple[float, float]]:
+    """[(ours s, peer s)] per timed repeat, each the slowest rank's; the same list on every rank."""
+    pairs = []
+    for i in range(warmup + repeats):
+        if i % 2 == 0:
+            t_ours = _timed(ours, group)
+            t_peer = _timed(peer, group)
+        else:
+            t_peer = _timed(peer, group)
+            t_ours = _timed(ours, group)
+        slowest = torch.tensor([t_ours, t_peer], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        if i >= warmup:
+            pairs.append((slowest[0].item(), slowest[1].item()))
+    return pairs
+
+
+@dataclass(frozen=True)
+class Summary:
+    ours_s: float  # median step time
+    peer_s: float
+    ratio: float  # median of the per-repeat ratios ours / peer
+    ratio_min: float
+    ratio_max: float
+    repeats: int
+
+    @classmethod
+    def of(cls, pairs: list[tuple[float, float]]) -> "Summary":
+        ratios = [ours / peer for ours, peer in pairs]
+        return cls(statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
+                   statistics.median(ratios), min(ratios), max(ratios), len(pairs))
+
+    def spread(self) -> str:
+        return f"ratio={self.ratio:.2f} ratio_min={self.ratio_min:.2f} ratio_max={self.ratio_max:.2f} repeats={self.repeats}"

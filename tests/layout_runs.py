@@ -55,3 +55,17 @@ def assert_same(results, reference, tolerance: float, name: str) -> None:
             assert abs(a - b) <= tolerance * abs(b), f"{name} rank {rank} step {step}: loss {a} vs single-rank {b}"
             assert abs(na - nb) <= tolerance * abs(nb), \
                 f"{name} rank {rank} step {step}: grad norm {na} vs single-rank {nb}"
+
+
+def one_rank_first_batch(cfg):
+    """A one-rank Trainer, its chunk, a dict that its parameters' gradients land in (by chunk name,
+    read before the DP wrapper moves them into buckets), and step 0's micro-batches."""
+    from pretrain.train_loop import Trainer
+
+    trainer = Trainer(cfg)
+    chunk = trainer.model.chunks[0]
+    grads = {}
+    for name, p in chunk.named_parameters():
+        p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
+    inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
+    return trainer, chunk, grads, inputs, labels

@@ -23,6 +23,7 @@ LAYOUTS = {  # id: (world, overrides); our ZeRO strategies, TP+SP, PP (1F1B and 
     "zero1-cp2-ring": (4, ["parallel.zero=optim", "parallel.cp=2", "parallel.cp_comm_type=p2p"]),
     "zero2-tp2-sp-cp2-a2a": (8, ["parallel.zero=optim_grads", "parallel.tp=2", "parallel.cp=2",
                                  "parallel.cp_comm_type=a2a"]),
+    "zero2-tp2-sp-overlap": (4, ["parallel.zero=optim_grads", "parallel.tp=2", "parallel.tp_comm_overlap=true"]),
     "zero3-tp2-pp2": (8, ["parallel.zero=optim_grads_params", "parallel.tp=2", "parallel.pp=2"]),
     "zero3-pp2-zbv-hsdp": (8, ["parallel.zero=optim_grads_params", "parallel.pp=2", "parallel.schedule=zb-v",
                                "parallel.hsdp_replicas=2"]),
@@ -91,6 +92,9 @@ def test_fake_cuda_model_buckets_and_forward_stay_on_cuda(name, monkeypatch):
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             cfg, layout, rank_model = _build(overrides, world, "cuda", monkeypatch)
+            if "parallel.tp_comm_overlap=true" in overrides:  # the key reaches every TP layer
+                flags = [m.comm_overlap for c in rank_model.chunks.values() for m in c.modules() if hasattr(m, "comm_overlap")]
+                assert flags and all(flags)
             where = {n: t.device.type for n, t in _state_tensors(rank_model).items()}
             assert where and all(d == "cuda" for d in where.values()), {n: d for n, d in where.items() if d != "cuda"}
             recorder = NoCpuOutputs()

@@ -25,7 +25,8 @@ DENSE = {
     "dp4-torch_fsdp2": ["parallel.zero=torch_fsdp2"],
     "hsdp2x2-optim_grads_params": ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"],
     "tp2-dp2-sp": ["parallel.tp=2"],
-    "tp2-dp2-sp-optim": ["parallel.tp=2", "parallel.zero=optim"],  # ZeRO-1 shards over dp=2
+    # ZeRO-1 shards over dp=2; SP's gathers/scatters as p2p rings under the matmuls
+    "tp2-dp2-sp-optim-overlap": ["parallel.tp=2", "parallel.zero=optim", "parallel.tp_comm_overlap=true"],
     "tp2-cp2": ["parallel.tp=2", "parallel.cp=2"],
     "cp2-dp2-a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],
     "tp4": ["parallel.tp=4"],
@@ -160,3 +161,29 @@ def test_placed_layout_matches_single_rank(dist_run, tmp_path, name):
         else:
             assert permutation is not None, message
     assert_same([losses for losses, *_ in results], single_rank(dist_run, None), TOLERANCE, name)
+
+
+# Packed documents (document_mask + reset_position_ids + eod_mask_loss) on short documents, so each
+# 32-token sequence holds several: per-sequence boundaries through Ulysses with dp, and through
+# TP x EP with MoE (tests/test_packed_documents.py anchors the single rank to each document alone,
+# and checks CP modes and TP x PP against it).
+PACKED_KEYS = ("data.document_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
+PACKED = {
+    "packed-cp2-dp2-a2a": (None, TWO_LAYERS, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
+    "packed-tp2-ep2-moe": ("tiny-moe", MOE_COMMON + TWO_LAYERS, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def packed_data(tmp_path_factory):
+    from test_packed_documents import packed_dataset
+
+    return packed_dataset(tmp_path_factory.mktemp("packed") / "docs")
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_layout_matches_single_rank(dist_run, packed_data, name):
+    config, common, layout = PACKED[name]
+    common = (f"data.path={packed_data}",) + PACKED_KEYS + common
+    results = dist_run(4, train_steps, config, list(common) + layout, timeout=900)
+    assert_same(results, single_rank(dist_run, config, common), TOLERANCE, name)

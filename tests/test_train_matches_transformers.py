@@ -55,8 +55,9 @@ def train_imported(overrides):
     return [r.loss for r in results], [r.grad_norm for r in results], batches
 
 
-def train_transformers(batches):
-    """transformers' model, torch AdamW and clip_grad_norm_ on the same global batches."""
+def train_transformers(batches, position_ids=None):
+    """transformers' model, torch AdamW and clip_grad_norm_ on the same global batches;
+    ``position_ids(inputs)``: the RoPE positions to give it (default: 0..S-1 in every sequence)."""
     from pretrain.config import load_config
 
     t = load_config(None, COMMON).train
@@ -68,7 +69,10 @@ def train_transformers(batches):
                             eps=1e-8, weight_decay=t.weight_decay)
     losses, norms = [], []
     for tokens in batches:
-        logits = model(tokens[:, :-1]).logits
+        inputs = tokens[:, :-1]
+        # with position_ids, an all-ones mask keeps transformers from inferring document masks from them
+        extra = {} if position_ids is None else {"position_ids": position_ids(inputs), "attention_mask": torch.ones_like(inputs)}
+        logits = model(inputs, **extra).logits
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))

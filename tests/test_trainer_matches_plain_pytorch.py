@@ -35,7 +35,20 @@ def count_routed(moe, load):
     moe.route = counting
 
 
-def trainer_and_plain_pytorch(config, overrides):
+def mean_of_microbatches(model, sampler, step: int) -> tuple[torch.Tensor, float]:
+    """(what to backward, the logged loss) of one rank's step: the mean over micro-batches of each
+    one's mean token loss, plus the MoE balancing losses."""
+    batch = sampler.train_batch(step)
+    n, total, logged = batch.tokens.shape[0], 0.0, 0.0
+    for m in range(n):
+        logits, aux = model(batch.inputs[m].t())
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[m].t().flatten())
+        total = total + (loss + aux) / n
+        logged += loss.item() / n
+    return total, logged
+
+
+def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches, steps=STEPS):
     from pretrain.config import load_config
     from pretrain.model.reference import build_reference
     from pretrain.schedule_lr import lr_at
@@ -43,7 +56,7 @@ def trainer_and_plain_pytorch(config, overrides):
 
     cfg = load_config(config, COMMON + list(overrides))
     trainer = Trainer(cfg)
-    ours = [trainer.train_step(step) for step in range(STEPS)]
+    ours = [trainer.train_step(step) for step in range(steps)]
 
     t = cfg.train
     model = build_reference(cfg.model, t.seed)
@@ -58,14 +71,9 @@ def trainer_and_plain_pytorch(config, overrides):
     for moe, load in zip(moes, loads):
         count_routed(moe, load)
     plain = []
-    for step in range(STEPS):
-        batch = trainer.sampler.train_batch(step)
-        losses = []
-        for m in range(batch.tokens.shape[0]):
-            logits, aux = model(batch.inputs[m].t())
-            loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[m].t().flatten())
-            ((loss + aux) / batch.tokens.shape[0]).backward()
-            losses.append(loss.item())
+    for step in range(steps):
+        loss, logged = plain_loss(model, trainer.sampler, step)
+        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps)
@@ -75,7 +83,7 @@ def trainer_and_plain_pytorch(config, overrides):
             for moe, load in zip(moes, loads):
                 moe.router.expert_bias += cfg.model.bias_update_rate * torch.sign(load.double().mean() - load)
                 load.zero_()
-        plain.append((sum(losses) / len(losses), float(norm)))
+        plain.append((logged, float(norm)))
     return [(r.loss, r.grad_norm) for r in ours], plain
 
 

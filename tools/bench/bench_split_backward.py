@@ -3,7 +3,7 @@
     uv run python tools/bench/bench_split_backward.py [--hidden 512] [--tokens 512] [--layers 4] [--repeats 9]
 
 The stage is ``layers`` transformer-style MLP blocks (LayerNorm, Linear 4h, GELU, Linear h,
-residual). Per repeat, in turn on the same inputs: a full backward (weights and input), par-pp's
+residual). Per repeat, in turn on the same inputs (the order reversed every other repeat): a full backward (weights and input), par-pp's
 split B then W (``par_pp.split_backward``), and the split before it (the W walking the whole
 graph again with ``backward(inputs=params)``). The first repeat warms up and is dropped. Prints
 the median ratio to the full backward and its min/max over repeats, ending with
@@ -72,7 +72,8 @@ def main() -> None:
 
     rows = []
     for i in range(args.repeats + 1):
-        t = {"full": full(), "split": split(), "replay": replay()}
+        order = [("full", full), ("split", split), ("replay", replay)]
+        t = {name: fn() for name, fn in (order if i % 2 else order[::-1])}  # alternate who runs first
         if i:  # the first repeat warms up
             rows.append(t)
     ratios = [r["split"] / r["full"] for r in rows]

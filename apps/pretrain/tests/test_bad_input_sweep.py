@@ -110,12 +110,15 @@ CASES = {
     "train nproc 0": ["train", "--nproc", "0", *SMALL],
     "train nproc too many": ["train", "--nproc", "1000", *SMALL],
     "train device tpu": _train("--device", "tpu"),
+    "train dynamic cp with cp 1": _train("--set", "parallel.dynamic_cp=true", "--set", "parallel.max_seq_per_rank=64"),
     "train huge global batch": _train("--set", "train.global_batch=100000000"),
     # train: data
     "train missing data": _train("--set", "data.path=data/nosuch", "--set", "log.dir=run"),
     "train dataset too small": _train("--set", "data.path=data/tiny", "--set", "log.dir=run"),
     "train out-of-vocab ids": _train("--set", "data.path=data/oov", "--set", "log.dir=run"),
     "train float header": _train("--set", "data.path=data/floaty", "--set", "log.dir=run"),
+    "train document_mask without EOS": _train("--set", "data.path=data/good", "--set", "data.document_mask=true",
+                                              "--set", "log.dir=run"),
     # train: checkpoints and directories
     "train missing init_from": _train("--set", "checkpoint.init_from=nosuch", "--set", "log.dir=run"),
     "train resume another shape": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_shape",

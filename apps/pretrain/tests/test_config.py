@@ -1,6 +1,7 @@
 """Config: shipped files load, --set overrides, and every bad input is a UsageError naming the key."""
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,9 @@ def test_round_trip_through_toml(tmp_path):
     (["train.stop_at=400"], 1, "[train].stop_at=400 is after the last step"),
     (["model.recompute=some"], 1, "[model].recompute='some' is not one of none, selective, full"),
     (["parallel.tp"], 1, "must look like section.key=value"),
+    (["parallel.tp_comm_overlap=true"], 1, "tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1"),
+    (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=true"], 2, "sequence_parallel=False"),
+    (["parallel.tp=2", "parallel.tp_comm_overlap=true", "model.backend=te"], 2, "use [model].backend='torch'"),
 ])
 def test_bad_input_names_the_key(sets, world, message):
     with pytest.raises(UsageError) as e:
@@ -166,3 +170,20 @@ def test_uneven_pipeline_stages_set_the_layers_each_chunk_builds():
     big = load_config("llama3-8b", ["model.layers=126", "parallel.pp=16", "parallel.first_stage_layers=7",
                                     "parallel.last_stage_layers=7"])
     assert [len(s) for s in big.parallel.stage_layers(126)] == [7] + [8] * 14 + [7]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.dynamic_cp=true", "parallel.max_seq_per_rank=64", "data.document_mask=true",
+      "model.vocab_size=257"], 2, "dynamic_cp=true needs cp > 1"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "data.document_mask=true", "model.vocab_size=257"], 2,
+     "needs max_seq_per_rank >= 1"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.max_seq_per_rank=8"], 2, "needs [data].document_mask=true"),
+    (["parallel.dynamic_cp=true", "parallel.cp=2", "parallel.max_seq_per_rank=8", "data.document_mask=true",
+      "model.vocab_size=257"], 4, "can hold a document longer than [parallel].max_seq_per_rank=8 x dp x cp=4"),
+])
+def test_dynamic_cp_bad_input_is_one_line(overrides, world, message):
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_config(None, overrides).validate_world(world)

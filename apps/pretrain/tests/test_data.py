@@ -123,3 +123,23 @@ def test_build_sampler_from_config_and_too_small_data(tmp_path):
     write_dataset(tmp_path / "small", [[1] * 50], vocab_size=256)
     with pytest.raises(UsageError, match="too few"):
         build_sampler(load_config(None, [f"data.path={tmp_path / 'small'}"]), layout, 0)
+
+
+def test_embedded_data_with_eos_ends_every_document_with_256():
+    plain, packed = embedded_dataset(seed=3, num_tokens=5000), embedded_dataset(seed=3, num_tokens=5000, eos=True)
+    assert packed.eos == 256 and packed.vocab_size == 257 and plain.eos is None
+    ends = packed.doc_offsets[1:] - 1
+    assert np.all(packed.tokens[ends] == 256) and np.sum(packed.tokens == 256) == packed.num_docs
+    assert np.array_equal(np.delete(packed.tokens, ends), plain.tokens)  # the same text, plus the separators
+
+
+def test_document_keys_need_a_dataset_with_eos(tmp_path):
+    write_dataset(tmp_path / "old", [[1, 2, 3]] * 50, vocab_size=256)  # as written before EOS existed
+    for key in ("document_mask", "reset_position_ids", "eod_mask_loss"):
+        cfg = load_config(None, [f"data.path={tmp_path / 'old'}", f"data.{key}=true"])
+        with pytest.raises(UsageError, match="has no EOS between documents"):
+            load_dataset(cfg.data, 256)
+    assert load_dataset(load_config(None, [f"data.path={tmp_path / 'old'}"]).data, 256).eos is None
+    with pytest.raises(UsageError, match="smaller than the embedded byte-level data's 257"):
+        load_config(None, ["data.document_mask=true"])
+    assert load_dataset(load_config(None, ["data.document_mask=true", "model.vocab_size=257"]).data, 257).eos == 256

@@ -13,7 +13,7 @@ from pretrain.data import open_dataset
 runner = CliRunner()
 
 
-def test_byte_level_documents_per_file_paragraph_and_jsonl(tmp_path):
+def test_byte_level_documents_end_with_eos_recorded_in_the_header(tmp_path):
     a = tmp_path / "a.txt"
     a.write_text("héllo\n\nworld\n")
     j = tmp_path / "b.jsonl"
@@ -21,18 +21,31 @@ def test_byte_level_documents_per_file_paragraph_and_jsonl(tmp_path):
     res = runner.invoke(app, ["prepare", str(a), str(j), "--out", str(tmp_path / "out" / "d")])
     assert res.exit_code == 0, res.output
     ds = open_dataset(tmp_path / "out" / "d")
-    expected = "héllo\n\nworld\n".encode() + b"xyz"
-    assert bytes(ds.tokens.astype(np.uint8)) == expected and ds.tokenizer == "byte"
-    assert list(ds.doc_offsets) == [0, len("héllo\n\nworld\n".encode()), len(expected) - 1, len(expected)]
+    first = list("héllo\n\nworld\n".encode())
+    assert list(ds.tokens) == first + [256] + [ord("x"), ord("y"), 256, ord("z"), 256]
+    assert ds.eos == 256 and ds.vocab_size == 257 and ds.tokenizer == "byte"
+    assert json.loads((tmp_path / "out" / "d.json").read_text())["eos"] == 256
+    assert list(ds.doc_offsets) == [0, len(first) + 1, len(first) + 4, len(first) + 6]
     assert "unigram entropy" in res.stdout
     res = runner.invoke(app, ["prepare", str(a), "--docs", "paragraph", "--out", str(tmp_path / "p")])
     assert res.exit_code == 0 and open_dataset(tmp_path / "p").num_docs == 2
 
 
+def test_no_eos_writes_the_former_format_which_still_loads(tmp_path):
+    a = tmp_path / "a.txt"
+    a.write_text("ab")
+    res = runner.invoke(app, ["prepare", str(a), "--no-eos", "--out", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    header = json.loads((tmp_path / "d.json").read_text())
+    assert "eos" not in header and header["vocab_size"] == 256
+    ds = open_dataset(tmp_path / "d")
+    assert list(ds.tokens) == [97, 98] and ds.eos is None
+
+
 def _tokenizer_json(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3, "</s>": 4}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
@@ -48,7 +61,12 @@ def test_hf_tokenizer_json(tmp_path):
     res = runner.invoke(app, ["prepare", str(text), "--docs", "line", "--tokenizer", str(tok), "--out", str(tmp_path / "h")])
     assert res.exit_code == 0, res.output
     ds = open_dataset(tmp_path / "h")
-    assert list(ds.tokens) == [1, 2, 2, 3, 0] and list(ds.doc_offsets) == [0, 2, 4, 5] and ds.vocab_size == 4
+    assert list(ds.tokens) == [1, 2, 4, 2, 3, 4, 0, 4] and list(ds.doc_offsets) == [0, 3, 6, 8]
+    assert ds.vocab_size == 5 and ds.eos == 4
+    res = runner.invoke(app, ["prepare", str(text), "--tokenizer", str(tok), "--eos-token", "again", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0 and open_dataset(tmp_path / "a").eos == 3
+    res = runner.invoke(app, ["prepare", str(text), "--tokenizer", str(tok), "--eos-token", "<eot>", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "has no end-of-document token <eot>" in res.stderr
 
 
 def test_missing_tokenizers_package_is_a_clear_error(tmp_path, monkeypatch):

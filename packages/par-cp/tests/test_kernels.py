@@ -13,7 +13,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("backend", ["torch", "sdpa"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("docs", [None, (0, 5, 20, 21, 32)], ids=["one-doc", "packed"])
+@pytest.mark.parametrize("docs", [None, (0, 5, 20, 21, 32), [(0, 5, 20, 21, 32), (0, 11, 32)]],
+                         ids=["one-doc", "packed", "varlen"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 def test_local_attention_matches_reference(backend, causal, docs, heads):
     torch.manual_seed(0)
@@ -21,7 +22,9 @@ def test_local_attention_matches_reference(backend, causal, docs, heads):
     k = torch.randn(32, 2, heads[1], 8, requires_grad=True)
     v = torch.randn(32, 2, heads[1], 8, requires_grad=True)
     out = ContextParallelAttention("p2p", None, causal=causal, backend=backend)(q, k, v, cu_seqlens=docs)
-    ref = reference_attention(q, k, v, causal, docs)
+    per_seq = docs if isinstance(docs, list) else [docs, docs]  # the reference runs each sequence alone
+    ref = torch.cat([reference_attention(q[:, b:b + 1], k[:, b:b + 1], v[:, b:b + 1], causal, per_seq[b])
+                     for b in range(2)], dim=1)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want = torch.autograd.grad(ref, (q, k, v), grad.double())

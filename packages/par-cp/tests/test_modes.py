@@ -11,6 +11,7 @@ import torch
 S, B, D = 32, 2, 8
 TOL = 1e-5
 DOCS = (0, 3, 17, 18, 32)  # documents cross shard borders, one is a single token
+SEQ_DOCS = [DOCS, (0, 9, 10, 25, 32)]  # packed: each sequence of the batch has its own boundaries
 
 
 def _rel(a, b):
@@ -44,7 +45,9 @@ def _run_case(groups, case):
     with CommRecorder() as bwd:
         out.backward(shard_sequence(dout, rank, cp, layout=layout))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = reference_attention(*full, causal=causal, cu_seqlens=docs)
+    per_seq = docs if isinstance(docs, list) else [docs] * B  # the reference runs each sequence alone
+    ref = torch.cat([reference_attention(*(t[:, b:b + 1] for t in full), causal=causal, cu_seqlens=per_seq[b])
+                     for b in range(B)], dim=1)
     ref.backward(dout.double())
     errors = {"out": _rel(out, shard_sequence(ref, rank, cp, layout=layout))}
     for name, mine, theirs in zip(("dq", "dk", "dv"), local, full):
@@ -77,7 +80,7 @@ def _case(mode, layout="zigzag", causal=True, hq=4, hkv=4, docs=None, backend="a
 
 def _name(c):
     heads = "mha" if c["hq"] == c["hkv"] else "gqa"
-    return f"{c['mode']}-{c['layout']}-{'causal' if c['causal'] else 'full'}-{heads}{'-packed' if c['docs'] else ''}-{c['backend']}"
+    return f"{c['mode']}-{c['layout']}-{'causal' if c['causal'] else 'full'}-{heads}{'-varlen' if isinstance(c['docs'], list) else '-packed' if c['docs'] else ''}-{c['backend']}"
 
 
 CP4_CASES = (
@@ -87,9 +90,11 @@ CP4_CASES = (
     + [_case(m, docs=DOCS, hq=8, hkv=4) for m in ("p2p", "allgather", "a2a", "a2a+p2p")]
     + [_case(m, "contiguous", False, docs=DOCS) for m in ("p2p", "a2a")]
     + [_case("p2p", backend="torch"), _case("a2a+p2p", hq=8, hkv=4, docs=DOCS, backend="torch")]
+    + [_case(m, docs=SEQ_DOCS, hq=8, hkv=4) for m in ("p2p", "allgather", "a2a", "a2a+p2p")]
 )
 CP2_CASES = [_case(m, lay, causal, 4, 2) for m in ("p2p", "allgather", "a2a")
-             for lay, causal in (("zigzag", True), ("contiguous", False))] + [_case("p2p", docs=DOCS, hq=4, hkv=2)]
+             for lay, causal in (("zigzag", True), ("contiguous", False))] + [_case("p2p", docs=DOCS, hq=4, hkv=2)] + [
+    _case(m, docs=SEQ_DOCS, hq=4, hkv=2) for m in ("p2p", "a2a")]
 
 
 @pytest.fixture(scope="module")

@@ -56,3 +56,21 @@ def test_rejects_what_cannot_fit():
     assert span_for(100, 30) == 4
     with pytest.raises(ValueError, match="needs 8 ranks of 10 tokens, but there are only 4"):
         schedule_subsamples([75], 10, 4)
+
+
+def test_compute_balance_weighs_long_samples_by_their_quadratic_cost():
+    """One long sample and many short ones: balancing tokens piles short ones on the long one's
+    rank; balancing attention work keeps them off it."""
+    lengths = [300] + [100] * 12
+    by_tokens = _check_invariants(lengths, 10_000, 4)
+    by_compute = schedule_subsamples(lengths, 10_000, 4, balance="compute")
+
+    def worst(sched):
+        work = [0.0] * 4
+        for p in sched.placements:
+            for r in p.ranks:
+                work[r] += p.length * (p.length + 1) / 2 / p.span
+        return max(work) / (sum(work) / 4)
+    assert worst(by_compute) < worst(by_tokens)
+    long_rank = by_compute.placements[0].ranks[0]
+    assert all(p.ranks[0] != long_rank for p in by_compute.placements[1:])

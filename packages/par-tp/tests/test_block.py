@@ -20,12 +20,15 @@ S, B, D, FFN = 8, 2, 4, 32
 # (name, num_heads, num_kv_heads)
 HEADS = [("mha", 4, 4), ("gqa4x2", 4, 2), ("gqa8x1", 8, 1)]
 CASES = [(tp, sp, h) for tp in (1, 2, 4) for sp in (False, True) for h in HEADS] + [(2, False, HEADS[1]), (4, True, HEADS[1])]
-DROPOUT_CASES = {len(CASES) - 2, len(CASES) - 1}  # the last two repeat a layout with dropout
+DROPOUT_CASES = {len(CASES) - 2, len(CASES) - 1}  # these two repeat a layout with dropout
+CASES += [(2, True, HEADS[1]), (4, True, HEADS[2])]
+OVERLAP_CASES = {len(CASES) - 2, len(CASES) - 1}  # these two with tp_comm_overlap (ring p2p collectives)
 
 
 def case_id(i):
     tp, sp, (name, _, _) = CASES[i]
-    return f"tp={tp}-{'sp' if sp else 'nosp'}-{name}" + ("-dropout" if i in DROPOUT_CASES else "")
+    return (f"tp={tp}-{'sp' if sp else 'nosp'}-{name}" + ("-dropout" if i in DROPOUT_CASES else "")
+            + ("-overlap" if i in OVERLAP_CASES else ""))
 
 
 
@@ -101,7 +104,8 @@ def run_block_cases():
         ref.backward(grad_out)
 
         block = TPTransformerBlock(hidden, hq, hkv, FFN, group, sequence_parallel=sp,
-                                   dropout_p=p, generator=torch.Generator().manual_seed(7)).load_full_(w)
+                                   dropout_p=p, generator=torch.Generator().manual_seed(7),
+                                   comm_overlap=i in OVERLAP_CASES).load_full_(w)
         shard = (lambda t: t.chunk(tp, 0)[r]) if sp else (lambda t: t)
         x = shard(x_full).clone().requires_grad_(True)
         with CommRecorder() as fwd:
@@ -151,6 +155,12 @@ def test_block_collectives_and_bytes(block_results, i):
     tp, sp, _ = CASES[i]
     res = block_results[0][i]
     n = res["act_bytes"]  # one [S, B, H] fp32 activation
+    if i in OVERLAP_CASES:
+        # each of the 4 entries/exits (and their duals) is a ring of tp - 1 sends of one [S/tp, B, H] chunk
+        for records in (res["fwd"], res["bwd"]):
+            assert [(op, nbytes) for op, _, nbytes, _ in records] == [("send", n // tp)] * (4 * (tp - 1))
+        assert sum(wire for *_, wire in res["fwd"] + res["bwd"]) == 4 * 2 * (tp - 1) * n // tp  # as the collectives
+        return
     if sp:
         assert [op for op, *_ in res["fwd"]] == ["all_gather", "reduce_scatter"] * 2
         # reverse order: each exit's dual (all-gather) then each entry's dual (reduce-scatter)

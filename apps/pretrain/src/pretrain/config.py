@@ -96,6 +96,9 @@ class Config:
                 _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
                                         f"which does not divide the {local} [model].{name} per tp rank")
         t = self.train
+        _need(not self.parallel.tp_comm_overlap or m.backend == "torch",
+              "[parallel].tp_comm_overlap=true runs par-tp's own ring matmuls: use [model].backend='torch' "
+              "(Transformer Engine overlaps with its own userbuffers)")
         _need(t.fp8 == "off" or m.backend == "te",
               f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
         _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),
@@ -112,8 +115,18 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
-        _need(self.data.path or m.vocab_size >= 256,
-              f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's 256")
+        embedded_vocab = 257 if self.data.packed else 256  # with EOS when documents matter
+        _need(self.data.path or m.vocab_size >= embedded_vocab,
+              f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
+              f"{' (256 bytes and EOS: [data] document keys are set)' if self.data.packed else ''}")
+        if p.dynamic_cp:
+            _need(self.data.document_mask and not m.is_moe and m.attention != "mla",
+                  "[parallel].dynamic_cp=true needs [data].document_mask=true and a dense GQA model "
+                  "([model].num_experts=0, attention='gqa')")
+        if self.data.packed:
+            _need(not m.mtp_depth and m.backend != "te",
+                  f"[data].document_mask/reset_position_ids/eod_mask_loss do not run with "
+                  f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
 
     def validate_world(self, world_size: int) -> Layout:
         """Check everything that depends on the number of ranks; return the resolved layout."""
@@ -133,6 +146,10 @@ class Config:
         if p.pp > 1 and p.schedule == "interleaved":
             _need(microbatches % p.pp == 0, f"the interleaved schedule needs micro-batches ({microbatches}) to be a "
                                             f"multiple of pp={p.pp}; set [parallel].microbatches")
+        if p.dynamic_cp:
+            from .dynamic_cp import check_lengths
+
+            check_lengths(t.seq_len, p.max_seq_per_rank, dp * p.cp)
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,
                   f"[parallel].hsdp_replicas={p.hsdp_replicas} does not divide dp={dp} (world {world_size})")

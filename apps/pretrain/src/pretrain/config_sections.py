@@ -38,6 +38,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 0  # 0 = tp (Megatron's default)
     sequence_parallel: bool | None = None  # None = on when tp > 1
+    tp_comm_overlap: bool = False  # Megatron's --tp-comm-overlap: SP gathers/scatters as rings under the matmuls
     zero: str = "no_shard"
     hsdp_replicas: int = 1
     schedule: str = "1f1b"
@@ -47,12 +48,25 @@ class ParallelConfig:
     # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    # Dynamic CP (Megatron's --hybrid-context-parallel, see pretrain.dynamic_cp): each document over
+    # as many of the dp x cp ranks as its length needs, at most max_seq_per_rank tokens per rank.
+    dynamic_cp: bool = False
+    max_seq_per_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
         _choice("[parallel].placement", self.placement, PLACEMENTS)
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
-        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", allow_zero=True)
+        _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", "max_seq_per_rank",
+                  allow_zero=True)
+        if self.dynamic_cp:
+            _need(self.cp > 1, "[parallel].dynamic_cp=true needs cp > 1 (it spreads documents over dp x cp ranks); "
+                               "got cp=1")
+            _need(self.max_seq_per_rank >= 1, "[parallel].dynamic_cp=true needs max_seq_per_rank >= 1 (tokens one "
+                                              "rank holds)")
+            _need(self.tp == self.pp == self.ep == 1 and self.cp_comm_type == "p2p",
+                  f"[parallel].dynamic_cp=true runs with tp=pp=ep=1 and cp_comm_type='p2p' for now (got tp={self.tp}, "
+                  f"pp={self.pp}, ep={self.ep}, cp_comm_type={self.cp_comm_type!r})")
         _choice("[parallel].cp_comm_type", self.cp_comm_type, CP_COMM_TYPES)
         _choice("[parallel].zero", self.zero, ZERO_STRATEGIES)
         _choice("[parallel].schedule", self.schedule, SCHEDULES)
@@ -68,6 +82,10 @@ class ParallelConfig:
                   f"[parallel].vpp={self.vpp} needs schedule='interleaved', got schedule={self.schedule!r}")
         if self.schedule == "interleaved" and self.pp > 1:
             _need(self.vpp > 1, "[parallel].schedule='interleaved' needs vpp >= 2 model chunks per rank")
+        if self.tp_comm_overlap:
+            _need(self.tp > 1 and self.sequence_parallel is not False,
+                  f"[parallel].tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1 and "
+                  f"sequence_parallel on, got tp={self.tp}, sequence_parallel={self.sequence_parallel}")
         if self.hsdp_replicas > 1:
             _need(self.zero in ("optim_grads_params", "torch_fsdp2"),
                   f"[parallel].hsdp_replicas={self.hsdp_replicas} needs zero='optim_grads_params' or 'torch_fsdp2' "
@@ -178,9 +196,20 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
     valid_fraction: float = 0.05
     seed: int = 1234
+    # Packed documents, as Megatron's --reset-attention-mask / --reset-position-ids / --eod-mask-loss:
+    # attention stays inside each document, RoPE positions restart at each document, and the loss
+    # of predicting the token after an EOS is dropped. They need a dataset whose documents end with EOS.
+    document_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+
+    @property
+    def packed(self) -> bool:
+        """Whether any key needs the documents' boundaries (so the dataset's EOS)."""
+        return self.document_mask or self.reset_position_ids or self.eod_mask_loss
 
 
 @dataclass(frozen=True)

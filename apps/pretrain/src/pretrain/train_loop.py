@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,8 @@ from par_cp import shard_sequence
 from par_groups import comm
 from par_tp import vocab_parallel_cross_entropy
 
+from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
+from .dynamic_cp import SpanGroups, imbalance, plan_step
 from .kernels import fp8_context, select_kernels
 from .errors import UsageError
 from .model.build import RankModel, build_rank_model
@@ -73,7 +75,16 @@ class Trainer:
                 shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
                          torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
-                                             device=self.device, message_shape=shape)
+                                             device=self.device, message_shape=shape, forward_fn=self._forward_chunk)
+        # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss): the current
+        # batch's per-micro-batch Documents, and the loss's token count (eod_mask_loss); see packing.py.
+        # A simulation cannot read boundaries from fake tokens: it runs whole sequences (same shapes).
+        self.packed = cfg.data.packed and not simulated
+        # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
+        self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
+        self.cp_imbalance: float | None = None  # the last batch's attention-work imbalance under dynamic CP
+        self._docs: list = []
+        self._loss_tokens: float | None = None
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,16 +93,66 @@ class Trainer:
         return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sequence-first CP shards; with MTP the labels carry its token streams too ``[S/cp, B, 1 + 2D]``."""
+        """Sequence-first CP shards; with MTP the labels carry its token streams too ``[S/cp, B, 1 + 2D]``.
+        Also takes the batch's packed documents (see :meth:`_take_documents`)."""
+        if self.span_groups is not None:
+            return self._dynamic_microbatches(batch)
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
+        if self.packed:
+            return inputs, self._take_documents(batch)
         if not depth:
             return inputs, [self._shard(batch.labels[m]) for m in range(n)]
         streams = [[batch.labels[m]] + mtp_streams(batch.labels[m], depth) for m in range(n)]
         return inputs, [torch.stack([self._shard(s) for s in group], dim=-1) for group in streams]
 
+    def _take_documents(self, batch) -> list[torch.Tensor]:
+        """Keep each micro-batch's :class:`Documents` for the forward; return the labels, with the
+        prediction at each EOS dropped under eod_mask_loss, and count the tokens the loss averages."""
+        d, n = self.cfg.data, batch.tokens.shape[0]
+        self._docs, labels = [], []
+        for m in range(n):
+            segments = batch.input_segments[m]
+            self._docs.append(Documents(
+                cu_seqlens(segments) if d.document_mask else None,
+                self._shard(positions_within_documents(segments)) if d.reset_position_ids else None))
+            y = batch.labels[m]
+            labels.append(self._shard(mask_eod_labels(batch.inputs[m], y, self.sampler.dataset.eos)
+                                      if d.eod_mask_loss else y))
+        self._loss_tokens = None
+        if d.eod_mask_loss:  # the global batch's kept predictions, as the share of one (rank, micro-batch)
+            kept = torch.stack([(y != IGNORE).sum() for y in labels]).sum().reshape(1).double()
+            comm.all_reduce(kept, self.groups.dp_cp)
+            self._loss_tokens = kept.item() / (self.groups.size("dp_cp") * n)
+        return labels
+
+    def _batch(self, step: int, eval: bool = False):
+        """This rank's batch; under dynamic CP the global one (every rank plans all of it)."""
+        s = self.sampler
+        if self.span_groups is not None:
+            return s.global_eval_batch(step) if eval else s.global_train_batch(step)
+        return s.eval_batch(step) if eval else s.train_batch(step)
+
+    def _dynamic_microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
+        p, d = self.cfg.parallel, self.cfg.data
+        rounds, kept, work = plan_step(batch, self.sampler.dataset.eos, d.eod_mask_loss, p.max_seq_per_rank,
+                                       self.span_groups)
+        self.cp_imbalance = imbalance(work)
+        self._docs = [replace(docs, positions=docs.positions.to(self.device)) for _, _, docs in rounds]
+        self._loss_tokens = kept / (self.groups.size("dp_cp") * len(rounds))
+        return [x.to(self.device) for x, _, _ in rounds], [y.to(self.device) for _, y, _ in rounds]
+
+    def _forward_chunk(self, chunk_id: int, module, x: torch.Tensor, microbatch: int):
+        """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any."""
+        return module(x, docs=self._docs[microbatch]) if self._docs else module(x)
+
     def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
-        """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart)."""
+        """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart).
+        Under eod_mask_loss: this rank's sum over kept predictions divided by the global batch's count
+        per (rank, micro-batch), so the mean over micro-batches and dp x cp ranks is the one-rank loss."""
+        if self._loss_tokens is not None:
+            return vocab_parallel_cross_entropy(out, labels, self.groups.tp, reduction="sum") / self._loss_tokens
         if not self.cfg.model.mtp_depth:
             return vocab_parallel_cross_entropy(out, labels, self.groups.tp)  # in fp32 inside
         (logits, hidden), streams = out, list(labels.unbind(-1))
@@ -122,7 +183,7 @@ class Trainer:
         losses = []
         for m in range(n):
             dp.set_grad_sync(m == n - 1)
-            loss = self._loss(dp(inputs[m]), labels[m])
+            loss = self._loss(self._forward_chunk(0, dp, inputs[m], m), labels[m])
             (loss / n).backward()
             losses.append(loss.detach())
         dp.set_grad_sync(True)
@@ -146,7 +207,7 @@ class Trainer:
         lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
                    steps=cfg.train.steps)
         self.model.module.train()
-        inputs, labels = self.microbatches(self.sampler.train_batch(step))
+        inputs, labels = self.microbatches(self._batch(step))
         losses = self._forward_backward(inputs, labels)
         dp.sum_partial_grads()
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
@@ -163,6 +224,8 @@ class Trainer:
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
+        if self.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
+            moe["cp_imbalance"] = self.cp_imbalance
         return StepResult(step, loss, lr, float(norm), tokens, moe)
 
     # ---- checkpoints and inference ---------------------------------------------------------
@@ -187,6 +250,7 @@ class Trainer:
         if self.cp_size > 1:
             raise ValueError("Trainer.logits runs with cp=1 only")
         self.model.module.eval()
+        self._docs = []  # whole sequences, whatever the last batch packed
         x0 = tokens.t().contiguous().to(self.device)
         s, b = x0.shape
         last = self.model.num_chunks - 1
@@ -213,11 +277,12 @@ class Trainer:
         losses = []
         with self._compute_context():
             for index in range(batches):
-                inputs, labels = self.microbatches(self.sampler.eval_batch(index))
+                inputs, labels = self.microbatches(self._batch(index, eval=True))
                 if self.executor is not None:  # the last chunk's rank gets the logits
                     losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
                 else:
-                    losses += [self._loss(self.model.dp(x), y) for x, y in zip(inputs, labels)]
+                    losses += [self._loss(self._forward_chunk(0, self.model.dp, x, m), y)
+                               for m, (x, y) in enumerate(zip(inputs, labels))]
         self.model.module.train()
         return self._mean_loss(losses)
 

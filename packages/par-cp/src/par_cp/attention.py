@@ -2,8 +2,9 @@
 
 Layout: q ``[S_local, B, Hq, D]``, k/v ``[S_local, B, Hkv, D]``, output ``[S_local, B, Hq, D]``,
 where the local sequence is this rank's shard from :func:`par_cp.shard_sequence` with the same
-``layout``. ``cu_seqlens`` (document boundaries of the *full* sequence, shared by the batch)
-keeps attention inside each document. Modes are Megatron's cp_comm_type names.
+``layout``. ``cu_seqlens`` (document boundaries of the *full* sequence) keeps attention inside
+each document: one sequence of boundaries shared by the batch, or a list of B of them, one per
+sequence (packed batches, as flash-attn's varlen). Modes are Megatron's cp_comm_type names.
 """
 
 from __future__ import annotations
@@ -29,13 +30,25 @@ def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _docs(cu_seqlens, seq_len: int):
-    if cu_seqlens is None:
-        return None
+def _bounds(cu_seqlens, seq_len: int) -> tuple[int, ...]:
     bounds = tuple(int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens))
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the full sequence length {seq_len}, got {list(bounds)}")
     return bounds
+
+
+def _docs(cu_seqlens, seq_len: int, batch: int):
+    """None, one boundary tuple for the batch, or a tuple of ``batch`` of them (one per sequence)."""
+    if cu_seqlens is None:
+        return None
+    per_sequence = (not torch.is_tensor(cu_seqlens) and len(cu_seqlens) > 0
+                    and (isinstance(cu_seqlens[0], (list, tuple)) or torch.is_tensor(cu_seqlens[0])))
+    if not per_sequence:
+        return _bounds(cu_seqlens, seq_len)
+    if len(cu_seqlens) != batch:
+        raise ValueError(f"cu_seqlens has boundaries for {len(cu_seqlens)} sequences; the batch has {batch}")
+    docs = tuple(_bounds(c, seq_len) for c in cu_seqlens)
+    return docs[0] if len(set(docs)) == 1 else docs  # shared: one pass over the batch
 
 
 class ContextParallelAttention(torch.nn.Module):
@@ -80,7 +93,7 @@ class ContextParallelAttention(torch.nn.Module):
             raise ValueError(f"query heads {q.shape[2]} must be a multiple of key/value heads {k.shape[2]}")
         rank, cp = self.cp_rank_and_size
         seq_len = q.shape[0] * cp
-        docs = _docs(cu_seqlens, seq_len)
+        docs = _docs(cu_seqlens, seq_len, q.shape[1])
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
         args = (self.causal, docs, scale, self.backend)
         if cp == 1:

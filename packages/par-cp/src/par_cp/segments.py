@@ -3,7 +3,9 @@
 A shard is a list of global token ranges laid end to end in the local tensor (one range for
 the contiguous layout, two for zigzag). Each (query range, key range) pair is one block; blocks
 that the causal or document mask hides completely are skipped, the others go to a kernel and
-are merged per query with the LSE rule. ``segment_attention`` wraps this in an autograd function
+are merged per query with the LSE rule. ``docs`` is None (one document), one ``cu_seqlens``
+tuple shared by the batch, or a tuple of them, one per sequence (packed batches: each sequence
+has its own boundaries, so each one runs its own blocks). ``segment_attention`` wraps this in an autograd function
 for the modes that see all their keys at once (Ulysses, all-gather, cp=1).
 """
 
@@ -31,15 +33,23 @@ def iter_blocks(q_segs: Segments, k_segs: Segments, causal: bool, docs) -> Itera
         q_off += qb - qa
 
 
+def per_sequence(docs) -> list[tuple[slice, tuple[int, ...] | None]]:
+    """(batch slice, its document boundaries): the whole batch when they are shared, else one per sequence."""
+    if docs is None or isinstance(docs[0], int):
+        return [(slice(None), docs)]
+    return [(slice(b, b + 1), d) for b, d in enumerate(docs)]
+
+
 def segments_forward(q, k, v, q_segs, k_segs, causal, docs, scale, backend, out=None, lse=None):
     """Merge the attention of q against this key shard into (out, lse) (fp32; new when None)."""
     if out is None:
         sq, b, hq, d = q.shape
         out = torch.zeros(sq, b, hq, d, device=q.device)
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device)
-    for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, docs):
-        o, l = block_forward(q[qs], k[ks], v[ks], mask, scale, backend)
-        out[qs], lse[:, :, qs] = merge_partial(out[qs], lse[:, :, qs], o, l)
+    for bs, seq_docs in per_sequence(docs):
+        for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, seq_docs):
+            o, l = block_forward(q[qs, bs], k[ks, bs], v[ks, bs], mask, scale, backend)
+            out[qs, bs], lse[bs, :, qs] = merge_partial(out[qs, bs], lse[bs, :, qs], o, l)
     return out, lse
 
 
@@ -48,11 +58,13 @@ def segments_backward(dout, q, k, v, out, lse, q_segs, k_segs, causal, docs, sca
     dq = torch.zeros(q.shape, device=q.device) if dq is None else dq
     dk = torch.zeros(k.shape, device=k.device)
     dv = torch.zeros(v.shape, device=v.device)
-    for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, docs):
-        a, b, c = block_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, :, qs], mask, scale, backend)
-        dq[qs] += a
-        dk[ks] += b
-        dv[ks] += c
+    for bs, seq_docs in per_sequence(docs):
+        for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, seq_docs):
+            a, b, c = block_backward(dout[qs, bs], q[qs, bs], k[ks, bs], v[ks, bs], out[qs, bs], lse[bs, :, qs],
+                                     mask, scale, backend)
+            dq[qs, bs] += a
+            dk[ks, bs] += b
+            dv[ks, bs] += c
     return dq, dk, dv
 
 

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from par_groups.param_placement import declare_
 
 from .comm import enter_tensor_parallel_region
+from .overlap import all_gather_matmul
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .sharding import check_divisible, gather_kv_heads, kv_head_layout, shard_kv_heads
 
@@ -68,6 +69,7 @@ class TPAttention(nn.Module):
         head_dim: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        comm_overlap: bool = False,
     ):
         super().__init__()
         tp = dist.get_world_size(tp_group)
@@ -82,11 +84,14 @@ class TPAttention(nn.Module):
         self.local_heads = num_heads // tp
         self.local_kv_heads, self.kv_replicas = kv_head_layout(num_kv_heads, tp)
         d, kw = self.head_dim, dict(dtype=dtype, device=device)
-        self.wq = ColumnParallelLinear(hidden, num_heads * d, tp_group, sequence_parallel=sequence_parallel, **kw)
+        self.wq = ColumnParallelLinear(hidden, num_heads * d, tp_group, sequence_parallel=sequence_parallel,
+                                       comm_overlap=comm_overlap, **kw)
         # KV projections hold this rank's local_kv_heads heads (a shard, or a replica when Hkv < tp).
         self.wk = self._kv_projection(hidden, **kw)
         self.wv = self._kv_projection(hidden, **kw)
-        self.wo = RowParallelLinear(num_heads * d, hidden, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel, **kw)
+        self.wo = RowParallelLinear(num_heads * d, hidden, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel,
+                                    comm_overlap=comm_overlap, **kw)
+        self.comm_overlap = self.wo.comm_overlap
 
     def _kv_projection(self, hidden: int, dtype, device) -> nn.Linear:
         proj = nn.Linear(hidden, self.local_kv_heads * self.head_dim, bias=False, dtype=dtype, device=device)
@@ -95,13 +100,18 @@ class TPAttention(nn.Module):
         declare_(proj.weight, {0: (self.tp_rank // r, self.tp_size // r)}, copies=self.tp_group, span=r, partial_grad=True)
         return proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)  # one entry for q, k, v
-        s, b = x.shape[0], x.shape[1]
-        q = self.wq.forward_local(x).view(s, b, self.local_heads, self.head_dim)
-        k = self.wk(x).view(s, b, self.local_kv_heads, self.head_dim)
-        v = self.wv(x).view(s, b, self.local_kv_heads, self.head_dim)
-        out = self.core(q, k, v)
+    def forward(self, x: torch.Tensor, **core_args) -> torch.Tensor:
+        """``core_args`` go to ``core`` (e.g. the document boundaries of packed sequences)."""
+        if self.comm_overlap:  # q, k, v share one gather, overlapped with their matmuls
+            q, k, v = all_gather_matmul(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.tp_group)
+        else:
+            x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)  # one entry for q, k, v
+            q, k, v = self.wq.forward_local(x), self.wk(x), self.wv(x)
+        s, b = q.shape[0], q.shape[1]
+        q = q.view(s, b, self.local_heads, self.head_dim)
+        k = k.view(s, b, self.local_kv_heads, self.head_dim)
+        v = v.view(s, b, self.local_kv_heads, self.head_dim)
+        out = self.core(q, k, v, **core_args)
         return self.wo(out.reshape(s, b, self.local_heads * self.head_dim))
 
     @torch.no_grad()

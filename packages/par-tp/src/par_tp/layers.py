@@ -25,6 +25,7 @@ from .comm import (
     gather_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from .overlap import all_gather_matmul, matmul_reduce_scatter
 from .sharding import check_divisible, gather_tensor, shard_tensor
 
 
@@ -67,6 +68,7 @@ class ColumnParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        comm_overlap: bool = False,
     ):
         super().__init__()
         tp = dist.get_world_size(tp_group)
@@ -77,6 +79,7 @@ class ColumnParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, dist.get_rank(tp_group)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel and tp > 1  # see overlap.py
         rows = {0: (self.tp_rank, tp)}
         self.weight = declare_(_new_param((out_features // tp, in_features), dtype, device), rows)
         self.bias = declare_(nn.Parameter(torch.zeros(out_features // tp, dtype=dtype, device=device)), rows) if bias else None
@@ -86,6 +89,8 @@ class ColumnParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
         return self.linear_kernel(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm_overlap:
+            return all_gather_matmul(x, [self.weight], self.tp_group, [self.bias])[0]
         y = self.forward_local(enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel))
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
 
@@ -124,6 +129,7 @@ class RowParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        comm_overlap: bool = False,
     ):
         super().__init__()
         tp = dist.get_world_size(tp_group)
@@ -134,6 +140,7 @@ class RowParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size, self.tp_rank = tp_group, tp, dist.get_rank(tp_group)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel and tp > 1  # see overlap.py
         self.weight = declare_(_new_param((out_features, in_features // tp), dtype, device), {1: (self.tp_rank, tp)})
         self.bias = None
         if bias:
@@ -144,7 +151,10 @@ class RowParallelLinear(_LoadsFullWeight, _LocalMatmul, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = exit_tensor_parallel_region(self.linear_kernel(x, self.weight), self.tp_group, self.sequence_parallel)
+        if self.comm_overlap:
+            y = matmul_reduce_scatter(x, self.weight, self.tp_group)
+        else:
+            y = exit_tensor_parallel_region(self.linear_kernel(x, self.weight), self.tp_group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     @torch.no_grad()

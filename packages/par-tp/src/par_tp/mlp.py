@@ -9,6 +9,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import enter_tensor_parallel_region
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .overlap import all_gather_matmul
 
 
 class TPSwiGLU(nn.Module):
@@ -21,15 +22,18 @@ class TPSwiGLU(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, tp_group: ProcessGroup, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None, comm_overlap: bool = False):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, comm_overlap=comm_overlap)
         self.gate = ColumnParallelLinear(hidden, ffn_hidden, tp_group, sequence_parallel=sequence_parallel, **kw)
         self.up = ColumnParallelLinear(hidden, ffn_hidden, tp_group, sequence_parallel=sequence_parallel, **kw)
         self.down = RowParallelLinear(ffn_hidden, hidden, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate.comm_overlap:  # gate and up share one overlapped gather
+            gate, up = all_gather_matmul(x, [self.gate.weight, self.up.weight], self.tp_group, [self.gate.bias, self.up.bias])
+            return self.down(F.silu(gate) * up)
         x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)
         return self.down(F.silu(self.gate.forward_local(x)) * self.up.forward_local(x))
 

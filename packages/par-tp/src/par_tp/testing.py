@@ -21,14 +21,15 @@ from .rng import dropout, sharded_dropout
 
 class TPTransformerBlock(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, ffn_hidden: int, tp_group: ProcessGroup,
-                 sequence_parallel: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None):
+                 sequence_parallel: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
+                 comm_overlap: bool = False):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.dropout_p, self.generator = dropout_p, generator  # generator: identical on all TP ranks
         self.norm1 = nn.LayerNorm(hidden)
-        self.attn = TPAttention(hidden, num_heads, num_kv_heads, tp_group, sequence_parallel)
+        self.attn = TPAttention(hidden, num_heads, num_kv_heads, tp_group, sequence_parallel, comm_overlap=comm_overlap)
         self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = TPSwiGLU(hidden, ffn_hidden, tp_group, sequence_parallel)
+        self.mlp = TPSwiGLU(hidden, ffn_hidden, tp_group, sequence_parallel, comm_overlap=comm_overlap)
         for norm in (self.norm1, self.norm2):  # copies on every TP rank; partial grads over sequence shards
             declare_copies_(norm, tp_group, partial_grad=sequence_parallel)
 

@@ -8,7 +8,7 @@ from typing import Iterator, List, Optional
 
 import typer
 
-from ..data import get_tokenizer, write_dataset
+from ..data import ByteTokenizer, get_tokenizer, write_dataset
 from ..errors import UsageError, fail
 
 DOC_MODES = ("file", "paragraph", "line")
@@ -46,6 +46,10 @@ def prepare(
     out: str = typer.Option(..., "--out", help="Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.json."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json (default: bytes)."),
     docs: str = typer.Option("file", "--docs", help="Documents of a text file: file, paragraph or line."),
+    eos: bool = typer.Option(True, "--eos/--no-eos", help="End every document with the tokenizer's EOS id "
+                             "(the byte tokenizer's is 256, so its vocabulary is 257); --no-eos: no separator."),
+    eos_token: Optional[str] = typer.Option(None, "--eos-token", help="The EOS token of --tokenizer (default: "
+                                            "the first of <|end_of_text|>, <|endoftext|>, </s>, <eos> it has)."),
 ) -> None:
     """Tokenize text into a memory-mapped dataset for `[data].path` (byte-level unless --tokenizer)."""
     try:
@@ -57,11 +61,13 @@ def prepare(
         if missing:
             raise UsageError(f"input file(s) not found: {', '.join(missing)}")
         tok = get_tokenizer(tokenizer)
+        eos_id = None if not eos else tok.eos_id if isinstance(tok, ByteTokenizer) else tok.eos_for(eos_token)
         encoded = (tok.encode(text) for path in inputs for text in _texts(path, docs))
-        ds = write_dataset(out, encoded, tok.vocab_size, tokenizer=tok.name)
+        vocab = 256 if isinstance(tok, ByteTokenizer) and eos_id is None else tok.vocab_size  # bytes only
+        ds = write_dataset(out, encoded, vocab, tokenizer=tok.name, eos=eos_id)
     except UsageError as e:
         raise fail(str(e))
     except OSError as e:
         raise fail(f"cannot write {out}: {e.strerror}")
     typer.echo(f"wrote {out}.bin/.idx/.json: {ds.num_tokens} tokens in {ds.num_docs} documents, "
-               f"vocab {ds.vocab_size} ({ds.tokenizer}), unigram entropy {ds.unigram_entropy():.3f} nats")
+               f"vocab {ds.vocab_size} ({ds.tokenizer}), EOS {ds.eos}, unigram entropy {ds.unigram_entropy():.3f} nats")

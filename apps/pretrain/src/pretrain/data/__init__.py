@@ -15,9 +15,14 @@ def load_dataset(data_cfg, vocab_size: int | None = None) -> TokenDataset:
     """The dataset ``[data]`` names ("" = embedded); checks its ids fit a model of ``vocab_size``."""
     from ..errors import UsageError
 
-    ds = embedded_dataset(seed=data_cfg.seed) if not data_cfg.path else open_dataset(data_cfg.path)
+    packed = data_cfg.packed
+    ds = embedded_dataset(seed=data_cfg.seed, eos=packed) if not data_cfg.path else open_dataset(data_cfg.path)
     if vocab_size is not None and ds.vocab_size > vocab_size:
         raise UsageError(f"dataset {ds.source} has vocab_size {ds.vocab_size} > [model].vocab_size={vocab_size}")
+    if packed and ds.eos is None:
+        raise UsageError(f"dataset {ds.source} has no EOS between documents (its header has no \"eos\"), which "
+                         f"[data].document_mask/reset_position_ids/eod_mask_loss need; re-run `pretrain prepare` "
+                         f"(EOS is on by default) or turn those keys off")
     return ds
 
 

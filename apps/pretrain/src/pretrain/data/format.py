@@ -2,12 +2,15 @@
 
 ::
 
-    PREFIX.bin   all token ids, documents back to back (no separator token), little-endian
-                 uint16 when vocab_size <= 65536, else uint32
+    PREFIX.bin   all token ids, documents back to back, each ending with the tokenizer's EOS id
+                 (files from before EOS, or written with ``--no-eos``, have no separator),
+                 little-endian uint16 when vocab_size <= 65536, else uint32
     PREFIX.idx   num_docs + 1 little-endian int64 offsets into PREFIX.bin: document d is
                  tokens[idx[d]:idx[d+1]]; idx[0] = 0 and idx[-1] = num_tokens
     PREFIX.json  header: {"format": "par-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
-                 "num_tokens": N, "num_docs": D, "tokenizer": "byte"}
+                 "num_tokens": N, "num_docs": D, "tokenizer": "byte", "eos": 256}
+                 ``eos`` (optional: absent or null in files without a separator) is the id that
+                 ends every document; Megatron-style document masking needs it.
 
 ``pretrain prepare INPUT... --out PREFIX`` writes them; ``[data].path = "PREFIX"`` trains on them.
 Training samples are windows of seq_len + 1 tokens taken from the concatenated stream, so a
@@ -42,6 +45,7 @@ class TokenDataset:
     vocab_size: int
     tokenizer: str = "byte"
     source: str = "<embedded>"
+    eos: int | None = None  # the id ending every document, None: documents have no separator
 
     @property
     def num_tokens(self) -> int:
@@ -60,8 +64,9 @@ class TokenDataset:
         return float(-(p * np.log(p)).sum())
 
 
-def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte") -> TokenDataset:
-    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json.
+def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None) -> TokenDataset:
+    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json, each
+    followed by ``eos`` when given (recorded in the header).
 
     The files are written under temporary names and renamed only once every document was read, so
     a failing input (or no text at all) leaves an existing dataset at ``prefix`` untouched."""
@@ -79,6 +84,8 @@ def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "b
                 ids = np.asarray(doc, dtype=np.int64)
                 if ids.size == 0:
                     continue
+                if eos is not None:
+                    ids = np.append(ids, eos)
                 if ids.min() < 0 or ids.max() >= vocab_size:
                     raise UsageError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
                 out.write(ids.astype(dtype).tobytes())
@@ -88,6 +95,8 @@ def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "b
         np.asarray(offsets, dtype="<i8").tofile(tmp["idx"])
         header = dict(format=FORMAT, version=VERSION, dtype=dtype.name, vocab_size=int(vocab_size),
                       num_tokens=offsets[-1], num_docs=len(offsets) - 1, tokenizer=tokenizer)
+        if eos is not None:
+            header["eos"] = int(eos)
         tmp["json"].write_text(json.dumps(header, indent=1) + "\n")
         for ext in ("bin", "idx", "json"):  # the header last: a reader never sees a header without its data
             tmp[ext].replace(final[ext])
@@ -138,9 +147,12 @@ def open_dataset(prefix: str | Path) -> TokenDataset:
     wrong = [f"{k}={header[k]!r}" for k in ("vocab_size", "num_tokens", "num_docs")
              if type(header[k]) is not int or header[k] < 0]
     wrong += [] if isinstance(header["tokenizer"], str) else [f"tokenizer={header['tokenizer']!r}"]
+    eos = header.get("eos")
+    if eos is not None and not (type(eos) is int and type(header["vocab_size"]) is int and 0 <= eos < header["vocab_size"]):
+        wrong.append(f"eos={eos!r}")
     if wrong:
         raise UsageError(f"dataset header {paths['json']} has {', '.join(wrong)}; expected non-negative integers "
-                         f"and a tokenizer name")
+                         f"(eos below vocab_size, or null) and a tokenizer name")
     dtype = np.dtype("<u2" if header["dtype"] == "uint16" else "<u4")
     n, d = header["num_tokens"], header["num_docs"]
     if paths["bin"].stat().st_size != n * dtype.itemsize:
@@ -156,4 +168,4 @@ def open_dataset(prefix: str | Path) -> TokenDataset:
         raise UsageError(f"{paths['idx']} offsets must rise strictly from 0 to num_tokens={n}")
     tokens = np.memmap(paths["bin"], dtype=dtype, mode="r", shape=(n,))
     return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=int(header["vocab_size"]),
-                        tokenizer=str(header["tokenizer"]), source=prefix)
+                        tokenizer=str(header["tokenizer"]), source=prefix, eos=eos)

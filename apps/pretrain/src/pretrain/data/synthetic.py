@@ -14,6 +14,7 @@ import numpy as np
 
 from .format import TokenDataset
 
+EOS = 256  # the byte tokenizer's end-of-document id
 NUM_WORDS = 64
 SUCCESSORS = 3
 
@@ -57,10 +58,14 @@ def generate_documents(num_tokens: int = 1 << 20, seed: int = 1234) -> list[byte
     return docs
 
 
-def embedded_dataset(seed: int = 1234, num_tokens: int = 1 << 20) -> TokenDataset:
-    """The default training data as an in-memory :class:`TokenDataset` (byte tokens, vocab 256)."""
+def embedded_dataset(seed: int = 1234, num_tokens: int = 1 << 20, eos: bool = False) -> TokenDataset:
+    """The default training data as an in-memory :class:`TokenDataset` (byte tokens, vocab 256);
+    with ``eos`` every document ends with the byte tokenizer's EOS id 256 (vocab 257)."""
     docs = generate_documents(num_tokens, seed)
-    tokens = np.frombuffer(b"".join(docs), dtype=np.uint8).astype(np.uint16)
-    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
-    return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=256, tokenizer="byte",
-                        source=f"<embedded seed={seed}>")
+    ends = [b"\0"] if eos else []  # a placeholder byte where the EOS id goes
+    tokens = np.frombuffer(b"".join(d + e for d in docs for e in ends or [b""]), dtype=np.uint8).astype(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum([len(d) + len(ends) for d in docs])]).astype(np.int64)
+    if eos:
+        tokens[offsets[1:] - 1] = EOS
+    return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=257 if eos else 256, tokenizer="byte",
+                        source=f"<embedded seed={seed}{' eos' if eos else ''}>", eos=EOS if eos else None)

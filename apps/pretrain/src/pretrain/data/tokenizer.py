@@ -7,17 +7,22 @@ from pathlib import Path
 from ..errors import UsageError
 
 
+# End-of-document tokens of common tokenizer.json files (Llama 3, GPT-2/NeoX, Llama 2/Mistral, Gemma).
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
 class ByteTokenizer:
-    """UTF-8 bytes as token ids: vocabulary 256, lossless for any text."""
+    """UTF-8 bytes as token ids 0..255, lossless for any text, and one reserved id: 256 = EOS."""
 
     name = "byte"
-    vocab_size = 256
+    vocab_size = 257
+    eos_id = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -37,6 +42,16 @@ class HFTokenizer:
             raise UsageError(f"tokenizer file {path!r} could not be read: {e}") from None
         self.name = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def eos_for(self, token: str | None) -> int:
+        """The id of ``token``, or of the first of :data:`EOS_CANDIDATES` the vocabulary has."""
+        names = (token,) if token else EOS_CANDIDATES
+        for name in names:
+            found = self._tok.token_to_id(name)
+            if found is not None:
+                return int(found)
+        raise UsageError(f"tokenizer {self.name!r} has no end-of-document token {' or '.join(names)}; "
+                         f"name one with --eos-token TOKEN, or pass --no-eos")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

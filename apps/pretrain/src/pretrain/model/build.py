@@ -68,7 +68,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     grid = placement.grid if placement is not None else layout.grid
     groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
-                    cfg.model.attention_backend, cfg.model.backend)
+                    cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)

@@ -34,7 +34,7 @@ from par_cp import position_ids
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from .rope import apply_rope_interleaved, rope_tables, yarn_mscale
+from .rope import apply_rope_interleaved, rope_for, rope_tables, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
@@ -121,16 +121,17 @@ class ContextMLACore(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _core(self, q, kv, k_rope):
-        q, k, v = _split_heads(self.a, q, kv, k_rope, self.cos.to(q.dtype), self.sin.to(q.dtype))
+    def _core(self, q, kv, k_rope, docs):
+        cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim, scaling=self.a)
+        q, k, v = _split_heads(self.a, q, kv, k_rope, cos, sin)
         width = max(q.shape[-1], v.shape[-1])
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-        return self.attn(q, k, v)[..., : self.a.v_head_dim]
+        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)[..., : self.a.v_head_dim]
 
-    def forward(self, q, kv, k_rope):
+    def forward(self, q, kv, k_rope, docs=None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only
-            return checkpoint(self._core, q, kv, k_rope, use_reentrant=False)
-        return self._core(q, kv, k_rope)
+            return checkpoint(self._core, q, kv, k_rope, docs, use_reentrant=False)
+        return self._core(q, kv, k_rope, docs)
 
 
 class TPMLAttention(nn.Module):
@@ -156,7 +157,7 @@ class TPMLAttention(nn.Module):
             if hasattr(self, name):
                 declare_copies_(getattr(self, name), tp_group, partial_grad=sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
         a = self.a
         c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         parts = [self.kv_a_layernorm(c), k_rope]
@@ -169,7 +170,7 @@ class TPMLAttention(nn.Module):
         else:
             c, k_rope = latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
             q = self.q_proj(x)  # a second entry (all-gather of x) only without the q low-rank path
-        out = self.core(q, self.kv_b_proj.forward_local(c), k_rope)
+        out = self.core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 
     @torch.no_grad()

@@ -10,6 +10,7 @@ with sequence parallelism (``[S/cp, B, H]`` without), vocab-sharded logits ``[S/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,14 @@ from par_tp import (
     vocab_parallel_cross_entropy,
 )
 
+from ..data.packing import Documents
+from ..dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
 from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
-from .rope import apply_rope, rope_tables
+from .rope import apply_rope, rope_for, rope_tables
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class RankLayout:
     recompute: str  # none | selective | full
     attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
+    tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
 
 
 def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
@@ -62,10 +66,12 @@ def context_attention(layout: RankLayout, softmax_scale: float | None = None) ->
 
 
 class RopeThenContextAttention(nn.Module):
-    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention."""
+    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention.
+    ``docs`` (packed documents) restarts the positions and keeps attention inside each document."""
 
     def __init__(self, a, layout: RankLayout) -> None:
         super().__init__()
+        self.a = a
         self.attn = context_attention(layout)
         cp_rank, cp_size = self.attn.cp_rank_and_size
         pos = position_ids(layout.seq_len, cp_rank, cp_size, layout=self.attn.layout)
@@ -74,14 +80,18 @@ class RopeThenContextAttention(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.selective = layout.recompute == "selective"
 
-    def _core(self, q, k, v):
-        cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
-        return self.attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    def _core(self, q, k, v, docs):
+        cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
+            scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+            return docs.attend(q, k, v, scale, self.attn.backend)
+        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, docs: Documents | None = None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return checkpoint(self._core, q, k, v, use_reentrant=False)
-        return self._core(q, k, v)
+            return checkpoint(self._core, q, k, v, docs, use_reentrant=False)
+        return self._core(q, k, v, docs)
 
 
 def _norm(a, layout: RankLayout) -> nn.RMSNorm:
@@ -100,7 +110,8 @@ class ParallelDecoderLayer(nn.Module):
                                   layout.recompute == "selective")
             self.self_attn = TPMLAttention(a, g.tp, sp, core)
         else:
-            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout))
+            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
+                                         comm_overlap=layout.tp_comm_overlap)
         self.post_attention_layernorm = _norm(a, layout)
         self.is_moe = is_moe_layer(a, index)
         if self.is_moe:
@@ -111,24 +122,25 @@ class ParallelDecoderLayer(nn.Module):
             self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=sp)
         else:
-            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp)
+            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
         self.dp_cp_size = g.size("dp_cp")
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
+        x = x + self.self_attn(self.input_layernorm(x), **packed)
         out = self.mlp(self.post_attention_layernorm(x))
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
         return x + out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, docs, use_reentrant=False)
+        return self._forward(x, docs)
 
 
 def _mtp_layer(a, j: int, layout: RankLayout) -> ParallelDecoderLayer:
@@ -149,7 +161,8 @@ class ModelChunk(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, layout) if last else None
-        self.lm_head = ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp) if last else None
+        self.lm_head = (ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
+                        if last else None)
         # Multi-token prediction modules sit with the output head and share the input embedding:
         # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
         # embedding group (other schedules); the builder sets it (build.py's _share_embedding_).
@@ -160,12 +173,13 @@ class ModelChunk(nn.Module):
         x = embedding(tokens)
         return scatter_to_sequence_parallel(x, self.tp_group) if self.sp else x
 
-    def forward(self, x: torch.Tensor):
-        """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP."""
+    def forward(self, x: torch.Tensor, docs: Documents | None = None):
+        """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP.
+        ``docs``: the micro-batch's packed documents (``[data].document_mask`` / ``reset_position_ids``)."""
         if self.first:
             x = self._embed(x, self.embed_tokens)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, docs)
         if self.last:
             logits = self.lm_head(self.norm(x))
             return (logits, x) if len(self.mtp) else logits

@@ -28,7 +28,8 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                 scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape ``[S, head_dim]`` for the given absolute positions ``[S]``.
+    """cos and sin of shape ``[S, head_dim]`` for the given absolute positions ``[S]`` (or
+    ``[S, B, head_dim]`` for positions ``[S, B]``: each sequence its own, as packed documents have).
 
     Positions are explicit so a context-parallel shard (zigzag or contiguous) gets the angles of
     the tokens it actually holds. ``scaling``: a ``[model]`` config whose ``yarn_factor`` > 0
@@ -41,7 +42,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
         a = scaling
         factor = (yarn_mscale(a.yarn_factor, a.yarn_mscale) / yarn_mscale(a.yarn_factor, a.yarn_mscale_all_dim)
                   if a.yarn_mscale and a.yarn_mscale_all_dim else yarn_mscale(a.yarn_factor, 1.0))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos(), angles.sin()
     if factor != 1.0:
@@ -49,11 +50,17 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     return cos.to(dtype), sin.to(dtype)
 
 
+def _over_heads(t: torch.Tensor) -> torch.Tensor:
+    """``[S, D]`` -> ``[S, 1, 1, D]``, ``[S, B, D]`` -> ``[S, B, 1, D]``: broadcast against ``[S, B, heads, D]``."""
+    return t[:, None, None, :] if t.dim() == 2 else t[:, :, None, :]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [S, B, heads, head_dim]`` by the per-position angles ``cos/sin [S, head_dim]``."""
+    """Rotate ``x [S, B, heads, head_dim]`` by the per-position angles ``cos/sin [S, head_dim]``
+    (or ``[S, B, head_dim]``, positions per sequence)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, None, :] + rotated * sin[:, None, None, :]
+    return x * _over_heads(cos) + rotated * _over_heads(sin)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,6 +68,16 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     de-interleaved (evens then odds), as in Hugging Face. q and k get the same permutation, so
     their dot products are those of the interleaved rotation."""
     half = x.shape[-1] // 2
-    c, s = cos[:, None, None, :half], sin[:, None, None, :half]
+    c, s = _over_heads(cos)[..., :half], _over_heads(sin)[..., :half]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_for(core, docs, dtype: torch.dtype, head_dim: int, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of a CP shard's tokens: the attention core's own tables (``core.cos``/``core.sin``,
+    positions along the whole sequence), or per sequence from ``docs.positions`` (packed documents:
+    positions restart at each document)."""
+    if docs is None or docs.positions is None:
+        return core.cos.to(dtype), core.sin.to(dtype)
+    cos, sin = rope_tables(docs.positions, head_dim, core.a.rope_theta, torch.float32, scaling=scaling)
+    return cos.to(dtype), sin.to(dtype)

@@ -4,8 +4,8 @@
 
 Each bench runs as its own subprocess (CPU, gloo, world 4 where it is multi-rank). Its
 ``RESULT <case> key=value ...`` lines are parsed; ``ratio`` is ours / peer (median of paired
-per-repeat ratios, ``ratio_min`` / ``ratio_max`` their spread; bench_split_backward writes the
-spread as ``spread=min-max``). Writes ``RESULTS.md`` (one markdown table: bench, case, ratio,
+per-repeat ratios, ``ratio_min`` / ``ratio_max`` their spread; bench_split_backward and
+bench_dynamic_cp write it as ``spread=min-max``). Writes ``RESULTS.md`` (one markdown table: bench, case, ratio,
 spread, the other fields, the command that reproduces the row) and ``ratios.png`` (the ratios as
 bars, the spread as error bars, a line at 1.0: below it ours is faster).
 """
@@ -29,7 +29,9 @@ BENCHES = [
     ("bench_pp.py", ["--repeats", "7", "--microbatches", "8", "--hidden", "128"]),
     ("bench_split_backward.py", ["--repeats", "9", "--hidden", "256", "--tokens", "256"]),
     ("bench_cp.py", ["--repeats", "7", "--seq", "1024"]),
+    ("bench_dynamic_cp.py", ["--repeats", "7", "--seq", "2048"]),
     ("bench_tp.py", ["--repeats", "7"]),
+    ("bench_tp_overlap.py", ["--repeats", "7", "--tp", "2"]),
     ("bench_moe.py", ["--repeats", "7", "--tokens", "128"]),
 ]
 

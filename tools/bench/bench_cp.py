@@ -13,13 +13,14 @@ all-gathers K/V, masks with a rewritten block mask, head-tail load balancing), `
 
 Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
 warm-up discarded, the slowest rank's time; ratio = median of per-repeat ratios, with min/max.
-Bytes per rank per step: ours from ``par_groups.CommRecorder``, torch's from its dispatched
-collectives (``torch_comm.TorchCommBytes``), both as ``wire_bytes``.
+Bytes per rank per step (``wire_bytes``): ours from ``par_groups.CommRecorder``. torch's flex
+CP cannot be recorded: flex-attention compiles itself even when called eagerly, and torch.compile
+refuses to run under a dispatch mode (CommDebugMode's or ours), so no peer bytes are reported.
 
     uv run python tools/bench/bench_cp.py [--seq 2048 --heads 8 --kv-heads 8 --dim 64 --repeats 7]
 
 Ends with ``RESULT <mode> ratio= ratio_min= ratio_max= repeats= bytes=`` (fwd+bwd vs the ideal)
-and ``RESULT allgather-fwd-vs-torch-flex ratio= ratio_min= ratio_max= repeats= bytes= peer_bytes=``.
+and ``RESULT allgather-fwd-vs-torch-flex ratio= ratio_min= ratio_max= repeats= bytes=``.
 """
 
 from __future__ import annotations
@@ -72,9 +73,8 @@ def _ours(groups, mode, q, k, v, dout):
     return forward, train_step
 
 
-def _torch_flex_forward(mesh, q, k, v, compiled: bool = True):
-    """torch context parallel, flex-attention path, causal, head-tail load balancing (forward only).
-    Its bytes are counted on an eager copy: a compiled graph refuses to run under a dispatch mode."""
+def _torch_flex_forward(mesh, q, k, v):
+    """torch context parallel, flex-attention path, causal, head-tail load balancing (forward only)."""
     from torch.distributed.tensor.experimental._context_parallel._attention import (
         _context_parallel_shard, _ContextParallel, _create_cp_block_mask,
     )
@@ -82,7 +82,7 @@ def _torch_flex_forward(mesh, q, k, v, compiled: bool = True):
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import flex_attention
 
-    kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    kernel = torch.compile(flex_attention, dynamic=False)
 
     class Flex(torch.nn.Module):
         def forward(self, query, key, value, block_mask):
@@ -112,7 +112,6 @@ def _worker(rank, world, init_file, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from par_groups import CommRecorder, RankGrid, create_groups, device_mesh
-    from torch_comm import TorchCommBytes
 
     grid = RankGrid(world, cp=world, hcp=(2, world // 2))
     groups = create_groups(grid)
@@ -128,11 +127,9 @@ def _worker(rank, world, init_file, args, queue):
         results[mode] = (Summary.of([(o, p / world) for o, p in pairs]), _bytes(train_step, CommRecorder()))
         if mode == "allgather":
             try:
-                mesh = device_mesh(grid)["cp"]
-                flex = _torch_flex_forward(mesh, q, k, v)
+                flex = _torch_flex_forward(device_mesh(grid)["cp"], q, k, v)
                 fwd = Summary.of(paired_times(forward, flex, args.repeats, args.warmup))
-                eager = _torch_flex_forward(mesh, q, k, v, compiled=False)
-                results["allgather-fwd-vs-torch-flex"] = (fwd, _bytes(forward, CommRecorder()), _bytes(eager, TorchCommBytes()))
+                results["allgather-fwd-vs-torch-flex"] = (fwd, _bytes(forward, CommRecorder()))
             except Exception as e:  # report, still print our numbers
                 if rank == 0:
                     print(f"torch context parallel failed: {type(e).__name__}: {e}", flush=True)
@@ -161,12 +158,11 @@ def main() -> None:
     print(f"cp={args.world} S={args.seq} B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.dim} causal zigzag, fp32, "
           f"CPU gloo; {args.repeats} paired repeats after {args.warmup} warm-up, slowest rank. fwd+bwd peer: single-device "
           f"SDPA fwd+bwd on the full sequence / cp (torch CP has no CPU backward); fwd peer: torch CP (flex).")
-    for name, (s, *nbytes) in results.items():
+    for name, (s, nbytes) in results.items():
         print(f"{name:>28}: ours {s.ours_s * 1e3:8.1f} ms  peer {s.peer_s * 1e3:8.1f} ms  ratio {s.ratio:.2f} "
               f"[{s.ratio_min:.2f}, {s.ratio_max:.2f}]  bytes/rank {nbytes}")
-    for name, (s, *nbytes) in results.items():
-        peer = f" peer_bytes={nbytes[1]}" if len(nbytes) > 1 else ""
-        print(f"RESULT {name} {s.spread()} bytes={nbytes[0]}{peer}")
+    for name, (s, nbytes) in results.items():
+        print(f"RESULT {name} {s.spread()} bytes={nbytes}")
 
 
 if __name__ == "__main__":

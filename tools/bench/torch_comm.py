@@ -76,11 +76,15 @@ def _record(kind: str, where: str, args) -> CommRecord:
 class TorchCommBytes(TorchDispatchMode):
     """Records a CommRecord (op, group size, bytes) per collective call dispatched inside it."""
 
+    supports_higher_order_operators = True  # flex-attention: run it, it is no collective
+
     def __init__(self):
         super().__init__()
         self.records: list[CommRecord] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower itself to the collectives it issues (as CommDebugMode does)
         out = func(*args, **(kwargs or {}))

@@ -35,7 +35,8 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.layers=6",
        "model.mtp_depth=1", "model.mtp_loss_weight=0.5"]
 LAYOUTS = {
-    "tp2-dp2-sp-recompute-full": ["parallel.tp=2", "model.recompute=full"],
+    # SP's exit reduce-scatters as rings under o_proj and the head (tp_comm_overlap), rerun by recompute
+    "tp2-dp2-sp-overlap-recompute-full": ["parallel.tp=2", "model.recompute=full", "parallel.tp_comm_overlap=true"],
     "cp2-dp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
     "cp2-tp2-a2a-no-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a",
                           "parallel.sequence_parallel=false"],

@@ -137,7 +137,7 @@ class ContextMLACore(nn.Module):
 class TPMLAttention(nn.Module):
     """MLA with heads split over TP (see the module docstring); input/output like ``par_tp.TPAttention``."""
 
-    def __init__(self, a, tp_group, sequence_parallel: bool, core: ContextMLACore) -> None:
+    def __init__(self, a, tp_group, sequence_parallel: bool, core: ContextMLACore, comm_overlap: bool = False) -> None:
         super().__init__()
         self.a, self.tp_group, self.sp, self.core = a, tp_group, sequence_parallel, core
         n, dqk, sp = a.heads, a.qk_head_dim, sequence_parallel
@@ -146,12 +146,14 @@ class TPMLAttention(nn.Module):
             self.q_a_layernorm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(a.q_lora_rank, n * dqk, tp_group)
         else:
-            self.q_proj = ColumnParallelLinear(a.hidden, n * dqk, tp_group, sequence_parallel=sp)
+            self.q_proj = ColumnParallelLinear(a.hidden, n * dqk, tp_group, sequence_parallel=sp, comm_overlap=comm_overlap)
         self.kv_a_proj_with_mqa = nn.Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = nn.RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), tp_group)
+        # tp_comm_overlap: the exit's reduce-scatter rings under o_proj (the latent entry is small
+        # and split before its matmuls, so it stays one all-gather)
         self.o_proj = RowParallelLinear(n * a.v_head_dim, a.hidden, tp_group, input_is_parallel=True,
-                                        sequence_parallel=sp)
+                                        sequence_parallel=sp, comm_overlap=comm_overlap)
         # Copies on every TP rank; with SP each sees its S/tp tokens, so their grads are partial sums.
         for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
             if hasattr(self, name):

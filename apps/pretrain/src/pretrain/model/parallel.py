@@ -108,7 +108,7 @@ class ParallelDecoderLayer(nn.Module):
         if a.attention == "mla":
             core = ContextMLACore(a, context_attention(layout, softmax_scale(a)), layout.seq_len,
                                   layout.recompute == "selective")
-            self.self_attn = TPMLAttention(a, g.tp, sp, core)
+            self.self_attn = TPMLAttention(a, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
         else:
             self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
                                          comm_overlap=layout.tp_comm_overlap)

@@ -118,10 +118,10 @@ def plan_step(batch, eos: int | None, eod_mask_loss: bool, max_seq_per_rank: int
         segs = tuple(shard_segments(n, j, p.span, "zigzag") for j in range(p.span)) if p.span > 1 else ((0, n),)
         group = groups.groups.get(p.span)
         mine = segs[dist.get_rank(group)] if p.span > 1 else ((0, n),)  # ring order is the group's
-        index = torch.cat([torch.arange(a, b) for a, b in mine])
+        index = torch.cat([torch.arange(a, b, device=x.device) for a, b in mine])
         _append(rounds[p.round], x[index], y[index], index, p.span, segs, group)
     kept = int((labels != IGNORE).sum())
-    return [_round(*r) for r in rounds], kept, work
+    return [_round(*r, device=inputs.device) for r in rounds], kept, work
 
 
 def _append(rnd, x, y, positions, span, segs, group) -> None:
@@ -133,10 +133,10 @@ def _append(rnd, x, y, positions, span, segs, group) -> None:
     pos.append(positions)
 
 
-def _round(tokens, labels, positions, pieces):
+def _round(tokens, labels, positions, pieces, device):
     if not tokens:  # nothing placed here this round: one ignored token keeps the step uniform
-        _append((tokens, labels, positions, pieces), torch.tensor([PAD]), torch.tensor([IGNORE]),
-                torch.tensor([0]), 1, ((0, 1),), None)
+        one = lambda v: torch.tensor([v], device=device)  # noqa: E731
+        _append((tokens, labels, positions, pieces), one(PAD), one(IGNORE), one(0), 1, ((0, 1),), None)
     docs = DynamicDocuments(tuple(pieces), torch.cat(positions)[:, None])
     return torch.cat(tokens)[:, None], torch.cat(labels)[:, None], docs
 

@@ -43,7 +43,7 @@ def cu_seqlens(segments: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 def positions_within_documents(segments: torch.Tensor) -> torch.Tensor:
     """``[B, S]``: each token's distance from its document's first token in the sequence."""
-    index = torch.arange(segments.shape[1]).expand_as(segments)
+    index = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
     start = torch.where(document_starts(segments), index, torch.zeros_like(index)).cummax(dim=1).values
     return index - start
 

@@ -129,9 +129,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_w = torch.zeros_like(weight)
 
         def on_chunk(src, g):
-            nonlocal grad_w
             _rows(grad_x, src, n).copy_(g @ weight)
-            grad_w += _flat(g).t() @ _flat(_rows(x, src, n))
+            grad_w.add_(_flat(g).t() @ _flat(_rows(x, src, n)))
 
         ring_all_gather(grad_y_local, on_chunk, ctx.group)
         return grad_x, grad_w, None

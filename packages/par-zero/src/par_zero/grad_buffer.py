@@ -136,8 +136,7 @@ class GradBuffer:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        while self._inflight and self._inflight[0].try_finish(block=False):
-            self._inflight.pop(0)  # a reduction done: free its full grads now, not at the next launch
+        self._retire(keep=len(self._inflight))  # only the done ones: free their full grads now, not at the next launch
         bucket, k = self._where[p]
         bucket.accumulate(k, p.grad)
         p.grad = None
@@ -152,7 +151,11 @@ class GradBuffer:
         and keep at most MAX_INFLIGHT in flight."""
         bucket.launch_reduce()
         self._inflight.append(bucket)
-        while self._inflight and self._inflight[0].try_finish(block=len(self._inflight) > MAX_INFLIGHT):
+        self._retire(keep=MAX_INFLIGHT)
+
+    def _retire(self, keep: int) -> None:
+        """Pop finished reductions, oldest first; block on the oldest while more than ``keep`` are in flight."""
+        while self._inflight and self._inflight[0].try_finish(block=len(self._inflight) > keep):
             self._inflight.pop(0)
 
     def _end_of_backward(self) -> None:

@@ -14,6 +14,7 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from .materialize import materialize_
 from .parallel import ModelChunk, RankLayout, hf_name
 from .reference import init_full_state
 
@@ -72,9 +73,10 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    with torch.device(device):  # built where it runs (no host copy of the shard), then filled from the full state
+    with torch.device("meta"):  # shapes and placements only; each rank then fills just its pieces
         chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
-    copies = _share_embedding_(chunks, num_chunks, groups, cfg.model, device) if cfg.model.mtp_depth else []
+    copies = _share_embedding_(chunks, num_chunks, groups, cfg.model) if cfg.model.mtp_depth else []
+    materialize_(list(chunks.values()), device)
     for chunk in chunks.values():
         chunk.load_full_state_(state)  # the last stage's embedding copy loads model.embed_tokens too
     if cfg.model.tie_embeddings:
@@ -114,8 +116,7 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     return param.dim() < 2 or "embed_tokens" in name or "shared_embedding" in name
 
 
-def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, model_cfg,
-                      device: torch.device) -> list[nn.Module]:
+def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, model_cfg) -> list[nn.Module]:
     """Give the last chunk's MTP modules the input embedding; returns the embedding copies made.
 
     On the rank of chunk 0 (pp=1, V schedules) it is that very module. Otherwise, as Megatron's
@@ -131,7 +132,7 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
             chunks[last].shared_embedding = chunks[first].embed_tokens
         return []
     if last in chunks:
-        with torch.device(device):
+        with torch.device("meta"):
             module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp)
             chunks[last].shared_embedding = module
     elif first in chunks:

@@ -27,7 +27,6 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from par_pp import V_SCHEDULES
 
 from .config_model import ModelConfig
 from .config_rules import _divisors, _need
@@ -108,10 +107,6 @@ class Config:
                   f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
                   f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
                   f"(ZeRO-3) with them")
-        if m.tie_embeddings and p.pp > 1:  # the tied weight is one Parameter on the rank holding both ends
-            _need(p.schedule in V_SCHEDULES,
-                  f"[model].tie_embeddings=true with pp={p.pp} needs the first and last chunk on one rank: "
-                  f"use schedule zb-v or dualpipev (got {p.schedule!r}), or set tie_embeddings=false")
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")

@@ -214,9 +214,9 @@ class ModelChunk(nn.Module):
         for name, t in self.state_dict(keep_vars=True).items():
             pl = placement_of(t)
             if hasattr(state, "piece"):
-                t.copy_(state.piece(hf_name(name), pl.offsets, pl.shape))
+                t.copy_(state.piece(hf_name(name, self.a.tie_embeddings), pl.offsets, pl.shape))
             else:
-                t.copy_(state[hf_name(name)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
+                t.copy_(state[hf_name(name, self.a.tie_embeddings)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
         return self
 
 
@@ -225,9 +225,10 @@ HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "q
     f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
 
 
-def hf_name(name: str) -> str:
-    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``)."""
-    if name == "shared_embedding.weight":  # MTP's handle on chunk 0's embedding
+def hf_name(name: str, tied: bool = False) -> str:
+    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``).
+    ``tied``: the head's weight is the input embedding (one tensor, saved once, under that name)."""
+    if name == "shared_embedding.weight" or (tied and name == "lm_head.weight"):  # copies of chunk 0's embedding
         return "model.embed_tokens.weight"
     if name.startswith(("layers.", "mtp.")):
         _, i, rest = name.split(".", 2)

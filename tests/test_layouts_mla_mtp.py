@@ -37,6 +37,9 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
 LAYOUTS = {
     # SP's exit reduce-scatters as rings under o_proj and the head (tp_comm_overlap), rerun by recompute
     "tp2-dp2-sp-overlap-recompute-full": ["parallel.tp=2", "model.recompute=full", "parallel.tp_comm_overlap=true"],
+    # ZeRO-3 with MTP: MTP calls its layer's parts one by one, so each is a gather unit of its own;
+    # at pp=1 MTP's embedding is the input embedding's unit
+    "dp4-zero3": ["parallel.zero=optim_grads_params"],
     "cp2-dp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
     "cp2-tp2-a2a-no-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a",
                           "parallel.sequence_parallel=false"],
@@ -47,6 +50,7 @@ LAYOUTS = {
 # embedding group (build.py's _share_embedding_); 4 micro-batches keep the message count small
 MTP_PP = {
     "pp2-dp2-1f1b-zero2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "parallel.zero=optim_grads"],
+    "pp2-dp2-1f1b-zero3": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "parallel.zero=optim_grads_params"],
     "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"],
     # tied head: on the last stage it is that same embedding copy (its grad adds the head's and MTP's)
     "tp2-pp2-1f1b-tied": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4",
@@ -230,7 +234,6 @@ def test_plan_deepseek_v3_gives_the_published_totals():
 @pytest.mark.parametrize("overrides,needle", [
     (MLA + ["model.qk_rope_head_dim=5"], "qk_rope_head_dim=5 must be even"),
     (MLA + ["model.kv_lora_rank=0"], "kv_lora_rank=0 must be >= 1 with attention='mla'"),
-    (MLA + ["parallel.zero=optim_grads_params"], "mtp_depth=1 does not run with [parallel].zero='optim_grads_params'"),
     (MLA + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "parallel.last_stage_layers=2"],
      "must add up"),
 ])

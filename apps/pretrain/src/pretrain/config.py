@@ -85,9 +85,6 @@ class Config:
             _need(m.layers % chunks == 0,
                   f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
                   f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
-        _need(not (m.mtp_depth and p.zero == "optim_grads_params"),  # its modules run outside ZeRO-3's gather units
-              f"[model].mtp_depth={m.mtp_depth} does not run with [parallel].zero='optim_grads_params' (ZeRO-3) yet; "
-              f"use zero='optim_grads' (ZeRO-2) or below, or mtp_depth=0")
         if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
             a2a = p.hcp[0] if p.hcp else p.cp
             for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):

@@ -98,7 +98,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
     bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                  units=[u for c in mine for u in chunks[c].gather_units()],
+                  units=list(dict.fromkeys(u for c in mine for u in chunks[c].gather_units())),  # MTP's embedding: once
                   no_decay=functools.partial(no_decay, tied=cfg.model.tie_embeddings),
                   own_bucket=[p for m in copies for p in m.parameters()],
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,

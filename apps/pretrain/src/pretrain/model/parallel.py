@@ -33,7 +33,7 @@ from ..data.packing import Documents
 from ..dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
-from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
+from .mtp import add_mtp_parts_, mtp_gather_units, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
@@ -205,7 +205,8 @@ class ModelChunk(nn.Module):
         units = [self.embed_tokens] if self.first else []
         units += list(self.layers.values())
         shared = [self.shared_embedding] if self.shared_embedding is not None else []
-        return units + ([self.norm, self.lm_head] + shared + list(self.mtp.values()) if self.last else [])
+        mtp = [u for layer in self.mtp.values() for u in mtp_gather_units(layer)]
+        return units + ([self.norm, self.lm_head] + shared + mtp if self.last else [])
 
     @torch.no_grad()
     def load_full_state_(self, state) -> "ModelChunk":

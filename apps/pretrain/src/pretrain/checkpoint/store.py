@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
-from .faults import injected_kill, removed_if_disk_full
+from .faults import removed_if_disk_full
 from .retention import LATEST, STATE_FILE, publish, run_id_of
 from .safe_metadata import SafeReader
 
@@ -115,18 +115,15 @@ def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int) -> Non
 
 
 @_quiet
-def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_before_rename: bool = False) -> Path:
-    """Write ``root/step_<step>`` (all ranks call it); returns its path. ``fail_before_rename`` is for tests."""
+def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path:
+    """Write ``root/step_<step>`` (all ranks call it); returns its path."""
     root = Path(root)
     final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True)
     with removed_if_disk_full(tmp):
         save_pieces(sd, str(tmp))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-        injected_kill(_rank(), step)
         _barrier()
-        if fail_before_rename:
-            raise RuntimeError(f"injected failure while saving step {step} (before the rename)")
         if _rank() == 0:
             _finalise(root, tmp, final, trainer_state(trainer, step), keep)
     _barrier()

@@ -48,6 +48,9 @@ LAYOUTS = {
 MTP_PP = {
     "pp2-dp2-1f1b-zero2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "parallel.zero=optim_grads"],
     "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"],
+    # tied head: on the last stage it is that same embedding copy (its grad adds the head's and MTP's)
+    "tp2-pp2-1f1b-tied": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4",
+                          "model.tie_embeddings=true"],
 }
 MOE = ["model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01", "model.bias_update_rate=0.001",
        "model.score_func=sigmoid", "model.n_groups=2", "model.topk_groups=1", "model.moe_layers_start=1"]
@@ -87,15 +90,16 @@ def _embedding_copies_equal(trainer) -> bool:
     return bool(theirs.equal(mine))
 
 
-def mtp_checkpoint_job(root):
-    """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2."""
+def mtp_checkpoint_job(root, model):
+    """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2.
+    ``model``: extra [model] overrides (tied embeddings)."""
     from pretrain.checkpoint import latest_checkpoint
     from pretrain.checkpoint.store import read_full_tensors
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     def trainer(layout):
-        return Trainer(load_config(None, COMMON + MLA + layout))
+        return Trainer(load_config(None, COMMON + MLA + model + layout))
 
     pp2, out = MTP_PP["pp2-dp2-1f1b-zero2"], {}
     t = trainer(pp2)
@@ -113,15 +117,17 @@ def mtp_checkpoint_job(root):
     return out
 
 
-def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path):
-    for rank, out in enumerate(dist_run(4, mtp_checkpoint_job, str(tmp_path), timeout=600)):
+@pytest.mark.parametrize("model", [[], ["model.tie_embeddings=true"]], ids=["untied", "tied"])
+def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path, model):
+    for rank, out in enumerate(dist_run(4, mtp_checkpoint_job, str(tmp_path), model, timeout=600)):
         assert all(out.values()), (rank, out)
 
 
 @pytest.mark.parametrize("name", list(MTP_PP))
 def test_mtp_under_1f1b_keeps_the_embedding_copies_equal_and_matches_single_rank(dist_run, name):
+    model = [o for o in MTP_PP[name] if o.startswith("model.")]
     for losses, norms, copies_equal in dist_run(4, mtp_pp_job, MLA + MTP_PP[name], timeout=600):
-        _check((losses, norms), single_rank(dist_run, None, tuple(MLA)))
+        _check((losses, norms), single_rank(dist_run, None, tuple(MLA + model)))
         assert copies_equal, f"{name}: the embedding on the first and last stage differ after training"
 
 

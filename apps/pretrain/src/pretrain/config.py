@@ -27,7 +27,6 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from par_pp import V_SCHEDULES
 from par_zero.config import SHARDED
 
 from .config_model import ModelConfig
@@ -111,10 +110,6 @@ class Config:
                   f"(ZeRO-3) with them")
         _need(t.optimizer == "adamw" or p.zero not in SHARDED, f"[train].optimizer={t.optimizer!r} needs [parallel].zero="
               f"'no_shard' or 'torch_fsdp2': zero={p.zero!r} shards the optimizer, which only optimizer='adamw' does")
-        if m.tie_embeddings and p.pp > 1:  # the tied weight is one Parameter on the rank holding both ends
-            _need(p.schedule in V_SCHEDULES,
-                  f"[model].tie_embeddings=true with pp={p.pp} needs the first and last chunk on one rank: "
-                  f"use schedule zb-v or dualpipev (got {p.schedule!r}), or set tie_embeddings=false")
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")

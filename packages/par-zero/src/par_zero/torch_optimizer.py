@@ -87,25 +87,25 @@ class TorchOptimizer:
         else:
             groups = [{"params": decay + keep}]
         groups = [g for g in groups if g["params"]]
-        self.torch = cls(groups, lr=cfg.lr, **cfg.optimizer_args) if groups else None
+        self.inner = cls(groups, lr=cfg.lr, **cfg.optimizer_args) if groups else None
         self.flat: dict[Bucket, dict[str, torch.Tensor]] = {b: {} for b in buckets}  # per state name, over the range
         self._bind()
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
-        for g in self.torch.param_groups if self.torch else ():
+        for g in self.inner.param_groups if self.inner else ():
             g["lr"] = lr
 
     @torch.no_grad()
     def step(self) -> None:
         self.step_count += 1
-        if self.torch is None:
+        if self.inner is None:
             return
         for b, views in self.views.items():
             grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
             for v, lo, hi in views:
                 v.grad = grad[lo:hi].view(v.shape)
-        self.torch.step()
+        self.inner.step()
         for views in self.views.values():
             for v, _, _ in views:
                 v.grad = None
@@ -116,12 +116,12 @@ class TorchOptimizer:
         """Make every per-param state tensor a view of its flat tensor (copied there once, when new)."""
         for b, views in self.views.items():
             for v, lo, hi in views:
-                state = self.torch.state.get(v, {})
+                state = self.inner.state.get(v, {})
                 for key, t in list(state.items()):
                     if not torch.is_tensor(t) or t.dim() == 0:
                         continue  # scalars: see scalar_state
                     if t.shape != v.shape:
-                        raise ValueError(f"{type(self.torch).__name__} state {key!r} is not shaped like its param")
+                        raise ValueError(f"{type(self.inner).__name__} state {key!r} is not shaped like its param")
                     flat = self.flat[b].get(key)
                     if flat is None:
                         flat = self.flat[b][key] = torch.zeros(b.master.shape, dtype=t.dtype, device=t.device)
@@ -147,7 +147,7 @@ class TorchOptimizer:
 
     def scalar_state(self) -> dict[str, float]:
         """The per-param scalar state (e.g. ``step``), alike for every param: every step steps them all."""
-        for state in (self.torch.state.values() if self.torch else ()):
+        for state in (self.inner.state.values() if self.inner else ()):
             return {k: float(v) for k, v in state.items()
                     if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.dim() == 0)}
         return {}
@@ -161,13 +161,13 @@ class TorchOptimizer:
     @torch.no_grad()
     def finish_load(self, scalars: dict[str, float]) -> None:
         """Hand the loaded state tensors and ``scalars`` to the class, through its own ``load_state_dict``."""
-        if self.torch is None:
+        if self.inner is None:
             return
-        index = {id(p): i for i, p in enumerate(p for g in self.torch.param_groups for p in g["params"])}
+        index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         state = {}
         for b, views in self.views.items():
             for v, lo, hi in views:
                 state[index[id(v)]] = {k: f[lo:hi].view(v.shape) for k, f in self.flat[b].items()} | {
                     k: torch.tensor(x) for k, x in scalars.items()}
-        self.torch.load_state_dict({"state": state, "param_groups": self.torch.state_dict()["param_groups"]})
+        self.inner.load_state_dict({"state": state, "param_groups": self.inner.state_dict()["param_groups"]})
         self._bind()

@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
+from par_zero.config import SHARDED
 
 from .config_model import ModelConfig
 from .config_rules import _divisors, _need
@@ -104,6 +105,8 @@ class Config:
                   f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
                   f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
                   f"(ZeRO-3) with them")
+        _need(t.optimizer == "adamw" or p.zero not in SHARDED, f"[train].optimizer={t.optimizer!r} needs [parallel].zero="
+              f"'no_shard' or 'torch_fsdp2': zero={p.zero!r} shards the optimizer, which only optimizer='adamw' does")
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
@@ -172,6 +175,8 @@ def _toml_literal(value) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_literal(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
@@ -192,8 +197,9 @@ def _coerce(section: str, key: str, value, hint):
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
         return float(value)
-    if hint is str:
-        _need(isinstance(value, str), f"{where} must be a string, got {value!r}")
+    if hint in (str, dict):
+        what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
+        _need(isinstance(value, hint), f"{where} must be {what}, got {value!r}")
         return value
     if origin is tuple:
         _need(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),

@@ -106,6 +106,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":  # Config allows it with tp = pp = ep = 1 only
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
+    kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_args)  # [train].optimizer
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)

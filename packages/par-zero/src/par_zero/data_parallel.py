@@ -113,6 +113,11 @@ class DataParallel:
         return self.buffer.buckets
 
     @property
+    def optimizer_state(self):
+        """The optimizer's checkpoint interface (state kinds, scalars, load hooks), as TorchFSDP2's."""
+        return self.optimizer
+
+    @property
     def lr(self) -> float:
         return self.optimizer.lr
 

@@ -22,6 +22,7 @@ from par_groups.param_placement import placement_of
 
 from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
+from .fsdp2_state import FSDP2OptimizerState, owned_local_pieces
 from .torch_optimizer import ADAMW, optimizer_class, takes_weight_decay
 from .units import default_unit_modules
 
@@ -87,6 +88,7 @@ class TorchFSDP2:
             if not decay:
                 groups = [{"params": groups[0]["params"] + groups[1]["params"]}]
             self.optimizer = cls(groups, lr=lr, **decay, **self.cfg.optimizer_args)
+        self.optimizer_state = FSDP2OptimizerState(self.optimizer, self.params, lambda: self.step_count)
         self.step_count = 0
 
     def __call__(self, *args, **kwargs):
@@ -138,6 +140,20 @@ class TorchFSDP2:
             if p.grad is not None:
                 (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
         return norm
+
+    # ---- checkpoints: the pieces interface of DataParallel -------------------------------
+    def owned_pieces(self, kind: str = "master") -> dict:
+        """``{param: Pieces}``: this rank's rows of each trainable param ('master': fully_shard's fp32
+        shard) or of its optimizer state ``kind``."""
+        named = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        if kind == "master":
+            return owned_local_pieces(named, lambda p: p)
+        if kind not in self.optimizer_state.state_kinds():
+            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(self.optimizer_state.state_kinds())}")
+        return owned_local_pieces(named, lambda p: self.optimizer.state[p][kind])
+
+    def sync_params(self) -> None:
+        """Nothing to re-assemble: the loaded shards are the params."""
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

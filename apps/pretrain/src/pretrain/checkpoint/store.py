@@ -63,7 +63,7 @@ def _pieces(trainer, with_optim: bool) -> dict[str, Pieces]:
 
     Trained params come from the optimizer's buffers (views); buffers and frozen params whole."""
     dp = trainer.model.dp
-    kinds = dp.optimizer.state_kinds() if with_optim else ()
+    kinds = dp.optimizer_state.state_kinds() if with_optim else ()
     owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + kinds}
     out = {}
     for name, t in trainer.model.full_named_tensors().items():
@@ -91,7 +91,7 @@ def _rank() -> int:
 
 
 def trainer_state(trainer, step: int) -> dict:
-    layout, opt = trainer.layout, trainer.model.dp.optimizer
+    layout, opt = trainer.layout, trainer.model.dp.optimizer_state
     return {"format": FORMAT, "step": step, "config": trainer.cfg.to_dict(), "world_size": layout.world_size,
             "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "etp", "vpp")},
             "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count,
@@ -212,7 +212,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     with_optim = state.get("optimizer", False) and not model_only
     if with_optim:
         check_optimizer_matches(path, state, trainer.cfg)
-        dp.optimizer.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
+        dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
     sd = _pieces(trainer, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
     stored = _check_metadata(path, sd)
     with_optim = with_optim and all(k in stored for k in sd)
@@ -229,7 +229,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
         return 0
     step = int(state["step"])
     dp.step_count = int(state.get("optimizer_steps", step))
-    dp.optimizer.finish_load(state.get("optimizer_scalars", {}))
+    dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
     if state.get("world_size") == trainer.layout.world_size:
         rng = path / "rng" / f"rank_{_rank()}.pt"
         if rng.is_file():

@@ -11,7 +11,11 @@ threshold pinned so freed tensors go back to the OS) over its RSS before buildin
 Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 ``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
-    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6]
+    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB]
+
+Granularity: FSDP2 shards, gathers and reduce-scatters per layer, so ours (ZeRO-3: a gather unit
+per layer) and DDP get buckets of one layer by default (``--bucket-mb``). ``zero_mem_trace.py``
+splits the peaks by phase, counted from torch's allocator instead of RSS.
 
 Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= repeats= mem_ratio=<ours/peer
 peak bytes> bytes= peer_bytes=``.
@@ -110,17 +114,27 @@ def peak_bytes(name, args, groups, x, y) -> int:
     return peak
 
 
-def worker(rank: int, world: int, port: int, args, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+def hsdp_groups(rank: int, world: int):
+    """(inner, outer) of this rank for HSDP: inner pairs {0,1},{2,3}; outer {0,2},{1,3}."""
     inner = outer = None
-    for start in range(0, world, 2):  # HSDP: inner pairs {0,1},{2,3}; outer {0,2},{1,3}
+    for start in range(0, world, 2):
         g = dist.new_group([start, start + 1])
         inner = g if start <= rank < start + 2 else inner
     for k in range(2):
         g = dist.new_group(list(range(k, world, 2)))
         outer = g if rank % 2 == k else outer
-    groups = (inner, outer)
+    return inner, outer
+
+
+def layer_mb(args) -> float:
+    """One Linear(hidden, hidden)'s fp32 MB: FSDP2 shards and reduces per layer, so ours buckets alike."""
+    return (args.hidden + 1) * args.hidden * 4 / 2**20
+
+
+def worker(rank: int, world: int, port: int, args, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    groups = hsdp_groups(rank, world)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, 16, generator=g)
     rows = []
@@ -143,15 +157,21 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="bucket size of ours and DDP (default: one layer's fp32 bytes, FSDP2's unit)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    add_model_args(ap)
     args = ap.parse_args()
+    args.bucket_mb = args.bucket_mb or layer_mb(args)
     world = 4
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -163,7 +183,8 @@ def main() -> None:
     for p in procs:
         p.join()
     n = sum(p.numel() for p in make_model(args.hidden, args.layers).parameters())
-    print(f"model: {args.layers}x Linear({args.hidden},{args.hidden}) + head = {n} params; world {world}, gloo, batch {args.batch}/rank")
+    print(f"model: {args.layers}x Linear({args.hidden},{args.hidden}) + head = {n} params; world {world}, gloo, "
+          f"batch {args.batch}/rank, bucket_mb {args.bucket_mb:.4f}")
     print(f"{args.repeats} paired repeats after {args.warmup} warm-up, slowest rank; ratio [min, max] of per-repeat ratios")
     print(f"{'ours':>20} {'peer':>16} {'ours ms':>8} {'peer ms':>8} {'ratio':>18} {'ours MB':>8} {'peer MB':>8} "
           f"{'ours comm MB':>12} {'peer comm MB':>12}")

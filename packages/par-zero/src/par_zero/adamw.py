@@ -34,7 +34,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    denom = exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(eps)  # one temporary, same arithmetic
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 

@@ -209,6 +209,8 @@ class Bucket:
         else:
             self._reduce_out = self.full_grad.new_empty(self.S)
             self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True)
+            if self.cfg.shard_grads:  # ZeRO-2/3 keep only the shard: the reduction holds its input as long as it
+                self.full_grad = None  # needs it (gloo copies it at launch), so it can be freed before wait()
         self._outer_pending = self.groups.outer is not None
 
     def try_finish(self, block: bool) -> bool:

@@ -23,7 +23,6 @@ from .config import DataParallelConfig
 from .units import GatherUnit, default_unit_modules
 
 
-MAX_INFLIGHT = 1  # bucket reductions left in flight when the next launches (bounds ZeRO-2/3 full grads)
 
 
 def _size_buckets(params: list[nn.Parameter], bucket_bytes: int, alone=frozenset()) -> list[list[nn.Parameter]]:
@@ -136,26 +135,32 @@ class GradBuffer:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._retire(keep=len(self._inflight))  # only the done ones: free their full grads now, not at the next launch
+        self._retire(block=False)  # only the done ones: free their buffers now, not at the next launch
         bucket, k = self._where[p]
         bucket.accumulate(k, p.grad)
         p.grad = None
         bucket.pending -= 1
         if bucket.pending == 0:
+            bucket.reshard()  # ZeRO-3: free the gathered params before the reduction's buffers arrive
             if self._sync:
                 self._launch(bucket)
-            bucket.reshard()
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start a bucket's reduction; retire finished ones (freeing ZeRO-2/3 full grads early)
-        and keep at most MAX_INFLIGHT in flight."""
+        """Start a bucket's reduction once the older ones in flight leave room for it (see
+        :meth:`_retire`): what a reduction holds (its input, the backend's copy) stays bounded."""
+        self._retire(block=True, room=bucket.N)
         bucket.launch_reduce()
         self._inflight.append(bucket)
-        self._retire(keep=MAX_INFLIGHT)
 
-    def _retire(self, keep: int) -> None:
-        """Pop finished reductions, oldest first; block on the oldest while more than ``keep`` are in flight."""
-        while self._inflight and self._inflight[0].try_finish(block=len(self._inflight) > keep):
+    def _retire(self, block: bool, room: int = 0) -> None:
+        """Pop finished reductions, oldest first. With ``block``, also wait on the oldest while the
+        elements in flight plus ``room`` exceed one bucket's worth (``bucket_mb``, or the biggest
+        of them): one bucket's reduction overlaps the next one's grads, not several."""
+        limit = max(int(self.cfg.bucket_mb * 2**20) // 4, room)
+        while self._inflight:
+            busy = block and sum(b.N for b in self._inflight) + room > limit
+            if not self._inflight[0].try_finish(block=busy):
+                return
             self._inflight.pop(0)
 
     def _end_of_backward(self) -> None:
@@ -181,10 +186,16 @@ class GradBuffer:
     @torch.no_grad()
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
-        works = [b.launch_param_sync() for b in self.buckets]
-        for w in works:
+        limit = int(self.cfg.bucket_mb * 2**20) // 4
+        inflight: list[tuple[object, int]] = []  # (work, elements): bounded like the reductions
+        for b in self.buckets:
+            while inflight and sum(n for _, n in inflight) + b.N > max(limit, b.N):
+                inflight.pop(0)[0].wait()
+            w = b.launch_param_sync()
             if w is not None:
-                w.wait()
+                inflight.append((w, b.N))
+        for w, _ in inflight:
+            w.wait()
 
     @torch.no_grad()
     def sum_partial_grads(self) -> int:

@@ -191,8 +191,15 @@ class Bucket:
             self.full_grad.zero_()
             self.opt_grad.copy_(keep)
             self.reduced = False
+        if grad.data_ptr() == self.grad_view(index).data_ptr():
+            return  # autograd accumulated into the bucket already (GradBuffer._into_bucket)
         o = self.offsets[index]
         self.full_grad[o : o + grad.numel()].add_(grad.reshape(-1))
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """Param ``index``'s slice of the full grad buffer, in its shape."""
+        p, o = self.params[index], self.offsets[index]
+        return self.full_grad[o : o + p.numel()].view(p.shape)
 
     def new_full_grad(self) -> None:
         """A zeroed full grad buffer on the params' device (ZeRO-2/3 make one per step)."""

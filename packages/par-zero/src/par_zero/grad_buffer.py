@@ -61,6 +61,7 @@ class GradBuffer:
         self._sync = True
         self._callback_queued = False
         self._inflight: list[Bucket] = []
+        self._pointed: set[nn.Parameter] = set()  # params whose .grad we set to their bucket slice
         trainable = [p for p in module.parameters() if p.requires_grad]
 
         def family(ps):  # split params into (dense, expert) with their groups
@@ -82,6 +83,8 @@ class GradBuffer:
         self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         for p in self._where:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            if cfg.shard_grads:
+                self._hooks.append(p.register_hook(self._into_bucket(p)))
 
     def families(self) -> list[tuple[BucketGroups, list[Bucket]]]:
         """The dense buckets and the expert ones (if on their own groups), each with its groups."""
@@ -131,6 +134,21 @@ class GradBuffer:
         self._sync = True
         self._end_of_backward()
 
+    def _into_bucket(self, p: nn.Parameter):
+        """ZeRO-2/3: before autograd accumulates ``p``'s grad, point ``p.grad`` at its slice of the
+        bucket, so the grad is added there in place (no layout copy of it, no second add)."""
+        def hook(grad):
+            bucket, k = self._where[p]
+            # p.grad set by us earlier and not accumulated since (an autograd.grad capture) may view
+            # a buffer since reduced: point it again
+            if (p.grad is None or p in self._pointed) and grad.dtype == bucket.cfg.grad_dtype and not grad.is_sparse:
+                if bucket.full_grad is None:
+                    bucket.new_full_grad()
+                p.grad = bucket.grad_view(k)
+                self._pointed.add(p)
+            return None
+        return hook
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -139,6 +157,7 @@ class GradBuffer:
         bucket, k = self._where[p]
         bucket.accumulate(k, p.grad)
         p.grad = None
+        self._pointed.discard(p)
         bucket.pending -= 1
         if bucket.pending == 0:
             bucket.reshard()  # ZeRO-3: free the gathered params before the reduction's buffers arrive

@@ -48,8 +48,18 @@ def _group_names(groups) -> dict[int, str]:
     return names
 
 
-def simulate_rank(cfg, world: int, rank: int) -> dict:
-    """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes."""
+def declare_routing_(model, imbalance: float) -> None:
+    """Give every MoE layer a declared routing: fake tensors carry no router choices to count."""
+    from par_moe import DeclaredRouting, MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.routing = DeclaredRouting(imbalance)
+
+
+def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
+    """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes.
+    MoE layers route as declared (see ``par_moe.declared``): balanced, or expert 0 ``imbalance`` x its share."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -70,6 +80,7 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
             tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, simulated=True)
+            declare_routing_(trainer.model.module, imbalance)
             build = tracker.snapshot()
             timings["build_s"] = time.perf_counter() - t0
             tracker.retag(_state_tensors(trainer.model.dp))

@@ -11,6 +11,7 @@ schedule keeps in flight.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..flops import microbatches_in_flight
@@ -26,27 +27,40 @@ class RankParams:
 
 def rank_params(cfg, layout, stage: int) -> RankParams:
     """Parameter elements pipeline stage ``stage`` holds on one tp (x ep) rank."""
-    m, tp = cfg.model, layout.tp
-    h, d = m.hidden, m.head_dim
-    kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * d
-    attention = 2 * h * (m.heads * d) // tp + 2 * h * kv + 2 * h
-    layers = cfg.parallel.stage_layers(m.layers)[stage]
-    dense = experts = 0
-    for i in layers:
-        dense += attention
-        if m.is_moe_layer(i):
-            f = m.expert_ffn_hidden
-            dense += h * m.num_experts + 3 * h * f * m.shared_experts // tp
-            experts += (m.num_experts // layout.ep) * 3 * h * f // layout.etp
-        else:
-            dense += 3 * h * m.ffn_hidden // tp
-    has_first = 0 in chunks_of(cfg, layout, stage)
-    has_last = _num_chunks(layout) - 1 in chunks_of(cfg, layout, stage)
-    if has_first:
-        dense += m.vocab_size * h // tp
+    m, tp, h = cfg.model, layout.tp, cfg.model.hidden
+    chunks = chunks_of(cfg, layout, stage)
+    has_first, has_last = 0 in chunks, _num_chunks(layout) - 1 in chunks
+    mtp = range(m.layers, m.layers + m.mtp_depth) if has_last else range(0)  # multi-token prediction layers
+    dense = len(mtp) * (2 * h * h + 3 * h)  # each MTP layer's eh_proj and 3 norms (copies over tp)
+    experts = 0
+    for i in [*cfg.parallel.stage_layers(m.layers)[stage], *mtp]:
+        d, e = _layer_params(m, layout, i)
+        dense, experts = dense + d, experts + e
+    embeddings = int(has_first) + int(has_last and m.mtp_depth > 0 and not has_first)  # MTP's copy on the last stage
+    dense += embeddings * m.vocab_size * h // tp
     if has_last:
         dense += h + (0 if m.tie_embeddings and has_first else m.vocab_size * h // tp)
     return RankParams(dense, experts)
+
+
+def _layer_params(m, layout, i: int) -> tuple[int, int]:
+    """(dense, routed-expert) elements of decoder layer ``i`` on one rank: TP splits attention heads
+    and the dense MLP; routers, shared experts and MLA's down-projections are copies over tp."""
+    tp, h = layout.tp, m.hidden
+    if m.attention == "mla":
+        from ..model.mla import mla_shapes
+
+        split = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
+        dense = sum(math.prod(s) // (tp if n in split else 1) for n, s in mla_shapes(m, "").items())
+    else:
+        kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
+        dense = 2 * h * (m.heads * m.head_dim) // tp + 2 * h * kv
+    dense += 2 * h  # the two norms
+    if not m.is_moe_layer(i):
+        return dense + 3 * h * m.ffn_hidden // tp, 0
+    f = m.expert_ffn_hidden
+    dense += h * m.num_experts + 3 * h * f * m.shared_experts
+    return dense, (m.num_experts // layout.ep) * 3 * h * f // layout.etp
 
 
 def _num_chunks(layout) -> int:

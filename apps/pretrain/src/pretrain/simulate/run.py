@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from .memory import MemoryTracker
-from .theory import planned_activations, planned_state
+from .activations import planned_activations
+from .theory import planned_state
 
 
 def default_roles(layout) -> list[int]:
@@ -48,13 +49,18 @@ def _group_names(groups) -> dict[int, str]:
     return names
 
 
-def declare_routing_(model, imbalance: float) -> None:
-    """Give every MoE layer a declared routing: fake tensors carry no router choices to count."""
+def prepare_for_fake_tensors_(model, imbalance: float) -> None:
+    """What a run on fake CPU tensors needs to take a GPU's path: MoE layers route as declared (fake
+    tensors carry no router choices to count), and attention at cp=1 is one fused SDPA call, as on
+    a GPU (the CPU's block kernels keep fp32 accumulators a GPU never allocates)."""
+    from par_cp import ContextParallelAttention
     from par_moe import DeclaredRouting, MoELayer
 
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.routing = DeclaredRouting(imbalance)
+        elif isinstance(module, ContextParallelAttention):
+            module.dense_on_cpu = True
 
 
 def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
@@ -80,7 +86,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
             tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, simulated=True)
-            declare_routing_(trainer.model.module, imbalance)
+            prepare_for_fake_tensors_(trainer.model.module, imbalance)
             build = tracker.snapshot()
             timings["build_s"] = time.perf_counter() - t0
             tracker.retag(_state_tensors(trainer.model.dp))

@@ -18,7 +18,7 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 from __future__ import annotations
 
 from ..flops import microbatches_in_flight
-from .theory import chunks_of
+from .theory import chunks_of, routed_sizes
 
 
 def _pb(cfg) -> int:
@@ -43,31 +43,32 @@ def _attention(m, layout, recompute: str, pb: int) -> float:
     return (h + 2 * q + 2 * kv) * pb + ((q + kv) * pb if recompute == "none" else 0)
 
 
-def _mlp(m, layout, i: int, pb: int) -> float:
+def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
     """Per token: a dense SwiGLU's gathered input (h), gate, silu(gate), up and their product
     (4 ffn/tp). An MoE layer on this rank's tokens: the router's scores, the tokens' bf16 copy and
     the combine's two outputs (3 h), per routed pair the dispatched row, the received and returned
     rows, the weighted expert output and the expert output (5 h) plus the expert's 4 F/etp, and
-    the shared experts' SwiGLU (copies over tp, on local tokens)."""
+    the shared experts' SwiGLU (copies over tp, on local tokens). ``pairs``: routed pairs this
+    rank's experts receive per local token (top_k when balanced)."""
     tp, h = layout.tp, m.hidden
     if not m.is_moe_layer(i):
         return (h + 4 * m.ffn_hidden / tp) * pb
     share = tp if layout.sequence_parallel else 1
     f = m.expert_ffn_hidden
-    pairs = m.top_k * layout.etp  # each etp rank computes its F shard for the etp group's tokens
     routed = pairs * (5 * h + 4 * f / layout.etp) * pb
     return (routed + 3 * h * pb + m.num_experts * (2 * pb + 4) + 4 * f * m.shared_experts * pb) / share
 
 
-def layer_per_token(cfg, layout, i: int, recompute: str) -> float:
+def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = None) -> float:
     """Bytes decoder layer ``i`` keeps for backward per token of the micro-batch: its two RMSNorms
     (fp32 input and normalized value, 8 h per token they see), attention and MLP; under full
-    recomputation the layer input only."""
+    recomputation the layer input only. ``pairs``: see :func:`_mlp` (default: balanced routing)."""
     m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
     if recompute == "full":
         return m.hidden / share * pb
-    return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb)
+    pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
+    return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb, pairs)
 
 
 def _backward_work(cfg, layout, i: int, tokens: float) -> float:
@@ -103,23 +104,35 @@ def _loss_peak(cfg, layout, tokens: float) -> float:
     return (main + mtp) * tokens
 
 
-def planned_activations(cfg, layout, stage: int) -> float:
+def routed_pairs(cfg, layout, routing, ep_rank: int) -> float | None:
+    """Pairs per local token that EP rank ``ep_rank``'s experts receive under a declared routing."""
+    if routing is None or not cfg.model.is_moe:
+        return None
+    share = layout.tp if layout.sequence_parallel else 1
+    return sum(routed_sizes(cfg, layout, routing, ep_rank).local) / (cfg.train.seq_len // layout.cp * layout.micro_batch // share)
+
+
+def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> float:
+    """Bytes at the stage's peak; MoE token counts as ``routing`` (a ``par_moe.DeclaredRouting``,
+    default balanced) declares them for EP rank ``ep_rank``."""
     m, t = cfg.model, cfg.train
     tokens = t.seq_len / layout.cp * layout.micro_batch
     share = layout.tp if layout.sequence_parallel else 1
+    pairs = routed_pairs(cfg, layout, routing, ep_rank)
     message = m.hidden / share * _pb(cfg) * tokens
     layers = list(cfg.parallel.stage_layers(m.layers)[stage])
     chunks = chunks_of(cfg, layout, stage)
     last = layout.pp * layout.chunks_per_rank - 1 in chunks
     if last:
         layers += list(range(m.layers, m.layers + m.mtp_depth))  # MTP layers run on the last stage
-    per_mb = sum(layer_per_token(cfg, layout, i, m.recompute) for i in layers) * tokens
+    per_mb = sum(layer_per_token(cfg, layout, i, m.recompute, pairs) for i in layers) * tokens
     if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
         per_mb += sum(message for c in chunks if c > 0)
     kinds = {m.is_moe_layer(i): i for i in layers}.values()  # one dense and one MoE layer stand for all
     recomputed = "selective" if m.recompute == "full" else None
     transient = max((_backward_work(cfg, layout, i, tokens)
-                     + (layer_per_token(cfg, layout, i, recomputed) * tokens if recomputed else 0.0) for i in kinds),
+                     + (layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0)
+                     for i in kinds),
                     default=0.0)
     if last:
         transient = max(transient, _loss_peak(cfg, layout, tokens))

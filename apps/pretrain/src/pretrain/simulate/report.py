@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from par_moe import DeclaredRouting
+
 from ..errors import UsageError
 from .collectives import compare, step_collectives
 from .run import check_rank, default_roles, simulate_rank
@@ -51,7 +53,9 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
     for rank in ranks or default_roles(layout):
         t0 = time.perf_counter()
         r = simulate_rank(sim_cfg, world, rank, imbalance)
-        r["collectives"] = compare(r["collectives"], step_collectives(sim_cfg, sim_layout, r["stage"], kept))
+        routing = DeclaredRouting(imbalance) if cfg.model.is_moe else None
+        theory = step_collectives(sim_cfg, sim_layout, r["stage"], kept, routing, r["coords"].get("ep", 0))
+        r["collectives"] = compare(r["collectives"], theory)
         r["timings_s"]["total_s"] = time.perf_counter() - t0
         out["ranks"].append(r)
     return out

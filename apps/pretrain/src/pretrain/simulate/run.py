@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from par_moe import DeclaredRouting
+
 from ..errors import UsageError
 from .memory import MemoryTracker
 from .activations import planned_activations
@@ -109,7 +111,8 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
         stage = g.rank_in("pp")
         names = _group_names(g)
         planned = planned_state(cfg, layout, stage)
-        planned["activations"] = planned_activations(cfg, layout, stage)
+        planned["activations"] = planned_activations(cfg, layout, stage, DeclaredRouting(imbalance),
+                                                     g.grid.coords(rank).get("ep", 0))
         return {
             "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
             "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],

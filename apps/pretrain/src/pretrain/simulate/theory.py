@@ -91,3 +91,12 @@ def planned_state(cfg, layout, stage: int, device_type: str = "cuda") -> dict[st
         grads += gb * (shard if zero in SHARD_GRADS else n)
         optim += opt * (n if zero == "no_shard" else shard)
     return {"params": params, "grads": grads, "optim": optim}
+
+
+def routed_sizes(cfg, layout, routing, ep_rank: int):
+    """The token counts a ``par_moe.DeclaredRouting`` gives one MoE layer of EP rank ``ep_rank``
+    for one micro-batch: its local tokens (S/cp/tp under SP), each etp group's together."""
+    m = cfg.model
+    share = layout.tp if layout.sequence_parallel else 1
+    tokens = cfg.train.seq_len // layout.cp * layout.micro_batch // share
+    return routing.sizes(tokens * layout.etp, m.top_k, m.num_experts, layout.ep, ep_rank)

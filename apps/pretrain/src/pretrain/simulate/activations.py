@@ -98,7 +98,7 @@ def _loss_peak(cfg, layout, tokens: float) -> float:
     norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
     m, pb = cfg.model, _pb(cfg)
     vocab = m.vocab_size / layout.tp
-    h = m.hidden
+    h = m.hidden / (layout.tp if layout.sequence_parallel else 1)  # the norms see this rank's tokens
     main = vocab * (pb + 4) + h * (8 + pb)
     mtp = m.mtp_depth * (vocab * (pb + 8) + h * (3 * 8 + 5 * pb))
     return (main + mtp) * tokens

@@ -32,10 +32,11 @@ def rank_params(cfg, layout, stage: int) -> RankParams:
     for i in [*cfg.parallel.stage_layers(m.layers)[stage], *mtp]:
         d, e = _layer_params(m, layout, i)
         dense, experts = dense + d, experts + e
-    embeddings = int(has_first) + int(has_last and m.mtp_depth > 0 and not has_first)  # MTP's copy on the last stage
-    dense += embeddings * m.vocab_size * h // tp
-    if has_last:
-        dense += h + (0 if m.tie_embeddings and has_first else m.vocab_size * h // tp)
+    # the input embedding; the head (tied: the embedding itself, or its copy on the last stage);
+    # MTP's embedding copy on the last stage (tied: the head is that copy)
+    mtp_copy = has_last and m.mtp_depth > 0 and not has_first and not m.tie_embeddings
+    embeddings = int(has_first) + int(has_last and not (m.tie_embeddings and has_first)) + int(mtp_copy)
+    dense += embeddings * m.vocab_size * h // tp + (h if has_last else 0)  # + the final norm
     return RankParams(dense, experts)
 
 

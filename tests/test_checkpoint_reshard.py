@@ -3,6 +3,7 @@ continues with the uninterrupted run's losses; the same layout resumes bitwise; 
 before its rename leaves the previous checkpoint as `latest` and loadable."""
 
 import os
+from unittest import mock
 
 STEPS, SAVE_AT = 6, 3
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false", "model.layers=4"]
@@ -23,7 +24,7 @@ def _trainer(layout):
 def reshard_job(root):
     import torch.distributed as dist
 
-    from pretrain.checkpoint import latest_checkpoint, save_checkpoint
+    from pretrain.checkpoint import latest_checkpoint, save_checkpoint, store
     from pretrain.checkpoint.store import read_full_tensors
 
     out = {}
@@ -34,10 +35,17 @@ def reshard_job(root):
         if step + 1 == SAVE_AT:
             t.save_checkpoint(root, SAVE_AT)
     out["reference"] = losses
-    try:  # a save killed between writing and the rename
-        save_checkpoint(t, root, STEPS, fail_before_rename=True)
-    except RuntimeError:
-        pass
+    write, out["failed"] = store.save_pieces, False
+
+    def written_then_fail(*args, **kwargs):  # every rank's pieces are written when DCP's save returns
+        write(*args, **kwargs)
+        raise RuntimeError("injected failure between writing and the rename")
+
+    with mock.patch.object(store, "save_pieces", side_effect=written_then_fail):  # a save killed before its rename
+        try:
+            save_checkpoint(t, root, STEPS)
+        except RuntimeError as e:
+            out["failed"] = "injected failure" in str(e)
     dist.barrier()
     out["latest"] = str(latest_checkpoint(root))
     out["tmp_left"] = os.path.isdir(os.path.join(root, f"step_{STEPS}.tmp"))
@@ -63,7 +71,7 @@ def test_save_tp2pp2_load_dp4_and_tp4_continue_like_the_uninterrupted_run(dist_r
     root = str(tmp_path / "ckpt")
     res = dist_run(4, reshard_job, root, timeout=600)[0]
     ref = res["reference"]
-    assert res["latest"].endswith(f"step_{SAVE_AT}") and res["tmp_left"]
+    assert res["failed"] and res["latest"].endswith(f"step_{SAVE_AT}") and res["tmp_left"]
     assert ref[-1] < ref[0]
     for layout in LAYOUTS:
         assert res[f"{layout}/start"] == SAVE_AT

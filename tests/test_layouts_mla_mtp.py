@@ -37,6 +37,9 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
 LAYOUTS = {
     # SP's exit reduce-scatters as rings under o_proj and the head (tp_comm_overlap), rerun by recompute
     "tp2-dp2-sp-overlap-recompute-full": ["parallel.tp=2", "model.recompute=full", "parallel.tp_comm_overlap=true"],
+    # ZeRO-3 with MTP: MTP calls its layer's parts one by one, so each is a gather unit of its own;
+    # at pp=1 MTP's embedding is the input embedding's unit
+    "dp4-zero3": ["parallel.zero=optim_grads_params"],
     "cp2-dp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],
     "cp2-tp2-a2a-no-sp": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a",
                           "parallel.sequence_parallel=false"],
@@ -47,7 +50,11 @@ LAYOUTS = {
 # embedding group (build.py's _share_embedding_); 4 micro-batches keep the message count small
 MTP_PP = {
     "pp2-dp2-1f1b-zero2": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "parallel.zero=optim_grads"],
+    "pp2-dp2-1f1b-zero3": ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", "parallel.zero=optim_grads_params"],
     "tp2-pp2-1f1b": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"],
+    # tied head: on the last stage it is that same embedding copy (its grad adds the head's and MTP's)
+    "tp2-pp2-1f1b-tied": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4",
+                          "model.tie_embeddings=true"],
 }
 MOE = ["model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01", "model.bias_update_rate=0.001",
        "model.score_func=sigmoid", "model.n_groups=2", "model.topk_groups=1", "model.moe_layers_start=1"]
@@ -87,15 +94,16 @@ def _embedding_copies_equal(trainer) -> bool:
     return bool(theirs.equal(mine))
 
 
-def mtp_checkpoint_job(root):
-    """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2."""
+def mtp_checkpoint_job(root, model):
+    """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2.
+    ``model``: extra [model] overrides (tied embeddings)."""
     from pretrain.checkpoint import latest_checkpoint
     from pretrain.checkpoint.store import read_full_tensors
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     def trainer(layout):
-        return Trainer(load_config(None, COMMON + MLA + layout))
+        return Trainer(load_config(None, COMMON + MLA + model + layout))
 
     pp2, out = MTP_PP["pp2-dp2-1f1b-zero2"], {}
     t = trainer(pp2)
@@ -113,15 +121,17 @@ def mtp_checkpoint_job(root):
     return out
 
 
-def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path):
-    for rank, out in enumerate(dist_run(4, mtp_checkpoint_job, str(tmp_path), timeout=600)):
+@pytest.mark.parametrize("model", [[], ["model.tie_embeddings=true"]], ids=["untied", "tied"])
+def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tmp_path, model):
+    for rank, out in enumerate(dist_run(4, mtp_checkpoint_job, str(tmp_path), model, timeout=600)):
         assert all(out.values()), (rank, out)
 
 
 @pytest.mark.parametrize("name", list(MTP_PP))
 def test_mtp_under_1f1b_keeps_the_embedding_copies_equal_and_matches_single_rank(dist_run, name):
+    model = [o for o in MTP_PP[name] if o.startswith("model.")]
     for losses, norms, copies_equal in dist_run(4, mtp_pp_job, MLA + MTP_PP[name], timeout=600):
-        _check((losses, norms), single_rank(dist_run, None, tuple(MLA)))
+        _check((losses, norms), single_rank(dist_run, None, tuple(MLA + model)))
         assert copies_equal, f"{name}: the embedding on the first and last stage differ after training"
 
 
@@ -224,7 +234,6 @@ def test_plan_deepseek_v3_gives_the_published_totals():
 @pytest.mark.parametrize("overrides,needle", [
     (MLA + ["model.qk_rope_head_dim=5"], "qk_rope_head_dim=5 must be even"),
     (MLA + ["model.kv_lora_rank=0"], "kv_lora_rank=0 must be >= 1 with attention='mla'"),
-    (MLA + ["parallel.zero=optim_grads_params"], "mtp_depth=1 does not run with [parallel].zero='optim_grads_params'"),
     (MLA + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "parallel.last_stage_layers=2"],
      "must add up"),
 ])

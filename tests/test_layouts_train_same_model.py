@@ -77,10 +77,12 @@ def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
     assert_same(results, single_rank(dist_run, None, EIGHT_LAYERS), TOLERANCE, name)
 
 
-# Tied input/output embeddings: one Parameter, on the rank that holds both ends of the model.
+# Tied input/output embeddings: one Parameter on the rank that holds both ends of the model (tp2,
+# zb-v); over 1F1B's stages, copies on the first and last stage whose grads are summed (Megatron's).
 TIED = {
     "tp2-dp2": ["parallel.tp=2"],
     "pp2-dp2-zb-v": ["parallel.pp=2", "parallel.schedule=zb-v"],
+    "pp2-tp2-1f1b-zero1": ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b", "parallel.zero=optim"],
 }
 
 

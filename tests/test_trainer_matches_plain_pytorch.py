@@ -3,7 +3,8 @@
 The layout tests compare every layout with the trainer's own single-rank run; this one anchors
 that run to an independent computation: `LlamaReference` (nn.Linear, SDPA, nn.RMSNorm, par-moe's
 loop-over-experts `ReferenceMoE` with its balancing losses added to the loss), the same batches,
-`torch.optim.AdamW` with two param groups (no weight decay on norms and the embedding),
+`torch.optim.AdamW` with two param groups (no weight decay on norms and the embedding; or the
+torch.optim class `[train].optimizer` names: SGD with momentum under tp2),
 `torch.nn.utils.clip_grad_norm_`, the same LR schedule, and for MoE the aux-free bias update
 written out here (``bias += rate * sign(mean load - load)``).
 fp32, 6 steps: loss within 1.1e-7 and grad norm within 4.3e-7 (relative) measured, so 1e-6.
@@ -65,7 +66,10 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
     # two groups, as nanoGPT and Megatron: no weight decay on norms, biases and the embedding
     plain_decay = [p for n, p in named.items() if p.dim() >= 2 and n != "model.embed_tokens.weight"]
     groups = [{"params": plain_decay}, {"params": [p for p in params if all(p is not q for q in plain_decay)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw":
+        opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    else:  # [train].optimizer names a torch.optim class: that class, the same two groups
+        opt = getattr(torch.optim, t.optimizer_class)(groups, lr=t.lr, weight_decay=t.weight_decay, **t.optimizer_args)
     moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "route")]
     loads = [torch.zeros(m.config.num_experts, dtype=torch.int64) for m in moes]
     for moe, load in zip(moes, loads):
@@ -87,12 +91,16 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
     return [(r.loss, r.grad_norm) for r in ours], plain
 
 
-CASES = {"dense": (None, []), "tied": (None, ["model.tie_embeddings=true"]), "moe": ("tiny-moe", MOE)}
+# SGD: lr large enough that the weight-decay mask moves the loss well beyond the tolerance
+SGD = ["train.optimizer=sgd", "train.optimizer_args={momentum=0.9, nesterov=true}", "train.lr=0.3", "train.min_lr=0.03"]
+CASES = {"dense": (None, []), "tied": (None, ["model.tie_embeddings=true"]), "moe": ("tiny-moe", MOE),
+         "sgd-tp2": (None, SGD + ["parallel.tp=2"])}  # one dp rank: each tp rank sees the whole batch
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_single_rank_trainer_equals_plain_pytorch(dist_run, name):
-    ours, plain = dist_run(1, trainer_and_plain_pytorch, *CASES[name])[0]
+    world = 2 if "parallel.tp=2" in CASES[name][1] else 1
+    ours, plain = dist_run(world, trainer_and_plain_pytorch, *CASES[name])[0]
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, plain)):
         assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} vs plain PyTorch {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=1e-6), f"step {step}: grad norm {norm} vs plain PyTorch {ref_norm}"

@@ -2,6 +2,7 @@
 synchronous ones hold, resume bitwise, `latest` names the last finished one, keep-N still prunes, and a
 run that dies with a save in flight leaves the previous checkpoint as `latest`."""
 
+import functools
 import json
 
 import torch
@@ -53,10 +54,11 @@ def test_async_saves_resume_bitwise_like_sync_ones_and_keep_latest_and_pruning(t
     assert state["step"] == 6 and state["optimizer_steps"] == 6
 
 
-def test_a_run_dying_with_a_save_in_flight_keeps_the_previous_latest(monkeypatch, tmp_path):
+def test_a_run_dying_with_a_save_in_flight_keeps_the_previous_latest(monkeypatch, tmp_path, fault_ranks):
     ck = tmp_path / "ck"
-    monkeypatch.setenv("PRETRAIN_FAIL_AT", "0:3")  # step_2 was started in the background, never published
+    # rank 0 raises before step 3: step_2 was started in the background, never published
+    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.fail_before_step, 0, 3))
     res = _train(*ASYNC, "--set", f"checkpoint.dir={ck}", "--set", f"log.dir={tmp_path / 'log'}")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 1 and "rank 0 failed" in res.stderr and "injected failure" in res.stderr, res.output
     assert (ck / "latest").read_text().strip() == "step_1"
     assert (ck / "step_1" / "trainer_state.json").is_file() and not (ck / "step_2").exists()

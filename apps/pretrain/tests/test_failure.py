@@ -1,6 +1,7 @@
 """Failure handling: a rank that raises ends the whole run in seconds with its error; a non-finite
 loss stops with the step named ([train].nan_policy=stop) or drops that step's update (skip)."""
 
+import functools
 import time
 
 import torch
@@ -11,8 +12,8 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
-def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("PRETRAIN_FAIL_AT", "1:3")
+def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path, fault_ranks):
+    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.fail_before_step, 1, 3))
     start = time.time()
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
                               "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",

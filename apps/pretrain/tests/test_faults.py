@@ -6,6 +6,7 @@ The full disk is a 2 MiB tmpfs (one checkpoint of this model is ~1.3 MB), mounte
 may mount (root); otherwise that stage is replaced by a plain stop at step 4 and a warning says so.
 """
 
+import functools
 import json
 import shutil
 import subprocess
@@ -14,7 +15,6 @@ import warnings
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from pretrain.checkpoint.faults import KILL_ENV
 
 runner = CliRunner()
 RUN = ["train", "--nproc", "4", "--set", "model.layers=2", "--set", "train.steps=4", "--set", "train.warmup_steps=1",
@@ -43,7 +43,7 @@ def _mount_small_fs(path) -> bool:
     return done.returncode == 0
 
 
-def test_disk_full_then_sigkill_mid_save_resume_to_the_uninterrupted_losses(tmp_path, monkeypatch):
+def test_disk_full_then_sigkill_mid_save_resume_to_the_uninterrupted_losses(tmp_path, monkeypatch, fault_ranks):
     res = _train(tmp_path / "ref_log", tmp_path / "ref_ck")
     assert res.exit_code == 0, res.output
     reference = _losses(tmp_path / "ref_log")
@@ -67,11 +67,11 @@ def test_disk_full_then_sigkill_mid_save_resume_to_the_uninterrupted_losses(tmp_
         (ck / "latest").write_text("step_2\n")
     assert (ck / "latest").read_text().strip() == "step_2"
 
-    monkeypatch.setenv(KILL_ENV, "2:4")  # rank 2 dies after writing its part of step_4, before the rename
-    res = _train(log, ck, "--set", "checkpoint.resume=true")
+    with monkeypatch.context() as m:  # rank 2 dies after writing its part of step_4, before the rename
+        m.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.sigkill_in_save, 2, 4))
+        res = _train(log, ck, "--set", "checkpoint.resume=true")
     assert res.exit_code == 1 and "rank 2 failed" in res.stderr and "SIGKILL" in res.stderr, res.output
     assert (ck / "latest").read_text().strip() == "step_2" and not (ck / "step_4").exists()
-    monkeypatch.delenv(KILL_ENV)
 
     res = _train(log, ck, "--set", "checkpoint.resume=true")
     assert res.exit_code == 0, res.output

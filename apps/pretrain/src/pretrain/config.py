@@ -27,7 +27,7 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from par_pp import V_SCHEDULES
+from par_zero.config import SHARDED
 
 from .config_model import ModelConfig
 from .config_rules import _divisors, _need
@@ -86,9 +86,6 @@ class Config:
             _need(m.layers % chunks == 0,
                   f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
                   f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
-        _need(not (m.mtp_depth and p.zero == "optim_grads_params"),  # its modules run outside ZeRO-3's gather units
-              f"[model].mtp_depth={m.mtp_depth} does not run with [parallel].zero='optim_grads_params' (ZeRO-3) yet; "
-              f"use zero='optim_grads' (ZeRO-2) or below, or mtp_depth=0")
         if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
             a2a = p.hcp[0] if p.hcp else p.cp
             for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
@@ -108,10 +105,8 @@ class Config:
                   f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
                   f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
                   f"(ZeRO-3) with them")
-        if m.tie_embeddings and p.pp > 1:  # the tied weight is one Parameter on the rank holding both ends
-            _need(p.schedule in V_SCHEDULES,
-                  f"[model].tie_embeddings=true with pp={p.pp} needs the first and last chunk on one rank: "
-                  f"use schedule zb-v or dualpipev (got {p.schedule!r}), or set tie_embeddings=false")
+        _need(t.optimizer == "adamw" or p.zero not in SHARDED, f"[train].optimizer={t.optimizer!r} needs [parallel].zero="
+              f"'no_shard' or 'torch_fsdp2': zero={p.zero!r} shards the optimizer, which only optimizer='adamw' does")
         if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
@@ -180,6 +175,8 @@ def _toml_literal(value) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_literal(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
@@ -200,8 +197,9 @@ def _coerce(section: str, key: str, value, hint):
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
         return float(value)
-    if hint is str:
-        _need(isinstance(value, str), f"{where} must be a string, got {value!r}")
+    if hint in (str, dict):
+        what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
+        _need(isinstance(value, hint), f"{where} must be {what}, got {value!r}")
         return value
     if origin is tuple:
         _need(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),

@@ -7,13 +7,14 @@ strategies from par-zero, schedules from par-pp), so a new mode there is a valid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from par_cp import MODES as CP_COMM_TYPES
 from par_groups import LayoutError, RankGrid
 from par_pp import SCHEDULE_NAMES as SCHEDULES
 from par_pp import V_SCHEDULES, chunk_placement, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
+from par_zero import check_optimizer, optimizer_classes
 
 from .config_rules import _choice, _need, _positive
 from .errors import UsageError
@@ -23,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
 PLACEMENTS = ("auto", "strict", "off")  # see pretrain.placement
+OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    # adamw: par-zero's distributed AdamW (beta1, beta2; every [parallel].zero); or a torch.optim class by
+    # name, any case (sgd, adagrad, rmsprop, ...; zero = no_shard or torch_fsdp2) built with lr,
+    # weight_decay (norms, biases, embeddings excluded) and optimizer_args, e.g. {momentum = 0.9}
+    optimizer: str = "adamw"
+    optimizer_args: dict = field(default_factory=dict)
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
@@ -178,6 +185,19 @@ class TrainConfig:
         _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)
+        _need(self.optimizer != "adamw" or not self.optimizer_args,
+              f"[train].optimizer_args={self.optimizer_args} is for a torch.optim optimizer; adamw takes beta1, beta2")
+        if self.optimizer != "adamw":
+            try:
+                check_optimizer(self.optimizer_class, self.optimizer_args, self.weight_decay)
+            except ValueError as e:
+                raise UsageError(f"[train].optimizer={self.optimizer!r}: {e}") from None
+
+    @property
+    def optimizer_class(self) -> str:
+        """What par-zero's ``optimizer`` argument takes: 'AdamW' (its own) or a torch.optim class name."""
+        return "AdamW" if self.optimizer == "adamw" else {n.lower(): n for n in optimizer_classes()}[self.optimizer]
 
     @property
     def last_step(self) -> int:

@@ -24,7 +24,8 @@ def checkpoint_root(cfg) -> Path:
 def check_run(cfg, layout, force: bool = False) -> None:
     """Data, checkpoints to start from, the checkpoint directory's owner, then writable directories."""
     from .checkpoint.retention import check_unclaimed
-    from .checkpoint.store import check_compatible, latest_checkpoint, read_state, resolve_checkpoint
+    from .checkpoint.store import (check_compatible, check_optimizer_matches, latest_checkpoint, read_state,
+                                   resolve_checkpoint)
     from .data import build_sampler, check_token_ids, load_dataset
 
     dataset = load_dataset(cfg.data, cfg.model.vocab_size)
@@ -35,6 +36,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
     if start is not None:
         check_compatible(start, read_state(start), cfg)
+    if latest is not None and read_state(latest).get("optimizer", False):  # resuming loads the optimizer's state
+        check_optimizer_matches(latest, read_state(latest), cfg)
     if not ck.resume and not force:
         check_unclaimed(root)
     check_writable(Path(cfg.log.dir), "[log].dir")

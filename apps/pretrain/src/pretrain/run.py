@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch.distributed as dist
@@ -19,14 +18,6 @@ from .peak import matmul_dtype, peak_flops
 from .preempt import StopRequests
 from .preflight import checkpoint_root
 from .train_loop import Trainer
-
-FAIL_ENV = "PRETRAIN_FAIL_AT"  # "RANK:STEP": that rank raises before that (1-based) step; for failure tests
-
-
-def _injected_failure(rank: int, step: int) -> None:
-    spec = os.environ.get(FAIL_ENV, "")
-    if spec and spec == f"{rank}:{step + 1}":
-        raise RuntimeError(f"injected failure ({FAIL_ENV}={spec}) on rank {rank} before step {step + 1}")
 
 
 def run_rank(config: str | None, overrides: list[str], device: str | None = None, force: bool = False) -> dict:
@@ -74,7 +65,6 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         start = time.time()
         for step in range(start_step, last_step):
             t0 = time.time()
-            _injected_failure(rank, step)
             result = trainer.train_step(step)
             done = step + 1
             if result.skipped and logger is not None:

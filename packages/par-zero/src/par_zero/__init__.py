@@ -5,6 +5,7 @@ from .data_parallel import DataParallel, data_parallel
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
+from .torch_optimizer import TorchOptimizer, check_optimizer, optimizer_classes
 from .clipping import clip_grad_norm_
 from .checkpoint import owned_pieces, whole_pieces
 from .pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, load_pieces, save_pieces
@@ -18,6 +19,9 @@ __all__ = [
     "data_parallel",
     "GradBuffer",
     "DistributedAdamW",
+    "TorchOptimizer",
+    "check_optimizer",
+    "optimizer_classes",
     "clip_grad_norm_",
     "DataParallelConfig",
     "ModelState",

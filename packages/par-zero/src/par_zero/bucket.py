@@ -173,6 +173,8 @@ class Bucket:
             self.gathered = True
 
     def reshard(self) -> None:
+        if self._gather_work is not None:  # a prefetch its unit did not use: left in flight it would
+            self.wait_unshard()  # bring pre-step values to the next forward; finish it, then free
         if self.zero3 and self.gathered:
             _free(self.full_param)
             self.gathered = False

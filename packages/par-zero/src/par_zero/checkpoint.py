@@ -1,6 +1,7 @@
 """What each rank saves of its parameters and optimizer state: the pieces it owns, in global coordinates.
 
-A trainable param's master copy and AdamW moments live, on this rank, in the optimizer range of
+A trainable param's master copy and optimizer state (AdamW's moments, a torch.optim class's
+per-param tensors) live, on this rank, in the optimizer range of
 its bucket: a contiguous slice of the flattened local (TP/expert) block. Its placement turns that
 slice into boxes of the full tensor (``ParamPlacement.boxes``), each a view of the buffer: no
 gather, no copy. Replicas (DDP, HSDP outer 'no_shard', TP copies) describe the same boxes and are
@@ -12,6 +13,7 @@ params. Frozen params are saved whole (their placement's block).
 from __future__ import annotations
 
 from math import prod
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -21,13 +23,11 @@ from par_groups.param_placement import placement_of
 
 from .pieces import Pieces
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
-
-
 def owned_pieces(dp, kind: str = "master") -> dict[nn.Parameter, Pieces]:
-    """``{param: Pieces}`` of ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') for every trainable param."""
-    if kind not in STATE:
-        raise ValueError(f"kind={kind!r} is not one of {', '.join(STATE)}")
+    """``{param: Pieces}`` of ``kind`` ('master' or one of ``dp.optimizer.state_kinds()``) for every trainable param."""
+    kinds = ("master",) + dp.optimizer.state_kinds()
+    if kind not in kinds:
+        raise ValueError(f"kind={kind!r} is not one of {', '.join(kinds)}")
     out = {}
     for b in dp.buckets:
         src = dp.optimizer.range_state(b, kind)
@@ -48,24 +48,36 @@ def whole_pieces(tensor: torch.Tensor) -> Pieces:
     return Pieces(pl.full_shape, [(pl.offsets, tensor.detach())])
 
 
-def sharded_state_dict(dp) -> dict[str, Pieces]:
-    """``model/<name>``, ``optim/<moment>/<name>`` and ``optim/step`` for :func:`par_zero.save_pieces`."""
+def _scalar(x: float, dtype: torch.dtype = torch.float64) -> Pieces:
+    return Pieces((), [((), torch.tensor(float(x), dtype=dtype))])
+
+
+def sharded_state_dict(dp, kinds: Iterable[str] | None = None, scalars: Iterable[str] = ()) -> dict[str, Pieces]:
+    """``model/<name>``, ``optim/<kind>/<name>``, ``optim/scalar/<name>`` and ``optim/step`` for
+    :func:`par_zero.save_pieces`; ``kinds`` and ``scalars`` (for a load): zeros for the optimizer to fill."""
+    opt = dp.optimizer
+    if kinds is not None:
+        opt.prepare_load(tuple(kinds))
     names = dp.param_names
     out = {f"model/{names[p]}": v for p, v in owned_pieces(dp, "master").items()}
-    for kind in STATE[1:]:
+    for kind in opt.state_kinds():
         out |= {f"optim/{kind}/{names[p]}": v for p, v in owned_pieces(dp, kind).items()}
     for name, p in dp.module.named_parameters():
         if not p.requires_grad:
             out[f"model/{name}"] = whole_pieces(p)
-    out["optim/step"] = Pieces((), [((), torch.tensor(float(dp.step_count)))])
+    have = opt.scalar_state() if kinds is None else dict.fromkeys(scalars, 0.0)
+    out |= {f"optim/scalar/{k}": _scalar(v) for k, v in have.items()}
+    out["optim/step"] = _scalar(dp.step_count, torch.float32)
     return out
 
 
 @torch.no_grad()
 def load_sharded_state_dict(dp, sd: dict[str, Pieces]) -> None:
     """After :func:`par_zero.load_pieces` filled ``sd`` (our :func:`sharded_state_dict`, whose boxes
-    are views of the buffers): take the step and re-assemble the params from the owned ranges."""
-    dp.step_count = int(sd["optim/step"].boxes[0][1].item())
+    are views of the buffers): take the step and scalars, and re-assemble the params from the owned ranges."""
+    value = lambda k: sd[k].boxes[0][1].item()
+    dp.step_count = int(value("optim/step"))
+    dp.optimizer.finish_load({k.removeprefix("optim/scalar/"): value(k) for k in sd if k.startswith("optim/scalar/")})
     dp.sync_params()
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .torch_optimizer import ADAMW, check_optimizer
+
 # Megatron's --data-parallel-sharding-strategy names, plus torch's own FSDP2 as an alternative.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
 OUTER_STRATEGIES = ("no_shard", "optim")
@@ -31,6 +33,10 @@ class DataParallelConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # 'AdamW' (par-zero's distributed AdamW, every strategy) or a torch.optim class or its name
+    # (unsharded strategies), built with lr, weight_decay and these keyword arguments
+    optimizer: str | type = "AdamW"
+    optimizer_args: dict = field(default_factory=dict)
     # The strategy, parsed once (in __post_init__) into what it shards; the rest reads these.
     shard_optimizer: bool = field(init=False)  # ZeRO-1 and up: each rank steps its range only
     shard_grads: bool = field(init=False)  # ZeRO-2 and up: only the reduced shard of the grads is kept
@@ -53,11 +59,24 @@ class DataParallelConfig:
             raise ValueError(f"betas={self.betas} must lie in [0, 1)")
         if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(f"lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: need lr >= 0, eps > 0, wd >= 0")
+        self._check_optimizer()
         level = STRATEGIES.index(self.strategy)  # no_shard < optim < optim_grads < optim_grads_params < torch_fsdp2
         for name, value in (("shard_optimizer", level >= 1), ("shard_grads", level >= 2), ("shard_params", level >= 3),
                             ("outer_shard_optimizer", self.outer_strategy == "optim"),
                             ("torch_native", self.strategy == "torch_fsdp2")):
             object.__setattr__(self, name, value)
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer == ADAMW:
+            if self.optimizer_args:
+                raise ValueError(f"optimizer_args={self.optimizer_args} is for a torch.optim class; AdamW takes "
+                                 f"betas, eps and weight_decay")
+            return
+        if self.strategy in SHARDED:
+            raise ValueError(f"optimizer={getattr(self.optimizer, '__name__', self.optimizer)!r} needs strategy "
+                             f"'no_shard' or 'torch_fsdp2'; strategy={self.strategy!r} shards the optimizer, "
+                             f"which only optimizer='AdamW' does")
+        check_optimizer(self.optimizer, self.optimizer_args, self.weight_decay)
 
     @property
     def grad_dtype(self) -> torch.dtype:

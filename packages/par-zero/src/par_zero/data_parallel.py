@@ -1,7 +1,8 @@
-"""The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with AdamW.
+"""The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with its optimizer.
 
 It composes the gradient/parameter buffer (grad_buffer.py: buckets, hooks, collectives), the
-distributed optimizer (optimizer.py: AdamW over each rank's range) and the clipping function
+distributed optimizer (optimizer.py: AdamW over each rank's range; torch_optimizer.py: any
+torch.optim class when each rank holds whole params) and the clipping function
 (clipping.py). :func:`data_parallel` picks the implementation for a strategy ('torch_fsdp2' is
 torch's fully_shard, fsdp2.py).
 
@@ -35,6 +36,7 @@ from .config import DataParallelConfig, skip_decay
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
+from .torch_optimizer import ADAMW, TorchOptimizer
 
 
 def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard",
@@ -46,7 +48,7 @@ def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: st
 
 
 class DataParallel:
-    """Wrap ``module`` for data parallelism with ``strategy`` and own its AdamW optimizer.
+    """Wrap ``module`` for data parallelism with ``strategy`` and own its optimizer.
 
     Strategies: 'no_shard' (DDP), 'optim' (ZeRO-1), 'optim_grads' (ZeRO-2), 'optim_grads_params'
     (ZeRO-3); for 'torch_fsdp2' use :func:`data_parallel`.
@@ -57,6 +59,10 @@ class DataParallel:
     ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases). Each param of
     ``own_bucket`` gets a bucket of its own, so ranks holding different other params shard it
     alike (Megatron's shared embedding on the first and last pipeline stage).
+
+    ``optimizer``: 'AdamW' (par-zero's distributed AdamW, with ``betas``, ``eps``; every strategy),
+    or, for 'no_shard' only, a ``torch.optim`` class or its name (e.g. 'SGD'), built with ``lr``,
+    ``weight_decay`` (on the decayed group) and ``optimizer_args`` (e.g. ``{"momentum": 0.9}``).
     """
 
     def __init__(
@@ -77,12 +83,15 @@ class DataParallel:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        optimizer: str | type = "AdamW",
+        optimizer_args: dict | None = None,
         units: Iterable[nn.Module] | None = None,
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
         own_bucket: Iterable[nn.Parameter] = (),
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
-                                            reshard_after_forward, lr, tuple(betas), eps, weight_decay)
+                                            reshard_after_forward, lr, tuple(betas), eps, weight_decay,
+                                            optimizer, dict(optimizer_args or {}))
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")
@@ -96,11 +105,17 @@ class DataParallel:
         dense = BucketGroups(dp_group, outer_group, all_gather_group)
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
         self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
-        self.optimizer = DistributedAdamW(self.buffer.buckets, cfg, lambda p: not no_decay(self.param_names[p], p))
+        opt = DistributedAdamW if cfg.optimizer == ADAMW else TorchOptimizer
+        self.optimizer = opt(self.buffer.buckets, cfg, lambda p: not no_decay(self.param_names[p], p))
 
     @property
     def buckets(self) -> list[Bucket]:
         return self.buffer.buckets
+
+    @property
+    def optimizer_state(self):
+        """The optimizer's checkpoint interface (state kinds, scalars, load hooks), as TorchFSDP2's."""
+        return self.optimizer
 
     @property
     def lr(self) -> float:
@@ -154,7 +169,7 @@ class DataParallel:
         self.buffer.zero_grad()
 
     def step(self) -> None:
-        """AdamW on each rank's range, then re-assemble the params (all-gather where sharded)."""
+        """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded)."""
         self.optimizer.step()
         self.buffer.sync_params()
 
@@ -167,9 +182,12 @@ class DataParallel:
         """``{param: Pieces}``: the boxes of each param's full tensor this rank owns (views; see checkpoint.py)."""
         return owned_pieces(self, kind)
 
-    def state_dict(self) -> dict:
-        """This rank's pieces of the model and optimizer state, for ``par_zero.save_pieces`` / ``load_pieces``."""
-        return sharded_state_dict(self)
+    def state_dict(self, kinds: Iterable[str] | None = None, scalars: Iterable[str] = ()) -> dict:
+        """This rank's pieces of the model and optimizer state, for ``par_zero.save_pieces`` / ``load_pieces``.
+
+        To load into a fresh torch.optim optimizer (its state appears at its first step), name the
+        checkpoint's state ``kinds`` and ``scalars`` (``optim/<kind>/...``, ``optim/scalar/<name>``)."""
+        return sharded_state_dict(self, kinds, scalars)
 
     def load_state_dict(self, sd: dict) -> None:
         """After ``load_pieces`` filled our ``state_dict()`` (views of the buffers): step count, then params."""
@@ -180,7 +198,7 @@ class DataParallel:
         return gather_full_state(self, "master")
 
     def full_state(self, kind: str = "master") -> dict[str, torch.Tensor]:
-        """Gather ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') of every trainable param, full size."""
+        """Gather ``kind`` ('master' or one of ``optimizer.state_kinds()``) of every trainable param, full size."""
         return gather_full_state(self, kind)
 
     # ---- introspection -------------------------------------------------------------------

@@ -22,6 +22,8 @@ from par_groups.param_placement import placement_of
 
 from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
+from .fsdp2_state import FSDP2OptimizerState, owned_local_pieces
+from .torch_optimizer import ADAMW, optimizer_class, takes_weight_decay
 from .units import default_unit_modules
 
 
@@ -44,7 +46,8 @@ def _device_type(module: nn.Module) -> str:
 
 
 class TorchFSDP2:
-    """fully_shard on every layer and the root, torch.optim.AdamW, same methods as DataParallel."""
+    """fully_shard on every layer and the root, torch.optim.AdamW (or ``optimizer``: any torch.optim
+    class or its name, with ``optimizer_args``), same methods as DataParallel."""
 
     def __init__(self, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "torch_fsdp2", *,
                  outer_group: ProcessGroup | None = None, outer_strategy: str = "no_shard",
@@ -52,9 +55,11 @@ class TorchFSDP2:
                  bucket_mb: float = 25.0, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 optimizer: str | type = "AdamW", optimizer_args: dict | None = None,
                  units: Iterable[nn.Module] | None = None, no_decay: Callable[[str, nn.Parameter], bool] = skip_decay):
         self.cfg = DataParallelConfig("torch_fsdp2", outer_strategy, bucket_mb, param_dtype, reduce_dtype,
-                                      reshard_after_forward, lr, tuple(betas), eps, weight_decay)
+                                      reshard_after_forward, lr, tuple(betas), eps, weight_decay, optimizer,
+                                      dict(optimizer_args or {}))
         if self.cfg.outer_shard_optimizer:
             raise ValueError(f"torch_fsdp2 supports outer_strategy='no_shard' only, got {outer_strategy!r}")
         if any(placement_of(p).expert for p in module.parameters()):
@@ -74,7 +79,16 @@ class TorchFSDP2:
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if not no_decay(n, p)]},
                   {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        if optimizer == ADAMW:
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                               foreach=False)
+        else:  # any torch.optim class (validated by the config), the mask as its two groups
+            cls = optimizer_class(optimizer)
+            decay = {"weight_decay": weight_decay} if takes_weight_decay(cls) else {}
+            if not decay:
+                groups = [{"params": groups[0]["params"] + groups[1]["params"]}]
+            self.optimizer = cls(groups, lr=lr, **decay, **self.cfg.optimizer_args)
+        self.optimizer_state = FSDP2OptimizerState(self.optimizer, self.params, lambda: self.step_count)
         self.step_count = 0
 
     def __call__(self, *args, **kwargs):
@@ -126,6 +140,20 @@ class TorchFSDP2:
             if p.grad is not None:
                 (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(coef)
         return norm
+
+    # ---- checkpoints: the pieces interface of DataParallel -------------------------------
+    def owned_pieces(self, kind: str = "master") -> dict:
+        """``{param: Pieces}``: this rank's rows of each trainable param ('master': fully_shard's fp32
+        shard) or of its optimizer state ``kind``."""
+        named = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        if kind == "master":
+            return owned_local_pieces(named, lambda p: p)
+        if kind not in self.optimizer_state.state_kinds():
+            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(self.optimizer_state.state_kinds())}")
+        return owned_local_pieces(named, lambda p: self.optimizer.state[p][kind])
+
+    def sync_params(self) -> None:
+        """Nothing to re-assemble: the loaded shards are the params."""
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict

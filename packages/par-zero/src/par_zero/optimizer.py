@@ -19,6 +19,9 @@ from .bucket import Bucket
 from .config import DataParallelConfig
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 class DistributedAdamW:
     """AdamW over the optimizer ranges of ``buckets``; ``lr`` may change every step (``set_lr``)."""
 
@@ -28,7 +31,7 @@ class DistributedAdamW:
         self.lr = cfg.lr
         self.step_count = 0
         # {bucket: {moment: tensor over its optimizer range}}, as torch.optim's per-param ``state``
-        self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in MOMENTS}
                       for b in buckets}
         self.decay_ranges = {b: [(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)] for b in buckets}
 
@@ -37,9 +40,23 @@ class DistributedAdamW:
 
     def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
         """``bucket``'s ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') over its optimizer range."""
-        if kind not in ("master", "exp_avg", "exp_avg_sq"):
-            raise ValueError(f"kind={kind!r} is not one of master, exp_avg, exp_avg_sq")
+        if kind not in ("master",) + MOMENTS:
+            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(MOMENTS)}")
         return bucket.master if kind == "master" else self.state[bucket][kind]
+
+    # the checkpoint interface shared with TorchOptimizer: the step count is the wrapper's
+    def state_kinds(self) -> tuple[str, ...]:
+        return MOMENTS
+
+    def scalar_state(self) -> dict[str, float]:
+        return {}
+
+    def prepare_load(self, kinds) -> None:
+        if tuple(kinds) != MOMENTS:
+            raise ValueError(f"AdamW loads the state {', '.join(MOMENTS)}, not {', '.join(kinds) or 'none'}")
+
+    def finish_load(self, scalars: dict[str, float]) -> None:
+        pass
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The moments (for measuring bytes; the masters are the buckets')."""

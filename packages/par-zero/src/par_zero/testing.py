@@ -29,17 +29,21 @@ def batches(world: int):
     return [[(torch.randn(n, 7, generator=g), torch.randn(n, 3, generator=g)) for _ in range(MICRO)] for _ in range(STEPS)]
 
 
-def reference_params(world: int, norms: list[float] | None = None) -> dict[str, torch.Tensor]:
+def reference_params(world: int, norms: list[float] | None = None, optimizer=None, mask: bool = True,
+                     steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The same training, one process, full batch, torch.optim.AdamW and torch's clipping.
 
     ``norms`` (if given) receives each step's global grad norm: AdamW is blind to a constant scale
-    on the gradients, so comparing parameters alone would miss a mis-scaled reduction."""
+    on the gradients, so comparing parameters alone would miss a mis-scaled reduction.
+    ``optimizer``: ``(param_groups) -> torch.optim.Optimizer`` in place of AdamW; ``mask=False``
+    decays every param (to show that a test can tell the mask's absence)."""
     model = tiny_model()
     trained = [p for p in model.parameters() if p.requires_grad]
     # two groups, as nanoGPT and Megatron: no weight decay on biases (1-D)
-    groups = [{"params": [p for p in trained if p.dim() >= 2]}, {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, foreach=False, **OPT)
-    for step in batches(world):
+    groups = [{"params": [p for p in trained if p.dim() >= 2 or not mask]},
+              {"params": [p for p in trained if p.dim() < 2 and mask], "weight_decay": 0.0}]
+    opt = (optimizer or (lambda g: torch.optim.AdamW(g, foreach=False, **OPT)))([g for g in groups if g["params"]])
+    for step in batches(world)[:steps]:
         for x, y in step:
             (nn.functional.mse_loss(model(x), y) / MICRO).backward()
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
@@ -50,10 +54,10 @@ def reference_params(world: int, norms: list[float] | None = None) -> dict[str, 
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True) -> list[float]:
-    """Train like :func:`reference_params` on this rank's slice of each batch; returns grad norms."""
+def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True, start: int = 0) -> list[float]:
+    """Train like :func:`reference_params` on this rank's slice of each batch (from step ``start``); returns grad norms."""
     norms = []
-    for step in batches(world)[:steps]:
+    for step in batches(world)[start:start + steps]:
         for i, (x, y) in enumerate(step):
             sl = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
             ctx = dp.no_sync() if i < MICRO - 1 else _null()

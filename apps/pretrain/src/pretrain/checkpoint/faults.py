@@ -13,16 +13,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import signal
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import UsageError
-
-KILL_ENV = "PRETRAIN_KILL_IN_SAVE"  # "RANK:STEP": that rank SIGKILLs itself mid-save of that step; for fault tests
-
 
 SHORT_WRITE = "unexpected pos"  # torch's zip writer (inline_container.cc) when fewer bytes were written than given
 
@@ -89,8 +85,3 @@ def _first_failure(error) -> str:
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return str(error)
 
-
-def injected_kill(rank: int, step: int) -> None:
-    """Die by SIGKILL here when ``PRETRAIN_KILL_IN_SAVE`` names this rank and step (fault-injection tests)."""
-    if os.environ.get(KILL_ENV) == f"{rank}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)

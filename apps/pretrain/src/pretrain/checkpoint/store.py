@@ -3,7 +3,9 @@
 A checkpoint directory ``DIR/step_N`` holds, written with torch.distributed.checkpoint (DCP):
 
 - ``model/<hf name>``: every tensor of the FULL model (Hugging Face names), and
-- ``optim/exp_avg/<hf name>``, ``optim/exp_avg_sq/<hf name>``: AdamW's moments in the same shape,
+- ``optim/exp_avg/<hf name>``, ``optim/exp_avg_sq/<hf name>``: AdamW's moments in the same shape
+  (another ``[train].optimizer``: its per-param state tensors, ``optim/<state name>/<hf name>``,
+  e.g. SGD's ``momentum_buffer``; its scalar state, e.g. ``step``, in ``trainer_state.json``),
 
 each rank contributing exactly the pieces it owns, with their global offsets: its tp / ep / etp
 block (the placement each parameter declares) cut further by its ZeRO shard, written straight from
@@ -33,12 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
-from .faults import injected_kill, removed_if_disk_full
+from .faults import removed_if_disk_full
 from .retention import LATEST, STATE_FILE, publish, run_id_of
 from .safe_metadata import SafeReader
 
 FORMAT = "pretrain-checkpoint-v1"
-MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
 # [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
 SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "moe_layers_start", "num_experts",
               "moe_ffn_hidden", "shared_experts", "tie_embeddings")
@@ -57,18 +59,19 @@ def _quiet(fn):
 
 
 def _pieces(trainer, with_optim: bool) -> dict[str, Pieces]:
-    """``model/<hf name>`` (and the moments) of every tensor this rank holds: the pieces it owns.
+    """``model/<hf name>`` (and the optimizer state) of every tensor this rank holds: the pieces it owns.
 
     Trained params come from the optimizer's buffers (views); buffers and frozen params whole."""
     dp = trainer.model.dp
-    owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + (MOMENTS if with_optim else ())}
+    kinds = dp.optimizer_state.state_kinds() if with_optim else ()
+    owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + kinds}
     out = {}
     for name, t in trainer.model.full_named_tensors().items():
         if t not in owned["master"]:
             out[f"model/{name}"] = whole_pieces(t)
             continue
         out |= {f"model/{name}": owned["master"][t]}
-        out |= {f"optim/{kind}/{name}": owned[kind][t] for kind in MOMENTS if with_optim}
+        out |= {f"optim/{kind}/{name}": owned[kind][t] for kind in kinds}
     return out
 
 
@@ -88,10 +91,12 @@ def _rank() -> int:
 
 
 def trainer_state(trainer, step: int) -> dict:
-    layout = trainer.layout
+    layout, opt = trainer.layout, trainer.model.dp.optimizer_state
     return {"format": FORMAT, "step": step, "config": trainer.cfg.to_dict(), "world_size": layout.world_size,
             "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "etp", "vpp")},
-            "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count}
+            "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count,
+            "optimizer_name": trainer.cfg.train.optimizer, "optimizer_kinds": list(opt.state_kinds()),
+            "optimizer_scalars": opt.scalar_state()}
 
 
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:
@@ -115,18 +120,15 @@ def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int) -> Non
 
 
 @_quiet
-def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2, fail_before_rename: bool = False) -> Path:
-    """Write ``root/step_<step>`` (all ranks call it); returns its path. ``fail_before_rename`` is for tests."""
+def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path:
+    """Write ``root/step_<step>`` (all ranks call it); returns its path."""
     root = Path(root)
     final, tmp = _prepare(root, step)
     sd = _checkpoint_dict(trainer, with_optim=True)
     with removed_if_disk_full(tmp):
         save_pieces(sd, str(tmp))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-        injected_kill(_rank(), step)
         _barrier()
-        if fail_before_rename:
-            raise RuntimeError(f"injected failure while saving step {step} (before the rename)")
         if _rank() == 0:
             _finalise(root, tmp, final, trainer_state(trainer, step), keep)
     _barrier()
@@ -174,6 +176,14 @@ def check_compatible(path: Path, state: dict, cfg) -> None:
         raise UsageError(f"checkpoint {path} does not match the model: " + "; ".join(diffs))
 
 
+def check_optimizer_matches(path: Path, state: dict, cfg) -> None:
+    """Resuming needs the optimizer whose state the checkpoint holds (one without the key holds AdamW's)."""
+    saved = state.get("optimizer_name", "adamw")
+    if saved != cfg.train.optimizer:
+        raise UsageError(f"checkpoint {path} holds the state of [train].optimizer={saved!r}, the config says "
+                         f"{cfg.train.optimizer!r}: set it back, or start from its weights with [checkpoint].init_from")
+
+
 def _check_metadata(path: Path, wanted: dict) -> set[str]:
     """Compare the stored tensors' shapes with what we need; returns the stored keys."""
     meta = SafeReader(str(path)).read_metadata()  # a missing, truncated or crafted .metadata: UsageError
@@ -198,9 +208,14 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     path = resolve_checkpoint(path)
     state = read_state(path)
     check_compatible(path, state, trainer.cfg)
-    sd = _pieces(trainer, with_optim=True)  # views of this rank's buffers: loading fills them in place
+    dp = trainer.model.dp
+    with_optim = state.get("optimizer", False) and not model_only
+    if with_optim:
+        check_optimizer_matches(path, state, trainer.cfg)
+        dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
+    sd = _pieces(trainer, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
     stored = _check_metadata(path, sd)
-    with_optim = state.get("optimizer", False) and not model_only and all(k in stored for k in sd)
+    with_optim = with_optim and all(k in stored for k in sd)
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     try:
@@ -209,12 +224,12 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {type(e).__name__}: {e}") from None
-    dp = trainer.model.dp
     dp.sync_params()  # every rank loaded its owned range: re-assemble the params
     if not with_optim:
         return 0
     step = int(state["step"])
     dp.step_count = int(state.get("optimizer_steps", step))
+    dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
     if state.get("world_size") == trainer.layout.world_size:
         rng = path / "rng" / f"rank_{_rank()}.pt"
         if rng.is_file():

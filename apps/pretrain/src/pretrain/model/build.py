@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from .materialize import materialize_
 from .parallel import ModelChunk, RankLayout, hf_name
 from .reference import init_full_state
 
@@ -35,7 +37,8 @@ class RankModel:
     def full_named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer of this rank's chunks, by its full-model (HF) name;
         each one's placement says which block of that full tensor it is."""
-        return {hf_name(n): t for chunk in self.chunks.values() for n, t in chunk.state_dict(keep_vars=True).items()}
+        return {hf_name(n, chunk.a.tie_embeddings): t
+                for chunk in self.chunks.values() for n, t in chunk.state_dict(keep_vars=True).items()}
 
 
 def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
@@ -72,13 +75,14 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    with torch.device(device):  # built where it runs (no host copy of the shard), then filled from the full state
+    with torch.device("meta"):  # shapes and placements only; each rank then fills just its pieces
         chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
-    copies = _share_embedding_(chunks, num_chunks, groups, cfg.model, device) if cfg.model.mtp_depth else []
+    copies = _share_embedding_(chunks, num_chunks, groups, cfg.model) if cfg.model.mtp_depth else []
+    materialize_(list(chunks.values()), device)
     for chunk in chunks.values():
         chunk.load_full_state_(state)  # the last stage's embedding copy loads model.embed_tokens too
     if cfg.model.tie_embeddings:
-        _tie_embeddings(chunks, num_chunks)
+        copies += _tie_embeddings(chunks, num_chunks, groups, shared=bool(copies))
     if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
         from .te import use_te_linears_
 
@@ -94,13 +98,15 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
     bf16 = t.resolved_dtype(device.type) == "bf16"
     kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                  units=[u for c in mine for u in chunks[c].gather_units()], no_decay=no_decay,
+                  units=list(dict.fromkeys(u for c in mine for u in chunks[c].gather_units())),  # MTP's embedding: once
+                  no_decay=functools.partial(no_decay, tied=cfg.model.tie_embeddings),
                   own_bucket=[p for m in copies for p in m.parameters()],
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":  # Config allows it with tp = pp = ep = 1 only
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
+    kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_args)  # [train].optimizer
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
@@ -109,13 +115,13 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     return RankModel(groups, chunks, module, dp, schedule, num_chunks)
 
 
-def no_decay(name: str, param: nn.Parameter) -> bool:
-    """No weight decay on norms and biases (1-D) nor on the input embedding (tied or not), as nanoGPT and Megatron."""
-    return param.dim() < 2 or "embed_tokens" in name or "shared_embedding" in name
+def no_decay(name: str, param: nn.Parameter, tied: bool = False) -> bool:
+    """No weight decay on norms and biases (1-D) nor on the input embedding, as nanoGPT and Megatron;
+    ``tied``: the output head is the embedding (on a last stage it is a copy named ``lm_head``)."""
+    return param.dim() < 2 or "embed_tokens" in name or "shared_embedding" in name or (tied and "lm_head" in name)
 
 
-def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, model_cfg,
-                      device: torch.device) -> list[nn.Module]:
+def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups, model_cfg) -> list[nn.Module]:
     """Give the last chunk's MTP modules the input embedding; returns the embedding copies made.
 
     On the rank of chunk 0 (pp=1, V schedules) it is that very module. Otherwise, as Megatron's
@@ -131,7 +137,7 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
             chunks[last].shared_embedding = chunks[first].embed_tokens
         return []
     if last in chunks:
-        with torch.device(device):
+        with torch.device("meta"):
             module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp)
             chunks[last].shared_embedding = module
     elif first in chunks:
@@ -141,15 +147,32 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
     return [declare_copies_(module, groups.embedding, partial_grad=True)]
 
 
-def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int) -> None:
-    """One Parameter for the input embedding and the output projection, as in the single-device model.
+def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int, groups: ParallelGroups,
+                    shared: bool) -> list[nn.Module]:
+    """The output projection is the input embedding, as in the single-device model; returns the
+    embedding copies made (for their own buckets).
 
-    Both are split by vocabulary rows over TP, so the shards coincide. Config validation already
-    guarantees the first and last chunk share a rank (pp=1, or zb-v / dualpipev's rank 0).
+    Both are split by vocabulary rows over TP, so the shards coincide. On the rank holding both
+    ends (pp=1, a V schedule's rank 0) they are one Parameter. Otherwise, as Megatron ties them
+    over pipeline stages: the last stage's head weight is a copy of the first stage's embedding
+    (both loaded from ``model.embed_tokens``), declared copies over the embedding group with
+    partial grads, so ``sum_partial_grads`` adds the input's and the head's grads and both copies
+    take the same update. ``shared``: MTP already made that copy (``_share_embedding_``); the
+    head then uses it too.
     """
     first, last = 0, num_chunks - 1
     if first in chunks and last in chunks:
         chunks[last].lm_head.weight = chunks[first].embed_tokens.weight
+        return []
+    if shared:
+        if last in chunks:
+            chunks[last].lm_head.weight = chunks[last].shared_embedding.weight
+        return []
+    if last in chunks:
+        return [declare_copies_(chunks[last].lm_head, groups.embedding, partial_grad=True)]
+    if first in chunks:
+        return [declare_copies_(chunks[first].embed_tokens, groups.embedding, partial_grad=True)]
+    return []
 
 
 def _scale_expert_grads(module: nn.Module, layout) -> None:

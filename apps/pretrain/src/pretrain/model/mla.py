@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from par_cp import position_ids
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from .rope import apply_rope_interleaved, rope_for, rope_tables, yarn_mscale
+from .rope import apply_rope_interleaved, rope_for, rope_tables, set_shard_rope_tables_, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
@@ -114,12 +113,13 @@ class ContextMLACore(nn.Module):
 
     def __init__(self, a, attn, seq_len: int, selective: bool) -> None:
         super().__init__()
-        self.a, self.attn, self.selective = a, attn, selective
-        cp_rank, cp_size = attn.cp_rank_and_size
-        pos = position_ids(seq_len, cp_rank, cp_size, layout=attn.layout)
-        cos, sin = rope_tables(pos, a.qk_rope_head_dim, a.rope_theta, torch.float32, scaling=a)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.a, self.attn, self.selective, self.seq_len = a, attn, selective, seq_len
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.init_buffers_()
+
+    def init_buffers_(self) -> None:
+        set_shard_rope_tables_(self, self.seq_len, self.a.qk_rope_head_dim, scaling=self.a)
 
     def _core(self, q, kv, k_rope, docs):
         cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim, scaling=self.a)

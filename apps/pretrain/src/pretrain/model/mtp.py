@@ -58,6 +58,12 @@ def add_mtp_parts_(layer: nn.Module, a, norm) -> nn.Module:
     return layer
 
 
+def mtp_gather_units(layer: nn.Module) -> list[nn.Module]:
+    """The modules ZeRO-3 gathers for an MTP layer: :func:`mtp_loss` calls its parts one by one,
+    so each is a unit of its own, and the layer itself (its decoder block) takes what is left."""
+    return [layer.enorm, layer.hnorm, layer.eh_proj, layer.shared_head["norm"], layer]
+
+
 def mtp_loss(a, hidden: torch.Tensor, streams: list[torch.Tensor], layers, embed, run_block, project, cross_entropy):
     """``mtp_loss_weight / D * sum_k L_k`` (see the module docstring).
 

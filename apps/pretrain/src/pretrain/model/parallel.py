@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from par_cp import ContextParallelAttention, position_ids
+from par_cp import ContextParallelAttention
 from par_groups import ParallelGroups, declare_copies_, placement_of
 from par_moe import MoELayer
 from par_tp import (
@@ -33,10 +33,10 @@ from ..data.packing import Documents
 from ..dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
-from .mtp import add_mtp_parts_, mtp_layer_ids, mtp_loss
+from .mtp import add_mtp_parts_, mtp_gather_units, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
-from .rope import apply_rope, rope_for, rope_tables
+from .rope import apply_rope, rope_for, set_shard_rope_tables_
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,14 @@ class RopeThenContextAttention(nn.Module):
         super().__init__()
         self.a = a
         self.attn = context_attention(layout)
-        cp_rank, cp_size = self.attn.cp_rank_and_size
-        pos = position_ids(layout.seq_len, cp_rank, cp_size, layout=self.attn.layout)
-        cos, sin = rope_tables(pos, a.hidden // a.heads, a.rope_theta, torch.float32)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.seq_len = layout.seq_len
+        self.register_buffer("cos", None, persistent=False)
+        self.register_buffer("sin", None, persistent=False)
+        self.init_buffers_()
         self.selective = layout.recompute == "selective"
+
+    def init_buffers_(self) -> None:
+        set_shard_rope_tables_(self, self.seq_len, self.a.hidden // self.a.heads)
 
     def _core(self, q, k, v, docs):
         cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)
@@ -203,14 +205,19 @@ class ModelChunk(nn.Module):
         units = [self.embed_tokens] if self.first else []
         units += list(self.layers.values())
         shared = [self.shared_embedding] if self.shared_embedding is not None else []
-        return units + ([self.norm, self.lm_head] + shared + list(self.mtp.values()) if self.last else [])
+        mtp = [u for layer in self.mtp.values() for u in mtp_gather_units(layer)]
+        return units + ([self.norm, self.lm_head] + shared + mtp if self.last else [])
 
     @torch.no_grad()
     def load_full_state_(self, state) -> "ModelChunk":
-        """Copy into every parameter and buffer its block of the full (HF-named) tensor, as its placement says."""
+        """Copy into every parameter and buffer its block of the full (HF-named) tensor, as its placement
+        says. A state that can draw pieces (``reference.InitialState.piece``) draws only that block."""
         for name, t in self.state_dict(keep_vars=True).items():
             pl = placement_of(t)
-            t.copy_(state[hf_name(name)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
+            if hasattr(state, "piece"):
+                t.copy_(state.piece(hf_name(name, self.a.tie_embeddings), pl.offsets, pl.shape))
+            else:
+                t.copy_(state[hf_name(name, self.a.tie_embeddings)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
         return self
 
 
@@ -219,9 +226,10 @@ HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "q
     f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
 
 
-def hf_name(name: str) -> str:
-    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``)."""
-    if name == "shared_embedding.weight":  # MTP's handle on chunk 0's embedding
+def hf_name(name: str, tied: bool = False) -> str:
+    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``).
+    ``tied``: the head's weight is the input embedding (one tensor, saved once, under that name)."""
+    if name == "shared_embedding.weight" or (tied and name == "lm_head.weight"):  # copies of chunk 0's embedding
         return "model.embed_tokens.weight"
     if name.startswith(("layers.", "mtp.")):
         _, i, rest = name.split(".", 2)

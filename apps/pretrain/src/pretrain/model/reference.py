@@ -7,6 +7,7 @@ MoE layers (DeepSeek style) use par-moe's single-device reference layer.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from collections.abc import Mapping
 
@@ -155,12 +156,24 @@ def full_shapes(a) -> dict[str, tuple[int, ...]]:
     return shapes | mtp_shapes(a)
 
 
+TILE = 1024  # rows and columns of one independently drawn block of a weight (1-D: TILE * TILE elements)
+
+
+def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The block each generator draws: TILE x TILE over the last two dims, one index of the others
+    (an expert's slice of ``[experts, ffn, hidden]``), so a tile is at most TILE**2 elements."""
+    if len(shape) == 1:
+        return (min(shape[0], TILE * TILE),)
+    return (1,) * (len(shape) - 2) + tuple(min(n, TILE) for n in shape[-2:])
+
+
 class InitialState(Mapping[str, torch.Tensor]):
     """The model's initial weights as a full (unsharded), HF-named state dict, identical for every layout.
 
-    Each tensor is drawn on first access from its own generator, seeded by ``(seed, name)``, so it
-    depends neither on how the model is split nor on which other tensors a rank asks for: a
-    pipeline stage materializes only its own layers (one full tensor at a time when it cuts shards).
+    Each tensor is cut into tiles (:func:`tile_shape`), each drawn from its own generator seeded by
+    ``(seed, name, tile)``. A value therefore depends neither on how the model is split nor on what
+    else a rank asks for, and :meth:`piece` draws only the tiles a shard overlaps: a rank never
+    materializes more than its own shard plus one tile (the full tensor is the piece at offset 0).
     """
 
     def __init__(self, a, seed: int) -> None:
@@ -169,15 +182,30 @@ class InitialState(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
+        return self.piece(name, (0,) * len(self.shapes[name]), self.shapes[name])
+
+    def piece(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The block ``[offsets, offsets + shape)`` of tensor ``name``, drawing only the tiles it overlaps."""
         if self.a.tie_embeddings and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
-        shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         if name.endswith("expert_bias"):
             return torch.zeros(shape)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.randn(shape, generator=gen) * self.a.init_std
+        full, tile = self.shapes[name], tile_shape(self.shapes[name])
+        out = torch.empty(shape)
+        spans = [range(o // t, (o + n - 1) // t + 1) for o, n, t in zip(offsets, shape, tile)]
+        for index in itertools.product(*spans):
+            lo = [i * t for i, t in zip(index, tile)]
+            size = [min(t, f - l) for t, f, l in zip(tile, full, lo)]
+            key = name if not any(index) else f"{name}@{','.join(map(str, index))}"  # one-tile tensors: as before tiling
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+            block = torch.randn(size, generator=gen) * self.a.init_std
+            a = [max(o, l) for o, l in zip(offsets, lo)]  # the overlap of tile and piece, in full coordinates
+            b = [min(o + n, l + z) for o, n, l, z in zip(offsets, shape, lo, size)]
+            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offsets))] = \
+                block[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))]
+        return out
 
     def __iter__(self):
         return iter(self.shapes)

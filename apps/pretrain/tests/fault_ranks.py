@@ -1,0 +1,63 @@
+"""Rank entries that inject a fault into pretrain's own ``run_rank``; the patches live in the rank
+processes only, so no production path reads a test switch.
+
+A CLI test puts one in place of ``pretrain.run.run_rank`` (``commands/train.py`` imports it at call
+time) with ``functools.partial``; the launcher pickles it by reference, and each rank imports this
+module by name (the ``fault_ranks`` fixture puts the tests folder on ``sys.path``, which the
+forkserver's children inherit from the launcher).
+"""
+
+import os
+import signal
+from pathlib import Path
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def fail_before_step(rank: int, step: int, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` raises before its (1-based) ``step``."""
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def failing(self, s):
+        if (_rank(), s + 1) == (rank, step):
+            raise RuntimeError(f"injected failure on rank {rank} before step {step}")
+        return train_step(self, s)
+
+    Trainer.train_step = failing
+    return run_rank(*run_args)
+
+
+def die_after_writing(rank: int | None, step: int, die) -> None:
+    """Make the synchronous save of ``step`` call ``die()`` on ``rank`` (None: every rank) once the
+    checkpoint's pieces are written by every rank (DCP's save returns after its metadata is written)
+    and before the rename. Patches ``pretrain.checkpoint.store`` in this process."""
+    from pretrain.checkpoint import store
+
+    save_pieces = store.save_pieces
+
+    def dying(sd, path, *a, **kw):
+        out = save_pieces(sd, path, *a, **kw)
+        if Path(path).name == f"step_{step}.tmp" and rank in (None, _rank()):
+            die()
+        return out
+
+    store.save_pieces = dying
+
+
+def sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sigkill_in_save(rank: int, step: int, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` SIGKILLs itself mid-save of ``step`` (after writing its part)."""
+    from pretrain.run import run_rank
+
+    die_after_writing(rank, step, sigkill)
+    return run_rank(*run_args)

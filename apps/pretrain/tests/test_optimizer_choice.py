@@ -1,0 +1,80 @@
+"""[train].optimizer: a torch.optim class on unsharded layouts. Its state (Adagrad's ``sum`` tensor, its
+``step`` scalar) checkpoints as pieces and resumes bitwise under tp2, loads under dp2; resuming
+with another optimizer, or a sharded zero with one, is one error line (exit 2 in the CLI).
+The equivalence with plain torch.optim training is tests/test_trainer_matches_plain_pytorch.py ("sgd-tp2")."""
+
+import json
+
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+STEPS, SAVE_AT = 5, 2
+COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
+          "model.layers=2"]
+ADAGRAD = ["train.optimizer=adagrad", "train.optimizer_args={lr_decay=0.01}"]
+
+
+def _trainer(*overrides):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    return Trainer(load_config(None, COMMON + list(overrides)))
+
+
+def resume_job(root):
+    from pretrain.checkpoint import latest_checkpoint
+    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.errors import UsageError
+
+    out = {}
+    t = _trainer(*ADAGRAD, "parallel.tp=2")
+    losses = []
+    for step in range(STEPS):
+        losses.append(t.train_step(step).loss)
+        if step + 1 == SAVE_AT:
+            t.save_checkpoint(root, SAVE_AT)
+    latest = latest_checkpoint(root)
+    r = _trainer(*ADAGRAD, "parallel.tp=2")
+    start = r.load_checkpoint(latest)
+    out["bitwise"] = [r.train_step(step).loss for step in range(start, STEPS)] == losses[SAVE_AT:]
+    d = _trainer(*ADAGRAD)  # dp2: each rank loads every piece of the tp2 save
+    d.load_checkpoint(latest)
+    d.save_checkpoint(f"{root}/again", SAVE_AT)
+    saved, again = (read_full_tensors(latest_checkpoint(p), "optim/sum/") for p in (root, f"{root}/again"))
+    out["dp2_sum_equal"] = len(saved) > 0 and sorted(saved) == sorted(again) and all(saved[k].equal(again[k])
+                                                                                      for k in saved)
+    out["dp2_step"] = d.model.dp.optimizer.scalar_state()
+    try:
+        _trainer("parallel.tp=2").load_checkpoint(latest)
+    except UsageError as e:
+        out["mismatch"] = str(e)
+    out["state"] = json.loads((latest / "trainer_state.json").read_text())
+    return out
+
+
+def test_a_torch_optimizer_resumes_bitwise_loads_under_another_layout_and_must_match(dist_run, tmp_path):
+    res = dist_run(2, resume_job, str(tmp_path / "ck"), timeout=600)[0]
+    assert res["bitwise"] and res["dp2_sum_equal"], res
+    assert res["dp2_step"] == {"step": float(SAVE_AT)}, res
+    state = res["state"]
+    assert (state["optimizer_name"], state["optimizer_kinds"], state["optimizer_scalars"]) == \
+        ("adagrad", ["sum"], {"step": float(SAVE_AT)})
+    assert res["mismatch"].endswith("holds the state of [train].optimizer='adagrad', the config says 'adamw': set it "
+                                    "back, or start from its weights with [checkpoint].init_from"), res["mismatch"]
+
+
+def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path):
+    runner = CliRunner()
+    for extra, line in [
+        (["train.optimizer=sgd", "parallel.zero=optim"],
+         "error: [train].optimizer='sgd' needs [parallel].zero='no_shard' or 'torch_fsdp2': zero='optim' shards "
+         "the optimizer, which only optimizer='adamw' does"),
+        (["train.optimizer=sgdd"], "error: [train].optimizer='sgdd' is not one of adamw, asgd,"),
+        (["train.optimizer=sgd", "train.optimizer_args={momentum=-1}"],
+         "error: [train].optimizer='sgd': optimizer SGD with {'momentum': -1}: ValueError: Invalid momentum value: -1"),
+        (["train.optimizer_args={momentum=0.9}"], "error: [train].optimizer_args={'momentum': 0.9} is for a torch.optim"),
+    ]:
+        args = [a for kv in extra for a in ("--set", kv)]
+        res = runner.invoke(app, ["train", "--nproc", "1", "--set", f"log.dir={tmp_path}", *args])
+        assert res.exit_code == 2 and res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.output

@@ -10,7 +10,7 @@ from .reference import ReferenceMoE
 from .router import Router, Routing, tokens_per_expert
 
 __all__ = [
-    "AllGatherDispatcher", "AllToAllDispatcher", "DeclaredRouting", "DispatchHandle", "RoutedSizes", "GroupedSwiGLU", "MoEConfig", "MoELayer",
-    "ReferenceMoE", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
+    "AllGatherDispatcher", "AllToAllDispatcher", "DeclaredRouting", "DispatchHandle", "GroupedSwiGLU", "MoEConfig",
+    "MoELayer", "ReferenceMoE", "RoutedSizes", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
     "tokens_per_expert",
 ]

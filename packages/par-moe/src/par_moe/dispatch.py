@@ -96,7 +96,8 @@ class AllToAllDispatcher:
         # needs[t, p]: token t has a kept slot on rank p (a scatter, not a masked index: static shapes)
         needs = torch.zeros(x.shape[0], self.ep, dtype=torch.int32, device=x.device)
         needs = needs.scatter_add_(1, rank_of_slot, kept.to(torch.int32)) > 0
-        dest, token = nonzero(needs.t(), None if sizes is None else sum(sizes.send))  # one row per (destination rank, token), by rank
+        # one row per (destination rank, token), by rank
+        dest, token = nonzero(needs.t(), None if sizes is None else sum(sizes.send))
         # Each row carries its k slots: the weight and local expert id of the slots bound for dest, else 0 / -1.
         mine = (rank_of_slot[token] == dest.unsqueeze(1)) & kept[token]
         slot_weight = torch.where(mine, weights[token], 0.0).to(x.dtype)

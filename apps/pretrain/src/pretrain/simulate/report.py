@@ -19,7 +19,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     """The config the simulation runs, and (micro-batches simulated, per step).
 
     Without ``all_microbatches`` a pipeline runs the fewest micro-batches that reach its schedule's
-    memory peak (2 x pp; GPipe keeps all), which is what bounds the time on a small machine."""
+    memory peak (1F1B: pp, whose stage s holds pp - s; other schedules 2 x pp; GPipe keeps all),
+    which is what bounds the time on a small machine."""
     if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
     # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
@@ -28,7 +29,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     if all_microbatches or cfg.parallel.schedule == "gpipe":
         keep = m
     else:
-        keep = min(m, 2 * layout.pp if layout.pp > 1 else 1)
+        per_stage = 1 if layout.pp == 1 or cfg.parallel.schedule == "1f1b" else 2
+        keep = min(m, per_stage * layout.pp)
     if keep == m:
         return cfg, keep, m
     train = dataclasses.replace(cfg.train, global_batch=keep * layout.dp * layout.micro_batch)

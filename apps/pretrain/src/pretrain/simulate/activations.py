@@ -6,10 +6,11 @@
   saved tensor; the stage's sent output is freed, as Megatron's ``deallocate_output_tensor``);
   otherwise each layer's saved set (:func:`layer_per_token`) plus the received input the pipeline
   keeps for the input gradient;
-* transient, the larger of: one layer's backward (under full recomputation its recomputed saved
+* transient, the largest of: one layer's backward (under full recomputation its recomputed saved
   set, plus the MLP backward's working set), and on the last stage the loss (bf16 logits held
   through it and the cross-entropy's fp32 buffer; each MTP depth adds its logits, the fp32 copy
-  its loss takes and its norms and projections);
+  its loss takes and its norms and projections) and, with MTP, an MTP layer's backward beside the
+  main loss's fp32 buffer and the head's weight gradient from MTP's use;
 * one activation-sized receive buffer per neighbouring stage.
 
 Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one fused SDPA call).
@@ -128,13 +129,19 @@ def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0)
     per_mb = sum(layer_per_token(cfg, layout, i, m.recompute, pairs) for i in layers) * tokens
     if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
         per_mb += sum(message for c in chunks if c > 0)
-    kinds = {m.is_moe_layer(i): i for i in layers}.values()  # one dense and one MoE layer stand for all
     recomputed = "selective" if m.recompute == "full" else None
-    transient = max((_backward_work(cfg, layout, i, tokens)
-                     + (layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0)
-                     for i in kinds),
-                    default=0.0)
+
+    def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
+        saved = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
+        return saved + _backward_work(cfg, layout, i, tokens)
+
+    kinds = {m.is_moe_layer(i): i for i in layers}.values()  # one dense and one MoE layer stand for all
+    transient = max((backward(i) for i in kinds), default=0.0)
     if last:
         transient = max(transient, _loss_peak(cfg, layout, tokens))
+    if last and m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and
+        # the head's gradient from MTP's use (waiting for the main use's) are alive
+        vocab = m.vocab_size / layout.tp
+        transient = max(transient, backward(m.layers) + vocab * (4 * tokens + m.hidden * _pb(cfg)))
     neighbours = (stage > 0) + (stage < layout.pp - 1) if layout.pp > 1 else 0
     return per_mb * in_flight(cfg, layout, stage) + transient + neighbours * message

@@ -50,11 +50,14 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
     if layout.tp > 1:
         forwards = 2 if m.recompute == "full" else 1
         regions = 2 * layers * microbatches
+        # a recomputed layer stops after its last saved tensor (torch's checkpoint early stop), so
+        # the MLP's exit reduction runs once per layer fewer
+        skipped = layers * microbatches if m.recompute == "full" else 0
         if layout.sequence_parallel:
             out[("all_gather", "tp")] += regions * (forwards + 1) * act
-            out[("reduce_scatter", "tp")] += regions * (forwards + 1) * act
+            out[("reduce_scatter", "tp")] += (regions * (forwards + 1) - skipped) * act
         else:
-            out[("all_reduce", "tp")] += regions * (forwards + 1) * act
+            out[("all_reduce", "tp")] += (regions * (forwards + 1) - skipped) * act
         chunks = chunks_of(cfg, layout, stage)
         if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (then split with SP)
             out[("all_reduce", "tp")] += microbatches * act

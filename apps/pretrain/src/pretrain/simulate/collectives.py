@@ -59,10 +59,12 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         else:
             out[("all_reduce", "tp")] += (regions * (forwards + 1) - skipped) * act
         chunks = chunks_of(cfg, layout, stage)
-        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (then split with SP)
-            out[("all_reduce", "tp")] += microbatches * act
-            if layout.sequence_parallel:  # the split's backward gathers
+        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (reduce-scattered with SP,
+            if layout.sequence_parallel:  # whose backward gathers)
+                out[("reduce_scatter", "tp")] += microbatches * act
                 out[("all_gather", "tp")] += microbatches * act
+            else:
+                out[("all_reduce", "tp")] += microbatches * act
         if layout.pp * layout.chunks_per_rank - 1 in chunks:  # lm_head input gathered; loss: max + 3 sums
             if layout.sequence_parallel:
                 out[("all_gather", "tp")] += microbatches * act

@@ -3,7 +3,9 @@
 Llama-3-8B shapes (2 of its 32 layers, to stay fast) at world 64: measured parameter, gradient
 and optimizer bytes equal the plan's closed form (which models bf16 params, fp32 grads and fp32
 main weights + moments, sharded by ZeRO), activations within 10%, and the data-parallel and
-pipeline collectives equal the theory for ZeRO-1 and ZeRO-3.
+pipeline collectives equal the theory for ZeRO-1 and ZeRO-3. A narrowed DeepSeek-V3 (2 layers) at
+world 64 does the same for MLA, routed and shared experts and MTP under a declared (imbalanced)
+routing, all-to-all and expert-DP collectives included.
 """
 
 import pytest
@@ -35,16 +37,42 @@ def test_llama3_8b_zero1_pipeline_at_world_64_matches_the_plan():
     # tp 2 x pp 2 x dp 16: the last stage (head and loss); ZeRO-1 reduce-scatters grads, gathers params
     (rank,) = simulated(["parallel.pp=2", "parallel.zero=optim"], 64, [32])
     assert rank["stage"] == 1 and rank["layers"] == [1]
-    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp"), ("send", "pp")])
+    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp"), ("send", "pp"), ("all_gather", "tp"),
+                  ("reduce_scatter", "tp")])
     # fp32 grads are twice the bf16 params; fp32 main weights + 2 moments are 12 bytes per param / 16
     assert rank["measured"]["grads"] == pytest.approx(2 * rank["measured"]["params"], rel=0.01)
     assert rank["measured"]["optim"] == pytest.approx(6 * rank["measured"]["params"] / 16, rel=0.01)
 
 
 def test_zero3_shards_params_and_gathers_them_per_micro_batch():
-    (rank,) = simulated(["parallel.zero=optim_grads_params", "model.layers=1"], 64, [0])
-    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp")])
+    # full recomputation: the recompute stops after the layer's last saved tensor (one TP exit fewer)
+    (rank,) = simulated(["parallel.zero=optim_grads_params", "model.layers=1", "model.recompute=full"], 64, [0])
+    _check(rank, [("reduce_scatter", "dp"), ("all_gather", "dp"), ("all_gather", "tp"), ("reduce_scatter", "tp")])
     assert rank["measured"]["params"] == pytest.approx(rank["measured"]["grads"] / 2, rel=0.01)  # both 1/32
+
+
+# DeepSeek-V3's structure (MLA as released, top-8 of grouped sigmoid-scored experts, a shared expert,
+# MTP) on 2 MoE layers, narrowed to build fast (hidden 2048, 64 experts, vocab 32768): pp 2 x ep 8 x dp 32, ZeRO-1
+DEEPSEEK = ["model.layers=2", "model.moe_layers_start=0", "parallel.pp=2", "parallel.last_stage_layers=0",
+            "parallel.ep=8", "train.global_batch=64", "model.num_experts=64", "model.hidden=2048",
+            "model.moe_ffn_hidden=1024", "model.ffn_hidden=4096", "model.vocab_size=32768"]
+
+
+def test_moe_at_world_64_routes_as_declared_and_matches_the_plan():
+    from pretrain.simulate.report import simulate
+
+    # expert 0, on EP rank 0, takes 4 shares: rank 0 (an MoE layer's recompute and backward) gets
+    # the most rows; rank 32 holds the head, the loss and the MTP layer
+    result = simulate(load_config("deepseek-v3", DEEPSEEK), 64, [0, 32], imbalance=4.0)
+    assert "declared routing" in result["routing"] and "4 x its share" in result["routing"]
+    ops = [("reduce_scatter", "dp"), ("all_gather", "dp"), ("reduce_scatter", "edp"), ("all_gather", "edp"),
+           ("all_to_all", "ep"), ("send", "pp")]
+    for rank in result["ranks"]:
+        _check(rank, ops)
+    first, last = result["ranks"]
+    a2a = next(c for c in first["collectives"] if c["op"] == "all_to_all")
+    assert a2a["count"] == 2 * (2 * 3 + 2)  # per micro-batch: counts, rows, combine twice (recompute), 2 back
+    assert last["measured"]["activations"] > first["measured"]["activations"]  # the loss's and MTP's logits
 
 
 @pytest.mark.parametrize("args, message", [
@@ -52,7 +80,9 @@ def test_zero3_shards_params_and_gathers_them_per_micro_batch():
     (["--world", "63"], "does not fit 63 ranks"),
     (["--world", "64", "--rank", "64"], "--rank 64 is not a rank of --world 64; use 0..63"),
     (["--world", "64", "--expert-imbalance", "0.5"], "--expert-imbalance 0.5 must be >= 1"),
+    (["--world", "2048", "--expert-imbalance", "33"], "use 1..32 ([model].num_experts / top_k)"),
 ])
 def test_bad_simulate_input_is_one_line_exit_2(args, message):
-    res = runner.invoke(app, ["plan", "llama3-8b", "--simulate", *args])
+    config = "deepseek-v3" if "2048" in args else "llama3-8b"
+    res = runner.invoke(app, ["plan", config, "--simulate", *args])
     assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output

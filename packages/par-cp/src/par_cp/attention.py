@@ -58,10 +58,13 @@ class ContextParallelAttention(torch.nn.Module):
     ``a2a+p2p`` takes ``inner_group`` (Ulysses) and ``outer_group`` (ring) instead, e.g.
     ``groups.hcp[0]`` and ``groups.hcp[1]``. ``backend``: ``auto`` (flash-attn on CUDA, torch's
     fused CPU kernel where it fits, else the pure-PyTorch kernel), ``torch``, ``sdpa``, ``flash``.
+    ``dense_on_cpu``: at cp=1 run one torch SDPA call on the CPU too, as a GPU does (``pretrain plan
+    --simulate`` measures a GPU's memory on fake CPU tensors); else the CPU takes the block kernels.
     """
 
     def __init__(self, mode: str = "p2p", cp_group=None, *, inner_group=None, outer_group=None, causal: bool = True,
-                 layout: str = "zigzag", softmax_scale: float | None = None, backend: str = "auto"):
+                 layout: str = "zigzag", softmax_scale: float | None = None, backend: str = "auto",
+                 dense_on_cpu: bool = False):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -77,6 +80,7 @@ class ContextParallelAttention(torch.nn.Module):
                 raise ValueError(f"inner*outer={_size(inner_group)}*{_size(outer_group)}={hcp} != cp group size {_size(cp_group)}")
         self.mode, self.cp_group, self.inner_group, self.outer_group = mode, cp_group, inner_group, outer_group
         self.causal, self.layout, self.softmax_scale, self.backend = causal, layout, softmax_scale, backend
+        self.dense_on_cpu = dense_on_cpu
 
     @property
     def cp_rank_and_size(self) -> tuple[int, int]:
@@ -98,7 +102,7 @@ class ContextParallelAttention(torch.nn.Module):
         args = (self.causal, docs, scale, self.backend)
         if cp == 1:
             if docs is None:  # on a GPU: one fused call (None on the CPU: the block kernels below)
-                out = dense_attention(q, k, v, self.causal, scale, self.backend)
+                out = dense_attention(q, k, v, self.causal, scale, self.backend, self.dense_on_cpu)
                 if out is not None:
                     return out
             segs = ((0, seq_len),)

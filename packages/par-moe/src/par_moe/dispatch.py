@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import (all_to_all_tokens, exchange_counts, gather_no_grad, gather_tokens, group_rank, group_size,
                    reduce_scatter_tokens)
+from .declared import RoutedSizes, bincount, nonzero
 
 
 @dataclass
@@ -40,10 +41,12 @@ class DispatchHandle:
     num_source_tokens: int = 0
 
 
-def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None, experts: tuple[int, int] | None = None):
+def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
+               experts: tuple[int, int] | None = None, size: int | None = None):
     """Kept (token, slot) pairs [whose expert is in ``experts=[lo, hi)``] sorted stably by expert.
 
-    Returns (expert id, token id, weight) per pair, in sorted order.
+    Returns (expert id, token id, weight) per pair, in sorted order. ``size``: their number, when
+    declared (see ``declared.py``).
     """
     tokens, top_k = indices.shape
     flat_e = indices.reshape(-1)
@@ -54,7 +57,7 @@ def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor 
         in_range = (flat_e >= experts[0]) & (flat_e < experts[1])
         mask = in_range if mask is None else mask & in_range
     if mask is not None:
-        selected = mask.nonzero().squeeze(1)
+        (selected,) = nonzero(mask, size)
         flat_e, flat_t, flat_w = flat_e[selected], flat_t[selected], flat_w[selected]
     order = torch.argsort(flat_e, stable=True)
     return flat_e[order], flat_t[order], flat_w[order]
@@ -81,35 +84,40 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.ep
         self.num_experts = num_experts
 
-    def dispatch(self, x, indices, weights, keep=None):
+    def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
+        """``sizes``: a declared routing's sizes in place of the data's (None: the data's)."""
+        local = None if sizes is None else sizes.local
         if self.ep == 1:
-            expert, token, weight = sort_pairs(indices, weights, keep)
-            return x[token], torch.bincount(expert, minlength=self.num_experts), DispatchHandle(x.shape[0], token, weight)
+            expert, token, weight = sort_pairs(indices, weights, keep, size=None if local is None else sum(local))
+            return x[token], bincount(expert, self.num_experts, local), DispatchHandle(x.shape[0], token, weight)
         hidden, top_k = x.shape[1], indices.shape[1]
         rank_of_slot = indices // self.num_local  # [T, k]
         kept = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
-        needs = torch.zeros(x.shape[0], self.ep, dtype=torch.bool, device=x.device)
-        needs[torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(indices)[kept], rank_of_slot[kept]] = True
-        dest, token = needs.t().nonzero(as_tuple=True)  # one row per (destination rank, token), by rank
+        # needs[t, p]: token t has a kept slot on rank p (a scatter, not a masked index: static shapes)
+        needs = torch.zeros(x.shape[0], self.ep, dtype=torch.int32, device=x.device)
+        needs = needs.scatter_add_(1, rank_of_slot, kept.to(torch.int32)) > 0
+        # one row per (destination rank, token), by rank
+        dest, token = nonzero(needs.t(), None if sizes is None else sum(sizes.send))
         # Each row carries its k slots: the weight and local expert id of the slots bound for dest, else 0 / -1.
         mine = (rank_of_slot[token] == dest.unsqueeze(1)) & kept[token]
         slot_weight = torch.where(mine, weights[token], 0.0).to(x.dtype)
         slot_expert = torch.where(mine, indices[token] - dest.unsqueeze(1) * self.num_local, -1)
         payload = torch.cat([x[token], slot_weight, _ids_as(slot_expert, x.dtype)], dim=1)
-        input_splits = torch.bincount(dest, minlength=self.ep)
-        output_splits = exchange_counts(input_splits, self.group).tolist()
-        input_splits = input_splits.tolist()
+        input_splits = bincount(dest, self.ep, None if sizes is None else sizes.send)
+        output_splits = exchange_counts(input_splits, self.group)
+        output_splits = output_splits.tolist() if sizes is None else sizes.receive
+        input_splits = input_splits.tolist() if sizes is None else sizes.send
         received = all_to_all_tokens(payload, self.group, output_splits, input_splits)
         # Expand each received row to its local experts, sorted by expert.
         rows_x, rows_w = received[:, :hidden], received[:, hidden:hidden + top_k]
         rows_e = _ids_from(received[:, hidden + top_k:], torch.int64)
-        row, slot = (rows_e >= 0).nonzero(as_tuple=True)
+        row, slot = nonzero(rows_e >= 0, None if local is None else sum(local))
         expert = rows_e[row, slot]
         order = torch.argsort(expert, stable=True)
         row, slot, expert = row[order], slot[order], expert[order]
         handle = DispatchHandle(received.shape[0], row, rows_w[row, slot], input_splits=input_splits,
                                 output_splits=output_splits, source_token=token, num_source_tokens=x.shape[0])
-        return rows_x[row], torch.bincount(expert, minlength=self.num_local), handle
+        return rows_x[row], bincount(expert, self.num_local, local), handle
 
     def combine(self, expert_out, handle: DispatchHandle):
         per_row = weighted_sum(expert_out, handle)  # each received row's experts, weighted and summed
@@ -141,14 +149,17 @@ class AllGatherDispatcher:
         self.num_local = num_experts // self.ep
         self.first = group_rank(ep_group) * self.num_local
 
-    def dispatch(self, x, indices, weights, keep=None):
+    def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
+        """``sizes``: a declared routing's sizes in place of the data's (None: the data's)."""
+        local = None if sizes is None else sizes.local
         if self.ep > 1:
             x = gather_tokens(x, self.group)
             weights = gather_tokens(weights, self.group)
             indices = gather_no_grad(indices, self.group)
             keep = None if keep is None else gather_no_grad(keep, self.group)
-        expert, token, weight = sort_pairs(indices, weights, keep, (self.first, self.first + self.num_local))
-        counts = torch.bincount(expert - self.first, minlength=self.num_local)
+        expert, token, weight = sort_pairs(indices, weights, keep, (self.first, self.first + self.num_local),
+                                           None if local is None else sum(local))
+        counts = bincount(expert - self.first, self.num_local, local)
         return x[token], counts, DispatchHandle(x.shape[0], token, weight)
 
     def combine(self, expert_out, handle: DispatchHandle):

@@ -42,14 +42,18 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 class GroupLayout:
     """Where each sorted row sits in the padded batch: computed once, used by all three GEMMs."""
 
-    def __init__(self, counts: torch.Tensor, num_rows: int):
+    def __init__(self, counts: torch.Tensor, num_rows: int, max_count: int | None = None):
+        """``max_count``: the largest count when it is known without reading ``counts`` (a declared routing)."""
         self.counts = counts
         self.num_groups = counts.numel()
         self.offsets = counts.cumsum(0)
-        self.group_of_row = torch.repeat_interleave(torch.arange(self.num_groups, device=counts.device), counts)
+        self.group_of_row = torch.repeat_interleave(torch.arange(self.num_groups, device=counts.device), counts,
+                                                    output_size=num_rows)
         starts = self.offsets - counts
         self.pos_in_group = torch.arange(num_rows, device=counts.device) - starts[self.group_of_row]
-        self.max_count = int(counts.max().item()) if num_rows else 0
+        if max_count is None:
+            max_count = int(counts.max().item()) if num_rows else 0
+        self.max_count = max_count
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, use_grouped_mm: bool) -> torch.Tensor:
@@ -81,9 +85,10 @@ class GroupedSwiGLU(nn.Module):
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """tokens ``[N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
-        layout = GroupLayout(counts.to(tokens.device), tokens.shape[0])
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, max_count: int | None = None) -> torch.Tensor:
+        """tokens ``[N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``.
+        ``max_count``: the largest of ``counts`` when known without reading them (a declared routing)."""
+        layout = GroupLayout(counts.to(tokens.device), tokens.shape[0], max_count)
         if tokens.shape[0] == 0:
             # Keep every weight in the graph so its (zero) gradient exists on every rank.
             return tokens + 0 * (self.w_gate.sum() + self.w_up.sum() + self.w_down.sum()).to(tokens.dtype)

@@ -22,6 +22,9 @@ this rank alone) it is the loss over the group's tokens. ``sequence_group`` (def
 group) is the part of it that splits the same sequences (tp x cp in a model, while the aux group
 also spans dp): the sequence-wise loss counts per sequence over it and averages over every
 sequence of the aux group.
+
+Routing: ``routing=None`` (training) routes by the data. A :class:`DeclaredRouting` (a run on
+fake tensors, ``pretrain plan --simulate``) takes every token count from its declaration instead.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from . import losses
 from .capacity import capacity_keep
 from .comm import gather_no_grad, gather_tokens, group_rank, group_size, reduce_scatter_tokens
 from .config import MoEConfig
+from .declared import DeclaredRouting
 from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
 from .router import Router, tokens_per_expert
@@ -47,9 +51,11 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, ep_group: ProcessGroup | None = None, etp_group: ProcessGroup | None = None,
                  aux_group: ProcessGroup | None = None, sequence_group: ProcessGroup | None | str = "aux_group",
-                 copies: ProcessGroup | None = None, partial_grad: bool = False):
+                 copies: ProcessGroup | None = None, partial_grad: bool = False,
+                 routing: DeclaredRouting | None = None):
         super().__init__()
         self.config = config
+        self.routing = routing  # None: the data's token counts; else the declared ones
         self.ep_group, self.etp_group, self.aux_group = ep_group, etp_group, aux_group
         self.sequence_group = aux_group if sequence_group == "aux_group" else sequence_group
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)
@@ -81,8 +87,10 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, c.hidden)
         routing = self.router(tokens)
-        counts = tokens_per_expert(routing.indices, c.num_experts)
         capacity = c.capacity(tokens.shape[0])
+        declared = self.routing
+        counts = (tokens_per_expert(routing.indices, c.num_experts) if declared is None
+                  else declared.counts(tokens.shape[0], c.top_k, c.num_experts, x.device, capacity))
         keep = None if capacity is None else capacity_keep(routing.indices, routing.weights, c.num_experts, capacity, c.drop_policy)
         aux_loss, parts = self._balance_losses(routing, counts, shape)
         if c.bias_update_rate > 0 and self.training:
@@ -93,8 +101,12 @@ class MoELayer(nn.Module):
             xs, weights = gather_tokens(xs, self.etp_group), gather_tokens(weights, self.etp_group)
             indices = gather_no_grad(indices, self.etp_group)
             kept = None if keep is None else gather_no_grad(keep, self.etp_group)
-        expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept)
-        expert_out = self.experts(expert_in, expert_counts)
+        sizes = None  # the declared routing of xs (with etp > 1, each etp rank's tokens alike: capacity x etp)
+        if declared is not None:
+            sizes = declared.sizes(xs.shape[0], c.top_k, c.num_experts, self.ep, group_rank(self.ep_group),
+                                   None if capacity is None else capacity * self.etp)
+        expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, sizes)
+        expert_out = self.experts(expert_in, expert_counts, None if sizes is None else max(sizes.local))
         y = self.dispatcher.combine(expert_out, handle)
         if self.etp > 1:
             y = reduce_scatter_tokens(y, self.etp_group)
@@ -120,7 +132,11 @@ class MoELayer(nn.Module):
             return zero, parts
         tokens = routing.logits.shape[0]
         batch = shape[1] if len(shape) == 3 else 1
-        seq_counts = losses.sequence_counts(routing.indices, batch, c.num_experts) if c.seq_aux_loss_coeff else None
+        seq_counts = None
+        if c.seq_aux_loss_coeff and self.routing is None:
+            seq_counts = losses.sequence_counts(routing.indices, batch, c.num_experts)
+        elif c.seq_aux_loss_coeff:  # every sequence routed as declared
+            seq_counts = self.routing.counts(tokens // batch, c.top_k, c.num_experts, counts.device).expand(batch, -1)
         group, seq_group = group_size(self.aux_group), group_size(self.sequence_group)
         if group > 1 and c.aux_loss_coeff:  # counts over every rank holding other tokens of the micro-batch
             counts = counts.to(torch.float64)

@@ -39,13 +39,34 @@ def _call_module(chunk_id: int, module: nn.Module, x: torch.Tensor, microbatch: 
     return module(x)
 
 
-def _with_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The scalar ``sum(output * grad)``, whose backward feeds exactly ``grad`` into ``output``.
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward feeds exactly ``grad`` into ``output``, without reading ``output``'s
+    values (its storage may be freed: see :func:`_free_storage`)."""
 
-    Same gradients as ``backward(output, grad)``, but it skips autograd's grad-shape check, which
-    imports sympy on first use (~15 s per process where bytecode is not cached).
-    """
-    return (output * grad.to(output.dtype)).sum()
+    @staticmethod
+    def forward(ctx, output, grad):
+        ctx.save_for_backward(grad)
+        ctx.dtype = output.dtype
+        return grad.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        (grad,) = ctx.saved_tensors
+        return grad.to(ctx.dtype), None
+
+
+def _with_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The scalar whose backward is ``backward(output, grad)`` (the same gradients), skipping
+    autograd's grad-shape check, which imports sympy on first use (~15 s per process where bytecode
+    is not cached), and any read of ``output`` (freed once sent)."""
+    return _Seed.apply(output, grad)
+
+
+def _free_storage(output: torch.Tensor) -> None:
+    """Drop a sent activation's values, keeping its autograd graph (Megatron's
+    ``deallocate_output_tensor``): backward only feeds a gradient into it. A node that saved the
+    tensor keeps its own reference to the values, so this frees them only where nothing needs them."""
+    output.data = output.new_empty((0,))
 
 
 @dataclass
@@ -192,6 +213,8 @@ class PipelineExecutor:
         self._live[(m, c)] = _Live(x, y)
         if c != self.schedule.last_chunk:
             self._deliver(a, y)
+            if self.schedule.output_message(a) is not None:  # sent: the send holds its own reference
+                _free_storage(y)
 
     def _run_B(self, a: Action) -> None:
         m, c = a.microbatch, a.chunk

@@ -50,7 +50,8 @@ class _Incoming:
     def pump(self, block: bool) -> None:
         """Post the next header; once it has arrived, post its payload (blocking if ``block``)."""
         if self.fixed is not None:  # no header: every message has the declared shape and dtype
-            if self.next < len(self.expected):
+            # one receive posted ahead, as with headers (not one more per poll: each holds a buffer)
+            if self.next < len(self.expected) and (block or not self.payloads):
                 payload = torch.empty(self.fixed[0], dtype=self.fixed[1], device=self.device)
                 self.payloads[self.expected[self.next]] = (payload, self._post(payload))
                 self.next += 1

@@ -47,7 +47,9 @@ def _split_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return x
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
-    return x.chunk(n, dim=0)[_rank(group)].contiguous()
+    # a copy, not a view: a dim-0 chunk is already contiguous, and a view would keep the whole
+    # unsplit tensor alive (the embedding's all-reduced output, per micro-batch in flight)
+    return x.chunk(n, dim=0)[_rank(group)].clone()
 
 
 def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -138,7 +138,8 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
         return []
     if last in chunks:
         with torch.device("meta"):
-            module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp)
+            module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp,
+                                            sequence_parallel=chunks[last].sp)
             chunks[last].shared_embedding = module
     elif first in chunks:
         module = chunks[first].embed_tokens

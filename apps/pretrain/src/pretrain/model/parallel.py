@@ -25,7 +25,6 @@ from par_tp import (
     TPAttention,
     TPSwiGLU,
     VocabParallelEmbedding,
-    scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -160,7 +159,8 @@ class ModelChunk(nn.Module):
         self.tp_group, self.sp = g.tp, sp
         self.first, self.last, self.a = first, last, a
         self.layer_ids = list(layer_ids)
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp) if first else None
+        # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp, sequence_parallel=sp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, layout) if last else None
         self.lm_head = (ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
@@ -171,15 +171,11 @@ class ModelChunk(nn.Module):
         self.mtp = nn.ModuleDict({str(j): _mtp_layer(a, j, layout) for j in mtp_layer_ids(a)} if last else {})
         self.shared_embedding = None
 
-    def _embed(self, tokens: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
-        x = embedding(tokens)
-        return scatter_to_sequence_parallel(x, self.tp_group) if self.sp else x
-
     def forward(self, x: torch.Tensor, docs: Documents | None = None):
         """Hidden states to the next chunk; the last chunk returns logits, or (logits, hidden) with MTP.
         ``docs``: the micro-batch's packed documents (``[data].document_mask`` / ``reset_position_ids``)."""
         if self.first:
-            x = self._embed(x, self.embed_tokens)
+            x = self.embed_tokens(x)  # [S/cp, B] -> [S/cp/tp, B, H] with SP
         for layer in self.layers.values():
             x = layer(x, docs)
         if self.last:
@@ -193,7 +189,7 @@ class ModelChunk(nn.Module):
             return vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group, reduction="sum")
 
         return mtp_loss(self.a, hidden, streams, list(self.mtp.values()),
-                        lambda t: self._embed(t, self.embed_tokens if self.first else self.shared_embedding),
+                        self.embed_tokens if self.first else self.shared_embedding,
                         lambda layer, x: layer(x),
                         self.lm_head, cross_entropy)
 

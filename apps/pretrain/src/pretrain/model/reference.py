@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .rope import apply_rope, rope_tables
 
@@ -194,6 +195,8 @@ class InitialState(Mapping[str, torch.Tensor]):
             return torch.zeros(shape)
         full, tile = self.shapes[name], tile_shape(self.shapes[name])
         out = torch.empty(shape)
+        if isinstance(out, FakeTensor):  # `plan --simulate`: shapes only, no values to draw
+            return out
         spans = [range(o // t, (o + n - 1) // t + 1) for o, n, t in zip(offsets, shape, tile)]
         for index in itertools.product(*spans):
             lo = [i * t for i, t in zip(index, tile)]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .theory import chunks_of, dtypes, rank_params
+from .theory import chunks_of, dtypes, rank_params, routed_sizes
 
 
-def step_collectives(cfg, layout, stage: int, microbatches: int) -> dict[tuple[str, str], float]:
-    """{(op, group): bytes} for one optimizer step of ``microbatches`` micro-batches on pipeline ``stage``."""
+def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, ep_rank: int = 0) -> dict[tuple[str, str], float]:
+    """{(op, group): bytes} for one optimizer step of ``microbatches`` micro-batches on pipeline
+    ``stage``; MoE token counts as ``routing`` (a ``par_moe.DeclaredRouting``) declares them for
+    EP rank ``ep_rank``."""
     m, p = cfg.model, cfg.parallel
     pb, gb, _ = dtypes(cfg)
     out: dict[tuple[str, str], float] = defaultdict(float)
@@ -34,21 +36,35 @@ def step_collectives(cfg, layout, stage: int, microbatches: int) -> dict[tuple[s
             out[("reduce_scatter", dp)] += n * gb
             gathers = 2 * microbatches if p.zero == "optim_grads_params" else 1
             out[("all_gather", dp)] += gathers * n * pb
+    if params.experts and layout.edp > 1:  # routed experts: the same over expert data parallel
+        n = params.experts
+        if p.zero == "no_shard":
+            out[("all_reduce", "edp")] += n * gb
+        else:
+            out[("reduce_scatter", "edp")] += n * gb
+            out[("all_gather", "edp")] += (2 * microbatches if p.zero == "optim_grads_params" else 1) * n * pb
+    if routing is not None and layout.ep > 1:
+        out[("all_to_all", "ep")] += microbatches * _moe_all_to_all(cfg, layout, stage, routing, ep_rank)
 
     # tensor parallel: per layer and micro-batch, two regions (attention, MLP) forward and backward
     if layout.tp > 1:
         forwards = 2 if m.recompute == "full" else 1
         regions = 2 * layers * microbatches
+        # a recomputed layer stops after its last saved tensor (torch's checkpoint early stop), so
+        # the MLP's exit reduction runs once per layer fewer
+        skipped = layers * microbatches if m.recompute == "full" else 0
         if layout.sequence_parallel:
             out[("all_gather", "tp")] += regions * (forwards + 1) * act
-            out[("reduce_scatter", "tp")] += regions * (forwards + 1) * act
+            out[("reduce_scatter", "tp")] += (regions * (forwards + 1) - skipped) * act
         else:
-            out[("all_reduce", "tp")] += regions * (forwards + 1) * act
+            out[("all_reduce", "tp")] += (regions * (forwards + 1) - skipped) * act
         chunks = chunks_of(cfg, layout, stage)
-        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (then split with SP)
-            out[("all_reduce", "tp")] += microbatches * act
-            if layout.sequence_parallel:  # the split's backward gathers
+        if 0 in chunks:  # vocab-parallel embedding: partial rows all-reduced (reduce-scattered with SP,
+            if layout.sequence_parallel:  # whose backward gathers)
+                out[("reduce_scatter", "tp")] += microbatches * act
                 out[("all_gather", "tp")] += microbatches * act
+            else:
+                out[("all_reduce", "tp")] += microbatches * act
         if layout.pp * layout.chunks_per_rank - 1 in chunks:  # lm_head input gathered; loss: max + 3 sums
             if layout.sequence_parallel:
                 out[("all_gather", "tp")] += microbatches * act
@@ -63,6 +79,24 @@ def step_collectives(cfg, layout, stage: int, microbatches: int) -> dict[tuple[s
         message = act // (layout.tp if layout.sequence_parallel else 1)
         out[("send", "pp")] += len(schedule.sends(stage)) * message
     return dict(out)
+
+
+def _moe_all_to_all(cfg, layout, stage: int, routing, ep_rank: int) -> float:
+    """All-to-all bytes of one micro-batch's MoE layers on this stage: each forward (twice under
+    full recomputation) exchanges the counts (int64 per EP rank), dispatches the rows with their k
+    slots' weights and expert ids (h + 2k wide) and combines one h-wide row per received row;
+    backward sends both gradients back the other way."""
+    m, pb = cfg.model, dtypes(cfg)[0]
+    sizes = routed_sizes(cfg, layout, routing, ep_rank)
+    sent, received = sum(sizes.send), sum(sizes.receive)
+    dispatch, combine = sent * (m.hidden + 2 * m.top_k) * pb, received * m.hidden * pb
+    forwards = 2 if m.recompute == "full" else 1
+    backward = received * (m.hidden + 2 * m.top_k) * pb + sent * m.hidden * pb
+    layers = [*cfg.parallel.stage_layers(m.layers)[stage]]
+    if layout.pp * layout.chunks_per_rank - 1 in chunks_of(cfg, layout, stage):
+        layers += range(m.layers, m.layers + m.mtp_depth)
+    moe_layers = sum(m.is_moe_layer(i) for i in layers)
+    return moe_layers * (forwards * (layout.ep * 8 + dispatch + combine) + backward)
 
 
 def compare(measured: list[dict], theory: dict[tuple[str, str], float]) -> list[dict]:

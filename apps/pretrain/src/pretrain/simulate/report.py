@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from par_moe import DeclaredRouting
+
 from ..errors import UsageError
 from .collectives import compare, step_collectives
 from .run import check_rank, default_roles, simulate_rank
@@ -17,7 +19,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     """The config the simulation runs, and (micro-batches simulated, per step).
 
     Without ``all_microbatches`` a pipeline runs the fewest micro-batches that reach its schedule's
-    memory peak (2 x pp; GPipe keeps all), which is what bounds the time on a small machine."""
+    memory peak (1F1B: pp, whose stage s holds pp - s; other schedules 2 x pp; GPipe keeps all),
+    which is what bounds the time on a small machine."""
     if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
     # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
@@ -26,7 +29,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     if all_microbatches or cfg.parallel.schedule == "gpipe":
         keep = m
     else:
-        keep = min(m, 2 * layout.pp if layout.pp > 1 else 1)
+        per_stage = 1 if layout.pp == 1 or cfg.parallel.schedule == "1f1b" else 2
+        keep = min(m, per_stage * layout.pp)
     if keep == m:
         return cfg, keep, m
     train = dataclasses.replace(cfg.train, global_batch=keep * layout.dp * layout.micro_batch)
@@ -38,22 +42,34 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
     layout = cfg.validate_world(world)
     if imbalance < 1.0:
         raise UsageError(f"--expert-imbalance {imbalance:g} must be >= 1 (1 = balanced routing)")
-    if cfg.model.is_moe:
-        raise UsageError("--simulate runs dense models only so far: MoE routing sizes its all-to-all from token "
-                         "counts (data-dependent shapes), which the fake-tensor run cannot size yet")
+    m = cfg.model
+    if m.is_moe and imbalance > m.num_experts / m.top_k:
+        raise UsageError(f"--expert-imbalance {imbalance:g} is more than an expert can receive (every token once): "
+                         f"use 1..{m.num_experts / m.top_k:g} ([model].num_experts / top_k)")
     for r in ranks:
         check_rank(r, world)
     sim_cfg, kept, total = simulated_config(cfg, layout, all_microbatches)
     sim_layout = sim_cfg.validate_world(world)
-    out = {"config": cfg.source, "world": world, "routing": "dense (no experts)",
+    out = {"config": cfg.source, "world": world, "routing": routing_note(cfg, imbalance),
            "microbatches": {"simulated": kept, "per_step": total}, "ranks": []}
     for rank in ranks or default_roles(layout):
         t0 = time.perf_counter()
-        r = simulate_rank(sim_cfg, world, rank)
-        r["collectives"] = compare(r["collectives"], step_collectives(sim_cfg, sim_layout, r["stage"], kept))
+        r = simulate_rank(sim_cfg, world, rank, imbalance)
+        routing = DeclaredRouting(imbalance) if cfg.model.is_moe else None
+        theory = step_collectives(sim_cfg, sim_layout, r["stage"], kept, routing, r["coords"].get("ep", 0))
+        r["collectives"] = compare(r["collectives"], theory)
         r["timings_s"]["total_s"] = time.perf_counter() - t0
         out["ranks"].append(r)
     return out
+
+
+def routing_note(cfg, imbalance: float) -> str:
+    """What the run assumed for the token counts that real routing takes from the data."""
+    if not cfg.model.is_moe:
+        return "dense: no expert routing"
+    share = "balanced: every expert receives top_k/num_experts of each rank's tokens" if imbalance == 1 else (
+        f"expert 0 (EP rank 0) receives {imbalance:g} x its share, the others the rest evenly")
+    return f"declared routing, not the data's: {share}; a token's experts on distinct EP ranks"
 
 
 def _pct(measured: float, planned: float) -> str:

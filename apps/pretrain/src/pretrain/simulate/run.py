@@ -15,9 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from par_moe import DeclaredRouting
+
 from ..errors import UsageError
 from .memory import MemoryTracker
-from .theory import planned_activations, planned_state
+from .activations import planned_activations
+from .theory import planned_state
 
 
 def default_roles(layout) -> list[int]:
@@ -48,8 +51,23 @@ def _group_names(groups) -> dict[int, str]:
     return names
 
 
-def simulate_rank(cfg, world: int, rank: int) -> dict:
-    """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes."""
+def prepare_for_fake_tensors_(model, imbalance: float) -> None:
+    """What a run on fake CPU tensors needs to take a GPU's path: MoE layers route as declared (fake
+    tensors carry no router choices to count), and attention at cp=1 is one fused SDPA call, as on
+    a GPU (the CPU's block kernels keep fp32 accumulators a GPU never allocates)."""
+    from par_cp import ContextParallelAttention
+    from par_moe import DeclaredRouting, MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.routing = DeclaredRouting(imbalance)
+        elif isinstance(module, ContextParallelAttention):
+            module.dense_on_cpu = True
+
+
+def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
+    """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes.
+    MoE layers route as declared (see ``par_moe.declared``): balanced, or expert 0 ``imbalance`` x its share."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -70,6 +88,7 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
             tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, simulated=True)
+            prepare_for_fake_tensors_(trainer.model.module, imbalance)
             build = tracker.snapshot()
             timings["build_s"] = time.perf_counter() - t0
             tracker.retag(_state_tensors(trainer.model.dp))
@@ -92,7 +111,8 @@ def simulate_rank(cfg, world: int, rank: int) -> dict:
         stage = g.rank_in("pp")
         names = _group_names(g)
         planned = planned_state(cfg, layout, stage)
-        planned["activations"] = planned_activations(cfg, layout, stage)
+        planned["activations"] = planned_activations(cfg, layout, stage, DeclaredRouting(imbalance),
+                                                     g.grid.coords(rank).get("ep", 0))
         return {
             "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
             "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],

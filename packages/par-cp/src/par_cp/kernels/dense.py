@@ -14,10 +14,13 @@ import torch.nn.functional as F
 from .flash import _flash
 
 
-def dense_kernel(q: torch.Tensor, backend: str) -> str | None:
-    """'flash', 'sdpa' or None (use the block path) for these tensors and the requested backend."""
-    if not q.is_cuda or backend == "torch" or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def dense_kernel(q: torch.Tensor, backend: str, on_cpu: bool = False) -> str | None:
+    """'flash', 'sdpa' or None (use the block path) for these tensors and the requested backend;
+    ``on_cpu``: torch's SDPA for CPU tensors too (else they keep the block path)."""
+    if backend == "torch" or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
+    if not q.is_cuda:
+        return "sdpa" if on_cpu and q.device.type == "cpu" and backend in ("auto", "sdpa") else None
     if backend in ("auto", "flash") and q.dtype != torch.float32 and _flash() is not None:
         return "flash"
     return "sdpa" if backend in ("auto", "sdpa") else None
@@ -37,8 +40,8 @@ def flash_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-def dense_attention(q, k, v, causal: bool, scale: float, backend: str = "auto") -> torch.Tensor | None:
-    kernel = dense_kernel(q, backend)
+def dense_attention(q, k, v, causal: bool, scale: float, backend: str = "auto", on_cpu: bool = False) -> torch.Tensor | None:
+    kernel = dense_kernel(q, backend, on_cpu)
     if kernel is None:
         return None
     return (flash_attention if kernel == "flash" else sdpa_attention)(q, k, v, causal, scale)

@@ -1,0 +1,147 @@
+"""Activation bytes one pipeline stage holds at its peak, in closed form, as the trainer saves them.
+
+``in flight x per micro-batch + the largest transient + pipeline receive buffers``:
+
+* per micro-batch in flight: with full recomputation each layer's input (the checkpoint's one
+  saved tensor; the stage's sent output is freed, as Megatron's ``deallocate_output_tensor``);
+  otherwise each layer's saved set (:func:`layer_per_token`) plus the received input the pipeline
+  keeps for the input gradient;
+* transient, the largest of: one layer's backward (under full recomputation its recomputed saved
+  set, plus the MLP backward's working set), and on the last stage the loss (bf16 logits held
+  through it and the cross-entropy's fp32 buffer; each MTP depth adds its logits, the fp32 copy
+  its loss takes and its norms and projections) and, with MTP, an MTP layer's backward beside the
+  main loss's fp32 buffer and the head's weight gradient from MTP's use;
+* one activation-sized receive buffer per neighbouring stage.
+
+Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one fused SDPA call).
+"""
+
+from __future__ import annotations
+
+from ..flops import microbatches_in_flight
+from .theory import chunks_of, routed_sizes
+
+
+def _pb(cfg) -> int:
+    return 2 if cfg.train.resolved_dtype("cuda") == "bf16" else 4
+
+
+def _attention(m, layout, recompute: str, pb: int) -> float:
+    """Per token: the attention's saved tensors (bf16 unless said), TP-local widths.
+
+    GQA: the TP region's gathered input (h), RoPE'd q, k and v, and the core's output (q width);
+    without recomputation also the pre-RoPE q and k. MLA: the down-projections' input (local
+    tokens), the gathered latents, q, k and v padded to one head width D, the core's output (D)
+    and its v-wide slice, and the two latent norms in fp32 (input upcast and normalized value)."""
+    tp, h = layout.tp, m.hidden
+    share = tp if layout.sequence_parallel else 1
+    if m.attention == "mla":
+        n, d = m.heads / tp, max(m.qk_head_dim, m.v_head_dim)
+        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
+        return (h / share + latent + 4 * n * d + n * m.v_head_dim) * pb + 8 * (m.q_lora_rank + m.kv_lora_rank) / share
+    q = m.heads * m.head_dim / tp
+    kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
+    return (h + 2 * q + 2 * kv) * pb + ((q + kv) * pb if recompute == "none" else 0)
+
+
+def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
+    """Per token: a dense SwiGLU's gathered input (h), gate, silu(gate), up and their product
+    (4 ffn/tp). An MoE layer on this rank's tokens: the router's scores, the tokens' bf16 copy and
+    the combine's two outputs (3 h), per routed pair the dispatched row, the received and returned
+    rows, the weighted expert output and the expert output (5 h) plus the expert's 4 F/etp, and
+    the shared experts' SwiGLU (copies over tp, on local tokens). ``pairs``: routed pairs this
+    rank's experts receive per local token (top_k when balanced)."""
+    tp, h = layout.tp, m.hidden
+    if not m.is_moe_layer(i):
+        return (h + 4 * m.ffn_hidden / tp) * pb
+    share = tp if layout.sequence_parallel else 1
+    f = m.expert_ffn_hidden
+    routed = pairs * (5 * h + 4 * f / layout.etp) * pb
+    return (routed + 3 * h * pb + m.num_experts * (2 * pb + 4) + 4 * f * m.shared_experts * pb) / share
+
+
+def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = None) -> float:
+    """Bytes decoder layer ``i`` keeps for backward per token of the micro-batch: its two RMSNorms
+    (fp32 input and normalized value, 8 h per token they see), attention and MLP; under full
+    recomputation the layer input only. ``pairs``: see :func:`_mlp` (default: balanced routing)."""
+    m, pb = cfg.model, _pb(cfg)
+    share = layout.tp if layout.sequence_parallel else 1
+    if recompute == "full":
+        return m.hidden / share * pb
+    pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
+    return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb, pairs)
+
+
+def _backward_work(cfg, layout, i: int, tokens: float) -> float:
+    """A dense MLP's backward working set: the output gradient gathered (h), one intermediate's
+    gradient (ffn/tp) and one projection's weight gradient in the compute dtype, before it is added
+    into the fp32 gradient buffer. An MoE layer's peak comes before its backward allocates."""
+    m, pb = cfg.model, _pb(cfg)
+    if m.is_moe_layer(i):
+        return 0.0
+    ffn = m.ffn_hidden / layout.tp
+    return (m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb
+
+
+def in_flight(cfg, layout, stage: int) -> float:
+    """Micro-batches whose activations pipeline ``stage`` holds at its peak."""
+    p = cfg.parallel
+    if layout.pp == 1:
+        return 1.0
+    if p.schedule in ("1f1b", "zb-h1"):  # stage s warms up with pp - s forwards
+        return float(min(layout.pp - stage, layout.microbatches))
+    return microbatches_in_flight(p.schedule, layout.pp, layout.vpp, layout.microbatches)
+
+
+def _loss_peak(cfg, layout, tokens: float) -> float:
+    """The last stage during its loss: logits in bf16 and the cross-entropy's fp32 buffer; per MTP
+    depth its logits, the fp32 copy its loss takes and its own buffer, plus the final and MTP
+    norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
+    m, pb = cfg.model, _pb(cfg)
+    vocab = m.vocab_size / layout.tp
+    h = m.hidden / (layout.tp if layout.sequence_parallel else 1)  # the norms see this rank's tokens
+    main = vocab * (pb + 4) + h * (8 + pb)
+    mtp = m.mtp_depth * (vocab * (pb + 8) + h * (3 * 8 + 5 * pb))
+    return (main + mtp) * tokens
+
+
+def routed_pairs(cfg, layout, routing, ep_rank: int) -> float | None:
+    """Pairs per local token that EP rank ``ep_rank``'s experts receive under a declared routing."""
+    if routing is None or not cfg.model.is_moe:
+        return None
+    share = layout.tp if layout.sequence_parallel else 1
+    return sum(routed_sizes(cfg, layout, routing, ep_rank).local) / (cfg.train.seq_len // layout.cp * layout.micro_batch // share)
+
+
+def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> float:
+    """Bytes at the stage's peak; MoE token counts as ``routing`` (a ``par_moe.DeclaredRouting``,
+    default balanced) declares them for EP rank ``ep_rank``."""
+    m, t = cfg.model, cfg.train
+    tokens = t.seq_len / layout.cp * layout.micro_batch
+    share = layout.tp if layout.sequence_parallel else 1
+    pairs = routed_pairs(cfg, layout, routing, ep_rank)
+    message = m.hidden / share * _pb(cfg) * tokens
+    layers = list(cfg.parallel.stage_layers(m.layers)[stage])
+    chunks = chunks_of(cfg, layout, stage)
+    last = layout.pp * layout.chunks_per_rank - 1 in chunks
+    if last:
+        layers += list(range(m.layers, m.layers + m.mtp_depth))  # MTP layers run on the last stage
+    per_mb = sum(layer_per_token(cfg, layout, i, m.recompute, pairs) for i in layers) * tokens
+    if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
+        per_mb += sum(message for c in chunks if c > 0)
+    recomputed = "selective" if m.recompute == "full" else None
+
+    def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
+        saved = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
+        return saved + _backward_work(cfg, layout, i, tokens)
+
+    kinds = {m.is_moe_layer(i): i for i in layers}.values()  # one dense and one MoE layer stand for all
+    transient = max((backward(i) for i in kinds), default=0.0)
+    if last:
+        transient = max(transient, _loss_peak(cfg, layout, tokens))
+    if last and m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and
+        # the head's gradient from MTP's use (waiting for the main use's) are alive
+        vocab = m.vocab_size / layout.tp
+        transient = max(transient, backward(m.layers) + vocab * (4 * tokens + m.hidden * _pb(cfg)))
+    neighbours = (stage > 0) + (stage < layout.pp - 1) if layout.pp > 1 else 0
+    return per_mb * in_flight(cfg, layout, stage) + transient + neighbours * message

@@ -165,14 +165,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="bucket size of ours and DDP (default: one layer's fp32 bytes, FSDP2's unit)")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
-    ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
-    add_model_args(ap)
-    args = ap.parse_args()
-    args.bucket_mb = args.bucket_mb or layer_mb(args)
-    world = 4
+def run_world(worker, world: int, args):
+    """Run ``worker(rank, world, port, args, queue)`` on ``world`` spawned ranks; rank 0's rows."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000
@@ -182,6 +176,18 @@ def main() -> None:
     rows = queue.get()
     for p in procs:
         p.join()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
+    ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
+    add_model_args(ap)
+    args = ap.parse_args()
+    args.bucket_mb = args.bucket_mb or layer_mb(args)
+    world = 4
+    rows = run_world(worker, world, args)
     n = sum(p.numel() for p in make_model(args.hidden, args.layers).parameters())
     print(f"model: {args.layers}x Linear({args.hidden},{args.hidden}) + head = {n} params; world {world}, gloo, "
           f"batch {args.batch}/rank, bucket_mb {args.bucket_mb:.4f}")

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import profile, record_function
 
-from bench_zero import PAIRS, Runner, add_model_args, hsdp_groups, layer_mb
+from bench_zero import PAIRS, Runner, add_model_args, hsdp_groups, layer_mb, run_world
 
 PHASES = ("build", "forward", "backward", "step")
 
@@ -113,16 +111,7 @@ def main() -> None:
     ap.add_argument("--detail", type=int, default=0, help="list this many of the biggest blocks live at each peak")
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or layer_mb(args)
-    world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = queue.get()
-    for p in procs:
-        p.join()
+    rows = run_world(worker, 4, args)
     mb = lambda b: f"{b / 2**20:6.2f}"
     print(f"rank 0 live tensor MB over the pre-build baseline (hidden {args.hidden}, layers {args.layers}, "
           f"bucket_mb {args.bucket_mb})")

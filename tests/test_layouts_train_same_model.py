@@ -44,9 +44,11 @@ PIPELINE = {
     "pp2-dp2-interleaved-vpp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"],
     "pp4-1f1b": ["parallel.pp=4", FOUR_MICROBATCHES],
     "pp2-dp2-gpipe": ["parallel.pp=2", "parallel.schedule=gpipe"],
-    "pp2-dp2-zb-h1": ["parallel.pp=2", "parallel.schedule=zb-h1"],
+    # zero-bubble W passes accumulate into ZeRO-2's in-place bucket views; DualPipeV under ZeRO-3
+    "pp2-dp2-zb-h1-optim_grads": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.zero=optim_grads"],
     "pp2-dp2-zb-v-optim": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim"],
-    "pp2-dp2-dualpipev": ["parallel.pp=2", "parallel.schedule=dualpipev"],
+    "pp2-dp2-dualpipev-optim_grads_params": ["parallel.pp=2", "parallel.schedule=dualpipev",
+                                             "parallel.zero=optim_grads_params"],
 }
 # Uneven stages (Megatron's decoder_first_pipeline_num_layers), on the 8-layer model: rank 0 holds 2.
 EIGHT_LAYERS = ("model.layers=8",)

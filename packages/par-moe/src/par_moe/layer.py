@@ -78,8 +78,8 @@ class MoELayer(nn.Module):
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
         self.last_metrics: dict[str, torch.Tensor] = {}
 
-    def init_buffers_(self) -> None:
-        """Reset the computed (unsaved) buffers, e.g. after ``to_empty`` from the meta device."""
+    def init_buffers_(self, device: torch.device) -> None:
+        """Reset the computed (unsaved) buffers once they have storage on ``device`` (built on meta)."""
         self.routed_since_update.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

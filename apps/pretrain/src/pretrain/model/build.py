@@ -15,7 +15,7 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
-from .materialize import materialize_
+from .materialize import materialize_, on_meta
 from .parallel import ModelChunk, RankLayout, hf_name
 from .reference import init_full_state
 
@@ -75,7 +75,7 @@ def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = N
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
-    with torch.device("meta"):  # shapes and placements only; each rank then fills just its pieces
+    with on_meta():  # shapes and placements only; each rank then fills just its pieces
         chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
     copies = _share_embedding_(chunks, num_chunks, groups, cfg.model) if cfg.model.mtp_depth else []
     materialize_(list(chunks.values()), device)
@@ -137,7 +137,7 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
             chunks[last].shared_embedding = chunks[first].embed_tokens
         return []
     if last in chunks:
-        with torch.device("meta"):
+        with on_meta():
             module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp,
                                             sequence_parallel=chunks[last].sp)
             chunks[last].shared_embedding = module

@@ -116,10 +116,10 @@ class ContextMLACore(nn.Module):
         self.a, self.attn, self.selective, self.seq_len = a, attn, selective, seq_len
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
-        self.init_buffers_()
+        self.init_buffers_(torch.get_default_device())
 
-    def init_buffers_(self) -> None:
-        set_shard_rope_tables_(self, self.seq_len, self.a.qk_rope_head_dim, scaling=self.a)
+    def init_buffers_(self, device: torch.device) -> None:
+        set_shard_rope_tables_(self, device, self.seq_len, self.a.qk_rope_head_dim, scaling=self.a)
 
     def _core(self, q, kv, k_rope, docs):
         cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim, scaling=self.a)

@@ -75,11 +75,11 @@ class RopeThenContextAttention(nn.Module):
         self.seq_len = layout.seq_len
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
-        self.init_buffers_()
+        self.init_buffers_(torch.get_default_device())
         self.selective = layout.recompute == "selective"
 
-    def init_buffers_(self) -> None:
-        set_shard_rope_tables_(self, self.seq_len, self.a.hidden // self.a.heads)
+    def init_buffers_(self, device: torch.device) -> None:
+        set_shard_rope_tables_(self, device, self.seq_len, self.a.hidden // self.a.heads)
 
     def _core(self, q, k, v, docs):
         cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)

@@ -73,14 +73,16 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def set_shard_rope_tables_(core, seq_len: int, head_dim: int, scaling=None) -> None:
-    """Set ``core.cos``/``core.sin`` (unsaved buffers): RoPE at the positions of the CP shard that
-    ``core.attn`` holds. Computed where the buffers live: after ``to_empty`` from the meta device,
-    on the device the module was moved to; at construction, on the default device."""
+def set_shard_rope_tables_(core, device: torch.device, seq_len: int, head_dim: int, scaling=None) -> None:
+    """Set ``core.cos``/``core.sin`` (unsaved buffers) on ``device``: RoPE at the positions of the CP
+    shard ``core.attn`` holds. On the meta device only their shape: torch would run the computation
+    through decompositions that import torch._dynamo (seconds per process) for no values."""
     from par_cp import position_ids
 
-    device = core.cos.device if core.cos is not None else torch.get_default_device()
     cp_rank, cp_size = core.attn.cp_rank_and_size
+    if torch.device(device).type == "meta":
+        core.cos, core.sin = (torch.empty(seq_len // cp_size, head_dim, device=device) for _ in range(2))
+        return
     with torch.device(device):
         pos = position_ids(seq_len, cp_rank, cp_size, layout=core.attn.layout)
         core.cos, core.sin = rope_tables(pos, head_dim, core.a.rope_theta, torch.float32, scaling=scaling)

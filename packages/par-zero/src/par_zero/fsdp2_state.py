@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .pieces import Pieces
+from .torch_optimizer import scalar_state_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,10 +56,7 @@ class FSDP2OptimizerState:
                              if torch.is_tensor(v) and v.dim() > 0}))
 
     def scalar_state(self) -> dict[str, float]:
-        for p in self.params:  # every step steps every param alike
-            state = self.inner.state.get(p, {})
-            return {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0}
-        return {}
+        return scalar_state_of(self.inner)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [_local(v) for p in self.params for v in self.inner.state.get(p, {}).values()

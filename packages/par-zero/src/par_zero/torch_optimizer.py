@@ -66,6 +66,14 @@ def check_optimizer(optimizer: str | type, args: dict, weight_decay: float) -> t
     return cls
 
 
+def scalar_state_of(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """The per-param scalar state (e.g. ``step``), alike for every param: every step steps them all."""
+    for state in (optimizer.state.values() if optimizer is not None else ()):
+        return {k: float(v) for k, v in state.items()
+                if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.dim() == 0)}
+    return {}
+
+
 class TorchOptimizer:
     """A ``torch.optim`` class stepping the masters of ``buckets`` (each rank holds whole params)."""
 
@@ -146,11 +154,7 @@ class TorchOptimizer:
         return [t for flats in self.flat.values() for t in flats.values()]
 
     def scalar_state(self) -> dict[str, float]:
-        """The per-param scalar state (e.g. ``step``), alike for every param: every step steps them all."""
-        for state in (self.inner.state.values() if self.inner else ()):
-            return {k: float(v) for k, v in state.items()
-                    if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.dim() == 0)}
-        return {}
+        return scalar_state_of(self.inner)
 
     def prepare_load(self, kinds) -> None:
         """Zeros for the state ``kinds`` a checkpoint holds, for loading its pieces into (then :meth:`finish_load`)."""

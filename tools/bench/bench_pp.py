@@ -47,8 +47,9 @@ def build_ours(name, vpp, pp, m, args, data):
     schedule = build_schedule(name, pp, m, vpp)
     layers = args.layers_per_rank // schedule.vpp
     chunks = {c: make_chunk(c, args.hidden, layers) for c in chunks_on_rank(schedule, rank)}
-    ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn)
     xs, ts = data
+    # Every message's shape declared, as the trainer does (torch's stages infer theirs once).
+    ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn, message_shape=(tuple(xs[0].shape), xs[0].dtype))
 
     def step():
         ex.step(xs, ts)

@@ -10,6 +10,8 @@ as the header has landed. Everything goes through ``par_groups.comm.batch_isend_
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -91,14 +93,14 @@ class StageComm:
 
     def __init__(self, schedule, rank: int, group: ProcessGroup, device: torch.device, fixed=None):
         self.group, self.fixed = group, fixed
-        self._global = lambda r: dist.get_global_rank(group, r)
+        self._global = [dist.get_global_rank(group, r) for r in range(schedule.pp)]
         by_src: dict[int, list[Message]] = {}
         for src in range(schedule.pp):
             for m in schedule.sends(src):
                 if m.dst == rank:
                     by_src.setdefault(src, []).append(m)
-        self.incoming = {src: _Incoming(msgs, self._global(src), group, device, fixed) for src, msgs in by_src.items()}
-        self.pending_sends: list = []
+        self.incoming = {src: _Incoming(msgs, self._global[src], group, device, fixed) for src, msgs in by_src.items()}
+        self.pending_sends: deque = deque()
 
     def start(self) -> None:
         for stream in self.incoming.values():
@@ -106,18 +108,21 @@ class StageComm:
 
     def poll(self) -> None:
         """Advance every stream without blocking, so payload receives get posted early; let go of
-        sends that have completed (their buffers would otherwise live until the step ends)."""
+        sends that have completed (their buffers would otherwise live until the step ends).
+        Sends complete roughly in order: only the oldest are checked, so a poll costs O(1), not
+        O(sends in flight)."""
         for stream in self.incoming.values():
             stream.pump(block=False)
-        self.pending_sends = [(ops, works) for ops, works in self.pending_sends
-                              if not all(w.is_completed() for w in works)]
+        sends = self.pending_sends
+        while sends and all(w.is_completed() for w in sends[0][1]):
+            sends.popleft()
 
     def recv(self, message: Message) -> torch.Tensor:
         return self.incoming[message.src].take(message)
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().contiguous()
-        peer = self._global(message.dst)
+        peer = self._global[message.dst]
         if self.fixed is not None and (tuple(tensor.shape), tensor.dtype) != (tuple(self.fixed[0]), self.fixed[1]):
             raise ValueError(f"{message}: tensor {tuple(tensor.shape)} {tensor.dtype} differs from the declared "
                              f"message shape {tuple(self.fixed[0])} {self.fixed[1]}")

@@ -66,24 +66,26 @@ def _junctions(root: Node, input_: torch.Tensor, params: list[torch.Tensor]) -> 
     """Which nodes reach the input (the activation path) and which parameters the others reach."""
     by_id = {id(p): p for p in params}
     order, children = _post_order(root)
-    on_path: dict[Node, bool] = {}
+    on_path: set[Node] = set()
     reached: dict[Node, frozenset[int]] = {}  # off-path nodes: ids of the parameters under them
-    for node in order:
-        kids = children[node]
-        leaf = getattr(node, "variable", None) if not kids else None  # AccumulateGrad holds its leaf
-        if leaf is input_ or any(on_path[c] for c, _ in kids):
-            on_path[node] = True
-            continue
-        on_path[node] = False
-        mine = frozenset((id(leaf),)) if leaf is not None and id(leaf) in by_id else frozenset()
-        reached[node] = mine.union(*(reached[c] for c, _ in kids))
     junctions, uses = [], {}
     for node in order:
-        if not on_path[node]:
+        kids = children[node]
+        if not kids:  # a leaf's AccumulateGrad (or a node with no inputs)
+            leaf = getattr(node, "variable", None)
+            if leaf is input_:
+                on_path.add(node)
+            else:
+                reached[node] = frozenset((id(leaf),)) if id(leaf) in by_id else frozenset()
             continue
-        edges = [(c, nr) for c, nr in children[node] if not on_path[c] and reached[c]]
-        if edges:
-            ids = frozenset().union(*(reached[c] for c, _ in edges))
+        edges = [(c, nr) for c, nr in kids if c not in on_path]
+        if len(edges) == len(kids):  # off the path
+            reached[node] = frozenset().union(*[reached[c] for c, _ in kids])
+            continue
+        on_path.add(node)
+        edges = [(c, nr) for c, nr in edges if reached[c]]
+        if edges:  # a junction
+            ids = frozenset().union(*[reached[c] for c, _ in edges])
             for i in ids:
                 uses[i] = uses.get(i, 0) + 1
             junctions.append(_Junction(node, [GradientEdge(c, nr) for c, nr in edges], [by_id[i] for i in ids]))

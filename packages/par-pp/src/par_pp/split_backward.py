@@ -12,7 +12,8 @@ both; zero-bubble splits it:
   runs the junction for its weight outputs only (the dW matmul, nothing of the activation path)
   and the branch down to ``.grad``: one engine call per junction. A parameter reached from
   several junctions (tied) takes two steps instead (see ``backward_weight``). Each junction's
-  gradient and saved tensors are freed as soon as its W ran, so the next dW reuses the memory.
+  recorded gradient (and an untied one's saved tensors) is freed as soon as its W ran, so the
+  next dW reuses the memory.
 
 So B + W together run each node's work once, the same as one full backward, and the gradients are
 exactly the full backward's: every path from the output to a parameter leaves the activation path

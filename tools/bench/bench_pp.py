@@ -3,9 +3,9 @@
     uv run python tools/bench/bench_pp.py [--pp 4] [--microbatches 8] [--hidden 256] [--repeats 7]
 
 Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
-warm-up discarded, the slowest rank's time; ours declares its message shape as the trainer does
-(``message_shape``: no per-message shape header; torch's stages infer theirs once); ``ratio`` is the median of the per-repeat ratios
-ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Bytes sent per rank per step: ours
+warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Ours declares its message shape as the
+trainer does (``message_shape``: no shape header per message; torch's stages infer theirs once). Bytes sent per rank per step: ours
 recorded by ``par_groups.CommRecorder``, the peer's from its dispatched sends
 (``torch_comm.TorchCommBytes``). The bubble is measured from par-pp's executed timeline. Ends with
 ``RESULT <schedule> ratio= ratio_min= ratio_max= repeats= bubble=<measured> bytes= peer_bytes=``.

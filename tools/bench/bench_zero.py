@@ -5,9 +5,12 @@ batch; a step is forward + backward + clip-free AdamW step.
 
 Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
 warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
-ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Peak memory is the rise of the rank's
-resident-set high-water mark (/proc VmHWM, reset before each measured run; malloc's mmap
-threshold pinned so freed tensors go back to the OS) over its RSS before building the model.
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Peak memory (``mem_ratio`` = ours / peer)
+is the same measure on both sides: the highest live tensor bytes during ``--mem-steps`` steps after a warm-up one
+(forward, backward, optimizer step, zero_grad), counted from torch's CPU allocator over the
+baseline before the model is built (``alloc_trace.py``: the profiler's memory events, so the
+buffers gloo allocates on its own threads count too), on the rank where it is highest. It
+includes the model state (params, grads, optimizer moments), not the batch nor malloc's caching.
 Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 ``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
@@ -15,7 +18,7 @@ Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 
 Granularity: FSDP2 shards, gathers and reduce-scatters per layer, so ours (ZeRO-3: a gather unit
 per layer) and DDP get buckets of one layer by default (``--bucket-mb``). ``zero_mem_trace.py``
-splits the peaks by phase, counted from torch's allocator instead of RSS.
+splits the same peaks by phase and lists the blocks alive at them.
 
 Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= repeats= mem_ratio=<ours/peer
 peak bytes> bytes= peer_bytes=``.
@@ -24,17 +27,15 @@ peak bytes> bytes= peer_bytes=``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from datetime import timedelta
-
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed big tensors leave RSS at once
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from alloc_trace import trace
 from paired_timing import Summary, paired_times
 from torch_comm import TorchCommBytes
 
@@ -56,13 +57,6 @@ def make_model(hidden: int, layers: int) -> nn.Sequential:
     for _ in range(layers):
         mods += [nn.Linear(hidden, hidden), nn.GELU()]
     return nn.Sequential(*mods, nn.Linear(hidden, 16))
-
-
-def rss(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 class Runner:
@@ -101,17 +95,11 @@ class Runner:
             self.opt.zero_grad()
 
 
-def peak_bytes(name, args, groups, x, y) -> int:
-    gc.collect()
-    base = rss("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
-    r = Runner(name, args, groups)
-    for _ in range(2):
-        r.step(x, y)
-    peak = rss("VmHWM") - base
-    del r
-    gc.collect()
-    return peak
+def highest_peak(name, args, groups, x, y) -> int:
+    """Peak live tensor bytes of ``name`` over ``args.mem_steps`` steps, the highest over the ranks."""
+    peak = torch.tensor(trace(lambda: Runner(name, args, groups), x, y, args.mem_steps).peak, dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
 
 
 def hsdp_groups(rank: int, world: int):
@@ -147,9 +135,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         with TorchCommBytes() as peer_comm:
             steps[1]()
         del runners
-        # alternate and keep each one's smaller peak, so neither profits from the other's freed heap
-        peaks = [peak_bytes(n, args, groups, x, y) for n in (peer, ours, peer, ours)]
-        mem = [min(peaks[1], peaks[3]), min(peaks[0], peaks[2])]
+        mem = [highest_peak(n, args, groups, x, y) for n in (ours, peer)]
         rows.append((ours, peer, summary, mem[0], mem[1], sum(r.wire_bytes for r in rec.records), peer_comm.wire_bytes()))
     if rank == 0:
         queue.put(rows)
@@ -183,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
+    ap.add_argument("--mem-steps", type=int, default=2, help="steps whose peak memory is measured (after a warm-up one)")
     add_model_args(ap)
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or layer_mb(args)

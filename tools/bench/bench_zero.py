@@ -14,7 +14,11 @@ includes the model state (params, grads, optimizer moments), not the batch nor m
 Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 ``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
-    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB]
+    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB] [--overlap-comm on]
+
+Ours runs with its defaults: on the CPU ``overlap_comm`` is off (par_zero.DataParallel: ZeRO-3
+prefetches a unit once the current one is freed; a bucket's grads wait for room among the
+reductions in flight); ``--overlap-comm on`` gives the overlapping order instead.
 
 Granularity: FSDP2 shards, gathers and reduce-scatters per layer, so ours (ZeRO-3: a gather unit
 per layer) and DDP get buckets of one layer by default (``--bucket-mb``). ``zero_mem_trace.py``
@@ -67,11 +71,12 @@ class Runner:
         model = make_model(args.hidden, args.layers)
         inner, outer = groups
         kw = dict(lr=1e-3)
+        ours = dict(bucket_mb=args.bucket_mb, overlap_comm={"auto": None, "on": True, "off": False}[args.overlap_comm])
         if name in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-            self.dp = data_parallel(model, None, name, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, None, name, **ours, **kw)
             self.opt = None
         elif name == "hsdp":
-            self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, **ours, **kw)
             self.opt = None
         elif name == "ddp":
             self.dp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
@@ -149,6 +154,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="bucket size of ours and DDP (default: one layer's fp32 bytes, FSDP2's unit)")
+    ap.add_argument("--overlap-comm", choices=("auto", "on", "off"), default="auto",
+                    help="ours' overlap_comm (auto: off on the CPU; on: prefetch before compute, as before 2026-12-01)")
 
 
 def run_world(worker, world: int, args):

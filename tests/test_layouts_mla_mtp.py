@@ -6,6 +6,8 @@ widths predict; MLA's parameter count is DeepSeek's formula; `plan deepseek-v3` 
 totals; bad MLA/MTP input is one line."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -226,9 +228,16 @@ def test_plan_deepseek_v3_gives_the_published_totals():
     cfg = load_config("deepseek-v3")
     c = param_counts(cfg.model)
     assert abs(c.total - 671e9) <= 0.01 * 671e9, c.total
-    # DeepSeek's "37B" is rounded down: we count 37.55B (every weight a token uses, embedding row included)
-    assert abs(c.active - 37e9) <= 0.02 * 37e9, c.active
+    # 36.63B: top-8 experts and one embedding row; published "37B" (-1.01%); whole table: 37.55B
+    assert round(c.active / 1e9) == 37 and abs(c.active - 37e9) <= 0.0102 * 37e9, c.active
     assert cfg.model.mtp_depth == 1 and mtp_params(cfg.model) > 11e9  # the report's D = 1, on pp 16 x 1F1B
+    # the same count gives DeepSeek-V2's published 236B total / 21B active (20.85B; whole table 21.38B)
+    v2 = dataclasses.replace(cfg.model, vocab_size=102400, hidden=5120, layers=60, ffn_hidden=12288,
+                             moe_layers_start=1, num_experts=160, top_k=6, moe_ffn_hidden=1536,
+                             shared_experts=2, max_route_nodes=3, topk_groups=1, mtp_depth=0)
+    c2 = param_counts(v2)
+    assert round(c2.total / 1e9) == 236 and round(c2.active / 1e9) == 21, (c2.total, c2.active)
+    assert c2.active == c2.total - 59 * 154 * 3 * 5120 * 1536 - 102399 * 5120  # 154 experts idle, 1 row read
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -31,6 +31,7 @@ from .config import ModelConfig
 @dataclass(frozen=True)
 class ParamCounts:
     embedding: int  # input embedding (vocab x h)
+    embedding_row: int  # the h weights of one token's row
     output: int  # output head (0 when tied to the embedding)
     final_norm: int
     attention: int  # per layer: q, k, v, o projections and the two norms
@@ -55,8 +56,16 @@ class ParamCounts:
 
     @property
     def active(self) -> int:
-        """Parameters one token uses: top_k of the routed experts."""
-        return self.total - self.moe_layers * self.expert * (self.num_experts - self.top_k)
+        """Parameters one token uses: top_k of the routed experts and its own row of the input embedding.
+
+        The closest to DeepSeek's published counts: V3 36.63B (published 37B), V2 20.85B (21B),
+        V2-Lite 2.45B (2.4B); the whole table counted gives 37.55B, 21.38B and 2.66B. A tied table
+        is the output head too, so all of it is used.
+        """
+        unchosen_experts = self.moe_layers * self.expert * (self.num_experts - self.top_k)
+        tied = self.output == 0
+        unread_rows = 0 if tied else self.embedding - self.embedding_row
+        return self.total - unchosen_experts - unread_rows
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
@@ -69,6 +78,7 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         attention = mla_params_per_layer(m) + 2 * h  # + the two layer norms
     return ParamCounts(
         embedding=m.vocab_size * h,
+        embedding_row=h,
         output=0 if m.tie_embeddings else m.vocab_size * h,
         final_norm=h,
         attention=attention,

@@ -1,9 +1,10 @@
 """Live tensor bytes of a trainer over its build and steps, counted from torch's CPU allocator.
 
-``torch.profiler.profile(profile_memory=True)`` reports every allocation and free made through
-torch's CPU allocator while it is active, on the main thread and on the threads that run the
-collectives (gloo's staging buffers included), each with the allocator's running total of live
-bytes. ``trace`` builds a trainer and runs a warm-up step and a few steps under it, in phases
+``torch.profiler.profile(profile_memory=True)`` reports the allocations and frees made through
+torch's CPU allocator while it is active, on the main thread and inside the collectives' works on
+gloo's threads (its staging buffers included), each with the allocator's running total of live
+bytes; with c10's ``caffe2_report_cpu_memory_usage`` flag on meanwhile, that total also drops for
+the frees made outside the profiler (a gloo work's buffers freed by its thread once it ended). ``trace`` builds a trainer and runs a warm-up step and a few steps under it, in phases
 (build, warmup, forward, backward, step: optimizer step + zero_grad); the live bytes are counted
 over the baseline before the build, so the model state (params, grads, optimizer moments) is in,
 the batch is not.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +40,22 @@ class Trace:
     live: list[tuple[int, str]]  # (bytes, phase/op that allocated it) of the blocks alive at that peak
 
 
-def _count_frees_on_every_thread() -> None:
-    """Make the allocator's running total count frees made on any thread.
+@contextmanager
+def _count_frees_on_every_thread():
+    """Make the allocator's running total count the frees made on any thread, while inside.
 
     It updates the total only on threads where the profiler is on, or everywhere with c10's flag
     ``caffe2_report_cpu_memory_usage``. A gloo work's buffers are often freed by its worker thread
     after the work ends, outside the profiler: without the flag those frees never leave the total,
     and the peak counts blocks long gone (by up to 0.3 MB in bench_zero, varying with timing).
-    With it, every free lowers the total the next recorded event reports."""
+    With it, every free lowers the total that the next recorded event reports."""
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    old, flag.value = flag.value, True
+    try:
+        yield
+    finally:
+        flag.value = old  # it also takes a lock (and formats a log line) at every allocation
 
 
 def _walk(events, phase=None, op=None):
@@ -83,8 +91,7 @@ def trace(make_runner, x: torch.Tensor, y: torch.Tensor, steps: int = 2) -> Trac
 
     The runner has ``dp`` (callable, and ``step``/``zero_grad`` unless ``opt`` is set) and ``opt``."""
     gc.collect()
-    _count_frees_on_every_thread()
-    with profile(profile_memory=True) as prof:
+    with _count_frees_on_every_thread(), profile(profile_memory=True) as prof:
         with record_function("build"):
             r = make_runner()
         with record_function("warmup"):

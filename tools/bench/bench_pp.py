@@ -4,7 +4,8 @@
 
 Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
 warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
-ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Bytes sent per rank per step: ours
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Ours declares its message shape as the
+trainer does (``message_shape``: no shape header per message; torch's stages infer theirs once). Bytes sent per rank per step: ours
 recorded by ``par_groups.CommRecorder``, the peer's from its dispatched sends
 (``torch_comm.TorchCommBytes``). The bubble is measured from par-pp's executed timeline. Ends with
 ``RESULT <schedule> ratio= ratio_min= ratio_max= repeats= bubble=<measured> bytes= peer_bytes=``.
@@ -47,8 +48,9 @@ def build_ours(name, vpp, pp, m, args, data):
     schedule = build_schedule(name, pp, m, vpp)
     layers = args.layers_per_rank // schedule.vpp
     chunks = {c: make_chunk(c, args.hidden, layers) for c in chunks_on_rank(schedule, rank)}
-    ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn)
     xs, ts = data
+    # Every message's shape declared, as the trainer does (torch's stages infer theirs once).
+    ex = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn, message_shape=(tuple(xs[0].shape), xs[0].dtype))
 
     def step():
         ex.step(xs, ts)

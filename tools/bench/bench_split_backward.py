@@ -1,11 +1,13 @@
 """Zero-bubble's B + W against one full backward of the same stage, one process, CPU.
 
-    uv run python tools/bench/bench_split_backward.py [--hidden 512] [--tokens 512] [--layers 4] [--repeats 9]
+    uv run python tools/bench/bench_split_backward.py [--hidden 512] [--tokens 512] [--layers 4] [--repeats 9] [--threads 1]
 
 The stage is ``layers`` transformer-style MLP blocks (LayerNorm, Linear 4h, GELU, Linear h,
 residual). Per repeat, in turn on the same inputs (the order reversed every other repeat): a full backward (weights and input), par-pp's
 split B then W (``par_pp.split_backward``), and the split before it (the W walking the whole
-graph again with ``backward(inputs=params)``). The first repeat warms up and is dropped. Prints
+graph again with ``backward(inputs=params)``). The first repeat warms up and is dropped. One
+intra-op thread by default: on a small shared machine a second thread's preemption stalls every
+parallel kernel, noise that drowned the few-percent difference this bench measures. Prints
 the median ratio to the full backward and its min/max over repeats, ending with
 ``RESULT split-backward ratio= spread= replay_ratio=``.
 """
@@ -43,7 +45,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stage = nn.Sequential(*[Block(args.hidden) for _ in range(args.layers)])
     params = list(stage.parameters())

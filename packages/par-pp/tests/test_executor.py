@@ -58,7 +58,10 @@ def run_all_schedules(pp, microbatch_counts):
             ranges = split_layers(len(layers), schedule.num_chunks)
             chunks = {c: chunk_module(embed, layers, head, ranges, c) for c in chunks_on_rank(schedule, rank)}
             inputs, targets = make_data(m)
-            executor = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn)
+            # the most microbatches with declared message shapes (the trainer's way: no headers,
+            # several receives posted ahead per stream), the others with shape headers
+            shape = ((S, B, H), torch.float32) if m == microbatch_counts[-1] else None
+            executor = PipelineExecutor(schedule, chunks, None, loss_fn=loss_fn, message_shape=shape)
             losses = executor.step(inputs if 0 in chunks else None, targets if schedule.last_chunk in chunks else None)
             grads = {c: [p.grad.clone() if p.grad is not None else None for p in mod.parameters()] for c, mod in chunks.items()}
             order = [(r.action.kind, r.action.microbatch, r.action.chunk) for r in executor.records]

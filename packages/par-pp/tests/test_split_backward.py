@@ -63,3 +63,28 @@ def test_b_plus_w_equals_one_full_backward_and_w_skips_the_activation_path():
     torch.testing.assert_close(got_in, ref_in, rtol=0, atol=0)
     for got, ref in zip(got_params, ref_params):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_w_is_one_engine_call_per_junction_without_tied_weights(monkeypatch):
+    """Each junction's weight work is one backward straight to its parameters (no second pass
+    from the weight edges), with the full backward's gradients."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 16, bias=False))
+    x0, dy = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    ref_in, ref_params = _run(stage, x0, dy, split=False)
+    params = list(stage.parameters())
+    for p in params:
+        p.grad = None
+    x = x0.clone().requires_grad_(True)
+    out = (stage(x) * dy).sum()
+    grad_in, pending = backward_input(out, x, params)
+    junctions = len(pending.junctions)
+    calls = []
+    for name in ("backward", "grad"):
+        real = getattr(torch.autograd, name)
+        monkeypatch.setattr(torch.autograd, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    backward_weight(pending)
+    assert junctions == 3 and len(calls) == junctions  # the two Linears and the LayerNorm
+    torch.testing.assert_close(grad_in, ref_in, rtol=0, atol=0)
+    for p, ref in zip(params, ref_params):  # one contribution per parameter: bitwise the full backward's
+        torch.testing.assert_close(p.grad, ref, rtol=0, atol=0)

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
-from .ir import Action, Schedule, make_schedule
+from .ir import Action, Message, Schedule, make_schedule
 from .p2p import StageComm
 from .split_backward import PendingWeightGrad, backward_input, backward_weight
 
@@ -122,6 +122,8 @@ class PipelineExecutor:
         self.device = torch.device(device)
         self.message_shape = message_shape
         self._params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in chunks.items()}
+        # Each action with the messages it receives and sends, worked out once (the schedule is fixed).
+        self._plan = [(a, schedule.input_message(a), schedule.output_message(a)) for a in schedule.ranks[self.rank]]
         self.records: list[ActionRecord] = []
 
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -139,10 +141,11 @@ class PipelineExecutor:
         self._losses: dict[int, torch.Tensor] = {}
         self._comm = StageComm(s, self.rank, self.group, self.device, self.message_shape)
         self._comm.start()
-        for action in s.ranks[self.rank]:
+        run = {"F": self._run_F, "B": self._run_B, "W": self._run_W}
+        for action, inbox, outbox in self._plan:
             self._compute_start = None
             start = time.perf_counter()
-            getattr(self, f"_run_{action.kind}")(action)
+            run[action.kind](action, inbox, outbox)
             # The record starts once the inputs are here: waiting for a message is bubble.
             self.records.append(ActionRecord(action, self._compute_start or start, time.perf_counter()))
             self._comm.poll()
@@ -180,15 +183,13 @@ class PipelineExecutor:
 
     # --- data movement -------------------------------------------------------------------------
 
-    def _receive(self, action: Action) -> torch.Tensor:
-        message = self.schedule.input_message(action)
+    def _receive(self, action: Action, message: Message | None) -> torch.Tensor:
         if message is not None:
             return self._comm.recv(message)
         kind = "act" if action.kind == "F" else "grad"
         return self._local.pop((kind, action.microbatch, action.chunk))
 
-    def _deliver(self, action: Action, tensor: torch.Tensor) -> None:
-        message = self.schedule.output_message(action)
+    def _deliver(self, action: Action, message: Message | None, tensor: torch.Tensor) -> None:
         if message is not None:
             self._comm.send(message, tensor)
         else:  # the consumer chunk lives on this rank (the bottom of a V)
@@ -197,12 +198,12 @@ class PipelineExecutor:
 
     # --- actions ---------------------------------------------------------------------------------
 
-    def _run_F(self, a: Action) -> None:
+    def _run_F(self, a: Action, inbox: Message | None, outbox: Message | None) -> None:
         m, c = a.microbatch, a.chunk
         if c == 0:
             x = self._inputs[m]
         else:
-            x = self._receive(a).detach().requires_grad_(True)
+            x = self._receive(a, inbox).detach().requires_grad_(True)
         self._compute_start = time.perf_counter()
         with torch.enable_grad():
             y = self.forward_fn(c, self.chunks[c], x, m)
@@ -212,31 +213,31 @@ class PipelineExecutor:
                 y = loss / self.schedule.microbatches
         self._live[(m, c)] = _Live(x, y)
         if c != self.schedule.last_chunk:
-            self._deliver(a, y)
-            if self.schedule.output_message(a) is not None:  # sent: the send holds its own reference
+            self._deliver(a, outbox, y)
+            if outbox is not None:  # sent: the send holds its own reference
                 _free_storage(y)
 
-    def _run_B(self, a: Action) -> None:
+    def _run_B(self, a: Action, inbox: Message | None, outbox: Message | None) -> None:
         m, c = a.microbatch, a.chunk
         live = self._live[(m, c)]
         if c != self.schedule.last_chunk:
-            live.output = _with_grad(live.output, self._receive(a))
+            live.output = _with_grad(live.output, self._receive(a, inbox))
         self._compute_start = time.perf_counter()
         wants_input_grad = c > 0 and live.input.requires_grad
         if a.split:
             # Input grad only; the W finishes the weight grads from where B left them.
             if wants_input_grad:
                 grad_in, live.pending = backward_input(live.output, live.input, self._params[c])
-                self._deliver(a, grad_in)
+                self._deliver(a, outbox, grad_in)
             return
         del self._live[(m, c)]
         inputs = self._params[c] + ([live.input] if wants_input_grad else [])
         if inputs:
             torch.autograd.backward(live.output, inputs=inputs)
         if wants_input_grad:
-            self._deliver(a, live.input.grad)
+            self._deliver(a, outbox, live.input.grad)
 
-    def _run_W(self, a: Action) -> None:
+    def _run_W(self, a: Action, inbox: Message | None, outbox: Message | None) -> None:
         live = self._live.pop((a.microbatch, a.chunk))
         if live.pending is not None:
             backward_weight(live.pending)

@@ -8,8 +8,12 @@ both; zero-bubble splits it:
   the gradient arriving at every *junction*: a path node with a weight branch (a matmul whose
   other operand is a weight, a norm's ``x * weight``).
 * **W** starts from the junctions, not from the output: each junction is re-entered with its
-  recorded gradient and asked only for its weight-branch edges (the dW matmul and nothing of the
-  activation path), then one backward from those edges accumulates into the parameters.
+  recorded gradient by one backward to the parameters its weight branches reach, so the engine
+  runs the junction for its weight outputs only (the dW matmul, nothing of the activation path)
+  and the branch down to ``.grad``: one engine call per junction. A parameter reached from
+  several junctions (tied) takes two steps instead (see ``backward_weight``). Each junction's
+  recorded gradient (and an untied one's saved tensors) is freed as soon as its W ran, so the
+  next dW reuses the memory.
 
 So B + W together run each node's work once, the same as one full backward, and the gradients are
 exactly the full backward's: every path from the output to a parameter leaves the activation path
@@ -28,7 +32,9 @@ from torch.autograd.graph import GradientEdge, Node
 class _Junction:
     node: Node
     weight_edges: list[GradientEdge]  # edges into weight branches
+    params: list[torch.Tensor]  # the parameters those branches reach
     grads: tuple[torch.Tensor | None, ...] = ()  # the gradient arriving at the node, from B
+    shared: bool = False  # a parameter here is also reached through another junction (tied)
 
 
 @dataclass
@@ -39,37 +45,53 @@ class PendingWeightGrad:
     params: list[torch.Tensor] = field(default_factory=list)
 
 
-def _leaf_variable(node: Node):
-    return getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+def _post_order(root: Node) -> tuple[list[Node], dict[Node, list[tuple[Node, int]]]]:
+    """Every node under ``root``, children before parents, and each node's (child, input nr)."""
+    children: dict[Node, list[tuple[Node, int]]] = {}
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in children:
+            continue
+        children[node] = kids = [(c, nr) for c, nr in node.next_functions if c is not None]
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in kids if c not in children)
+    return order, children
 
 
 def _junctions(root: Node, input_: torch.Tensor, params: list[torch.Tensor]) -> list[_Junction]:
-    """Post-order walk from ``root``: which nodes reach the input, which reach a parameter."""
-    param_ids = {id(p) for p in params}
-    reaches_input: dict[Node, bool] = {}
-    reaches_param: dict[Node, bool] = {}
-    stack: list[tuple[Node, bool]] = [(root, False)]
-    while stack:
-        node, children_done = stack.pop()
-        if node in reaches_input and not children_done:
+    """Which nodes reach the input (the activation path) and which parameters the others reach."""
+    by_id = {id(p): p for p in params}
+    order, children = _post_order(root)
+    on_path: set[Node] = set()
+    reached: dict[Node, frozenset[int]] = {}  # off-path nodes: ids of the parameters under them
+    junctions, uses = [], {}
+    for node in order:
+        kids = children[node]
+        if not kids:  # a leaf's AccumulateGrad (or a node with no inputs)
+            leaf = getattr(node, "variable", None)
+            if leaf is input_:
+                on_path.add(node)
+            else:
+                reached[node] = frozenset((id(leaf),)) if id(leaf) in by_id else frozenset()
             continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        if not children_done:
-            reaches_input[node] = False  # mark as visiting (graphs are acyclic)
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in reaches_input)
+        edges = [(c, nr) for c, nr in kids if c not in on_path]
+        if len(edges) == len(kids):  # off the path
+            reached[node] = frozenset().union(*[reached[c] for c, _ in kids])
             continue
-        leaf = _leaf_variable(node)
-        reaches_input[node] = leaf is input_ or any(reaches_input[c] for c in children)
-        reaches_param[node] = (leaf is not None and id(leaf) in param_ids) or any(reaches_param[c] for c in children)
-    junctions = []
-    for node, on_path in reaches_input.items():
-        if not on_path:
-            continue
-        edges = [GradientEdge(child, nr) for child, nr in node.next_functions
-                 if child is not None and not reaches_input[child] and reaches_param[child]]
-        if edges:
-            junctions.append(_Junction(node, edges))
+        on_path.add(node)
+        edges = [(c, nr) for c, nr in edges if reached[c]]
+        if edges:  # a junction
+            ids = frozenset().union(*[reached[c] for c, _ in edges])
+            for i in ids:
+                uses[i] = uses.get(i, 0) + 1
+            junctions.append(_Junction(node, [GradientEdge(c, nr) for c, nr in edges], [by_id[i] for i in ids]))
+    for j in junctions:
+        j.shared = any(uses[id(p)] > 1 for p in j.params)
     return junctions
 
 
@@ -90,16 +112,26 @@ def backward_input(output: torch.Tensor, input_: torch.Tensor, params: list[torc
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
-    """Accumulate the weight grads into ``.grad`` (W), from the junctions B recorded."""
+    """Accumulate the weight grads into ``.grad`` (W), from the junctions B recorded.
+
+    A junction whose parameters no other junction reaches is one backward from the junction to
+    those parameters: the engine runs the junction for its weight outputs only (its activation
+    output leads to none of them) and the weight branch down to ``.grad``. Where a parameter is
+    shared between junctions (tied weights), its junctions first yield their weight-edge grads,
+    then one backward from all those edges adds each contribution once."""
     roots, root_grads = [], []
     for j in pending.junctions:
         outputs = [(GradientEdge(j.node, i), g) for i, g in enumerate(j.grads) if g is not None]
         if not outputs:
             continue
+        edges, grads = [e for e, _ in outputs], [g for _, g in outputs]
+        j.grads = outputs = ()  # freed once used: the next junction's dW can reuse the memory
+        if not j.shared:
+            torch.autograd.backward(edges, grads, inputs=j.params)
+            continue
         # Only the weight-branch edges are asked for, so the junction computes just those
         # (the dW matmul) and nothing flows down the activation path again.
-        edge_grads = torch.autograd.grad([e for e, _ in outputs], j.weight_edges, [g for _, g in outputs],
-                                         retain_graph=True, allow_unused=True)
+        edge_grads = torch.autograd.grad(edges, j.weight_edges, grads, retain_graph=True, allow_unused=True)
         for edge, g in zip(j.weight_edges, edge_grads):
             if g is not None:
                 roots.append(edge)

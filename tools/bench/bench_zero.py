@@ -5,17 +5,24 @@ batch; a step is forward + backward + clip-free AdamW step.
 
 Timing (``paired_timing``): ours and the peer alternate step by step in the same processes,
 warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios
-ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Peak memory is the rise of the rank's
-resident-set high-water mark (/proc VmHWM, reset before each measured run; malloc's mmap
-threshold pinned so freed tensors go back to the OS) over its RSS before building the model.
+ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Peak memory (``mem_ratio`` = ours / peer)
+is the same measure on both sides: the highest live tensor bytes during ``--mem-steps`` steps after a warm-up one
+(forward, backward, optimizer step, zero_grad), counted from torch's CPU allocator over the
+baseline before the model is built (``alloc_trace.py``: the profiler's memory events, so the
+buffers gloo allocates on its own threads count too), on the rank where it is highest. It
+includes the model state (params, grads, optimizer moments), not the batch nor malloc's caching.
 Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 ``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
-    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB]
+    uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB] [--overlap-comm on]
+
+Ours runs with its defaults: on the CPU ``overlap_comm`` is off (par_zero.DataParallel: ZeRO-3
+prefetches a unit once the current one is freed; a bucket's grads wait for room among the
+reductions in flight); ``--overlap-comm on`` gives the overlapping order instead.
 
 Granularity: FSDP2 shards, gathers and reduce-scatters per layer, so ours (ZeRO-3: a gather unit
 per layer) and DDP get buckets of one layer by default (``--bucket-mb``). ``zero_mem_trace.py``
-splits the peaks by phase, counted from torch's allocator instead of RSS.
+splits the same peaks by phase and lists the blocks alive at them.
 
 Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= repeats= mem_ratio=<ours/peer
 peak bytes> bytes= peer_bytes=``.
@@ -24,17 +31,15 @@ peak bytes> bytes= peer_bytes=``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from datetime import timedelta
-
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # freed big tensors leave RSS at once
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from alloc_trace import trace
 from paired_timing import Summary, paired_times
 from torch_comm import TorchCommBytes
 
@@ -58,13 +63,6 @@ def make_model(hidden: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*mods, nn.Linear(hidden, 16))
 
 
-def rss(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
 class Runner:
     """One trainer (ours or the peer) with a uniform step()."""
 
@@ -73,11 +71,12 @@ class Runner:
         model = make_model(args.hidden, args.layers)
         inner, outer = groups
         kw = dict(lr=1e-3)
+        ours = dict(bucket_mb=args.bucket_mb, overlap_comm={"auto": None, "on": True, "off": False}[args.overlap_comm])
         if name in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-            self.dp = data_parallel(model, None, name, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, None, name, **ours, **kw)
             self.opt = None
         elif name == "hsdp":
-            self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, bucket_mb=args.bucket_mb, **kw)
+            self.dp = data_parallel(model, inner, "optim_grads_params", outer_group=outer, **ours, **kw)
             self.opt = None
         elif name == "ddp":
             self.dp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
@@ -101,17 +100,11 @@ class Runner:
             self.opt.zero_grad()
 
 
-def peak_bytes(name, args, groups, x, y) -> int:
-    gc.collect()
-    base = rss("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
-    r = Runner(name, args, groups)
-    for _ in range(2):
-        r.step(x, y)
-    peak = rss("VmHWM") - base
-    del r
-    gc.collect()
-    return peak
+def highest_peak(name, args, groups, x, y) -> int:
+    """Peak live tensor bytes of ``name`` over ``args.mem_steps`` steps, the highest over the ranks."""
+    peak = torch.tensor(trace(lambda: Runner(name, args, groups), x, y, args.mem_steps).peak, dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
 
 
 def hsdp_groups(rank: int, world: int):
@@ -147,9 +140,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         with TorchCommBytes() as peer_comm:
             steps[1]()
         del runners
-        # alternate and keep each one's smaller peak, so neither profits from the other's freed heap
-        peaks = [peak_bytes(n, args, groups, x, y) for n in (peer, ours, peer, ours)]
-        mem = [min(peaks[1], peaks[3]), min(peaks[0], peaks[2])]
+        mem = [highest_peak(n, args, groups, x, y) for n in (ours, peer)]
         rows.append((ours, peer, summary, mem[0], mem[1], sum(r.wire_bytes for r in rec.records), peer_comm.wire_bytes()))
     if rank == 0:
         queue.put(rows)
@@ -163,6 +154,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="bucket size of ours and DDP (default: one layer's fp32 bytes, FSDP2's unit)")
+    ap.add_argument("--overlap-comm", choices=("auto", "on", "off"), default="auto",
+                    help="ours' overlap_comm (auto: off on the CPU; on: prefetch before compute, as before 2026-12-01)")
 
 
 def run_world(worker, world: int, args):
@@ -183,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
+    ap.add_argument("--mem-steps", type=int, default=2, help="steps whose peak memory is measured (after a warm-up one)")
     add_model_args(ap)
     args = ap.parse_args()
     args.bucket_mb = args.bucket_mb or layer_mb(args)

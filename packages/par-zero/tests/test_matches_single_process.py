@@ -46,6 +46,8 @@ def train_every_layout(world: int) -> dict[str, float]:
         run("optim_grads_params-no-reshard", "optim_grads_params", reshard_after_forward=False)
         run("optim_grads_params-all-gather-group", "optim_grads_params", all_gather_group=dist.new_group(list(range(world))))
         run("optim-fp32-reduce", "optim", reduce_dtype=torch.float32)
+        for s in ("optim_grads", "optim_grads_params"):  # the accelerator default (CPU: overlap off)
+            run(f"{s}-overlap-comm", s, overlap_comm=True)
         for s in ("no_shard", "optim_grads", "optim_grads_params"):
             run(f"{s}-expert-group", s, expert=True, expert_dp_group=dist.new_group(list(range(world))))
     return errors

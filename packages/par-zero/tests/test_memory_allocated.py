@@ -58,3 +58,22 @@ def test_allocated_bytes_at_rest_are_the_model_state(fake_world, strategy):
     params = sum(p.numel() for p in model().parameters())
     predicted = model_state_for_params(params, strategy, WORLD).total
     assert predicted <= live <= predicted + SLACK.get(strategy, 0), (strategy, live, predicted)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero3_backward_holds_two_layers_gathered_with_overlap_one_without(fake_world, overlap):
+    """overlap_comm: with it the unit before is gathered during a unit's backward (prefetch);
+    without it only once the unit's grads are in and its params freed. Sampled at every grad."""
+    dp = data_parallel(model(), None, "optim_grads_params", bucket_mb=0.01, overlap_comm=overlap)
+    layers = [m for m in dp.module if isinstance(m, nn.Linear)]
+    gathered = []
+
+    def sample(_):
+        gathered.append(sum(b.full_param.untyped_storage().nbytes() for b in dp.buckets))
+
+    for m in layers:
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(sample)
+    dp(torch.randn(4, 128)).float().pow(2).mean().backward()
+    biggest = max(sum(p.numel() * 4 for p in m.parameters()) for m in layers)
+    assert (max(gathered) > biggest) == overlap, (gathered, biggest)

@@ -37,6 +37,9 @@ class DataParallelConfig:
     # (unsharded strategies), built with lr, weight_decay and these keyword arguments
     optimizer: str | type = "AdamW"
     optimizer_args: dict = field(default_factory=dict)
+    # Overlap communication with compute at the cost of holding its buffers (grad_buffer.py);
+    # None: on, except when the params are on the CPU (gloo: little overlap, staged gathers)
+    overlap_comm: bool | None = None
     # The strategy, parsed once (in __post_init__) into what it shards; the rest reads these.
     shard_optimizer: bool = field(init=False)  # ZeRO-1 and up: each rank steps its range only
     shard_grads: bool = field(init=False)  # ZeRO-2 and up: only the reduced shard of the grads is kept

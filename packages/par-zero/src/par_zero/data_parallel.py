@@ -60,6 +60,12 @@ class DataParallel:
     ``own_bucket`` gets a bucket of its own, so ranks holding different other params shard it
     alike (Megatron's shared embedding on the first and last pipeline stage).
 
+    ``overlap_comm``: True launches ZeRO-3's next gather before the current unit's compute and
+    lets a reduction run while the next bucket's grads arrive; False holds fewer buffers at the
+    peak (gathers once the current unit is freed, a bucket's grads once the reductions in flight
+    leave room). None (default): True, except for params on the CPU, where gloo runs collectives
+    on the compute's cores and stages each gathered output in a second buffer of its size.
+
     ``optimizer``: 'AdamW' (par-zero's distributed AdamW, with ``betas``, ``eps``; every strategy),
     or, for 'no_shard' only, a ``torch.optim`` class or its name (e.g. 'SGD'), built with ``lr``,
     ``weight_decay`` (on the decayed group) and ``optimizer_args`` (e.g. ``{"momentum": 0.9}``).
@@ -88,10 +94,11 @@ class DataParallel:
         units: Iterable[nn.Module] | None = None,
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
         own_bucket: Iterable[nn.Parameter] = (),
+        overlap_comm: bool | None = None,
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
-                                            optimizer, dict(optimizer_args or {}))
+                                            optimizer, dict(optimizer_args or {}), overlap_comm)
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")

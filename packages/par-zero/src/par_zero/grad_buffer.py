@@ -6,6 +6,11 @@ unit (a layer), whose hooks gather them just in time. Each param's post-accumula
 its grad into its bucket; when a bucket is complete its reduction starts (unless grad sync is off),
 and all are awaited at the end of that backward. Under ``no_sync()`` grads only accumulate locally,
 with no communication. Gradients are AVERAGED over the data-parallel ranks.
+
+Overlap (``overlap_comm``; default on, off for CPU params): with it off, ZeRO-3 prefetches a unit
+only after the current one freed its params (units.py), and a ZeRO-2/3 bucket's full grad buffer
+is allocated only once the reductions in flight leave room for it (``bucket_mb``), so one
+reduction's buffer and the next bucket's do not sit beside the grads being computed.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class GradBuffer:
         self._callback_queued = False
         self._inflight: list[Bucket] = []
         self._pointed: set[nn.Parameter] = set()  # params whose .grad we set to their bucket slice
+        self._unit_of: dict[Bucket, GatherUnit] = {}  # ZeRO-3: the gather unit of each bucket
         trainable = [p for p in module.parameters() if p.requires_grad]
 
         def family(ps):  # split params into (dense, expert) with their groups
@@ -73,6 +79,8 @@ class GradBuffer:
         self.units: list[GatherUnit] = []
         self._hooks = []
         alone = frozenset(own_bucket)
+        devices = {p.device.type for p in trainable}
+        self.overlap = cfg.overlap_comm if cfg.overlap_comm is not None else devices != {"cpu"}
         if cfg.shard_params:
             self._build_units(module, trainable, family, units, alone)
         else:
@@ -107,11 +115,12 @@ class GradBuffer:
             bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in _apart(fam, alone)]
             self.buckets.extend(bs)
             is_root = m is module
-            unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root)
+            unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root, self.overlap)
             self._hooks.extend(unit.install(is_root))
             self.units.append(unit)
         for a, b in zip(self.units, self.units[1:]):
             a.next, b.prev = b, a
+        self._unit_of = {b: u for u in self.units for b in u.buckets}
 
     # ---- backward ---------------------------------------------------------------------------
     @contextmanager
@@ -143,7 +152,7 @@ class GradBuffer:
             # a buffer since reduced: point it again
             if (p.grad is None or p in self._pointed) and grad.dtype == bucket.cfg.grad_dtype and not grad.is_sparse:
                 if bucket.full_grad is None:
-                    bucket.new_full_grad()
+                    self._new_full_grad(bucket)
                 p.grad = bucket.grad_view(k)
                 self._pointed.add(p)
             return None
@@ -155,6 +164,8 @@ class GradBuffer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._retire(block=False)  # only the done ones: free their buffers now, not at the next launch
         bucket, k = self._where[p]
+        if bucket.full_grad is None:
+            self._new_full_grad(bucket)
         bucket.accumulate(k, p.grad)
         p.grad = None
         self._pointed.discard(p)
@@ -163,6 +174,16 @@ class GradBuffer:
             bucket.reshard()  # ZeRO-3: free the gathered params before the reduction's buffers arrive
             if self._sync:
                 self._launch(bucket)
+            unit = self._unit_of.get(bucket)
+            if unit is not None and all(b.pending == 0 for b in unit.buckets):
+                unit.prefetch_prev()
+
+    def _new_full_grad(self, bucket: Bucket) -> None:
+        """Allocate a bucket's full grad buffer; with overlap off, first wait until the reductions
+        in flight leave room for it (see :meth:`_retire`)."""
+        if not self.overlap:
+            self._retire(block=True, room=bucket.N)
+        bucket.new_full_grad()
 
     def _launch(self, bucket: Bucket) -> None:
         """Start a bucket's reduction once the older ones in flight leave room for it (see

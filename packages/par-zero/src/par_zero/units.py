@@ -2,11 +2,17 @@
 
 A unit is one layer (by default every child module, with ModuleList / Sequential / ModuleDict
 containers expanded into their elements) plus a root unit for params no layer owns. Before a
-unit's forward its buckets are gathered (usually already in flight: the previous unit
-prefetched it) and the next unit's gather is launched; after its forward the full params are
-freed unless ``reshard_after_forward=False``. Hooks on the unit's outputs fire just before its
-backward: they gather it again if needed and prefetch the unit before it. The grads' hooks free
+unit's forward its buckets are gathered (usually already in flight: prefetched); after its
+forward the full params are freed unless ``reshard_after_forward=False``. Hooks on the unit's
+outputs fire just before its backward: they gather it again if needed. The grads' hooks free
 the params once every grad of a bucket has arrived.
+
+Prefetch: with ``overlap`` on, the next unit's gather (the previous unit's, in backward) is
+launched before this unit's compute, so the two overlap (FSDP2's order). With it off, it is
+launched once this unit has freed its own params: after its forward, and in backward once its
+grads are all in and their reductions launched (``prefetch_prev``), one unit fewer at the peak.
+On the CPU that costs little overlap (gloo runs collectives on the compute's cores) and saves
+twice a unit: gloo stages a gathered output in a second buffer of its size until the gather ends.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ def default_unit_modules(module: nn.Module) -> list[nn.Module]:
 class GatherUnit:
     """The buckets of one layer and the hooks that gather and release them."""
 
-    def __init__(self, module: nn.Module, buckets: list[Bucket], reshard_after_forward: bool):
+    def __init__(self, module: nn.Module, buckets: list[Bucket], reshard_after_forward: bool, overlap: bool):
         self.module = module
         self.buckets = buckets
         self.reshard_after_forward = reshard_after_forward
+        self.overlap = overlap
         self.prev: GatherUnit | None = None
         self.next: GatherUnit | None = None
 
@@ -62,9 +69,14 @@ class GatherUnit:
         handles.append(self.module.register_forward_hook(self._post_forward_root if is_root else self._post_forward))
         return handles
 
+    def prefetch_prev(self) -> None:
+        """Overlap off: this unit's grads are all in; gather the unit before it unless its backward began."""
+        if not self.overlap and self.prev is not None and all(b.pending == len(b.params) for b in self.prev.buckets):
+            self.prev.unshard()
+
     def _pre_forward(self, module, args) -> None:
         self.unshard()
-        if self.next is not None:
+        if self.overlap and self.next is not None:
             self.next.unshard()  # prefetch: overlaps with this layer's compute
         self.wait()
 
@@ -72,6 +84,8 @@ class GatherUnit:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.reshard_after_forward or not tensors:
             self.reshard()
+        if not self.overlap and self.next is not None:
+            self.next.unshard()  # prefetch once this layer's params are freed
         for t in tensors:
             t.register_hook(self._pre_backward)
         return output
@@ -85,7 +99,7 @@ class GatherUnit:
 
     def _pre_backward(self, grad):
         self.unshard()
-        if self.prev is not None:
+        if self.overlap and self.prev is not None:
             self.prev.unshard()
         self.wait()
         return None

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from .kernels import BlockMask, block_backward, block_forward, merge_partial
+from .kernels import BlockMask, block_backward, block_forward, merge_partial_
 from .sharding import Segments
 
 
@@ -42,14 +42,19 @@ def per_sequence(docs) -> list[tuple[slice, tuple[int, ...] | None]]:
 
 def segments_forward(q, k, v, q_segs, k_segs, causal, docs, scale, backend, out=None, lse=None):
     """Merge the attention of q against this key shard into (out, lse) (fp32; new when None)."""
-    if out is None:
+    fresh, reached = out is None, set()  # a new accumulator: each query slice's first block is a copy
+    if fresh:
         sq, b, hq, d = q.shape
         out = torch.zeros(sq, b, hq, d, device=q.device)
         lse = torch.full((b, hq, sq), float("-inf"), device=q.device)
     for bs, seq_docs in per_sequence(docs):
         for qs, ks, mask in iter_blocks(q_segs, k_segs, causal, seq_docs):
             o, l = block_forward(q[qs, bs], k[ks, bs], v[ks, bs], mask, scale, backend)
-            out[qs, bs], lse[bs, :, qs] = merge_partial(out[qs, bs], lse[bs, :, qs], o, l)
+            if fresh and (bs.start, qs.start) not in reached:
+                reached.add((bs.start, qs.start))
+                out[qs, bs], lse[bs, :, qs] = o, l
+            else:
+                merge_partial_(out[qs, bs], lse[bs, :, qs], o, l)  # views: the accumulators in place
     return out, lse
 
 

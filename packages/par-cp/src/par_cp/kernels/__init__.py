@@ -21,7 +21,7 @@ from .sdpa import sdpa_backward, sdpa_fits, sdpa_forward
 
 BACKENDS = ("auto", "torch", "sdpa", "flash")
 
-__all__ = ["BACKENDS", "BlockMask", "block_backward", "block_forward", "choose_kernel", "flash_available", "merge_partial"]
+__all__ = ["BACKENDS", "BlockMask", "block_backward", "block_forward", "choose_kernel", "flash_available", "merge_partial", "merge_partial_"]
 
 
 def choose_kernel(backend: str, q: torch.Tensor, mask: BlockMask) -> str:
@@ -49,13 +49,22 @@ def block_backward(dout, q, k, v, out, lse, mask: BlockMask, scale: float, backe
     return _BACKWARD[choose_kernel(backend, q, mask)](dout, q, k, v, out, lse, mask, scale)
 
 
+def merge_partial_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """The online-softmax merge of :func:`merge_partial`, into ``out`` and ``lse`` in place (views
+    of the accumulators): two passes over ``out`` instead of four (scale, then a fused
+    multiply-add; no new tensor to copy back)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = new_lse.clamp(min=-1e30)  # rows no key reached yet: exp(-inf - safe) = 0, not nan
+    out.mul_(torch.exp(lse - safe).permute(2, 0, 1).unsqueeze(-1))  # [B, H, S] -> [S, B, H, 1]
+    out.addcmul_(torch.exp(block_lse - safe).permute(2, 0, 1).unsqueeze(-1), block_out)
+    lse.copy_(new_lse)
+
+
 def merge_partial(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Online-softmax merge of two partial results over disjoint keys (fp32):
     lse = log(e^lse_a + e^lse_b), out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b."""
     if out is None:
         return block_out, block_lse
-    new_lse = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - safe).permute(2, 0, 1).unsqueeze(-1)  # [B, H, S] -> [S, B, H, 1]
-    w_new = torch.exp(block_lse - safe).permute(2, 0, 1).unsqueeze(-1)
-    return w_old * out + w_new * block_out, new_lse
+    out, lse = out.clone(), lse.clone()
+    merge_partial_(out, lse, block_out, block_lse)
+    return out, lse

@@ -196,12 +196,16 @@ class GradBuffer:
         """Pop finished reductions, oldest first. With ``block``, also wait on the oldest while the
         elements in flight plus ``room`` exceed one bucket's worth (``bucket_mb``, or the biggest
         of them): one bucket's reduction overlaps the next one's grads, not several."""
-        limit = max(int(self.cfg.bucket_mb * 2**20) // 4, room)
         while self._inflight:
-            busy = block and sum(b.N for b in self._inflight) + room > limit
+            busy = block and sum(b.N for b in self._inflight) + room > self._window(room)
             if not self._inflight[0].try_finish(block=busy):
                 return
             self._inflight.pop(0)
+
+    def _window(self, room: int) -> int:
+        """Elements allowed in flight when ``room`` more join: one bucket's worth (``bucket_mb``),
+        or ``room`` itself when a single bucket is bigger."""
+        return max(int(self.cfg.bucket_mb * 2**20) // 4, room)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -226,10 +230,9 @@ class GradBuffer:
     @torch.no_grad()
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
-        limit = int(self.cfg.bucket_mb * 2**20) // 4
         inflight: list[tuple[object, int]] = []  # (work, elements): bounded like the reductions
         for b in self.buckets:
-            while inflight and sum(n for _, n in inflight) + b.N > max(limit, b.N):
+            while inflight and sum(n for _, n in inflight) + b.N > self._window(b.N):
                 inflight.pop(0)[0].wait()
             w = b.launch_param_sync()
             if w is not None:

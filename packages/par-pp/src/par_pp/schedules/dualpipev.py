@@ -5,7 +5,8 @@ the steady state each rank pairs the forward of one of its chunks with the backw
 other (``F&B``: DeepSeek overlaps the two on GPU streams, hiding one's communication behind the
 other's compute). The executor runs them back to back on one stream, with their communication
 overlapped: both inputs of a pair come from one peer and both receives are posted before F waits
-on its own (``p2p.POSTED_AHEAD``), and F's send is in flight while B computes. Phases follow DeepSeek's reference order:
+on its own (``p2p.POSTED_AHEAD``), and F's send is in flight while B computes.
+Phases follow DeepSeek's reference order:
 1 forwards on the down chunk, 2 down/up forward pairs, 3 up chunk B/W/F, 4 the main F&B loop,
 5 up backward plus F&B, 6 backwards on both chunks (switching to split B/W half-way),
 7 W then down backward, 8 the remaining W's.

@@ -65,3 +65,26 @@ def test_many_small_jobs_reuse_the_workers(dist_run):
     for i in range(20):
         assert dist_run(4, tiny_job, i) == [i, i + 1, i + 2, i + 3]
     assert time.monotonic() - start < 20  # seconds, not a spawn per job
+
+
+def groups_left_in_a_cycle():
+    """Make two subgroups, use them, and leave them held by a reference cycle (as a model's
+    modules and hooks hold theirs); return this worker's thread count before that."""
+    import gc
+    import os
+
+    gc.disable()  # so only the harness can collect the cycle (gc's own timing varies)
+    threads = len(os.listdir("/proc/self/task"))
+    holder = {"groups": [dist.new_group([0, 1]), dist.new_group([0, 1])]}
+    holder["self"] = holder
+    for g in holder["groups"]:
+        dist.all_reduce(torch.ones(1), group=g)
+    gc.enable()
+    return threads
+
+
+def test_groups_held_by_a_cycle_do_not_outlive_the_job(dist_run):
+    # Each gloo group runs its own threads until the group object is freed. A job's cycles must be
+    # collected before the next job, or every test leaves threads that wake and load the CPU.
+    counts = [dist_run(2, groups_left_in_a_cycle)[0] for _ in range(4)]
+    assert counts == [counts[0]] * 4, f"worker threads at the start of each job: {counts}"

@@ -77,3 +77,17 @@ def test_zero3_backward_holds_two_layers_gathered_with_overlap_one_without(fake_
     dp(torch.randn(4, 128)).float().pow(2).mean().backward()
     biggest = max(sum(p.numel() * 4 for p in m.parameters()) for m in layers)
     assert (max(gathered) > biggest) == overlap, (gathered, biggest)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads", "optim_grads_params"])
+def test_a_dropped_wrapper_frees_the_model(fake_world, strategy):
+    """The grad hooks on the params hold the wrapper weakly: torch keeps a tensor's hooks in C++,
+    where the cycle collector cannot see them, so a strong one would keep the model, its buckets
+    and their process groups alive for good."""
+    import weakref
+
+    dp = trained_one_step(strategy)
+    param, bucket = weakref.ref(next(dp.module.parameters())), weakref.ref(dp.buckets[0])
+    del dp
+    gc.collect()
+    assert param() is None and bucket() is None

@@ -192,7 +192,7 @@ class Bucket:
             self.opt_grad.copy_(keep)
             self.reduced = False
         if grad.data_ptr() == self.grad_view(index).data_ptr():
-            return  # autograd accumulated into the bucket already (GradBuffer._into_bucket)
+            return  # autograd accumulated into the bucket already (GradBuffer._point_grad)
         o = self.offsets[index]
         self.full_grad[o : o + grad.numel()].add_(grad.reshape(-1))
 

@@ -15,8 +15,9 @@ reduction's buffer and the next bucket's do not sit beside the grads being compu
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -90,9 +91,10 @@ class GradBuffer:
                     self.buckets.append(Bucket(chunk, groups, cfg))
         self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         for p in self._where:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self, GradBuffer._on_grad_ready)))
             if cfg.shard_grads:
-                self._hooks.append(p.register_hook(self._into_bucket(p)))
+                self._hooks.append(p.register_hook(_weak_hook(self, GradBuffer._point_grad, p)))
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     def families(self) -> list[tuple[BucketGroups, list[Bucket]]]:
         """The dense buckets and the expert ones (if on their own groups), each with its groups."""
@@ -143,20 +145,17 @@ class GradBuffer:
         self._sync = True
         self._end_of_backward()
 
-    def _into_bucket(self, p: nn.Parameter):
-        """ZeRO-2/3: before autograd accumulates ``p``'s grad, point ``p.grad`` at its slice of the
+    def _point_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """ZeRO-2/3, before autograd accumulates ``p``'s grad: point ``p.grad`` at its slice of the
         bucket, so the grad is added there in place (no layout copy of it, no second add)."""
-        def hook(grad):
-            bucket, k = self._where[p]
-            # p.grad set by us earlier and not accumulated since (an autograd.grad capture) may view
-            # a buffer since reduced: point it again
-            if (p.grad is None or p in self._pointed) and grad.dtype == bucket.cfg.grad_dtype and not grad.is_sparse:
-                if bucket.full_grad is None:
-                    self._new_full_grad(bucket)
-                p.grad = bucket.grad_view(k)
-                self._pointed.add(p)
-            return None
-        return hook
+        bucket, k = self._where[p]
+        # p.grad set by us earlier and not accumulated since (an autograd.grad capture) may view
+        # a buffer since reduced: point it again
+        if (p.grad is None or p in self._pointed) and grad.dtype == bucket.cfg.grad_dtype and not grad.is_sparse:
+            if bucket.full_grad is None:
+                self._new_full_grad(bucket)
+            p.grad = bucket.grad_view(k)
+            self._pointed.add(p)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._callback_queued:
@@ -249,3 +248,24 @@ class GradBuffer:
         items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
                  for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
         return sum_partial_grads_(items)
+
+
+def _weak_hook(owner: GradBuffer, method: Callable, tensor: torch.Tensor | None = None) -> Callable:
+    """A tensor hook calling ``method(owner, [tensor,] *args)`` while ``owner`` lives, holding both
+    weakly. Torch keeps a tensor's hooks in C++, out of sight of Python's cycle collector, so a hook
+    holding the buffer (which holds the tensor) would keep the model, the buffers and their process
+    groups alive after the wrapper is dropped."""
+    owner_ref = weakref.ref(owner)
+    tensor_ref = None if tensor is None else weakref.ref(tensor)
+
+    def hook(*args):
+        me = owner_ref()
+        if me is None:
+            return None
+        return method(me, *args) if tensor_ref is None else method(me, tensor_ref(), *args)
+    return hook
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()

@@ -19,6 +19,7 @@ module, by name or, for test files pytest imported by path, from the file.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
@@ -97,8 +98,12 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
             conn.send_bytes(pickle.dumps(reply))
         except Exception:
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        ok, fn, args, kwargs, reply = reply[0] == "ok", None, None, None, None
+        # The job's objects (a model, its hooks, the groups they hold) often sit in reference
+        # cycles: collect them now, or their groups' gloo threads outlive the job and pile up.
+        gc.collect()
         if joined:
-            if reply[0] == "ok":
+            if ok:
                 dist.barrier()  # nobody closes its connections while a peer still reads from them
             dist.destroy_process_group()
 

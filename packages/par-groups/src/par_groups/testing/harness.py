@@ -72,6 +72,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    gc.freeze()  # what the forkserver imported stays: no collection walks it again
     store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=60))
     while True:
         try:
@@ -101,7 +102,9 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
         ok, fn, args, kwargs, reply = reply[0] == "ok", None, None, None, None
         # The job's objects (a model, its hooks, the groups they hold) often sit in reference
         # cycles: collect them now, or their groups' gloo threads outlive the job and pile up.
+        # What survives (modules the job imported) is frozen, so the next collection skips it.
         gc.collect()
+        gc.freeze()
         if joined:
             if ok:
                 dist.barrier()  # nobody closes its connections while a peer still reads from them

@@ -11,6 +11,8 @@
 workers are started once per world size and shared by the whole test session.
 """
 
+import gc
+
 import pytest
 
 from .harness import Harness
@@ -24,6 +26,16 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: CUDA checks against the CPU fp32 result (tools/gpu/check.sh runs them); "
                                        "skipped without a GPU")
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, transformers, our packages) lives as long as the session:
+    # frozen, the cyclic collector stops walking its ~10^6 objects at every full collection.
+    gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    gc.unfreeze()  # let interpreter shutdown free it as usual
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,8 @@ def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
 TIED = {
     "tp2-dp2": ["parallel.tp=2"],
     "pp2-dp2-zb-v": ["parallel.pp=2", "parallel.schedule=zb-v"],
-    "pp2-tp2-1f1b-zero1": ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b", "parallel.zero=optim"],
+    "pp2-tp2-1f1b-zero1": ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=1f1b", "parallel.zero=optim",
+                           FOUR_MICROBATCHES],
 }
 
 

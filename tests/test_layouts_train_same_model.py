@@ -3,7 +3,7 @@ under many layouts give the loss and global grad norm of the single-rank run at 
 
 The tolerance comes from the measured error (`pytest -s` prints each layout's maximum relative
 error over the 20 steps): fp32 layouts differ from one rank by rounding only, at most 2.1e-7 in
-the loss and 4.3e-7 in the grad norm (uneven zb-v; ep2 x dp2 3.7e-7, <= 2.8e-7 for the rest), so 1e-6.
+the loss and 4.3e-7 in the grad norm (uneven zb-v; <= 2.8e-7 for the rest), so 1e-6.
 
 MoE routing is a discrete top-k: a token whose two best experts tie at the fp32 resolution of
 its router logits goes one way or the other depending on the last bit, in any two runs that sum
@@ -114,10 +114,12 @@ MOE = {
     "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
     "cp2-dp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
 }
-# Without a pipeline two layers (one dense, one MoE) show what four do. The pipeline keeps four, so
-# the first stage holds a MoE layer too and its balancing losses cross the stage boundary.
-# Micro-batches of two sequences on the single rank too, so the pipeline's global micro-batches
-# (dp = 1) are the single rank's: the balancing losses are per micro-batch.
+# Without a pipeline two layers (one dense, one MoE) show what four do, except for ep2 x dp2, the
+# case that once drifted, kept at four (three MoE layers). The pipeline keeps four too, so the first
+# stage holds a MoE layer and its balancing losses cross the stage boundary. Micro-batches of two
+# sequences on the single rank too, so the pipeline's global micro-batches (dp = 1) are the single
+# rank's: the balancing losses are per micro-batch.
+MOE_FOUR_LAYERS = ("ep2-dp2",)
 MOE_PIPELINE = {
     "tp2-pp2-ep2-1f1b": ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", "parallel.etp=1"],
 }
@@ -125,7 +127,7 @@ MOE_PIPELINE = {
 
 @pytest.mark.parametrize("name", list(MOE) + list(MOE_PIPELINE))
 def test_moe_layout_matches_single_rank(dist_run, name):
-    extra = ("train.micro_batch=2",) if name in MOE_PIPELINE else TWO_LAYERS
+    extra = ("train.micro_batch=2",) if name in MOE_PIPELINE else () if name in MOE_FOUR_LAYERS else TWO_LAYERS
     results = dist_run(4, train_steps, "tiny-moe", list(MOE_COMMON + extra) + (MOE | MOE_PIPELINE)[name], timeout=900)
     assert_same(results, single_rank(dist_run, "tiny-moe", MOE_COMMON + extra), TOLERANCE, name)
 

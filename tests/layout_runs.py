@@ -37,24 +37,61 @@ def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = (), f
     return _SINGLE_RANK[key]
 
 
+# Rounding alone can move a step a long way: where a gradient is a small difference of large terms
+# (measured on a Sapphire Rapids CPU: step 18 of the packed-documents run moves by 6.5e-6 in the grad
+# norm when the single rank itself only accumulates 2 sequences per micro-batch instead of 1, while
+# its other steps move by <= 2.5e-7). A step whose error exceeds the tolerance passes only if the
+# single rank's own rounding noise at that step is at least 1/NOISE_MARGIN of it; measured, a layout
+# lands at 0.8x (that packed step) and 2.0x (step 8 of the MLA + MTP tp2 x pp2 run) of that noise.
+NOISE_MARGIN = 4
+NOISE_MICRO_BATCHES = (2, 4)  # divide every test model's global batch of 8
+
+
+def rounding_noise(dist_run, config: str | None, overrides: tuple[str, ...] = (), fn=train_steps):
+    """Per step, the largest relative change of the single rank's loss and grad norm over re-runs that
+    accumulate 2 and 4 sequences per micro-batch: the same math, summed in another order. Not for MoE,
+    whose balancing losses are per micro-batch (there the split changes the math)."""
+    reference = single_rank(dist_run, config, overrides, fn)
+    runs = [single_rank(dist_run, config, tuple(overrides) + (f"train.micro_batch={n}",), fn)
+            for n in NOISE_MICRO_BATCHES]
+    return tuple([max(abs(run[kind][s] - reference[kind][s]) / abs(reference[kind][s]) for run in runs)
+                  for s in range(len(reference[kind]))] for kind in (0, 1))
+
+
 def max_errors(result, reference) -> tuple[float, float]:
     """Largest relative error of the loss and of the grad norm over the steps."""
-    (losses, norms), (ref_losses, ref_norms) = result, reference
+    (losses, norms), (ref_losses, ref_norms) = result[:2], reference[:2]
     loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
     return loss, norm
 
 
-def assert_same(results, reference, tolerance: float, name: str) -> None:
-    """Every rank's losses and grad norms equal the reference's within ``tolerance`` (relative)."""
+def assert_close_steps(result, reference, tolerance: float, name: str, noise=None, steps: int = STEPS) -> None:
+    """One rank's losses and grad norms equal the reference's at every step within ``tolerance``
+    (relative), or, at a step where they do not, within NOISE_MARGIN x the single rank's own rounding
+    noise there (``noise()``: :func:`rounding_noise`, computed only when a step needs it)."""
+    loss, norm = max_errors(result, reference)
+    print(f"{name}: max rel error loss {loss:.2e} grad norm {norm:.2e}")  # the evidence for the tolerance
+    measured = None
+    for kind, what in enumerate(("loss", "grad norm")):
+        got, want = result[kind], reference[kind]
+        assert len(got) == len(want) == steps
+        for step, (a, b) in enumerate(zip(got, want)):
+            error = abs(a - b) / abs(b)
+            if error <= tolerance:
+                continue
+            assert noise is not None, f"{name} step {step}: {what} {a} vs single-rank {b} ({error:.2e} > {tolerance})"
+            measured = measured or noise()
+            allowed = NOISE_MARGIN * measured[kind][step]
+            print(f"{name} step {step}: {what} error {error:.2e}, single-rank rounding noise {measured[kind][step]:.2e}")
+            assert error <= allowed, (f"{name} step {step}: {what} {a} vs single-rank {b} ({error:.2e} > {tolerance}, "
+                                      f"and > {NOISE_MARGIN} x the single rank's rounding noise {measured[kind][step]:.2e})")
+
+
+def assert_same(results, reference, tolerance: float, name: str, noise=None) -> None:
+    """Every rank's losses and grad norms equal the reference's (see :func:`assert_close_steps`)."""
     for rank, result in enumerate(results):
-        assert len(result[0]) == len(reference[0]) == STEPS
-        loss, norm = max_errors(result, reference)
-        print(f"{name}: max rel error loss {loss:.2e} grad norm {norm:.2e}")  # the evidence for the tolerance
-        for step, (a, na, b, nb) in enumerate(zip(*result, *reference)):
-            assert abs(a - b) <= tolerance * abs(b), f"{name} rank {rank} step {step}: loss {a} vs single-rank {b}"
-            assert abs(na - nb) <= tolerance * abs(nb), \
-                f"{name} rank {rank} step {step}: grad norm {na} vs single-rank {nb}"
+        assert_close_steps(result, reference, tolerance, f"{name} rank {rank}", noise)
 
 
 def one_rank_first_batch(cfg):

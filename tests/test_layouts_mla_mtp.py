@@ -15,7 +15,9 @@ import layout_runs
 
 STEPS = 10
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false"]
-# fp32: layouts differ by rounding only, at most 5.4e-7 over these 10 steps (`pytest -s` prints each)
+# fp32: layouts differ by rounding only, at most 8.0e-7 over these 10 steps (`pytest -s` prints
+# each), except step 8 of tp2-pp2-1f1b at 1.25e-6, where the single rank moves by 6.2e-7 when only its
+# micro-batching changes: such a step is judged against that noise (layout_runs.rounding_noise)
 RTOL = 1e-6
 
 
@@ -28,12 +30,8 @@ def train_losses(config, overrides):
     return [r.loss for r in results], [r.grad_norm for r in results]
 
 
-def _check(result, reference):
-    for got, want in zip(result, reference):  # losses, then grad norms
-        assert len(got) == len(want) == STEPS
-        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
-        print(f"max rel error {worst:.2e}")  # the evidence for the tolerance (pytest -s)
-        assert worst <= RTOL, f"relative error {worst:.2e} vs single rank: {got} vs {want}"
+def _check(result, reference, name, noise=None):
+    layout_runs.assert_close_steps(result, reference, RTOL, name, noise, steps=STEPS)
 
 MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.layers=6",
@@ -69,10 +67,15 @@ def single_rank(dist_run, config, overrides):
     return layout_runs.single_rank(dist_run, config, overrides, fn=train_losses)
 
 
+def noise(dist_run, overrides):
+    """The dense single rank's rounding noise per step, measured only if a step needs it."""
+    return lambda: layout_runs.rounding_noise(dist_run, None, overrides, fn=train_losses)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mla_mtp_layout_matches_single_rank(dist_run, name):
     for result in dist_run(4, train_losses, None, MLA + LAYOUTS[name], timeout=600):
-        _check(result, single_rank(dist_run, None, tuple(MLA)))
+        _check(result, single_rank(dist_run, None, tuple(MLA)), name, noise(dist_run, tuple(MLA)))
 
 
 def mtp_pp_job(overrides):
@@ -135,14 +138,15 @@ def test_mtp_checkpoint_pp2_1f1b_to_pp1_and_back_keeps_every_tensor(dist_run, tm
 def test_mtp_under_1f1b_keeps_the_embedding_copies_equal_and_matches_single_rank(dist_run, name):
     model = [o for o in MTP_PP[name] if o.startswith("model.")]
     for losses, norms, copies_equal in dist_run(4, mtp_pp_job, MLA + MTP_PP[name], timeout=600):
-        _check((losses, norms), single_rank(dist_run, None, tuple(MLA + model)))
+        reference = tuple(MLA + model)
+        _check((losses, norms), single_rank(dist_run, None, reference), name, noise(dist_run, reference))
         assert copies_equal, f"{name}: the embedding on the first and last stage differ after training"
 
 
 def test_mla_mtp_moe_ep2_matches_single_rank(dist_run):
     overrides = MLA + MOE
     for result in dist_run(4, train_losses, "tiny-moe", overrides + ["parallel.ep=2"], timeout=600):
-        _check(result, single_rank(dist_run, "tiny-moe", tuple(overrides)))
+        _check(result, single_rank(dist_run, "tiny-moe", tuple(overrides)), "mla-mtp-moe-ep2")
 
 
 def matches_reference_job():

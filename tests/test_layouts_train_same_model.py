@@ -2,8 +2,11 @@
 under many layouts give the loss and global grad norm of the single-rank run at every step.
 
 The tolerance comes from the measured error (`pytest -s` prints each layout's maximum relative
-error over the 20 steps): fp32 layouts differ from one rank by rounding only, at most 2.1e-7 in
-the loss and 4.3e-7 in the grad norm (uneven zb-v; <= 2.8e-7 for the rest), so 1e-6.
+error over the 20 steps): fp32 layouts differ from one rank by rounding only, at most 2.4e-7 in
+the loss and 6.8e-7 in the grad norm (tp2-etp2-ep2; <= 4.2e-7 for the dense ones), so 1e-6. One
+step is the exception: the packed-documents run's step 18 moves by 6.5e-6 on the single rank
+itself when only its micro-batching changes, so a step past 1e-6 is judged against that rounding
+noise (layout_runs.rounding_noise; dense runs only, MoE keeps 1e-6 at every step).
 
 MoE routing is a discrete top-k: a token whose two best experts tie at the fp32 resolution of
 its router logits goes one way or the other depending on the last bit, in any two runs that sum
@@ -13,9 +16,14 @@ router away from such ties for these 20 steps; they are what limits how long MoE
 
 import pytest
 
-from layout_runs import COMMON, STEPS, assert_same, single_rank, train_steps
+from layout_runs import COMMON, STEPS, assert_same, rounding_noise, single_rank, train_steps
 
 TOLERANCE = 1e-6
+
+
+def noise(dist_run, config, overrides):
+    """The single rank's own rounding noise per step, measured only if a step needs it (layout_runs)."""
+    return lambda: rounding_noise(dist_run, config, tuple(overrides))
 
 DENSE = {
     "dp4": ["parallel.zero=no_shard"],
@@ -72,14 +80,15 @@ FOUR_LAYER_PIPELINES = ("pp2-dp2-interleaved-vpp2", "pp4-1f1b", "pp2-dp2-zb-v-op
 def test_dense_layout_matches_single_rank(dist_run, name):
     depth = () if name in FOUR_LAYER_PIPELINES else TWO_LAYERS
     results = dist_run(4, train_steps, None, list(depth) + (DENSE | PIPELINE)[name], timeout=900)
-    assert_same(results, single_rank(dist_run, None, depth), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, None, depth), TOLERANCE, name, noise(dist_run, None, depth))
     assert results[0][0][-1] < results[0][0][0]  # and it learns
 
 
 @pytest.mark.parametrize("name", list(UNEVEN))
 def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, list(EIGHT_LAYERS) + UNEVEN[name], timeout=900)
-    assert_same(results, single_rank(dist_run, None, EIGHT_LAYERS), TOLERANCE, name)
+    assert_same(results, single_rank(dist_run, None, EIGHT_LAYERS), TOLERANCE, name,
+                noise(dist_run, None, EIGHT_LAYERS))
 
 
 # Tied input/output embeddings: one Parameter on the rank that holds both ends of the model (tp2,
@@ -95,7 +104,8 @@ TIED = {
 @pytest.mark.parametrize("name", list(TIED))
 def test_tied_embeddings_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, ["model.tie_embeddings=true"] + TIED[name], timeout=900)
-    assert_same(results, single_rank(dist_run, None, ("model.tie_embeddings=true",)), TOLERANCE, name)
+    tied = ("model.tie_embeddings=true",)
+    assert_same(results, single_rank(dist_run, None, tied), TOLERANCE, name, noise(dist_run, None, tied))
 
 
 # Every balancing term on, each large enough to move the grad norm by far more than the tolerance,
@@ -172,7 +182,8 @@ def test_placed_layout_matches_single_rank(dist_run, tmp_path, name):
             assert order != "pp-tp-cp-ep-dp" and permutation is None, message
         else:
             assert permutation is not None, message
-    assert_same([losses for losses, *_ in results], single_rank(dist_run, None, TWO_LAYERS), TOLERANCE, name)
+    assert_same([losses for losses, *_ in results], single_rank(dist_run, None, TWO_LAYERS), TOLERANCE, name,
+                noise(dist_run, None, TWO_LAYERS))
 
 
 # Packed documents (document_mask + reset_position_ids + eod_mask_loss) on short documents, so each
@@ -198,4 +209,6 @@ def test_packed_layout_matches_single_rank(dist_run, packed_data, name):
     config, common, layout = PACKED[name]
     common = (f"data.path={packed_data}",) + PACKED_KEYS + common
     results = dist_run(4, train_steps, config, list(common) + layout, timeout=900)
-    assert_same(results, single_rank(dist_run, config, common), TOLERANCE, name)
+    # MoE: micro-batching is part of its math (balancing losses per micro-batch), so no noise runs
+    assert_same(results, single_rank(dist_run, config, common), TOLERANCE, name,
+                None if config == "tiny-moe" else noise(dist_run, config, common))

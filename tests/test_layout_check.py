@@ -23,9 +23,9 @@ def test_past_the_tolerance_fails_without_a_noise_measurement():
 
 def test_past_the_tolerance_passes_only_within_the_margin_over_that_steps_noise():
     result = ([2.0] * 3, [1.0, 1 + 2e-6, 1.0])
-    assert_close_steps(result, REFERENCE, 1e-6, "x", _noise([0.0, 2e-6 / NOISE_MARGIN, 0.0]), steps=3)
+    assert_close_steps(result, REFERENCE, 1e-6, "x", _noise([0.0, 2.5e-6 / NOISE_MARGIN, 0.0]), steps=3)
     with pytest.raises(AssertionError, match="rounding noise"):
-        assert_close_steps(result, REFERENCE, 1e-6, "x", _noise([0.0, 1e-6 / NOISE_MARGIN, 0.0]), steps=3)
+        assert_close_steps(result, REFERENCE, 1e-6, "x", _noise([0.0, 1.5e-6 / NOISE_MARGIN, 0.0]), steps=3)
     with pytest.raises(AssertionError, match="rounding noise"):  # another step's noise does not count
         assert_close_steps(result, REFERENCE, 1e-6, "x", _noise([1.0, 0.0, 1.0]), steps=3)
 

@@ -1,5 +1,6 @@
-"""tools/gpu on a machine without a GPU: the check script says so in one line and exits 0, and
-its Python parts import and run their CPU paths (the 1B script on a tiny model)."""
+"""tools/gpu on a machine without a GPU: the check script says so in one line and exits 0, its
+Python parts import and run their CPU paths (the 1B script on a tiny model), and the `-m gpu`
+tests pass with the CPU standing in for CUDA."""
 
 import os
 import subprocess
@@ -31,3 +32,15 @@ def test_environment_report_and_tiny_1b_script_run_on_the_cpu():
     assert res.returncode == 0, res.stderr[-2000:]
     result = [line for line in res.stdout.splitlines() if line.startswith("RESULT gpu-1b ")]
     assert len(result) == 1 and "tokens_per_s=" in result[0] and "mfu=n/a" in result[0] and "ratio=" in result[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they run on it (tools/gpu/check.sh)")
+def test_the_gpu_checks_pass_on_the_cpu():
+    """Each package's `-m gpu` tests with their CUDA device swapped for the CPU: the checks
+    themselves are right before a GPU runs them (their oracle once decayed the biases that
+    DataParallel does not, a 1.1e-4 error no GPU kernel would have explained)."""
+    tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("packages/*/tests/test_gpu.py"))
+    res = run(sys.executable, "-m", "pytest", "-m", "gpu", "-q", *tests,
+              env={"PAR_GPU_TEST_DEVICE": "cpu"})
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout and "failed" not in res.stdout, res.stdout[-3000:]

@@ -55,7 +55,11 @@ def _train_ours(device: str, strategy: str):
 
 def train_torch_cpu():
     model, data = model_and_data("cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
+    params = list(model.parameters())
+    # DataParallel's default: no weight decay on 1-D params (biases), as nanoGPT and Megatron
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, foreach=False)
     for x, y in data:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()

@@ -78,3 +78,26 @@ def test_dense_sdpa_path_matches_reference_and_is_chosen_only_on_a_gpu():
         qc = torch.empty(24, 2, 4, 8, device="cuda", dtype=torch.bfloat16)
         assert dense_kernel(qc, "torch") is None and dense_kernel(qc, "sdpa") == "sdpa"
         assert dense_kernel(qc, "auto") in ("sdpa", "flash")
+
+
+def test_cuda_block_kernel_takes_our_arguments_on_fake_cuda():
+    """On CUDA without flash-attn a block runs torch's private flash SDPA ops (they return the LSE
+    the merge needs). Their signatures are torch's to change: on fake CUDA tensors the calls of
+    this torch must parse and give sequence-first fp32 grads on the inputs' device, GQA folded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from par_cp.kernels import choose_kernel
+    from par_cp.kernels.flash import _flash
+    from par_cp.kernels.sdpa import sdpa_backward, sdpa_forward
+
+    mask = BlockMask(0, 64, 0, 64, causal=True)
+    with FakeTensorMode():
+        q = torch.randn(64, 2, 8, 32, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(64, 2, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert choose_kernel("auto", q, mask) == ("flash" if _flash() is not None else "sdpa")
+        assert choose_kernel("sdpa", q.float(), mask) == "torch"  # torch's CUDA flash kernel: fp16/bf16 only
+        out, lse = sdpa_forward(q, k, v, mask, 32 ** -0.5)
+        assert out.shape == q.shape and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+        dq, dk, dv = sdpa_backward(torch.randn_like(out), q, k, v, out, lse, mask, 32 ** -0.5)
+        assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+        assert all(t.device.type == "cuda" and t.dtype == torch.float32 for t in (dq, dk, dv))

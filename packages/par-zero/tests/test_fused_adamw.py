@@ -22,3 +22,18 @@ def test_clip_coefficient_is_a_tensor_capped_at_one():
     assert clip_coefficient(torch.tensor(4.0), 1.0).item() == 1.0 / (4.0 + 1e-6)
     assert clip_coefficient(torch.tensor(0.5), 1.0).item() == 1.0
     assert clip_coefficient(torch.tensor(float("nan")), 1.0).item() == 1.0  # NaN norms leave grads to nan_policy
+
+
+def test_cuda_params_take_the_fused_kernel_with_its_step_on_their_device():
+    """On fake CUDA tensors: CUDA params choose the fused kernel by default, and the call (its step
+    tensor made on the param's device) parses on this torch and updates in place."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from par_zero.adamw import fused_adamw_available
+
+    with FakeTensorMode():
+        p = torch.randn(64, device="cuda")
+        m, v, g = torch.zeros_like(p), torch.zeros_like(p), torch.randn_like(p)
+        assert fused_adamw_available(p) and not fused_adamw_available(torch.randn(4, device="meta"))
+        adamw_step_(p, g, m, v, step=1, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        assert all(t.device.type == "cuda" for t in (p, m, v))

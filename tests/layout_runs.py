@@ -39,8 +39,8 @@ def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = (), f
 
 # Rounding alone can move a step a long way: where a gradient is a small difference of large terms
 # (measured on a Sapphire Rapids CPU: step 18 of the packed-documents run moves by 6.5e-6 in the grad
-# norm when the single rank itself only accumulates 2 sequences per micro-batch instead of 1, while
-# its other steps move by <= 2.5e-7). A step whose error exceeds the tolerance passes only if the
+# norm when the single rank itself only splits its 8 sequences into micro-batches of 2 instead of
+# taking them in one, while its other steps move by <= 2.5e-7). A step whose error exceeds the tolerance passes only if the
 # single rank's own rounding noise at that step is at least 1/NOISE_MARGIN of it; measured, a layout
 # lands at 0.8x (that packed step) and 2.0x (step 8 of the MLA + MTP tp2 x pp2 run) of that noise.
 NOISE_MARGIN = 4

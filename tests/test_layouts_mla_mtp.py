@@ -67,15 +67,11 @@ def single_rank(dist_run, config, overrides):
     return layout_runs.single_rank(dist_run, config, overrides, fn=train_losses)
 
 
-def noise(dist_run, overrides):
-    """The dense single rank's rounding noise per step, measured only if a step needs it."""
-    return lambda: layout_runs.rounding_noise(dist_run, None, overrides, fn=train_losses)
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mla_mtp_layout_matches_single_rank(dist_run, name):
     for result in dist_run(4, train_losses, None, MLA + LAYOUTS[name], timeout=600):
-        _check(result, single_rank(dist_run, None, tuple(MLA)), name, noise(dist_run, tuple(MLA)))
+        _check(result, single_rank(dist_run, None, tuple(MLA)), name,
+               layout_runs.deferred_noise(dist_run, None, MLA, train_losses))
 
 
 def mtp_pp_job(overrides):
@@ -139,7 +135,8 @@ def test_mtp_under_1f1b_keeps_the_embedding_copies_equal_and_matches_single_rank
     model = [o for o in MTP_PP[name] if o.startswith("model.")]
     for losses, norms, copies_equal in dist_run(4, mtp_pp_job, MLA + MTP_PP[name], timeout=600):
         reference = tuple(MLA + model)
-        _check((losses, norms), single_rank(dist_run, None, reference), name, noise(dist_run, reference))
+        _check((losses, norms), single_rank(dist_run, None, reference), name,
+               layout_runs.deferred_noise(dist_run, None, reference, train_losses))
         assert copies_equal, f"{name}: the embedding on the first and last stage differ after training"
 
 

@@ -16,14 +16,10 @@ router away from such ties for these 20 steps; they are what limits how long MoE
 
 import pytest
 
-from layout_runs import COMMON, STEPS, assert_same, rounding_noise, single_rank, train_steps
+from layout_runs import COMMON, STEPS, assert_same, single_rank, train_steps
+from layout_runs import deferred_noise as noise
 
 TOLERANCE = 1e-6
-
-
-def noise(dist_run, config, overrides):
-    """The single rank's own rounding noise per step, measured only if a step needs it (layout_runs)."""
-    return lambda: rounding_noise(dist_run, config, tuple(overrides))
 
 DENSE = {
     "dp4": ["parallel.zero=no_shard"],

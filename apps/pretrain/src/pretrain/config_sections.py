@@ -156,7 +156,7 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
-    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around the step ([model].backend=te)
+    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te)
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2

@@ -3,7 +3,7 @@
 - attention (``[model].attention_backend``): flash-attn (varlen inside every CP mode, ``flash_attn_func``
   at cp=1), else torch's SDPA (on CUDA its own flash kernel), else the pure-PyTorch kernel;
 - layers (``[model].backend``): PyTorch, or Transformer Engine (``te``, CUDA);
-- FP8 (``[train].fp8``): TE's delayed or current scaling recipe around the forward;
+- FP8 (``[train].fp8``): TE's delayed or current scaling recipe around each chunk's forward;
 - MoE experts: torch's bf16 grouped GEMM when the device and torch have it (par-moe decides per call);
 - AdamW: torch's fused kernel on CUDA (par-zero decides per bucket).
 
@@ -91,11 +91,17 @@ def _need_cuda(device: torch.device, what: str) -> None:
                          f"([train].device; use the default 'auto' attention/backend on the CPU)")
 
 
-def fp8_context(kernels: Kernels):
-    """TE's FP8 autocast for the forward (``[train].fp8``), or a no-op context."""
+def fp8_context(kernels: Kernels, amax_group=None):
+    """TE's FP8 autocast (``[train].fp8``) for one forward of a model chunk, or a no-op context.
+
+    One region per forward, as in Megatron: with delayed scaling TE reduces the amaxes when a region
+    ends and a module may run only once inside one. ``amax_group``: the ranks that reduce them, the
+    tp x dp x cp group (every rank of it holds the same layers); None would be the whole world."""
     if kernels.fp8 == "off":
         return nullcontext()
     te = require("transformer_engine.pytorch", f"[train].fp8={kernels.fp8!r}")
     recipes = importlib.import_module("transformer_engine.common.recipe")
     recipe = recipes.DelayedScaling() if kernels.fp8 == "delayed" else recipes.Float8CurrentScaling()
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    if hasattr(te, "autocast"):  # newer TE; TE 2.20 deprecates fp8_autocast
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)

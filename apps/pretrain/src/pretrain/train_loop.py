@@ -9,7 +9,6 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -144,8 +143,10 @@ class Trainer:
         return [x.to(self.device) for x, _, _ in rounds], [y.to(self.device) for _, y, _ in rounds]
 
     def _forward_chunk(self, chunk_id: int, module, x: torch.Tensor, microbatch: int):
-        """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any."""
-        return module(x, docs=self._docs[microbatch]) if self._docs else module(x)
+        """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any,
+        in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_context)."""
+        with fp8_context(self.kernels, self.groups.tp_dp_cp):
+            return module(x, docs=self._docs[microbatch]) if self._docs else module(x)
 
     def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
         """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart).
@@ -157,7 +158,8 @@ class Trainer:
             return vocab_parallel_cross_entropy(out, labels, self.groups.tp)  # in fp32 inside
         (logits, hidden), streams = out, list(labels.unbind(-1))
         loss = vocab_parallel_cross_entropy(logits, streams[0], self.groups.tp)
-        extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
+        with fp8_context(self.kernels, self.groups.tp_dp_cp):  # MTP's layers: a forward of their own
+            extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
         return loss + (extra - extra.detach())
 
     # ---- one step --------------------------------------------------------------------------
@@ -167,11 +169,8 @@ class Trainer:
             return self._run_microbatches(inputs, labels)
 
     def _compute_context(self):
-        """bf16 autocast (when the run is bf16), inside it TE's FP8 autocast (when [train].fp8 is on)."""
-        stack = ExitStack()
-        stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast))
-        stack.enter_context(fp8_context(self.kernels))
-        return stack
+        """bf16 autocast (when the run is bf16); each chunk's forward adds FP8 inside it (_forward_chunk)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
     def _run_microbatches(self, inputs, labels) -> list[torch.Tensor]:
         dp, n = self.model.dp, len(inputs)

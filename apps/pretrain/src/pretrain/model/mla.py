@@ -28,12 +28,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
 from .rope import apply_rope_interleaved, rope_for, rope_tables, set_shard_rope_tables_, yarn_mscale
+from .te import recompute
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
@@ -111,9 +111,9 @@ class MLAttention(nn.Module):
 class ContextMLACore(nn.Module):
     """RoPE at this CP shard's positions, then par-cp attention on K and V padded to one width."""
 
-    def __init__(self, a, attn, seq_len: int, selective: bool) -> None:
+    def __init__(self, a, attn, seq_len: int, selective: bool, backend: str = "torch") -> None:
         super().__init__()
-        self.a, self.attn, self.selective, self.seq_len = a, attn, selective, seq_len
+        self.a, self.attn, self.selective, self.seq_len, self.backend = a, attn, selective, seq_len, backend
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
@@ -130,7 +130,7 @@ class ContextMLACore(nn.Module):
 
     def forward(self, q, kv, k_rope, docs=None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only
-            return checkpoint(self._core, q, kv, k_rope, docs, use_reentrant=False)
+            return recompute(self._core, q, kv, k_rope, docs, backend=self.backend)
         return self._core(q, kv, k_rope, docs)
 
 

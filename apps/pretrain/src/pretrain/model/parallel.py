@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from par_cp import ContextParallelAttention
 from par_groups import ParallelGroups, declare_copies_, placement_of
@@ -36,6 +35,7 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
+from .te import recompute
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def context_attention(layout: RankLayout, softmax_scale: float | None = None) ->
     if layout.backend == "te":
         from .te import TEContextAttention
 
-        return TEContextAttention(layout)
+        return TEContextAttention(layout, softmax_scale)
     if layout.cp_mode == "a2a+p2p":
         return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
                                         softmax_scale=softmax_scale, backend=layout.attention_backend)
@@ -76,7 +76,7 @@ class RopeThenContextAttention(nn.Module):
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
-        self.selective = layout.recompute == "selective"
+        self.selective, self.backend = layout.recompute == "selective", layout.backend
 
     def init_buffers_(self, device: torch.device) -> None:
         set_shard_rope_tables_(self, device, self.seq_len, self.a.hidden // self.a.heads)
@@ -91,7 +91,7 @@ class RopeThenContextAttention(nn.Module):
 
     def forward(self, q, k, v, docs: Documents | None = None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return checkpoint(self._core, q, k, v, docs, use_reentrant=False)
+            return recompute(self._core, q, k, v, docs, backend=self.backend)
         return self._core(q, k, v, docs)
 
 
@@ -104,11 +104,11 @@ class ParallelDecoderLayer(nn.Module):
     def __init__(self, a, index: int, layout: RankLayout) -> None:
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
-        self.full_recompute = layout.recompute == "full"
+        self.full_recompute, self.backend = layout.recompute == "full", layout.backend
         self.input_layernorm = _norm(a, layout)
         if a.attention == "mla":
             core = ContextMLACore(a, context_attention(layout, softmax_scale(a)), layout.seq_len,
-                                  layout.recompute == "selective")
+                                  layout.recompute == "selective", layout.backend)
             self.self_attn = TPMLAttention(a, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
         else:
             self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
@@ -140,7 +140,7 @@ class ParallelDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, docs, use_reentrant=False)
+            return recompute(self._forward, x, docs, backend=self.backend)
         return self._forward(x, docs)
 
 

@@ -5,9 +5,15 @@ ZeRO buckets and checkpoints) and the TP/SP communication; TE computes
 
 - every rank-local matmul of the TP layers and the KV projections (``te.Linear`` borrowing our
   weight Parameter), so ``[train].fp8`` runs them in FP8 under TE's autocast;
-- the attention core (``te.DotProductAttention``, sequence-first ``sbhd``, causal, GQA), with TE's
-  own context parallelism for cp > 1 (its names for Megatron's cp_comm_type; TE expects the
-  same load-balanced zigzag shards par-cp uses, so RoPE positions and data sharding stay ours).
+- the attention core (``te.DotProductAttention``, sequence-first ``sbhd``, causal, GQA, the model's
+  softmax scale), with TE's own context parallelism for cp > 1 (its names for Megatron's
+  cp_comm_type; TE's default load balancing, DUAL_CHUNK_SWAP, is par-cp's zigzag shard, so RoPE
+  positions and data sharding stay ours);
+- activation recomputation (``te.checkpoint``: its recompute re-enters the FP8 autocast with the
+  forward's scaling factors, which torch's checkpoint would not).
+
+The output layer (``lm_head``) stays a PyTorch matmul, as in Megatron: its logits feed the loss,
+so it does not run in FP8.
 
 LayerNormLinear (norm fused into the next matmul) is not used: it would move the norm weights
 into other modules and change the checkpoint layout.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from par_tp import ColumnParallelLinear, RowParallelLinear
 
@@ -45,9 +52,13 @@ class TELinearKernel:
 
 
 def use_te_linears_(module: nn.Module) -> int:
-    """Route every TP layer's and KV projection's local matmul through TE; returns how many."""
+    """Route every TP layer's and KV projection's local matmul through TE (not the output layer's);
+    returns how many."""
     count = 0
+    head = getattr(module, "lm_head", None)
     for m in module.modules():
+        if m is head:
+            continue
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.linear_kernel = TELinearKernel(m.weight)
             count += 1
@@ -63,9 +74,9 @@ class TEContextAttention(nn.Module):
 
     layout = "zigzag"  # what TE's load balancing expects; RopeThenContextAttention takes positions from it
 
-    def __init__(self, rank_layout) -> None:
+    def __init__(self, rank_layout, softmax_scale: float | None = None) -> None:
         super().__init__()
-        self.rank_layout = rank_layout
+        self.rank_layout, self.softmax_scale = rank_layout, softmax_scale  # None: 1/sqrt(head dim)
         self.dpa = None  # built on first call, when the local head counts are known
 
     @property
@@ -76,15 +87,26 @@ class TEContextAttention(nn.Module):
     def _build(self, q: torch.Tensor, k: torch.Tensor):
         te, layout, g = _te(), self.rank_layout, self.rank_layout.groups
         dpa = te.DotProductAttention(q.shape[2], q.shape[3], num_gqa_groups=k.shape[2], attention_dropout=0.0,
-                                     qkv_format="sbhd", attn_mask_type="causal")
+                                     qkv_format="sbhd", attn_mask_type="causal", softmax_scale=self.softmax_scale)
         if g.size("cp") > 1:
-            cp_group = [g.hcp[0], g.hcp[1]] if layout.cp_mode == "a2a+p2p" else g.cp
-            dpa.set_context_parallel_group(cp_group, dist.get_process_group_ranks(g.cp), torch.cuda.Stream(),
+            cp_group = [g.hcp[0], g.hcp[1]] if layout.cp_mode == "a2a+p2p" else g.cp  # (a2a, p2p), as TE asks
+            stream = torch.cuda.Stream(q.device) if q.is_cuda else None  # TE's CP overlaps on a stream of q's GPU
+            dpa.set_context_parallel_group(cp_group, dist.get_process_group_ranks(g.cp), stream,
                                            TE_CP_COMM_TYPES[layout.cp_mode])
         return dpa
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        if cu_seqlens is not None:  # the config refuses packed documents with backend='te'
+            raise ValueError("TEContextAttention: packed documents (cu_seqlens) are not wired to TE")
         if self.dpa is None:
             self.dpa = self._build(q, k)
         out = self.dpa(q, k, v)  # [S, B, Hq * D]
         return out.view(q.shape)
+
+
+def recompute(fn, *args, backend: str):
+    """Activation recomputation of ``fn(*args)``: TE's checkpoint under the TE backend (its recompute
+    runs in the forward's FP8 autocast and scaling), torch's otherwise."""
+    if backend == "te":
+        return _te().checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False)

@@ -32,6 +32,8 @@ LAYOUTS = {  # world 2 or 4; each adds one thing TE must be given right
     # fp8: 4 micro-batches, each chunk forward its own FP8 region; full recompute re-enters FP8
     "tp2-pp2-1f1b-fp8-delayed-recompute-full": ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b",
                                                 "parallel.microbatches=4", "train.fp8=delayed", "model.recompute=full"],
+    "dp2-torch-fsdp2": ["parallel.zero=torch_fsdp2"],
+    "dp2-zero3": ["parallel.zero=optim_grads_params"],
     "dp2-fp8-current-mtp": ["train.fp8=current", "train.micro_batch=2", "model.mtp_depth=1"],
 }
 WORLD = {"cp4-a2a+p2p-hcp2x2": 4, "cp2-dp2-a2a": 4, "tp2-pp2-1f1b-fp8-delayed-recompute-full": 4}

@@ -47,7 +47,10 @@ class TELinearKernel:
         self.linear = [linear]  # a list: not a submodule, so the Parameter is not registered twice
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.linear[0](x)
+        linear = self.linear[0]
+        if linear.weight is not weight:  # the caller's weight now: torch's FSDP2 swaps in its own at each forward
+            linear._parameters["weight"] = weight
+        y = linear(x)
         return y if bias is None else y + bias
 
 

@@ -3,11 +3,11 @@ call, so the trainer's TE wiring runs (and is compared with the PyTorch backend)
 
 It has TE 2.x's names, signatures and contracts, checked against the source of
 transformer_engine 2.20 (``transformer_engine.pytorch``: ``Linear``, ``DotProductAttention`` and
-its ``set_context_parallel_group``, ``autocast``, ``checkpoint``; ``transformer_engine.common.recipe``),
+its ``set_context_parallel_group``, ``LayerNormLinear`` (RMSNorm), ``autocast``, ``checkpoint``; ``transformer_engine.common.recipe``),
 and plain fp32 PyTorch math: FP8 is not emulated, so a TE run must equal a PyTorch one. What it
 checks on top of the math, as TE does or requires:
 
-- a Linear runs at most once inside one FP8 autocast region when the recipe reduces amaxes
+- a Linear (or LayerNormLinear) runs at most once inside one FP8 autocast region when the recipe reduces amaxes
   (TE's documented contract for delayed scaling), and records the region's amax reduction group;
 - attention takes ``sbhd`` tensors of the load-balanced CP shard TE expects (DUAL_CHUNK_SWAP: of
   2*cp chunks rank r holds chunks r and 2*cp-1-r) and returns ``[S, B, H*D]``; under CP it
@@ -43,7 +43,8 @@ class Region:
 
 @dataclass
 class Record:
-    linear_calls: int = 0
+    linear_calls: int = 0  # Linear and LayerNormLinear
+    norm_linear_calls: int = 0
     fp8_linear_calls: int = 0
     attention_calls: int = 0
     checkpoints: int = 0
@@ -133,6 +134,23 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
                 record.fp8_linear_calls += 1
             return F.linear(inp, self.weight, self.bias)
 
+    class LayerNormLinear(Linear):
+        def __init__(self, in_features, out_features, eps=1e-5, sequence_parallel=False, fuse_wgrad_accumulation=False,
+                     tp_group=None, tp_size=1, get_rng_state_tracker=None, init_method=None, bias=True,
+                     normalization="LayerNorm", return_bias=False, params_dtype=None, parallel_mode=None,
+                     return_layernorm_output=False, return_layernorm_output_gathered=False, parameters_split=None,
+                     zero_centered_gamma=False, device="cuda", **kwargs):
+            super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, device=device)
+            assert normalization == "RMSNorm" and not zero_centered_gamma, "the stand-in is TE's RMSNorm only"
+            self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=params_dtype, device=device))
+            self.eps, self.return_layernorm_output = eps, return_layernorm_output
+
+        def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+            record.norm_linear_calls += 1
+            normed = F.rms_norm(inp, (inp.shape[-1],), self.layer_norm_weight, self.eps)
+            out = super().forward(normed)
+            return (out, normed) if self.return_layernorm_output else out
+
     class DotProductAttention(nn.Module):
         def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                      qkv_format="sbhd", attn_mask_type="causal", window_size=None, bottom_right_diagonal=None,
@@ -189,7 +207,7 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
     pytorch = types.ModuleType("transformer_engine.pytorch")
     common = types.ModuleType("transformer_engine.common")
     recipe_module = types.ModuleType("transformer_engine.common.recipe")
-    for name, value in dict(Linear=Linear, DotProductAttention=DotProductAttention, autocast=autocast,
+    for name, value in dict(Linear=Linear, LayerNormLinear=LayerNormLinear, DotProductAttention=DotProductAttention, autocast=autocast,
                             fp8_autocast=fp8_autocast, checkpoint=checkpoint).items():
         setattr(pytorch, name, value)
     recipe_module.DelayedScaling, recipe_module.Float8CurrentScaling = DelayedScaling, Float8CurrentScaling

@@ -102,17 +102,21 @@ class TPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, **core_args) -> torch.Tensor:
         """``core_args`` go to ``core`` (e.g. the document boundaries of packed sequences)."""
-        if self.comm_overlap:  # q, k, v share one gather, overlapped with their matmuls
-            q, k, v = all_gather_matmul(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.tp_group)
-        else:
-            x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)  # one entry for q, k, v
-            q, k, v = self.wq.forward_local(x), self.wk(x), self.wv(x)
+        q, k, v = self.project(x)
         s, b = q.shape[0], q.shape[1]
         q = q.view(s, b, self.local_heads, self.head_dim)
         k = k.view(s, b, self.local_kv_heads, self.head_dim)
         v = v.view(s, b, self.local_kv_heads, self.head_dim)
         out = self.core(q, k, v, **core_args)
         return self.wo(out.reshape(s, b, self.local_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q, k, v ``[S, B, heads * D]``: the one entry collective, then the local matmuls.
+        A backend may replace it on an instance (pretrain's TE backend moves the input norm in here)."""
+        if self.comm_overlap:  # q, k, v share one gather, overlapped with their matmuls
+            return all_gather_matmul(x, [self.wq.weight, self.wk.weight, self.wv.weight], self.tp_group)
+        x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)  # one entry for q, k, v
+        return self.wq.forward_local(x), self.wk(x), self.wv(x)
 
     @torch.no_grad()
     def load_full_(self, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor) -> "TPAttention":

@@ -31,11 +31,17 @@ class TPSwiGLU(nn.Module):
         self.down = RowParallelLinear(ffn_hidden, hidden, tp_group, input_is_parallel=True, sequence_parallel=sequence_parallel, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.project(x)
+        return self.down(F.silu(gate) * up)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's gate and up ``[S, B, ffn/tp]``: the one entry collective, then the local matmuls.
+        A backend may replace it on an instance (pretrain's TE backend moves the input norm in here)."""
         if self.gate.comm_overlap:  # gate and up share one overlapped gather
             gate, up = all_gather_matmul(x, [self.gate.weight, self.up.weight], self.tp_group, [self.gate.bias, self.up.bias])
-            return self.down(F.silu(gate) * up)
+            return gate, up
         x = enter_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)
-        return self.down(F.silu(self.gate.forward_local(x)) * self.up.forward_local(x))
+        return self.gate.forward_local(x), self.up.forward_local(x)
 
     @torch.no_grad()
     def load_full_(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "TPSwiGLU":

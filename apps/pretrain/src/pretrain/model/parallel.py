@@ -35,7 +35,7 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_layer_ids, mtp_loss
 from .moe import moe_config
 from .reference import is_moe_layer
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
-from .te import recompute
+from .te import fuse_norm_, recompute
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,12 @@ class RopeThenContextAttention(nn.Module):
         return self._core(q, k, v, docs)
 
 
-def _norm(a, layout: RankLayout) -> nn.RMSNorm:
-    """A copy on every TP rank; with sequence parallelism each sees its shard, so its grad is partial."""
-    return declare_copies_(nn.RMSNorm(a.hidden, eps=a.norm_eps), layout.groups.tp, layout.sequence_parallel)
+def _norm(a, layout: RankLayout, inside_tp: bool = False) -> nn.RMSNorm:
+    """A copy on every TP rank. Its grad is partial over TP with sequence parallelism (each rank sees
+    its shard), or when it runs inside the TP region, on the input of this rank's matmuls only
+    (``inside_tp``: the TE backend fuses it into the next matmul, te.TENormProjections)."""
+    norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+    return declare_copies_(norm, layout.groups.tp, layout.sequence_parallel or inside_tp)
 
 
 class ParallelDecoderLayer(nn.Module):
@@ -105,7 +108,11 @@ class ParallelDecoderLayer(nn.Module):
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
         self.full_recompute, self.backend = layout.recompute == "full", layout.backend
-        self.input_layernorm = _norm(a, layout)
+        self.is_moe = is_moe_layer(a, index)
+        # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
+        self.attention_norm_inside = layout.backend == "te" and a.attention != "mla"
+        self.mlp_norm_inside = layout.backend == "te" and not self.is_moe
+        self.input_layernorm = _norm(a, layout, self.attention_norm_inside)
         if a.attention == "mla":
             core = ContextMLACore(a, context_attention(layout, softmax_scale(a)), layout.seq_len,
                                   layout.recompute == "selective", layout.backend)
@@ -113,8 +120,7 @@ class ParallelDecoderLayer(nn.Module):
         else:
             self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
                                          comm_overlap=layout.tp_comm_overlap)
-        self.post_attention_layernorm = _norm(a, layout)
-        self.is_moe = is_moe_layer(a, index)
+        self.post_attention_layernorm = _norm(a, layout, self.mlp_norm_inside)
         if self.is_moe:
             # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
             # under SP), as on one device; the sequence-wise one over the ranks splitting a sequence.
@@ -128,11 +134,15 @@ class ParallelDecoderLayer(nn.Module):
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
         self.dp_cp_size = g.size("dp_cp")
+        if self.attention_norm_inside:
+            fuse_norm_(self.self_attn, self.input_layernorm)
+        if self.mlp_norm_inside:
+            fuse_norm_(self.mlp, self.post_attention_layernorm)
 
     def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        x = x + self.self_attn(self.input_layernorm(x), **packed)
-        out = self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        out = self.mlp(x if self.mlp_norm_inside else self.post_attention_layernorm(x))
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)

@@ -15,8 +15,12 @@ ZeRO buckets and checkpoints) and the TP/SP communication; TE computes
 The output layer (``lm_head``) stays a PyTorch matmul, as in Megatron: its logits feed the loss,
 so it does not run in FP8.
 
-LayerNormLinear (norm fused into the next matmul) is not used: it would move the norm weights
-into other modules and change the checkpoint layout.
+- each norm with the matmul after it (``te.LayerNormLinear``, RMSNorm): the decoder layer's input
+  norm with ``wq`` (GQA attention), its post-attention norm with the MLP's ``gate`` (dense layers);
+  the other projections take the normed output TE returns. The norm moves after the TP entry
+  collective (it is per token, so that changes no value), which makes its weight's gradient a
+  partial sum over TP even without SP: the layer declares it so where it creates the norm
+  (``parallel._norm``). The norm weights stay the layer's Parameters (same names, checkpoints).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from par_tp import ColumnParallelLinear, RowParallelLinear
+from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
 from ..kernels import require
 
@@ -48,8 +52,7 @@ class TELinearKernel:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         linear = self.linear[0]
-        if linear.weight is not weight:  # the caller's weight now: torch's FSDP2 swaps in its own at each forward
-            linear._parameters["weight"] = weight
+        _borrow(linear, "weight", weight)  # the caller's: torch's FSDP2 swaps in its own at each forward
         y = linear(x)
         return y if bias is None else y + bias
 
@@ -70,6 +73,46 @@ def use_te_linears_(module: nn.Module) -> int:
             m.forward = lambda x, m=m, kernel=kernel: kernel(x, m.weight, m.bias)
             count += 1
     return count
+
+
+def _borrow(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """``module.<name>`` is ``tensor`` (our Parameter, or the one torch's FSDP2 swapped in for this forward)."""
+    if getattr(module, name) is not tensor:
+        module._parameters[name] = tensor
+
+
+class TENormProjections:
+    """A TP block's ``project`` (``par_tp.TPAttention`` / ``TPSwiGLU``) with the block's input norm inside:
+    the entry collective on the un-normed input, then TE's LayerNormLinear (RMSNorm + the ``first``
+    matmul, holding our norm and weight Parameters), then the ``others`` on the normed output."""
+
+    def __init__(self, block: nn.Module, norm: nn.RMSNorm, first: str, others: tuple[str, ...]) -> None:
+        self.refs = [block, norm]  # a list: the block and norm are not registered twice
+        self.first, self.others = first, others
+        self.kernel = None  # built at the first call, on the device of the weights
+
+    def _build(self, norm: nn.RMSNorm, weight: torch.Tensor):
+        out_features, in_features = weight.shape
+        return _te().LayerNormLinear(in_features, out_features, eps=norm.eps, bias=False, normalization="RMSNorm",
+                                     return_layernorm_output=True, params_dtype=weight.dtype, device=weight.device)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        block, norm = self.refs
+        weight = getattr(block, self.first).weight
+        if self.kernel is None:
+            self.kernel = self._build(norm, weight)
+        _borrow(self.kernel, "layer_norm_weight", norm.weight)
+        _borrow(self.kernel, "weight", weight)
+        x = enter_tensor_parallel_region(x, block.tp_group, block.sequence_parallel)
+        y, normed = self.kernel(x)
+        rest = [getattr(block, name) for name in self.others]
+        return (y, *(m.forward_local(normed) if isinstance(m, ColumnParallelLinear) else m(normed) for m in rest))
+
+
+def fuse_norm_(block: nn.Module, norm: nn.RMSNorm) -> None:
+    """Move ``norm`` into ``block``'s projections (a TPAttention or a TPSwiGLU) through TE."""
+    first, others = ("wq", ("wk", "wv")) if hasattr(block, "wq") else ("gate", ("up",))
+    block.project = TENormProjections(block, norm, first, others)
 
 
 class TEContextAttention(nn.Module):

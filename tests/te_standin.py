@@ -114,7 +114,14 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
     def current() -> Region | None:
         return record.active[-1] if record.active else None
 
-    class Linear(nn.Module):
+    class Module(nn.Module):  # TE's modules keep their FP8 metadata as extra state in the state dict
+        def get_extra_state(self):
+            return torch.empty(0, dtype=torch.uint8)
+
+        def set_extra_state(self, state):
+            pass
+
+    class Linear(Module):
         def __init__(self, in_features, out_features, sequence_parallel=False, fuse_wgrad_accumulation=False,
                      tp_group=None, tp_size=1, get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
                      bias=True, return_bias=False, params_dtype=None, parallel_mode=None, parameters_split=None,
@@ -151,7 +158,7 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
             out = super().forward(normed)
             return (out, normed) if self.return_layernorm_output else out
 
-    class DotProductAttention(nn.Module):
+    class DotProductAttention(Module):
         def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                      qkv_format="sbhd", attn_mask_type="causal", window_size=None, bottom_right_diagonal=None,
                      softcap=0.0, sequence_parallel=False, tp_size=1, get_rng_state_tracker=None, tp_group=None,

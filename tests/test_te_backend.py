@@ -76,6 +76,7 @@ def te_backend(config, overrides):
                     recomputes_in_fp8=sum(r.recompute for r in record.regions),
                     cp_comm_types=sorted(record.cp_comm_types), amax_ranks=sorted(amax_ranks),
                     expected_amax_ranks=[tuple(sorted(dist.get_process_group_ranks(trainer.groups.tp_dp_cp)))],
+                    te_state=[n for n in trainer.model.full_named_tensors() if "extra_state" in n],
                     torch_matmuls=sorted(name for chunk in trainer.model.chunks.values()
                                          for name, m in chunk.named_modules()
                                          if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
@@ -98,6 +99,7 @@ def test_te_backend_trains_the_same_model_as_pytorch(dist_run, name):
         layout_runs.assert_close_steps(te_run, reference, RTOL, f"te {name}", noise, steps=STEPS)
         assert seen["linear_calls"] > 0 and seen["attention_calls"] > 0, seen
         assert seen["norm_linear_calls"] > 0, seen  # every layout has a fused norm (GQA's or a dense MLP's)
+        assert seen["te_state"] == [], seen  # TE's modules stay out of the checkpointed tensors
         assert seen["torch_matmuls"] in ([], ["lm_head"]), seen  # the output layer stays out of TE (and FP8)
         if "parallel.cp" in settings:  # TE's name for each cp_comm_type
             mode = settings.get("parallel.cp_comm_type", "p2p")

@@ -123,7 +123,9 @@ class TEContextAttention(nn.Module):
     def __init__(self, rank_layout, softmax_scale: float | None = None) -> None:
         super().__init__()
         self.rank_layout, self.softmax_scale = rank_layout, softmax_scale  # None: 1/sqrt(head dim)
-        self.dpa = None  # built on first call, when the local head counts are known
+        # built at the first call, when the local head counts are known; in a list, not a submodule:
+        # TE's modules add an ``_extra_state`` to the state dict, which is not part of our checkpoints
+        self.dpa = []
 
     @property
     def cp_rank_and_size(self) -> tuple[int, int]:
@@ -144,9 +146,9 @@ class TEContextAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         if cu_seqlens is not None:  # the config refuses packed documents with backend='te'
             raise ValueError("TEContextAttention: packed documents (cu_seqlens) are not wired to TE")
-        if self.dpa is None:
-            self.dpa = self._build(q, k)
-        out = self.dpa(q, k, v)  # [S, B, Hq * D]
+        if not self.dpa:
+            self.dpa.append(self._build(q, k))
+        out = self.dpa[0](q, k, v)  # [S, B, Hq * D]
         return out.view(q.shape)
 
 

@@ -10,17 +10,17 @@ ZeRO buckets and checkpoints) and the TP/SP communication; TE computes
   cp_comm_type; TE's default load balancing, DUAL_CHUNK_SWAP, is par-cp's zigzag shard, so RoPE
   positions and data sharding stay ours);
 - activation recomputation (``te.checkpoint``: its recompute re-enters the FP8 autocast with the
-  forward's scaling factors, which torch's checkpoint would not).
-
-The output layer (``lm_head``) stays a PyTorch matmul, as in Megatron: its logits feed the loss,
-so it does not run in FP8.
-
+  forward's scaling factors, which torch's checkpoint would not);
 - each norm with the matmul after it (``te.LayerNormLinear``, RMSNorm): the decoder layer's input
   norm with ``wq`` (GQA attention), its post-attention norm with the MLP's ``gate`` (dense layers);
   the other projections take the normed output TE returns. The norm moves after the TP entry
   collective (it is per token, so that changes no value), which makes its weight's gradient a
   partial sum over TP even without SP: the layer declares it so where it creates the norm
   (``parallel._norm``). The norm weights stay the layer's Parameters (same names, checkpoints).
+
+The output layer (``lm_head``) stays a PyTorch matmul, as in Megatron: its logits feed the loss,
+so it does not run in FP8. Modules of TE's are held, not registered: their FP8 extra state is
+not part of our checkpoints.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ class Record:
     attention_calls: int = 0
     checkpoints: int = 0
     regions: list = field(default_factory=list)
+    devices: set = field(default_factory=set)  # where TE's modules were asked to put their tensors
     cp_comm_types: set = field(default_factory=set)
     active: list = field(default_factory=list)  # the stack of open regions
 
@@ -127,6 +128,7 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
                      bias=True, return_bias=False, params_dtype=None, parallel_mode=None, parameters_split=None,
                      device="cuda", **kwargs):
             super().__init__()
+            record.devices.add(torch.device(device).type)
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device)) if bias else None
 

@@ -5,10 +5,15 @@ Under ``FakeTensorMode`` tensors on device "cuda" exist on this CPU-only machine
 layout's model is built on fake CUDA, wrapped with a ZeRO strategy, and run forward; every
 parameter, buffer, bucket and optimizer tensor must be on cuda and no op of the forward may
 produce a CPU tensor. The meta device runs backward too: a whole step (forward, backward, grad
-reduction, clipping, AdamW) runs on meta and must leave nothing on the CPU.
+reduction, clipping, AdamW) runs on meta and must leave nothing on the CPU. With
+``[model].backend='te'`` (tests/te_standin.py standing in for Transformer Engine) TE's modules must
+be made on the weights' device: on meta that cannot be TE's own default, "cuda".
 """
 
+import contextlib
+
 import pytest
+import te_standin
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,6 +32,8 @@ LAYOUTS = {  # id: (world, overrides); our ZeRO strategies, TP+SP, PP (1F1B and 
     "zero3-tp2-pp2": (8, ["parallel.zero=optim_grads_params", "parallel.tp=2", "parallel.pp=2"]),
     "zero3-pp2-zbv-hsdp": (8, ["parallel.zero=optim_grads_params", "parallel.pp=2", "parallel.schedule=zb-v",
                                "parallel.hsdp_replicas=2"]),
+    # Transformer Engine's modules (tests/te_standin.py standing in) are made on the weights' device
+    "zero2-tp2-sp-te": (4, ["parallel.zero=optim_grads", "parallel.tp=2", "model.backend=te"]),
 }
 
 
@@ -89,8 +96,9 @@ def _forward(cfg, layout, rank_model, device):
 def test_fake_cuda_model_buckets_and_forward_stay_on_cuda(name, monkeypatch):
     world, overrides = LAYOUTS[name]
     _fake_world(world)
+    te = te_standin.installed() if "model.backend=te" in overrides else contextlib.nullcontext()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), te as record:
             cfg, layout, rank_model = _build(overrides, world, "cuda", monkeypatch)
             if "parallel.tp_comm_overlap=true" in overrides:  # the key reaches every TP layer
                 flags = [m.comm_overlap for c in rank_model.chunks.values() for m in c.modules() if hasattr(m, "comm_overlap")]
@@ -102,6 +110,8 @@ def test_fake_cuda_model_buckets_and_forward_stay_on_cuda(name, monkeypatch):
                 outs = _forward(cfg, layout, rank_model, "cuda")
             assert all(o.device.type == "cuda" for o in outs)
             assert not recorder.on_cpu, f"ops that produced CPU tensors in the forward: {sorted(set(recorder.on_cpu))}"
+            if record is not None:
+                assert record.norm_linear_calls > 0 and record.devices == {"cuda"}, record
     finally:
         dist.destroy_process_group()
 
@@ -134,25 +144,35 @@ def test_torch_fsdp2_mesh_takes_the_params_device_type(monkeypatch):
     (1, ["parallel.zero=no_shard"]),
     (4, ["parallel.zero=optim_grads_params", "parallel.tp=2", "parallel.cp=2", "parallel.cp_comm_type=a2a"]),
     (4, ["parallel.zero=optim_grads", "parallel.pp=2", "parallel.schedule=1f1b"]),
-], ids=["ddp", "zero3-tp2-cp2-a2a", "zero2-pp2"])
+    (2, ["parallel.zero=optim_grads", "parallel.tp=2", "model.backend=te"]),  # TE's modules on meta too
+], ids=["ddp", "zero3-tp2-cp2-a2a", "zero2-pp2", "zero2-tp2-te"])
 def test_meta_step_leaves_nothing_on_cpu(world, overrides, monkeypatch):
     """Forward, backward, grad reduction, clipping and AdamW on the meta device: no op makes a CPU tensor.
     (The fake process group has no meta backend for batched send/recv, so the ring CP mode is not here.)"""
 
     _fake_world(world)
+    te = te_standin.installed() if "model.backend=te" in overrides else contextlib.nullcontext()
     try:
-        cfg, layout, rank_model = _build(overrides, world, "meta", monkeypatch)
-        dp, recorder = rank_model.dp, NoCpuOutputs()
-        with recorder:
-            outs = _forward(cfg, layout, rank_model, "meta")
-            sum(o.float().sum() for o in outs).backward()
-            dp.reduce_grads()
-            dp.clip_grad_norm_(1.0, norm_groups=(rank_model.groups.tp, rank_model.groups.pp))
-            dp.set_lr(1e-3)
-            dp.step()
-            dp.zero_grad()
-        assert not recorder.on_cpu, f"ops that produced CPU tensors in the step: {sorted(set(recorder.on_cpu))}"
-        where = {n: t.device.type for n, t in _state_tensors(rank_model).items()}
-        assert where and all(d == "meta" for d in where.values()), {n: d for n, d in where.items() if d != "meta"}
+        with te as record:
+            _meta_step(overrides, world, monkeypatch)
+        if record is not None:  # TE's modules: made on the weights' device (TE's own default is "cuda")
+            assert record.norm_linear_calls > 0 and record.devices == {"meta"}, record
     finally:
         dist.destroy_process_group()
+
+
+def _meta_step(overrides, world, monkeypatch):
+    """One whole step on the meta device; asserts no op made a CPU tensor and every state tensor is on meta."""
+    cfg, layout, rank_model = _build(overrides, world, "meta", monkeypatch)
+    dp, recorder = rank_model.dp, NoCpuOutputs()
+    with recorder:
+        outs = _forward(cfg, layout, rank_model, "meta")
+        sum(o.float().sum() for o in outs).backward()
+        dp.reduce_grads()
+        dp.clip_grad_norm_(1.0, norm_groups=(rank_model.groups.tp, rank_model.groups.pp))
+        dp.set_lr(1e-3)
+        dp.step()
+        dp.zero_grad()
+    assert not recorder.on_cpu, f"ops that produced CPU tensors in the step: {sorted(set(recorder.on_cpu))}"
+    where = {n: t.device.type for n, t in _state_tensors(rank_model).items()}
+    assert where and all(d == "meta" for d in where.values()), {n: d for n, d in where.items() if d != "meta"}

@@ -7,6 +7,9 @@ tells it, even when it consumes them in another order. To overlap transfers with
 next header of every incoming stream is posted ahead of time, and its payload receive as soon
 as the header has landed; with declared shapes (no headers), the next ``POSTED_AHEAD``
 receives. Everything goes through ``par_groups.comm.batch_isend_irecv``.
+
+gloo cannot send or receive CUDA tensors (only its collectives take them), so over gloo a CUDA
+pipeline stages its messages through host memory; NCCL sends them from the GPU.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ def _empty_from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 class _Incoming:
     """One peer's messages to this rank, received strictly in the peer's send order."""
 
-    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device, fixed=None):
+    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device, fixed=None,
+                 wire: torch.device | None = None):
         self.expected, self.peer, self.group, self.device, self.fixed = expected, peer, group, device, fixed
+        self.wire = wire or device  # where the receive buffers live (host memory for gloo with CUDA)
         self.next = 0  # index in `expected` of the next message whose header is not yet posted
         self.header: tuple[torch.Tensor, list] | None = None  # the posted header, if any
         self.payloads: dict[Message, tuple[torch.Tensor, list]] = {}  # posted, not yet taken
@@ -62,14 +67,14 @@ class _Incoming:
         if self.fixed is not None:  # no header: every message has the declared shape and dtype
             # up to POSTED_AHEAD receives in flight (a bounded number: each holds a buffer)
             while self.next < len(self.expected) and (block or len(self.payloads) < POSTED_AHEAD):
-                payload = torch.empty(self.fixed[0], dtype=self.fixed[1], device=self.device)
+                payload = torch.empty(self.fixed[0], dtype=self.fixed[1], device=self.wire)
                 self.payloads[self.expected[self.next]] = (payload, self._post(payload))
                 self.next += 1
                 if block:
                     return
             return
         if self.header is None and self.next < len(self.expected):
-            buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            buf = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
             self.header = (buf, self._post(buf))
         if self.header is None:
             return
@@ -78,7 +83,7 @@ class _Incoming:
             return
         for w in works:
             w.wait()
-        payload = _empty_from_header(buf, self.device)
+        payload = _empty_from_header(buf, self.wire)
         self.payloads[self.expected[self.next]] = (payload, self._post(payload))
         self.next += 1
         self.header = None
@@ -92,7 +97,7 @@ class _Incoming:
         for w in works:
             w.wait()
         self.pump(block=False)  # keep the next header in flight
-        return payload
+        return payload.to(self.device)
 
 
 class StageComm:
@@ -103,13 +108,16 @@ class StageComm:
 
     def __init__(self, schedule, rank: int, group: ProcessGroup, device: torch.device, fixed=None):
         self.group, self.fixed = group, fixed
+        device = torch.device(device)
+        self.wire = torch.device("cpu") if device.type == "cuda" and dist.get_backend(group) == "gloo" else device
         self._global = [dist.get_global_rank(group, r) for r in range(schedule.pp)]
         by_src: dict[int, list[Message]] = {}
         for src in range(schedule.pp):
             for m in schedule.sends(src):
                 if m.dst == rank:
                     by_src.setdefault(src, []).append(m)
-        self.incoming = {src: _Incoming(msgs, self._global[src], group, device, fixed) for src, msgs in by_src.items()}
+        self.incoming = {src: _Incoming(msgs, self._global[src], group, device, fixed, self.wire)
+                         for src, msgs in by_src.items()}
         self.pending_sends: deque = deque()
 
     def start(self) -> None:
@@ -131,7 +139,7 @@ class StageComm:
         return self.incoming[message.src].take(message)
 
     def send(self, message: Message, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.wire).contiguous()
         peer = self._global[message.dst]
         if self.fixed is not None and (tuple(tensor.shape), tensor.dtype) != (tuple(self.fixed[0]), self.fixed[1]):
             raise ValueError(f"{message}: tensor {tuple(tensor.shape)} {tensor.dtype} differs from the declared "

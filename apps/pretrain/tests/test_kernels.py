@@ -75,4 +75,6 @@ def test_mfu_peak_follows_the_matmul_dtype():
     assert matmul_dtype(True, "delayed") == "fp8"
     assert lookup_peak_tflops("NVIDIA H200", "bf16") == 989.0
     assert lookup_peak_tflops("NVIDIA H200", "fp8") == 1979.0
+    assert lookup_peak_tflops("NVIDIA H200 141GB HBM3e", "bf16") == 989.0  # SXM under its long NVML name
+    assert lookup_peak_tflops("NVIDIA H200 NVL", "bf16") == 835.0  # the PCIe card: lower clocks and power
     assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no FP8 tensor cores

@@ -40,8 +40,9 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 def fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, betas, eps: float,
                       weight_decay: float) -> None:
-    """torch's fused AdamW kernel on one tensor (the step count lives on the param's device)."""
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=param.device)]
+    """torch's fused AdamW kernel on one tensor (the step count lives on the param's device: made by
+    a fill there, not copied from the host, which on CUDA would wait for the stream once per bucket)."""
+    steps = [torch.full((), float(step), dtype=torch.float32, device=param.device)]
     torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0], beta2=betas[1],
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 

@@ -10,6 +10,8 @@ experts. Expert tensor parallelism shards the intermediate dimension F: each etp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,20 +42,31 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class GroupLayout:
-    """Where each sorted row sits in the padded batch: computed once, used by all three GEMMs."""
+    """Where each sorted row sits: the group offsets (all the grouped GEMM needs), and for the padded
+    batch each row's group and position, made at first use (once, for all three GEMMs)."""
 
     def __init__(self, counts: torch.Tensor, num_rows: int, max_count: int | None = None):
         """``max_count``: the largest count when it is known without reading ``counts`` (a declared routing)."""
-        self.counts = counts
+        self.counts, self.num_rows, self._max_count = counts, num_rows, max_count
         self.num_groups = counts.numel()
         self.offsets = counts.cumsum(0)
-        self.group_of_row = torch.repeat_interleave(torch.arange(self.num_groups, device=counts.device), counts,
-                                                    output_size=num_rows)
-        starts = self.offsets - counts
-        self.pos_in_group = torch.arange(num_rows, device=counts.device) - starts[self.group_of_row]
-        if max_count is None:
-            max_count = int(counts.max().item()) if num_rows else 0
-        self.max_count = max_count
+
+    @functools.cached_property
+    def group_of_row(self) -> torch.Tensor:
+        groups = torch.arange(self.num_groups, device=self.counts.device)
+        return torch.repeat_interleave(groups, self.counts, output_size=self.num_rows)
+
+    @functools.cached_property
+    def pos_in_group(self) -> torch.Tensor:
+        starts = self.offsets - self.counts
+        return torch.arange(self.num_rows, device=self.counts.device) - starts[self.group_of_row]
+
+    @functools.cached_property
+    def max_count(self) -> int:
+        """The padded batch's length; reading it from the counts waits for the GPU (the grouped GEMM never asks)."""
+        if self._max_count is not None:
+            return self._max_count
+        return int(self.counts.max().item()) if self.num_rows else 0
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, use_grouped_mm: bool) -> torch.Tensor:

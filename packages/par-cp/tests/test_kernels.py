@@ -101,3 +101,19 @@ def test_cuda_block_kernel_takes_our_arguments_on_fake_cuda():
         dq, dk, dv = sdpa_backward(torch.randn_like(out), q, k, v, out, lse, mask, 32 ** -0.5)
         assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
         assert all(t.device.type == "cuda" and t.dtype == torch.float32 for t in (dq, dk, dv))
+
+
+def test_flash_varlen_index_of_two_documents_over_a_batch_of_two():
+    """flash-attn's varlen call takes each document piece of each sequence as one sequence:
+    token indices batch-major, int32 cu_seqlens, and the longest piece (worked out by hand)."""
+    from par_cp.kernels.flash import _varlen_index
+
+    mask = BlockMask(0, 8, 0, 8, causal=True, docs=(0, 3, 8))
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k = _varlen_index(mask, 2, torch.device("cpu"))
+    assert q_idx.tolist() == k_idx.tolist() == list(range(16))
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 8, 11, 16] and cu_q.dtype == torch.int32
+    assert (max_q, max_k) == (5, 5)
+    # a later query block sees the earlier keys of its document only: keys 3..5 for queries 5..7
+    later = BlockMask(5, 8, 0, 6, causal=False, docs=(0, 3, 8))
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k = _varlen_index(later, 1, torch.device("cpu"))
+    assert q_idx.tolist() == [0, 1, 2] and k_idx.tolist() == [3, 4, 5] and cu_k.tolist() == [0, 3]

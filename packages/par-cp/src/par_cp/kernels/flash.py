@@ -62,8 +62,17 @@ def _varlen_index(mask: BlockMask, batch: int, device):
             cu_k.append(cu_k[-1] + k1 - k0)
     max_q = max(q1 - q0 for q0, q1, _, _ in pairs)
     max_k = max(k1 - k0 for _, _, k0, k1 in pairs)
-    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return torch.cat(q_idx).to(device), torch.cat(k_idx).to(device), as_t(cu_q), as_t(cu_k), max_q, max_k
+    cu = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q_idx, k_idx, cu_q, cu_k = (_to_device(t, device) for t in (torch.cat(q_idx), torch.cat(k_idx), cu(cu_q), cu(cu_k)))
+    return q_idx, k_idx, cu_q, cu_k, max_q, max_k
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, not waiting for its stream (a
+    plain host copy would, four times per attention block)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _flat(x):  # [S, B, H, D] -> [B*S, H, D]

@@ -91,17 +91,18 @@ def _need_cuda(device: torch.device, what: str) -> None:
                          f"([train].device; use the default 'auto' attention/backend on the CPU)")
 
 
-def fp8_context(kernels: Kernels, amax_group=None):
-    """TE's FP8 autocast (``[train].fp8``) for one forward of a model chunk, or a no-op context.
+def fp8_regions(kernels: Kernels, amax_group=None):
+    """A function that opens TE's FP8 autocast (``[train].fp8``) for one forward of a model chunk, or
+    a no-op context; the recipe is made once, here.
 
     One region per forward, as in Megatron: with delayed scaling TE reduces the amaxes when a region
     ends and a module may run only once inside one. ``amax_group``: the ranks that reduce them, the
     tp x dp x cp group (every rank of it holds the same layers); None would be the whole world."""
     if kernels.fp8 == "off":
-        return nullcontext()
+        return nullcontext
     te = require("transformer_engine.pytorch", f"[train].fp8={kernels.fp8!r}")
     recipes = importlib.import_module("transformer_engine.common.recipe")
     recipe = recipes.DelayedScaling() if kernels.fp8 == "delayed" else recipes.Float8CurrentScaling()
     if hasattr(te, "autocast"):  # newer TE; TE 2.20 deprecates fp8_autocast
-        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)
+        return functools.partial(te.autocast, enabled=True, recipe=recipe, amax_reduction_group=amax_group)
+    return functools.partial(te.fp8_autocast, enabled=True, fp8_recipe=recipe, fp8_group=amax_group)

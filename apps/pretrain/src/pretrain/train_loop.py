@@ -20,7 +20,7 @@ from par_tp import vocab_parallel_cross_entropy
 
 from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
-from .kernels import fp8_context, select_kernels
+from .kernels import fp8_regions, select_kernels
 from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
@@ -60,6 +60,7 @@ class Trainer:
         self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement)
         g = self.model.groups
         self.groups = g
+        self.fp8_region = fp8_regions(self.kernels, g.tp_dp_cp)  # TE's FP8 autocast for one forward, or a no-op
         self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
@@ -144,8 +145,8 @@ class Trainer:
 
     def _forward_chunk(self, chunk_id: int, module, x: torch.Tensor, microbatch: int):
         """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any,
-        in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_context)."""
-        with fp8_context(self.kernels, self.groups.tp_dp_cp):
+        in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
+        with self.fp8_region():
             return module(x, docs=self._docs[microbatch]) if self._docs else module(x)
 
     def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,7 @@ class Trainer:
             return vocab_parallel_cross_entropy(out, labels, self.groups.tp)  # in fp32 inside
         (logits, hidden), streams = out, list(labels.unbind(-1))
         loss = vocab_parallel_cross_entropy(logits, streams[0], self.groups.tp)
-        with fp8_context(self.kernels, self.groups.tp_dp_cp):  # MTP's layers: a forward of their own
+        with self.fp8_region():  # MTP's layers: a forward of their own
             extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
         return loss + (extra - extra.detach())
 

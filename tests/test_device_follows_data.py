@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from par_groups.testing.host_ops import CpuOutputs
 
 BASE = ["model.layers=4", "train.seq_len=32", "train.global_batch=8"]
 
@@ -35,20 +35,6 @@ LAYOUTS = {  # id: (world, overrides); our ZeRO strategies, TP+SP, PP (1F1B and 
     # Transformer Engine's modules (tests/te_standin.py standing in) are made on the weights' device
     "zero2-tp2-sp-te": (4, ["parallel.zero=optim_grads", "parallel.tp=2", "model.backend=te"]),
 }
-
-
-class NoCpuOutputs(TorchDispatchMode):
-    """Records every op whose output is a CPU tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.on_cpu = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves(out)):
-            self.on_cpu.append(str(func))
-        return out
 
 
 def _fake_world(world: int):
@@ -105,11 +91,11 @@ def test_fake_cuda_model_buckets_and_forward_stay_on_cuda(name, monkeypatch):
                 assert flags and all(flags)
             where = {n: t.device.type for n, t in _state_tensors(rank_model).items()}
             assert where and all(d == "cuda" for d in where.values()), {n: d for n, d in where.items() if d != "cuda"}
-            recorder = NoCpuOutputs()
+            recorder = CpuOutputs()
             with recorder:
                 outs = _forward(cfg, layout, rank_model, "cuda")
             assert all(o.device.type == "cuda" for o in outs)
-            assert not recorder.on_cpu, f"ops that produced CPU tensors in the forward: {sorted(set(recorder.on_cpu))}"
+            assert not recorder.ops, f"ops that produced CPU tensors in the forward: {sorted(set(recorder.ops))}"
             if record is not None:
                 assert record.norm_linear_calls > 0 and record.devices == {"cuda"}, record
     finally:
@@ -164,7 +150,7 @@ def test_meta_step_leaves_nothing_on_cpu(world, overrides, monkeypatch):
 def _meta_step(overrides, world, monkeypatch):
     """One whole step on the meta device; asserts no op made a CPU tensor and every state tensor is on meta."""
     cfg, layout, rank_model = _build(overrides, world, "meta", monkeypatch)
-    dp, recorder = rank_model.dp, NoCpuOutputs()
+    dp, recorder = rank_model.dp, CpuOutputs()
     with recorder:
         outs = _forward(cfg, layout, rank_model, "meta")
         sum(o.float().sum() for o in outs).backward()
@@ -173,6 +159,6 @@ def _meta_step(overrides, world, monkeypatch):
         dp.set_lr(1e-3)
         dp.step()
         dp.zero_grad()
-    assert not recorder.on_cpu, f"ops that produced CPU tensors in the step: {sorted(set(recorder.on_cpu))}"
+    assert not recorder.ops, f"ops that produced CPU tensors in the step: {sorted(set(recorder.ops))}"
     where = {n: t.device.type for n, t in _state_tensors(rank_model).items()}
     assert where and all(d == "meta" for d in where.values()), {n: d for n, d in where.items() if d != "meta"}

@@ -29,27 +29,15 @@ def test_cuda_params_take_the_fused_kernel_with_its_step_on_their_device():
     tensor made on the param's device, with no tensor of the host's: a host-to-GPU copy would
     wait for the stream) parses on this torch and updates in place."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
+    from par_groups.testing.host_ops import CpuOutputs
     from par_zero.adamw import fused_adamw_available
-
-    class HostTensors(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tree_leaves((args, kwargs, out))):
-                self.ops.append(str(func))
-            return out
 
     with FakeTensorMode():
         p = torch.randn(64, device="cuda")
         m, v, g = torch.zeros_like(p), torch.zeros_like(p), torch.randn_like(p)
         assert fused_adamw_available(p) and not fused_adamw_available(torch.randn(4, device="meta"))
-        with HostTensors() as host:
+        with CpuOutputs() as host:
             adamw_step_(p, g, m, v, step=1, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         assert all(t.device.type == "cuda" for t in (p, m, v))
         assert host.ops == [], host.ops

@@ -51,10 +51,10 @@ def _empty_from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 class _Incoming:
     """One peer's messages to this rank, received strictly in the peer's send order."""
 
-    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device, fixed=None,
-                 wire: torch.device | None = None):
+    def __init__(self, expected: list[Message], peer: int, group: ProcessGroup, device: torch.device, fixed,
+                 wire: torch.device):
         self.expected, self.peer, self.group, self.device, self.fixed = expected, peer, group, device, fixed
-        self.wire = wire or device  # where the receive buffers live (host memory for gloo with CUDA)
+        self.wire = wire  # where the receive buffers live (host memory for gloo with CUDA)
         self.next = 0  # index in `expected` of the next message whose header is not yet posted
         self.header: tuple[torch.Tensor, list] | None = None  # the posted header, if any
         self.payloads: dict[Message, tuple[torch.Tensor, list]] = {}  # posted, not yet taken

@@ -111,7 +111,7 @@ class Config:
             _need(p.microbatches % p.pp == 0,
                   f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
         embedded_vocab = 257 if self.data.packed else 256  # with EOS when documents matter
-        _need(self.data.path or m.vocab_size >= embedded_vocab,
+        _need(self.data.train_sources or m.vocab_size >= embedded_vocab,
               f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
               f"{' (256 bytes and EOS: [data] document keys are set)' if self.data.packed else ''}")
         if p.dynamic_cp:
@@ -197,6 +197,9 @@ def _coerce(section: str, key: str, value, hint):
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
         return float(value)
+    if hint is list:
+        _need(isinstance(value, list), f"{where} must be a list, got {value!r}")
+        return value
     if hint in (str, dict):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
         _need(isinstance(value, hint), f"{where} must be {what}, got {value!r}")

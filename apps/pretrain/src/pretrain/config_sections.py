@@ -212,7 +212,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = ""  # "" = the embedded generated dataset; else a prefix written by `pretrain prepare`
+    path: str = ""  # "" = the embedded generated dataset; else a prefix: `pretrain prepare`'s or Megatron's
+    # Megatron's --data-path 0.3 web 0.7 code, instead of path: [[0.3, "web"], [0.7, "code"]] (weights normalised)
+    blend: list = field(default_factory=list)
+    eval_path: str = ""  # a held-out set of its own (or eval_blend); "" = each source's trailing valid_fraction
+    eval_blend: list = field(default_factory=list)
+    eos: int = -1  # the EOS id of a dataset whose files do not say it (Megatron's own); -1 = the header's
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
     valid_fraction: float = 0.05
     seed: int = 1234
@@ -224,7 +229,26 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
+        from .data.blend import check_blend
+
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+        _need(not (self.path and self.blend), "[data] takes path or blend, not both")
+        _need(not (self.eval_path and self.eval_blend), "[data] takes eval_path or eval_blend, not both")
+        _need(self.eos >= -1, f"[data].eos={self.eos} must be a token id (or -1: the dataset header's)")
+        for key in ("blend", "eval_blend"):
+            if getattr(self, key):
+                check_blend(getattr(self, key), f"[data].{key}")
+                object.__setattr__(self, key, [[float(w), p] for w, p in getattr(self, key)])
+
+    @property
+    def train_sources(self) -> list:
+        """``[[weight, prefix], ...]`` of the training data; [] = the embedded dataset."""
+        return self.blend or ([[1.0, self.path]] if self.path else [])
+
+    @property
+    def eval_sources(self) -> list:
+        """The separate held-out set as ``[[weight, prefix], ...]``; [] = the training sources' tails."""
+        return self.eval_blend or ([[1.0, self.eval_path]] if self.eval_path else [])
 
     @property
     def packed(self) -> bool:

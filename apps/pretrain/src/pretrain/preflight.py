@@ -26,10 +26,11 @@ def check_run(cfg, layout, force: bool = False) -> None:
     from .checkpoint.retention import check_unclaimed
     from .checkpoint.store import (check_compatible, check_optimizer_matches, latest_checkpoint, read_state,
                                    resolve_checkpoint)
-    from .data import build_sampler, check_token_ids, load_dataset
+    from .data import build_sampler, check_data_ids, load_dataset, load_eval
 
     dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-    check_token_ids(dataset, cfg.model.vocab_size)
+    check_data_ids(dataset, cfg.model.vocab_size)
+    check_data_ids(load_eval(cfg.data, cfg.model.vocab_size, dataset), cfg.model.vocab_size)
     build_sampler(cfg, layout, 0, dataset)  # too small for the windows: UsageError now, not in the ranks
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
     latest = latest_checkpoint(root) if ck.resume else None

@@ -73,7 +73,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             last = result.loss
             if logger is not None:
                 logger.log(step + 1, result.loss, step_time=time.time() - t0, lr=result.lr, grad_norm=result.grad_norm,
-                           **result.moe)
+                           **result.moe, **trainer.sampler.shares(step + 1))
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:

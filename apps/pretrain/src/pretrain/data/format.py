@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
+from . import megatron_format
 
 FORMAT = "par-tokens"
 VERSION = 1
@@ -42,10 +43,11 @@ class TokenDataset:
 
     tokens: np.ndarray
     doc_offsets: np.ndarray
-    vocab_size: int
+    vocab_size: int | None  # None: the files do not say (Megatron's own); ids are checked against the model
     tokenizer: str = "byte"
     source: str = "<embedded>"
     eos: int | None = None  # the id ending every document, None: documents have no separator
+    format: str = "par"  # par | megatron (see megatron_format.py)
 
     @property
     def num_tokens(self) -> int:
@@ -55,64 +57,50 @@ class TokenDataset:
     def num_docs(self) -> int:
         return int(self.doc_offsets.shape[0]) - 1
 
-    def unigram_entropy(self, chunk: int = 1 << 24) -> float:
+    def unigram_entropy(self) -> float:
         """Entropy of the token frequencies, in nats (the loss a model ignoring all context reaches)."""
-        counts = np.zeros(self.vocab_size, dtype=np.int64)
-        for start in range(0, self.num_tokens, chunk):
-            counts += np.bincount(self.tokens[start:start + chunk], minlength=self.vocab_size)[: self.vocab_size]
+        counts = self.token_counts()
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
+    def token_counts(self, chunk: int = 1 << 24) -> np.ndarray:
+        """How often each id occurs (``[max id + 1]``)."""
+        counts = np.zeros(1, dtype=np.int64)
+        for start in range(0, self.num_tokens, chunk):
+            part = np.asarray(self.tokens[start:start + chunk])
+            part = np.bincount(part.clip(0) if part.dtype.kind == "i" else part)
+            counts = np.pad(counts, (0, max(0, part.size - counts.size)))
+            counts[: part.size] += part
+        return counts
 
-def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None) -> TokenDataset:
-    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json, each
-    followed by ``eos`` when given (recorded in the header).
 
-    The files are written under temporary names and renamed only once every document was read, so
-    a failing input (or no text at all) leaves an existing dataset at ``prefix`` untouched."""
-    prefix = Path(prefix)
-    if not prefix.name or prefix.is_dir():
-        raise UsageError(f"{str(prefix)!r} is a directory; give a file prefix inside it, e.g. {prefix / 'corpus'}")
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(vocab_size)
-    final = {ext: Path(f"{prefix}.{ext}") for ext in ("bin", "idx", "json")}
-    tmp = {ext: p.with_name(f".{p.name}.tmp") for ext, p in final.items()}
-    offsets = [0]
+def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,
+                  format: str = "par") -> TokenDataset:
+    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json (``format``:
+    par or megatron, see ``writer.py``), each followed by ``eos`` when given (recorded in the header)."""
+    from .writer import DatasetWriter
+
+    writer = DatasetWriter(prefix, vocab_size, tokenizer, eos, format)
     try:
-        with open(tmp["bin"], "wb") as out:
-            for doc in docs:
-                ids = np.asarray(doc, dtype=np.int64)
-                if ids.size == 0:
-                    continue
-                if eos is not None:
-                    ids = np.append(ids, eos)
-                if ids.min() < 0 or ids.max() >= vocab_size:
-                    raise UsageError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size}")
-                out.write(ids.astype(dtype).tobytes())
-                offsets.append(offsets[-1] + int(ids.size))
-        if offsets[-1] == 0:
-            raise UsageError("the inputs contain no text to tokenize")
-        np.asarray(offsets, dtype="<i8").tofile(tmp["idx"])
-        header = dict(format=FORMAT, version=VERSION, dtype=dtype.name, vocab_size=int(vocab_size),
-                      num_tokens=offsets[-1], num_docs=len(offsets) - 1, tokenizer=tokenizer)
-        if eos is not None:
-            header["eos"] = int(eos)
-        tmp["json"].write_text(json.dumps(header, indent=1) + "\n")
-        for ext in ("bin", "idx", "json"):  # the header last: a reader never sees a header without its data
-            tmp[ext].replace(final[ext])
-    finally:
-        for p in tmp.values():
-            p.unlink(missing_ok=True)
-    return open_dataset(prefix)
+        for doc in docs:
+            ids = np.asarray(doc, dtype=np.int64)
+            if ids.size:
+                ids = np.append(ids, eos) if eos is not None else ids
+                writer.add(ids, np.array([ids.size]))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
 
 
 def check_token_ids(ds: TokenDataset, vocab_size: int, chunk: int = 1 << 24) -> None:
-    """UsageError naming the first token id >= ``vocab_size`` (they would index past the embedding)."""
-    if np.iinfo(ds.tokens.dtype).max < vocab_size:
+    """UsageError naming the first token id >= ``vocab_size`` or < 0 (they would index past the embedding)."""
+    info = np.iinfo(ds.tokens.dtype)
+    if info.max < vocab_size and info.min == 0:
         return
     for start in range(0, ds.num_tokens, chunk):
         part = np.asarray(ds.tokens[start:start + chunk])
-        bad = np.flatnonzero(part >= vocab_size)
+        bad = np.flatnonzero((part >= vocab_size) | (part < 0))
         if bad.size:
             at = start + int(bad[0])
             raise UsageError(f"dataset {ds.source}: token id {int(part[bad[0]])} at offset {at} is outside the "
@@ -127,12 +115,25 @@ def _strip_suffix(prefix: str) -> str:
 
 
 def open_dataset(prefix: str | Path) -> TokenDataset:
-    """Memory-map a dataset written by :func:`write_dataset`; any missing or malformed part is a UsageError."""
+    """Memory-map a dataset, ours or Megatron's (told apart by the ``.idx``'s first bytes: Megatron's
+    magic, or our first offset 0); any missing or malformed part is a UsageError naming the file."""
     prefix = _strip_suffix(str(prefix))
     paths = {ext: Path(f"{prefix}.{ext}") for ext in ("json", "bin", "idx")}
-    missing = [str(p) for p in paths.values() if not p.is_file()]
+    missing = [str(paths[e]) for e in ("bin", "idx") if not paths[e].is_file()]
     if missing:
         raise UsageError(f"dataset {prefix!r} is missing {', '.join(missing)}; write it with `pretrain prepare`")
+    try:
+        with open(paths["idx"], "rb") as f:
+            head = f.read(len(megatron_format.MAGIC))
+    except OSError as e:
+        raise UsageError(f"cannot read {paths['idx']}: {e.strerror}") from None
+    if head == megatron_format.MAGIC:
+        return _open_megatron(prefix)
+    if head[:8] != bytes(8):
+        raise UsageError(f"{paths['idx']} starts with {head!r}: neither Megatron's MMIDIDX magic nor a {FORMAT} "
+                         f"index (int64 offsets from 0)")
+    if not paths["json"].is_file():
+        raise UsageError(f"dataset {prefix!r} is missing {paths['json']}; write it with `pretrain prepare`")
     try:
         header = json.loads(paths["json"].read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -169,3 +170,12 @@ def open_dataset(prefix: str | Path) -> TokenDataset:
     tokens = np.memmap(paths["bin"], dtype=dtype, mode="r", shape=(n,))
     return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=int(header["vocab_size"]),
                         tokenizer=str(header["tokenizer"]), source=prefix, eos=eos)
+
+
+def _open_megatron(prefix: str) -> TokenDataset:
+    tokens, offsets, header = megatron_format.read_megatron(prefix)
+    if tokens.shape[0] == 0:
+        raise UsageError(f"dataset {prefix!r} has no tokens")
+    return TokenDataset(tokens=tokens, doc_offsets=offsets, vocab_size=header.get("vocab_size"),
+                        tokenizer=str(header.get("tokenizer", "unknown")), source=prefix, eos=header.get("eos"),
+                        format="megatron")

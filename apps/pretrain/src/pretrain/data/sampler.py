@@ -10,6 +10,10 @@ so consecutive windows overlap by the one token that is both a label and the nex
   batch is a pure function of the step: resuming at step s needs only s, and every tp/pp/cp rank
   of one dp rank gets the same tokens.
 * Evaluation: held-out windows in order, batch i starting at window ``i * global_batch``.
+* A blend (several datasets with weights, see ``blend.py``): global sample n comes from the source
+  Megatron's blending rule picks, as that source's next sample; each source is split, shuffled
+  (by seed, epoch and its place in the blend) and held out on its own. A separate eval set
+  (``[data].eval_path``/``eval_blend``) replaces the held-out tails: training then uses every token.
 
 A :class:`Batch` holds ``tokens [microbatches, micro_batch, seq_len + 1]`` (int64; inputs are
 ``[..., :-1]``, labels ``[..., 1:]``) and ``segments`` of the same shape (int32): the index of the
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from .blend import BlendSchedule
 from .format import TokenDataset
 
 
@@ -46,49 +51,124 @@ class Batch:
         return self.segments[..., :-1]
 
 
+class Windows:
+    """Windows of ``seq_len + 1`` tokens over ``dataset.tokens[lo:hi]``; window w starts at lo + w * seq_len.
+
+    With a ``shuffle`` key, the i-th window taken is from an order shuffled per epoch by (key, epoch);
+    without, windows come in order, wrapping around."""
+
+    def __init__(self, dataset: TokenDataset, lo: int, hi: int, seq_len: int, shuffle: tuple | None):
+        self.dataset, self.lo, self.seq_len, self.shuffle = dataset, lo, seq_len, shuffle
+        self.count = max(0, (hi - lo - 1) // seq_len)
+        self._perm_epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([*self.shuffle[:1], epoch, *self.shuffle[1:]]).permutation(self.count)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def starts(self, indices: np.ndarray) -> np.ndarray:
+        """Token offsets of the windows taken ``indices``-th."""
+        if self.shuffle is None:
+            return self.lo + (indices % self.count) * self.seq_len
+        epochs, within = np.divmod(indices, self.count)
+        starts = np.empty_like(indices)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            starts[sel] = self._order(int(epoch))[within[sel]]
+        return self.lo + starts * self.seq_len
+
+
+class Stream:
+    """Samples of one or more :class:`Windows`, blended by weight (see ``blend.py``) when several."""
+
+    def __init__(self, windows: list[Windows], weights: list[float] | None):
+        self.windows = windows
+        self.blend = BlendSchedule(weights) if len(windows) > 1 else None
+
+    def sources(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """For samples start..stop-1: the source of each and its index within that source."""
+        if self.blend is None:
+            return np.zeros(stop - start, dtype=np.int64), np.arange(start, stop, dtype=np.int64)
+        return self.blend.take(start, stop)
+
+    def gather(self, start: int, stop: int) -> Batch:
+        source, index = self.sources(start, stop)
+        seq_len = self.windows[0].seq_len
+        tokens = np.empty((stop - start, seq_len + 1), dtype=np.int64)
+        segments = np.empty((stop - start, seq_len + 1), dtype=np.int32)
+        for k in np.unique(source):
+            rows, w = source == k, self.windows[k]
+            positions = w.starts(index[rows])[:, None] + np.arange(seq_len + 1)[None, :]
+            tokens[rows] = np.asarray(w.dataset.tokens[positions.ravel()], dtype=np.int64).reshape(positions.shape)
+            docs = np.searchsorted(w.dataset.doc_offsets, positions, side="right") - 1
+            segments[rows] = docs - docs[:, :1]
+        return Batch(torch.from_numpy(tokens), torch.from_numpy(segments))
+
+
 class TokenSampler:
-    def __init__(self, dataset: TokenDataset, *, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, valid_fraction: float = 0.05):
+    """``dataset``: one :class:`TokenDataset` or a list of them blended by ``weights``. Each is split
+    into its first ``1 - valid_fraction`` (training) and the rest (held out), unless ``eval_datasets``
+    (with ``eval_weights``) give the held-out data: then training takes all of every dataset."""
+
+    def __init__(self, dataset, *, seq_len: int, global_batch: int, micro_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, valid_fraction: float = 0.05,
+                 weights: list[float] | None = None, eval_datasets: list[TokenDataset] | None = None,
+                 eval_weights: list[float] | None = None):
         if global_batch % dp_size or (global_batch // dp_size) % micro_batch:
             raise UsageError(f"global_batch={global_batch} must split into dp={dp_size} x micro-batches of {micro_batch}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
-        self.dataset = dataset
+        datasets = list(dataset) if isinstance(dataset, (list, tuple)) else [dataset]
+        self.datasets, self.dataset = datasets, datasets[0]
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        n = dataset.num_tokens
-        self.split_at = int(round(n * (1 - valid_fraction)))
-        self.train_windows = (self.split_at - 1) // seq_len
-        self.valid_windows = (n - self.split_at - 1) // seq_len
-        if self.train_windows < 1 or self.valid_windows < 1:
-            raise UsageError(f"dataset {dataset.source} has {n} tokens: too few for training and held-out windows of "
-                             f"seq_len+1={seq_len + 1} tokens (valid_fraction={valid_fraction})")
-        self._perm_epoch, self._perm = -1, None
+        blended = len(datasets) > 1
+        train, valid = [], []
+        for k, ds in enumerate(datasets):
+            n = ds.num_tokens
+            split = n if eval_datasets else int(round(n * (1 - valid_fraction)))
+            train.append(Windows(ds, 0, split, seq_len, (seed, k) if blended else (seed,)))
+            valid.append(Windows(ds, split, n, seq_len, None))
+            if train[-1].count < 1 or (not eval_datasets and valid[-1].count < 1):
+                held = "" if eval_datasets else f" and held-out (valid_fraction={valid_fraction})"
+                raise UsageError(f"dataset {ds.source} has {n} tokens: too few for training{held} windows of "
+                                 f"seq_len+1={seq_len + 1} tokens")
+        if eval_datasets:
+            valid = [Windows(ds, 0, ds.num_tokens, seq_len, None) for ds in eval_datasets]
+            small = [ds.source for ds, w in zip(eval_datasets, valid) if w.count < 1]
+            if small:
+                raise UsageError(f"eval dataset {small[0]} is too small for one window of seq_len+1={seq_len + 1} tokens")
+        # the first source's split (the whole stream when there is one dataset)
+        self.split_at, self.train_windows, self.valid_windows = valid[0].lo if not eval_datasets else \
+            datasets[0].num_tokens, train[0].count, valid[0].count
+        self.train = Stream(train, weights)
+        self.valid = Stream(valid, eval_weights if eval_datasets else weights)
+
+    @property
+    def eos(self) -> int | None:
+        """The EOS id every source shares (``load_data`` refuses a blend whose sources differ)."""
+        return self.dataset.eos
 
     @property
     def microbatches(self) -> int:
         return self.global_batch // self.dp_size // self.micro_batch
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.train_windows)
-            self._perm_epoch = epoch
-        return self._perm
+    def source_samples(self, steps: int) -> list[int]:
+        """Training samples each source gave in the first ``steps`` steps."""
+        n = steps * self.global_batch
+        return [n] if self.train.blend is None else self.train.blend.counts_at(n)
 
-    def _train_starts(self, indices: np.ndarray) -> np.ndarray:
-        epochs, within = np.divmod(indices, self.train_windows)
-        starts = np.empty_like(indices)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            starts[sel] = self._order(int(epoch))[within[sel]]
-        return starts * self.seq_len
-
-    def _gather(self, starts: np.ndarray) -> Batch:
-        positions = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        tokens = np.asarray(self.dataset.tokens[positions.ravel()], dtype=np.int64).reshape(positions.shape)
-        docs = np.searchsorted(self.dataset.doc_offsets, positions, side="right") - 1
-        segments = (docs - docs[:, :1]).astype(np.int32)
-        return Batch(torch.from_numpy(tokens), torch.from_numpy(segments))
+    def shares(self, steps: int) -> dict:
+        """For ``log.jsonl`` under a blend: each source's training samples in the first ``steps`` steps
+        and its share of the tokens (every sample is ``seq_len`` tokens); {} for one dataset."""
+        if self.train.blend is None:
+            return {}
+        counts = self.source_samples(steps)
+        names = [ds.source for ds in self.datasets]
+        total = max(sum(counts), 1)
+        return {"data_samples": dict(zip(names, counts)), "data_share": {n: c / total for n, c in zip(names, counts)}}
 
     def _rank_slice(self, batch: Batch) -> Batch:
         per_rank = self.global_batch // self.dp_size
@@ -99,12 +179,10 @@ class TokenSampler:
 
     def global_train_batch(self, step: int) -> Batch:
         """All ``global_batch`` sequences of optimizer step ``step`` (0-based): ``[global_batch, seq_len + 1]``."""
-        indices = step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
-        return self._gather(self._train_starts(indices))
+        return self.train.gather(step * self.global_batch, (step + 1) * self.global_batch)
 
     def global_eval_batch(self, index: int) -> Batch:
-        windows = (index * self.global_batch + np.arange(self.global_batch, dtype=np.int64)) % self.valid_windows
-        return self._gather(self.split_at + windows * self.seq_len)
+        return self.valid.gather(index * self.global_batch, (index + 1) * self.global_batch)
 
     def train_batch(self, step: int) -> Batch:
         """This dp rank's part of step ``step``: ``[microbatches, micro_batch, seq_len + 1]``."""

@@ -79,7 +79,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
 
     layout = cfg.validate_world(world)
     check_rank(rank, world)
-    dataset = load_dataset(dataclasses.replace(cfg.data, path=""), cfg.model.vocab_size)  # shapes only: embedded data
+    dataset = load_dataset(dataclasses.replace(cfg.data, path="", blend=[]), cfg.model.vocab_size)  # shapes only: embedded data
     timings = {}
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:

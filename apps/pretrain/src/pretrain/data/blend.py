@@ -1,0 +1,112 @@
+"""Weighted blends of datasets, as Megatron's ``--data-path 0.3 web 0.5 code 0.2 books``.
+
+Sample ``n`` of the blended stream comes from the source whose realised count lags its share the
+most: ``argmax_i  w_i * max(n, 1) - count_i`` (first source on ties), the rule and float64
+arithmetic of megatron-core's ``build_blending_indices``, so the choices are the same sample for
+sample. After ``n`` samples every source's count is within one sample of ``w_i * n``. The rule
+is a pure function of ``n``: the batch of step ``s`` follows from ``s`` alone, under any layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import UsageError
+
+
+def normalised(weights) -> list[float]:
+    """Weights over their sum, in float64 (megatron-core's ``utils.normalize``)."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+def check_blend(blend, key: str) -> None:
+    """``[[weight, prefix], ...]`` with weights > 0; else one line naming the entry."""
+    if not isinstance(blend, (list, tuple)) or not blend:
+        raise UsageError(f"{key} must be a list of [weight, prefix] pairs, e.g. [[0.7, \"web\"], [0.3, \"code\"]]")
+    for entry in blend:
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str) and entry[1]
+        if not ok or isinstance(entry[0], bool) or not isinstance(entry[0], (int, float)):
+            raise UsageError(f"{key} entry {entry!r} must be [weight, \"prefix\"], e.g. [0.3, \"data/web\"]")
+        if not (math.isfinite(entry[0]) and entry[0] > 0):
+            raise UsageError(f"{key} weight {entry[0]!r} of {entry[1]!r} must be a finite number > 0")
+    prefixes = [e[1] for e in blend]
+    dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
+    if dup:
+        raise UsageError(f"{key} names {dup[0]!r} twice; give it one weight")
+
+
+class BlendSchedule:
+    """Which source each sample of the blended stream comes from, and its index within that source.
+
+    It walks the samples in order and keeps its place, so consecutive steps cost their own samples
+    only; a step before its place (resuming, evaluating) starts the walk again from sample 0."""
+
+    def __init__(self, weights):
+        self.weights = normalised(weights)
+        self._n, self._counts = 0, [0] * len(self.weights)
+
+    def _advance(self, stop: int, record: list | None = None) -> None:
+        w, c, k = self.weights, self._counts, len(self.weights)
+        for n in range(self._n, stop):
+            x = float(max(n, 1))
+            best, lag = 0, w[0] * x - c[0]
+            for i in range(1, k):
+                e = w[i] * x - c[i]
+                if e > lag:
+                    best, lag = i, e
+            if record is not None:
+                record.append((best, c[best]))
+            c[best] += 1
+        self._n = max(self._n, stop)
+
+    def counts_at(self, n: int) -> list[int]:
+        """Samples taken from each source among the first ``n``."""
+        if n < self._n:
+            self._n, self._counts = 0, [0] * len(self.weights)
+        self._advance(n)
+        return list(self._counts)
+
+    def take(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, index within source)`` of samples ``start .. stop - 1``."""
+        self.counts_at(start)
+        record: list = []
+        self._advance(stop, record)
+        out = np.asarray(record, dtype=np.int64).reshape(-1, 2)
+        return out[:, 0], out[:, 1]
+
+
+class Blend:
+    """Datasets and their normalised weights, read as one training (or held-out) source."""
+
+    def __init__(self, datasets: list, weights: list[float]):
+        self.datasets, self.weights = list(datasets), normalised(weights)
+        self.eos = self.datasets[0].eos
+        known = [ds.vocab_size for ds in self.datasets if ds.vocab_size is not None]
+        self.vocab_size = max(known) if known else None
+        self.source = "blend(" + ", ".join(f"{w:.3g} {ds.source}" for w, ds in zip(self.weights, self.datasets)) + ")"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(ds.num_tokens for ds in self.datasets)
+
+    def unigram_entropy(self) -> float:
+        """Entropy of the blend's token frequencies (each source's distribution weighted by its share)."""
+        dists = [ds.token_counts() for ds in self.datasets]
+        p = np.zeros(max(d.size for d in dists))
+        for w, d in zip(self.weights, dists):
+            p[: d.size] += w * d / d.sum()
+        p = p[p > 0]
+        return float(-(p * np.log(p)).sum())
+
+
+def check_same_vocabulary(datasets: list, key: str) -> None:
+    """Every source of one run must share the vocabulary (where its header says it) and the EOS id."""
+    first = datasets[0]
+    for ds in datasets[1:]:
+        if ds.eos != first.eos or None not in (ds.vocab_size, first.vocab_size) and ds.vocab_size != first.vocab_size:
+            raise UsageError(f"{key}: dataset {ds.source} has vocab_size {ds.vocab_size}, EOS {ds.eos} but "
+                             f"{first.source} has vocab_size {first.vocab_size}, EOS {first.eos}; tokenize every "
+                             f"source with the same tokenizer")

@@ -1,73 +1,107 @@
-"""`pretrain prepare`: tokenize text files into the memory-mapped token dataset (see pretrain.data.format)."""
+"""`pretrain prepare`: tokenize raw text (.txt, .jsonl[.gz], .parquet, directories of them) into a
+memory-mapped dataset, ours or Megatron's (see pretrain.data.format / megatron_format), streamed."""
 
 from __future__ import annotations
 
-import json
+import sys
+import time
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
 import typer
 
-from ..data import ByteTokenizer, get_tokenizer, write_dataset
+from ..data import ByteTokenizer, get_tokenizer, open_dataset
+from ..data.encode import encoded_batches
+from ..data.sources import DOC_MODES, batches, input_files
+from ..data.writer import FORMATS, DatasetWriter
 from ..errors import UsageError, fail
 
-DOC_MODES = ("file", "paragraph", "line")
+
+def _progress(show: bool):
+    """A rich progress line on stderr (documents, tokens, MB/s), or None."""
+    if not show:
+        return None
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.fields[docs]:,} documents  {task.fields[tokens]:,} tokens  "
+                               "{task.fields[mb]:.1f} MB  {task.fields[rate]:.1f} MB/s"), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
 
 
-def _texts(path: Path, docs: str) -> Iterator[str]:
-    """The documents of one input: a .jsonl gives one per line (its "text"); text files by ``docs``."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from None
-    if path.suffix == ".jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise UsageError(f"{path}:{number} is not a JSON object") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise UsageError(f"{path}:{number} has no string field \"text\"")
-            yield record["text"]
-    elif docs == "file":
-        yield text
-    elif docs == "line":
-        yield from (line + "\n" for line in text.splitlines() if line.strip())
-    else:
-        yield from (p.strip() + "\n" for p in text.split("\n\n") if p.strip())
+def _check_like(like: str, vocab: int, eos: int | None) -> None:
+    """Refuse a tokenizer whose vocabulary or EOS differ from an existing dataset's (blend sources must match)."""
+    other = open_dataset(like)
+    if (other.vocab_size is not None and other.vocab_size != vocab) or other.eos != eos:
+        raise UsageError(f"--like {like}: that dataset has vocab_size {other.vocab_size}, EOS {other.eos}; this "
+                         f"tokenizer gives vocab_size {vocab}, EOS {eos}, so the two cannot be blended")
 
 
 def prepare(
-    inputs: List[Path] = typer.Argument(..., help="Text files (.jsonl: one JSON object with \"text\" per line)."),
+    inputs: List[Path] = typer.Argument(..., help="Text files or directories: .txt, .jsonl, .jsonl.gz (one JSON "
+                                        "object per line), .parquet."),
     out: str = typer.Option(..., "--out", help="Output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.json."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json (default: bytes)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="A Hugging Face tokenizer.json or a "
+                                            "directory saved by save_pretrained (default: bytes)."),
+    format: str = typer.Option("par", "--format", help="par (ours) or megatron (Megatron-LM's MMIDIDX .bin/.idx)."),
+    text_key: str = typer.Option("text", "--text-key", help="The field (JSONL) or column (Parquet) holding the text."),
     docs: str = typer.Option("file", "--docs", help="Documents of a text file: file, paragraph or line."),
     eos: bool = typer.Option(True, "--eos/--no-eos", help="End every document with the tokenizer's EOS id "
                              "(the byte tokenizer's is 256, so its vocabulary is 257); --no-eos: no separator."),
-    eos_token: Optional[str] = typer.Option(None, "--eos-token", help="The EOS token of --tokenizer (default: "
-                                            "the first of <|end_of_text|>, <|endoftext|>, </s>, <eos> it has)."),
+    eos_token: Optional[str] = typer.Option(None, "--eos-token", help="The EOS token of --tokenizer (default: a "
+                                            "directory's eos_token, else the first of <|end_of_text|>, "
+                                            "<|endoftext|>, </s>, <eos> it has)."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Tokenizing processes (the output is the same for any)."),
+    buffer_mb: float = typer.Option(16.0, "--buffer-mb", help="Text per batch handed to a worker; memory is a "
+                                    "few batches, not the corpus."),
+    like: Optional[str] = typer.Option(None, "--like", help="An existing dataset this one will be blended with: "
+                                       "refuse a different vocabulary or EOS."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show documents, tokens and MB/s on "
+                                  "stderr (only on a terminal)."),
 ) -> None:
-    """Tokenize text into a memory-mapped dataset for `[data].path` (byte-level unless --tokenizer)."""
+    """Tokenize text into a memory-mapped dataset for `[data].path` / `[data].blend` (byte-level unless --tokenizer)."""
+    writer = None
+    start = time.perf_counter()
     try:
         if docs not in DOC_MODES:
             raise UsageError(f"--docs {docs!r} is not one of {', '.join(DOC_MODES)}")
+        if format not in FORMATS:
+            raise UsageError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
+        if not buffer_mb > 0:
+            raise UsageError(f"--buffer-mb {buffer_mb} must be > 0")
         if out.endswith(("/", "\\")) or Path(out).is_dir():
             raise UsageError(f"--out {out!r} is a directory; give a file prefix inside it, e.g. {Path(out) / 'corpus'}")
-        missing = [str(p) for p in inputs if not p.is_file()]
-        if missing:
-            raise UsageError(f"input file(s) not found: {', '.join(missing)}")
+        files = input_files(inputs)
         tok = get_tokenizer(tokenizer)
         eos_id = None if not eos else tok.eos_id if isinstance(tok, ByteTokenizer) else tok.eos_for(eos_token)
-        encoded = (tok.encode(text) for path in inputs for text in _texts(path, docs))
         vocab = 256 if isinstance(tok, ByteTokenizer) and eos_id is None else tok.vocab_size  # bytes only
-        ds = write_dataset(out, encoded, vocab, tokenizer=tok.name, eos=eos_id)
-    except UsageError as e:
-        raise fail(str(e))
-    except OSError as e:
-        raise fail(f"cannot write {out}: {e.strerror}")
-    typer.echo(f"wrote {out}.bin/.idx/.json: {ds.num_tokens} tokens in {ds.num_docs} documents, "
-               f"vocab {ds.vocab_size} ({ds.tokenizer}), EOS {ds.eos}, unigram entropy {ds.unigram_entropy():.3f} nats")
+        if like:
+            _check_like(like, vocab, eos_id)
+        writer = DatasetWriter(out, vocab, tokenizer=tok.name, eos=eos_id, format=format)
+        bar = _progress(progress and sys.stderr.isatty())
+        task = bar.add_task("prepare", docs=0, tokens=0, mb=0.0, rate=0.0) if bar else None
+        n_docs = n_bytes = 0
+        with bar if bar else nullcontext():
+            stream = batches(files, docs, text_key, int(buffer_mb * (1 << 20)))
+            for ids, lengths, nbytes in encoded_batches(stream, tok, tokenizer, eos_id, workers):
+                writer.add(ids, lengths)
+                n_docs, n_bytes = n_docs + int((lengths > 0).sum()), n_bytes + nbytes
+                if bar:
+                    mb = n_bytes / 1e6
+                    bar.update(task, docs=n_docs, tokens=writer.num_tokens, mb=mb,
+                               rate=mb / max(time.perf_counter() - start, 1e-9))
+        ds = writer.close()
+    except BaseException as e:  # nothing is left half-written: an existing dataset at --out stays as it was
+        if writer is not None:
+            writer.abort()
+        if isinstance(e, UsageError):
+            raise fail(str(e))
+        if isinstance(e, OSError):
+            raise fail(f"cannot write {out}: {e.strerror}")
+        raise
+    seconds = time.perf_counter() - start
+    typer.echo(f"wrote {out}.bin/.idx/.json ({format}): {ds.num_tokens} tokens in {ds.num_docs} documents, "
+               f"vocab {ds.vocab_size} ({ds.tokenizer}), EOS {ds.eos}, {n_bytes / 1e6:.1f} MB of text in "
+               f"{seconds:.1f} s ({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, {workers} worker(s)); "
+               f"unigram entropy {ds.unigram_entropy():.3f} nats")

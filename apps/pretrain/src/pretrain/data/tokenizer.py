@@ -1,7 +1,10 @@
-"""Tokenizers for `pretrain prepare`: bytes by default (no files, no downloads), or a HF tokenizer.json."""
+"""Tokenizers for `pretrain prepare`: bytes by default (no files, no downloads), or a Hugging Face
+tokenizer: a tokenizer.json, or a directory saved by ``save_pretrained`` (its tokenizer.json, and
+the EOS its tokenizer_config.json names)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import UsageError
@@ -21,21 +24,46 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[bytes]:
+        return [t.encode("utf-8") for t in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+def _configured_eos(directory: Path) -> str | None:
+    """The ``eos_token`` of a saved tokenizer's tokenizer_config.json (or special_tokens_map.json)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            token = json.loads((directory / name).read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            return token
+    return None
+
+
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer.json (optional dependency: ``pip install tokenizers``)."""
+    """A Hugging Face ``tokenizers`` tokenizer.json or a ``save_pretrained`` directory holding one
+    (optional dependency: ``pip install tokenizers``)."""
 
     def __init__(self, path: str):
+        self.configured_eos = None
+        if Path(path).is_dir():
+            self.configured_eos = _configured_eos(Path(path))
+            if not (Path(path) / "tokenizer.json").is_file():
+                raise UsageError(f"tokenizer directory {path!r} has no tokenizer.json (save a fast tokenizer with "
+                                 f"save_pretrained, or give a tokenizer.json file)")
+            path = str(Path(path) / "tokenizer.json")
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise UsageError(f"--tokenizer {path} needs the `tokenizers` package; install it with "
                              "`uv pip install tokenizers` (or use the default byte tokenizer)") from None
         if not Path(path).is_file():
-            raise UsageError(f"tokenizer file {path!r} does not exist")
+            raise UsageError(f"tokenizer file {path!r} does not exist (give a tokenizer.json or a directory saved "
+                             f"by save_pretrained)")
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own Exception type for malformed files
@@ -44,8 +72,9 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def eos_for(self, token: str | None) -> int:
-        """The id of ``token``, or of the first of :data:`EOS_CANDIDATES` the vocabulary has."""
-        names = (token,) if token else EOS_CANDIDATES
+        """The id of ``token``, else of the tokenizer directory's configured EOS, else of the first of
+        :data:`EOS_CANDIDATES` the vocabulary has."""
+        names = (token,) if token else (self.configured_eos,) if self.configured_eos else EOS_CANDIDATES
         for name in names:
             found = self._tok.token_to_id(name)
             if found is not None:
@@ -56,12 +85,15 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 
 
 def get_tokenizer(spec: str | None):
-    """'byte' (or None) -> :class:`ByteTokenizer`; a path -> :class:`HFTokenizer`."""
+    """'byte' (or None) -> :class:`ByteTokenizer`; a tokenizer.json or a directory -> :class:`HFTokenizer`."""
     if spec in (None, "", "byte"):
         return ByteTokenizer()
     return HFTokenizer(spec)

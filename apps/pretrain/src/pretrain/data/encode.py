@@ -1,0 +1,65 @@
+"""Tokenizing batches of documents, in this process or in ``workers`` processes, in input order.
+
+At most ``2 * workers`` batches are in flight (read ahead, being tokenized, or waiting to be
+written), so memory stays a few buffers whatever the corpus size, and the output is the same
+bytes for any number of workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from itertools import chain
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from .tokenizer import get_tokenizer
+
+_worker_tokenizer = None  # the tokenizer of a worker process (set by its initializer; never in the parent)
+
+
+def encode(tok, texts: list[str], eos: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(ids back to back, one length per document, utf-8 bytes of text)`` with ``eos`` after each document."""
+    encoded = tok.encode_batch(texts)
+    lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
+    if encoded and isinstance(encoded[0], bytes):  # the byte tokenizer: the ids are the bytes
+        flat = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int64)
+        nbytes = flat.size
+    else:
+        flat = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
+        nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    if eos is not None:
+        keep = lengths > 0  # an empty document gets no EOS either
+        flat = np.insert(flat, np.cumsum(lengths)[keep], eos)
+        lengths = lengths + keep
+    return flat, lengths, nbytes
+
+
+def _init_worker(spec: str | None) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = get_tokenizer(spec)
+
+
+def _encode_in_worker(texts: list[str], eos: int | None):
+    return encode(_worker_tokenizer, texts, eos)
+
+
+def encoded_batches(batches: Iterable[list[str]], tok, spec: str | None, eos: int | None,
+                    workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """:func:`encode` of each batch, in order; ``workers > 1`` tokenizes in that many processes."""
+    if workers <= 1:
+        for texts in batches:
+            yield encode(tok, texts, eos)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers is the knob
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        pending: deque = deque()
+        for texts in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (texts, eos)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

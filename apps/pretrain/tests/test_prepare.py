@@ -99,3 +99,46 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, monkeypatch, setup, arg
     res = runner.invoke(app, ["prepare", *args, "--out", "o"])
     assert res.exit_code == 2
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_jsonl_gz_parquet_and_directories_stream_in_order(tmp_path):
+    import gzip
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    with gzip.open(src / "a.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"body": "ab"}) + "\n" + json.dumps({"body": "c"}) + "\n")
+    pq.write_table(pa.table({"body": ["de", "f"], "id": [1, 2]}), src / "b.parquet", row_group_size=1)
+    (src / "sub" / "c.txt").write_text("g\n\nh\n")
+    (src / "notes.md").write_text("not an input")  # unknown suffix inside a directory: skipped
+    res = runner.invoke(app, ["prepare", str(src), "--text-key", "body", "--docs", "paragraph", "--out", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    ds = open_dataset(tmp_path / "d")
+    assert ds.tokenizer == "byte" and ds.num_docs == 6
+    assert bytes(int(t) for t in ds.tokens if t != 256) == b"abcdefg\nh\n" and list(np.diff(ds.doc_offsets)) == [3, 2, 3, 2, 3, 3]
+
+
+def _saved_tokenizer_directory(tmp_path, eos_token):
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(_tokenizer_json(tmp_path)), eos_token=eos_token)
+    tok.save_pretrained(tmp_path / "tok")
+    return tmp_path / "tok"
+
+
+def test_a_saved_tokenizer_directory_gives_its_eos_and_workers_give_the_same_bytes(tmp_path):
+    directory = _saved_tokenizer_directory(tmp_path, eos_token="again")  # not one of the usual EOS names
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": f"hello world {'again ' * (i % 5)}nope"}) + "\n" for i in range(200)))
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        res = runner.invoke(app, ["prepare", str(text), "--tokenizer", str(directory), "--workers", str(workers),
+                                  "--buffer-mb", "0.0005", "--format", "megatron", "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        outs.append([(out.with_suffix(ext)).read_bytes() for ext in (".bin", ".idx")])
+    assert outs[0] == outs[1]
+    ds = open_dataset(tmp_path / "w2")
+    assert ds.eos == 3 and ds.vocab_size == 5 and ds.num_docs == 200
+    assert ds.tokens[ds.doc_offsets[3]:ds.doc_offsets[4]].tolist() == [1, 2, 3, 3, 3, 0, 3]

@@ -113,11 +113,12 @@ def read_megatron(prefix: str):
     doc_index = np.array(np.memmap(idx, dtype="<i8", mode="r", offset=HEADER_BYTES + 12 * seqs, shape=(docs,)))
     ends = pointers + lengths * dtype.itemsize
     bin_bytes = bin_.stat().st_size
-    if lengths.min() < 0 or pointers.min() < 0 or ends.max() > bin_bytes:
-        at = int(np.argmax(ends > bin_bytes)) if ends.max() > bin_bytes else int(np.argmin(np.minimum(lengths, pointers)))
+    if lengths.min() < 0 or pointers.min() < 0:
+        raise UsageError(f"{idx} has a negative sequence length or pointer; it is not a valid MMIDIDX index")
+    if ends.max() > bin_bytes:
+        at = int(np.argmax(ends > bin_bytes))
         raise UsageError(f"{idx}: sequence {at} (pointer {int(pointers[at])}, {int(lengths[at])} tokens of {dtype.name}) "
-                         f"runs past {bin_} ({bin_bytes} bytes), or is negative; the .bin is truncated or belongs to "
-                         f"another index")
+                         f"runs past {bin_} ({bin_bytes} bytes); the .bin is truncated or belongs to another index")
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * dtype.itemsize
     if not np.array_equal(pointers, starts) or int(ends[-1]) != bin_bytes:
         raise UsageError(f"{idx}: the sequences are not stored back to back in {bin_} ({bin_bytes} bytes, the index "

@@ -125,24 +125,24 @@ class TokenSampler:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         blended = len(datasets) > 1
-        train, valid = [], []
-        for k, ds in enumerate(datasets):
-            n = ds.num_tokens
-            split = n if eval_datasets else int(round(n * (1 - valid_fraction)))
-            train.append(Windows(ds, 0, split, seq_len, (seed, k) if blended else (seed,)))
-            valid.append(Windows(ds, split, n, seq_len, None))
-            if train[-1].count < 1 or (not eval_datasets and valid[-1].count < 1):
-                held = "" if eval_datasets else f" and held-out (valid_fraction={valid_fraction})"
-                raise UsageError(f"dataset {ds.source} has {n} tokens: too few for training{held} windows of "
-                                 f"seq_len+1={seq_len + 1} tokens")
+        # each source's first 1 - valid_fraction trains; all of it when the held-out set is separate
+        splits = [ds.num_tokens if eval_datasets else int(round(ds.num_tokens * (1 - valid_fraction)))
+                  for ds in datasets]
+        train = [Windows(ds, 0, split, seq_len, (seed, k) if blended else (seed,))
+                 for k, (ds, split) in enumerate(zip(datasets, splits))]
         if eval_datasets:
             valid = [Windows(ds, 0, ds.num_tokens, seq_len, None) for ds in eval_datasets]
-            small = [ds.source for ds, w in zip(eval_datasets, valid) if w.count < 1]
-            if small:
-                raise UsageError(f"eval dataset {small[0]} is too small for one window of seq_len+1={seq_len + 1} tokens")
-        # the first source's split (the whole stream when there is one dataset)
-        self.split_at, self.train_windows, self.valid_windows = valid[0].lo if not eval_datasets else \
-            datasets[0].num_tokens, train[0].count, valid[0].count
+        else:
+            valid = [Windows(ds, split, ds.num_tokens, seq_len, None) for ds, split in zip(datasets, splits)]
+        held = "" if eval_datasets else f" and held-out (valid_fraction={valid_fraction})"
+        for ds, t, v in zip(datasets, train, valid if not eval_datasets else train):
+            if t.count < 1 or v.count < 1:
+                raise UsageError(f"dataset {ds.source} has {ds.num_tokens} tokens: too few for training{held} windows "
+                                 f"of seq_len+1={seq_len + 1} tokens")
+        for ds, v in zip(eval_datasets or [], valid):
+            if v.count < 1:
+                raise UsageError(f"eval dataset {ds.source} is too small for one window of seq_len+1={seq_len + 1} tokens")
+        self.split_at, self.train_windows, self.valid_windows = splits[0], train[0].count, valid[0].count
         self.train = Stream(train, weights)
         self.valid = Stream(valid, eval_weights if eval_datasets else weights)
 

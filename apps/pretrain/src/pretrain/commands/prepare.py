@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from ..data import ByteTokenizer, get_tokenizer, open_dataset
+from ..data.format import entropy
 from ..data.encode import encoded_batches
 from ..data.sources import DOC_MODES, batches, input_files
 from ..data.writer import FORMATS, DatasetWriter
@@ -104,4 +105,4 @@ def prepare(
     typer.echo(f"wrote {out}.bin/.idx/.json ({format}): {ds.num_tokens} tokens in {ds.num_docs} documents, "
                f"vocab {ds.vocab_size} ({ds.tokenizer}), EOS {ds.eos}, {n_bytes / 1e6:.1f} MB of text in "
                f"{seconds:.1f} s ({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s, {workers} worker(s)); "
-               f"unigram entropy {ds.unigram_entropy():.3f} nats")
+               f"unigram entropy {entropy(writer.counts):.3f} nats")

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from ..errors import UsageError
+from .format import entropy
 
 
 def normalised(weights) -> list[float]:
@@ -98,8 +99,7 @@ class Blend:
         p = np.zeros(max(d.size for d in dists))
         for w, d in zip(self.weights, dists):
             p[: d.size] += w * d / d.sum()
-        p = p[p > 0]
-        return float(-(p * np.log(p)).sum())
+        return entropy(p)
 
 
 def check_same_vocabulary(datasets: list, key: str) -> None:

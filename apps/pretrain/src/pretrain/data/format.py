@@ -12,7 +12,9 @@
                  ``eos`` (optional: absent or null in files without a separator) is the id that
                  ends every document; Megatron-style document masking needs it.
 
-``pretrain prepare INPUT... --out PREFIX`` writes them; ``[data].path = "PREFIX"`` trains on them.
+``pretrain prepare INPUT... --out PREFIX`` writes them (``writer.py``); ``[data].path = "PREFIX"`` trains
+on them. :func:`open_dataset` also reads Megatron-LM's ``.bin``/``.idx`` (``megatron_format.py``), told
+apart by the ``.idx``'s first bytes (Megatron's magic; ours starts with the offset 0).
 Training samples are windows of seq_len + 1 tokens taken from the concatenated stream, so a
 sequence packs several documents; the offsets tell where each one starts (see ``sampler.py``).
 """
@@ -59,9 +61,7 @@ class TokenDataset:
 
     def unigram_entropy(self) -> float:
         """Entropy of the token frequencies, in nats (the loss a model ignoring all context reaches)."""
-        counts = self.token_counts()
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
+        return entropy(self.token_counts())
 
     def token_counts(self, chunk: int = 1 << 24) -> np.ndarray:
         """How often each id occurs (``[max id + 1]``)."""
@@ -72,6 +72,12 @@ class TokenDataset:
             counts = np.pad(counts, (0, max(0, part.size - counts.size)))
             counts[: part.size] += part
         return counts
+
+
+def entropy(counts: np.ndarray) -> float:
+    """Entropy in nats of the distribution ``counts`` are samples of."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,

@@ -36,6 +36,7 @@ class DatasetWriter:
         self._bin = open(self.tmp["bin"], "wb")
         self._lengths: list[np.ndarray] = []
         self.num_tokens = 0
+        self.counts = np.zeros(1, dtype=np.int64)  # of each id, for the unigram entropy without re-reading
 
     def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
         """Documents given as their ids back to back (``ids``) and their ``lengths`` (zeros are skipped)."""
@@ -44,6 +45,9 @@ class DatasetWriter:
             bad = ids.max() if ids.max() >= self.vocab_size else ids.min()
             raise UsageError(f"token id {int(bad)} is outside the vocabulary of {self.vocab_size}")
         self._bin.write(ids.astype(self.dtype).tobytes())
+        part = np.bincount(ids)
+        self.counts = np.pad(self.counts, (0, max(0, part.size - self.counts.size)))
+        self.counts[: part.size] += part
         lengths = np.asarray(lengths, dtype=np.int64)
         self._lengths.append(lengths[lengths > 0])
         self.num_tokens += int(ids.size)

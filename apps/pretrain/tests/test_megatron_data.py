@@ -137,3 +137,17 @@ def test_eval_path_is_a_held_out_set_of_its_own(tmp_path):
                              "model.vocab_size=300"])
     with pytest.raises(UsageError, match="has vocab_size 300, EOS 299 but .*train has vocab_size 250, EOS 249"):
         build_sampler(cfg, cfg.validate_world(1), 0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['data.blend=[[1]]'], 'entry \\[1\\] must be \\[weight, "prefix"\\]'),
+    (['data.blend=[[1, "a"], [2, "a"]]'], "names 'a' twice"),
+    (['data.blend=[[1, "a"]]', "data.path=b"], "takes path or blend, not both"),
+    (['data.blend=[[1, "a"], [inf, "b"]]'], "weight inf of 'b' must be a finite number > 0"),
+    (["data.eval_path=a", 'data.eval_blend=[[1, "b"]]'], "takes eval_path or eval_blend, not both"),
+])
+def test_bad_blend_keys_are_one_line(overrides, message):
+    with pytest.raises(UsageError, match=message):
+        load_config(None, overrides)
+    good = load_config(None, ['data.blend=[[3, "a"], [1, "b"]]'])
+    assert good.data.train_sources == [[3.0, "a"], [1.0, "b"]]

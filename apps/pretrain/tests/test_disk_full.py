@@ -41,3 +41,21 @@ def test_a_full_tmpfs_refuses_the_probe(tmp_path):
         assert sorted(p.name for p in small.iterdir()) == ["filler"]
     finally:
         subprocess.run(["umount", str(small)])
+
+
+def test_a_log_dir_on_a_full_disk_is_one_line_before_launch(tmp_path):  # issue 40: was OSError, exit 1
+    from typer.testing import CliRunner
+
+    from pretrain.cli import app
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        (full / "filler").write_bytes(bytes(PROBE_BYTES // 2))
+        res = CliRunner().invoke(app, ["train", "--nproc", "1", "--set", "train.steps=1", "--set", "train.warmup_steps=0",
+                                      "--set", f"log.dir={full / 'run'}"])
+        assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "is on a full disk" in res.stderr, res.output
+    finally:
+        subprocess.run(["umount", str(full)])

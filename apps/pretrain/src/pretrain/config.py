@@ -195,7 +195,7 @@ def _coerce(section: str, key: str, value, hint):
         return value
     if hint is int:
         _need(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
-        _need(abs(value) < 2**63, f"{where}={value} is out of range (TOML integers are 64-bit)")
+        _need(abs(value) < 2**63, f"{where}={value} is out of range (TOML integers are 64-bit: |value| < 2**63)")
         return value
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")

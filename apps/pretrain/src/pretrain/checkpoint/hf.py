@@ -51,7 +51,7 @@ def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     missing = [k for k in REQUIRED_KEYS if hf.get(k) is None]
     if missing:
         raise UsageError(f"{where}: missing {', '.join(missing)}")
-    fields = {k: hf_field(hf, k, kind, where, None, low=1 if kind is int else None) for k, kind in FIELD_TYPES.items()}
+    fields = {k: hf_field(hf, k, typ, where, None, low=1 if typ is int else None) for k, typ in FIELD_TYPES.items()}
     wrong = [f"{k}={fields[k]!r}" for k in ("rope_theta", "rms_norm_eps") if fields[k] is not None and fields[k] <= 0]
     if wrong:
         raise UsageError(f"{where}: {', '.join(wrong)}: rope_theta and rms_norm_eps must be positive numbers")

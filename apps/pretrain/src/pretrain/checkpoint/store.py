@@ -168,8 +168,9 @@ def read_state(path: Path) -> dict:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"checkpoint {path}: cannot read {STATE_FILE}: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UsageError(f"checkpoint {path}: format {(state or {}).get('format')!r} is not {FORMAT!r}")
+    found = state.get("format") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
+    if found != FORMAT:
+        raise UsageError(f"checkpoint {path}: format {found!r} is not {FORMAT!r}")
     return state
 
 

@@ -199,7 +199,7 @@ def _coerce(section: str, key: str, value, hint):
         return value
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
-        _need(abs(value) < 2**63 and math.isfinite(value), f"{where}={value} must be a finite number")
+        _need(math.isfinite(value), f"{where}={value} must be a finite number")
         return float(value)
     if hint in (str, dict):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"

@@ -136,6 +136,8 @@ def test_round_trip_through_toml(tmp_path):
     (["train.seed=4294967296"], 1, "[train].seed=4294967296 must be in 0..4294967295"),
     (["train.seed=18446744073709551616"], 1, "[train].seed=18446744073709551616 is out of range"),
     (["train.eval_batches=0"], 1, "[train].eval_batches=0 must be >= 1"),
+    (["model.z_loss_coeff=-1"], 1, "[model].z_loss_coeff=-1.0 must be >= 0"),
+    (["model.routed_scaling=0"], 1, "[model].routed_scaling=0.0 must be > 0"),
     ([], 1000000, "world size 1000000 must be in 1..131072"),
 ])
 def test_bad_input_names_the_key(sets, world, message):

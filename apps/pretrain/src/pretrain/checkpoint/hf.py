@@ -121,7 +121,8 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 def _refuse_existing(path: Path, option: str) -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UsageError(f"{option} {path} already exists and is not empty; choose a new directory (nothing is overwritten)")
+        raise UsageError(f"{option} {path} already exists and is not empty; choose a new directory "
+                         f"(nothing is overwritten)")
 
 
 def import_hf(src: str | Path, out: str | Path) -> Path:

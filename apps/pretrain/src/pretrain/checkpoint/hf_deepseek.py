@@ -57,7 +57,8 @@ def deepseek_model_config(hf: dict, where: str) -> ModelConfig:
                        yarn_original_max_positions=get("original_max_position_embeddings", src=rope),
                        yarn_beta_fast=get("beta_fast", float, 0.0, rope) or 32.0,
                        yarn_beta_slow=get("beta_slow", float, 0.0, rope) or 1.0,
-                       yarn_mscale=get("mscale", float, 0.0, rope), yarn_mscale_all_dim=get("mscale_all_dim", float, 0.0, rope))
+                       yarn_mscale=get("mscale", float, 0.0, rope),
+                       yarn_mscale_all_dim=get("mscale_all_dim", float, 0.0, rope))
     try:
         return ModelConfig(**kwargs)
     except (UsageError, TypeError) as e:

@@ -127,11 +127,35 @@ def test_round_trip_through_toml(tmp_path):
     (["parallel.tp_comm_overlap=true"], 1, "tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1"),
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=true"], 2, "sequence_parallel=False"),
     (["parallel.tp=2", "parallel.tp_comm_overlap=true", "model.backend=te"], 2, "use [model].backend='torch'"),
+    # issue 40: numbers the RNGs, timedelta/gloo or the step cannot take
+    (["train.timeout_s=inf"], 1, "[train].timeout_s=inf must be a finite number"),
+    (["train.timeout_s=1e15"], 1, "[train].timeout_s=1000000000000000.0 must be in (0, 604800] seconds"),
+    (["train.preempt_timeout_s=nan"], 1, "[train].preempt_timeout_s=nan must be a finite number"),
+    (["train.lr=inf"], 1, "[train].lr=inf must be a finite number"),
+    (["data.seed=-1"], 1, "[data].seed=-1 must be in 0..4294967295"),
+    (["train.seed=4294967296"], 1, "[train].seed=4294967296 must be in 0..4294967295"),
+    (["train.seed=18446744073709551616"], 1, "[train].seed=18446744073709551616 is out of range"),
+    (["train.eval_batches=0"], 1, "[train].eval_batches=0 must be >= 1"),
+    (["model.z_loss_coeff=-1"], 1, "[model].z_loss_coeff=-1.0 must be >= 0"),
+    (["model.routed_scaling=0"], 1, "[model].routed_scaling=0.0 must be > 0"),
+    ([], 1000000, "world size 1000000 must be in 1..131072"),
 ])
 def test_bad_input_names_the_key(sets, world, message):
     with pytest.raises(UsageError) as e:
         load_config(None, sets).validate_world(world)
     assert message in str(e.value)
+
+
+def test_a_world_the_batch_cannot_fill_is_refused_before_the_rank_grid_is_built(monkeypatch):
+    """`plan --world 131072` used to build the 131072-rank grid (~16 s here, minutes beyond) to say dp is too big."""
+    import pretrain.config
+
+    def no_grid(*args, **kwargs):
+        raise AssertionError("the rank grid was built")
+
+    monkeypatch.setattr(pretrain.config, "RankGrid", no_grid)
+    with pytest.raises(UsageError, match=r"global_batch=8 is not divisible by dp=131072"):
+        load_config(None).validate_world(1 << 17)
 
 
 def test_max_route_nodes_is_the_routers_group_limit(tmp_path):

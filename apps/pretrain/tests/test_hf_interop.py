@@ -3,6 +3,7 @@ gives transformers' logits (fp32, <= 1e-5) on 1 rank, tp = 2 and pp = 2; export 
 exactly; `pretrain train` starts from the imported checkpoint."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -87,3 +88,19 @@ def test_convert_bad_input_is_one_clear_line(tmp_path):
     assert res.exit_code == 2 and "gpt2" in res.stderr
     res = runner.invoke(app, ["convert"])
     assert res.exit_code == 2 and res.stderr.startswith("error: ")
+
+
+def test_every_hf_field_is_read_with_its_type():  # issue 40: "false" imported as true, a list's .get raised
+    from pretrain.checkpoint.hf_fields import REQUIRED, hf_field
+    from pretrain.errors import UsageError
+
+    hf = {"tie": "false", "flag": True, "size": 64, "eps": 1, "scaling": None, "rope": [1, 2], "big": float("inf")}
+    assert hf_field(hf, "flag", bool, "c.json") is True and hf_field(hf, "eps", float, "c.json") == 1.0
+    assert hf_field(hf, "scaling", dict, "c.json", {}) == {} and hf_field(hf, "absent", int, "c.json", 7) == 7
+    for key, kind, message in (("tie", bool, "tie='false' must be true or false"), ("flag", int, "must be an integer"),
+                               ("rope", dict, "rope=[1, 2] must be a JSON object"), ("big", float, "must be a number"),
+                               ("absent", int, "missing absent")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            hf_field(hf, key, kind, "c.json", REQUIRED)
+    with pytest.raises(UsageError, match="size=64 must be >= 100"):
+        hf_field(hf, "size", int, "c.json", low=100)

@@ -82,3 +82,61 @@ def test_readme_gpu_extra_resolves_at_the_workspace_root():
     res = subprocess.run(GPU_SYNC.split() + ["--frozen", "--offline", "--dry-run"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and "flash-attn" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+# ---- issue 40: two runs sharing a directory, names that leave it, the filesystem root -----------------------
+
+
+def test_a_live_run_holds_its_checkpoint_dir_and_a_new_run_keeps_the_earlier_log(tmp_path):
+    from pretrain.preflight import run_lock
+
+    ck = tmp_path / "ck"
+    with run_lock(tmp_path / "first_log", ck):  # a live run that has not saved yet
+        res = _train(tmp_path / "second_log", ck, "--set", "train.steps=1")
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "in use by another run (PID" in res.stderr, res.output
+    assert not (ck / "manifest.json").exists()
+
+    log = tmp_path / "log"
+    assert _train(log, tmp_path / "ck1", "--set", "train.steps=2").exit_code == 0
+    first = _log(log)
+    res = _train(log, tmp_path / "ck2", "--set", "train.steps=1")  # a new run, same log.dir, other checkpoints
+    assert res.exit_code == 0, res.output
+    kept = log / f"log.{first[0]['run_id']}.jsonl"
+    assert "kept as" in res.stdout and [json.loads(x) for x in kept.read_text().splitlines()] == first
+    assert [r["step"] for r in _log(log)] == [1] and _log(log)[0]["run_id"] != first[0]["run_id"]
+
+
+def test_the_filesystem_root_is_refused_before_anything_is_written_there(monkeypatch):
+    import pretrain.preflight as preflight
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    def never(path, what):
+        raise AssertionError(f"{what} {path} would be written")  # so a missing check writes nothing into /
+
+    monkeypatch.setattr(preflight, "check_writable", never)
+    for sets in (["log.dir=/"], ["log.dir=runs/a", "checkpoint.dir=/"]):
+        cfg = load_config(None, sets)
+        with pytest.raises(UsageError, match="is the filesystem root"):
+            preflight.check_run(cfg, cfg.validate_world(1))
+
+
+def test_retention_deletes_only_step_dirs_inside_the_checkpoint_dir(tmp_path):
+    from pretrain.checkpoint.retention import publish, read_manifest
+    from pretrain.checkpoint.store import latest_checkpoint
+    from pretrain.errors import UsageError
+
+    root, victim = tmp_path / "ck", tmp_path / "victim" / "step_7"
+    for path in (root / "step_8", victim):
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(json.dumps({"run_id": "r1"}))
+    (root / "manifest.json").write_text(json.dumps({"run_id": "r1", "saves": ["../victim/step_7"]}))
+    with pytest.raises(UsageError, match=r"lists '../victim/step_7', not a step_<N> checkpoint"):
+        read_manifest(root)
+    with pytest.raises(UsageError):
+        publish(root, root / "step_8", keep=1)
+    assert (victim / "trainer_state.json").is_file()
+    for name in ("../victim/step_7", str(victim), ".."):
+        (root / "latest").write_text(name + "\n")
+        with pytest.raises(UsageError, match="which is not a checkpoint inside"):
+            latest_checkpoint(root)

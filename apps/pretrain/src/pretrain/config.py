@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -34,7 +35,7 @@ from .config_rules import _divisors, _need
 from .config_sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, TopologyConfig,
                               TrainConfig)
 from .errors import UsageError
-from .layout import Layout, micro_batching
+from .layout import MAX_WORLD, Layout, micro_batching
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "Layout", "LogConfig", "ModelConfig", "ParallelConfig",
            "TopologyConfig", "TrainConfig", "builtin_configs", "load_config", "parse_override"]
@@ -126,18 +127,19 @@ class Config:
     def validate_world(self, world_size: int) -> Layout:
         """Check everything that depends on the number of ranks; return the resolved layout."""
         p, t = self.parallel, self.train
-        _need(world_size >= 1, f"world size {world_size} must be >= 1")
+        _need(1 <= world_size <= MAX_WORLD, f"world size {world_size} must be in 1..{MAX_WORLD} (2**17 ranks)")
+        dp, rest = divmod(world_size, p.tp * p.cp * p.pp)
+        if not rest:  # before the grid is built: a dp the batch cannot fill fails at once (else the grid says why)
+            micro_batch, microbatches = micro_batching(t.global_batch, t.micro_batch, p.microbatches, dp, p.pp)
         try:
             grid = RankGrid(world_size, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.expert_tp, order=p.order,
                             hcp=p.hcp or None)
         except LayoutError as e:
             raise UsageError(f"[parallel] does not fit {world_size} ranks: {e}") from None
-        dp = grid.dp
         sp = p.tp > 1 if p.sequence_parallel is None else (p.sequence_parallel and p.tp > 1)
         if sp:
             _need((t.seq_len // p.cp) % p.tp == 0,
                   f"[train].seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for sequence parallelism")
-        micro_batch, microbatches = micro_batching(t.global_batch, t.micro_batch, p.microbatches, dp, p.pp)
         if p.pp > 1 and p.schedule == "interleaved":
             _need(microbatches % p.pp == 0, f"the interleaved schedule needs micro-batches ({microbatches}) to be a "
                                             f"multiple of pp={p.pp}; set [parallel].microbatches")
@@ -193,9 +195,11 @@ def _coerce(section: str, key: str, value, hint):
         return value
     if hint is int:
         _need(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
+        _need(abs(value) < 2**63, f"{where}={value} is out of range (TOML integers are 64-bit: |value| < 2**63)")
         return value
     if hint is float:
         _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        _need(math.isfinite(value), f"{where}={value} must be a finite number")
         return float(value)
     if hint is list:
         _need(isinstance(value, list), f"{where} must be a list, got {value!r}")

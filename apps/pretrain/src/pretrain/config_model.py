@@ -104,7 +104,10 @@ class ModelConfig:
             _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
         _need(self.yarn_factor == 0 or self.yarn_factor >= 1, f"[model].yarn_factor={self.yarn_factor} must be 0 "
                                                                f"(no RoPE scaling) or >= 1")
-        _need(self.mtp_loss_weight >= 0, f"[model].mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        for name in ("mtp_loss_weight", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            _need(getattr(self, name) >= 0, f"[model].{name}={getattr(self, name)} must be >= 0")
+        _need(self.routed_scaling > 0, f"[model].routed_scaling={self.routed_scaling} must be > 0")
+        _positive("model", self, "yarn_original_max_positions")
         _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _choice("[model].recompute", self.recompute, RECOMPUTE)

@@ -23,6 +23,22 @@ def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
         _need(value >= low, f"[{section}].{name}={value} must be >= {low}")
 
 
+def _in_range(key: str, value, low, high, why: str = "") -> None:
+    _need(low <= value <= high, f"{key}={value} must be in {low}..{high}{why}")
+
+
+MAX_SEED = 2**32 - 1  # what every RNG we seed takes (numpy's, torch's, our per-tensor streams)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is no timeout at all, and near 1e9 s timedelta/threading overflow
+
+
+def _seed(key: str, value: int) -> None:
+    _in_range(key, value, 0, MAX_SEED, " (2**32 - 1)")
+
+
+def _timeout(key: str, value: float) -> None:
+    _need(0 < value <= MAX_TIMEOUT_S, f"{key}={value} must be in (0, {MAX_TIMEOUT_S:g}] seconds (a week)")
+
+
 def _divisors(n: int) -> str:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): n may be huge
     return ", ".join(str(d) for d in sorted(set(small + [n // d for d in small])))

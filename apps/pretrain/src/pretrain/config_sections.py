@@ -16,7 +16,7 @@ from par_pp import V_SCHEDULES, chunk_placement, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
 from par_zero import check_optimizer, optimizer_classes
 
-from .config_rules import _choice, _need, _positive
+from .config_rules import _choice, _need, _positive, _seed, _timeout
 from .errors import UsageError
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -167,9 +167,9 @@ class TrainConfig:
     grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "seq_len", "global_batch", "nproc")
-        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "eval_batches", "seed",
-                  allow_zero=True)
+        _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
+        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", allow_zero=True)
+        _seed("[train].seed", self.seed)
         _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
               f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
               f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
@@ -178,8 +178,8 @@ class TrainConfig:
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
         _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
-        _need(self.timeout_s > 0, f"[train].timeout_s={self.timeout_s} must be > 0")
-        _need(self.preempt_timeout_s > 0, f"[train].preempt_timeout_s={self.preempt_timeout_s} must be > 0")
+        _timeout("[train].timeout_s", self.timeout_s)
+        _timeout("[train].preempt_timeout_s", self.preempt_timeout_s)
         _choice("[train].dtype", self.dtype, DTYPES)
         _choice("[train].device", self.device, DEVICES)
         _choice("[train].fp8", self.fp8, FP8)
@@ -232,6 +232,7 @@ class DataConfig:
         from .data.blend import check_blend
 
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+        _seed("[data].seed", self.seed)
         _need(not (self.path and self.blend), "[data] takes path or blend, not both")
         _need(not (self.eval_path and self.eval_blend), "[data] takes eval_path or eval_blend, not both")
         _need(self.eos >= -1, f"[data].eos={self.eos} must be a token id (or -1: the dataset header's)")

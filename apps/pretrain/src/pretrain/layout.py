@@ -8,6 +8,8 @@ from par_groups import RankGrid
 
 from .config_rules import _need
 
+MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it building the rank grid alone takes minutes
+
 
 @dataclass(frozen=True)
 class Layout:

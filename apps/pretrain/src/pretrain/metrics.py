@@ -42,9 +42,26 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float 
     return flops_per_step / step_time_s / (peak_flops_per_device * devices)
 
 
+def _set_aside(path: Path) -> Path | None:
+    """Move an earlier run's non-empty ``log.jsonl`` to ``log.<its run id>.jsonl`` (a new run starts its own)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        run_id = str(json.loads(path.open().readline()).get("run_id", "previous"))
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        run_id = "previous"
+    run_id = "".join(c for c in run_id if c.isalnum() or c in "-_") or "previous"  # a file name, whatever the line says
+    target, n = path.with_name(f"log.{run_id}.jsonl"), 1
+    while target.exists():
+        target, n = path.with_name(f"log.{run_id}.{n}.jsonl"), n + 1
+    os.replace(path, target)
+    return target
+
+
 def _open_log(path: Path, start_step: int):
     """``log.jsonl`` for appending, keeping only the lines of steps <= ``start_step`` (a resumed run
-    repeats the steps after its checkpoint; a new run starts an empty log). Rewritten via a rename."""
+    repeats the steps after its checkpoint; a new run starts an empty log, the earlier one set aside
+    by :func:`_set_aside`). Rewritten via a rename."""
     kept = []
     if start_step > 0 and path.is_file():
         for line in path.read_text().splitlines():
@@ -68,6 +85,7 @@ class MetricsLogger:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
+        earlier = _set_aside(self.dir / "log.jsonl") if start_step == 0 else None
         self.jsonl = _open_log(self.dir / "log.jsonl", start_step)
         self.total_steps, self.flops_per_step = total_steps, flops_per_step
         self.peak, self.devices, self.tokens_per_step = peak_flops_per_device, devices, tokens_per_step
@@ -76,6 +94,8 @@ class MetricsLogger:
         self.last: dict[str, Any] = {}
         self.tb = self._tensorboard() if tensorboard else None
         self._progress = None
+        if earlier is not None:
+            self.message(f"{self.dir / 'log.jsonl'} held an earlier run's log: kept as {earlier}")
         if progress and self.console.is_terminal:
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),

@@ -73,15 +73,18 @@ def removed_if_disk_full(tmp: Path):
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if not (disk_full(e) or cannot_write_here(tmp.parent)):
             if isinstance(e, CheckpointException):  # else the launcher records no message for it
-                raise RuntimeError(f"writing checkpoint {tmp} failed: {_first_failure(e)}") from e
+                raise RuntimeError(f"writing checkpoint {tmp} failed: {first_failure(e)}") from e
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise UsageError(f"disk full (ENOSPC) while writing checkpoint {tmp} (removed); free space on that "
                          f"filesystem, lower [checkpoint].keep or choose another [checkpoint].dir") from None
 
 
-def _first_failure(error) -> str:
-    for rank, (exc, _) in sorted(error.failures.items()):
-        return f"rank {rank}: {type(exc).__name__}: {exc}"
-    return str(error)
-
+def first_failure(error: BaseException) -> str:
+    """One line for ``error``; DCP's CheckpointException (every rank's traceback) by its first rank's error."""
+    failures = sorted(getattr(error, "failures", {}).items())
+    prefix = f"rank {failures[0][0]}: " if failures else ""
+    if failures:
+        error = failures[0][1][0] if isinstance(failures[0][1], tuple) else failures[0][1]
+    lines = str(error).strip().splitlines()
+    return f"{prefix}{type(error).__name__}: {lines[0] if lines else ''}"

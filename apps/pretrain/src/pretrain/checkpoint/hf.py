@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ModelConfig
+from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.reference import full_shapes
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
+from .hf_fields import hf_field
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
 # HF config.json key -> [model] key
@@ -26,41 +27,39 @@ HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_laye
 
 INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "head_dim")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+FIELD_TYPES = {k: int for k in INT_KEYS} | {"rope_theta": float, "rms_norm_eps": float, "tie_word_embeddings": bool}
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    kind = hf.get("model_type")
+    kind = hf_field(hf, "model_type", str, where, None)
     if kind == "deepseek_v3":
-        try:
-            return deepseek_model_config(hf, where)
-        except KeyError as e:
-            raise UsageError(f"{where}: missing {e.args[0]}") from None
+        return deepseek_model_config(hf, where)
     if kind not in ("llama", "mistral", None):
         raise UsageError(f"{where}: model_type={kind!r} is not supported (llama, mistral or deepseek_v3)")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf_field(hf, key, bool, where, False):
             raise UsageError(f"{where}: {key}=true is not supported (the model has no biases)")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps rope_theta in here
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise UsageError(f"{where}: RoPE scaling ({hf.get('rope_scaling') or rope!r}) is not supported (plain RoPE only)")
+    rope = hf_field(hf, "rope_parameters", dict, where, {})  # transformers >= 5 keeps rope_theta in here
+    scaling = hf_field(hf, "rope_scaling", dict, where, {})
+    if scaling or hf_field(rope, "rope_type", str, f"{where} rope_parameters", "default") != "default":
+        raise UsageError(f"{where}: RoPE scaling ({scaling or rope!r}) is not supported (plain RoPE only)")
     if "rope_theta" in rope:
-        hf = hf | {"rope_theta": rope["rope_theta"]}
-    if hf.get("hidden_act", "silu") != "silu":
+        hf = hf | {"rope_theta": hf_field(rope, "rope_theta", float, f"{where} rope_parameters")}
+    if hf_field(hf, "hidden_act", str, where, "silu") != "silu":
         raise UsageError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu)")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-               if k not in hf]
+    missing = [k for k in REQUIRED_KEYS if hf.get(k) is None]
     if missing:
         raise UsageError(f"{where}: missing {', '.join(missing)}")
-    wrong = [f"{k}={hf[k]!r}" for k in INT_KEYS if k in hf and (type(hf[k]) is not int or hf[k] < 1)]
-    wrong += [f"{k}={hf[k]!r}" for k in ("rope_theta", "rms_norm_eps")
-              if k in hf and (type(hf[k]) not in (int, float) or hf[k] <= 0)]
+    fields = {k: hf_field(hf, k, typ, where, None, low=1 if typ is int else None) for k, typ in FIELD_TYPES.items()}
+    wrong = [f"{k}={fields[k]!r}" for k in ("rope_theta", "rms_norm_eps") if fields[k] is not None and fields[k] <= 0]
     if wrong:
-        raise UsageError(f"{where}: {', '.join(wrong)}: sizes must be positive integers, rope_theta and "
-                         f"rms_norm_eps positive numbers")
-    kwargs = {ours: hf[k] for k, ours in HF_KEYS.items() if k in hf}
-    kwargs.setdefault("kv_heads", hf["num_attention_heads"])
-    if "head_dim" in hf and hf["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]:
-        raise UsageError(f"{where}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads is not supported")
+        raise UsageError(f"{where}: {', '.join(wrong)}: rope_theta and rms_norm_eps must be positive numbers")
+    kwargs = {ours: fields[k] for k, ours in HF_KEYS.items() if fields[k] is not None}
+    kwargs.setdefault("kv_heads", fields["num_attention_heads"])
+    head_dim = fields["head_dim"]
+    if head_dim is not None and head_dim != fields["hidden_size"] // fields["num_attention_heads"]:
+        raise UsageError(f"{where}: head_dim={head_dim} != hidden_size/num_attention_heads is not supported")
     try:
         return ModelConfig(**kwargs)
     except (UsageError, TypeError) as e:
@@ -120,11 +119,16 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return m, {k: state[k].to(torch.float32) for k in shapes}
 
 
+def _refuse_existing(path: Path, option: str) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UsageError(f"{option} {path} already exists and is not empty; choose a new directory "
+                         f"(nothing is overwritten)")
+
+
 def import_hf(src: str | Path, out: str | Path) -> Path:
     """Write a model-only checkpoint at ``out`` and ``out/config.toml`` (training starts from it)."""
     out = Path(out).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--out {out} already exists and is not empty; choose a new directory (nothing is overwritten)")
+    _refuse_existing(out, "--out")
     m, state = read_hf(src)
     from ..config import CheckpointConfig
 
@@ -140,10 +144,12 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     """Write ``dst/config.json`` and ``dst/model.safetensors`` from one of our checkpoints."""
     from safetensors.torch import save_file
 
+    dst = Path(dst)
+    _refuse_existing(dst, "--to-hf")
     path = resolve_checkpoint(checkpoint)
     try:
-        m = ModelConfig(**read_state(path)["config"]["model"])
-    except (KeyError, TypeError) as e:
+        m = config_from_dict({"model": read_state(path)["config"]["model"]}).model  # type-checked as a TOML's
+    except (KeyError, TypeError, UsageError) as e:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
@@ -151,7 +157,6 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
         state = to_deepseek_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
-    dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),

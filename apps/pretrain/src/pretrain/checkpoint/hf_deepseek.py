@@ -17,6 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UsageError
+from .hf_fields import REQUIRED, hf_field
 
 PROJ = ("gate", "up", "down")
 
@@ -27,29 +28,37 @@ def deepseek_model_config(hf: dict, where: str) -> ModelConfig:
                       ("tie_word_embeddings", False), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
         if key in hf and hf[key] != want:
             raise UsageError(f"{where}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {want!r})")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
+
+    def get(key, kind=int, default=REQUIRED, src=hf, low=None):
+        return hf_field(src, key, kind, where, default, low=low)
+
+    rope = get("rope_parameters", dict, None) or get("rope_scaling", dict, {})
+    kind = get("rope_type", str, None, rope) or get("type", str, "default", rope)
     if kind not in ("default", "yarn"):
         raise UsageError(f"{where}: RoPE type {kind!r} is not supported (default or yarn)")
-    n_group, topk_group, top_k = hf.get("n_group", 1), hf.get("topk_group", 1), hf["num_experts_per_tok"]
+    n_group, topk_group, top_k = get("n_group", default=1), get("topk_group", default=1), get("num_experts_per_tok")
     if n_group > 1 and top_k != 2 * topk_group:  # transformers scores a group by its top-2 experts
         raise UsageError(f"{where}: num_experts_per_tok={top_k} must be 2 * topk_group={topk_group} with n_group > 1")
-    heads = hf["num_attention_heads"]
+    heads = get("num_attention_heads")
     kwargs = dict(
-        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
-        kv_heads=heads, ffn_hidden=hf["intermediate_size"], rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), attention="mla", q_lora_rank=hf.get("q_lora_rank") or 0,
-        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        moe_layers_start=hf.get("first_k_dense_replace", 0), num_experts=hf["n_routed_experts"] or 0, top_k=top_k,
-        moe_ffn_hidden=hf["moe_intermediate_size"], shared_experts=hf.get("n_shared_experts") or 0,
+        vocab_size=get("vocab_size"), hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+        kv_heads=heads, ffn_hidden=get("intermediate_size"),
+        rope_theta=get("rope_theta", float, None, rope) or get("rope_theta", float, 10000.0),
+        norm_eps=get("rms_norm_eps", float, 1e-6), attention="mla", q_lora_rank=get("q_lora_rank", default=0),
+        kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=get("qk_nope_head_dim"),
+        qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"),
+        moe_layers_start=get("first_k_dense_replace", default=0), num_experts=get("n_routed_experts", default=0),
+        top_k=top_k, moe_ffn_hidden=get("moe_intermediate_size"), shared_experts=get("n_shared_experts", default=0),
         score_func="sigmoid", n_groups=n_group, topk_groups=topk_group,
-        routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        mtp_depth=hf.get("num_nextn_predict_layers", 0) or 0)
+        routed_scaling=get("routed_scaling_factor", float, 1.0), norm_topk_prob=get("norm_topk_prob", bool, True),
+        mtp_depth=get("num_nextn_predict_layers", default=0))
     if kind == "yarn":
-        kwargs |= dict(yarn_factor=float(rope["factor"]), yarn_original_max_positions=rope["original_max_position_embeddings"],
-                       yarn_beta_fast=float(rope.get("beta_fast") or 32), yarn_beta_slow=float(rope.get("beta_slow") or 1),
-                       yarn_mscale=float(rope.get("mscale") or 0), yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
+        kwargs |= dict(yarn_factor=get("factor", float, src=rope),
+                       yarn_original_max_positions=get("original_max_position_embeddings", src=rope),
+                       yarn_beta_fast=get("beta_fast", float, 0.0, rope) or 32.0,
+                       yarn_beta_slow=get("beta_slow", float, 0.0, rope) or 1.0,
+                       yarn_mscale=get("mscale", float, 0.0, rope),
+                       yarn_mscale_all_dim=get("mscale_all_dim", float, 0.0, rope))
     try:
         return ModelConfig(**kwargs)
     except (UsageError, TypeError) as e:

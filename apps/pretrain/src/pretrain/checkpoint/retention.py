@@ -47,7 +47,17 @@ def read_manifest(root: Path) -> dict | None:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("run_id"), str) \
             or not isinstance(manifest.get("saves"), list):
         raise UsageError(f"{root / MANIFEST} is not a pretrain checkpoint manifest; move it away")
+    for name in manifest["saves"]:  # names we delete: each must be a step_N directly inside root
+        if not (isinstance(name, str) and STEP_DIR.fullmatch(name)):
+            raise UsageError(f"{root / MANIFEST} lists {name!r}, not a step_<N> checkpoint inside {root}; move it away")
     return manifest
+
+
+def inside(root: Path, name: str, what: str) -> Path:
+    """``root / name`` for a name read from a file, refused unless it is one entry inside ``root``."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise UsageError(f"{what} names {name!r}, which is not a checkpoint inside {root}; move it away")
+    return root / name
 
 
 def foreign_checkpoints(root: Path) -> list[str]:

@@ -8,6 +8,7 @@ metadata classes, torch dtypes/``Size``/layouts and paths: anything else is a on
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import torch
@@ -50,10 +51,32 @@ class SafeReader(dcp.FileSystemReader):
             raise UsageError(f"checkpoint {self.path} is corrupt or unsafe: cannot read {path.name} ({e})") from None
         if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
             raise UsageError(f"checkpoint {self.path}: {path.name} is not DCP metadata")
+        check_data_files(self.path, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def check_data_files(path, metadata) -> None:
+    """Every byte range the index names must be in a file inside ``path``: a missing, truncated or
+    escaping shard is one line here, not a failure of DCP's read on every rank."""
+    need: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None) or {}
+    for info in storage.values() if isinstance(storage, dict) else [None]:
+        name, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not (isinstance(offset, int) and isinstance(length, int)):
+            raise UsageError(f"checkpoint {path}: .metadata holds no valid storage index")
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise UsageError(f"checkpoint {path}: .metadata names the data file {name!r}, which is not a file inside it")
+        need[name] = max(need.get(name, 0), offset + length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"has {have} bytes, the index needs {size} (truncated)"
+            raise UsageError(f"checkpoint {path} is incomplete: data file {name} {what}; resume from an earlier "
+                             f"checkpoint (point 'latest' at it) or start a new run")
 
 
 def read_metadata(path) -> object:

@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import shutil
+import traceback
 import warnings
 from pathlib import Path
 
@@ -35,11 +36,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
-from .faults import removed_if_disk_full
-from .retention import LATEST, STATE_FILE, publish, run_id_of
+from .faults import first_failure, removed_if_disk_full
+from .retention import LATEST, STATE_FILE, inside, publish, run_id_of
 from .safe_metadata import SafeReader
 
 FORMAT = "pretrain-checkpoint-v1"
+ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
 # [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
 SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "moe_layers_start", "num_experts",
@@ -140,7 +142,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     marker = Path(root) / LATEST
     if not marker.is_file():
         return None
-    path = Path(root) / marker.read_text().strip()
+    try:
+        name = marker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"checkpoint marker {marker} is unreadable ({e}); move it away") from None
+    path = inside(Path(root), name, f"checkpoint marker {marker}")
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"checkpoint marker {marker} names {path.name}, which is missing or incomplete")
     return path
@@ -162,8 +168,9 @@ def read_state(path: Path) -> dict:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"checkpoint {path}: cannot read {STATE_FILE}: {e}") from None
-    if state.get("format") != FORMAT:
-        raise UsageError(f"checkpoint {path}: format {state.get('format')!r} is not {FORMAT!r}")
+    found = state.get("format") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
+    if found != FORMAT:
+        raise UsageError(f"checkpoint {path}: format {found!r} is not {FORMAT!r}")
     return state
 
 
@@ -223,7 +230,8 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     except UsageError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise UsageError(f"checkpoint {path} is corrupt: loading failed with {type(e).__name__}: {e}") from None
+        where = _keep_traceback(Path(trainer.cfg.log.dir))
+        raise UsageError(f"checkpoint {path} is corrupt: loading failed with {first_failure(e)}{where}") from None
     dp.sync_params()  # every rank loaded its owned range: re-assemble the params
     if not with_optim:
         return 0
@@ -233,8 +241,34 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     if state.get("world_size") == trainer.layout.world_size:
         rng = path / "rng" / f"rank_{_rank()}.pt"
         if rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=True))
+            load_rng_state(rng)
     return step
+
+
+def _keep_traceback(log_dir: Path) -> str:
+    """Rank 0 writes the traceback being handled to ``<log.dir>/error.log``; the note to add to the line."""
+    if _rank() == 0:
+        try:
+            (log_dir / ERROR_LOG).write_text(traceback.format_exc())
+        except OSError:
+            return ""
+    return f" (traceback in {log_dir / ERROR_LOG})"
+
+
+def load_rng_state(file: Path) -> None:
+    """Restore this rank's RNG from ``file``; anything but the states we write is one line (torch's own
+    message would advise ``weights_only=False``, which is wrong for a file we did not check)."""
+    why = "it is not a tensor file"
+    try:
+        state = torch.load(file, weights_only=True)
+        why = "it does not hold the states pretrain writes"
+        if not (isinstance(state, dict) and set(state) <= {"cpu", "cuda"} and "cpu" in state
+                and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.values())):
+            raise TypeError(why)
+        set_rng_state(state)
+    except Exception as e:  # torch.load raises many types on garbage; set_rng_state a RuntimeError on a bad size
+        raise UsageError(f"checkpoint RNG file {file} is unreadable: {why} ({type(e).__name__}); remove it to "
+                         f"resume with a fresh random state") from None
 
 
 def rng_state() -> dict:
@@ -260,7 +294,7 @@ def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, tor
     try:
         dcp.load(sd, storage_reader=SafeReader(str(path)))
     except (Exception, CheckpointException) as e:
-        raise UsageError(f"checkpoint {path} is corrupt: reading it failed with {type(e).__name__}: {e}") from None
+        raise UsageError(f"checkpoint {path} is corrupt: reading it failed with {first_failure(e)}") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 

@@ -10,8 +10,7 @@ import typer
 from par_groups import LayoutError, RankGrid
 
 from ..errors import fail
-
-MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it the listing alone takes minutes
+from ..layout import MAX_WORLD
 
 
 def parse_sizes(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:

@@ -26,7 +26,7 @@ def train(
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
     from ..launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
-    from ..preflight import check_run, run_lock
+    from ..preflight import check_run, checkpoint_root, run_lock
     from ..run import run_rank
 
     log_dir = None
@@ -43,7 +43,7 @@ def train(
             check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
         leader = not under_torchrun() or os.environ.get("RANK") == "0"
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
-        with run_lock(cfg.log.dir) if leader else nullcontext():
+        with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
                    join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s)

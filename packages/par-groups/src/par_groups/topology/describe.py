@@ -138,8 +138,18 @@ def load_toml(path: str | Path, nodes: int | None = None) -> Topology:
         raise TopologyError(f"topology file {str(path)!r} does not exist")
     except tomllib.TOMLDecodeError as e:
         raise TopologyError(f"topology file {str(path)!r} is not valid TOML: {e}")
+    except UnicodeDecodeError as e:
+        raise TopologyError(f"topology file {str(path)!r} is not UTF-8 text (byte {e.start}); give a TOML description")
+    except OSError as e:
+        raise TopologyError(f"cannot read topology file {str(path)!r}: {e.strerror or e}")
     spec.setdefault("name", path.stem)
-    return from_dict(spec, nodes=nodes)
+    try:
+        return from_dict(spec, nodes=nodes)
+    except TopologyError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a value of the wrong type in the file
+        raise TopologyError(f"topology file {str(path)!r} has a bad value ({type(e).__name__}: {e}); "
+                            f"see `pretrain topo --save` for the form") from None
 
 
 def to_toml(topology: Topology) -> str:

@@ -1,7 +1,8 @@
 """Hugging Face import/export: config.json + safetensors (never pickle) <-> our checkpoints.
 
-Llama: our full state dict already uses HF names and HF's rotate-half RoPE convention, so weights
-copy over unchanged; only the config keys are translated. DeepSeek-V3: see hf_deepseek.py.
+Llama, Qwen3: our full state dict already uses HF names and HF's rotate-half RoPE convention, so
+weights copy over unchanged; only the config keys are translated. Qwen3-MoE and Mixtral (experts
+stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 """
 
 from __future__ import annotations
@@ -16,68 +17,28 @@ from ..config import Config, ModelConfig
 from ..errors import UsageError
 from ..model.reference import full_shapes
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
+from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
-# HF config.json key -> [model] key
-HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_layers": "layers",
-           "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "intermediate_size": "ffn_hidden",
-           "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
-
-
-INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "head_dim")
+SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Our ``[model]`` for a transformers ``config.json``; what we do not implement is one error line."""
     kind = hf.get("model_type")
     if kind == "deepseek_v3":
-        try:
-            return deepseek_model_config(hf, where)
-        except KeyError as e:
-            raise UsageError(f"{where}: missing {e.args[0]}") from None
-    if kind not in ("llama", "mistral", None):
-        raise UsageError(f"{where}: model_type={kind!r} is not supported (llama, mistral or deepseek_v3)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise UsageError(f"{where}: {key}=true is not supported (the model has no biases)")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps rope_theta in here
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise UsageError(f"{where}: RoPE scaling ({hf.get('rope_scaling') or rope!r}) is not supported (plain RoPE only)")
-    if "rope_theta" in rope:
-        hf = hf | {"rope_theta": rope["rope_theta"]}
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UsageError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu)")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-               if k not in hf]
-    if missing:
-        raise UsageError(f"{where}: missing {', '.join(missing)}")
-    wrong = [f"{k}={hf[k]!r}" for k in INT_KEYS if k in hf and (type(hf[k]) is not int or hf[k] < 1)]
-    wrong += [f"{k}={hf[k]!r}" for k in ("rope_theta", "rms_norm_eps")
-              if k in hf and (type(hf[k]) not in (int, float) or hf[k] <= 0)]
-    if wrong:
-        raise UsageError(f"{where}: {', '.join(wrong)}: sizes must be positive integers, rope_theta and "
-                         f"rms_norm_eps positive numbers")
-    kwargs = {ours: hf[k] for k, ours in HF_KEYS.items() if k in hf}
-    kwargs.setdefault("kv_heads", hf["num_attention_heads"])
-    if "head_dim" in hf and hf["head_dim"] != hf["hidden_size"] // hf["num_attention_heads"]:
-        raise UsageError(f"{where}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads is not supported")
-    try:
-        return ModelConfig(**kwargs)
-    except (UsageError, TypeError) as e:
-        raise UsageError(f"{where}: {e}") from None
+        return deepseek_model_config(hf, where)
+    if kind is not None and kind not in ARCHITECTURES:
+        raise UsageError(f"{where}: model_type={kind!r} is not supported ({SUPPORTED})")
+    arch = hf.get("architectures") or []
+    known = set(ARCHITECTURES.values()) | {"DeepseekV3ForCausalLM"}
+    if not isinstance(arch, list) or any(a not in known for a in arch):
+        raise UsageError(f"{where}: architectures={arch!r} is not supported (one of {', '.join(sorted(known))})")
+    return gqa_model_config(hf, where)
 
 
 def hf_config_from_model(m: ModelConfig) -> dict:
-    if m.attention == "mla":
-        return deepseek_hf_config(m)
-    if m.num_experts:
-        raise UsageError("export to Hugging Face supports dense Llama and DeepSeek-V3 (MLA) models only "
-                         "(this one has MoE layers with attention='gqa')")
-    out = {hf: getattr(m, ours) for hf, ours in HF_KEYS.items()}
-    return out | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "head_dim": m.head_dim, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-                  "max_position_embeddings": 2048,
-                  "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"}}
+    return deepseek_hf_config(m) if m.attention == "mla" else gqa_hf_config(m)
 
 
 def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -108,6 +69,8 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if m.mtp_depth and not any(k.startswith(f"model.layers.{m.layers}.") for k in state):
             m = replace(m, mtp_depth=0)  # transformers saves no MTP layers: import the main model alone
         state = from_deepseek_names(state, m)
+    else:
+        state = from_gqa_names(state, m, hf.get("model_type") or "llama")
     if (m.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
@@ -147,8 +110,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
-    if m.attention == "mla":
-        state = to_deepseek_names(state, m)
+    state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
     dst = Path(dst)

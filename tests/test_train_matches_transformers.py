@@ -38,17 +38,13 @@ def tiny_llama():
 
 def train_imported(overrides):
     """The trainer, started from the imported HF weights: (losses, grad norms) and the global batches."""
-    from dataclasses import asdict
-
-    from pretrain.checkpoint.hf import HF_KEYS, model_config_from_hf
-    from pretrain.config import load_config
+    from pretrain.checkpoint.hf import model_config_from_hf
+    from pretrain.config import Config, apply_overrides, config_from_dict
     from pretrain.train_loop import Trainer
 
     hf = tiny_llama()
-    imported = asdict(model_config_from_hf(hf.config.to_dict()))
-    model_keys = [f"model.{k}={str(imported[k]).lower() if isinstance(imported[k], bool) else imported[k]}"
-                  for k in HF_KEYS.values()]
-    cfg = load_config(None, COMMON + model_keys + list(overrides))
+    imported = Config(model=model_config_from_hf(hf.config.to_dict())).to_dict()["model"]
+    cfg = config_from_dict(apply_overrides({"model": imported}, COMMON + list(overrides)))
     trainer = Trainer(cfg, full_state=hf.state_dict())
     results = [trainer.train_step(step) for step in range(STEPS)]
     batches = [trainer.sampler.train_batch(step).tokens.flatten(0, 1) for step in range(STEPS)]

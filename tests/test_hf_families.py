@@ -27,8 +27,10 @@ COMMON = [f"train.steps={STEPS}", f"train.warmup_steps={WARMUP}", f"train.lr={LR
           f"parallel.microbatches={MICRO_BATCHES}", "train.eval_every=0", "log.progress=false"]
 LAYOUT = {"llama3.1": ["parallel.pp=2"], "qwen3": ["parallel.tp=2"], "qwen3_moe": ["parallel.ep=2"],
           "mixtral": ["parallel.ep=2"], "deepseek_v3": ["parallel.tp=2"]}
+# measured (fp32, CPU): logits <= 4e-7 of the largest, step-0 loss exact, trained losses <= 1.2e-7,
+# grad norms <= 4.8e-7 relative; see /work/notes/issue34.md for the figures per family
 TOLERANCE = 1e-6
-LOGITS_TOLERANCE = 1e-5  # of the largest logit
+LOGITS_TOLERANCE = 1e-6  # of the largest logit
 runner = CliRunner()
 
 
@@ -117,8 +119,9 @@ def test_imported_family_matches_transformers_then_trains_like_it(dist_run, save
     for name, world, overrides in (("1rank", 1, []), (LAYOUT[family][0], 2, LAYOUT[family])):
         runs = dist_run(world, train_job, str(saved(family)), overrides, tokens[:, :-1])
         for logits, losses, norms, batches, dp in runs:
-            err = (logits - want_logits).abs().max().item()
-            assert err <= LOGITS_TOLERANCE * want_logits.abs().max().item(), f"{family} {name}: logits off by {err}"
+            err = (logits - want_logits).abs().max().item() / want_logits.abs().max().item()
+            assert err <= LOGITS_TOLERANCE, f"{family} {name}: logits off by {err} of the largest"
+            errors[f"{name} logits"] = err
             got_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             errors[f"{name} loss"] = _rel(got_loss.item(), want_loss.item())
             if ref is None or dp != ref[2]:
@@ -126,7 +129,7 @@ def test_imported_family_matches_transformers_then_trains_like_it(dist_run, save
             errors[f"{name} trained loss"] = max(_rel(a, b) for a, b in zip(losses, ref[0]))
             errors[f"{name} grad norm"] = max(_rel(a, b) for a, b in zip(norms, ref[1]))
     print(family, {k: f"{v:.2g}" for k, v in errors.items()})
-    assert max(errors.values()) <= TOLERANCE, f"{family}: relative errors {errors}"
+    assert max(v for k, v in errors.items() if "logits" not in k) <= TOLERANCE, f"{family}: relative errors {errors}"
     assert ref[1][0] > CLIP  # clipping really acts
 
 

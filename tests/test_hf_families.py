@@ -27,10 +27,10 @@ COMMON = [f"train.steps={STEPS}", f"train.warmup_steps={WARMUP}", f"train.lr={LR
           f"parallel.microbatches={MICRO_BATCHES}", "train.eval_every=0", "log.progress=false"]
 LAYOUT = {"llama3.1": ["parallel.pp=2"], "qwen3": ["parallel.tp=2"], "qwen3_moe": ["parallel.ep=2"],
           "mixtral": ["parallel.ep=2"], "deepseek_v3": ["parallel.tp=2"]}
-# measured (fp32, CPU): logits <= 4e-7 of the largest, step-0 loss exact, trained losses <= 1.2e-7,
-# grad norms <= 4.8e-7 relative; see /work/notes/issue34.md for the figures per family
+# measured (fp32, CPU, 10 runs = 5 families x 2 layouts): logits <= 8.7e-7 of the largest (DeepSeek's
+# MLA; the others <= 2.6e-7), loss of those logits exact, trained losses <= 1.2e-7, grad norms <= 4.8e-7
 TOLERANCE = 1e-6
-LOGITS_TOLERANCE = 1e-6  # of the largest logit
+LOGITS_TOLERANCE = 2e-6  # of the largest logit
 runner = CliRunner()
 
 

@@ -114,6 +114,8 @@ class ModelConfig:
               f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
         if self.attention == "mla":
             _validate_mla(self)
+            _need(not self.qk_norm and not self.kv_channels, "[model].qk_norm and kv_channels are for attention='gqa' "
+                                                             "(MLA sets its widths with qk_nope/rope_head_dim, v_head_dim)")
         else:
             _need(self.kv_channels or self.hidden % self.heads == 0,
                   f"[model].heads={self.heads} does not divide hidden={self.hidden} (or set kv_channels)")

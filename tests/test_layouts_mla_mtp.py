@@ -155,8 +155,8 @@ def matches_reference_job():
     from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
 
-    cfg = load_config(None, MLA + ["train.global_batch=2", "model.yarn_factor=4.0", "model.yarn_mscale_all_dim=1.0",
-                                   "model.yarn_original_max_positions=16"])
+    cfg = load_config(None, MLA + ["train.global_batch=2", 'model.rope_scaling={rope_type = "yarn", factor = 4.0, '
+                                   'original_max_position_embeddings = 16, mscale = 1.0, mscale_all_dim = 1.0}'])
     trainer, chunk, grads, inputs, labels = layout_runs.one_rank_first_batch(cfg)
     loss = trainer._loss(chunk(inputs[0]), labels[0])
     loss.backward()

@@ -24,7 +24,8 @@ COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0", 
 RTOL = 1e-6
 MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6",
-       "model.yarn_factor=40", "model.yarn_mscale_all_dim=1.0"]  # DeepSeek-V3's YaRN: its softmax scale is not 1/sqrt(d)
+       'model.rope_scaling={rope_type = "yarn", factor = 40, original_max_position_embeddings = 4096, mscale = 1.0, '
+       'mscale_all_dim = 1.0}']  # DeepSeek-V3's YaRN: its softmax scale is not 1/sqrt(d)
 LAYOUTS = {  # world 2 or 4; each adds one thing TE must be given right
     "tp2-sp": ["parallel.tp=2"],
     "cp2-p2p-recompute-selective": ["parallel.cp=2", "model.recompute=selective"],

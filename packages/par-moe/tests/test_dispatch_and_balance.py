@@ -111,7 +111,8 @@ def test_grouped_gemm_matches_batched_fallback_in_bf16():
 
 
 @pytest.mark.parametrize("bad", [dict(top_k=65), dict(score_func="relu"), dict(n_groups=3), dict(n_groups=8, topk_groups=9),
-                                 dict(capacity_factor=0.0), dict(dispatcher="deepep"), dict(top_k=3, n_groups=8, topk_groups=2)])
+                                 dict(capacity_factor=0.0), dict(dispatcher="deepep"), dict(top_k=3, n_groups=8, topk_groups=2, group_score="top_k_per_group"),
+                                 dict(group_score="top3")])
 def test_config_rejects_invalid_values(bad):
     kwargs = dict(hidden=H, ffn_hidden=8, num_experts=E, top_k=2) | bad
     with pytest.raises(ValueError):

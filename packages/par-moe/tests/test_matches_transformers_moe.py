@@ -5,10 +5,13 @@
   aux) for input, router and experts, on one rank and with the tokens and experts split over ep = 2.
   (Mixtral's loss has f_i = count_i / T where ours, like Megatron's, has count_i / (k T):
   ours with coefficient a equals a / k times transformers'.)
-* The sigmoid, group-limited router with a selection-only bias = DeepSeek-V3's router: the same
-  experts and the same combine weights.
+* The sigmoid, group-limited router with a selection-only bias = DeepSeek-V3's router (a group
+  scored by its top 2): the same experts and the same combine weights, also where top_k is not
+  2 * topk_group or topk_group does not divide it (there the paper's rule, "top_k_per_group",
+  picks other experts: checked, so this test tells the two apart).
 """
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -94,10 +97,11 @@ def test_softmax_topk_layer_with_aux_loss_matches_mixtral(dist_run, ep):
     assert want["aux"] > 0 and want["router"].abs().max() > 1e-3
 
 
-def test_sigmoid_group_limited_router_matches_deepseek_v3():
+@pytest.mark.parametrize("top_k,topk_groups", [(4, 2), (6, 2), (3, 2), (2, 3)])
+def test_sigmoid_group_limited_router_matches_deepseek_v3(top_k, topk_groups):
     from par_moe.router import Router
 
-    experts, top_k, n_groups, topk_groups, hidden, tokens = 16, 4, 4, 2, 16, 64
+    experts, n_groups, hidden, tokens = 16, 4, 16, 64
     config = transformers.DeepseekV3Config(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
                                            n_group=n_groups, topk_group=topk_groups, norm_topk_prob=True,
                                            routed_scaling_factor=2.5)
@@ -118,6 +122,11 @@ def test_sigmoid_group_limited_router_matches_deepseek_v3():
     assert torch.equal(our_order.values, their_order.values)  # the same experts for every token
     assert_close(routing.weights.gather(1, our_order.indices), their_weights.gather(1, their_order.indices), "weights")
     reached = torch.stack([(routing.indices // (experts // n_groups) == g).any(-1) for g in range(n_groups)], -1)
-    assert (reached.sum(-1) <= topk_groups).all() and (reached.sum(-1) == topk_groups).any()
+    limit = min(topk_groups, top_k)
+    assert (reached.sum(-1) <= limit).all() and (reached.sum(-1) == limit).any()
     unbiased = torch.sigmoid(x @ theirs.weight.T).topk(top_k, -1).indices.sort(-1).values
     assert not torch.equal(unbiased, our_order.values)  # the bias and group limit changed some choices
+    if top_k != 2 * topk_groups and top_k % topk_groups == 0:
+        paper = Router(replace(ours.config, group_score="top_k_per_group"))
+        paper.load_state_dict(ours.state_dict())
+        assert not torch.equal(paper(x).indices.sort(-1).values, our_order.values)

@@ -1,9 +1,9 @@
 """Node-limited routing (DeepSeek-V3): the router follows the rule, and the all-to-all bytes that
 leave a node are bounded by it.
 
-The rule, for E experts on N nodes (groups of E/N) and top-k within M nodes: score each node by
-the sum of its top k/M selection scores (scores + bias), keep the best M nodes, then the top k
-experts among theirs. The reference below spells it out per token in plain Python.
+The rule of the paper, for E experts on N nodes (groups of E/N) and top-k within M nodes
+(``group_score="top_k_per_group"``): score each node by the sum of its top k/M selection scores
+(scores + bias), keep the best M nodes, then the top k experts among theirs. The reference below spells it out per token in plain Python.
 """
 
 from datetime import timedelta
@@ -31,7 +31,7 @@ def node_limited_top_k(select: list[float], nodes: int, max_nodes: int, k: int) 
 def make_router(nodes, max_nodes, score_func="sigmoid"):
     torch.manual_seed(0)
     config = MoEConfig(hidden=H, ffn_hidden=8, num_experts=E, top_k=K, score_func=score_func, n_groups=nodes,
-                       topk_groups=max_nodes, routed_scaling_factor=2.5)
+                       topk_groups=max_nodes, routed_scaling_factor=2.5, group_score="top_k_per_group")
     router = Router(config)
     router.expert_bias.copy_(torch.randn(E) * 0.1)
     return router

@@ -156,8 +156,10 @@ class Config:
     def to_dict(self) -> dict:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["parallel"]["hcp"] = list(self.parallel.hcp)
-        if out["parallel"]["sequence_parallel"] is None:
-            del out["parallel"]["sequence_parallel"]  # TOML has no null: absent = default
+        out["model"]["mlp_only_layers"] = list(self.model.mlp_only_layers)
+        for section, key in (("parallel", "sequence_parallel"), ("model", "norm_topk_prob")):
+            if out[section][key] is None:
+                del out[section][key]  # TOML has no null: absent = default
         return out
 
     def to_toml(self) -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config_rules import _choice, _need, _positive
+from .model.rope_scaling import check_rope_scaling
 
 BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
@@ -12,6 +13,7 @@ RECOMPUTE = ("none", "selective", "full")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather")
 ATTENTIONS = ("gqa", "mla")
+GROUP_SCORES = ("top2", "top_k_per_group")
 
 
 def _validate_mla(m) -> None:
@@ -28,8 +30,9 @@ def _validate_route_nodes(m) -> None:
     _need(m.n_groups > 1, f"[model].max_route_nodes={M} needs n_groups > 1: the nodes the experts are spread over, "
                           f"one expert group per node (DeepSeek-V3: n_groups = 8, max_route_nodes = 4)")
     _need(M <= m.n_groups, f"[model].max_route_nodes={M} must be in 1..n_groups={m.n_groups}")
-    _need(m.top_k % M == 0, f"[model].max_route_nodes={M} must divide top_k={m.top_k} (a node is scored by the sum "
-                            f"of its top top_k/max_route_nodes experts)")
+    _need(m.group_score != "top_k_per_group" or m.top_k % M == 0,
+          f"[model].max_route_nodes={M} must divide top_k={m.top_k} (with group_score='top_k_per_group' a node is "
+          f"scored by the sum of its top top_k/max_route_nodes experts)")
     _need(m.topk_groups in (1, M), f"[model].max_route_nodes={M} and topk_groups={m.topk_groups} set the same "
                                    f"limit; set only max_route_nodes")
 
@@ -44,19 +47,31 @@ class ModelConfig:
     heads: int = 8
     kv_heads: int = 4
     ffn_hidden: int = 128
+    kv_channels: int = 0  # the width of one attention head (Megatron's --kv-channels, HF head_dim); 0 = hidden/heads
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)
     rope_theta: float = 10000.0
+    # RoPE scaling with transformers' keys, e.g. {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
+    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; {} = plain RoPE (model/rope_scaling.py)
+    rope_scaling: dict = field(default_factory=dict)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
     recompute: str = "none"
     moe_layers_start: int = 0
     num_experts: int = 0
+    # Qwen3-MoE's layer pattern: layer i has experts iff (i + 1) % decoder_sparse_step == 0 and i is not in
+    # mlp_only_layers (and i >= moe_layers_start)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     top_k: int = 2
     moe_ffn_hidden: int = 0  # 0 = ffn_hidden
     shared_experts: int = 0
     score_func: str = "softmax"
     n_groups: int = 1
     topk_groups: int = 1
+    # a group's score: the sum of its top 2 scores (DeepSeek-V3's code, transformers) or of its top
+    # top_k/topk_groups (top_k_per_group: the DeepSeek-V3 paper's node score)
+    group_score: str = "top2"
     # Node-limited routing (DeepSeek-V3): the n_groups expert groups are nodes (one group per node of
     # the EP group) and a token's experts span at most this many; sets topk_groups. 0 = off.
     max_route_nodes: int = 0
@@ -67,7 +82,8 @@ class ModelConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0  # 0 = no token dropping
     dispatcher: str = "alltoall"
-    norm_topk_prob: bool = True  # sigmoid routing: divide the chosen scores by their sum (DeepSeek-V3)
+    # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
+    norm_topk_prob: bool | None = None
     # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
     attention: str = "gqa"
     q_lora_rank: int = 0  # 0 = a full-rank q_proj
@@ -75,13 +91,6 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # YaRN RoPE scaling (as Hugging Face's rope_type "yarn"); factor 0 = plain RoPE
-    yarn_factor: float = 0.0
-    yarn_original_max_positions: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
     # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.1
@@ -91,7 +100,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("[model].backend", self.backend, BACKENDS)
         _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden")
+        _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "decoder_sparse_step")
+        _positive("model", self, "kv_channels", allow_zero=True)
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # a list once read from JSON
+        _need(all(0 <= i < self.layers for i in self.mlp_only_layers),
+              f"[model].mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in 0..{self.layers - 1}")
+        check_rope_scaling(self.rope_scaling)
+        _choice("[model].group_score", self.group_score, GROUP_SCORES)
         _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
                   allow_zero=True)
         _choice("[model].attention", self.attention, ATTENTIONS)
@@ -99,15 +114,15 @@ class ModelConfig:
               f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
         if self.attention == "mla":
             _validate_mla(self)
+            _need(not self.qk_norm and not self.kv_channels, "[model].qk_norm and kv_channels are for attention='gqa' "
+                                                             "(MLA sets its widths with qk_nope/rope_head_dim, v_head_dim)")
         else:
-            _need(self.hidden % self.heads == 0, f"[model].heads={self.heads} does not divide hidden={self.hidden}")
+            _need(self.kv_channels or self.hidden % self.heads == 0,
+                  f"[model].heads={self.heads} does not divide hidden={self.hidden} (or set kv_channels)")
             _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
-        _need(self.yarn_factor == 0 or self.yarn_factor >= 1, f"[model].yarn_factor={self.yarn_factor} must be 0 "
-                                                               f"(no RoPE scaling) or >= 1")
         for name in ("mtp_loss_weight", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             _need(getattr(self, name) >= 0, f"[model].{name}={getattr(self, name)} must be >= 0")
         _need(self.routed_scaling > 0, f"[model].routed_scaling={self.routed_scaling} must be > 0")
-        _positive("model", self, "yarn_original_max_positions")
         _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _choice("[model].recompute", self.recompute, RECOMPUTE)
@@ -128,14 +143,19 @@ class ModelConfig:
             _need(self.top_k <= self.topk_groups * per_group,
                   f"[model].top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in topk_groups="
                   f"{self.topk_groups} groups of {per_group}")
-            _need(self.n_groups == 1 or self.top_k % self.topk_groups == 0,
+            _need(self.n_groups == 1 or self.group_score != "top_k_per_group" or self.top_k % self.topk_groups == 0,
                   f"[model].topk_groups={self.topk_groups} must divide top_k={self.top_k} (a group is scored by the "
                   f"sum of its top top_k/topk_groups experts)")
             _need(self.capacity_factor >= 0, f"[model].capacity_factor={self.capacity_factor} must be >= 0 (0 = no drop)")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def normalize_topk(self) -> bool:
+        """Whether the chosen experts' weights are divided by their sum (``norm_topk_prob``, unset: sigmoid only)."""
+        return self.score_func == "sigmoid" if self.norm_topk_prob is None else self.norm_topk_prob
 
     @property
     def qk_head_dim(self) -> int:
@@ -152,8 +172,11 @@ class ModelConfig:
 
     @property
     def num_moe_layers(self) -> int:
-        return max(0, self.layers - self.moe_layers_start) if self.num_experts else 0
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     def is_moe_layer(self, index: int) -> bool:
-        """Layer ``index`` (0-based) has routed experts: the first ``moe_layers_start`` layers stay dense."""
-        return bool(self.num_experts) and index >= self.moe_layers_start
+        """Layer ``index`` (0-based) has routed experts: the first ``moe_layers_start`` layers stay dense, and
+        so do ``mlp_only_layers`` and those not on the ``decoder_sparse_step`` pattern (MTP layers: always)."""
+        if not self.num_experts or index < self.moe_layers_start:
+            return False
+        return index >= self.layers or (index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0)

@@ -71,7 +71,7 @@ class ParamCounts:
 def param_counts(m: ModelConfig) -> ParamCounts:
     """The main model's counts (as DeepSeek reports 671B / 37B); the MTP modules are ``mtp_params``."""
     h, d = m.hidden, m.head_dim
-    attention = 2 * h * h + 2 * h * m.kv_heads * d + 2 * h
+    attention = 2 * h * m.heads * d + 2 * h * m.kv_heads * d + 2 * h + (2 * d if m.qk_norm else 0)
     if m.attention == "mla":
         from .model.mla import mla_params_per_layer
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather")
+GROUP_SCORES = ("top2", "top_k_per_group")
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class MoEConfig:
     ``ffn_hidden`` is one routed expert's intermediate size. ``n_groups``/``topk_groups`` turn on
     group-limited routing: experts form ``n_groups`` contiguous groups (align them with EP ranks
     or nodes: with ``n_groups = ep`` a group is one rank's experts) and a token picks its experts
-    from its best ``topk_groups`` groups only; with one group per node this is DeepSeek-V3's
+    from its best ``topk_groups`` groups only, a group scored by ``group_score`` (the sum of its top 2
+scores, "top2" as DeepSeek-V3's code, or of its top ``top_k / topk_groups``, "top_k_per_group");
+with one group per node this is DeepSeek-V3's
     node-limited routing (``topk_groups`` = M nodes), which bounds the all-to-all leaving a node. ``normalize_topk`` (None: True for sigmoid, False
     for softmax) divides the chosen scores by their sum before ``routed_scaling_factor``.
     ``num_shared_experts`` shared experts are one SwiGLU of size ``num_shared_experts * ffn_hidden``
@@ -35,6 +38,7 @@ class MoEConfig:
     normalize_topk: bool | None = None
     n_groups: int = 1
     topk_groups: int = 1
+    group_score: str = "top2"
     num_shared_experts: int = 0
     shared_ffn_hidden: int | None = None
     routed_scaling_factor: float = 1.0
@@ -68,7 +72,9 @@ class MoEConfig:
             raise ValueError(
                 f"top_k={self.top_k} exceeds the {self.topk_groups} groups x {self.num_experts // self.n_groups} experts "
                 "a token may reach; raise topk_groups or lower top_k")
-        if self.n_groups > 1 and self.top_k % self.topk_groups:
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score={self.group_score!r}; use one of {GROUP_SCORES}")
+        if self.n_groups > 1 and self.group_score == "top_k_per_group" and self.top_k % self.topk_groups:
             raise ValueError(f"topk_groups={self.topk_groups} must divide top_k={self.top_k} (groups are scored by "
                              "the sum of their top_k/topk_groups scores)")
         if self.num_shared_experts < 0 or (self.shared_ffn_hidden is not None and self.shared_ffn_hidden < 1):

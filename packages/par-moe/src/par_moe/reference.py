@@ -58,7 +58,8 @@ class ReferenceMoE(nn.Module):
         if c.n_groups > 1:
             size = c.num_experts // c.n_groups
             per_group = select.view(-1, c.n_groups, size).sort(-1, descending=True).values
-            group_score = per_group[..., : c.top_k // c.topk_groups].sum(-1)
+            summed = min(2, size) if c.group_score == "top2" else c.top_k // c.topk_groups
+            group_score = per_group[..., :summed].sum(-1)
             best_groups = group_score.argsort(-1, descending=True)[:, : c.topk_groups]
             allowed = torch.zeros_like(select, dtype=torch.bool)
             for g in range(c.n_groups):

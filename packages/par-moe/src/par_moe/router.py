@@ -3,8 +3,10 @@
 DeepSeek-V3 style when ``score_func="sigmoid"``: the expert bias (aux-loss-free balancing) only
 shifts which experts are *selected*; the combine weights are the unbiased scores of the chosen
 experts, normalized to sum to one and multiplied by ``routed_scaling_factor``. Group-limited
-routing first keeps each token's best ``topk_groups`` expert groups (a group's score is the sum
-of its top ``top_k / topk_groups`` selection scores), so a token reaches at most that many groups.
+routing first keeps each token's best ``topk_groups`` expert groups, so a token reaches at most that
+many groups. A group's score (``group_score``) is the sum of its top 2 selection scores ("top2", as
+DeepSeek-V3's released code and transformers), or of its top ``top_k / topk_groups``
+("top_k_per_group", the node score of the DeepSeek-V3 paper's node-limited routing).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ class Routing:
     keep: torch.Tensor | None = None  # [T, k] False where capacity dropped the pair; None: dropless
 
 
-def group_limited_mask(select: torch.Tensor, n_groups: int, topk_groups: int, top_k: int) -> torch.Tensor:
+def group_limited_mask(select: torch.Tensor, n_groups: int, topk_groups: int, top_k: int,
+                       group_score: str = "top2") -> torch.Tensor:
     """[T, E] bool: True for the experts of each token's best ``topk_groups`` groups."""
     tokens, experts = select.shape
     grouped = select.view(tokens, n_groups, experts // n_groups)
-    group_scores = grouped.topk(top_k // topk_groups, dim=-1).values.sum(-1)  # [T, n_groups]
+    summed = min(2, grouped.shape[-1]) if group_score == "top2" else top_k // topk_groups
+    group_scores = grouped.topk(summed, dim=-1).values.sum(-1)  # [T, n_groups]
     best = group_scores.topk(topk_groups, dim=-1).indices
     keep_group = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
     return keep_group.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
@@ -56,7 +60,7 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if c.score_func == "softmax" else logits.sigmoid()
         select = scores.detach() + self.expert_bias
         if c.n_groups > 1:
-            allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k)
+            allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k, c.group_score)
             select = select.masked_fill(~allowed, float("-inf"))
         indices = select.topk(c.top_k, dim=-1).indices
         weights = scores.gather(1, indices)

@@ -1,7 +1,8 @@
 """Hugging Face import/export: config.json + safetensors (never pickle) <-> our checkpoints.
 
-Llama: our full state dict already uses HF names and HF's rotate-half RoPE convention, so weights
-copy over unchanged; only the config keys are translated. DeepSeek-V3: see hf_deepseek.py.
+Llama, Qwen3: our full state dict already uses HF names and HF's rotate-half RoPE convention, so
+weights copy over unchanged; only the config keys are translated. Qwen3-MoE and Mixtral (experts
+stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 """
 
 from __future__ import annotations
@@ -16,67 +17,28 @@ from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.reference import full_shapes
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
-from .hf_fields import hf_field
+from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
-# HF config.json key -> [model] key
-HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_layers": "layers",
-           "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "intermediate_size": "ffn_hidden",
-           "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
-
-
-INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "head_dim")
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-FIELD_TYPES = {k: int for k in INT_KEYS} | {"rope_theta": float, "rms_norm_eps": float, "tie_word_embeddings": bool}
+SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
-    kind = hf_field(hf, "model_type", str, where, None)
+    """Our ``[model]`` for a transformers ``config.json``; what we do not implement is one error line."""
+    kind = hf.get("model_type")
     if kind == "deepseek_v3":
         return deepseek_model_config(hf, where)
-    if kind not in ("llama", "mistral", None):
-        raise UsageError(f"{where}: model_type={kind!r} is not supported (llama, mistral or deepseek_v3)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf_field(hf, key, bool, where, False):
-            raise UsageError(f"{where}: {key}=true is not supported (the model has no biases)")
-    rope = hf_field(hf, "rope_parameters", dict, where, {})  # transformers >= 5 keeps rope_theta in here
-    scaling = hf_field(hf, "rope_scaling", dict, where, {})
-    if scaling or hf_field(rope, "rope_type", str, f"{where} rope_parameters", "default") != "default":
-        raise UsageError(f"{where}: RoPE scaling ({scaling or rope!r}) is not supported (plain RoPE only)")
-    if "rope_theta" in rope:
-        hf = hf | {"rope_theta": hf_field(rope, "rope_theta", float, f"{where} rope_parameters")}
-    if hf_field(hf, "hidden_act", str, where, "silu") != "silu":
-        raise UsageError(f"{where}: hidden_act={hf['hidden_act']!r} is not supported (SwiGLU with silu)")
-    missing = [k for k in REQUIRED_KEYS if hf.get(k) is None]
-    if missing:
-        raise UsageError(f"{where}: missing {', '.join(missing)}")
-    fields = {k: hf_field(hf, k, typ, where, None, low=1 if typ is int else None) for k, typ in FIELD_TYPES.items()}
-    wrong = [f"{k}={fields[k]!r}" for k in ("rope_theta", "rms_norm_eps") if fields[k] is not None and fields[k] <= 0]
-    if wrong:
-        raise UsageError(f"{where}: {', '.join(wrong)}: rope_theta and rms_norm_eps must be positive numbers")
-    kwargs = {ours: fields[k] for k, ours in HF_KEYS.items() if fields[k] is not None}
-    kwargs.setdefault("kv_heads", fields["num_attention_heads"])
-    head_dim = fields["head_dim"]
-    if head_dim is not None and head_dim != fields["hidden_size"] // fields["num_attention_heads"]:
-        raise UsageError(f"{where}: head_dim={head_dim} != hidden_size/num_attention_heads is not supported")
-    try:
-        return ModelConfig(**kwargs)
-    except (UsageError, TypeError) as e:
-        raise UsageError(f"{where}: {e}") from None
+    if kind is not None and kind not in ARCHITECTURES:
+        raise UsageError(f"{where}: model_type={kind!r} is not supported ({SUPPORTED})")
+    arch = hf.get("architectures") or []
+    known = set(ARCHITECTURES.values()) | {"DeepseekV3ForCausalLM"}
+    if not isinstance(arch, list) or any(a not in known for a in arch):
+        raise UsageError(f"{where}: architectures={arch!r} is not supported (one of {', '.join(sorted(known))})")
+    return gqa_model_config(hf, where)
 
 
 def hf_config_from_model(m: ModelConfig) -> dict:
-    if m.attention == "mla":
-        return deepseek_hf_config(m)
-    if m.num_experts:
-        raise UsageError("export to Hugging Face supports dense Llama and DeepSeek-V3 (MLA) models only "
-                         "(this one has MoE layers with attention='gqa')")
-    out = {hf: getattr(m, ours) for hf, ours in HF_KEYS.items()}
-    return out | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                  "head_dim": m.head_dim, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-                  "max_position_embeddings": 2048,
-                  "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"}}
+    return deepseek_hf_config(m) if m.attention == "mla" else gqa_hf_config(m)
 
 
 def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -107,6 +69,8 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         if m.mtp_depth and not any(k.startswith(f"model.layers.{m.layers}.") for k in state):
             m = replace(m, mtp_depth=0)  # transformers saves no MTP layers: import the main model alone
         state = from_deepseek_names(state, m)
+    else:
+        state = from_gqa_names(state, m, hf.get("model_type") or "llama")
     if (m.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
@@ -153,8 +117,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
-    if m.attention == "mla":
-        state = to_deepseek_names(state, m)
+    state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
     dst.mkdir(parents=True, exist_ok=True)

@@ -17,48 +17,33 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from .hf_fields import REQUIRED, hf_field
+from .hf_fields import MISSING, hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts
 
 PROJ = ("gate", "up", "down")
 
 
 def deepseek_model_config(hf: dict, where: str) -> ModelConfig:
     """Our ``[model]`` for a DeepSeek-V3 ``config.json`` (bad or unsupported keys: one UsageError line)."""
-    for key, want in (("attention_bias", False), ("hidden_act", "silu"), ("rope_interleave", True),
-                      ("tie_word_embeddings", False), ("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
-        if key in hf and hf[key] != want:
-            raise UsageError(f"{where}: {key}={hf[key]!r} is not supported (DeepSeek-V3 uses {want!r})")
+    refuse_unless(hf, where, "DeepSeek-V3", attention_bias=False, hidden_act="silu", rope_interleave=True,
+                  tie_word_embeddings=False, topk_method="noaux_tc", scoring_func="sigmoid")
+    theta, scaling = rope_from_hf(hf, where)
 
-    def get(key, kind=int, default=REQUIRED, src=hf, low=None):
-        return hf_field(src, key, kind, where, default, low=low)
+    def get(key, kind="size", default=MISSING):
+        return hf_value(hf, key, kind, where, default)
 
-    rope = get("rope_parameters", dict, None) or get("rope_scaling", dict, {})
-    kind = get("rope_type", str, None, rope) or get("type", str, "default", rope)
-    if kind not in ("default", "yarn"):
-        raise UsageError(f"{where}: RoPE type {kind!r} is not supported (default or yarn)")
-    n_group, topk_group, top_k = get("n_group", default=1), get("topk_group", default=1), get("num_experts_per_tok")
-    if n_group > 1 and top_k != 2 * topk_group:  # transformers scores a group by its top-2 experts
-        raise UsageError(f"{where}: num_experts_per_tok={top_k} must be 2 * topk_group={topk_group} with n_group > 1")
     heads = get("num_attention_heads")
     kwargs = dict(
         vocab_size=get("vocab_size"), hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
-        kv_heads=heads, ffn_hidden=get("intermediate_size"),
-        rope_theta=get("rope_theta", float, None, rope) or get("rope_theta", float, 10000.0),
-        norm_eps=get("rms_norm_eps", float, 1e-6), attention="mla", q_lora_rank=get("q_lora_rank", default=0),
+        kv_heads=heads, ffn_hidden=get("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+        norm_eps=get("rms_norm_eps", "number", 1e-6), attention="mla", q_lora_rank=get("q_lora_rank", "count", 0),
         kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=get("qk_nope_head_dim"),
         qk_rope_head_dim=get("qk_rope_head_dim"), v_head_dim=get("v_head_dim"),
-        moe_layers_start=get("first_k_dense_replace", default=0), num_experts=get("n_routed_experts", default=0),
-        top_k=top_k, moe_ffn_hidden=get("moe_intermediate_size"), shared_experts=get("n_shared_experts", default=0),
-        score_func="sigmoid", n_groups=n_group, topk_groups=topk_group,
-        routed_scaling=get("routed_scaling_factor", float, 1.0), norm_topk_prob=get("norm_topk_prob", bool, True),
-        mtp_depth=get("num_nextn_predict_layers", default=0))
-    if kind == "yarn":
-        kwargs |= dict(yarn_factor=get("factor", float, src=rope),
-                       yarn_original_max_positions=get("original_max_position_embeddings", src=rope),
-                       yarn_beta_fast=get("beta_fast", float, 0.0, rope) or 32.0,
-                       yarn_beta_slow=get("beta_slow", float, 0.0, rope) or 1.0,
-                       yarn_mscale=get("mscale", float, 0.0, rope),
-                       yarn_mscale_all_dim=get("mscale_all_dim", float, 0.0, rope))
+        moe_layers_start=get("first_k_dense_replace", "count", 0), num_experts=get("n_routed_experts", "count", 0),
+        top_k=get("num_experts_per_tok"), moe_ffn_hidden=get("moe_intermediate_size"),
+        shared_experts=get("n_shared_experts", "count", 0), score_func="sigmoid", n_groups=get("n_group", "size", 1),
+        topk_groups=get("topk_group", "size", 1), group_score="top2",  # transformers: a group's top-2 sum
+        routed_scaling=get("routed_scaling_factor", "number", 1.0), norm_topk_prob=get("norm_topk_prob", "bool", True),
+        mtp_depth=get("num_nextn_predict_layers", "count", 0))
     try:
         return ModelConfig(**kwargs)
     except (UsageError, TypeError) as e:
@@ -66,11 +51,10 @@ def deepseek_model_config(hf: dict, where: str) -> ModelConfig:
 
 
 def deepseek_hf_config(m: ModelConfig) -> dict:
-    rope = {"rope_theta": m.rope_theta, "rope_type": "default"}
-    if m.yarn_factor:
-        rope = {"rope_theta": m.rope_theta, "rope_type": "yarn", "factor": m.yarn_factor,
-                "original_max_position_embeddings": m.yarn_original_max_positions, "beta_fast": m.yarn_beta_fast,
-                "beta_slow": m.yarn_beta_slow, "mscale": m.yarn_mscale, "mscale_all_dim": m.yarn_mscale_all_dim}
+    if m.n_groups > 1 and m.group_score != "top2":
+        raise UsageError(f"export to Hugging Face: group_score={m.group_score!r}; DeepSeek-V3 in transformers scores "
+                         f"a group by its top 2 (group_score='top2')")
+    scaling = m.rope_scaling
     return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": m.vocab_size,
             "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
             "num_key_value_heads": m.heads, "intermediate_size": m.ffn_hidden, "rms_norm_eps": m.norm_eps,
@@ -79,10 +63,12 @@ def deepseek_hf_config(m: ModelConfig) -> dict:
             "first_k_dense_replace": m.moe_layers_start if m.num_experts else m.layers,
             "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_ffn_hidden,
             "n_shared_experts": m.shared_experts, "n_group": m.n_groups, "topk_group": m.topk_groups,
-            "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.norm_topk_prob,
+            "routed_scaling_factor": m.routed_scaling, "norm_topk_prob": m.normalize_topk,
             "num_nextn_predict_layers": m.mtp_depth, "rope_interleave": True, "attention_bias": False,
-            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32", "rope_parameters": rope,
-            "max_position_embeddings": max(4096, int(m.yarn_original_max_positions * (m.yarn_factor or 1)))}
+            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+            "rope_parameters": rope_to_hf(m.rope_theta, scaling),
+            "max_position_embeddings": max(4096, int(scaling.get("original_max_position_embeddings", 0)
+                                                     * scaling.get("factor", 1)))}
 
 
 def _moe_layers(m: ModelConfig):
@@ -97,10 +83,8 @@ def from_deepseek_names(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[
         out.pop(f"model.layers.{j}.shared_head.head.weight", None)
     for i in _moe_layers(m):
         p = f"model.layers.{i}.mlp."
+        stack_experts(out, p, m.num_experts, {w: f"{w}_proj" for w in PROJ})
         for w in PROJ:
-            names = [f"{p}experts.{e}.{w}_proj.weight" for e in range(m.num_experts)]
-            if all(n in out for n in names):
-                out[f"{p}experts.w_{w}"] = torch.stack([out.pop(n) for n in names])
             if f"{p}shared_experts.{w}_proj.weight" in out:
                 out[f"{p}shared.w_{w}"] = out.pop(f"{p}shared_experts.{w}_proj.weight")
         for theirs, ours in (("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.expert_bias")):

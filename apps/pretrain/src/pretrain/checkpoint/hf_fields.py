@@ -1,33 +1,86 @@
-"""Reading one field of a Hugging Face ``config.json`` with its type checked.
-
-The file is not ours: ``"tie_word_embeddings": "false"`` is a true string, ``"n_group": "8"``
-breaks arithmetic later, ``"rope_scaling": [..]`` has no ``.get``. Every field we read goes through
-:func:`hf_field`, so a wrong type is one :class:`~pretrain.errors.UsageError` naming the key.
-"""
+"""Reading a Hugging Face ``config.json``: each field type-checked (one error line naming the key),
+the RoPE parameters in either spelling, and MoE expert tensors stacked/unstacked by name."""
 
 from __future__ import annotations
 
 import math
+import re
+
+import torch
 
 from ..errors import UsageError
+from ..model.rope_scaling import check_rope_scaling
 
-REQUIRED = object()  # no default: the key must be there
-_WHAT = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a JSON object"}
+MISSING = object()
 
 
-def hf_field(hf: dict, key: str, kind: type, where: str, default=REQUIRED, low=None):
-    """``hf[key]`` if it is a ``kind`` (an integer counts as a float, true/false as neither); ``default``
-    when it is absent or null. ``low``: the smallest valid value of a number."""
+def hf_value(hf: dict, key: str, kind: str, where: str, default=MISSING):
+    """``hf[key]`` checked to be ``kind`` (size: int >= 1, count: int >= 0, number: > 0, coeff: >= 0, bool, str);
+    ``default`` when absent or null (absent with no default: one error line)."""
     value = hf.get(key)
     if value is None:
-        if default is REQUIRED:
+        if default is MISSING:
             raise UsageError(f"{where}: missing {key}")
         return default
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = {"size": type(value) is int and value >= 1, "count": type(value) is int and value >= 0,
+          "number": type(value) in (int, float) and math.isfinite(value) and value > 0,
+          "coeff": type(value) in (int, float) and math.isfinite(value) and value >= 0,
+          "bool": isinstance(value, bool),
+          "str": isinstance(value, str)}[kind]
     if not ok:
-        raise UsageError(f"{where}: {key}={value!r} must be {_WHAT[kind]}")
-    if low is not None and value < low:
-        raise UsageError(f"{where}: {key}={value!r} must be >= {low}")
-    return float(value) if kind is float else value
+        what = {"size": "a positive integer", "count": "an integer >= 0", "number": "a finite positive number",
+                "coeff": "a finite number >= 0", "bool": "true or false", "str": "a string"}[kind]
+        raise UsageError(f"{where}: {key}={value!r} must be {what}")
+    return float(value) if kind in ("number", "coeff") else value
+
+
+def refuse_unless(hf: dict, where: str, family: str, **wanted) -> None:
+    """One error line for a key whose value we do not implement (absent keys take transformers' default)."""
+    for key, want in wanted.items():
+        if key in hf and hf[key] is not None and hf[key] != want:
+            raise UsageError(f"{where}: {key}={hf[key]!r} is not supported ({family} here needs {want!r})")
+
+
+def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, our ``rope_scaling``) from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
+    ``rope_theta`` (older files); a type transformers accepts but we lack is one error line."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise UsageError(f"{where}: rope_parameters={params!r} must be an object")
+    params = dict(params)
+    if "type" in params:  # the spelling of older files
+        params.setdefault("rope_type", params.pop("type"))
+    theta = hf_value(params | {"rope_theta": params.get("rope_theta", hf.get("rope_theta"))}, "rope_theta", "number",
+                     where, 10000.0)
+    params.pop("rope_theta", None)
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise UsageError(f"{where}: partial_rotary_factor={partial!r} is not supported (RoPE over the whole head only)")
+    if params.get("rope_type", "default") == "default":
+        params.pop("rope_type", None)
+    elif params.get("rope_type") in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        params["original_max_position_embeddings"] = hf.get("max_position_embeddings")  # as transformers fills it
+    check_rope_scaling(params, f"{where}: rope_parameters")
+    return theta, {} if not params else {"rope_type": params.pop("rope_type")} | params
+
+
+def rope_to_hf(theta: float, scaling: dict) -> dict:
+    return {"rope_theta": theta, "rope_type": "default"} | dict(scaling)
+
+
+def stack_experts(state: dict[str, torch.Tensor], prefix: str, experts: int, proj: dict[str, str]) -> None:
+    """In place: ``{prefix}experts.{e}.{proj[w]}.weight`` for every expert -> our ``{prefix}experts.w_{w}`` [E, ...]
+    (left as they are when any is missing: the caller reports missing tensors)."""
+    for ours, theirs in proj.items():
+        names = [f"{prefix}experts.{e}.{theirs}.weight" for e in range(experts)]
+        if all(n in state for n in names):
+            state[f"{prefix}experts.w_{ours}"] = torch.stack([state.pop(n) for n in names])
+
+
+def unstack_experts(name: str, t: torch.Tensor, block: str, proj: dict[str, str]) -> dict[str, torch.Tensor] | None:
+    """Our ``model.layers.i.mlp.experts.w_{w}`` -> the released per-expert tensors under ``block``; None otherwise."""
+    hit = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.w_(\w+)", name)
+    if not hit:
+        return None
+    prefix = f"model.layers.{hit[1]}.{block}.experts."
+    return {f"{prefix}{e}.{proj[hit[2]]}.weight": t[e] for e in range(t.shape[0])}

@@ -45,7 +45,7 @@ ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
 # [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
 SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "moe_layers_start", "num_experts",
-              "moe_ffn_hidden", "shared_experts", "tie_embeddings")
+              "moe_ffn_hidden", "shared_experts", "tie_embeddings", "kv_channels", "qk_norm", "decoder_sparse_step")
 
 
 def _quiet(fn):

@@ -1,4 +1,5 @@
-"""`pretrain convert`: Hugging Face Llama weights <-> pretrain checkpoints."""
+"""`pretrain convert`: Hugging Face weights (Llama, Mistral, Qwen3, Qwen3-MoE, Mixtral, DeepSeek-V3)
+<-> pretrain checkpoints."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def convert(
     to_hf: Optional[str] = typer.Option(None, "--to-hf", help="A directory to export config.json + model.safetensors to."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --to-hf: a checkpoint (or a run's checkpoint dir)."),
 ) -> None:
-    """Import a Llama model from Hugging Face (--from-hf DIR --out CKPT) or export one (--to-hf DIR --checkpoint CKPT)."""
+    """Import a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 model from Hugging Face
+    (--from-hf DIR --out CKPT) or export one (--to-hf DIR --checkpoint CKPT)."""
     from ..checkpoint.hf import export_hf, import_hf
 
     try:

@@ -5,7 +5,8 @@ when ``q_lora_rank`` is 0); keys and values are expanded per head from one compr
 ``c = norm(kv_a(x)[:kv_lora_rank])`` by ``kv_b``, plus one RoPE key ``kv_a(x)[kv_lora_rank:]``
 shared by every head. A head's query/key is ``[nope | rope]`` (qk_nope_head_dim +
 qk_rope_head_dim), its value v_head_dim wide. RoPE uses DeepSeek's interleaved pairs; the
-softmax scale is ``1/sqrt(qk_head_dim)``, times YaRN's mscale squared when RoPE is scaled.
+softmax scale is ``1/sqrt(qk_head_dim)``, times YaRN's mscale squared when RoPE is scaled
+(``rope_scaling.softmax_mscale``).
 Hugging Face names (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), so released checkpoints load unchanged.
 
@@ -32,17 +33,15 @@ from torch import nn
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from .rope import apply_rope_interleaved, rope_for, rope_tables, set_shard_rope_tables_, yarn_mscale
+from .rope import apply_rope_interleaved, rope_for, rope_tables, set_shard_rope_tables_
+from .rope_scaling import softmax_mscale
 from .te import recompute
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
 
 def softmax_scale(a) -> float:
-    scale = a.qk_head_dim ** -0.5
-    if a.yarn_factor and a.yarn_mscale_all_dim:
-        scale *= yarn_mscale(a.yarn_factor, a.yarn_mscale_all_dim) ** 2
-    return scale
+    return a.qk_head_dim ** -0.5 * softmax_mscale(a.rope_scaling)
 
 
 def mla_shapes(a, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -101,7 +100,7 @@ class MLAttention(nn.Module):
         a, s = self.a, x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        cos, sin = rope_tables(torch.arange(s, device=x.device), a.qk_rope_head_dim, a.rope_theta, x.dtype, scaling=a)
+        cos, sin = rope_tables(torch.arange(s, device=x.device), a.qk_rope_head_dim, a.rope_theta, x.dtype, a.rope_scaling)
         q, k, v = _split_heads(a, q, self.kv_b_proj(self.kv_a_layernorm(c)), k_rope, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, n, S, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale(a))
@@ -119,10 +118,10 @@ class ContextMLACore(nn.Module):
         self.init_buffers_(torch.get_default_device())
 
     def init_buffers_(self, device: torch.device) -> None:
-        set_shard_rope_tables_(self, device, self.seq_len, self.a.qk_rope_head_dim, scaling=self.a)
+        set_shard_rope_tables_(self, device, self.seq_len, self.a.qk_rope_head_dim)
 
     def _core(self, q, kv, k_rope, docs):
-        cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim, scaling=self.a)
+        cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim)
         q, k, v = _split_heads(self.a, q, kv, k_rope, cos, sin)
         width = max(q.shape[-1], v.shape[-1])
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))

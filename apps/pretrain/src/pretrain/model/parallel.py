@@ -66,11 +66,16 @@ def context_attention(layout: RankLayout, softmax_scale: float | None = None) ->
 
 class RopeThenContextAttention(nn.Module):
     """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention.
-    ``docs`` (packed documents) restarts the positions and keeps attention inside each document."""
+    ``docs`` (packed documents) restarts the positions and keeps attention inside each document.
+    With ``qk_norm`` (Qwen3) each head's query and key first go through its RMSNorm: copies on every
+    TP rank, each seeing only its own heads, so their grads are partial sums over TP."""
 
     def __init__(self, a, layout: RankLayout) -> None:
         super().__init__()
         self.a = a
+        if a.qk_norm:
+            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(a.head_dim, eps=a.norm_eps), layout.groups.tp, True)
+                                        for _ in range(2))
         self.attn = context_attention(layout)
         self.seq_len = layout.seq_len
         self.register_buffer("cos", None, persistent=False)
@@ -79,10 +84,12 @@ class RopeThenContextAttention(nn.Module):
         self.selective, self.backend = layout.recompute == "selective", layout.backend
 
     def init_buffers_(self, device: torch.device) -> None:
-        set_shard_rope_tables_(self, device, self.seq_len, self.a.hidden // self.a.heads)
+        set_shard_rope_tables_(self, device, self.seq_len, self.a.head_dim)
 
     def _core(self, q, k, v, docs):
-        cos, sin = rope_for(self, docs, q.dtype, self.a.hidden // self.a.heads)
+        if self.a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_for(self, docs, q.dtype, self.a.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
             scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
@@ -119,7 +126,7 @@ class ParallelDecoderLayer(nn.Module):
             self.self_attn = TPMLAttention(a, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
         else:
             self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
-                                         comm_overlap=layout.tp_comm_overlap)
+                                         head_dim=a.head_dim, comm_overlap=layout.tp_comm_overlap)
         self.post_attention_layernorm = _norm(a, layout, self.mlp_norm_inside)
         if self.is_moe:
             # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
@@ -229,7 +236,8 @@ class ModelChunk(nn.Module):
 
 # chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."
 HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
-    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {
+    f"self_attn.core.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"}
 
 
 def hf_name(name: str, tied: bool = False) -> str:

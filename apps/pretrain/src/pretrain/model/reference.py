@@ -22,8 +22,10 @@ from .rope import apply_rope, rope_tables
 class Attention(nn.Module):
     def __init__(self, a) -> None:
         super().__init__()
-        d = a.hidden // a.heads
-        self.heads, self.kv_heads, self.head_dim, self.theta = a.heads, a.kv_heads, d, a.rope_theta
+        d = a.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.theta, self.scaling = a.heads, a.kv_heads, d, a.rope_theta, a.rope_scaling
+        if a.qk_norm:  # Qwen3: one RMSNorm over each head's query and key, before RoPE
+            self.q_norm, self.k_norm = nn.RMSNorm(d, eps=a.norm_eps), nn.RMSNorm(d, eps=a.norm_eps)
         self.q_proj = nn.Linear(a.hidden, a.heads * d, bias=False)
         self.k_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
@@ -34,7 +36,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(s, b, self.heads, self.head_dim)
         k = self.k_proj(x).view(s, b, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(s, b, self.kv_heads, self.head_dim)
-        cos, sin = rope_tables(torch.arange(s, device=x.device), self.head_dim, self.theta, x.dtype)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_tables(torch.arange(s, device=x.device), self.head_dim, self.theta, x.dtype, self.scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA wants [B, heads, S, D]; GQA by repeating KV heads.
         rep = self.heads // self.kv_heads
@@ -56,7 +60,7 @@ class SwiGLU(nn.Module):
 
 
 def is_moe_layer(a, index: int) -> bool:
-    return a.num_experts > 0 and index >= a.moe_layers_start
+    return a.is_moe_layer(index)
 
 
 class DecoderLayer(nn.Module):
@@ -123,7 +127,7 @@ class LlamaReference(nn.Module):
 
 def layer_shapes(a, i: int) -> dict[str, tuple[int, ...]]:
     """Shapes of decoder layer ``i``'s tensors (HF names under ``model.layers.{i}.``)."""
-    d, h, p = a.hidden // a.heads, a.hidden, f"model.layers.{i}."
+    d, h, p = a.head_dim, a.hidden, f"model.layers.{i}."
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
     if a.attention == "mla":
         from .mla import mla_shapes
@@ -132,6 +136,8 @@ def layer_shapes(a, i: int) -> dict[str, tuple[int, ...]]:
     else:
         shapes |= {p + "self_attn.q_proj.weight": (a.heads * d, h), p + "self_attn.k_proj.weight": (a.kv_heads * d, h),
                    p + "self_attn.v_proj.weight": (a.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, a.heads * d)}
+        if a.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     if is_moe_layer(a, i):
         e, f = a.num_experts, a.moe_ffn_hidden or a.ffn_hidden
         shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),

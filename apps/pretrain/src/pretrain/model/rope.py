@@ -1,29 +1,13 @@
-"""Rotary position embeddings: Llama's rotate-half layout, DeepSeek's interleaved pairs, YaRN scaling.
+"""Rotary position embeddings: Llama's rotate-half layout, DeepSeek's interleaved pairs; scaling in rope_scaling.py.
 
 Frequencies are computed in float32 as Hugging Face does, so imported models give the same logits.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, a) -> torch.Tensor:
-    """YaRN: interpolate the slow frequencies by ``yarn_factor``, keep the fast ones, ramp between."""
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(a.yarn_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(a.rope_theta))
-
-    low = max(math.floor(correction_dim(a.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(a.yarn_beta_slow)), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / ((high - low) or 0.001)).clamp(0, 1)
-    extrapolate = 1 - ramp
-    return (inv_freq / a.yarn_factor) * (1 - extrapolate) + inv_freq * extrapolate
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from .rope_scaling import scaled_inv_freq
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
@@ -32,16 +16,11 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     ``[S, B, head_dim]`` for positions ``[S, B]``: each sequence its own, as packed documents have).
 
     Positions are explicit so a context-parallel shard (zigzag or contiguous) gets the angles of
-    the tokens it actually holds. ``scaling``: a ``[model]`` config whose ``yarn_factor`` > 0
-    turns on YaRN (frequencies and the cos/sin attention factor).
+    the tokens it actually holds. ``scaling``: ``[model].rope_scaling`` (transformers' keys; ``{}`` or
+    None: plain RoPE), which sets the frequencies and a factor on cos/sin (YaRN's attention factor).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    factor = 1.0
-    if scaling is not None and scaling.yarn_factor:
-        inv_freq = _yarn_inv_freq(inv_freq, head_dim, scaling)
-        a = scaling
-        factor = (yarn_mscale(a.yarn_factor, a.yarn_mscale) / yarn_mscale(a.yarn_factor, a.yarn_mscale_all_dim)
-                  if a.yarn_mscale and a.yarn_mscale_all_dim else yarn_mscale(a.yarn_factor, 1.0))
+    inv_freq, factor = scaled_inv_freq(inv_freq, head_dim, theta, scaling or {})
     angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos(), angles.sin()
@@ -73,7 +52,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def set_shard_rope_tables_(core, device: torch.device, seq_len: int, head_dim: int, scaling=None) -> None:
+def set_shard_rope_tables_(core, device: torch.device, seq_len: int, head_dim: int) -> None:
     """Set ``core.cos``/``core.sin`` (unsaved buffers) on ``device``: RoPE at the positions of the CP
     shard ``core.attn`` holds. On the meta device only their shape: torch would run the computation
     through decompositions that import torch._dynamo (seconds per process) for no values."""
@@ -85,14 +64,14 @@ def set_shard_rope_tables_(core, device: torch.device, seq_len: int, head_dim: i
         return
     with torch.device(device):
         pos = position_ids(seq_len, cp_rank, cp_size, layout=core.attn.layout)
-        core.cos, core.sin = rope_tables(pos, head_dim, core.a.rope_theta, torch.float32, scaling=scaling)
+        core.cos, core.sin = rope_tables(pos, head_dim, core.a.rope_theta, torch.float32, core.a.rope_scaling)
 
 
-def rope_for(core, docs, dtype: torch.dtype, head_dim: int, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_for(core, docs, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of a CP shard's tokens: the attention core's own tables (``core.cos``/``core.sin``,
     positions along the whole sequence), or per sequence from ``docs.positions`` (packed documents:
     positions restart at each document)."""
     if docs is None or docs.positions is None:
         return core.cos.to(dtype), core.sin.to(dtype)
-    cos, sin = rope_tables(docs.positions, head_dim, core.a.rope_theta, torch.float32, scaling=scaling)
+    cos, sin = rope_tables(docs.positions, head_dim, core.a.rope_theta, torch.float32, core.a.rope_scaling)
     return cos.to(dtype), sin.to(dtype)

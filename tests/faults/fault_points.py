@@ -55,7 +55,7 @@ def fault_at(phase: str, rank: int, step: int, *run_args) -> dict:
                                                         Path(path).name == f"step_{step}.tmp" and here() and die())[0]
     elif phase == "upload":  # DCP's write of this rank's files, in the background thread of an async save
         wrap(FileSystemWriter, "write_data", lambda self, *a, **k: Path(self.path).name == f"step_{step}.tmp"
-             and here())
+             and dist.get_rank() == rank)  # not here(): training has gone on to the next step meanwhile
     else:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
     wrap(Trainer, "train_step", lambda self, s: now.update(step=s + 1))  # outermost: the step is known first

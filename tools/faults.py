@@ -23,7 +23,7 @@ from pathlib import Path
 FAULTS = Path(__file__).resolve().parents[1] / "tests" / "faults"
 sys.path.insert(0, str(FAULTS))
 
-from run_group import finish, kill_group, losses, rank_pids, start, wait_for_steps  # noqa: E402
+from run_group import finish, kill_group, losses, start, wait_for_steps  # noqa: E402
 
 BASE = ("model.layers=2", "train.steps=6", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
         "checkpoint.every=2", "checkpoint.keep=5", "train.timeout_s=120")
@@ -42,12 +42,13 @@ class Row:
     expect: dict = field(default_factory=dict)
 
     def ok(self) -> bool:
-        return self.left == 0 and self.resumed != "DIFFER" and all(getattr(self, k) == v for k, v in self.expect.items())
+        expected = all(getattr(self, k) == v for k, v in self.expect.items())
+        return expected and self.left == 0 and not self.resumed.startswith("DIFFER")
 
     def markdown(self) -> str:
         first = self.first.replace("|", "\\|")[:150]
-        return (f"| {self.case} | {self.code} | {self.lines} | `{first}` | {self.left} | {self.latest} | {self.resumed} "
-                f"| {'ok' if self.ok() else 'UNEXPECTED ' + str(self.expect)} |")
+        return (f"| {self.case} | {self.code} | {self.lines} | `{first}` | {self.left} | {self.latest} "
+                f"| {self.resumed} | {'ok' if self.ok() else 'UNEXPECTED ' + str(self.expect)} |")
 
 
 def _prelude(phase: str, rank: int, step: int) -> str:
@@ -134,7 +135,8 @@ class Cases:
     def damaged(self, what: str, damage) -> list[Row]:
         log = _stopped_at_4(self.work, f"damaged-{what.split()[0]}")
         damage(log / "checkpoints" / "step_4")
-        refused = _run(Row(f"{what} in latest, resume", expect={"code": 2, "lines": 1, "latest": "step_4"}), log, *RESUME)
+        refused = Row(f"{what} in latest, resume", expect={"code": 2, "lines": 1, "latest": "step_4"})
+        _run(refused, log, *RESUME)
         fallback = Row(f"{what} in latest, resume with fallback = true", expect={"code": 0})
         _run(fallback, log, *RESUME, "checkpoint.fallback=true")
         fallback.resumed = "equal" if losses(log) == self.reference else "DIFFER"

@@ -52,7 +52,8 @@ def wait_for_steps(log_dir: Path, steps: int, proc: subprocess.Popen, timeout_s:
         if log.is_file() and sum('"loss"' in line for line in log.read_text().splitlines()) >= steps:
             return
         time.sleep(0.1)
-    raise AssertionError(f"the run did not log {steps} steps (exit {proc.poll()}): {proc.stderr.read() if proc.poll() is not None else ''}")
+    why = proc.stderr.read() if proc.poll() is not None else "still running"
+    raise AssertionError(f"the run did not log {steps} steps (exit {proc.poll()}): {why}")
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str, list, float]:

@@ -84,8 +84,8 @@ def test_both_saves_list_every_file_and_an_intact_resume_hashes_only_what_the_ra
     got = dist_run(2, resume_and_train, str(root), False)
     assert [g["taken"] for g in got] == ["step_4", "step_4"] and got[0]["note"] == ""
     index = {"trainer_state.json", ".metadata"}  # every rank checks the small index files
-    assert [sorted(g["hashed"]) for g in got] == [sorted(f"step_4/{n}" for n in index | {f"__{r}_0.distcp", f"rng/rank_{r}.pt"})
-                                                  for r in range(2)]  # each rank reads its own ZeRO shard only
+    own = [index | {f"__{r}_0.distcp", f"rng/rank_{r}.pt"} for r in range(2)]
+    assert [sorted(g["hashed"]) for g in got] == [sorted(f"step_4/{n}" for n in names) for names in own]  # each rank reads its own ZeRO shard only
 
 
 DAMAGE = {  # what is done to step_4 -> what the one line says

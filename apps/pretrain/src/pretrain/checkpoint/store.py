@@ -279,7 +279,8 @@ def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, tor
     try:
         dcp.load(sd, storage_reader=CheckedReader(path, read_checksums(path)))
     except (Exception, CheckpointException) as e:
-        raise first_damage(e) or UsageError(f"checkpoint {path} is corrupt: reading it failed with {type(e).__name__}: {e}") from None
+        raise first_damage(e) or UsageError(f"checkpoint {path} is corrupt: reading it failed with "
+                                            f"{type(e).__name__}: {e}") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 

@@ -265,6 +265,7 @@ class CheckpointConfig:
     resume: bool = False
     async_save: bool = False
     init_from: str = ""  # a checkpoint (e.g. from `pretrain convert --from-hf`) to take the weights from
+    fallback: bool = False  # resume: a damaged `latest` falls back to the newest intact checkpoint (and says so)
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", allow_zero=True)

@@ -26,8 +26,7 @@ def check_run(cfg, layout, force: bool = False) -> None:
     """Data, checkpoints to start from, the checkpoint directory's owner, then writable directories."""
     from .checkpoint.retention import check_unclaimed, read_manifest
     from .checkpoint.safe_metadata import read_metadata
-    from .checkpoint.store import (check_compatible, check_optimizer_matches, latest_checkpoint, read_state,
-                                   resolve_checkpoint)
+    from .checkpoint.store import check_compatible, check_optimizer_matches, read_state, resolve_checkpoint
     from .data import build_sampler, check_data_ids, load_dataset, load_eval
 
     for key, path in (("[log].dir", Path(cfg.log.dir)), ("[checkpoint].dir", checkpoint_root(cfg))):
@@ -39,7 +38,7 @@ def check_run(cfg, layout, force: bool = False) -> None:
     check_data_ids(load_eval(cfg.data, cfg.model.vocab_size, dataset), cfg.model.vocab_size)
     build_sampler(cfg, layout, 0, dataset)  # too small for the windows: UsageError now, not in the ranks
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
-    latest = latest_checkpoint(root) if ck.resume else None
+    latest = _latest_to_check(root, ck.fallback) if ck.resume else None
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
     if start is not None:
         check_compatible(start, read_state(start), cfg)
@@ -51,6 +50,25 @@ def check_run(cfg, layout, force: bool = False) -> None:
         check_unclaimed(root)
     check_writable(Path(cfg.log.dir), "[log].dir")
     check_writable(root, "[checkpoint].dir")
+
+
+def _latest_to_check(root: Path, fallback: bool):
+    """``latest``, its small index files checked (a damaged one: exit 2 here); None when it is damaged
+    and ``fallback`` lets the ranks take an older one."""
+    from .checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
+    from .checkpoint.resume import with_fallback_hint
+    from .checkpoint.retention import STATE_FILE
+    from .checkpoint.store import latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest))
+        return latest
+    except DamagedCheckpoint as e:
+        if not fallback:
+            raise with_fallback_hint(e) from None
+        return None
 
 
 def check_writable(path: Path, what: str) -> None:

@@ -57,7 +57,8 @@ def _rank_main(env: dict[str, str], entry: Callable, args: tuple, conn) -> None:
     try:
         reply = ("ok", entry(*args))
     except BaseException as e:  # noqa: BLE001 -- everything a rank raises is reported to the launcher
-        reply = ("err", f"{type(e).__name__}: {e}", traceback.format_exc(), isinstance(e, UsageError))
+        usage = isinstance(e, UsageError)  # its subclasses too: the launcher reads "UsageError: <message>"
+        reply = ("err", f"{'UsageError' if usage else type(e).__name__}: {e}", traceback.format_exc(), usage)
     try:
         conn.send(reply)
     except Exception as e:  # noqa: BLE001 -- a result that does not pickle

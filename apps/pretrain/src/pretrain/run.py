@@ -7,7 +7,8 @@ import time
 import torch.distributed as dist
 
 # imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
-from .checkpoint import CheckpointSaver, latest_checkpoint
+from .checkpoint import CheckpointSaver, resolve_checkpoint
+from .checkpoint.resume import resume_latest, unverified_note
 from .checkpoint.retention import start_run
 from .config import load_config
 from .data import load_dataset
@@ -33,13 +34,12 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)
         start_step, note = 0, ""
-        latest = latest_checkpoint(root) if ck.resume else None
+        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume else (None, 0, "")
         if latest is not None:
-            start_step = trainer.load_checkpoint(latest)
-            note = f"; resumed from {latest} at step {start_step}"
+            note = f"; resumed from {latest} at step {start_step}{why}"
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
-            note = f"; weights from {ck.init_from}"
+            note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
         saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
         last_step = t.stop_at or t.steps
         logger = None

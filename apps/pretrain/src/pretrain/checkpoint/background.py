@@ -6,13 +6,16 @@ run at the same time as training collectives on the same group.
 
 The save stays crash safe the same way as the synchronous one: the files go to ``step_N.tmp``, and
 the rename, the ``latest`` marker and the pruning happen in :meth:`PendingSave.finish`, once every
-rank's write has completed. The trainer finishes a pending save before starting the next one,
+rank's write has completed. Each rank hashes its files for ``checksums.json`` in the background too,
+right after its write. The trainer finishes a pending save before starting the next one,
 before a pre-emption save and before the run ends; a crash before that leaves the previous
 ``latest`` untouched.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from par_zero import PiecesSavePlanner
 
 from .faults import removed_if_disk_full
-from .store import _checkpoint_dict, _finalise, _prepare, _quiet, _rank, rng_state, save_checkpoint, trainer_state
+from .integrity import digests, rank_files
+from .store import _checkpoint_dict, _finalise, _prepare, _quiet, _rank, gather_digests, rng_state, trainer_state
 
 
 class _AlreadyStaged(AsyncStager):
@@ -45,16 +49,16 @@ class _AlreadyStaged(AsyncStager):
 class PendingSave:
     """A checkpoint whose files are being written; :meth:`finish` (all ranks) publishes it."""
 
-    def __init__(self, future, root: Path, tmp: Path, final: Path, state: dict, keep: int, group) -> None:
-        self.future, self.root, self.tmp, self.final = future, root, tmp, final
+    def __init__(self, future: Future, root: Path, tmp: Path, final: Path, state: dict, keep: int, group) -> None:
+        self.future, self.root, self.tmp, self.final = future, root, tmp, final  # future: this rank's digests
         self.state, self.keep, self.group = state, keep, group
 
     def finish(self) -> Path:
         with removed_if_disk_full(self.tmp):
-            self.future.result()  # this rank's files are written (re-raises the writer's error)
-            dist.barrier(group=self.group)  # ... and every rank's
+            entries = self.future.result()  # this rank's files are written and hashed (or the writer's error)
+            entries = gather_digests(entries, self.group)  # ... and every rank's
             if _rank() == 0:
-                _finalise(self.root, self.tmp, self.final, self.state, self.keep)
+                _finalise(self.root, self.tmp, self.final, self.state, self.keep, entries)
         dist.barrier(group=self.group)
         return self.final
 
@@ -71,7 +75,22 @@ def start_async_save(trainer, root: str | Path, step: int, keep: int, group) -> 
     response = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=group, async_stager=_AlreadyStaged(),
                               planner=PiecesSavePlanner())
     future = getattr(response, "upload_completion", response)  # an AsyncSaveResponse or a Future
-    return PendingSave(future, root, tmp, final, trainer_state(trainer, step), keep, group)
+    return PendingSave(_hashed_once_written(future, tmp), root, tmp, final, trainer_state(trainer, step), keep, group)
+
+
+def _hashed_once_written(written, tmp: Path) -> Future:
+    """A future of this rank's file digests, computed in a thread once ``written`` (DCP's future) is done."""
+    hashed, rank = Future(), _rank()
+
+    def run() -> None:
+        try:
+            written.result()
+            hashed.set_result(digests(tmp, rank_files(tmp, rank)))
+        except BaseException as e:  # noqa: BLE001 -- the writer's error is re-raised by finish()
+            hashed.set_exception(e)
+
+    threading.Thread(target=run, name="checkpoint-hash", daemon=True).start()
+    return hashed
 
 
 class CheckpointSaver:

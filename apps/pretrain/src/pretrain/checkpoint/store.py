@@ -12,7 +12,8 @@ block (the placement each parameter declares) cut further by its ZeRO shard, wri
 its buffers (par_zero's ``owned_pieces``: no gather, no full-size buffer), replicas once. Loading
 under another layout reads only the stored chunks overlapping the pieces each new rank owns.
 ``trainer_state.json`` (step, format, config, layout) and ``rng/rank_R.pt`` (RNG states, read
-back with ``weights_only=True``) complete it.
+back with ``weights_only=True``) complete it, and ``checksums.json`` (size and SHA-256 of every other
+file, :mod:`.integrity`) is written last: a load checks the files it reads against it.
 
 Crash safety: everything is written to ``step_N.tmp``, renamed to ``step_N`` once all ranks have
 finished, and only then is the ``latest`` marker replaced (atomically); the last ``keep`` are kept.
@@ -37,6 +38,8 @@ from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from .faults import first_failure, removed_if_disk_full
+from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
+                        read_checksums, verify_files, write_checksums)
 from .retention import LATEST, STATE_FILE, inside, publish, run_id_of
 from .safe_metadata import SafeReader
 
@@ -113,9 +116,21 @@ def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     return final, tmp
 
 
-def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: state file (with the run's id), rename, ``latest``, prune."""
+def gather_digests(entries: dict[str, dict], group=None) -> dict[str, dict]:
+    """Every rank's ``entries`` (its files' digests) on rank 0 of ``group`` once all have written; {} elsewhere."""
+    if not dist.is_initialized():
+        return entries
+    first = dist.get_rank(group) == 0
+    out = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(entries, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return {name: d for part in out for name, d in part.items()} if first else {}
+
+
+def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int, entries: dict[str, dict]) -> None:
+    """Rank 0, once every rank's files are in ``tmp`` (``entries``: their digests): state file (with the run's
+    id), ``checksums.json``, rename, ``latest``, prune."""
     (tmp / STATE_FILE).write_text(json.dumps(state | {"run_id": run_id_of(root)}, indent=1))
+    write_checksums(tmp, entries)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     publish(root, final, keep)
@@ -130,9 +145,9 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path
     with removed_if_disk_full(tmp):
         save_pieces(sd, str(tmp))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-        _barrier()
+        entries = gather_digests(digests(tmp, rank_files(tmp, _rank())))  # also: every rank has written
         if _rank() == 0:
-            _finalise(root, tmp, final, trainer_state(trainer, step), keep)
+            _finalise(root, tmp, final, trainer_state(trainer, step), keep, entries)
     _barrier()
     return final
 
@@ -148,7 +163,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         raise UsageError(f"checkpoint marker {marker} is unreadable ({e}); move it away") from None
     path = inside(Path(root), name, f"checkpoint marker {marker}")
     if not (path / STATE_FILE).is_file():
-        raise UsageError(f"checkpoint marker {marker} names {path.name}, which is missing or incomplete")
+        raise DamagedCheckpoint(f"checkpoint marker {marker} names {path.name}, which is missing or incomplete")
     return path
 
 
@@ -213,6 +228,8 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
 
     ``model_only`` (or a checkpoint without optimizer state) keeps fresh moments and starts at step 0."""
     path = resolve_checkpoint(path)
+    checksums = read_checksums(path)  # None: written before checkpoints carried them
+    verify_files(path, [STATE_FILE, METADATA], checksums)
     state = read_state(path)
     check_compatible(path, state, trainer.cfg)
     dp = trainer.model.dp
@@ -225,11 +242,17 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     with_optim = with_optim and all(k in stored for k in sd)
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
-    try:
-        load_pieces(sd, str(path), storage_reader=SafeReader(str(path)))
+    rng = f"rng/rank_{_rank()}.pt"
+    read_rng = with_optim and state.get("world_size") == trainer.layout.world_size and (
+        rng in (checksums or {}) or (path / rng).is_file())  # one listed must be there
+    try:  # the reader checks the files this rank reads (and its RNG file) against the checksums first
+        load_pieces(sd, str(path), storage_reader=CheckedReader(path, checksums, also=(rng,) if read_rng else ()))
     except UsageError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        damage = first_damage(e)
+        if damage:
+            raise damage from None
         where = _keep_traceback(Path(trainer.cfg.log.dir))
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {first_failure(e)}{where}") from None
     dp.sync_params()  # every rank loaded its owned range: re-assemble the params
@@ -238,10 +261,8 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     step = int(state["step"])
     dp.step_count = int(state.get("optimizer_steps", step))
     dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
-    if state.get("world_size") == trainer.layout.world_size:
-        rng = path / "rng" / f"rank_{_rank()}.pt"
-        if rng.is_file():
-            load_rng_state(rng)
+    if read_rng:
+        load_rng_state(path / rng)
     return step
 
 
@@ -292,9 +313,10 @@ def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, tor
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
           if k.startswith(prefix) and hasattr(m, "size")}
     try:
-        dcp.load(sd, storage_reader=SafeReader(str(path)))
+        dcp.load(sd, storage_reader=CheckedReader(path, read_checksums(path)))
     except (Exception, CheckpointException) as e:
-        raise UsageError(f"checkpoint {path} is corrupt: reading it failed with {first_failure(e)}") from None
+        raise first_damage(e) or UsageError(f"checkpoint {path} is corrupt: reading it failed with "
+                                            f"{first_failure(e)}") from None
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 
@@ -306,3 +328,4 @@ def save_full_model(path: str | Path, tensors: dict[str, torch.Tensor], state: d
     dcp.save({f"model/{k}": v.detach().float().contiguous() for k, v in tensors.items()}, checkpoint_id=str(path),
              no_dist=True)
     (path / STATE_FILE).write_text(json.dumps(state, indent=1))
+    write_checksums(path, digests(path, sorted(p.name for p in path.glob("*.distcp"))))

@@ -1,0 +1,162 @@
+"""What a checkpoint's bytes should be: ``checksums.json``, and the checks made against it.
+
+At save, each rank hashes the files it wrote (its DCP data files ``__R_<i>.distcp`` and
+``rng/rank_R.pt``, in the background for an async save); rank 0 adds ``.metadata`` and
+``trainer_state.json`` and writes ``checksums.json`` into ``step_N.tmp`` last, before the rename:
+a directory named ``step_N`` carries the size and SHA-256 of every other file in it.
+
+On load a rank checks only the files it is about to read (the data files its load plan touches,
+its RNG file, the two small index files), so a resharded load stays as cheap as the load itself.
+A mismatch is a :class:`DamagedCheckpoint`, one line naming the file. ``pretrain verify`` checks
+every file. A checkpoint written before checksums existed has none: it loads (and says so) with its
+sizes checked against the extents its ``.metadata`` records.
+
+SHA-256 because it is the fastest hash in the standard library on this hardware (SHA extensions;
+measured in the README); the name of the algorithm is stored, so another can follow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ..errors import UsageError
+from .retention import STATE_FILE, write_atomic
+from .safe_metadata import SafeReader
+
+CHECKSUMS = "checksums.json"
+METADATA = ".metadata"
+ALGORITHM = "sha256"
+
+
+class DamagedCheckpoint(UsageError):
+    """A checkpoint's file is missing, truncated or not the bytes that were written."""
+
+
+def damaged(path: Path, what: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(f"checkpoint {path} is damaged: {what}")
+
+
+def digest(file: Path) -> dict:
+    """``{"size": bytes, "sha256": hex}`` of ``file``."""
+    with open(file, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, ALGORITHM: hashlib.file_digest(f, ALGORITHM).hexdigest()}
+
+
+def rank_files(tmp: Path, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote into ``tmp``: DCP names its data files ``__<rank>_<i>.distcp``."""
+    names = sorted(p.name for p in tmp.glob(f"__{rank}_*.distcp"))
+    rng = f"rng/rank_{rank}.pt"
+    return names + ([rng] if (tmp / rng).is_file() else [])
+
+
+def digests(root: Path, names: list[str]) -> dict[str, dict]:
+    return {name: digest(root / name) for name in names}
+
+
+def write_checksums(tmp: Path, entries: dict[str, dict]) -> None:
+    """Rank 0, last before the rename: the ranks' ``entries`` plus the index files, into ``checksums.json``."""
+    entries = entries | digests(tmp, [n for n in (METADATA, STATE_FILE) if (tmp / n).is_file()])
+    write_atomic(tmp / CHECKSUMS, json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(entries.items()))},
+                                             indent=1) + "\n")
+
+
+def read_checksums(path: Path) -> dict[str, dict] | None:
+    """The recorded ``{file: {"size", "sha256"}}`` of checkpoint ``path``; None if it has none (older)."""
+    try:
+        data = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise damaged(path, f"{CHECKSUMS} is unreadable ({e})") from None
+    files = data.get("files") if isinstance(data, dict) else None
+    if data.get("algorithm") != ALGORITHM or not isinstance(files, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
+            for v in files.values()):
+        raise damaged(path, f"{CHECKSUMS} is not a {ALGORITHM} file list")
+    return files
+
+
+def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
+    """DamagedCheckpoint naming the first of ``names`` that is missing, of the wrong size or bytes; returns
+    the bytes checked. Without ``checksums`` (an older checkpoint) nothing is checked here."""
+    if checksums is None:
+        return 0
+    total = 0
+    for name in sorted(names):
+        want = checksums.get(name)
+        if want is None:
+            raise damaged(path, f"{name} is not in its {CHECKSUMS}")
+        file = path / name
+        if not file.is_file():
+            raise damaged(path, f"{name} is missing")
+        size = file.stat().st_size
+        if size != want["size"]:
+            raise damaged(path, f"{name} has {size} bytes, {want['size']} were written")
+        if digest(file)[ALGORITHM] != want[ALGORITHM]:
+            raise damaged(path, f"{name} does not match its {ALGORITHM} checksum")
+        total += size
+    return total
+
+
+def check_extents(path: Path, storage: dict) -> None:
+    """Every data file the metadata's ``storage`` entries point into exists and holds their extents."""
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = path / name
+        if not file.is_file():
+            raise damaged(path, f"{name} is missing")
+        if file.stat().st_size < size:
+            raise damaged(path, f"{name} has {file.stat().st_size} bytes, its index needs {size}")
+
+
+def verify_checkpoint(path: Path) -> str:
+    """Check every file of checkpoint ``path`` (``pretrain verify``): a one-line summary, or DamagedCheckpoint.
+
+    Without checksums (an older checkpoint) only what can be: its index reads and its data files
+    hold the extents it records."""
+    from .store import read_state
+
+    checksums = read_checksums(path)
+    checked = verify_files(path, checksums or [STATE_FILE, METADATA], checksums)
+    read_state(path)  # a pretrain checkpoint at all
+    storage = SafeReader(str(path)).read_metadata().storage_data
+    data = {info.relative_path for info in storage.values()}
+    if checksums is None:
+        check_extents(path, storage)
+        return (f"{path}: no {CHECKSUMS} (written before checkpoints carried checksums): its {len(data)} data "
+                f"files are present and long enough, their bytes are not verified")
+    unlisted = sorted(data - checksums.keys())
+    if unlisted:
+        raise damaged(path, f"{unlisted[0]} is not in its {CHECKSUMS}")
+    return f"{path}: {len(checksums)} files, {checked / 1e6:.1f} MB match their {ALGORITHM} checksums"
+
+
+def first_damage(error: BaseException) -> DamagedCheckpoint | None:
+    """The lowest rank's DamagedCheckpoint inside DCP's CheckpointException (every rank gets all ranks')."""
+    for _, failure in sorted(getattr(error, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, DamagedCheckpoint):
+            return exc
+    return None
+
+
+class CheckedReader(SafeReader):
+    """A SafeReader that checks each file this rank's load plan reads (and ``also``) just before reading:
+    a resharded load checks the files it touches, no others. The check runs inside DCP's read step, so
+    a damaged file on one rank reaches every rank (:func:`first_damage`) and all stop alike."""
+
+    def __init__(self, path: Path, checksums: dict[str, dict] | None, also: tuple[str, ...] = ()) -> None:
+        super().__init__(str(path))
+        self.root, self.checksums, self.also = Path(path), checksums, also
+
+    def read_data(self, plan, planner):
+        storage = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        if self.checksums is None:
+            check_extents(self.root, storage)
+        verify_files(self.root, {info.relative_path for info in storage.values()} | set(self.also), self.checksums)
+        return super().read_data(plan, planner)

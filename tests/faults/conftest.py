@@ -1,0 +1,6 @@
+"""Lets the fault tests import their shared helper (``run_group``) under --import-mode=importlib."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -42,6 +42,7 @@ def check_run(cfg, layout, force: bool = False) -> None:
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
     if start is not None:
         check_compatible(start, read_state(start), cfg)
+    if latest is None and start is not None:
         read_metadata(start)  # a crafted index, or a missing or truncated data file: one line here
     if latest is not None and read_state(latest).get("optimizer", False):  # resuming loads the optimizer's state
         check_optimizer_matches(latest, read_state(latest), cfg)
@@ -58,12 +59,14 @@ def _latest_to_check(root: Path, fallback: bool):
     from .checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
     from .checkpoint.resume import with_fallback_hint
     from .checkpoint.retention import STATE_FILE
+    from .checkpoint.safe_metadata import read_metadata
     from .checkpoint.store import latest_checkpoint
 
     try:
         latest = latest_checkpoint(root)
         if latest is not None:
             verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest))
+            read_metadata(latest)  # a crafted index, or a missing or truncated data file
         return latest
     except DamagedCheckpoint as e:
         if not fallback:

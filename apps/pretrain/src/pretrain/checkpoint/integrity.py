@@ -22,21 +22,13 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import DamagedCheckpoint, damaged
 from .retention import STATE_FILE, write_atomic
 from .safe_metadata import SafeReader
 
 CHECKSUMS = "checksums.json"
 METADATA = ".metadata"
 ALGORITHM = "sha256"
-
-
-class DamagedCheckpoint(UsageError):
-    """A checkpoint's file is missing, truncated or not the bytes that were written."""
-
-
-def damaged(path: Path, what: str) -> DamagedCheckpoint:
-    return DamagedCheckpoint(f"checkpoint {path} is damaged: {what}")
 
 
 def digest(file: Path) -> dict:
@@ -101,19 +93,6 @@ def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
     return total
 
 
-def check_extents(path: Path, storage: dict) -> None:
-    """Every data file the metadata's ``storage`` entries point into exists and holds their extents."""
-    need: dict[str, int] = {}
-    for info in storage.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        file = path / name
-        if not file.is_file():
-            raise damaged(path, f"{name} is missing")
-        if file.stat().st_size < size:
-            raise damaged(path, f"{name} has {file.stat().st_size} bytes, its index needs {size}")
-
-
 def verify_checkpoint(path: Path) -> str:
     """Check every file of checkpoint ``path`` (``pretrain verify``): a one-line summary, or DamagedCheckpoint.
 
@@ -126,8 +105,7 @@ def verify_checkpoint(path: Path) -> str:
     read_state(path)  # a pretrain checkpoint at all
     storage = SafeReader(str(path)).read_metadata().storage_data
     data = {info.relative_path for info in storage.values()}
-    if checksums is None:
-        check_extents(path, storage)
+    if checksums is None:  # SafeReader checked the data files' extents
         return (f"{path}: no {CHECKSUMS} (written before checkpoints carried checksums): its {len(data)} data "
                 f"files are present and long enough, their bytes are not verified")
     unlisted = sorted(data - checksums.keys())
@@ -156,7 +134,5 @@ class CheckedReader(SafeReader):
 
     def read_data(self, plan, planner):
         storage = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        if self.checksums is None:
-            check_extents(self.root, storage)
         verify_files(self.root, {info.relative_path for info in storage.values()} | set(self.also), self.checksums)
         return super().read_data(plan, planner)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ..errors import UsageError
+from ..errors import UsageError, damaged
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -74,9 +74,8 @@ def check_data_files(path, metadata) -> None:
         file = os.path.join(path, name)
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
-            what = "is missing" if have is None else f"has {have} bytes, the index needs {size} (truncated)"
-            raise UsageError(f"checkpoint {path} is incomplete: data file {name} {what}; resume from an earlier "
-                             f"checkpoint (point 'latest' at it) or start a new run")
+            what = "is missing" if have is None else f"has {have} bytes, its index needs {size} (truncated)"
+            raise damaged(path, f"{name} {what}")
 
 
 def read_metadata(path) -> object:

@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from .commands import convert, groups, plan, prepare, schedule, topo, train
+from .commands import convert, groups, plan, prepare, report, schedule, topo, train
 
 
 # typer vendors click; its ClickException is public only as the base of typer.BadParameter
@@ -52,6 +52,7 @@ app.command("convert")(convert.convert)
 app.command("groups")(groups.groups)
 app.command("schedule")(schedule.schedule)
 app.command("topo")(topo.topo)
+app.command("report")(report.report)
 
 
 def main() -> None:

@@ -28,6 +28,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
                                    resolve_checkpoint)
     from .data import build_sampler, check_token_ids, load_dataset
 
+    if cfg.log.wandb:
+        _check_wandb()
     dataset = load_dataset(cfg.data, cfg.model.vocab_size)
     check_token_ids(dataset, cfg.model.vocab_size)
     build_sampler(cfg, layout, 0, dataset)  # too small for the windows: UsageError now, not in the ranks
@@ -42,6 +44,16 @@ def check_run(cfg, layout, force: bool = False) -> None:
         check_unclaimed(root)
     check_writable(Path(cfg.log.dir), "[log].dir")
     check_writable(root, "[checkpoint].dir")
+
+
+def _check_wandb() -> None:
+    """[log] wandb needs the optional package: one line before any rank starts, not rank 0's error."""
+    import importlib.util
+
+    from .metrics import WANDB_MISSING
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UsageError(WANDB_MISSING)
 
 
 def check_writable(path: Path, what: str) -> None:

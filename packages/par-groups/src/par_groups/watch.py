@@ -111,6 +111,12 @@ class CommWatch:
     def __exit__(self, *exc) -> None:
         _watch.reset(self._token)
 
+    def name_groups(self, ranks_by_name: dict[str, tuple[int, ...]]) -> None:
+        """Label groups by their global ranks (the first name given for a set of ranks wins)."""
+        for name, ranks in ranks_by_name.items():
+            self.names.setdefault(tuple(ranks), name)
+        self._groups.clear()
+
     def take_wait(self) -> float:
         """Seconds waited in calls since the last take, and restart the count."""
         out, self.wait_s = self.wait_s, 0.0

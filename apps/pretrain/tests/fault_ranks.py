@@ -79,3 +79,19 @@ def slow_data(rank: int, seconds: float, *run_args) -> dict:
 
     Trainer._batch = slow
     return run_rank(*run_args)
+
+
+def stop_before_step(rank: int, step: int, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` stops itself (SIGSTOP) before its (1-based) ``step``."""
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def stopping(self, s):
+        if (_rank(), s + 1) == (rank, step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return train_step(self, s)
+
+    Trainer.train_step = stopping
+    return run_rank(*run_args)

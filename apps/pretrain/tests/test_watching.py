@@ -109,3 +109,26 @@ def test_schedule_png(tmp_path):
     res = runner.invoke(app, ["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "zb-h1", "--png", str(out)])
     assert res.exit_code == 0 and "bubble fraction" in res.stdout, res.output
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("steps", ["0", "3-2", "a-b", "2-", "-3"])
+def test_a_bad_profile_window_is_one_line(steps):
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"\[profile\]\.steps=.* must be a step or a range"):
+        load_config(None, [f'profile.steps="{steps}"'])
+    assert load_config(None, ['profile.steps="20-22"']).profile.window() == (20, 22)
+    assert load_config(None, ['profile.steps="5"']).profile.window() == (5, 5)
+
+
+def test_wandb_without_the_package_is_one_line_before_any_rank_starts(monkeypatch, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "log.wandb=true", "--set", f"log.dir={tmp_path}"])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith("error: [log].wandb = true needs the wandb package"), res.stderr
+    res = runner.invoke(app, ["train", "--set", "log.wandb_tags=[1]", "--set", f"log.dir={tmp_path}"])
+    assert res.exit_code == 2 and "[log].wandb_tags must be a list of strings" in res.stderr, res.output

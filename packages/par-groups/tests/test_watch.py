@@ -76,3 +76,10 @@ def test_the_summary_names_the_rank_behind_and_where_it_is():
     p2p = summarize({2: _record(2, [recv], recv), 3: _record(3, [])}, 4)
     assert p2p.rank == 3 and p2p.line.startswith("rank 2 waits in recv from rank 3 on pp")
     assert summarize({r: _record(r, done) for r in range(4)}, 4) is None
+    # a chain: ranks 0, 1 wait for rank 2, which waits in tp for rank 3 (stopped): rank 3 is named
+    dp = _entry("all_reduce", 5, ranks=(0, 1, 2), state="waiting")
+    tp = _entry("all_gather", 7, ranks=(2, 3), group="tp", state="waiting")
+    early = [_entry("all_reduce", 4, ranks=(0, 1, 2))]
+    chain = summarize({0: _record(0, early + [dp], dp), 1: _record(1, early + [dp], dp),
+                       2: _record(2, early + [tp], tp), 3: None}, 4, {3: "stopped"})
+    assert chain.rank == 3 and chain.line.startswith("rank 2 waits in all_gather #7 on tp"), chain.line

@@ -7,6 +7,7 @@ strategies from par-zero, schedules from par-pp), so a new mode there is a valid
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from par_cp import MODES as CP_COMM_TYPES
@@ -295,11 +296,8 @@ class ProfileConfig:
         """The first and last profiled step (1-based, inclusive); None when profiling is off."""
         if not self.steps:
             return None
-        first, _, last = self.steps.partition("-")
-        try:
-            lo, hi = int(first), int(last or first)
-        except ValueError:
-            lo = hi = 0
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", self.steps.strip())
+        lo, hi = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
         _need(1 <= lo <= hi, f"[profile].steps={self.steps!r} must be a step or a range of steps, e.g. \"20-22\" "
                              f"or \"5\" (1-based, first <= last)")
         return lo, hi

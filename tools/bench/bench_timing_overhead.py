@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -46,8 +45,7 @@ def rank(args) -> dict | None:
 
         def plain():
             trainer.timer = off
-            with nullcontext():
-                trainer.train_step(next(counter))
+            trainer.train_step(next(counter))
 
         s = Summary.of(paired_times(watched, plain, args.repeats, args.warmup))
         return s if me == 0 else None

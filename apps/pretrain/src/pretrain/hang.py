@@ -92,8 +92,11 @@ def hang_summary(log_dir: str | Path, pids: list[int], since: float) -> Hang | N
         elif state in "Tt":
             notes[rank] = "process stopped (SIGSTOP), no flight record"
         else:
-            os.kill(pid, signal.SIGUSR1)
-            asked.append(rank)
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:  # exited just now
+                notes[rank] = "process exited without a flight record"
     deadline = time.monotonic() + RECORD_WAIT_S
     while asked and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -3,11 +3,14 @@
 ``StepTimer``, its all-gather) against the same step with both off, tp2 x pp2 on 4 CPU gloo ranks.
 
     uv run python tools/bench/bench_timing_overhead.py [--repeats 15] [--warmup 3] [--tp 2] [--pp 2]
+    uv run python tools/bench/bench_timing_overhead.py --per-call   # the watch's cost per collective
 
 Timing (``paired_timing``): on and off alternate step by step in the same processes, each after a
 barrier, the slowest rank's time; ``ratio`` is the median of the per-repeat ratios on / off,
 ``ratio_min`` / ``ratio_max`` their spread. Ends with ``RESULT timing ratio= ratio_min= ratio_max=
-repeats= on_ms= off_ms=``.
+repeats= on_ms= off_ms=``. ``--per-call``: one process, a one-rank group, 2000 all-reduces of 16
+floats with and without the watch, 21 alternating pairs: the median added time per call and the
+spread (``RESULT per_call added_us= min_us= max_us=``).
 """
 
 from __future__ import annotations
@@ -53,13 +56,45 @@ def rank(args) -> dict | None:
         shutdown()
 
 
+def per_call(pairs: int = 21, calls: int = 2000) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from par_groups import comm
+    from par_groups.watch import CommWatch
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    x, watch = torch.ones(16), CommWatch(64)
+
+    def loop() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            comm.all_reduce(x, None)
+        return (time.perf_counter() - start) / calls
+
+    added = []
+    for _ in range(pairs):
+        off = loop()
+        with watch:
+            added.append(loop() - off)
+    dist.destroy_process_group()
+    print(f"RESULT per_call added_us={1e6 * statistics.median(added):.1f} min_us={1e6 * min(added):.1f} "
+          f"max_us={1e6 * max(added):.1f} pairs={pairs} calls={calls}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--per-call", action="store_true", help="Only the watch's cost per collective, in this process.")
     args = p.parse_args()
+    if args.per_call:
+        return per_call()
     from pretrain.launch import launch
 
     s = launch(rank, (args,), nproc=args.tp * args.pp, device="cpu")[0]

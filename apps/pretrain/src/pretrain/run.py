@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import torch.distributed as dist
 from par_groups.watch import CommWatch
@@ -35,10 +35,94 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device or cfg.train.device)
     stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
+    watching = ExitStack()
     try:
-        with _watch(cfg, rank) as watch:
-            return _train(cfg, rank, world, dev, stops, watch, force)
+        watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
+        dataset = load_dataset(cfg.data, cfg.model.vocab_size)
+        trainer = Trainer(cfg, dataset=dataset, device=dev)
+        if watch is not None:
+            watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
+        if cfg.log.timing:
+            trainer.timer = StepTimer(watch, dev)
+        profiler = ProfileWindow(cfg, rank, dev, watch)
+        t, ck = cfg.train, cfg.checkpoint
+        root = checkpoint_root(cfg)
+        start_step, note = 0, ""
+        latest = latest_checkpoint(root) if ck.resume else None
+        if latest is not None:
+            start_step = trainer.load_checkpoint(latest)
+            note = f"; resumed from {latest} at step {start_step}"
+        elif ck.init_from:
+            trainer.load_checkpoint(ck.init_from, model_only=True)
+            note = f"; weights from {ck.init_from}"
+        saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
+        last_step = t.stop_at or t.steps
+        logger = None
+        if rank == 0:
+            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
+            logger = MetricsLogger(
+                cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
+                flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
+                peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
+                tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
+            )
+            logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
+                           f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
+                           f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
+                           f"{dataset.unigram_entropy():.3f} nats){note}")
+            logger.message(trainer.placement.message)
+            if dev.type == "cuda":
+                logger.message(f"kernels: {trainer.kernels.describe()}")
+        first = last = None
+        saved_at = start_step if latest is not None else -1
+        done = start_step
+        start = time.time()
+        for step in range(start_step, last_step):
+            profiler.before(step + 1)
+            t0 = time.time()
+            result = trainer.train_step(step)
+            done = step + 1
+            if result.skipped and logger is not None:
+                logger.message(f"step {step + 1}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+            first = result.loss if first is None else first
+            last = result.loss
+            if logger is not None:
+                logger.log(step + 1, result.loss, step_time=time.time() - t0, lr=result.lr, grad_norm=result.grad_norm,
+                           **result.moe, **result.timing)
+            profiler.after(step + 1)  # after the log line: writing the trace is not the step's time
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == last_step):
+                eval_loss = trainer.evaluate(t.eval_batches)
+                if logger is not None:
+                    logger.log_eval(step + 1, eval_loss)
+            preempted = stops.agreed()
+            if (ck.every and done % ck.every == 0) or preempted:
+                path = saver.save(trainer, root, done, ck.keep)
+                saved_at = done
+                if logger is not None:
+                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+            if preempted:
+                saver.finish()  # published before we exit
+                if logger is not None:
+                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                   f"checkpoint written")
+                break
+        if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
+            path = saver.save(trainer, root, done, ck.keep)
+            if logger is not None:
+                logger.message(f"checkpoint {path}")
+        finished = saver.finish()  # the last background save, published once every rank has written it
+        if finished is not None and logger is not None:
+            logger.message(f"checkpoint {finished} complete")
+        if logger is not None:
+            if first is not None:
+                logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
+                               f"loss {first:.4f} -> {last:.4f}")
+            logger.close()
+        dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
+        return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
+        watching.close()
         stops.close()
         shutdown()
 
@@ -59,90 +143,3 @@ def _wandb_init(cfg, layout) -> dict | None:
                                          "microbatches": layout.microbatches}}
     return {"project": cfg.log.wandb_project, "name": cfg.log.wandb_name or None, "tags": list(cfg.log.wandb_tags),
             "config": config}
-
-
-def _train(cfg, rank: int, world: int, dev, stops: StopRequests, watch, force: bool) -> dict:
-    """The run itself on this rank (see run_rank)."""
-    dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-    trainer = Trainer(cfg, dataset=dataset, device=dev)
-    if watch is not None:
-        watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
-    if cfg.log.timing:
-        trainer.timer = StepTimer(watch, dev)
-    profiler = ProfileWindow(cfg, rank, dev, watch)
-    t, ck = cfg.train, cfg.checkpoint
-    root = checkpoint_root(cfg)
-    start_step, note = 0, ""
-    latest = latest_checkpoint(root) if ck.resume else None
-    if latest is not None:
-        start_step = trainer.load_checkpoint(latest)
-        note = f"; resumed from {latest} at step {start_step}"
-    elif ck.init_from:
-        trainer.load_checkpoint(ck.init_from, model_only=True)
-        note = f"; weights from {ck.init_from}"
-    saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
-    last_step = t.stop_at or t.steps
-    logger = None
-    if rank == 0:
-        run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
-        logger = MetricsLogger(
-            cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
-            flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
-            peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
-            tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
-            start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
-        )
-        logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
-                       f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
-                       f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
-                       f"{dataset.unigram_entropy():.3f} nats){note}")
-        logger.message(trainer.placement.message)
-        if dev.type == "cuda":
-            logger.message(f"kernels: {trainer.kernels.describe()}")
-    first = last = None
-    saved_at = start_step if latest is not None else -1
-    done = start_step
-    start = time.time()
-    for step in range(start_step, last_step):
-        profiler.before(step + 1)
-        t0 = time.time()
-        result = trainer.train_step(step)
-        done = step + 1
-        if result.skipped and logger is not None:
-            logger.message(f"step {step + 1}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
-        first = result.loss if first is None else first
-        last = result.loss
-        if logger is not None:
-            logger.log(step + 1, result.loss, step_time=time.time() - t0, lr=result.lr, grad_norm=result.grad_norm,
-                       **result.moe, **result.timing)
-        profiler.after(step + 1)  # after the log line: writing the trace is not the step's time
-        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == last_step):
-            eval_loss = trainer.evaluate(t.eval_batches)
-            if logger is not None:
-                logger.log_eval(step + 1, eval_loss)
-        preempted = stops.agreed()
-        if (ck.every and done % ck.every == 0) or preempted:
-            path = saver.save(trainer, root, done, ck.keep)
-            saved_at = done
-            if logger is not None:
-                logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
-        if preempted:
-            saver.finish()  # published before we exit
-            if logger is not None:
-                logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
-                               f"checkpoint written")
-            break
-    if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
-        path = saver.save(trainer, root, done, ck.keep)
-        if logger is not None:
-            logger.message(f"checkpoint {path}")
-    finished = saver.finish()  # the last background save, published once every rank has written it
-    if finished is not None and logger is not None:
-        logger.message(f"checkpoint {finished} complete")
-    if logger is not None:
-        if first is not None:
-            logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
-                           f"loss {first:.4f} -> {last:.4f}")
-        logger.close()
-    dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
-    return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}

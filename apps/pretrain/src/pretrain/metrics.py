@@ -36,7 +36,7 @@ from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MF
 from .step_timing import format_timing
 
 WANDB_MISSING = ("[log].wandb = true needs the wandb package, which is not installed: "
-                 "pip install 'pretrain[wandb]' (or uv sync --extra wandb), or set [log].wandb = false")
+                 "pip install 'pretrain[wandb]' (or uv sync --all-packages --extra wandb), or set [log].wandb = false")
 
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory on CUDA, resident set size on the CPU."""

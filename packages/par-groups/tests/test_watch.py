@@ -16,6 +16,7 @@ LATE_S = 0.3
 def late_rank_1():
     """Rank 1 reaches each call LATE_S after rank 0: rank 0 waits about that long, rank 1 hardly."""
     me = dist.get_rank()
+    pair = dist.new_group([0, 1])  # the same ranks as the world, another group: its own label and numbers
     with CommWatch(capacity=8, names={(0, 1): "pair"}) as watch:
         x = torch.ones(3)
         if me == 1:
@@ -24,7 +25,7 @@ def late_rank_1():
         blocking = watch.take_wait()
         if me == 1:
             time.sleep(LATE_S)
-        work = comm.all_gather_into_tensor(torch.empty(6), x, None, async_op=True)
+        work = comm.all_gather_into_tensor(torch.empty(6), x, pair, async_op=True)
         time.sleep(LATE_S / 3)  # compute while the gather is in flight: not waiting
         work.wait()
         overlapped = watch.take_wait()
@@ -42,9 +43,9 @@ def test_waits_are_timed_where_the_rank_stands_still_and_calls_are_recorded(dist
     assert LATE_S * 0.8 < wait0 < LATE_S * 3 and wait1 < LATE_S * 0.5, (wait0, wait1)
     # rank 0 computed LATE_S/3 of rank 1's LATE_S lateness while the gather was in flight
     assert LATE_S * 0.4 < over0 < LATE_S * 3 and over1 < LATE_S * 0.5, (over0, over1)
-    assert entries0[:2] == entries1[:2] == [("all_reduce", "pair", 1, 12, None, "done"),
-                                           ("all_gather", "pair", 2, 24, None, "done")]
-    assert entries0[2] == ("send", "pair", 1, 8, 1, "done") and entries1[2] == ("recv", "pair", 1, 8, 0, "done")
+    assert entries0[:2] == entries1[:2] == [("all_reduce", "world", 1, 12, None, "done"),
+                                           ("all_gather", "pair", 1, 24, None, "done")]
+    assert entries0[2] == ("send", "world", 1, 8, 1, "done") and entries1[2] == ("recv", "world", 1, 8, 0, "done")
 
 
 def _entry(op, seq, ranks=(0, 1, 2, 3), group="dp", state="done", peer=None):

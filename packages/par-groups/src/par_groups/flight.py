@@ -26,8 +26,8 @@ def _call(e: dict) -> str:
 
 def _last_seq(record: dict, entry: dict) -> int:
     """``record``'s rank's last call number on ``entry``'s group (0: none in its ring)."""
-    seqs = [e["seq"] for e in record["entries"] if e["peer"] is None and e["group"] == entry["group"]
-            and e["ranks"] == entry["ranks"]]
+    seqs = [e["seq"] for e in record["entries"] if e["peer"] is None and e.get("group_id") == entry.get("group_id")
+            and e["group"] == entry["group"] and e["ranks"] == entry["ranks"]]
     return max(seqs, default=0)
 
 
@@ -66,7 +66,7 @@ def summarize(records: dict[int, dict | None], world: int, notes: dict[int, str]
     for rank in range(world):
         entry = (records.get(rank) or {}).get("in_flight")
         if entry:
-            key = (entry["op"], entry["group"], tuple(entry["ranks"]), entry["seq"], entry["peer"])
+            key = (entry["op"], entry.get("group_id"), entry["group"], tuple(entry["ranks"]), entry["seq"], entry["peer"])
             waits.setdefault(key, []).append(rank)
             first.setdefault(key, entry)
     if not waits:

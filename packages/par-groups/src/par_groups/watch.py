@@ -51,6 +51,7 @@ class Entry:
     bytes: int
     start: float  # time.time(): one clock for every process of a host
     peer: int | None = None  # point-to-point: the other global rank
+    group_id: str = ""  # torch's name of the group (same on every rank): two groups of the same ranks differ
     end: float | None = None
     waiting_since: float | None = None  # an async call: when this rank began waiting for it
     pending: int = field(default=1, repr=False)  # works still to wait for
@@ -128,7 +129,8 @@ class CommWatch:
         key = group.group_name
         if key not in self._groups:
             ranks = tuple(dist.get_process_group_ranks(group))
-            self._groups[key] = (self.names.get(ranks, "world" if group is dist.group.WORLD else key), ranks)
+            label = "world" if group is dist.group.WORLD else self.names.get(ranks, key)  # world: apart from a group of all ranks
+            self._groups[key] = (label, ranks)
         return (key, *self._groups[key])
 
     def begin(self, op: str, group, nbytes: int, peer: int | None = None) -> Entry:
@@ -136,7 +138,7 @@ class CommWatch:
         if peer is not None:  # point-to-point: counted per peer and direction, apart from the group's collectives
             key = f"{key}/{op}/{peer}"
         seq = self._seq[key] = self._seq.get(key, 0) + 1
-        entry = Entry(seq, op, label, ranks, int(nbytes), time.time(), peer)
+        entry = Entry(seq, op, label, ranks, int(nbytes), time.time(), peer, key)
         self.entries.append(entry)
         return entry
 

@@ -34,6 +34,7 @@ BENCHES = [
     ("bench_tp.py", ["--repeats", "7"]),
     ("bench_tp_overlap.py", ["--repeats", "7", "--tp", "2"]),
     ("bench_moe.py", ["--repeats", "7", "--tokens", "128"]),
+    ("bench_timing_overhead.py", ["--repeats", "15"]),  # step timing + flight recorder on / off (tp2 x pp2)
 ]
 
 

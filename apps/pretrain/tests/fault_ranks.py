@@ -61,3 +61,37 @@ def sigkill_in_save(rank: int, step: int, *run_args) -> dict:
 
     die_after_writing(rank, step, sigkill)
     return run_rank(*run_args)
+
+
+def slow_data(rank: int, seconds: float, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` sleeps ``seconds`` in every step's data step."""
+    import time
+
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    batch = Trainer._batch
+
+    def slow(self, step, eval=False):
+        if _rank() == rank and not eval:
+            time.sleep(seconds)
+        return batch(self, step, eval)
+
+    Trainer._batch = slow
+    return run_rank(*run_args)
+
+
+def stop_before_step(rank: int, step: int, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` stops itself (SIGSTOP) before its (1-based) ``step``."""
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def stopping(self, s):
+        if (_rank(), s + 1) == (rank, step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return train_step(self, s)
+
+    Trainer.train_step = stopping
+    return run_rank(*run_args)

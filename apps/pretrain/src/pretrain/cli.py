@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from .commands import convert, groups, plan, prepare, schedule, topo, train, verify
+from .commands import convert, groups, plan, prepare, report, schedule, topo, train, verify
 
 
 # typer vendors click; its ClickException is public only as the base of typer.BadParameter
@@ -53,6 +53,7 @@ app.command("groups")(groups.groups)
 app.command("schedule")(schedule.schedule)
 app.command("topo")(topo.topo)
 app.command("verify")(verify.verify)
+app.command("report")(report.report)
 
 
 def main() -> None:

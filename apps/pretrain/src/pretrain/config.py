@@ -1,6 +1,6 @@
 """The run configuration: TOML sections read into frozen, validated dataclasses.
 
-A config is seven sections, ``[model] [parallel] [train] [data] [checkpoint] [log] [topology]``; every key has a
+A config is eight sections, ``[model] [parallel] [train] [data] [checkpoint] [log] [topology] [profile]``; every key has a
 default, so a file names only what differs. ``--set section.key=value`` overrides (repeatable) are
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).
@@ -32,8 +32,8 @@ from par_zero.config import SHARDED
 
 from .config_model import ModelConfig
 from .config_rules import _divisors, _need
-from .config_sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, TopologyConfig,
-                              TrainConfig)
+from .config_sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, ProfileConfig,
+                              TopologyConfig, TrainConfig)
 from .errors import UsageError
 from .layout import MAX_WORLD, Layout, micro_batching
 
@@ -51,6 +51,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "topology": TopologyConfig,
+    "profile": ProfileConfig,
 }
 
 
@@ -63,6 +64,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     source: str = field(default="", compare=False)  # the file it came from ("" = built in)
 
     def __post_init__(self) -> None:
@@ -157,6 +159,7 @@ class Config:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["parallel"]["hcp"] = list(self.parallel.hcp)
         out["model"]["mlp_only_layers"] = list(self.model.mlp_only_layers)
+        out["log"]["wandb_tags"] = list(self.log.wandb_tags)
         for section, key in (("parallel", "sequence_parallel"), ("model", "norm_topk_prob")):
             if out[section][key] is None:
                 del out[section][key]  # TOML has no null: absent = default
@@ -210,6 +213,10 @@ def _coerce(section: str, key: str, value, hint):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
         _need(isinstance(value, hint), f"{where} must be {what}, got {value!r}")
         return value
+    if origin is tuple and args[0] is str:
+        _need(isinstance(value, list) and all(isinstance(v, str) for v in value),
+              f"{where} must be a list of strings, e.g. [\"a\", \"b\"], got {value!r}")
+        return tuple(value)
     if origin is tuple:
         _need(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
               f"{where} must be a list of integers, e.g. [2, 2], got {value!r}")

@@ -1,4 +1,4 @@
-"""The ``[parallel] [train] [data] [checkpoint] [topology] [log]`` sections, each validating itself.
+"""The ``[parallel] [train] [data] [checkpoint] [topology] [log] [profile]`` sections, each validating itself.
 
 The choice lists of what a package implements come from that package (CP modes from par-cp, ZeRO
 strategies from par-zero, schedules from par-pp), so a new mode there is a valid key here.
@@ -7,6 +7,7 @@ strategies from par-zero, schedules from par-pp), so a new mode there is a valid
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from par_cp import MODES as CP_COMM_TYPES
@@ -296,7 +297,33 @@ class LogConfig:
     progress: bool = True
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
+    timing: bool = True  # where each step's time goes, every log line (pretrain.step_timing)
+    flight_records: int = 64  # each rank's last collectives kept for a hang's summary (pretrain.hang); 0 = off
+    wandb: bool = False  # Weights & Biases on rank 0 (the optional `wandb` extra); run id = the run's id
+    wandb_project: str = "pretrain"
+    wandb_name: str = ""  # "" = W&B's own name
+    wandb_tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("log", self, "every")
+        _positive("log", self, "flight_records", allow_zero=True)
         _need(self.peak_tflops >= 0, f"[log].peak_tflops={self.peak_tflops} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    steps: str = ""  # "20-22" or "5": torch.profiler traces of these (1-based) steps; "" = none
+    memory: bool = True  # CUDA: a memory snapshot of the window; CPU: the profiler's memory columns
+
+    def __post_init__(self) -> None:
+        self.window()  # the one-line error for a malformed range
+
+    def window(self) -> tuple[int, int] | None:
+        """The first and last profiled step (1-based, inclusive); None when profiling is off."""
+        if not self.steps:
+            return None
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", self.steps.strip())
+        lo, hi = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+        _need(1 <= lo <= hi, f"[profile].steps={self.steps!r} must be a step or a range of steps, e.g. \"20-22\" "
+                             f"or \"5\" (1-based, first <= last)")
+        return lo, hi

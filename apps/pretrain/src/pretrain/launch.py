@@ -77,14 +77,15 @@ def check_nproc(nproc: int, device: str = "auto") -> None:
 
 
 def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: str = "auto",
-           join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0) -> list[Any]:
+           join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0, log_dir: str | None = None) -> list[Any]:
     """Run ``entry(*args)`` on every rank; returns the ranks' return values in rank order.
 
     Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
     ``nproc`` local ranks start (1 runs in this process). ``entry`` must be a module-level function
     (ranks import it); it calls :func:`init_distributed`. A rank that has not joined the group
     within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT, ranks get ``preempt_timeout_s``
-    to save and exit.
+    to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.hang`); a
+    collective's timeout then ends the run naming the rank that has not arrived.
     """
     if under_torchrun():
         return [entry(*args)]
@@ -92,7 +93,7 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     if nproc > 1:
         from .ranks import run_local_ranks
 
-        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s)
+        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir)
     env = _single_rank_env()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -1,4 +1,4 @@
-"""Training metrics: a live progress display (rich), ``log.jsonl``, optional TensorBoard, MFU.
+"""Training metrics: a live progress display (rich), ``log.jsonl``, optional TensorBoard and W&B, MFU.
 
 Only rank 0 makes a :class:`MetricsLogger`. Each :meth:`MetricsLogger.log` call writes one JSON
 object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_norm``,
@@ -7,7 +7,13 @@ object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_n
 terminal the display is a rich progress bar; otherwise (CI, pipes) a plain line every
 ``log.every`` steps. MFU = model FLOPs per step (``pretrain.flops``) / (step time x peak FLOP/s per
 device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs in the dtype the
-matmuls run in (``pretrain.peak``; none on the CPU).
+matmuls run in (``pretrain.peak``; none on the CPU). The step's time breakdown (``time_*_s``,
+``pp_bubble``, ``straggler_rank``: ``pretrain.step_timing``) comes in as extra keys; the console
+line shows it compactly. TensorBoard and W&B get every numeric key of a record.
+
+W&B (``wandb=`` the init arguments, ``[log] wandb = true``): one W&B run per our run id, so a
+resumed run continues its W&B run (``resume="allow"``); its files go to ``<log.dir>/wandb``.
+``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
 """
 
 from __future__ import annotations
@@ -25,7 +31,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .errors import UsageError
 from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MFU's denominator
+from .step_timing import format_timing
+
+WANDB_MISSING = ("[log].wandb = true needs the wandb package, which is not installed: "
+                 "pip install 'pretrain[wandb]' (or uv sync --all-packages --extra wandb), or set [log].wandb = false")
 
 def memory_gb(device: torch.device) -> float:
     """Peak memory of this process: allocated GPU memory on CUDA, resident set size on the CPU."""
@@ -81,7 +92,7 @@ class MetricsLogger:
                  peak_flops_per_device: float | None = None, devices: int = 1, tokens_per_step: int = 0,
                  device: torch.device = torch.device("cpu"), every: int = 1, progress: bool = True,
                  tensorboard: bool = False, start_step: int = 0, console: Console | None = None,
-                 description: str = "train", run_id: str | None = None):
+                 description: str = "train", run_id: str | None = None, wandb: dict | None = None):
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
@@ -93,6 +104,7 @@ class MetricsLogger:
         self.console = console or Console(stderr=False)
         self.last: dict[str, Any] = {}
         self.tb = self._tensorboard() if tensorboard else None
+        self.wandb = self._wandb(wandb) if wandb is not None else None
         self._progress = None
         if earlier is not None:
             self.message(f"{self.dir / 'log.jsonl'} held an earlier run's log: kept as {earlier}")
@@ -111,6 +123,23 @@ class MetricsLogger:
             return None
         return SummaryWriter(str(self.dir / "tensorboard"))
 
+    def _wandb(self, init: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise UsageError(WANDB_MISSING) from None
+        return wandb.init(dir=str(self.dir), id=self.run_id, resume="allow", **init)
+
+    def _scalars(self, record: dict, prefix: str, step: int) -> None:
+        """Every numeric value of ``record`` to TensorBoard and W&B."""
+        values = {f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "time")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
     def message(self, text: str) -> None:
         """A line above the progress bar (or on its own when there is none)."""
         self.console.print(text, highlight=False, markup=False)
@@ -125,10 +154,7 @@ class MetricsLogger:
                   "memory_gb": memory_gb(self.device), "time": time.time(), **extra, **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
         self.last = record
-        if self.tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if record[key] is not None:
-                    self.tb.add_scalar(f"train/{key}", record[key], step)
+        self._scalars(record, "train", step)
         stats = self.format(record)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, stats=stats)
@@ -139,8 +165,7 @@ class MetricsLogger:
     def log_eval(self, step: int, loss: float) -> dict:
         record = {"step": step, "eval_loss": float(loss), "time": time.time(), **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            self.tb.add_scalar("eval/loss", float(loss), step)
+        self._scalars({"loss": float(loss)}, "eval", step)
         if self.show:
             self.message(f"step {step}: eval loss {loss:.4f}")
         return record
@@ -156,6 +181,8 @@ class MetricsLogger:
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         parts.append(f"mem {record['memory_gb']:.2f} GB")
+        if timing := format_timing(record):
+            parts.append(timing)
         return " | ".join(parts)
 
     def close(self) -> None:
@@ -164,6 +191,9 @@ class MetricsLogger:
             self._progress = None
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         self.jsonl.close()
 
     def __enter__(self) -> "MetricsLogger":

@@ -33,6 +33,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
         if path.resolve() == Path(path.resolve().anchor):
             raise UsageError(f"{key} {str(path)!r} is the filesystem root; give a directory for this run, "
                              f"e.g. --set log.dir=runs/a")
+    if cfg.log.wandb:
+        _check_wandb()
     dataset = load_dataset(cfg.data, cfg.model.vocab_size)
     check_data_ids(dataset, cfg.model.vocab_size)
     check_data_ids(load_eval(cfg.data, cfg.model.vocab_size, dataset), cfg.model.vocab_size)
@@ -72,6 +74,16 @@ def _latest_to_check(root: Path, fallback: bool):
         if not fallback:
             raise with_fallback_hint(e) from None
         return None
+
+
+def _check_wandb() -> None:
+    """[log] wandb needs the optional package: one line before any rank starts, not rank 0's error."""
+    import importlib.util
+
+    from .metrics import WANDB_MISSING
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UsageError(WANDB_MISSING)
 
 
 def check_writable(path: Path, what: str) -> None:

@@ -90,8 +90,9 @@ def _death_message(exitcode: int | None) -> str:
 class LocalRanks:
     """``nproc`` rank processes of one run; :meth:`wait` returns their results or raises."""
 
-    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float) -> None:
+    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None) -> None:
         self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
+        self.log_dir = log_dir  # where the ranks write flight records (pretrain.hang); None: no hang summary
         self.stop_signal: int | None = None
         self.stop_at = self.started = 0.0
         self.procs: list = []
@@ -121,6 +122,7 @@ class LocalRanks:
             if self.stop_signal is not None:  # a signal came while ranks were starting
                 os.kill(proc.pid, signal.SIGTERM)
         self.started = time.monotonic()  # the join timeout counts from here (not the forkserver's start)
+        self.wall_started = time.time()  # flight records older than this are another run's
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
@@ -155,6 +157,18 @@ class LocalRanks:
         raise RankFailed(culprits[0], f"did not {what} the rendezvous within {self.join_timeout_s:g} s "
                                       f"([train].timeout_s){others}")
 
+    def _hang_named(self, root: _Failure) -> RankFailed | None:
+        """After a timeout: the error naming the rank that has not arrived, from the flight records."""
+        from .hang import hang_summary, is_timeout
+
+        if self.log_dir is None or not is_timeout(root.error):
+            return None
+        hang = hang_summary(self.log_dir, [p.pid for p in self.procs], self.wall_started)
+        if hang is None or hang.rank is None:
+            return None
+        return RankFailed(hang.rank, f"hang after [train].timeout_s={self.join_timeout_s:g} s: {hang.line}",
+                          root.exitcode, root.traceback)
+
     # ---- waiting ---------------------------------------------------------------------------
     def wait(self) -> list[Any]:
         results: dict[int, Any] = {}
@@ -181,7 +195,8 @@ class LocalRanks:
                 first_failure = first_failure or time.monotonic()
                 if not pending or time.monotonic() - first_failure > FAILURE_GRACE_S:
                     root = next((f for f in failures if not f.collateral), failures[0])
-                    raise RankFailed(root.rank, root.error, root.exitcode, root.traceback, root.usage)
+                    raise self._hang_named(root) or RankFailed(root.rank, root.error, root.exitcode, root.traceback,
+                                                               root.usage)
                 continue
             self._check_joined(joined)
             self._check_stop_deadline()
@@ -201,9 +216,11 @@ class LocalRanks:
         self.store = None
 
 
-def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float) -> list[Any]:
-    """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc)."""
-    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s)
+def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float,
+                    log_dir: str | None = None) -> list[Any]:
+    """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
+    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived."""
+    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir)
     handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import ExitStack, nullcontext
 
 import torch.distributed as dist
+from par_groups.watch import CommWatch
 
 # imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
 from .checkpoint import CheckpointSaver, resolve_checkpoint
@@ -13,11 +16,14 @@ from .checkpoint.retention import start_run
 from .config import load_config
 from .data import load_dataset
 from .flops import training_flops_per_step
-from .launch import init_distributed, shutdown
+from .hang import flight_recorder, nccl_flight_env
+from .launch import device_type, init_distributed, shutdown
 from .metrics import MetricsLogger
 from .peak import matmul_dtype, peak_flops
 from .preempt import StopRequests
 from .preflight import checkpoint_root
+from .profile_window import ProfileWindow
+from .step_timing import StepTimer
 from .train_loop import Trainer
 
 
@@ -26,11 +32,20 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
 
     ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
     cfg = load_config(config, overrides)
+    if device_type(device or cfg.train.device) == "cuda":
+        os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
     rank, world, _, dev = init_distributed(cfg.train.timeout_s, device or cfg.train.device)
     stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
+    watching = ExitStack()
     try:
+        watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
         trainer = Trainer(cfg, dataset=dataset, device=dev)
+        if watch is not None:
+            watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
+        if cfg.log.timing:
+            trainer.timer = StepTimer(watch, dev)
+        profiler = ProfileWindow(cfg, rank, dev, watch)
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)
         start_step, note = 0, ""
@@ -50,7 +65,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
                 peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
-                start_step=start_step, run_id=run_id,
+                start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
             )
             logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
@@ -64,6 +79,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         done = start_step
         start = time.time()
         for step in range(start_step, last_step):
+            profiler.before(step + 1)
             t0 = time.time()
             result = trainer.train_step(step)
             done = step + 1
@@ -73,7 +89,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             last = result.loss
             if logger is not None:
                 logger.log(step + 1, result.loss, step_time=time.time() - t0, lr=result.lr, grad_norm=result.grad_norm,
-                           **result.moe, **trainer.sampler.shares(step + 1))
+                           **result.moe, **result.timing, **trainer.sampler.shares(step + 1))
+            profiler.after(step + 1)  # after the log line: writing the trace is not the step's time
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
@@ -105,5 +122,24 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
+        watching.close()
         stops.close()
         shutdown()
+
+
+def _watch(cfg, rank: int):
+    """The watch over every collective: the flight recorder (pretrain.hang) and the step timing's waits."""
+    if cfg.log.flight_records:
+        return flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+    return CommWatch(0) if cfg.log.timing else nullcontext()
+
+
+def _wandb_init(cfg, layout) -> dict | None:
+    """W&B's init arguments ([log] wandb): project, name, tags, and the config and layout as its config."""
+    if not cfg.log.wandb:
+        return None
+    config = cfg.to_dict() | {"layout": {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp,
+                                         "ep": layout.ep, "micro_batch": layout.micro_batch,
+                                         "microbatches": layout.microbatches}}
+    return {"project": cfg.log.wandb_project, "name": cfg.log.wandb_name or None, "tags": list(cfg.log.wandb_tags),
+            "config": config}

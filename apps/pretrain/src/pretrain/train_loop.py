@@ -9,6 +9,7 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,6 +26,7 @@ from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
 from .schedule_lr import lr_at
+from .step_timing import NoTimer
 
 
 @dataclass
@@ -36,6 +38,7 @@ class StepResult:
     tokens: int
     moe: dict = field(default_factory=dict)
     skipped: bool = False  # non-finite loss under [train].nan_policy=skip: no update was applied
+    timing: dict = field(default_factory=dict)  # where the step's time went ([log] timing; see step_timing.py)
 
 
 class Trainer:
@@ -85,6 +88,7 @@ class Trainer:
         self.cp_imbalance: float | None = None  # the last batch's attention-work imbalance under dynamic CP
         self._docs: list = []
         self._loss_tokens: float | None = None
+        self.timer = NoTimer()  # the run sets a step_timing.StepTimer under [log] timing
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +181,9 @@ class Trainer:
         dp, n = self.model.dp, len(inputs)
         if self.executor is not None:
             dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
+            start = time.perf_counter()
             losses = self.executor.step(inputs, labels)
+            self.timer.pipeline(self.executor.records, time.perf_counter() - start)
             dp.reduce_grads()
             return [l.detach() for l in losses] if losses else []
         losses = []
@@ -207,8 +213,12 @@ class Trainer:
         lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
                    steps=cfg.train.steps)
         self.model.module.train()
+        timer = self.timer
+        timer.start()
         inputs, labels = self.microbatches(self._batch(step))
+        timer.lap("data")
         losses = self._forward_backward(inputs, labels)
+        timer.lap("fwd_bwd")
         dp.sum_partial_grads()
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
@@ -219,14 +229,16 @@ class Trainer:
             if cfg.train.nan_policy == "stop":
                 raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
                                          f"([train].nan_policy=stop; 'skip' drops such steps instead)")
-            return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True)
+            timer.lap("optimizer")
+            return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True, timing=timer.finish())
         dp.set_lr(lr)
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
         if self.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
             moe["cp_imbalance"] = self.cp_imbalance
-        return StepResult(step, loss, lr, float(norm), tokens, moe)
+        timer.lap("optimizer")
+        return StepResult(step, loss, lr, float(norm), tokens, moe, timing=timer.finish())
 
     # ---- checkpoints and inference ---------------------------------------------------------
     def save_checkpoint(self, root, step: int, keep: int = 2):

@@ -8,7 +8,9 @@ wire per rank: there a reduce-scatter plus an all-gather of one tensor move exac
 all-reduce of it moves, as the theory says. An all-to-all records exactly the bytes it sends to
 other ranks (``sent``, from its split sizes), which is its ``wire_bytes``.
 
-The active recorders live in a ContextVar (per thread / task), not in module globals.
+The active recorders live in a ContextVar (per thread / task), not in module globals. So does the
+active :class:`~par_groups.watch.CommWatch`, which times each call's wait and keeps a flight
+recorder of the last ones (see :mod:`par_groups.watch`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+from .watch import active_watch
 
 _recorders: ContextVar[tuple["CommRecorder", ...]] = ContextVar("par_comm_recorders", default=())
 
@@ -80,23 +84,34 @@ def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None =
             r.records.append(rec)
 
 
+def _call(op: str, group: ProcessGroup | None, nbytes: int, call, async_op: bool, peer: int | None = None):
+    """``call()`` (the torch collective), timed and recorded by the active watch if there is one."""
+    watch = active_watch()
+    if watch is None:
+        return call()
+    return watch.run(watch.begin(op, group, nbytes, peer), call, async_op)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
     _record("all_reduce", group, _nbytes(tensor))
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _call("all_reduce", group, _nbytes(tensor),
+                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
     _record("all_gather", group, _nbytes(output))
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _call("all_gather", group, _nbytes(output),
+                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
     _record("reduce_scatter", group, _nbytes(input))
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _call("reduce_scatter", group, _nbytes(input),
+                 lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op)
 
 
 def _sent_off_rank(input: torch.Tensor, group: ProcessGroup | None, input_split_sizes: list[int] | None) -> int:
@@ -117,17 +132,23 @@ def all_to_all_single(
     async_op: bool = False,
 ):
     _record("all_to_all", group, _nbytes(input), _sent_off_rank(input, group, input_split_sizes))
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+    return _call("all_to_all", group, _nbytes(input), lambda: dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
     _record("broadcast", group, _nbytes(tensor))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _call("broadcast", group, _nbytes(tensor),
+                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]):
-    """Batched point-to-point; records each send (receives are the peers' sends)."""
+    """Batched point-to-point; records each send (receives are the peers' sends). The watch sees
+    one entry per batch: a ``send`` or ``recv`` with the first op's peer (global rank)."""
     for p2p in ops:
         if p2p.op is dist.isend:
             _record("send", p2p.group, _nbytes(p2p.tensor))
-    return dist.batch_isend_irecv(ops)
+    first = ops[0]
+    kind = "send" if first.op is dist.isend else "recv"
+    return _call(kind, first.group, sum(_nbytes(p.tensor) for p in ops), lambda: dist.batch_isend_irecv(ops), True,
+                 first.peer)  # P2POp's peer is a global rank

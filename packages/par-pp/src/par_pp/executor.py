@@ -145,7 +145,8 @@ class PipelineExecutor:
         for action, inbox, outbox in self._plan:
             self._compute_start = None
             start = time.perf_counter()
-            run[action.kind](action, inbox, outbox)
+            with torch.profiler.record_function(f"{action.kind}{action.microbatch}.c{action.chunk}"):  # named in traces
+                run[action.kind](action, inbox, outbox)
             # The record starts once the inputs are here: waiting for a message is bubble.
             self.records.append(ActionRecord(action, self._compute_start or start, time.perf_counter()))
             self._comm.poll()

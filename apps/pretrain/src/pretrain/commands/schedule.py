@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -27,6 +29,7 @@ def schedule(
     vpp: int = typer.Option(1, "--vpp", help="Chunks per rank (interleaved; zb-v and dualpipev always use 2)."),
     costs: str = typer.Option("", "--costs", help="Slot costs, e.g. f=1,b=1,w=1 (keys f, b, w, full, p2p). A full B costs one slot unless b/w are given, then b+w."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also draw the timeline to this PNG (needs matplotlib)."),
 ) -> None:
     """Print a pipeline schedule's timeline (the explainer's format), bubble fraction and peak activations."""
     if pp * max(vpp, 2) * microbatches > MAX_CELLS:
@@ -38,6 +41,17 @@ def schedule(
     except ValueError as e:
         raise fail(str(e)) from None
     result = simulate(plan, slot_costs)
+    if png is not None:
+        from ..errors import UsageError
+        from ..plots import schedule_png
+
+        if not png.parent.is_dir():
+            raise fail(f"--png {str(png)!r}: the directory {str(png.parent)!r} does not exist")
+        try:
+            schedule_png(timeline_json(result), _caption(plan.name, pp, plan.vpp, microbatches, slot_costs)
+                         + f" Bubble {result.bubble_fraction:.3f}.", png)
+        except UsageError as e:
+            raise fail(str(e))
     if as_json:
         typer.echo(json.dumps(timeline_json(result)))
         return

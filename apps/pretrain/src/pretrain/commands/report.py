@@ -1,0 +1,74 @@
+"""`pretrain report LOG_DIR`: a run's loss, tokens/s, MFU and time breakdown as one PNG (and HTML)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UsageError, fail
+
+
+def read_log(log_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The train and eval records of ``<log_dir>/log.jsonl`` (a line that is not JSON is skipped)."""
+    path = log_dir / "log.jsonl"
+    if not path.is_file():
+        raise UsageError(f"{str(log_dir)!r} has no log.jsonl; give the [log].dir of a run")
+    train, evals = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "loss" in record:
+            train.append(record)
+        elif isinstance(record, dict) and "eval_loss" in record:
+            evals.append(record)
+    if not train:
+        raise UsageError(f"{path} has no training steps yet")
+    return train, evals
+
+
+def summary(train: list[dict]) -> list[str]:
+    last = train[-1]
+    lines = [f"{len(train)} steps, loss {train[0]['loss']:.4f} -> {last['loss']:.4f}"]
+    speeds = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
+    if speeds:
+        lines.append(f"median {statistics.median(speeds):,.0f} tokens/s")
+    if all("time_fwd_bwd_s" in r for r in train):
+        step = statistics.median(r["step_time_s"] for r in train)
+        parts = {k: statistics.median(r[k] for r in train) for k in
+                 ("time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_exposed_comm_s")}
+        lines.append("median step {:.0f} ms: data {:.0%}, forward-backward {:.0%}, optimizer {:.0%}; waiting in "
+                     "comm {:.0%}".format(1e3 * step, *(v / step for v in parts.values())))
+        stragglers = statistics.multimode(r["straggler_rank"] for r in train)
+        lines.append(f"slowest rank most often: {', '.join(map(str, stragglers))}")
+    return lines
+
+
+def report(
+    log_dir: Path = typer.Argument(..., help="A run's [log].dir (holding log.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="The PNG to write (default <log_dir>/report.png)."),
+    html: bool = typer.Option(True, "--html/--no-html", help="Also write the page report.html beside the PNG."),
+) -> None:
+    """Draw a run's loss, tokens/s, MFU and where each step's time went, to one PNG (and HTML page)."""
+    from ..plots import report_html, report_png
+
+    try:
+        train, evals = read_log(log_dir)
+        png = out or log_dir / "report.png"
+        if not png.parent.is_dir():
+            raise UsageError(f"--out {str(png)!r}: the directory {str(png.parent)!r} does not exist")
+        title = f"{log_dir} (run {train[-1].get('run_id', '?')})"
+        report_png(train, evals, title, png)
+        lines = summary(train)
+        if html:
+            report_html(png, png.with_suffix(".html"), title, lines)
+    except UsageError as e:
+        raise fail(str(e))
+    for line in lines:
+        typer.echo(line)
+    typer.echo(f"wrote {png}" + (f" and {png.with_suffix('.html')}" if html else ""))

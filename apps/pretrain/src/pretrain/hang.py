@@ -1,0 +1,109 @@
+"""A hang names itself: each rank's flight recorder, and the launcher's one-line summary of them.
+
+In a rank (:func:`flight_recorder`): a :class:`par_groups.watch.CommWatch` over the whole run. A
+collective that raises (gloo's timeout after ``[train].timeout_s``, or a peer gone) writes the
+rank's record, ``<log.dir>/flight/rank_R.json``: its last collectives (op, group, sequence
+number, bytes) and its Python stack. SIGUSR1 writes it too, from wherever the rank is.
+
+In the launcher (:func:`hang_summary`), once a rank failed on a timeout: ranks that wrote no
+record yet get SIGUSR1 and a few seconds; a stopped process (``SIGSTOP``, state T) or a dead one
+is noted as such; ``par_groups.flight.summarize`` names the ranks waiting, the collective, and
+the rank that has not arrived. On CUDA, NCCL's own flight recorder is turned on as well
+(``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumps on timeout to ``flight/nccl_rank_R``), unless set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from par_groups.flight import Hang, summarize
+from par_groups.watch import CommWatch
+
+FLIGHT_DIR = "flight"
+RECORD_WAIT_S = 3.0  # how long the launcher waits for the records of ranks it sent SIGUSR1
+TIMEOUT_WORDS = ("timed out", "timeout", "time out")
+
+
+def record_path(log_dir: str | Path, rank: int) -> Path:
+    return Path(log_dir) / FLIGHT_DIR / f"rank_{rank}.json"
+
+
+def nccl_flight_env(log_dir: str | Path) -> dict[str, str]:
+    """NCCL's flight recorder settings (set before the process group exists; the user's win)."""
+    base = Path(log_dir).resolve() / FLIGHT_DIR / "nccl_rank_"
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(base)}
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
+def flight_recorder(log_dir: str | Path, rank: int, capacity: int) -> CommWatch:
+    """This rank's watch (enter it around the run), its stale record removed, SIGUSR1 dumping it."""
+    path = record_path(log_dir, rank)
+    path.unlink(missing_ok=True)
+    watch = CommWatch(capacity, dump_path=path)
+
+    def on_usr1(signum, frame) -> None:
+        in_flight = next((e for e in reversed(watch.entries) if e.end is None and e.waiting_since), None)
+        watch.dump("SIGUSR1 from the launcher", in_flight, frame)
+
+    try:
+        signal.signal(signal.SIGUSR1, on_usr1)
+    except ValueError:  # not the main thread: records on errors only
+        pass
+    return watch
+
+
+def is_timeout(error: str) -> bool:
+    return any(w in error.lower() for w in TIMEOUT_WORDS)
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter from /proc (R, S, T = stopped ...); None when it is gone or unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _read(path: Path, since: float) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("time", 0) >= since else None
+
+
+def hang_summary(log_dir: str | Path, pids: list[int], since: float) -> Hang | None:
+    """Collect the ranks' records written after ``since`` (asking for missing ones) and summarize."""
+    world = len(pids)
+    records = {r: _read(record_path(log_dir, r), since) for r in range(world)}
+    notes: dict[int, str] = {}
+    asked = []
+    for rank, pid in enumerate(pids):
+        state = _state(pid)
+        if records[rank] is not None:
+            continue
+        if state is None or state in "ZX":
+            notes[rank] = "process exited without a flight record"
+        elif state in "Tt":
+            notes[rank] = "process stopped (SIGSTOP), no flight record"
+        else:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked.append(rank)
+            except ProcessLookupError:  # exited just now
+                notes[rank] = "process exited without a flight record"
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for rank in list(asked):
+            records[rank] = _read(record_path(log_dir, rank), since)
+            if records[rank] is not None:
+                asked.remove(rank)
+    for rank in asked:
+        notes[rank] = "no flight record: it did not answer SIGUSR1 (stuck in native code?)"
+    return summarize(records, world, notes)

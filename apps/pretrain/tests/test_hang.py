@@ -1,0 +1,37 @@
+"""A hang names itself: the launcher's error names the rank that has not arrived and the collective
+the others wait in, within [train].timeout_s + 10 s, from the ranks' flight records."""
+
+import functools
+import json
+import time
+
+import pytest
+
+from pretrain.launch import RankFailed, launch
+
+TIMEOUT_S = 4.0
+
+
+@pytest.mark.parametrize("fault", ["stop", "skip"])
+def test_the_launcher_names_the_rank_that_has_not_arrived(fault, tmp_path, fault_ranks):
+    import hang_ranks
+
+    entry = functools.partial(hang_ranks.all_reduces, fault, 2, str(tmp_path), TIMEOUT_S)
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        launch(entry, nproc=3, device="cpu", join_timeout_s=TIMEOUT_S, log_dir=str(tmp_path))
+    took, named_at = time.monotonic() - start, time.time()
+    e = failed.value
+    assert e.rank == 2, e.error
+    assert f"wait in all_reduce #{hang_ranks.CALLS} on world (ranks 0-2, 16 B)" in e.error, e.error
+    assert ("stopped (SIGSTOP)" if fault == "stop" else "rank 2 (in no collective at") in e.error, e.error
+    if fault == "skip":
+        assert "time.sleep" in e.error, e.error  # where the rank was, from its stack
+    assert "ranks 0, 1 wait" in e.error, e.error
+    # the waiting ranks' records: the ring's last call in flight, the earlier ones done
+    record = json.loads((tmp_path / "flight" / "rank_0.json").read_text())
+    assert [(x["seq"], x["state"]) for x in record["entries"]] == [(1, "done"), (2, "done"), (3, "waiting")]
+    assert "all_reduces" in record["stack"]
+    # from the moment rank 0 began to wait to the launcher's error: within timeout_s + 10 s
+    assert named_at - record["in_flight"]["start"] < TIMEOUT_S + 10, named_at - record["in_flight"]["start"]
+    assert took < TIMEOUT_S + 10 + 60, took  # and start-up (forkserver, imports) on a loaded machine

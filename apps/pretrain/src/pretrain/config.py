@@ -78,6 +78,10 @@ class Config:
         _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
               f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
               f"(kv heads are split over tp, or replicated when fewer than tp)")
+        padded = m.padded_vocab(p.tp)
+        _need(padded % p.tp == 0, f"[model].vocab_size={m.vocab_size} padded to a multiple of vocab_pad_to={m.vocab_pad_to} "
+              f"is {padded} rows, which [parallel].tp={p.tp} does not divide: use vocab_pad_to = 0 (Megatron's "
+              f"128 x tp) or a multiple of {p.tp}")
         chunks = p.pp * p.chunks_per_rank
         if p.uneven:
             _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")

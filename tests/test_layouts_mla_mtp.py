@@ -226,7 +226,7 @@ def test_mla_params_per_layer_is_deepseeks_formula():
 
 def test_plan_deepseek_v3_gives_the_published_totals():
     from pretrain.config import load_config
-    from pretrain.flops import mtp_params, param_counts
+    from pretrain.sizing.flops import mtp_params, param_counts
 
     cfg = load_config("deepseek-v3")
     c = param_counts(cfg.model)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -289,7 +290,12 @@ def read_toml(path: str | None) -> tuple[dict, str]:
         raise UsageError(f"cannot read config {source}: {e}") from None
 
 
+ENV_OVERRIDES = "PRETRAIN_SET"  # space-separated overrides applied after --set (CI and smoke tests)
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, validate."""
+    """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, then those of
+    ``$PRETRAIN_SET`` (e.g. ``PRETRAIN_SET="train.steps=2"`` shortens every run), validate."""
     data, source = read_toml(path)
-    return config_from_dict(apply_overrides(data, list(overrides or [])), source=source)
+    extra = os.environ.get(ENV_OVERRIDES, "").split()
+    return config_from_dict(apply_overrides(data, list(overrides or []) + extra), source=source)

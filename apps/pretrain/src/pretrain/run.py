@@ -11,7 +11,7 @@ from .checkpoint import CheckpointSaver, latest_checkpoint
 from .checkpoint.retention import start_run
 from .config import load_config
 from .data import load_dataset
-from .flops import training_flops_per_step
+from .sizing.flops import training_flops_per_step
 from .launch import init_distributed, shutdown
 from .metrics import MetricsLogger
 from .peak import matmul_dtype, peak_flops

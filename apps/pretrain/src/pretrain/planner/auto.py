@@ -11,19 +11,27 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..config import TopologyConfig
+from ..config import TopologyConfig, apply_overrides, config_from_dict
 from ..errors import UsageError
 from ..metrics import lookup_peak_tflops
 from ..placement import described_topology
 from .estimate import ASSUMPTIONS, Cluster
-from .search import HEADROOM, Choice, search
+from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
+from .search import Choice, search
 
 GB = 1e9
 
 
+ESTIMATED = ("estimated: pretrain.sizing's closed form of the heaviest stage, the figures `plan --simulate` "
+             "is tested against (model state within 1 %, activations within 10 %); add --simulate to measure "
+             "the first choice")
+
+
 def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflops: float = 0.0,
-              top: int = 5) -> dict:
-    """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts)."""
+              top: int = 5, simulate: bool = False, on_phase=lambda rank, phase: None) -> dict:
+    """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts). ``simulate``: run
+    the heaviest stage of the top choices on fake tensors (:func:`check_by_simulation`) before
+    calling one a fit; those measured over the budget leave the list."""
     from par_groups.topology import PRESETS
 
     if topology in PRESETS:
@@ -40,21 +48,52 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
     tflops = peak_tflops or lookup_peak_tflops(gpu.name, "bf16")
     if not tflops:
         raise UsageError(f"no known peak for {gpu.name!r}; give --peak-tflops (bf16 dense TFLOP/s per GPU)")
-    budget = gpu.memory_gb * GB * (1 - HEADROOM)
+    budget = budget_bytes(gpu.memory_gb)
     start = time.perf_counter()
     found, tried = search(cfg, world, budget, tflops * 1e12, efficiency, cluster)
     seconds = time.perf_counter() - start
     if not found:
         raise UsageError(f"no layout of {cfg.source or 'the config'} fits {world} x {gpu.memory_gb:g} GB "
                          f"({tried} shapes tried): use more GPUs or a smaller global batch / sequence")
+    checks = check_by_simulation(cfg, world, found, gpu.memory_gb, on_phase) if simulate else []
+    dropped = {c["index"] for c in checks if not c["fits"]}
+    found = [c for i, c in enumerate(found) if i not in dropped]
+    if not found:
+        raise UsageError(f"every layout simulated measured over {budget / GB:.1f} GB: see `plan --simulate`")
     return {
         "model": cfg.source, "world": world, "topology": topo.describe(),
+        "memory_check": {"method": "simulated" if checks else "estimated", "simulated": checks,
+                         "note": "" if checks else ESTIMATED},
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
                         "notes": list(ASSUMPTIONS)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
         "best": [row(c, found[0]) for c in found[:top]],
     }
+
+
+def choice_config(cfg, c: Choice):
+    """``cfg`` with the choice's layout, as `pretrain train` gets it from the printed --set flags."""
+    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c).replace("--set ", "").split()), cfg.source)
+
+
+def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 3) -> list[dict]:
+    """`plan --simulate` of each top choice's heaviest stage (its tp, cp, dp rank 0), in order, until one
+    fits: a layout is only called a fit once the trainer's own step has been measured on it."""
+    from ..simulate.report import simulate
+
+    checks = []
+    for index, c in enumerate(found[:tries]):
+        chosen = choice_config(cfg, c)
+        layout = chosen.validate_world(world)
+        _, stage, _, _ = worst_stage(chosen, layout, stage_sizes(chosen, layout), chosen.parallel.zero)
+        rank = layout.grid.ranks("pp")[0][stage]
+        r = simulate(chosen, world, [rank], gpu_memory_gb=gpu_memory_gb, on_phase=on_phase)["ranks"][0]
+        checks.append({"index": index, "set": overrides(c), "rank": rank, "stage": stage, "estimated_gb": c.memory / GB,
+                       "measured_gb": r["measured_peak"] / GB, "fits": r["fits"]})
+        if r["fits"]:
+            break
+    return checks
 
 
 def layout_of(c: Choice) -> dict:
@@ -139,5 +178,11 @@ def render(plan: dict) -> str:
                      f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")
         lines.append(f"   {r['why']}")
         lines.append(f"   {r['set']}")
+    check = plan["memory_check"]
+    lines += ["", "memory: " + (check["note"] if check["method"] == "estimated" else "simulated (the trainer's step "
+              "on fake tensors) before calling a layout a fit:")]
+    for c in check["simulated"]:
+        lines.append(f"  {c['set']}: rank {c['rank']} (pp stage {c['stage']}) measured {c['measured_gb']:.2f} GB, "
+                     f"estimated {c['estimated_gb']:.2f} GB: {'fits' if c['fits'] else 'does NOT fit (dropped)'}")
     lines += ["", "assumptions:"] + [f"  - {note}" for note in a["notes"]]
     return "\n".join(lines)

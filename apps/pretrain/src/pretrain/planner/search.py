@@ -4,8 +4,9 @@ Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (up to 32) wit
 interleaved (vpp 2) or ZB-V, or 1F1B with uneven first / last stages when the layers do not split, ep (divisors of the experts) with expert tp 1 or tp;
 each shape is checked by the config's own validation. For every shape, each micro-batch size
 (1, 2, 4 sequences), recompute (none, selective, full) and ZeRO strategy whose per-rank memory
-(model state from par-zero's memory model, activations from :mod:`pretrain.flops`) fits the
-GPU less ``HEADROOM`` is estimated (:mod:`.estimate`), and the shape keeps its fastest variant.
+(:mod:`pretrain.sizing`, the closed form `plan --simulate` measures the trainer against: the
+heaviest pipeline stage's model state and activations) fits the GPU less the headroom is
+estimated (:mod:`.estimate`), and the shape keeps its fastest variant.
 
 Pruning: memory is checked before anything is timed; the link and bandwidth of each group
 pattern (stride, size) are computed once, on the fewest nodes that repeat it; pipeline
@@ -18,10 +19,12 @@ import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from ..commands.plan import stage_params, state_table
 from ..errors import UsageError
-from ..flops import activation_bytes, training_flops_per_step
 from ..placement import workload
+from ..sizing.activations import planned_activations
+from ..sizing.flops import training_flops_per_step
+from ..sizing.memory import LightLayout, worst_stage
+from ..sizing.params import rank_params
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
 
 TP = (1, 2, 4, 8, 16, 32, 64)
@@ -30,7 +33,6 @@ MAX_PP = 32
 MICRO_BATCH = (1, 2, 4)
 ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 RECOMPUTE = ("none", "selective", "full")
-HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
 
 
 @dataclass(frozen=True)
@@ -96,18 +98,17 @@ def shape_config(cfg, s: Shape):
         return None
 
 
-def model_state(cfg, s: Shape) -> dict:
-    """Per-rank model state bytes for each ZeRO strategy (the heaviest pipeline stage)."""
-    layout = SimpleNamespace(tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp)
-    dense, experts, _ = stage_params(shape_config(cfg, s), layout)
-    return state_table(dense, experts, s.dp * s.cp, s.edp, "bf16")
+def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> LightLayout:
+    return LightLayout(s.tp, s.cp, s.pp, s.dp, s.ep, s.etp, s.edp, s.vpp, s.chunks_per_rank, s.tp > 1,
+                       micro_batch, microbatches)
 
 
 def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster) -> Choice | None:
-    """The fastest (micro-batch, recompute, ZeRO) of one shape that fits ``budget`` bytes."""
+    """The fastest (micro-batch, recompute, ZeRO) of one shape whose heaviest stage fits ``budget`` bytes."""
     m, t = cfg.model, cfg.train
-    table = model_state(cfg, s)
-    lightest = min(v["total"] for v in table.values())
+    shaped = shape_config(cfg, s)
+    params = [rank_params(shaped, light_layout(s), stage) for stage in range(s.pp)]
+    lightest = worst_stage(shaped, light_layout(s), [(p, 0.0) for p in params], ZERO[-1])[0]
     if lightest > budget:
         return None
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
@@ -119,16 +120,15 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         if s.schedule == "interleaved" and microbatches % s.pp:
             continue
         work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
+        layout = light_layout(s, mb, microbatches)
         for recompute in RECOMPUTE:
-            act = activation_bytes(m, seq_len=t.seq_len, micro_batch=mb, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp,
-                                   etp=s.etp, sequence_parallel=s.tp > 1, recompute=recompute, schedule=s.schedule,
-                                   microbatches=microbatches, dtype_bytes=2,
-                                   first_stage_layers=s.heaviest_stage(m.layers) if s.first else 0).total
-            if act + lightest > budget:
+            variant = dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=recompute))
+            stages = [(p, planned_activations(variant, layout, stage)) for stage, p in enumerate(params)]
+            if worst_stage(variant, layout, stages, ZERO[-1])[0] > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)
             for zero in ZERO:
-                memory = table[zero]["total"] + act
+                memory = worst_stage(variant, layout, stages, zero)[0]
                 if memory > budget:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth)

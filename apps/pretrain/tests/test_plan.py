@@ -72,6 +72,15 @@ def test_activations_shrink_with_sp_cp_and_recomputation():
     assert [in_flight(cfg, cfg.validate_world(8), s) for s in range(4)] == [4, 3, 2, 1]
 
 
+def test_vocabulary_padding_rounds_up_as_megatron():
+    m = load_config(None).model  # the byte tokenizer's 257
+    assert [m.padded_vocab(tp) for tp in (1, 2, 4)] == [384, 512, 512]
+    fixed = load_config(None, ["model.vocab_pad_to=64"]).model
+    assert [fixed.padded_vocab(tp) for tp in (1, 2, 4)] == [320, 320, 320]
+    llama = load_config("llama3-8b").model  # 128256 = 501 x 256: no pad at tp 2, 129024 = 126 x 1024 at tp 8
+    assert [llama.padded_vocab(tp) for tp in (1, 2, 4, 8)] == [128256, 128256, 128512, 129024]
+
+
 def test_decision_tree_walks_ddp_zero1_zero3_and_hsdp():
     # Llama-3-8B at tp 2, dp 32: DDP peaks at 106 GB, ZeRO-1 at 60 GB (budget: 90 % of the GPU)
     assert plan_json("llama3-8b", "--world", "64", "--gpu-memory", "200")["decision"]["zero"] == "no_shard"
@@ -94,6 +103,8 @@ def test_decision_tree_walks_ddp_zero1_zero3_and_hsdp():
     (["--world", "3", "--set", "parallel.tp=2"], "does not fit 3 ranks"),
     (["--set", "parallel.tpp=2"], "unknown key [parallel].tpp"),
     (["nope.toml"], "config file 'nope.toml' does not exist"),
+    (["--set", "model.vocab_pad_to=1", "--set", "parallel.tp=2", "--world", "2"],
+     "vocab_size=257 padded to a multiple of vocab_pad_to=1 is 257 rows, which [parallel].tp=2 does not divide"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
     res = runner.invoke(app, ["plan", *args])

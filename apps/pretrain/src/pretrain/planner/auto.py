@@ -17,7 +17,7 @@ from ..metrics import lookup_peak_tflops
 from ..placement import described_topology
 from .estimate import ASSUMPTIONS, Cluster
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
-from .search import Choice, search
+from .search import Choice, search, shape_config
 
 GB = 1e9
 
@@ -68,13 +68,13 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
                         "notes": list(ASSUMPTIONS)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
-        "best": [row(c, found[0]) for c in found[:top]],
+        "best": [row(c, found[0], cfg) for c in found[:top]],
     }
 
 
 def choice_config(cfg, c: Choice):
     """``cfg`` with the choice's layout, as `pretrain train` gets it from the printed --set flags."""
-    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c).replace("--set ", "").split()), cfg.source)
+    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c, cfg).replace("--set ", "").split()), cfg.source)
 
 
 def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 3) -> list[dict]:
@@ -89,7 +89,7 @@ def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: flo
         _, stage, _, _ = worst_stage(chosen, layout, stage_sizes(chosen, layout), chosen.parallel.zero)
         rank = layout.grid.ranks("pp")[0][stage]
         r = simulate(chosen, world, [rank], gpu_memory_gb=gpu_memory_gb, on_phase=on_phase)["ranks"][0]
-        checks.append({"index": index, "set": overrides(c), "rank": rank, "stage": stage, "estimated_gb": c.memory / GB,
+        checks.append({"index": index, "set": overrides(c, cfg), "rank": rank, "stage": stage, "estimated_gb": c.memory / GB,
                        "measured_gb": r["measured_peak"] / GB, "fits": r["fits"]})
         if r["fits"]:
             break
@@ -104,22 +104,23 @@ def layout_of(c: Choice) -> dict:
             "last_stage_layers": s.last}
 
 
-def overrides(c: Choice) -> str:
-    """The layout as the `--set` flags `pretrain train` takes."""
-    s, out = c.shape, []
-    for key, value in (("tp", s.tp), ("cp", s.cp), ("pp", s.pp), ("ep", s.ep)):
-        if value > 1:
-            out.append(f"parallel.{key}={value}")
-    if s.ep > 1 and s.etp != s.tp:
-        out.append(f"parallel.etp={s.etp}")
-    if s.pp > 1:
-        out.append(f"parallel.schedule={s.schedule}")
-        if s.vpp > 1:
-            out.append(f"parallel.vpp={s.vpp}")
-        if s.first:
-            out += [f"parallel.first_stage_layers={s.first}", f"parallel.last_stage_layers={s.last}"]
+def overrides(c: Choice, cfg) -> str:
+    """The layout as the `--set` flags `pretrain train` takes on ``cfg``: every [parallel] key the
+    search set to other than ``cfg``'s value, then zero, micro-batch and recompute."""
+    s, base = c.shape, cfg.parallel
+    chosen = shape_config(cfg, s).parallel
+    out = [f"parallel.{f.name}={_literal(getattr(chosen, f.name))}" for f in dataclasses.fields(chosen)
+           if f.name not in ("zero", "sequence_parallel") and getattr(chosen, f.name) != getattr(base, f.name)]
+    if s.tp > 1 and base.sequence_parallel is False:  # the search plans sequence parallelism with tp
+        out.append("parallel.sequence_parallel=true")
     out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={c.recompute}"]
     return " ".join(f"--set {o}" for o in out)
+
+
+def _literal(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def parts(c: Choice) -> dict[str, float]:
@@ -150,9 +151,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
 
 
-def row(c: Choice, first: Choice) -> dict:
+def row(c: Choice, first: Choice, cfg) -> dict:
     e = c.estimate
-    return {"layout": layout_of(c), "set": overrides(c), "memory_gb": c.memory / GB, "step_s": e.step_s,
+    return {"layout": layout_of(c), "set": overrides(c, cfg), "memory_gb": c.memory / GB, "step_s": e.step_s,
             "compute_s": e.compute_s, "bubble_s": e.bubble_s, "comm_s": dict(e.comm_s), "mfu": e.mfu,
             "links": dict(c.links), "why": why_lost(c, first)}
 

@@ -23,8 +23,9 @@ from ..errors import UsageError
 from ..placement import workload
 from ..sizing.activations import planned_activations
 from ..sizing.flops import training_flops_per_step
-from ..sizing.memory import LightLayout, worst_stage
+from ..sizing.memory import LightLayout
 from ..sizing.params import rank_params
+from ..sizing.state import params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
 
 TP = (1, 2, 4, 8, 16, 32, 64)
@@ -89,7 +90,7 @@ def uneven_split(layers: int, pp: int) -> tuple[int, int]:
 def shape_config(cfg, s: Shape):
     """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
     parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
-                                   etp=s.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
+                                   etp=s.etp if cfg.model.is_moe else cfg.parallel.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
                                    microbatches=0, order=CANONICAL_ORDER, first_stage_layers=s.first,
                                    last_stage_layers=s.last)
     try:
@@ -107,10 +108,12 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
     """The fastest (micro-batch, recompute, ZeRO) of one shape whose heaviest stage fits ``budget`` bytes."""
     m, t = cfg.model, cfg.train
     shaped = shape_config(cfg, s)
+    dtypes, d = state_dtypes(shaped.train), s.dp * s.cp
     params = [rank_params(shaped, light_layout(s), stage) for stage in range(s.pp)]
-    lightest = worst_stage(shaped, light_layout(s), [(p, 0.0) for p in params], ZERO[-1])[0]
-    if lightest > budget:
+    state = {z: [params_state(p.dense, p.experts, d, s.edp, z, dtypes).total for p in params] for z in ZERO}
+    if min(state[ZERO[-1]]) > budget:
         return None
+    variants = {r: dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r)) for r in RECOMPUTE}
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
     per_rank = t.global_batch // s.dp
     bandwidth = None
@@ -122,13 +125,13 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
         layout = light_layout(s, mb, microbatches)
         for recompute in RECOMPUTE:
-            variant = dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=recompute))
-            stages = [(p, planned_activations(variant, layout, stage)) for stage, p in enumerate(params)]
-            if worst_stage(variant, layout, stages, ZERO[-1])[0] > budget:
+            acts = [planned_activations(variants[recompute], layout, stage) for stage in range(s.pp)]
+            peaks = {z: max(a + b for a, b in zip(state[z], acts)) for z in ZERO}  # the heaviest stage
+            if peaks[ZERO[-1]] > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)
             for zero in ZERO:
-                memory = worst_stage(variant, layout, stages, zero)[0]
+                memory = peaks[zero]
                 if memory > budget:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth)

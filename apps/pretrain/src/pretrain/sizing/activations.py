@@ -19,7 +19,7 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 from __future__ import annotations
 
 from .flops import microbatches_in_flight
-from .params import chunks_of
+from .params import by_kind, chunks_of, stage_layers
 
 
 def _pb(cfg) -> int:
@@ -121,12 +121,12 @@ def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0)
     share = layout.tp if layout.sequence_parallel else 1
     pairs = routed_pairs(cfg, layout, routing, ep_rank)
     message = m.hidden / share * _pb(cfg) * tokens
-    layers = list(cfg.parallel.stage_layers(m.layers)[stage])
+    layers = list(stage_layers(cfg.parallel, m.layers)[stage])
     chunks = chunks_of(cfg, layout, stage)
     last = layout.pp * layout.chunks_per_rank - 1 in chunks
     if last:
         layers += list(range(m.layers, m.layers + m.mtp_depth))  # MTP layers run on the last stage
-    per_mb = sum(layer_per_token(cfg, layout, i, m.recompute, pairs) for i in layers) * tokens
+    per_mb = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in by_kind(m, layers)) * tokens
     if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
         per_mb += sum(message for c in chunks if c > 0)
     recomputed = "selective" if m.recompute == "full" else None

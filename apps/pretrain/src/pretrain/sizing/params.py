@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 
@@ -26,15 +27,29 @@ def rank_params(cfg, layout, stage: int) -> RankParams:
     mtp = range(m.layers, m.layers + m.mtp_depth) if has_last else range(0)  # multi-token prediction layers
     dense = len(mtp) * (2 * h * h + 3 * h)  # each MTP layer's eh_proj and 3 norms (copies over tp)
     experts = 0
-    for i in [*cfg.parallel.stage_layers(m.layers)[stage], *mtp]:
+    for i, count in by_kind(m, [*stage_layers(cfg.parallel, m.layers)[stage], *mtp]):
         d, e = _layer_params(m, layout, i)
-        dense, experts = dense + d, experts + e
+        dense, experts = dense + count * d, experts + count * e
     # the input embedding; the head (tied: the embedding itself, or its copy on the last stage);
     # MTP's embedding copy on the last stage (tied: the head is that copy)
     mtp_copy = has_last and m.mtp_depth > 0 and not has_first and not m.tie_embeddings
     embeddings = int(has_first) + int(has_last and not (m.tie_embeddings and has_first)) + int(mtp_copy)
     dense += embeddings * m.padded_vocab(tp) * h // tp + (h if has_last else 0)  # + the final norm
     return RankParams(dense, experts)
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(parallel, layers: int) -> tuple[tuple[int, ...], ...]:
+    """``parallel.stage_layers(layers)``, computed once per [parallel] (the search asks thousands of times)."""
+    return tuple(tuple(ids) for ids in parallel.stage_layers(layers))
+
+
+def by_kind(m, layers) -> list[tuple[int, int]]:
+    """(a layer, how many) of each kind among ``layers`` (dense, MoE): layers of a kind are sized alike."""
+    kinds: dict[bool, list[int]] = {}
+    for i in layers:
+        kinds.setdefault(m.is_moe_layer(i), [i, 0])[1] += 1
+    return [(i, n) for i, n in kinds.values()]
 
 
 def _layer_params(m, layout, i: int) -> tuple[int, int]:
@@ -62,8 +77,13 @@ def _num_chunks(layout) -> int:
 
 
 def chunks_of(cfg, layout, stage: int) -> list[int]:
-    if layout.pp == 1:
+    return _chunks(cfg.parallel.schedule, stage, layout.pp, layout.vpp)
+
+
+@lru_cache(maxsize=4096)
+def _chunks(schedule: str, stage: int, pp: int, vpp: int) -> list[int]:
+    if pp == 1:
         return [0]
     from par_pp import chunks_on_rank
 
-    return chunks_on_rank(cfg.parallel.schedule, stage, layout.pp, layout.vpp)
+    return chunks_on_rank(schedule, stage, pp, vpp)

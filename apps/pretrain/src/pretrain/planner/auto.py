@@ -55,20 +55,23 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
     if not found:
         raise UsageError(f"no layout of {cfg.source or 'the config'} fits {world} x {gpu.memory_gb:g} GB "
                          f"({tried} shapes tried): use more GPUs or a smaller global batch / sequence")
-    checks = check_by_simulation(cfg, world, found, gpu.memory_gb, on_phase) if simulate else []
-    dropped = {c["index"] for c in checks if not c["fits"]}
-    found = [c for i, c in enumerate(found) if i not in dropped]
-    if not found:
+    checks = check_by_simulation(cfg, world, found, gpu.memory_gb, on_phase, tries=top) if simulate else []
+    measured = {c["index"]: c["measured_gb"] for c in checks if c["fits"]}
+    rows = [(c, measured.get(i)) for i, c in enumerate(found) if i in measured or i not in {x["index"] for x in checks}]
+    if not rows:
         raise UsageError(f"every layout simulated measured over {budget / GB:.1f} GB: see `plan --simulate`")
+    note = "" if not checks or checks[-1]["fits"] else (
+        f"none of the {len(checks)} simulated fits: the layouts below are unmeasured estimates, which "
+        f"underestimated those; check one with `plan --simulate` before training")
     return {
         "model": cfg.source, "world": world, "topology": topo.describe(),
         "memory_check": {"method": "simulated" if checks else "estimated", "simulated": checks,
-                         "note": "" if checks else ESTIMATED},
+                         "note": note if checks else ESTIMATED},
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
                         "notes": list(ASSUMPTIONS)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
-        "best": [row(c, found[0], cfg) for c in found[:top]],
+        "best": [row(c, rows[0][0], cfg) | {"measured_gb": gb} for c, gb in rows[:top]],
     }
 
 
@@ -77,7 +80,7 @@ def choice_config(cfg, c: Choice):
     return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c, cfg).replace("--set ", "").split()), cfg.source)
 
 
-def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 3) -> list[dict]:
+def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 5) -> list[dict]:
     """`plan --simulate` of each top choice's heaviest stage (its tp, cp, dp rank 0), in order, until one
     fits: a layout is only called a fit once the trainer's own step has been measured on it."""
     from ..simulate.report import simulate
@@ -175,13 +178,14 @@ def render(plan: dict) -> str:
                 shape += f" stages {lay['first_stage_layers']}|..|{lay['last_stage_layers']}"
         comm = sum(r["comm_s"].values())
         lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}, micro-batch {lay['micro_batch']} x "
-                     f"{lay['microbatches']}: {r['memory_gb']:.1f} GB, step {r['step_s']:.3g} s (compute "
+                     f"{lay['microbatches']}: {r['memory_gb']:.1f} GB"
+                     f"{'' if r.get('measured_gb') is None else ' (measured %.1f GB)' % r['measured_gb']}, step {r['step_s']:.3g} s (compute "
                      f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")
         lines.append(f"   {r['why']}")
         lines.append(f"   {r['set']}")
     check = plan["memory_check"]
     lines += ["", "memory: " + (check["note"] if check["method"] == "estimated" else "simulated (the trainer's step "
-              "on fake tensors) before calling a layout a fit:")]
+              "on fake tensors) before calling a layout a fit" + (f"; {check['note']}" if check["note"] else "") + ":")]
     for c in check["simulated"]:
         lines.append(f"  {c['set']}: rank {c['rank']} (pp stage {c['stage']}) measured {c['measured_gb']:.2f} GB, "
                      f"estimated {c['estimated_gb']:.2f} GB: {'fits' if c['fits'] else 'does NOT fit (dropped)'}")

@@ -81,6 +81,7 @@ class Estimate:
     mfu: float
 
 
+@lru_cache(maxsize=4096)
 def recompute_fraction(m, seq_len: int, recompute: str) -> float:
     """Extra FLOPs of recomputation as a fraction of the model FLOPs of a token."""
     from ..sizing.flops import training_flops_per_token

@@ -46,6 +46,11 @@ def stage_layers(parallel, layers: int) -> tuple[tuple[int, ...], ...]:
 
 def by_kind(m, layers) -> list[tuple[int, int]]:
     """(a layer, how many) of each kind among ``layers`` (dense, MoE): layers of a kind are sized alike."""
+    return _by_kind(m, tuple(layers))
+
+
+@lru_cache(maxsize=4096)
+def _by_kind(m, layers: tuple[int, ...]) -> list[tuple[int, int]]:
     kinds: dict[bool, list[int]] = {}
     for i in layers:
         kinds.setdefault(m.is_moe_layer(i), [i, 0])[1] += 1

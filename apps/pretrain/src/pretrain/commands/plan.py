@@ -73,7 +73,7 @@ def render_config(plan: dict) -> str:
         peak = plan["peak_gb"][strategy]
         lines.append(f"  {row['label'] + ' (' + strategy + ')':30} {human_bytes(row['total']):>10}   params "
                      f"{human_bytes(row['params'])} + grads {human_bytes(row['grads'])} + optimizer "
-                     f"{human_bytes(row['optim'])}; peak {peak:.2f} GB {'fits' if peak <= plan['budget_gb'] else 'does not fit'}{mark}")
+                     f"{human_bytes(row['optim'])}; peak {human_bytes(peak * GB)} {'fits' if peak <= plan['budget_gb'] else 'does not fit'}{mark}")
     lines.append(f"activations per rank: {human_bytes(act['total'])} on pp stage {act['stage']} (recompute="
                  f"{act['recompute']}, sp {'on' if act['sequence_parallel'] else 'off'}, cp={act['cp']})")
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layout_runs import one_rank_first_batch
+from layout_runs import one_rank_first_batch, worst_grad_error
 from test_trainer_matches_plain_pytorch import COMMON, trainer_and_plain_pytorch
 
 EOS = 255
@@ -138,7 +138,6 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
 def grads_job(path, overrides):
     """One rank's packed step, gradient by gradient, against each document alone (reference model)."""
     from pretrain.config import load_config
-    from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
 
     cfg = load_config(None, [*COMMON, f"data.path={path}", *PACKED, "train.global_batch=4", *overrides])
@@ -149,12 +148,7 @@ def grads_job(path, overrides):
     want, _ = each_document_alone(ref, trainer.sampler, 0)
     want.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    worst, pad = 0.0, 0.0
-    for n, g in grads.items():  # the embedding and head carry vocabulary padding: rows past the reference's
-        r = ref_grads[hf_name(n)]
-        worst = max(worst, ((g[:r.shape[0]] - r).abs().max() / r.abs().max()).item())
-        pad = max(pad, g[r.shape[0]:].abs().max().item() if g.shape[0] > r.shape[0] else 0.0)
-    assert pad == 0.0, f"padded vocabulary rows got gradient {pad}"
+    worst = worst_grad_error(grads, ref_grads)
     return (loss / len(inputs)).item(), want.item(), worst, len(grads), len(ref_grads)
 
 

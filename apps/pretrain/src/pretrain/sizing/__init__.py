@@ -8,5 +8,6 @@
 
 `plan --simulate` measures the trainer itself on fake tensors and prints these figures beside
 what it measured; the tests hold them together (params, grads and optimizer state within 1 %,
-activations within 10 %).
+activations within 10 % on the shapes tested). Known gap: the activations of the split-backward
+schedules (ZB-V, ZB-H1) and of DeepSeek-V3's MoE layers with CP are underestimated (1.4-3x).
 """

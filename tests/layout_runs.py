@@ -111,3 +111,18 @@ def one_rank_first_batch(cfg):
         p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
     inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
     return trainer, chunk, grads, inputs, labels
+
+
+def worst_grad_error(grads: dict, ref_grads: dict) -> float:
+    """The largest gradient error relative to its tensor's largest entry, one rank's ``grads`` (chunk
+    names) against the reference model's (HF names). The embedding and head carry vocabulary padding:
+    their rows past the reference's must have exactly zero gradient (the padded logits are -inf)."""
+    from pretrain.model.parallel import hf_name
+
+    worst = 0.0
+    for name, g in grads.items():
+        r = ref_grads[hf_name(name)]
+        worst = max(worst, ((g[:r.shape[0]] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        pad = g[r.shape[0]:]
+        assert pad.numel() == 0 or pad.abs().max().item() == 0.0, f"{name}: padded vocabulary rows got gradients"
+    return worst

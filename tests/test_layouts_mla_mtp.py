@@ -152,7 +152,6 @@ def matches_reference_job():
 
     from pretrain.config import load_config
     from pretrain.model.mtp import reference_mtp_loss
-    from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
 
     cfg = load_config(None, MLA + ["train.global_batch=2", 'model.rope_scaling={rope_type = "yarn", factor = 4.0, '
@@ -165,10 +164,7 @@ def matches_reference_job():
     want = F.cross_entropy(logits.flatten(0, 1), labels[0][..., 0].flatten())
     (want + reference_mtp_loss(ref, inputs[0], labels[0][..., 0])).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    worst = 0.0
-    for name, g in grads.items():
-        r = ref_grads[hf_name(name)]  # one rank: the whole tensor
-        worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+    worst = layout_runs.worst_grad_error(grads, ref_grads)  # one rank: the whole tensor
     return loss.item(), want.item(), worst, len(grads), len(ref_grads)
 
 
@@ -226,7 +222,7 @@ def test_mla_params_per_layer_is_deepseeks_formula():
 
 def test_plan_deepseek_v3_gives_the_published_totals():
     from pretrain.config import load_config
-    from pretrain.flops import mtp_params, param_counts
+    from pretrain.sizing.flops import mtp_params, param_counts
 
     cfg = load_config("deepseek-v3")
     c = param_counts(cfg.model)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layout_runs import one_rank_first_batch
+from layout_runs import one_rank_first_batch, worst_grad_error
 from test_trainer_matches_plain_pytorch import COMMON, trainer_and_plain_pytorch
 
 EOS = 255
@@ -138,7 +138,6 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
 def grads_job(path, overrides):
     """One rank's packed step, gradient by gradient, against each document alone (reference model)."""
     from pretrain.config import load_config
-    from pretrain.model.parallel import hf_name
     from pretrain.model.reference import build_reference
 
     cfg = load_config(None, [*COMMON, f"data.path={path}", *PACKED, "train.global_batch=4", *overrides])
@@ -149,7 +148,7 @@ def grads_job(path, overrides):
     want, _ = each_document_alone(ref, trainer.sampler, 0)
     want.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    worst = max(((g - ref_grads[hf_name(n)]).abs().max() / ref_grads[hf_name(n)].abs().max()).item() for n, g in grads.items())
+    worst = worst_grad_error(grads, ref_grads)
     return (loss / len(inputs)).item(), want.item(), worst, len(grads), len(ref_grads)
 
 

@@ -114,7 +114,7 @@ def main() -> int:
     warmup = min(args.warmup, args.steps - 1)
 
     from pretrain.config import load_config
-    from pretrain.flops import training_flops_per_step
+    from pretrain.sizing.flops import training_flops_per_step
     from pretrain.launch import init_distributed, shutdown
     from pretrain.peak import matmul_dtype, peak_flops
 

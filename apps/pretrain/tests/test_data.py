@@ -141,5 +141,5 @@ def test_document_keys_need_a_dataset_with_eos(tmp_path):
             load_dataset(cfg.data, 256)
     assert load_dataset(load_config(None, [f"data.path={tmp_path / 'old'}"]).data, 256).eos is None
     with pytest.raises(UsageError, match="smaller than the embedded byte-level data's 257"):
-        load_config(None, ["data.document_mask=true"])
+        load_config(None, ["data.document_mask=true", "model.vocab_size=256"])
     assert load_dataset(load_config(None, ["data.document_mask=true", "model.vocab_size=257"]).data, 257).eos == 256

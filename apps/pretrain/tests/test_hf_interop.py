@@ -1,6 +1,8 @@
-"""Hugging Face interop: a tiny random LlamaForCausalLM (built offline) imported with `pretrain convert`
-gives transformers' logits (fp32, <= 1e-5) on 1 rank, tp = 2 and pp = 2; export reproduces its tensors
-exactly; `pretrain train` starts from the imported checkpoint."""
+"""Hugging Face interop: a tiny random LlamaForCausalLM (built offline, the byte tokenizer's vocabulary
+257: padded to 384 rows on 1 rank, 512 under tp = 2) imported with `pretrain convert` gives
+transformers' logits (fp32, <= 1e-5) on 1 rank, tp = 2 and pp = 2; export strips the pad and
+reproduces its tensors exactly, with a tokenizer.json AutoTokenizer reads; `pretrain train` starts
+from the imported checkpoint."""
 
 import json
 import re
@@ -20,7 +22,7 @@ SEQ, BATCH = 16, 2
 def hf_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
                                       rope_theta=5000.0, tie_word_embeddings=False, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -69,6 +71,10 @@ def test_export_round_trip_reproduces_the_tensors_exactly(hf_model):
     back = json.loads((root / "back" / "config.json").read_text())
     assert model_config_from_hf(back) == model_config_from_hf(original)
     assert transformers.LlamaForCausalLM.from_pretrained(root / "back") is not None
+    tok = transformers.AutoTokenizer.from_pretrained(root / "back")  # the byte tokenizer the data would use
+    text = "héllo\n wörld"
+    assert tok(text, add_special_tokens=False)["input_ids"] == list(text.encode()) and tok.eos_token_id == 256
+    assert tok.decode(list(text.encode())) == text
 
 
 def test_training_starts_from_the_imported_checkpoint(hf_model, tmp_path):
@@ -78,6 +84,7 @@ def test_training_starts_from_the_imported_checkpoint(hf_model, tmp_path):
                               "--set", "log.progress=false", "--set", f"log.dir={tmp_path}"])
     assert res.exit_code == 0, res.output
     assert "weights from" in res.output
+    assert 'dir = "runs/ckpt"' in (root / "ckpt" / "config.toml").read_text()  # the log.dir, named after --out
 
 
 def test_convert_bad_input_is_one_clear_line(tmp_path):

@@ -68,3 +68,12 @@ def test_cli_auto_prints_json_for_a_described_cluster_and_bad_input_is_one_line(
     for args, needle in ((["--auto", "--world", "8"], "--topology"), (["--auto", "--world", "8", "--topology", "dgx"], "dgx")):
         res = runner.invoke(app, ["plan", "llama3.2-1b", *args])
         assert res.exit_code == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.output
+
+
+def test_auto_says_how_it_judged_memory_and_simulate_measures_the_first_choice():
+    estimated = auto_plan(load_config(None), 8, "dgx-h100")["memory_check"]
+    assert estimated["method"] == "estimated" and "--simulate" in estimated["note"] and not estimated["simulated"]
+    check = auto_plan(load_config(None), 8, "dgx-h100", simulate=True)["memory_check"]
+    (first,) = check["simulated"]  # it fits, so no other choice is simulated
+    assert check["method"] == "simulated" and first["index"] == 0 and first["fits"]
+    assert first["measured_gb"] == pytest.approx(first["estimated_gb"], rel=0.10)

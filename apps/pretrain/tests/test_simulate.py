@@ -86,3 +86,15 @@ def test_bad_simulate_input_is_one_line_exit_2(args, message):
     config = "deepseek-v3" if "2048" in args else "llama3-8b"
     res = runner.invoke(app, ["plan", config, "--simulate", *args])
     assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_cli_shows_progress_on_stderr_a_verdict_per_rank_and_no_warnings():
+    # ZB-V on 4 layers, pp 2: rank 0 holds chunks 0 and 3 (layers 0 and 3)
+    res = runner.invoke(app, ["plan", "llama3-8b", "--world", "64", "--simulate", "--rank", "0", "--set",
+                              "model.layers=4", "--set", "parallel.pp=2", "--set", "parallel.schedule=zb-v",
+                              "--set", "train.global_batch=64", "--gpu-memory", "10"])
+    assert res.exit_code == 0, res.output
+    assert "rank 0 (pp stage 0, layers 0 + 3, 2 layers)" in res.stdout
+    verdict = res.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("rank 0: does NOT fit: ") and "against 9.0 GB (10 GB GPU less the headroom)" in verdict
+    assert "simulating rank 0: running one training step" in res.stderr and "Warning" not in res.output

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -81,6 +82,10 @@ class Config:
         _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
               f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
               f"(kv heads are split over tp, or replicated when fewer than tp)")
+        padded = m.padded_vocab(p.tp)
+        _need(padded % p.tp == 0, f"[model].vocab_size={m.vocab_size} padded to a multiple of vocab_pad_to={m.vocab_pad_to} "
+              f"is {padded} rows, which [parallel].tp={p.tp} does not divide: use vocab_pad_to = 0 (Megatron's "
+              f"128 x tp) or a multiple of {p.tp}")
         chunks = p.pp * p.chunks_per_rank
         if p.uneven:
             _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
@@ -301,7 +306,12 @@ def read_toml(path: str | None) -> tuple[dict, str]:
         raise UsageError(f"cannot read config {source}: {e}") from None
 
 
+ENV_OVERRIDES = "PRETRAIN_SET"  # space-separated overrides applied after --set (CI and smoke tests)
+
+
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, validate."""
+    """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, then those of
+    ``$PRETRAIN_SET`` (e.g. ``PRETRAIN_SET="train.steps=2"`` shortens every run), validate."""
     data, source = read_toml(path)
-    return config_from_dict(apply_overrides(data, list(overrides or [])), source=source)
+    extra = os.environ.get(ENV_OVERRIDES, "").split()
+    return config_from_dict(apply_overrides(data, list(overrides or []) + extra), source=source)

@@ -42,6 +42,10 @@ class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
 
     vocab_size: int = 256
+    # Megatron's --make-vocab-size-divisible-by: the embedding and head get rows up to a multiple of
+    # 128 x tp (0, the default) or of this fixed number (a multiple of tp); the padded logits are
+    # masked out of the loss and checkpoints / exports hold vocab_size rows (see model/vocab.py)
+    vocab_pad_to: int = 0
     hidden: int = 64
     layers: int = 8
     heads: int = 8
@@ -107,7 +111,7 @@ class ModelConfig:
               f"[model].mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in 0..{self.layers - 1}")
         check_rope_scaling(self.rope_scaling)
         _choice("[model].group_score", self.group_score, GROUP_SCORES)
-        _positive("model", self, "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
+        _positive("model", self, "vocab_pad_to", "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
                   allow_zero=True)
         _choice("[model].attention", self.attention, ATTENTIONS)
         _need(self.heads % self.kv_heads == 0,
@@ -147,6 +151,12 @@ class ModelConfig:
                   f"[model].topk_groups={self.topk_groups} must divide top_k={self.top_k} (a group is scored by the "
                   f"sum of its top top_k/topk_groups experts)")
             _need(self.capacity_factor >= 0, f"[model].capacity_factor={self.capacity_factor} must be >= 0 (0 = no drop)")
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and output head under ``tp``: vocab_size rounded up to a multiple of
+        128 x tp (vocab_pad_to = 0, Megatron's default) or of vocab_pad_to."""
+        multiple = self.vocab_pad_to or 128 * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def head_dim(self) -> int:

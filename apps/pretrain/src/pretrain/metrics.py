@@ -5,7 +5,7 @@ object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_n
 ``tokens_per_s``, ``step_time_s``, ``mfu``, ``memory_gb``, ``time`` and any extra keys);
 :meth:`MetricsLogger.log_eval` writes ``{"step", "eval_loss"}`` lines (no ``loss`` key). On a
 terminal the display is a rich progress bar; otherwise (CI, pipes) a plain line every
-``log.every`` steps. MFU = model FLOPs per step (``pretrain.flops``) / (step time x peak FLOP/s per
+``log.every`` steps. MFU = model FLOPs per step (``pretrain.sizing.flops``) / (step time x peak FLOP/s per
 device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs in the dtype the
 matmuls run in (``pretrain.peak``; none on the CPU). The step's time breakdown (``time_*_s``,
 ``pp_bubble``, ``straggler_rank``: ``pretrain.step_timing``) comes in as extra keys; the console

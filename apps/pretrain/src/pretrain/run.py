@@ -15,7 +15,7 @@ from .checkpoint.resume import resume_latest, unverified_note
 from .checkpoint.retention import start_run
 from .config import load_config
 from .data import load_dataset
-from .flops import training_flops_per_step
+from .sizing.flops import training_flops_per_step
 from .hang import flight_recorder, nccl_flight_env
 from .launch import device_type, init_distributed, shutdown
 from .metrics import MetricsLogger

@@ -276,6 +276,7 @@ class Trainer:
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
         if out is not None:
             full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
+            full = full[..., :self.cfg.model.vocab_size].contiguous()  # without the vocabulary padding
         if g.size("pp") > 1:
             src = next(r for r in range(g.size("pp")) if last in self.model.schedule.chunks_on(r))
             comm.broadcast(full, src=g.ranks["pp"][src], group=g.pp)

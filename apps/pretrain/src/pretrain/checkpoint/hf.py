@@ -8,6 +8,7 @@ stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,9 +95,9 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     out = Path(out).resolve()
     _refuse_existing(out, "--out")
     m, state = read_hf(src)
-    from ..config import CheckpointConfig
+    from ..config import CheckpointConfig, LogConfig
 
-    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)))
+    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)), log=LogConfig(dir=f"runs/{out.name}"))
     save_full_model(out, state, {"format": FORMAT, "step": 0, "config": cfg.to_dict(), "optimizer": False,
                                  "source": f"huggingface:{Path(src).resolve()}"})
     (out / "config.toml").write_text(f"# derived from {Path(src).resolve()} by pretrain convert --from-hf\n"
@@ -111,8 +112,9 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     dst = Path(dst)
     _refuse_existing(dst, "--to-hf")
     path = resolve_checkpoint(checkpoint)
+    saved = read_state(path)
     try:
-        m = config_from_dict({"model": read_state(path)["config"]["model"]}).model  # type-checked as a TOML's
+        m = config_from_dict({"model": saved["config"]["model"]}).model  # type-checked as a TOML's
     except (KeyError, TypeError, UsageError) as e:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
     state = read_full_tensors(path)
@@ -124,4 +126,26 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})
+    write_tokenizer(dst, saved["config"].get("data", {}))
     return dst
+
+
+def write_tokenizer(dst: Path, data: dict) -> None:
+    """The tokenizer the run's data was prepared with, beside the weights: the byte tokenizer as a
+    ``tokenizer.json``, or a copy of the ``tokenizers`` file (nothing when that file is gone)."""
+    name = data.get("tokenizer", "byte")
+    header = Path(f"{data['path']}.json") if data.get("path") else None
+    if header is not None and header.is_file():
+        name = json.loads(header.read_text()).get("tokenizer", name)  # what `prepare` used
+    if name in ("", "byte"):
+        from ..data.tokenizer import ByteTokenizer
+
+        tok = ByteTokenizer()
+        (dst / "tokenizer.json").write_text(json.dumps(tok.to_json(), ensure_ascii=False))
+        special = {"eos_token": tok.eos_token}
+    elif Path(name).is_file():
+        shutil.copyfile(name, dst / "tokenizer.json")
+        special = {}
+    else:
+        return
+    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}))

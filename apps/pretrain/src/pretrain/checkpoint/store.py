@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
+from ..model.reference import full_shapes
 from .faults import first_failure, removed_if_disk_full
 from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
                         read_checksums, verify_files, write_checksums)
@@ -70,14 +71,30 @@ def _pieces(trainer, with_optim: bool) -> dict[str, Pieces]:
     dp = trainer.model.dp
     kinds = dp.optimizer_state.state_kinds() if with_optim else ()
     owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + kinds}
+    shapes = full_shapes(trainer.cfg.model)
     out = {}
     for name, t in trainer.model.full_named_tensors().items():
         if t not in owned["master"]:
-            out[f"model/{name}"] = whole_pieces(t)
+            out[f"model/{name}"] = unpadded(whole_pieces(t), shapes.get(name))
             continue
-        out |= {f"model/{name}": owned["master"][t]}
-        out |= {f"optim/{kind}/{name}": owned[kind][t] for kind in kinds}
+        out |= {f"model/{name}": unpadded(owned["master"][t], shapes.get(name))}
+        out |= {f"optim/{kind}/{name}": unpadded(owned[kind][t], shapes.get(name)) for kind in kinds}
     return out
+
+
+def unpadded(pieces: Pieces, shape: tuple[int, ...] | None) -> Pieces:
+    """``pieces`` cut to the model's own ``shape``: the rows of vocabulary padding are not saved, so
+    a checkpoint (and its Hugging Face export) holds vocab_size rows under any tp or vocab_pad_to."""
+    if shape is None or tuple(pieces.full_shape) == tuple(shape):
+        return pieces
+    boxes = []
+    for offsets, t in pieces.boxes:
+        keep = [min(n, f - o) for o, n, f in zip(offsets, t.shape, shape)]
+        if all(k > 0 for k in keep):
+            for dim, k in enumerate(keep):
+                t = t.narrow(dim, 0, k)
+            boxes.append((offsets, t))
+    return Pieces(tuple(shape), boxes)
 
 
 def _checkpoint_dict(trainer, with_optim: bool, copy: bool = False) -> dict[str, Pieces]:

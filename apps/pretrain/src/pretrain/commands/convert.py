@@ -30,7 +30,9 @@ def convert(
         elif to_hf and not from_hf:
             if not checkpoint:
                 raise UsageError("--to-hf needs --checkpoint CKPT")
-            typer.echo(f"wrote {export_hf(checkpoint, to_hf)} (config.json, model.safetensors)")
+            dst = export_hf(checkpoint, to_hf)
+            files = ["config.json", "model.safetensors"] + (["tokenizer.json"] if (dst / "tokenizer.json").is_file() else [])
+            typer.echo(f"wrote {dst} ({', '.join(files)})")
         else:
             raise UsageError("give either --from-hf DIR --out CKPT or --to-hf DIR --checkpoint CKPT")
     except UsageError as e:

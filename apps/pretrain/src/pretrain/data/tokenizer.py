@@ -30,6 +30,28 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    eos_token = "<|endoftext|>"
+
+    def to_json(self) -> dict:
+        """This tokenizer as a Hugging Face ``tokenizer.json``: byte-level BPE without merges, so
+        every byte is its own id (GPT-2's byte-to-character map), and EOS = 256 as a special token."""
+        chars = _gpt2_byte_chars()
+        level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+                "added_tokens": [{"id": self.eos_id, "content": self.eos_token, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True}],
+                "pre_tokenizer": level, "decoder": level,
+                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                          "vocab": {chars[b]: b for b in range(256)}, "merges": []}}
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable character for each byte (what a ByteLevel pre-tokenizer maps bytes to)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
 
 def _configured_eos(directory: Path) -> str | None:
     """The ``eos_token`` of a saved tokenizer's tokenizer_config.json (or special_tokens_map.json)."""

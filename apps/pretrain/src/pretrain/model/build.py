@@ -138,7 +138,7 @@ def _share_embedding_(chunks: dict[int, ModelChunk], num_chunks: int, groups: Pa
         return []
     if last in chunks:
         with on_meta():
-            module = VocabParallelEmbedding(model_cfg.vocab_size, model_cfg.hidden, groups.tp,
+            module = VocabParallelEmbedding(model_cfg.padded_vocab(groups.size("tp")), model_cfg.hidden, groups.tp,
                                             sequence_parallel=chunks[last].sp)
             chunks[last].shared_embedding = module
     elif first in chunks:

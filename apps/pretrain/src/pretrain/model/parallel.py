@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from par_cp import ContextParallelAttention
@@ -176,11 +177,12 @@ class ModelChunk(nn.Module):
         self.tp_group, self.sp = g.tp, sp
         self.first, self.last, self.a = first, last, a
         self.layer_ids = list(layer_ids)
+        rows = a.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
         # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
-        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, g.tp, sequence_parallel=sp) if first else None
+        self.embed_tokens = VocabParallelEmbedding(rows, a.hidden, g.tp, sequence_parallel=sp) if first else None
         self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
         self.norm = _norm(a, layout) if last else None
-        self.lm_head = (ColumnParallelLinear(a.hidden, a.vocab_size, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
+        self.lm_head = (ColumnParallelLinear(a.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
                         if last else None)
         # Multi-token prediction modules sit with the output head and share the input embedding:
         # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
@@ -196,9 +198,19 @@ class ModelChunk(nn.Module):
         for layer in self.layers.values():
             x = layer(x, docs)
         if self.last:
-            logits = self.lm_head(self.norm(x))
+            logits = self.project(self.norm(x))
             return (logits, x) if len(self.mtp) else logits
         return x
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits; padded rows (past vocab_size) are -inf, so the
+        softmax, the loss and their gradients are the unpadded model's."""
+        logits = self.lm_head(x)
+        start = placement_of(self.lm_head.weight).offsets[0]
+        real = min(max(self.a.vocab_size - start, 0), logits.shape[-1])
+        if real == logits.shape[-1]:
+            return logits
+        return F.pad(logits[..., :real], (0, logits.shape[-1] - real), value=float("-inf"))
 
     def mtp_loss(self, hidden: torch.Tensor, streams: list[torch.Tensor]) -> torch.Tensor:
         """This rank's weighted MTP loss (see mtp.py) from the main model's last hidden states."""
@@ -208,7 +220,7 @@ class ModelChunk(nn.Module):
         return mtp_loss(self.a, hidden, streams, list(self.mtp.values()),
                         self.embed_tokens if self.first else self.shared_embedding,
                         lambda layer, x: layer(x),
-                        self.lm_head, cross_entropy)
+                        self.project, cross_entropy)
 
     def decoder_layers(self) -> list[nn.Module]:
         return list(self.layers.values()) + list(self.mtp.values())
@@ -230,8 +242,19 @@ class ModelChunk(nn.Module):
             if hasattr(state, "piece"):
                 t.copy_(state.piece(hf_name(name, self.a.tie_embeddings), pl.offsets, pl.shape))
             else:
-                t.copy_(state[hf_name(name, self.a.tie_embeddings)][tuple(slice(o, o + s) for o, s in zip(pl.offsets, pl.shape))])
+                t.copy_(block_of(state[hf_name(name, self.a.tie_embeddings)], pl.offsets, pl.shape))
         return self
+
+
+def block_of(full: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The block ``[offsets, offsets + shape)`` of ``full``; rows past its end (vocabulary padding) are zeros."""
+    inside = tuple(max(0, min(n, f - o)) for o, n, f in zip(offsets, shape, full.shape))
+    block = full[tuple(slice(o, o + n) for o, n in zip(offsets, inside))]
+    if inside == tuple(shape):
+        return block
+    out = block.new_zeros(shape)
+    out[tuple(slice(0, n) for n in inside)] = block
+    return out
 
 
 # chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."

@@ -200,6 +200,12 @@ class InitialState(Mapping[str, torch.Tensor]):
         if name.endswith("expert_bias"):
             return torch.zeros(shape)
         full, tile = self.shapes[name], tile_shape(self.shapes[name])
+        inside = tuple(max(0, min(n, f - o)) for o, n, f in zip(offsets, shape, full))
+        if inside != tuple(shape):  # rows past the tensor's end (vocabulary padding): zeros
+            out = torch.zeros(shape)
+            if all(inside):
+                out[tuple(slice(0, n) for n in inside)] = self.piece(name, offsets, inside)
+            return out
         out = torch.empty(shape)
         if isinstance(out, FakeTensor):  # `plan --simulate`: shapes only, no values to draw
             return out

@@ -11,19 +11,27 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ..config import TopologyConfig
+from ..config import TopologyConfig, apply_overrides, config_from_dict
 from ..errors import UsageError
 from ..metrics import lookup_peak_tflops
 from ..placement import described_topology
 from .estimate import ASSUMPTIONS, Cluster
-from .search import HEADROOM, Choice, search
+from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
+from .search import Choice, search, shape_config
 
 GB = 1e9
 
 
+ESTIMATED = ("estimated: pretrain.sizing's closed form of the heaviest stage, the figures `plan --simulate` "
+             "is tested against (model state within 1 %, activations within 10 %); add --simulate to measure "
+             "the first choice")
+
+
 def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflops: float = 0.0,
-              top: int = 5) -> dict:
-    """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts)."""
+              top: int = 5, simulate: bool = False, on_phase=lambda rank, phase: None) -> dict:
+    """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts). ``simulate``: run
+    the heaviest stage of the top choices on fake tensors (:func:`check_by_simulation`) before
+    calling one a fit; those measured over the budget leave the list."""
     from par_groups.topology import PRESETS
 
     if topology in PRESETS:
@@ -40,21 +48,55 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
     tflops = peak_tflops or lookup_peak_tflops(gpu.name, "bf16")
     if not tflops:
         raise UsageError(f"no known peak for {gpu.name!r}; give --peak-tflops (bf16 dense TFLOP/s per GPU)")
-    budget = gpu.memory_gb * GB * (1 - HEADROOM)
+    budget = budget_bytes(gpu.memory_gb)
     start = time.perf_counter()
     found, tried = search(cfg, world, budget, tflops * 1e12, efficiency, cluster)
     seconds = time.perf_counter() - start
     if not found:
         raise UsageError(f"no layout of {cfg.source or 'the config'} fits {world} x {gpu.memory_gb:g} GB "
                          f"({tried} shapes tried): use more GPUs or a smaller global batch / sequence")
+    checks = check_by_simulation(cfg, world, found, gpu.memory_gb, on_phase, tries=top) if simulate else []
+    measured = {c["index"]: c["measured_gb"] for c in checks if c["fits"]}
+    rows = [(c, measured.get(i)) for i, c in enumerate(found) if i in measured or i not in {x["index"] for x in checks}]
+    if not rows:
+        raise UsageError(f"every layout simulated measured over {budget / GB:.1f} GB: see `plan --simulate`")
+    note = "" if not checks or checks[-1]["fits"] else (
+        f"none of the {len(checks)} simulated fits: the layouts below are unmeasured estimates, which "
+        f"underestimated those; check one with `plan --simulate` before training")
     return {
         "model": cfg.source, "world": world, "topology": topo.describe(),
+        "memory_check": {"method": "simulated" if checks else "estimated", "simulated": checks,
+                         "note": note if checks else ESTIMATED},
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
                         "notes": list(ASSUMPTIONS)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
-        "best": [row(c, found[0]) for c in found[:top]],
+        "best": [row(c, rows[0][0], cfg) | {"measured_gb": gb} for c, gb in rows[:top]],
     }
+
+
+def choice_config(cfg, c: Choice):
+    """``cfg`` with the choice's layout, as `pretrain train` gets it from the printed --set flags."""
+    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c, cfg).replace("--set ", "").split()), cfg.source)
+
+
+def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 5) -> list[dict]:
+    """`plan --simulate` of each top choice's heaviest stage (its tp, cp, dp rank 0), in order, until one
+    fits: a layout is only called a fit once the trainer's own step has been measured on it."""
+    from ..simulate.report import simulate
+
+    checks = []
+    for index, c in enumerate(found[:tries]):
+        chosen = choice_config(cfg, c)
+        layout = chosen.validate_world(world)
+        _, stage, _, _ = worst_stage(chosen, layout, stage_sizes(chosen, layout), chosen.parallel.zero)
+        rank = layout.grid.ranks("pp")[0][stage]
+        r = simulate(chosen, world, [rank], gpu_memory_gb=gpu_memory_gb, on_phase=on_phase)["ranks"][0]
+        checks.append({"index": index, "set": overrides(c, cfg), "rank": rank, "stage": stage, "estimated_gb": c.memory / GB,
+                       "measured_gb": r["measured_peak"] / GB, "fits": r["fits"]})
+        if r["fits"]:
+            break
+    return checks
 
 
 def layout_of(c: Choice) -> dict:
@@ -65,22 +107,23 @@ def layout_of(c: Choice) -> dict:
             "last_stage_layers": s.last}
 
 
-def overrides(c: Choice) -> str:
-    """The layout as the `--set` flags `pretrain train` takes."""
-    s, out = c.shape, []
-    for key, value in (("tp", s.tp), ("cp", s.cp), ("pp", s.pp), ("ep", s.ep)):
-        if value > 1:
-            out.append(f"parallel.{key}={value}")
-    if s.ep > 1 and s.etp != s.tp:
-        out.append(f"parallel.etp={s.etp}")
-    if s.pp > 1:
-        out.append(f"parallel.schedule={s.schedule}")
-        if s.vpp > 1:
-            out.append(f"parallel.vpp={s.vpp}")
-        if s.first:
-            out += [f"parallel.first_stage_layers={s.first}", f"parallel.last_stage_layers={s.last}"]
+def overrides(c: Choice, cfg) -> str:
+    """The layout as the `--set` flags `pretrain train` takes on ``cfg``: every [parallel] key the
+    search set to other than ``cfg``'s value, then zero, micro-batch and recompute."""
+    s, base = c.shape, cfg.parallel
+    chosen = shape_config(cfg, s).parallel
+    out = [f"parallel.{f.name}={_literal(getattr(chosen, f.name))}" for f in dataclasses.fields(chosen)
+           if f.name not in ("zero", "sequence_parallel") and getattr(chosen, f.name) != getattr(base, f.name)]
+    if s.tp > 1 and base.sequence_parallel is False:  # the search plans sequence parallelism with tp
+        out.append("parallel.sequence_parallel=true")
     out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={c.recompute}"]
     return " ".join(f"--set {o}" for o in out)
+
+
+def _literal(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def parts(c: Choice) -> dict[str, float]:
@@ -111,9 +154,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
 
 
-def row(c: Choice, first: Choice) -> dict:
+def row(c: Choice, first: Choice, cfg) -> dict:
     e = c.estimate
-    return {"layout": layout_of(c), "set": overrides(c), "memory_gb": c.memory / GB, "step_s": e.step_s,
+    return {"layout": layout_of(c), "set": overrides(c, cfg), "memory_gb": c.memory / GB, "step_s": e.step_s,
             "compute_s": e.compute_s, "bubble_s": e.bubble_s, "comm_s": dict(e.comm_s), "mfu": e.mfu,
             "links": dict(c.links), "why": why_lost(c, first)}
 
@@ -135,9 +178,16 @@ def render(plan: dict) -> str:
                 shape += f" stages {lay['first_stage_layers']}|..|{lay['last_stage_layers']}"
         comm = sum(r["comm_s"].values())
         lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}, micro-batch {lay['micro_batch']} x "
-                     f"{lay['microbatches']}: {r['memory_gb']:.1f} GB, step {r['step_s']:.3g} s (compute "
+                     f"{lay['microbatches']}: {r['memory_gb']:.1f} GB"
+                     f"{'' if r.get('measured_gb') is None else ' (measured %.1f GB)' % r['measured_gb']}, step {r['step_s']:.3g} s (compute "
                      f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")
         lines.append(f"   {r['why']}")
         lines.append(f"   {r['set']}")
+    check = plan["memory_check"]
+    lines += ["", "memory: " + (check["note"] if check["method"] == "estimated" else "simulated (the trainer's step "
+              "on fake tensors) before calling a layout a fit" + (f"; {check['note']}" if check["note"] else "") + ":")]
+    for c in check["simulated"]:
+        lines.append(f"  {c['set']}: rank {c['rank']} (pp stage {c['stage']}) measured {c['measured_gb']:.2f} GB, "
+                     f"estimated {c['estimated_gb']:.2f} GB: {'fits' if c['fits'] else 'does NOT fit (dropped)'}")
     lines += ["", "assumptions:"] + [f"  - {note}" for note in a["notes"]]
     return "\n".join(lines)

@@ -28,8 +28,10 @@ ASSUMPTIONS = (
     "hidden (tp, ep, etp and CP all-to-all 100 %; CP ring, gradient reductions and pipeline sends 50 %)",
     "gradients: fp32 all-reduce (DDP); ZeRO-1/2 reduce-scatter them and all-gather bf16 parameters once per step; "
     "ZeRO-3 all-gathers parameters for the forward and the backward of every micro-batch",
-    "memory: model state (bf16 params and grads, fp32 Adam moments) of the heaviest pipeline stage plus "
-    "activations (pretrain.flops) within the GPU's memory less the headroom",
+    "memory: pretrain.sizing's closed form of the heaviest pipeline stage (model state in par-zero's convention: "
+    "bf16 params, grads in [train].grad_reduce_dtype, fp32 main weights and Adam moments; activations as the "
+    "trainer saves them), the figures `plan --simulate` measures the trainer against, within the GPU's memory "
+    "less the headroom",
 )
 CANONICAL_ORDER = "tp-cp-ep-dp-pp"
 
@@ -79,9 +81,10 @@ class Estimate:
     mfu: float
 
 
+@lru_cache(maxsize=4096)
 def recompute_fraction(m, seq_len: int, recompute: str) -> float:
     """Extra FLOPs of recomputation as a fraction of the model FLOPs of a token."""
-    from ..flops import training_flops_per_token
+    from ..sizing.flops import training_flops_per_token
 
     total = training_flops_per_token(m, seq_len)
     if recompute == "full":  # forward of every layer again: a third of its forward + backward

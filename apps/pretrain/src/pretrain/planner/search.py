@@ -4,8 +4,9 @@ Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (up to 32) wit
 interleaved (vpp 2) or ZB-V, or 1F1B with uneven first / last stages when the layers do not split, ep (divisors of the experts) with expert tp 1 or tp;
 each shape is checked by the config's own validation. For every shape, each micro-batch size
 (1, 2, 4 sequences), recompute (none, selective, full) and ZeRO strategy whose per-rank memory
-(model state from par-zero's memory model, activations from :mod:`pretrain.flops`) fits the
-GPU less ``HEADROOM`` is estimated (:mod:`.estimate`), and the shape keeps its fastest variant.
+(:mod:`pretrain.sizing`, the closed form `plan --simulate` measures the trainer against: the
+heaviest pipeline stage's model state and activations) fits the GPU less the headroom is
+estimated (:mod:`.estimate`), and the shape keeps its fastest variant.
 
 Pruning: memory is checked before anything is timed; the link and bandwidth of each group
 pattern (stride, size) are computed once, on the fewest nodes that repeat it; pipeline
@@ -18,10 +19,13 @@ import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from ..commands.plan import stage_params, state_table
 from ..errors import UsageError
-from ..flops import activation_bytes, training_flops_per_step
 from ..placement import workload
+from ..sizing.activations import planned_activations
+from ..sizing.flops import training_flops_per_step
+from ..sizing.memory import LightLayout
+from ..sizing.params import rank_params
+from ..sizing.state import params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
 
 TP = (1, 2, 4, 8, 16, 32, 64)
@@ -30,7 +34,6 @@ MAX_PP = 32
 MICRO_BATCH = (1, 2, 4)
 ZERO = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 RECOMPUTE = ("none", "selective", "full")
-HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def uneven_split(layers: int, pp: int) -> tuple[int, int]:
 def shape_config(cfg, s: Shape):
     """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
     parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
-                                   etp=s.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
+                                   etp=s.etp if cfg.model.is_moe else cfg.parallel.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
                                    microbatches=0, order=CANONICAL_ORDER, first_stage_layers=s.first,
                                    last_stage_layers=s.last)
     try:
@@ -96,20 +99,21 @@ def shape_config(cfg, s: Shape):
         return None
 
 
-def model_state(cfg, s: Shape) -> dict:
-    """Per-rank model state bytes for each ZeRO strategy (the heaviest pipeline stage)."""
-    layout = SimpleNamespace(tp=s.tp, pp=s.pp, ep=s.ep, etp=s.etp)
-    dense, experts, _ = stage_params(shape_config(cfg, s), layout)
-    return state_table(dense, experts, s.dp * s.cp, s.edp, "bf16")
+def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> LightLayout:
+    return LightLayout(s.tp, s.cp, s.pp, s.dp, s.ep, s.etp, s.edp, s.vpp, s.chunks_per_rank, s.tp > 1,
+                       micro_batch, microbatches)
 
 
 def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster) -> Choice | None:
-    """The fastest (micro-batch, recompute, ZeRO) of one shape that fits ``budget`` bytes."""
+    """The fastest (micro-batch, recompute, ZeRO) of one shape whose heaviest stage fits ``budget`` bytes."""
     m, t = cfg.model, cfg.train
-    table = model_state(cfg, s)
-    lightest = min(v["total"] for v in table.values())
-    if lightest > budget:
+    shaped = shape_config(cfg, s)
+    dtypes, d = state_dtypes(shaped.train), s.dp * s.cp
+    params = [rank_params(shaped, light_layout(s), stage) for stage in range(s.pp)]
+    state = {z: [params_state(p.dense, p.experts, d, s.edp, z, dtypes).total for p in params] for z in ZERO}
+    if min(state[ZERO[-1]]) > budget:
         return None
+    variants = {r: dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r)) for r in RECOMPUTE}
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
     per_rank = t.global_batch // s.dp
     bandwidth = None
@@ -119,16 +123,15 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         if s.schedule == "interleaved" and microbatches % s.pp:
             continue
         work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
+        layout = light_layout(s, mb, microbatches)
         for recompute in RECOMPUTE:
-            act = activation_bytes(m, seq_len=t.seq_len, micro_batch=mb, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp,
-                                   etp=s.etp, sequence_parallel=s.tp > 1, recompute=recompute, schedule=s.schedule,
-                                   microbatches=microbatches, dtype_bytes=2,
-                                   first_stage_layers=s.heaviest_stage(m.layers) if s.first else 0).total
-            if act + lightest > budget:
+            acts = [planned_activations(variants[recompute], layout, stage) for stage in range(s.pp)]
+            peaks = {z: max(a + b for a, b in zip(state[z], acts)) for z in ZERO}  # the heaviest stage
+            if peaks[ZERO[-1]] > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)
             for zero in ZERO:
-                memory = table[zero]["total"] + act
+                memory = peaks[zero]
                 if memory > budget:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth)

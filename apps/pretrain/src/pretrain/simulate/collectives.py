@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .theory import chunks_of, dtypes, rank_params, routed_sizes
+from ..sizing.activations import routed_sizes
+from ..sizing.params import chunks_of, rank_params
+from ..sizing.state import state_dtypes
 
 
 def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, ep_rank: int = 0) -> dict[tuple[str, str], float]:
@@ -18,7 +20,7 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
     ``stage``; MoE token counts as ``routing`` (a ``par_moe.DeclaredRouting``) declares them for
     EP rank ``ep_rank``."""
     m, p = cfg.model, cfg.parallel
-    pb, gb, _ = dtypes(cfg)
+    pb, gb = (t.itemsize for t in state_dtypes(cfg.train))
     out: dict[tuple[str, str], float] = defaultdict(float)
     tokens = cfg.train.seq_len // layout.cp * layout.micro_batch
     act = tokens * m.hidden * pb
@@ -86,7 +88,7 @@ def _moe_all_to_all(cfg, layout, stage: int, routing, ep_rank: int) -> float:
     full recomputation) exchanges the counts (int64 per EP rank), dispatches the rows with their k
     slots' weights and expert ids (h + 2k wide) and combines one h-wide row per received row;
     backward sends both gradients back the other way."""
-    m, pb = cfg.model, dtypes(cfg)[0]
+    m, pb = cfg.model, state_dtypes(cfg.train)[0].itemsize
     sizes = routed_sizes(cfg, layout, routing, ep_rank)
     sent, received = sum(sizes.send), sum(sizes.receive)
     dispatch, combine = sent * (m.hidden + 2 * m.top_k) * pb, received * m.hidden * pb

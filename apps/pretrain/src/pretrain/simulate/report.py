@@ -8,6 +8,7 @@ import time
 from par_moe import DeclaredRouting
 
 from ..errors import UsageError
+from ..sizing.memory import budget_bytes
 from .collectives import compare, step_collectives
 from .run import check_rank, default_roles, simulate_rank
 
@@ -38,7 +39,10 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     return dataclasses.replace(cfg, train=train, parallel=parallel), keep, m
 
 
-def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_microbatches: bool = False) -> dict:
+def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_microbatches: bool = False,
+             gpu_memory_gb: float = 80.0, on_phase=lambda rank, phase: None) -> dict:
+    """Simulate ``ranks`` (default: :func:`default_roles`); each is judged against the memory budget of a
+    GPU of ``gpu_memory_gb`` (less the headroom). ``on_phase(rank, phase)``: progress, as each phase starts."""
     layout = cfg.validate_world(world)
     if imbalance < 1.0:
         raise UsageError(f"--expert-imbalance {imbalance:g} must be >= 1 (1 = balanced routing)")
@@ -50,11 +54,14 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
         check_rank(r, world)
     sim_cfg, kept, total = simulated_config(cfg, layout, all_microbatches)
     sim_layout = sim_cfg.validate_world(world)
+    budget = budget_bytes(gpu_memory_gb)
     out = {"config": cfg.source, "world": world, "routing": routing_note(cfg, imbalance),
-           "microbatches": {"simulated": kept, "per_step": total}, "ranks": []}
+           "microbatches": {"simulated": kept, "per_step": total}, "gpu_memory_gb": gpu_memory_gb,
+           "budget_gb": budget / GB, "ranks": []}
     for rank in ranks or default_roles(layout):
         t0 = time.perf_counter()
-        r = simulate_rank(sim_cfg, world, rank, imbalance)
+        r = simulate_rank(sim_cfg, world, rank, imbalance, on_phase=lambda phase, rank=rank: on_phase(rank, phase))
+        r["fits"], r["planned_fits"] = r["measured_peak"] <= budget, r["planned_peak"] <= budget
         routing = DeclaredRouting(imbalance) if cfg.model.is_moe else None
         theory = step_collectives(sim_cfg, sim_layout, r["stage"], kept, routing, r["coords"].get("ep", 0))
         r["collectives"] = compare(r["collectives"], theory)
@@ -83,7 +90,7 @@ def render(result: dict) -> str:
              + (" (the schedule's peak is reached; --all-microbatches runs them all)" if mb["simulated"] < mb["per_step"] else "")]
     for r in result["ranks"]:
         layers = r["layers"]
-        lines.append(f"rank {r['rank']} (pp stage {r['stage']}, layers {layers[0]}..{layers[-1]}, {len(layers)} layers): "
+        lines.append(f"rank {r['rank']} (pp stage {r['stage']}, layers {layer_ranges(layers)}, {len(layers)} layers): "
                      f"peak {r['measured_peak'] / GB:.2f} GB measured, {r['planned_peak'] / GB:.2f} GB planned; "
                      f"build peak {r['build_peak'] / GB:.2f} GB; checkpoint save peak {r['save_peak'] / GB:.2f} GB; "
                      f"{r['timings_s']['total_s']:.0f} s")
@@ -94,4 +101,24 @@ def render(result: dict) -> str:
         for c in r["collectives"]:
             want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
             lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}")
+    for r in result["ranks"]:
+        lines.append(verdict(r, result["budget_gb"], result["gpu_memory_gb"]))
     return "\n".join(lines)
+
+
+def verdict(r: dict, budget_gb: float, gpu_memory_gb: float) -> str:
+    """One line: does the rank's measured peak fit the budget (and does the plan agree)."""
+    agree = "the plan agrees" if r["fits"] == r["planned_fits"] else (
+        f"the plan ({r['planned_peak'] / GB:.2f} GB) says it {'fits' if r['planned_fits'] else 'does not'}")
+    return (f"rank {r['rank']}: {'fits' if r['fits'] else 'does NOT fit'}: {r['measured_peak'] / GB:.2f} GB measured "
+            f"against {budget_gb:.1f} GB ({gpu_memory_gb:g} GB GPU less the headroom); {agree}")
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 77, 78, 79] -> '0..2 + 77..79' (a V schedule's rank holds two runs of layers)."""
+    runs, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[i - 1] + 1:
+            runs.append(f"{layers[start]}..{layers[i - 1]}" if i - 1 > start else f"{layers[start]}")
+            start = i
+    return " + ".join(runs)

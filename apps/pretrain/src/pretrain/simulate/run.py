@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,9 +19,8 @@ import torch.distributed as dist
 from par_moe import DeclaredRouting
 
 from ..errors import UsageError
+from ..sizing.memory import rank_memory
 from .memory import MemoryTracker
-from .activations import planned_activations
-from .theory import planned_state
 
 
 def default_roles(layout) -> list[int]:
@@ -65,9 +65,16 @@ def prepare_for_fake_tensors_(model, imbalance: float) -> None:
             module.dense_on_cpu = True
 
 
-def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
+def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0, on_phase=lambda name: None) -> dict:
     """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes.
-    MoE layers route as declared (see ``par_moe.declared``): balanced, or expert 0 ``imbalance`` x its share."""
+    MoE layers route as declared (see ``par_moe.declared``): balanced, or expert 0 ``imbalance`` x its share.
+    ``on_phase(name)`` is called as each phase starts ("build", "step", "save"), for a progress display."""
+    with warnings.catch_warnings():  # fake tensors warn about what they cannot know; nothing for the user
+        warnings.simplefilter("ignore", UserWarning)
+        return _simulate_rank(cfg, world, rank, imbalance, on_phase)
+
+
+def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -86,6 +93,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
         tracker = MemoryTracker()
         t0 = time.perf_counter()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            on_phase("build")
             tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, simulated=True)
             prepare_for_fake_tensors_(trainer.model.module, imbalance)
@@ -94,6 +102,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
             tracker.retag(_state_tensors(trainer.model.dp))
             tracker.phase = "activations"
             tracker.reset_peak()
+            on_phase("step")
             t1 = time.perf_counter()
             with comm.CommRecorder() as rec:
                 trainer.train_step(0)
@@ -101,6 +110,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
             timings["step_s"] = time.perf_counter() - t1
             tracker.phase = "save"
             tracker.reset_peak()
+            on_phase("save")
             t2 = time.perf_counter()
             with comm.CommRecorder() as save_rec:
                 tensors = _checkpoint_dict(trainer, with_optim=True)
@@ -110,9 +120,7 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0) -> dict:
         g = trainer.groups
         stage = g.rank_in("pp")
         names = _group_names(g)
-        planned = planned_state(cfg, layout, stage)
-        planned["activations"] = planned_activations(cfg, layout, stage, DeclaredRouting(imbalance),
-                                                     g.grid.coords(rank).get("ep", 0))
+        planned = rank_memory(cfg, layout, stage, routing=DeclaredRouting(imbalance), ep_rank=g.grid.coords(rank).get("ep", 0))
         return {
             "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
             "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],

@@ -1,18 +1,16 @@
-"""What one rank should hold and send, in closed form, for the layout it plays in a world.
+"""Parameter elements one rank holds: its pipeline stage's chunks, cut by tp, ep and expert tp.
 
-The figures model exactly what the trainer keeps (Megatron-style mixed precision on GPUs): bf16
-parameters (fp32 on the CPU), gradients accumulated and reduced in ``[train].grad_reduce_dtype``,
-and the fp32 main weights (bf16 runs only) plus two fp32 Adam moments in the optimizer, sharded
-as ``[parallel].zero`` says. Activations: ``activations.py``.
+Counted from the shapes the trainer builds: attention heads and the dense MLP split over tp;
+routers, shared experts and MLA's down-projections copied over tp; the embedding and head with
+the padded vocabulary (``ModelConfig.padded_vocab``); the MTP layers on the last stage.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
-
-SHARD_GRADS = ("optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -29,15 +27,34 @@ def rank_params(cfg, layout, stage: int) -> RankParams:
     mtp = range(m.layers, m.layers + m.mtp_depth) if has_last else range(0)  # multi-token prediction layers
     dense = len(mtp) * (2 * h * h + 3 * h)  # each MTP layer's eh_proj and 3 norms (copies over tp)
     experts = 0
-    for i in [*cfg.parallel.stage_layers(m.layers)[stage], *mtp]:
+    for i, count in by_kind(m, [*stage_layers(cfg.parallel, m.layers)[stage], *mtp]):
         d, e = _layer_params(m, layout, i)
-        dense, experts = dense + d, experts + e
+        dense, experts = dense + count * d, experts + count * e
     # the input embedding; the head (tied: the embedding itself, or its copy on the last stage);
     # MTP's embedding copy on the last stage (tied: the head is that copy)
     mtp_copy = has_last and m.mtp_depth > 0 and not has_first and not m.tie_embeddings
     embeddings = int(has_first) + int(has_last and not (m.tie_embeddings and has_first)) + int(mtp_copy)
-    dense += embeddings * m.vocab_size * h // tp + (h if has_last else 0)  # + the final norm
+    dense += embeddings * m.padded_vocab(tp) * h // tp + (h if has_last else 0)  # + the final norm
     return RankParams(dense, experts)
+
+
+@lru_cache(maxsize=4096)
+def stage_layers(parallel, layers: int) -> tuple[tuple[int, ...], ...]:
+    """``parallel.stage_layers(layers)``, computed once per [parallel] (the search asks thousands of times)."""
+    return tuple(tuple(ids) for ids in parallel.stage_layers(layers))
+
+
+def by_kind(m, layers) -> list[tuple[int, int]]:
+    """(a layer, how many) of each kind among ``layers`` (dense, MoE): layers of a kind are sized alike."""
+    return _by_kind(m, tuple(layers))
+
+
+@lru_cache(maxsize=4096)
+def _by_kind(m, layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    kinds: dict[bool, list[int]] = {}
+    for i in layers:
+        kinds.setdefault(m.is_moe_layer(i), [i, 0])[1] += 1
+    return [(i, n) for i, n in kinds.values()]
 
 
 def _layer_params(m, layout, i: int) -> tuple[int, int]:
@@ -65,39 +82,13 @@ def _num_chunks(layout) -> int:
 
 
 def chunks_of(cfg, layout, stage: int) -> list[int]:
-    if layout.pp == 1:
+    return _chunks(cfg.parallel.schedule, stage, layout.pp, layout.vpp)
+
+
+@lru_cache(maxsize=4096)
+def _chunks(schedule: str, stage: int, pp: int, vpp: int) -> list[int]:
+    if pp == 1:
         return [0]
     from par_pp import chunks_on_rank
 
-    return chunks_on_rank(cfg.parallel.schedule, stage, layout.pp, layout.vpp)
-
-
-def dtypes(cfg, device_type: str = "cuda") -> tuple[int, int, bool]:
-    """(param bytes, grad bytes, keeps an fp32 main copy) of the trainer's mixed precision."""
-    bf16 = cfg.train.resolved_dtype(device_type) == "bf16"
-    grad = 2 if bf16 and cfg.train.grad_reduce_dtype == "bf16" else 4
-    return (2 if bf16 else 4), grad, bf16
-
-
-def planned_state(cfg, layout, stage: int, device_type: str = "cuda") -> dict[str, float]:
-    """Bytes of parameters, gradients and optimizer state this rank keeps through a step."""
-    zero, p = cfg.parallel.zero, rank_params(cfg, layout, stage)
-    pb, gb, main = dtypes(cfg, device_type)
-    d, ed = layout.dp * layout.cp, layout.edp
-    opt = 8 + (4 if main else 0)
-    params = grads = optim = 0.0
-    for n, k in ((p.dense, d), (p.experts, ed)):
-        shard = n / k
-        params += pb * (shard if zero == "optim_grads_params" else n)
-        grads += gb * (shard if zero in SHARD_GRADS else n)
-        optim += opt * (n if zero == "no_shard" else shard)
-    return {"params": params, "grads": grads, "optim": optim}
-
-
-def routed_sizes(cfg, layout, routing, ep_rank: int):
-    """The token counts a ``par_moe.DeclaredRouting`` gives one MoE layer of EP rank ``ep_rank``
-    for one micro-batch: its local tokens (S/cp/tp under SP), each etp group's together."""
-    m = cfg.model
-    share = layout.tp if layout.sequence_parallel else 1
-    tokens = cfg.train.seq_len // layout.cp * layout.micro_batch // share
-    return routing.sizes(tokens * layout.etp, m.top_k, m.num_experts, layout.ep, ep_rank)
+    return chunks_on_rank(schedule, stage, pp, vpp)

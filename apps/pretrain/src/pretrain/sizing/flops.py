@@ -1,4 +1,4 @@
-"""Closed-form sizes of the model: parameters, training FLOPs and activation memory.
+"""Closed-form sizes of the whole model: parameter counts and training FLOPs.
 
 Used by `pretrain plan` (no process is started) and by the metrics for MFU. The model is the
 Llama-3-style decoder of ``[model]``: per layer attention (q and o: h x h; k and v: h x kv_heads
@@ -11,21 +11,16 @@ scores and values, 6 x seq_len x h per layer per token (half of the full 12 x s 
 attention skips the masked half; with MLA 3 x s x heads x (qk_head_dim + v_head_dim)). Latent
 attention (MLA) counts DeepSeek's projections (mla.py); the MTP modules are counted apart.
 
-Activation bytes follow Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer
-Models") for a Llama block with flash attention (no s x s scores, no dropout): per token per layer
-the norm inputs/outputs (4h, split over tp only with sequence parallelism), q/k/v, the attention
-output, and the SwiGLU gate, up and product (split over tp); selective recomputation drops the
-attention output and the SwiGLU product (recomputed from q/k/v and gate/up), full recomputation
-keeps only each layer's input. CP splits the tokens. The first pipeline stage holds the most
-micro-batches in flight: 1 without pp, M for GPipe, pp for 1F1B and zero-bubble, pp + (pp-1)/vpp
-for interleaved (the paper's L(1 + (p-1)/(pm))), pp + 1 for DualPipeV.
+The first pipeline stage holds the most micro-batches in flight: 1 without pp, M for GPipe, pp
+for 1F1B and zero-bubble, pp + (pp-1)/vpp for interleaved (Korthikanti et al.'s L(1 + (p-1)/(pm))),
+pp + 1 for DualPipeV. Activation bytes: :mod:`.activations`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ def param_counts(m: ModelConfig) -> ParamCounts:
     h, d = m.hidden, m.head_dim
     attention = 2 * h * m.heads * d + 2 * h * m.kv_heads * d + 2 * h + (2 * d if m.qk_norm else 0)
     if m.attention == "mla":
-        from .model.mla import mla_params_per_layer
+        from ..model.mla import mla_params_per_layer
 
         attention = mla_params_per_layer(m) + 2 * h  # + the two layer norms
     return ParamCounts(
@@ -122,18 +117,6 @@ def training_flops_per_step(m: ModelConfig, seq_len: int, global_batch: int) -> 
     return training_flops_per_token(m, seq_len) * seq_len * global_batch
 
 
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Activation bytes on the rank that holds the most (the first pipeline stage; logits on the last)."""
-
-    dense_layer: float  # one dense layer, one micro-batch
-    moe_layer: float  # one MoE layer, one micro-batch
-    per_microbatch: float  # this rank's layers, one micro-batch
-    in_flight: float  # micro-batches whose activations the first stage holds at its peak
-    logits: float  # fp32 logits of one micro-batch on the last stage (vocab split over tp)
-    total: float
-
-
 def microbatches_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> float:
     if pp == 1:
         return 1.0
@@ -144,41 +127,3 @@ def microbatches_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) 
     if schedule == "dualpipev":
         return float(pp + 1)
     return float(min(pp, microbatches))
-
-
-def activation_bytes(m: ModelConfig, *, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1, pp: int = 1,
-                     vpp: int = 1, etp: int | None = None, sequence_parallel: bool | None = None,
-                     recompute: str | None = None, schedule: str = "1f1b", microbatches: int = 1,
-                     dtype_bytes: int = 2, first_stage_layers: int = 0) -> ActivationEstimate:
-    etp = etp or tp
-    sp = tp > 1 if sequence_parallel is None else sequence_parallel and tp > 1
-    recompute = recompute or m.recompute
-    tokens = seq_len / cp * micro_batch
-    h, kvd, ffn = m.hidden, m.kv_heads * m.head_dim, m.ffn_hidden
-    norm_side = 4 * h / (tp if sp else 1)
-    if recompute == "full":
-        dense = moe = h / (tp if sp else 1)
-    else:
-        keep_products = recompute == "none"  # selective recomputes the attention output and SwiGLU product
-        attn = (h + 2 * kvd + (h if keep_products else 0)) / tp
-        mlp = (2 + keep_products) * ffn / tp
-        dense = norm_side + attn + mlp
-        mf = m.expert_ffn_hidden
-        routed = m.top_k * (2 * h + (2 + keep_products) * mf / etp)  # dispatched copy, combine, expert MLP
-        shared = m.shared_experts * (2 + keep_products) * mf / tp
-        moe = norm_side + attn + routed + shared + 2 * m.num_experts  # router scores in fp32
-    dense_layer, moe_layer = dense * tokens * dtype_bytes, moe * tokens * dtype_bytes
-    layers_here = first_stage_layers or m.layers // pp  # the first stage holds the most micro-batches
-    moe_here = min(layers_here, m.num_moe_layers)  # the first stage holds the dense layers first
-    per_mb = (layers_here - moe_here) * dense_layer + moe_here * moe_layer
-    in_flight = microbatches_in_flight(schedule, pp, vpp, microbatches)
-    if recompute == "full":  # one layer's full activations exist while it is recomputed
-        transient = activation_bytes(m, seq_len=seq_len, micro_batch=micro_batch, tp=tp, cp=cp, pp=pp, etp=etp,
-                                     sequence_parallel=sp, recompute="none", dtype_bytes=dtype_bytes)
-        per_extra = max(transient.dense_layer, transient.moe_layer if m.is_moe else 0)
-    else:
-        per_extra = 0.0
-    logits = tokens * m.vocab_size / tp * 4
-    stored = per_mb * in_flight + per_extra
-    total = stored + logits if pp == 1 else max(stored, logits + per_mb)
-    return ActivationEstimate(dense_layer, moe_layer, per_mb, in_flight, logits, total)

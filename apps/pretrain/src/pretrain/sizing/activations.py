@@ -18,8 +18,8 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
-from ..flops import microbatches_in_flight
-from .theory import chunks_of, routed_sizes
+from .flops import microbatches_in_flight
+from .params import by_kind, chunks_of, stage_layers
 
 
 def _pb(cfg) -> int:
@@ -98,7 +98,7 @@ def _loss_peak(cfg, layout, tokens: float) -> float:
     depth its logits, the fp32 copy its loss takes and its own buffer, plus the final and MTP
     norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
     m, pb = cfg.model, _pb(cfg)
-    vocab = m.vocab_size / layout.tp
+    vocab = m.padded_vocab(layout.tp) / layout.tp
     h = m.hidden / (layout.tp if layout.sequence_parallel else 1)  # the norms see this rank's tokens
     main = vocab * (pb + 4) + h * (8 + pb)
     mtp = m.mtp_depth * (vocab * (pb + 8) + h * (3 * 8 + 5 * pb))
@@ -121,12 +121,12 @@ def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0)
     share = layout.tp if layout.sequence_parallel else 1
     pairs = routed_pairs(cfg, layout, routing, ep_rank)
     message = m.hidden / share * _pb(cfg) * tokens
-    layers = list(cfg.parallel.stage_layers(m.layers)[stage])
+    layers = list(stage_layers(cfg.parallel, m.layers)[stage])
     chunks = chunks_of(cfg, layout, stage)
     last = layout.pp * layout.chunks_per_rank - 1 in chunks
     if last:
         layers += list(range(m.layers, m.layers + m.mtp_depth))  # MTP layers run on the last stage
-    per_mb = sum(layer_per_token(cfg, layout, i, m.recompute, pairs) for i in layers) * tokens
+    per_mb = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in by_kind(m, layers)) * tokens
     if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
         per_mb += sum(message for c in chunks if c > 0)
     recomputed = "selective" if m.recompute == "full" else None
@@ -141,7 +141,16 @@ def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0)
         transient = max(transient, _loss_peak(cfg, layout, tokens))
     if last and m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and
         # the head's gradient from MTP's use (waiting for the main use's) are alive
-        vocab = m.vocab_size / layout.tp
+        vocab = m.padded_vocab(layout.tp) / layout.tp
         transient = max(transient, backward(m.layers) + vocab * (4 * tokens + m.hidden * _pb(cfg)))
     neighbours = (stage > 0) + (stage < layout.pp - 1) if layout.pp > 1 else 0
     return per_mb * in_flight(cfg, layout, stage) + transient + neighbours * message
+
+
+def routed_sizes(cfg, layout, routing, ep_rank: int):
+    """The token counts a ``par_moe.DeclaredRouting`` gives one MoE layer of EP rank ``ep_rank``
+    for one micro-batch: its local tokens (S/cp/tp under SP), each etp group's together."""
+    m = cfg.model
+    share = layout.tp if layout.sequence_parallel else 1
+    tokens = cfg.train.seq_len // layout.cp * layout.micro_batch // share
+    return routing.sizes(tokens * layout.etp, m.top_k, m.num_experts, layout.ep, ep_rank)

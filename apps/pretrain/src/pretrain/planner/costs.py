@@ -1,0 +1,98 @@
+"""`pretrain plan CONFIG --world N`: what a config's layout costs per rank, before launching anything.
+
+Memory is :mod:`pretrain.sizing`'s, the figures `plan --simulate` measures the trainer against:
+model state in par-zero's convention (bf16 params, grads in ``[train].grad_reduce_dtype``, fp32
+main weights and Adam moments) for every ZeRO strategy, plus the activations of the heaviest
+pipeline stage, within the GPU memory less the headroom. The decision tree is the explainer's:
+DDP if it fits, then ZeRO-1, then ZeRO-2 / ZeRO-3, then HSDP when a ZeRO-3 dp group crosses nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from par_zero import model_state_for_params
+
+from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
+from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
+from ..sizing.state import STRATEGIES, convention
+
+PARAMS_ONLY = "bf16 params, fp32 grads, fp32 main weights + Adam moments: 2 + 4 + 12 bytes per parameter"
+
+
+def _row(label: str, state) -> dict:
+    return {"label": label, "params": state.params, "grads": state.grads, "optim": state.optim, "total": state.total}
+
+
+def params_only_plan(num_params: float, dp: int) -> dict:
+    """Model state of ``num_params`` parameters at data-parallel size ``dp`` for every strategy."""
+    detail = {s: _row(label, model_state_for_params(num_params, s, dp, param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)) for label, s in STRATEGIES}
+    return {"params": num_params, "dp": dp, "convention": PARAMS_ONLY,
+            "model_state_gb": {k: v["total"] / 1e9 for k, v in detail.items()}, "detail": detail}
+
+
+def crosses_nodes(ranks: list[list[int]], gpus_per_node: int) -> int:
+    """The most nodes any one group spans."""
+    return max(len({r // gpus_per_node for r in group}) for group in ranks)
+
+
+def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> dict:
+    layout = cfg.validate_world(world)
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    c = param_counts(m)
+    dp_nodes = crosses_nodes(layout.grid.ranks("dp-cp"), gpus_per_node)
+    replicas = p.hsdp_replicas if p.hsdp_replicas > 1 else dp_nodes
+    stages = stage_sizes(cfg, layout)
+    peaks = {s: worst_stage(cfg, layout, stages, s) for _, s in STRATEGIES}
+    table = {s: _row(label, peaks[s][2]) for label, s in STRATEGIES}
+    if replicas > 1:
+        peaks["hsdp"] = worst_stage(cfg, layout, stages, "optim_grads_params", replicas)
+        table["hsdp"] = _row(f"HSDP {replicas}x{layout.dp * layout.cp // replicas}", peaks["hsdp"][2])
+    budget = budget_bytes(gpu_memory_gb)
+    fits = {k: v[0] <= budget for k, v in peaks.items()}
+    current = "optim_grads_params" if p.zero == "torch_fsdp2" else p.zero
+    _, stage, _, act = peaks[current] if current in peaks else peaks["no_shard"]
+    rank = stages[stage][0]
+    out = {
+        "config": cfg.source, "world": world, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
+        "budget_gb": budget / 1e9, "headroom": HEADROOM,
+        "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "edp",
+                                                   "sequence_parallel", "micro_batch", "microbatches")},
+        "params": {"total": c.total, "active": c.active, "mtp": mtp_params(m), "per_rank_dense": rank.dense,
+                   "per_rank_experts": rank.experts, "heaviest_stage": stage,
+                   "padded_vocab": m.padded_vocab(layout.tp)},
+        "model_state": table, "current": p.zero, "convention": convention(t),
+        "activations": {"total": act, "stage": stage, "recompute": m.recompute,
+                        "sequence_parallel": layout.sequence_parallel, "cp": layout.cp},
+        "peak_gb": {k: v[0] / 1e9 for k, v in peaks.items()},
+        "flops": {"per_token": training_flops_per_token(m, t.seq_len),
+                  "per_step": training_flops_per_step(m, t.seq_len, t.global_batch),
+                  "per_rank_per_step": training_flops_per_step(m, t.seq_len, t.global_batch) / world},
+        "decision": decide(fits, dp_nodes, layout.dp * layout.cp),
+    }
+    if m.is_moe:
+        out["experts"] = {"params_per_expert": c.expert, "bytes_per_expert_bf16": 2 * c.expert,
+                          "routed_bytes_per_layer_bf16": 2 * c.routed_per_layer, "moe_layers": c.moe_layers,
+                          "routed_bytes_all_layers_bf16": 2 * c.routed_per_layer * c.moe_layers,
+                          "experts_per_rank_per_layer": m.num_experts // layout.ep, "ep": layout.ep,
+                          "bytes_per_rank_per_layer_bf16": 2 * c.expert * (m.num_experts // layout.ep) / layout.etp}
+    return out
+
+
+def decide(fits: dict, dp_nodes: int, d: int) -> dict:
+    """The explainer's decision tree over per-rank memory (model state + activations)."""
+    for label, strategy in STRATEGIES:
+        if not fits[strategy]:
+            continue
+        if strategy == "optim_grads_params" and dp_nodes > 1 and fits.get("hsdp"):
+            return {"zero": "optim_grads_params", "hsdp_replicas": dp_nodes,
+                    "why": f"ZeRO-3's dp group spans {dp_nodes} nodes: HSDP with {dp_nodes} replicas of "
+                           f"{d // dp_nodes} ranks keeps the per-layer all-gathers inside a node"}
+        why = {"no_shard": "the model fits in DDP memory: leave sharding off",
+               "optim": "DDP does not fit; sharding the optimizer state (ZeRO-1) does",
+               "optim_grads": "ZeRO-1 does not fit; sharding gradients too (ZeRO-2) does",
+               "optim_grads_params": "ZeRO-2 does not fit; sharding parameters too (ZeRO-3) does"}[strategy]
+        return {"zero": strategy, "hsdp_replicas": 1, "why": why}
+    return {"zero": None, "hsdp_replicas": 1,
+            "why": "does not fit even with ZeRO-3: raise tp, pp or ep, recompute activations, or use more ranks"}

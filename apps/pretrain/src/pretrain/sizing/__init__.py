@@ -1,0 +1,13 @@
+"""One model of the bytes and FLOPs of a layout, read by `plan`, `plan --auto` and `plan --simulate`.
+
+- :mod:`.flops`: the whole model's parameter counts and training FLOPs (and MFU's numerator);
+- :mod:`.params`: the parameter elements one rank holds (its stage, tp / ep / expert tp shards);
+- :mod:`.state`: their model-state bytes in par-zero's convention, per ZeRO strategy;
+- :mod:`.activations`: the activation bytes a stage holds at its peak;
+- :mod:`.memory`: one rank's total, the heaviest stage, and the GPU memory budget.
+
+`plan --simulate` measures the trainer itself on fake tensors and prints these figures beside
+what it measured; the tests hold them together (params, grads and optimizer state within 1 %,
+activations within 10 % on the shapes tested). Known gap: the activations of the split-backward
+schedules (ZB-V, ZB-H1) and of DeepSeek-V3's MoE layers with CP are underestimated (1.4-3x).
+"""

@@ -1,0 +1,66 @@
+"""One rank's memory at its peak (model state + activations), the heaviest stage, and the budget.
+
+`plan` prints it for the config's layout, `plan --auto` keeps the layouts whose heaviest stage
+fits :func:`budget_bytes`, and `plan --simulate` prints it beside what it measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from par_zero import ModelState
+
+from .activations import planned_activations
+from .params import RankParams, rank_params
+from .state import params_state, rank_state, state_dtypes
+
+GB = 1e9
+HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
+
+
+def budget_bytes(gpu_memory_gb: float) -> float:
+    """What a rank may use of a GPU of ``gpu_memory_gb``: the memory less :data:`HEADROOM`."""
+    return gpu_memory_gb * GB * (1 - HEADROOM)
+
+
+@dataclass(frozen=True)
+class LightLayout:
+    """What the sizing reads of a layout, without the world's rank lists (``plan --auto``'s search)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    vpp: int
+    chunks_per_rank: int
+    sequence_parallel: bool
+    micro_batch: int
+    microbatches: int
+
+
+def rank_memory(cfg, layout, stage: int, zero: str | None = None, routing=None, ep_rank: int = 0) -> dict[str, float]:
+    """Bytes of params, grads, optimizer state and activations pipeline stage ``stage`` holds at its peak."""
+    s = rank_state(cfg, layout, stage, zero)
+    return {"params": s.params, "grads": s.grads, "optim": s.optim,
+            "activations": planned_activations(cfg, layout, stage, routing, ep_rank)}
+
+
+def stage_sizes(cfg, layout) -> list[tuple[RankParams, float]]:
+    """(parameter elements, activation bytes) of every pipeline stage's ranks."""
+    return [(rank_params(cfg, layout, s), planned_activations(cfg, layout, s)) for s in range(layout.pp)]
+
+
+def worst_stage(cfg, layout, stages: list[tuple[RankParams, float]], zero: str,
+                replicas: int = 1) -> tuple[float, int, ModelState, float]:
+    """(peak bytes, stage, its model state, its activations) of the stage of ``stages`` that holds the
+    most under ``zero`` (``replicas`` > 1: HSDP)."""
+    dtypes, d = state_dtypes(cfg.train), layout.dp * layout.cp
+    best = None
+    for stage, (p, act) in enumerate(stages):
+        state = params_state(p.dense, p.experts, d, layout.edp, zero, dtypes, replicas)
+        if best is None or state.total + act > best[0]:
+            best = (state.total + act, stage, state, act)
+    return best

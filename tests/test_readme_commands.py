@@ -7,7 +7,9 @@ the test prints what it ran and skipped. ``uv run pretrain ...`` runs in this pr
 runner: ranks fork from the test session's forkserver instead of a new interpreter importing torch),
 other lines in bash. Runs are shortened by the one override the test sets, ``PRETRAIN_SET`` (2
 steps, no eval), which every ``pretrain`` command applies after its ``--set`` flags. A placeholder the
-README names, ``path/to/llama``, is made first: a tiny random Hugging Face Llama (vocabulary 257).
+README names is made first: ``path/to/llama`` a tiny random Hugging Face Llama (vocabulary 257), the
+raw text ``shards/`` (JSONL and text), ``a.jsonl.gz`` and ``b.parquet`` (a ``content`` field) and
+``my-tokenizer`` (a ``save_pretrained`` tokenizer directory).
 """
 
 import re
@@ -54,6 +56,31 @@ def hf_llama(path: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
 
 
+def user_inputs(root: Path) -> None:
+    """The raw text and tokenizer directory the data section's lines name."""
+    import gzip
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    docs = [f"document {i} says hello world again" for i in range(40)]
+    (root / "shards" / "part").mkdir(parents=True)
+    (root / "shards" / "part" / "0.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (root / "shards" / "notes.txt").write_text("\n".join(docs))
+    with gzip.open(root / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"content": d}) + "\n" for d in docs)
+    pq.write_table(__import__("pyarrow").table({"content": docs}), root / "b.parquet")
+    words = sorted({w for d in docs for w in d.split()})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "</s>", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(root / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), eos_token="</s>")
+    fast.save_pretrained(root / "my-tokenizer")
+    (root / "tokenizer.json").unlink()
+
+
 def run_line(line: str, runner: CliRunner) -> tuple[int, str]:
     from pretrain.cli import app
 
@@ -69,6 +96,7 @@ def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys):
     for name in ("apps", "packages", "tools", "README.md"):
         (tmp_path / name).symlink_to(ROOT / name)
     hf_llama(tmp_path / "path" / "to" / "llama")
+    user_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PRETRAIN_SET", SHORT)
     runner, report, start = CliRunner(), [], time.perf_counter()
@@ -89,4 +117,5 @@ def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys):
               + "\n".join(report))
     # what the lines left behind is what the README says they leave
     assert (tmp_path / "runs" / "tiny" / "log.jsonl").is_file() and (tmp_path / "exported" / "tokenizer.json").is_file()
+    assert (tmp_path / "data" / "web_text_document.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
     assert 'dir = "runs/llama"' in (tmp_path / "ckpt" / "llama" / "config.toml").read_text()

@@ -156,8 +156,9 @@ def matches_reference_job():
     from pretrain.config import load_config
     from pretrain.model.parallel import hf_name
 
+    # depth 2: the second module reads the first's hidden state and t[i+2], and the loss weight is split
     cfg = load_config(None, MLA + ["train.global_batch=2", "model.yarn_factor=4.0", "model.yarn_mscale_all_dim=1.0",
-                                   "model.yarn_original_max_positions=16"])
+                                   "model.yarn_original_max_positions=16", "model.mtp_depth=2"])
     trainer, chunk, grads, inputs, labels = layout_runs.one_rank_first_batch(cfg)
     loss = trainer._loss(chunk(inputs[0]), labels[0])
     loss.backward()

@@ -13,7 +13,9 @@ torch.optim class `[train].optimizer` names: SGD with momentum under tp2),
 documents), and for MoE the aux-free bias update written out (``bias += rate * sign(mean load - load)``).
 A bug in the trainer's model, accumulation, optimizer, clipping or schedule is on one side only.
 fp32, 6 steps (2 of warm-up, 4 of decay): loss within 1.9e-7 and grad norm within 5.0e-7
-(relative) measured over the six cases (`pytest -s` prints each), so 1e-6.
+(relative) measured over the six cases (`pytest -s` prints each), so 1e-6; the seventh
+(qwen3-moe: qk_norm, head_dim, llama3 RoPE scaling, norm_topk_prob, expert groups) measured
+1.0e-7 and 8.3e-7.
 """
 
 import warnings
@@ -112,7 +114,14 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
 
 # SGD: lr large enough that the weight-decay mask moves the loss well beyond the tolerance
 SGD = ["train.optimizer=sgd", "train.optimizer_args={momentum=0.9, nesterov=true}", "train.lr=0.3", "train.min_lr=0.03"]
-TWO_MICRO_BATCHES = ["train.micro_batch=4"]  # of the global batch of 8: accumulation over 2 on one rank
+TWO_MICRO_BATCHES = ["train.micro_batch=4"]
+# issue 34's model options on one rank: Qwen3's qk_norm and head_dim, Llama 3.1's RoPE scaling (the plain
+# side takes its frequencies from transformers), softmax scores renormalized over the chosen experts,
+# two expert groups scored by their top 2, and a dense layer between MoE ones (mlp_only_layers)
+QWEN3 = ["model.qk_norm=true", "model.kv_channels=16", "model.norm_topk_prob=true", "model.n_groups=2",
+         "model.topk_groups=1", "model.layers=4", "model.mlp_only_layers=[2]",
+         'model.rope_scaling={rope_type = "llama3", factor = 4.0, low_freq_factor = 1.0, high_freq_factor = 4.0, '
+         'original_max_position_embeddings = 16}']  # of the global batch of 8: accumulation over 2 on one rank
 CASES = {  # name: (config, overrides, ranks)
     "dense": (None, TWO_MICRO_BATCHES, 1),
     "tied": (None, ["model.tie_embeddings=true"], 1),
@@ -121,6 +130,7 @@ CASES = {  # name: (config, overrides, ranks)
     # one dp rank: each tp rank sees the whole batch; MoE routes each rank's S/tp tokens (SP)
     "moe-tp2": ("tiny-moe", MOE + TWO_MICRO_BATCHES + ["parallel.tp=2"], 2),
     "sgd-tp2": (None, SGD + ["parallel.tp=2"], 2),
+    "qwen3-moe": ("tiny-moe", MOE + QWEN3, 1),
 }
 
 

@@ -12,6 +12,7 @@ capacity written out from the formula), configured here from ``[model]``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,17 +31,23 @@ def inv_freq_and_factor(dim: int, a, device) -> tuple[torch.Tensor, float]:
     """RoPE frequencies and the factor on cos/sin under ``[model].rope_scaling``, from transformers'
     ``ROPE_INIT_FUNCTIONS`` (an oracle outside the project; plain RoPE: ``theta^(-2j/dim)``)."""
     s = a.rope_scaling or {}
-    kind = s.get("rope_type", "default")
-    if kind == "default":
+    if s.get("rope_type", "default") == "default":
         return 1.0 / (a.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim)), 1.0
+    freq, factor = transformers_rope(dim, a.rope_theta, tuple(sorted(s.items())))
+    return freq.to(device), factor
+
+
+@functools.lru_cache(maxsize=8)  # once per model shape, not per layer and forward
+def transformers_rope(dim: int, theta: float, scaling: tuple) -> tuple[torch.Tensor, float]:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    s = dict(scaling)
     original = s.get("original_max_position_embeddings")
     cfg = LlamaConfig(hidden_size=dim, num_attention_heads=1, head_dim=dim,
                       max_position_embeddings=int(original * s["factor"]) if original else 4096,
-                      rope_parameters={"rope_theta": a.rope_theta, **s})
-    freq, factor = ROPE_INIT_FUNCTIONS[kind](cfg, device)
+                      rope_parameters={"rope_theta": theta, **s})
+    freq, factor = ROPE_INIT_FUNCTIONS[s["rope_type"]](cfg, "cpu")
     return freq.float(), float(factor)
 
 

@@ -48,3 +48,33 @@ def test_dynamic_cp_equals_static_cp_and_one_rank(dist_run, data):
                 assert losses[step] == pytest.approx(ref[0][step], rel=TOLERANCE), (name, rank, step)
                 assert norms[step] == pytest.approx(ref[1][step], rel=TOLERANCE), (name, rank, step)
     assert 1.0 <= dynamic[0][2] < 1.5  # the last step's attention-work imbalance, reported
+
+
+def skewed_plan():
+    """This rank's pieces of one step whose batch mixes one 32-token document with 56 of 4 tokens
+    (7 sequences of 8), on 4 ranks of 128 tokens (one round): (local rows, span) of each piece."""
+    import torch
+
+    from pretrain.data.sampler import Batch
+    from pretrain.dynamic_cp import SpanGroups, plan_step
+
+    segments = torch.cat([torch.zeros(1, 33, dtype=torch.int32),
+                          torch.arange(33, dtype=torch.int32).div(4, rounding_mode="floor").expand(7, 33)])
+    tokens = torch.arange(8 * 33).remainder(200).view(8, 33)
+    rounds, _, _ = plan_step(Batch(tokens, segments), None, False, 128, SpanGroups((0, 1, 2, 3)))
+    return [[(p.end - p.start, len(p.segments)) for p in docs.pieces] for _, _, docs in rounds]
+
+
+def test_dynamic_cp_balances_attention_work_not_tokens(dist_run):
+    """README: dynamic CP "balances causal attention work, not tokens". The 32-token document costs
+    32 * 33 / 2 = 528 query-key pairs, a 4-token one 10: balanced by work, its rank takes nothing
+    else (the others ~187 each, largest/mean 1.94); balanced by tokens it would also take 8 short
+    ones (64 tokens on every rank; work 608 against 160, largest/mean 2.24). Work is counted here
+    from the pieces each rank was given, not from the planner's own tally."""
+    plans = dist_run(4, skewed_plan)
+    assert all(len(plan) == 1 for plan in plans), "one round: every document fits at once"
+    work = [sum(rows * span * (rows * span + 1) / 2 / span for rows, span in plan[0]) for plan in plans]
+    long_rank = next(r for r, plan in enumerate(plans) if (32, 1) in plan[0])
+    assert plans[long_rank][0] == [(32, 1)], plans[long_rank]
+    assert sorted(len(plan[0]) for plan in plans) == [1, 18, 19, 19]
+    assert max(work) / (sum(work) / 4) < 2.0, work

@@ -147,22 +147,24 @@ def test_mla_mtp_moe_ep2_matches_single_rank(dist_run):
 
 
 def matches_reference_job():
-    """One rank: the trainer's loss (with MTP's gradient) and every gradient equal plain PyTorch's."""
+    """One rank: the trainer's loss (with MTP's gradient) and every gradient equal plain PyTorch's.
+    The reference (tests/plain_llama.py) shares only the initial weights and the batch: its MLA,
+    interleaved RoPE with YaRN, softmax scale, MTP streams and MTP loss are written out there."""
     import torch.nn.functional as F
 
+    from plain_llama import build_plain
     from pretrain.config import load_config
-    from pretrain.model.mtp import reference_mtp_loss
-    from pretrain.model.reference import build_reference
 
-    cfg = load_config(None, MLA + ["train.global_batch=2", 'model.rope_scaling={rope_type = "yarn", factor = 4.0, '
-                                   'original_max_position_embeddings = 16, mscale = 1.0, mscale_all_dim = 1.0}'])
+    # depth 2: the second module reads the first's hidden state and t[i+2], and the loss weight is split
+    cfg = load_config(None, MLA + ["train.global_batch=2", "model.mtp_depth=2", 'model.rope_scaling={rope_type = "yarn", '
+                                   'factor = 4.0, original_max_position_embeddings = 16, mscale = 1.0, mscale_all_dim = 1.0}'])
     trainer, chunk, grads, inputs, labels = layout_runs.one_rank_first_batch(cfg)
     loss = trainer._loss(chunk(inputs[0]), labels[0])
     loss.backward()
-    ref = build_reference(cfg.model, cfg.train.seed)
+    ref = build_plain(cfg.model, cfg.train.seed)
     logits, _ = ref(inputs[0])
     want = F.cross_entropy(logits.flatten(0, 1), labels[0][..., 0].flatten())
-    (want + reference_mtp_loss(ref, inputs[0], labels[0][..., 0])).backward()
+    (want + ref.mtp_loss(inputs[0], labels[0][..., 0])).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = layout_runs.worst_grad_error(grads, ref_grads)  # one rank: the whole tensor
     return loss.item(), want.item(), worst, len(grads), len(ref_grads)
@@ -210,14 +212,15 @@ def test_mla_tp_communication_is_the_latent_and_the_output(dist_run, sp):
 
 def test_mla_params_per_layer_is_deepseeks_formula():
     from pretrain.config import load_config
-    from pretrain.model.mla import MLAttention, mla_params_per_layer
+    from plain_llama import MLA as PlainMLA
+    from pretrain.model.mla import mla_params_per_layer
 
     a = load_config("deepseek-v3").model
     h, n, rq, rkv, dn, dr, dv = 7168, 128, 1536, 512, 128, 64, 128
     formula = h * rq + rq + rq * n * (dn + dr) + h * (rkv + dr) + rkv + rkv * n * (dn + dv) + n * dv * h
     assert mla_params_per_layer(a) == formula == 187_107_328
     tiny = load_config(None, MLA).model
-    assert mla_params_per_layer(tiny) == sum(p.numel() for p in MLAttention(tiny).parameters())
+    assert mla_params_per_layer(tiny) == sum(p.numel() for p in PlainMLA(tiny).parameters())
 
 
 def test_plan_deepseek_v3_gives_the_published_totals():

@@ -137,14 +137,14 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
 
 def grads_job(path, overrides):
     """One rank's packed step, gradient by gradient, against each document alone (reference model)."""
+    from plain_llama import build_plain
     from pretrain.config import load_config
-    from pretrain.model.reference import build_reference
 
     cfg = load_config(None, [*COMMON, f"data.path={path}", *PACKED, "train.global_batch=4", *overrides])
     trainer, chunk, grads, inputs, labels = one_rank_first_batch(cfg)
     loss = sum(trainer._loss(trainer._forward_chunk(0, chunk, x, m), y) for m, (x, y) in enumerate(zip(inputs, labels)))
     (loss / len(inputs)).backward()
-    ref = build_reference(cfg.model, cfg.train.seed)
+    ref = build_plain(cfg.model, cfg.train.seed)
     want, _ = each_document_alone(ref, trainer.sampler, 0)
     want.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}

@@ -1,14 +1,24 @@
-"""The trainer's single-rank run equals plain PyTorch training of the reference model.
+"""The trainer equals plain PyTorch training of the same model, on one rank and under a layout.
 
 The layout tests compare every layout with the trainer's own single-rank run; this one anchors
-that run to an independent computation: `LlamaReference` (nn.Linear, SDPA, nn.RMSNorm, par-moe's
-loop-over-experts `ReferenceMoE` with its balancing losses added to the loss), the same batches,
+that run to an independent computation. Shared with the trainer: only the batches (its sampler)
+and the initial weights (``init_full_state``, loaded by HF name into tests/plain_llama.py's model,
+so a wrong tensor fails the load rather than hiding). Everything else is written here or is torch's:
+the model (plain_llama: RoPE, attention, MoE through par-moe's loop-over-experts reference with
+its balancing losses added to the loss), gradient accumulation (a mean of micro-batch means),
 `torch.optim.AdamW` with two param groups (no weight decay on norms and the embedding; or the
 torch.optim class `[train].optimizer` names: SGD with momentum under tp2),
-`torch.nn.utils.clip_grad_norm_`, the same LR schedule, and for MoE the aux-free bias update
-written out here (``bias += rate * sign(mean load - load)``).
-fp32, 6 steps: loss within 1.1e-7 and grad norm within 4.3e-7 (relative) measured, so 1e-6.
+`torch.nn.utils.clip_grad_norm_` (binding at every step: asserted), the LR schedule from
+`torch.optim.lr_scheduler` (LinearLR warm-up, then CosineAnnealingLR to min_lr, as the README
+documents), and for MoE the aux-free bias update written out (``bias += rate * sign(mean load - load)``).
+A bug in the trainer's model, accumulation, optimizer, clipping or schedule is on one side only.
+fp32, 6 steps (2 of warm-up, 4 of decay): loss within 1.9e-7 and grad norm within 5.0e-7
+(relative) measured over the six cases (`pytest -s` prints each), so 1e-6; the seventh
+(qwen3-moe: qk_norm, head_dim, llama3 RoPE scaling, norm_topk_prob, expert groups) measured
+1.0e-7 and 8.3e-7.
 """
+
+import warnings
 
 import pytest
 import torch
@@ -37,22 +47,33 @@ def count_routed(moe, load):
 
 
 def mean_of_microbatches(model, sampler, step: int) -> tuple[torch.Tensor, float]:
-    """(what to backward, the logged loss) of one rank's step: the mean over micro-batches of each
-    one's mean token loss, plus the MoE balancing losses."""
-    batch = sampler.train_batch(step)
-    n, total, logged = batch.tokens.shape[0], 0.0, 0.0
+    """(what to backward, the logged loss) of one step: the whole global batch cut into micro-batches
+    of ``[train].micro_batch`` sequences, the mean over them of each one's mean token loss, plus the
+    MoE balancing losses of each (a data-parallel layout holds some of these micro-batches per rank)."""
+    tokens = sampler.global_train_batch(step).tokens
+    tokens = tokens.view(-1, sampler.micro_batch, tokens.shape[-1])
+    n, total, logged = tokens.shape[0], 0.0, 0.0
     for m in range(n):
-        logits, aux = model(batch.inputs[m].t())
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.labels[m].t().flatten())
+        logits, aux = model(tokens[m, :, :-1].t())
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[m, :, 1:].t().flatten())
         total = total + (loss + aux) / n
         logged += loss.item() / n
     return total, logged
 
 
+def lr_schedule(opt, t):
+    """torch's: linear warm-up from lr / warmup_steps to lr, then a cosine to min_lr at ``steps``."""
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+
+    assert t.warmup_steps > 0, "a schedule with warm-up"
+    warmup = LinearLR(opt, start_factor=1 / t.warmup_steps, total_iters=max(1, t.warmup_steps - 1))
+    decay = CosineAnnealingLR(opt, T_max=max(1, t.steps - t.warmup_steps), eta_min=t.min_lr)  # a run of warm-up only: 1
+    return SequentialLR(opt, [warmup, decay], milestones=[t.warmup_steps])
+
+
 def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches, steps=STEPS):
+    from plain_llama import build_plain
     from pretrain.config import load_config
-    from pretrain.model.reference import build_reference
-    from pretrain.schedule_lr import lr_at
     from pretrain.train_loop import Trainer
 
     cfg = load_config(config, COMMON + list(overrides))
@@ -60,7 +81,7 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
     ours = [trainer.train_step(step) for step in range(steps)]
 
     t = cfg.train
-    model = build_reference(cfg.model, t.seed)
+    model = build_plain(cfg.model, t.seed)
     named = dict(model.named_parameters())  # tied weights once
     params = list(named.values())
     # two groups, as nanoGPT and Megatron: no weight decay on norms, biases and the embedding
@@ -70,6 +91,7 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
         opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
     else:  # [train].optimizer names a torch.optim class: that class, the same two groups
         opt = getattr(torch.optim, t.optimizer_class)(groups, lr=t.lr, weight_decay=t.weight_decay, **t.optimizer_args)
+    schedule = lr_schedule(opt, t)
     moes = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "route")]
     loads = [torch.zeros(m.config.num_experts, dtype=torch.int64) for m in moes]
     for moe, load in zip(moes, loads):
@@ -79,10 +101,9 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
         loss, logged = plain_loss(model, trainer.sampler, step)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps)
         opt.step()
         opt.zero_grad()
+        schedule.step()
         with torch.no_grad():
             for moe, load in zip(moes, loads):
                 moe.router.expert_bias += cfg.model.bias_update_rate * torch.sign(load.double().mean() - load)
@@ -93,14 +114,53 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
 
 # SGD: lr large enough that the weight-decay mask moves the loss well beyond the tolerance
 SGD = ["train.optimizer=sgd", "train.optimizer_args={momentum=0.9, nesterov=true}", "train.lr=0.3", "train.min_lr=0.03"]
-CASES = {"dense": (None, []), "tied": (None, ["model.tie_embeddings=true"]), "moe": ("tiny-moe", MOE),
-         "sgd-tp2": (None, SGD + ["parallel.tp=2"])}  # one dp rank: each tp rank sees the whole batch
+TWO_MICRO_BATCHES = ["train.micro_batch=4"]
+# issue 34's model options on one rank: Qwen3's qk_norm and head_dim, Llama 3.1's RoPE scaling (the plain
+# side takes its frequencies from transformers), softmax scores renormalized over the chosen experts,
+# two expert groups scored by their top 2, and a dense layer between MoE ones (mlp_only_layers)
+QWEN3 = ["model.qk_norm=true", "model.kv_channels=16", "model.norm_topk_prob=true", "model.n_groups=2",
+         "model.topk_groups=1", "model.layers=4", "model.mlp_only_layers=[2]",
+         'model.rope_scaling={rope_type = "llama3", factor = 4.0, low_freq_factor = 1.0, high_freq_factor = 4.0, '
+         'original_max_position_embeddings = 16}']  # of the global batch of 8: accumulation over 2 on one rank
+CASES = {  # name: (config, overrides, ranks)
+    "dense": (None, TWO_MICRO_BATCHES, 1),
+    "tied": (None, ["model.tie_embeddings=true"], 1),
+    "moe": ("tiny-moe", MOE + TWO_MICRO_BATCHES, 1),
+    "dense-dp2": (None, ["train.micro_batch=2"], 2),  # 2 micro-batches of 2 per dp rank, then the dp reduction
+    # one dp rank: each tp rank sees the whole batch; MoE routes each rank's S/tp tokens (SP)
+    "moe-tp2": ("tiny-moe", MOE + TWO_MICRO_BATCHES + ["parallel.tp=2"], 2),
+    "sgd-tp2": (None, SGD + ["parallel.tp=2"], 2),
+    "qwen3-moe": ("tiny-moe", MOE + QWEN3, 1),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_single_rank_trainer_equals_plain_pytorch(dist_run, name):
-    world = 2 if "parallel.tp=2" in CASES[name][1] else 1
-    ours, plain = dist_run(world, trainer_and_plain_pytorch, *CASES[name])[0]
+def test_trainer_equals_plain_pytorch(dist_run, name):
+    config, overrides, world = CASES[name]
+    ours, plain = dist_run(world, trainer_and_plain_pytorch, config, overrides)[0]
+    assert all(norm > 0.5 for _, norm in plain), "grad_clip=0.5 must bind at every step"
+    print(f"{name}: max rel error loss {max(abs(a / b - 1) for (a, _), (b, _) in zip(ours, plain)):.1e} "
+          f"grad norm {max(abs(a / b - 1) for (_, a), (_, b) in zip(ours, plain)):.1e}")  # the evidence for 1e-6
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, plain)):
         assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} vs plain PyTorch {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=1e-6), f"step {step}: grad norm {norm} vs plain PyTorch {ref_norm}"
+
+
+def test_lr_schedule_is_torchs_warmup_then_cosine():
+    """Every step's LR of `pretrain.schedule_lr.lr_at` against torch's schedulers (above), and past
+    ``steps`` it stays at min_lr."""
+    from types import SimpleNamespace
+
+    from pretrain.schedule_lr import lr_at
+
+    t = SimpleNamespace(lr=3e-3, min_lr=3e-4, warmup_steps=5, steps=30)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)
+    schedule, want = lr_schedule(opt, t), []
+    with warnings.catch_warnings():  # no opt.step() to read a schedule (its first call imports torch._dynamo: ~5 s)
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+        for _ in range(t.steps):
+            want.append(opt.param_groups[0]["lr"])
+            schedule.step()
+    got = [lr_at(s, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps) for s in range(t.steps)]
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert lr_at(t.steps + 7, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, steps=t.steps) == t.min_lr

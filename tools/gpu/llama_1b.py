@@ -1,7 +1,7 @@
 """A ~1B Llama trained by `pretrain` on one GPU, and the same model in plain PyTorch, in one process.
 
 par: the trainer (bf16 autocast, fp32 master weights and AdamW in par-zero's buckets, fused AdamW,
-flash-attn or SDPA attention). Baseline: ``pretrain.model.reference.LlamaReference`` (nn.Linear,
+flash-attn or SDPA attention). Baseline: tests/plain_llama.py's ``PlainLlama`` (nn.Linear,
 nn.RMSNorm, torch SDPA, the same initial weights) under the same autocast, ``torch.optim.AdamW(fused=True)``, torch's
 clipping, on the very same batches (``--compile`` compiles it). Steps after ``--warmup`` are timed
 (CUDA-synchronized); the medians give
@@ -62,12 +62,18 @@ def run_par(cfg, device, warmup: int):
 
 
 def run_baseline(cfg, sampler, device, bf16: bool, compile_model: bool, warmup: int) -> list[float]:
-    from pretrain.model.reference import LlamaReference, init_full_state
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the plain model lives with the tests
+    from plain_llama import PlainLlama
+
+    from pretrain.model.reference import init_full_state
     from pretrain.schedule_lr import lr_at
 
     t = cfg.train
     with torch.device("meta"):  # no init of nn's own on the host (~1.2B values): the weights are par's initial ones
-        model = LlamaReference(cfg.model)
+        model = PlainLlama(cfg.model)
     model.to_empty(device=device).load_state_dict(dict(init_full_state(cfg.model, t.seed)))
     params = list(dict.fromkeys(model.parameters()))
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,

@@ -112,7 +112,7 @@ def _damaged_files(w: Path, hf: dict) -> None:
             "rope_scaling": [1, 2]}, "hf_ds_n_group_string": deepseek | {"n_group": "2"}}.items():
         (w / name).mkdir()
         (w / name / "config.json").write_text(json.dumps(cfg))
-    model = load_config(None, ["model.layers=2"]).model
+    model = load_config(None, ["model.layers=2", "model.vocab_size=256"]).model  # the vocabulary of config.json
     (w / "hf_good").mkdir()
     (w / "hf_good" / "config.json").write_text(json.dumps(hf))
     save_file(dict(init_full_state(model, 1)), str(w / "hf_good" / "model.safetensors"))

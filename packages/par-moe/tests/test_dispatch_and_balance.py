@@ -94,6 +94,22 @@ def test_group_limited_routing_reaches_at_most_topk_groups():
     torch.testing.assert_close(routing.weights.sum(-1), torch.ones(50))  # normalized, scale 1
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_tied_scores_go_to_the_lower_expert_index(score_func):
+    """Experts 3, 9 and 40 score alike for every token (equal router rows, scores tied to the bit):
+    the router and the reference both pick, among tied experts, the lowest indices first; so any
+    layout (whatever topk's kernel would do with ties on its tensor sizes) routes a tie alike."""
+    config = MoEConfig(hidden=H, ffn_hidden=8, num_experts=E, top_k=2, score_func=score_func)
+    router, ref = Router(config), ReferenceMoE(config)
+    with torch.no_grad():
+        router.weight.mul_(0.01)  # the tied three score well above the rest
+        router.weight[[3, 9, 40]] = torch.ones(H)
+        ref.router.weight.copy_(router.weight)
+    x = torch.rand(7, H) + 0.5
+    assert router(x).indices.tolist() == [[3, 9]] * 7
+    assert ref.route(x)[2].tolist() == [[3, 9]] * 7
+
+
 def test_grouped_gemm_matches_batched_fallback_in_bf16():
     experts = GroupedSwiGLU(4, 16, 32)
     counts = torch.tensor([5, 0, 9, 2])

@@ -8,6 +8,8 @@ the parameter layout of :class:`MoELayer` with every expert and the full F (``ro
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,7 +68,7 @@ class ReferenceMoE(nn.Module):
                 chosen = (best_groups == g).any(-1, keepdim=True)
                 allowed[:, g * size:(g + 1) * size] = chosen
             select = torch.where(allowed, select, torch.full_like(select, float("-inf")))
-        chosen = select.argsort(-1, descending=True)[:, : c.top_k]
+        chosen = select.argsort(dim=-1, descending=True, stable=True)[:, : c.top_k]  # ties: the lower expert index
         weights = scores.gather(1, chosen)
         if c.normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -76,9 +78,9 @@ class ReferenceMoE(nn.Module):
         """Per expert: keep the first (position) or heaviest (probs) ``capacity`` of its pairs."""
         c = self.config
         keep = torch.ones_like(chosen, dtype=torch.bool)
-        capacity = c.capacity(chosen.shape[0])
-        if capacity is None:
+        if c.capacity_factor is None:
             return keep
+        capacity = math.ceil(c.capacity_factor * chosen.shape[0] * c.top_k / c.num_experts)  # the formula, not MoEConfig's
         for e in range(c.num_experts):
             tok, slot = (chosen == e).nonzero(as_tuple=True)  # row-major: token order
             if len(tok) <= capacity:

@@ -62,7 +62,8 @@ class Router(nn.Module):
         if c.n_groups > 1:
             allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k, c.group_score)
             select = select.masked_fill(~allowed, float("-inf"))
-        indices = select.topk(c.top_k, dim=-1).indices
+        # a stable sort, not topk: tied scores go to the lower expert index on every layout and device
+        indices = select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]
         weights = scores.gather(1, indices)
         if c.normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -54,13 +54,15 @@ def reference_params(world: int, norms: list[float] | None = None, optimizer=Non
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True, start: int = 0) -> list[float]:
-    """Train like :func:`reference_params` on this rank's slice of each batch (from step ``start``); returns grad norms."""
+def train_parallel(dp, world: int, rank: int, steps: int = STEPS, clip: bool = True, start: int = 0,
+                   sync_every_backward: bool = False) -> list[float]:
+    """Train like :func:`reference_params` on this rank's slice of each batch (from step ``start``); returns grad norms.
+    ``sync_every_backward``: no ``no_sync``, so every micro-batch's backward reduces (as torch DDP allows)."""
     norms = []
     for step in batches(world)[start:start + steps]:
         for i, (x, y) in enumerate(step):
             sl = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
-            ctx = dp.no_sync() if i < MICRO - 1 else _null()
+            ctx = dp.no_sync() if i < MICRO - 1 and not sync_every_backward else _null()
             with ctx:
                 (nn.functional.mse_loss(dp(x[sl]).float(), y[sl]) / MICRO).backward()
         if clip:

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3), single-device and tensor/context parallel.
+"""Multi-head latent attention (DeepSeek-V2/V3), tensor and context parallel (one rank: tp = cp = 1).
 
 Per token: the query comes through a low-rank path ``q_b(norm(q_a(x)))`` (or a full ``q_proj``
 when ``q_lora_rank`` is 0); keys and values are expanded per head from one compressed latent
@@ -33,7 +33,7 @@ from torch import nn
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from .rope import apply_rope_interleaved, rope_for, rope_tables, set_shard_rope_tables_
+from .rope import apply_rope_interleaved, rope_for, set_shard_rope_tables_
 from .rope_scaling import softmax_mscale
 from .te import recompute
 
@@ -76,35 +76,6 @@ def _split_heads(a, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos
     q_rope = apply_rope_interleaved(q_rope, cos, sin)
     k_rope = apply_rope_interleaved(k_rope.view(s, b, 1, dr), cos, sin).expand(s, b, q.shape[2], dr)
     return torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v
-
-
-class MLAttention(nn.Module):
-    """The single-device reference: ``forward(x [S, B, H]) -> [S, B, H]``, torch SDPA as the kernel."""
-
-    def __init__(self, a) -> None:
-        super().__init__()
-        self.a = a
-        n, dqk = a.heads, a.qk_head_dim
-        if a.q_lora_rank:
-            self.q_a_proj = nn.Linear(a.hidden, a.q_lora_rank, bias=False)
-            self.q_a_layernorm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, n * dqk, bias=False)
-        else:
-            self.q_proj = nn.Linear(a.hidden, n * dqk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = nn.RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(n * a.v_head_dim, a.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, s = self.a, x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        cos, sin = rope_tables(torch.arange(s, device=x.device), a.qk_rope_head_dim, a.rope_theta, x.dtype, a.rope_scaling)
-        q, k, v = _split_heads(a, q, self.kv_b_proj(self.kv_a_layernorm(c)), k_rope, cos, sin)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, n, S, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale(a))
-        return self.o_proj(o.permute(2, 0, 1, 3).reshape(s, x.shape[1], -1))
 
 
 class ContextMLACore(nn.Module):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from par_moe import MoEConfig, ReferenceMoE
+from par_moe import MoEConfig
 
 
 def moe_config(a) -> MoEConfig:
@@ -25,7 +25,3 @@ def moe_config(a) -> MoEConfig:
         capacity_factor=a.capacity_factor or None,
         dispatcher=a.dispatcher,
     )
-
-
-def reference_moe(a) -> ReferenceMoE:
-    return ReferenceMoE(moe_config(a))

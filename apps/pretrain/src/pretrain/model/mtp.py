@@ -78,17 +78,3 @@ def mtp_loss(a, hidden: torch.Tensor, streams: list[torch.Tensor], layers, embed
         hidden = run_block(layer, hidden)
         total = total + cross_entropy(project(layer.shared_head["norm"](hidden)), targets) / targets.numel()
     return total * (a.mtp_loss_weight / a.mtp_depth)
-
-
-def reference_mtp_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The single-device MTP loss of ``LlamaReference`` for sequence-first ``tokens``/``labels [S, B]``."""
-    a = model.args
-    hidden, _ = model.hidden_states(tokens)
-    streams = [s.t() for s in mtp_streams(labels.t(), a.mtp_depth)]
-
-    def ce(logits, targets):
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-
-    layers = [model.model.layers[j] for j in mtp_layer_ids(a)]
-    return mtp_loss(a, hidden, streams, layers, model.model.embed_tokens, lambda layer, x: layer(x)[0],
-                    model.lm_head, ce)

@@ -1,8 +1,9 @@
-"""The single-device model every parallel layout must reproduce: a Llama-3-style decoder.
+"""The model's full (unsharded) state dict: every tensor's shape and its initial values.
 
-Plain PyTorch, Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight`` ...), so
-the full state dict is the canonical form shared by initialisation, checkpoints and HF import.
-MoE layers (DeepSeek style) use par-moe's single-device reference layer.
+Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight`` ...), so the full state
+dict is the canonical form shared by initialisation, checkpoints and HF import. The initial
+weights are the one thing the plain-PyTorch reference of the tests (tests/plain_llama.py) shares
+with the trainer: they are drawn here once, independently of any layout.
 """
 
 from __future__ import annotations
@@ -12,117 +13,11 @@ import zlib
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-
-from .rope import apply_rope, rope_tables
-
-
-class Attention(nn.Module):
-    def __init__(self, a) -> None:
-        super().__init__()
-        d = a.head_dim
-        self.heads, self.kv_heads, self.head_dim, self.theta, self.scaling = a.heads, a.kv_heads, d, a.rope_theta, a.rope_scaling
-        if a.qk_norm:  # Qwen3: one RMSNorm over each head's query and key, before RoPE
-            self.q_norm, self.k_norm = nn.RMSNorm(d, eps=a.norm_eps), nn.RMSNorm(d, eps=a.norm_eps)
-        self.q_proj = nn.Linear(a.hidden, a.heads * d, bias=False)
-        self.k_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(a.hidden, a.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(a.heads * d, a.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [S, B, H]
-        s, b, _ = x.shape
-        q = self.q_proj(x).view(s, b, self.heads, self.head_dim)
-        k = self.k_proj(x).view(s, b, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(s, b, self.kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_tables(torch.arange(s, device=x.device), self.head_dim, self.theta, x.dtype, self.scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # SDPA wants [B, heads, S, D]; GQA by repeating KV heads.
-        rep = self.heads // self.kv_heads
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def is_moe_layer(a, index: int) -> bool:
     return a.is_moe_layer(index)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, a, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-        if a.attention == "mla":
-            from .mla import MLAttention
-
-            self.self_attn = MLAttention(a)
-        else:
-            self.self_attn = Attention(a)
-        self.post_attention_layernorm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-        if is_moe_layer(a, index):
-            from .moe import reference_moe
-
-            self.mlp = reference_moe(a)
-        else:
-            self.mlp = SwiGLU(a.hidden, a.ffn_hidden)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.self_attn(self.input_layernorm(x))
-        out = self.mlp(self.post_attention_layernorm(x))
-        out, aux = out if isinstance(out, tuple) else (out, x.new_zeros(()))
-        return x + out, aux
-
-
-class Decoder(nn.Module):
-    def __init__(self, a) -> None:
-        super().__init__()
-        from .mtp import add_mtp_parts_, mtp_layer_ids
-
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.layers))
-        self.layers.extend(add_mtp_parts_(DecoderLayer(a, j), a, lambda: nn.RMSNorm(a.hidden, eps=a.norm_eps))
-                           for j in mtp_layer_ids(a))  # multi-token prediction: see mtp.py
-        self.norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
-
-
-class LlamaReference(nn.Module):
-    """``forward(tokens [S, B]) -> (logits [S, B, V], aux_loss)``; HF names under ``model.``."""
-
-    def __init__(self, a) -> None:
-        super().__init__()
-        self.args = a
-        self.model = Decoder(a)
-        self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
-        if a.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def hidden_states(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's output before the final norm, summed aux loss) of the main model."""
-        x = self.model.embed_tokens(tokens)
-        aux = x.new_zeros(())
-        for layer in self.model.layers[: self.args.layers]:
-            x, layer_aux = layer(x)
-            aux = aux + layer_aux
-        return x, aux
-
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, aux = self.hidden_states(tokens)
-        return self.lm_head(self.model.norm(x)), aux
 
 
 def layer_shapes(a, i: int) -> dict[str, tuple[int, ...]]:
@@ -232,9 +127,3 @@ class InitialState(Mapping[str, torch.Tensor]):
 def init_full_state(a, seed: int) -> InitialState:
     """See :class:`InitialState` (a lazy mapping of full tensors)."""
     return InitialState(a, seed)
-
-
-def build_reference(a, seed: int) -> LlamaReference:
-    model = LlamaReference(a)
-    model.load_state_dict(dict(init_full_state(a, seed)))
-    return model

@@ -101,6 +101,10 @@ class ModelConfig:
     backend: str = "torch"  # te = Transformer Engine layers and attention (CUDA, optional)
     attention_backend: str = "auto"  # auto | flash | sdpa | torch: the attention kernel
 
+    def __hash__(self) -> int:  # the planner caches by config; rope_scaling is the one dict field
+        return hash(tuple(sorted(self.rope_scaling.items())) + tuple(
+            v for k, v in self.__dict__.items() if k != "rope_scaling"))
+
     def __post_init__(self) -> None:
         _choice("[model].backend", self.backend, BACKENDS)
         _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)

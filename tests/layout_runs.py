@@ -101,7 +101,7 @@ def assert_same(results, reference, tolerance: float, name: str, noise=None) -> 
 
 def one_rank_first_batch(cfg):
     """A one-rank Trainer, its chunk, a dict that its parameters' gradients land in (by chunk name,
-    read before the DP wrapper moves them into buckets), and step 0's micro-batches."""
+    read before the DP wrapper moves them into buckets), and step 0's MicroBatches."""
     from pretrain.train_loop import Trainer
 
     trainer = Trainer(cfg)
@@ -109,8 +109,8 @@ def one_rank_first_batch(cfg):
     grads = {}
     for name, p in chunk.named_parameters():
         p.register_hook(lambda g, name=name: grads.__setitem__(name, g.clone()))
-    inputs, labels = trainer.microbatches(trainer.sampler.train_batch(0))
-    return trainer, chunk, grads, inputs, labels
+    batch = trainer.microbatches(trainer.sampler.train_batch(0))
+    return trainer, chunk, grads, batch
 
 
 def worst_grad_error(grads: dict, ref_grads: dict) -> float:

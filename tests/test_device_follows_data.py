@@ -43,11 +43,12 @@ def _fake_world(world: int):
 
 def _build(overrides, world, device, monkeypatch):
     from pretrain.config import load_config
+    from par_groups import create_groups
     from pretrain.model.build import build_rank_model
 
     cfg = load_config(None, BASE + overrides)
     layout = cfg.validate_world(world)
-    return cfg, layout, build_rank_model(cfg, layout, device=torch.device(device))
+    return cfg, layout, build_rank_model(cfg, layout, create_groups(layout.grid), device=torch.device(device))
 
 
 def _state_tensors(rank_model) -> dict[str, torch.Tensor]:

@@ -158,8 +158,9 @@ def matches_reference_job():
     # depth 2: the second module reads the first's hidden state and t[i+2], and the loss weight is split
     cfg = load_config(None, MLA + ["train.global_batch=2", "model.mtp_depth=2", 'model.rope_scaling={rope_type = "yarn", '
                                    'factor = 4.0, original_max_position_embeddings = 16, mscale = 1.0, mscale_all_dim = 1.0}'])
-    trainer, chunk, grads, inputs, labels = layout_runs.one_rank_first_batch(cfg)
-    loss = trainer._loss(chunk(inputs[0]), labels[0])
+    trainer, chunk, grads, batch = layout_runs.one_rank_first_batch(cfg)
+    inputs, labels = batch.inputs, batch.labels
+    loss = trainer.loss(chunk(inputs[0]), labels[0], batch)
     loss.backward()
     ref = build_plain(cfg.model, cfg.train.seed)
     logits, _ = ref(inputs[0])

@@ -141,15 +141,16 @@ def grads_job(path, overrides):
     from pretrain.config import load_config
 
     cfg = load_config(None, [*COMMON, f"data.path={path}", *PACKED, "train.global_batch=4", *overrides])
-    trainer, chunk, grads, inputs, labels = one_rank_first_batch(cfg)
-    loss = sum(trainer._loss(trainer._forward_chunk(0, chunk, x, m), y) for m, (x, y) in enumerate(zip(inputs, labels)))
-    (loss / len(inputs)).backward()
+    trainer, chunk, grads, batch = one_rank_first_batch(cfg)
+    loss = sum(trainer.loss(trainer.forward_chunk(batch, 0, chunk, x, m), y, batch)
+               for m, (x, y) in enumerate(zip(batch.inputs, batch.labels)))
+    (loss / len(batch.inputs)).backward()
     ref = build_plain(cfg.model, cfg.train.seed)
     want, _ = each_document_alone(ref, trainer.sampler, 0)
     want.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst = worst_grad_error(grads, ref_grads)
-    return (loss / len(inputs)).item(), want.item(), worst, len(grads), len(ref_grads)
+    return (loss / len(batch.inputs)).item(), want.item(), worst, len(grads), len(ref_grads)
 
 
 @pytest.mark.parametrize("attention", ["gqa", "mla-recompute"])

@@ -44,7 +44,7 @@ def fault_at(phase: str, rank: int, step: int, *run_args) -> dict:
         setattr(owner, name, hurt)
 
     if phase in ("forward", "sigstop"):
-        wrap(Trainer, "_forward_chunk", lambda *a, **k: here())
+        wrap(Trainer, "forward_chunk", lambda *a, **k: here())
     elif phase == "backward":
         wrap(torch.Tensor, "backward", lambda *a, **k: here())
     elif phase == "optimizer":

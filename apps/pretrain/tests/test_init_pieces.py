@@ -53,7 +53,7 @@ def _build_allocations(name: str, overrides: list[str], world: int, rank: int) -
     from pretrain.data import load_dataset
     from pretrain.simulate.memory import MemoryTracker
     from pretrain.simulate.report import simulated_config
-    from pretrain.train_loop import Trainer
+    from pretrain.train_loop import ShapesOnly, Trainer
 
     cfg = load_config(name, overrides)
     cfg, _, _ = simulated_config(cfg, cfg.validate_world(world), all_microbatches=False)
@@ -62,7 +62,7 @@ def _build_allocations(name: str, overrides: list[str], world: int, rank: int) -
     try:
         tracker = MemoryTracker()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-            trainer = Trainer(cfg, dataset=dataset, simulated=True)
+            trainer = Trainer(cfg, dataset=dataset, shapes_only=ShapesOnly())
             held = tracker.total
             shard = max(p.numel() * 4 for p in trainer.model.module.parameters())  # in fp32, as drawn
             kept = max(t.untyped_storage().nbytes() for ts in trainer.model.dp.state_tensors().values() for t in ts)

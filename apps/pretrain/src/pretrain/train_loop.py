@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from par_cp import shard_sequence
-from par_groups import comm
+from par_groups import comm, create_groups
+from par_moe import DeclaredRouting
 from par_tp import vocab_parallel_cross_entropy
 
 from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
@@ -41,16 +43,42 @@ class StepResult:
     timing: dict = field(default_factory=dict)  # where the step's time went ([log] timing; see step_timing.py)
 
 
+@dataclass(frozen=True)
+class MicroBatches:
+    """One step's micro-batches on this rank, as the forward and the loss take them."""
+
+    inputs: list[torch.Tensor]  # token shards [S/cp, micro_batch] (dynamic CP: [T, 1])
+    labels: list[torch.Tensor]  # alike; with MTP [..., 1 + depth] token streams
+    docs: list = field(default_factory=list)  # packed data: each micro-batch's Documents; else empty
+    loss_tokens: float | None = None  # eod_mask_loss / dynamic CP: kept predictions per (rank, micro-batch)
+    cp_imbalance: float | None = None  # dynamic CP: this batch's attention-work imbalance
+
+
+NO_DOCUMENTS = MicroBatches([], [])  # whole sequences (logits, a pipeline's default callbacks)
+
+
+@dataclass(frozen=True)
+class ShapesOnly:
+    """A Trainer on fake tensors (``pretrain plan --simulate``): nothing may depend on a tensor's values.
+    Pipeline messages have a declared shape (no shape header); packed documents and dynamic CP are
+    off (whole sequences: the same shapes); MoE layers route as ``routing`` declares (balanced, or
+    expert 0 ``imbalance`` x its share, see ``par_moe.declared``); attention at cp=1 is one fused
+    SDPA call, as on a GPU (the CPU's block kernels keep fp32 accumulators a GPU never allocates)."""
+
+    routing: DeclaredRouting = DeclaredRouting()
+
+
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
-                 topology=None, simulated: bool = False) -> None:
+                 topology=None, shapes_only: ShapesOnly | None = None) -> None:
         """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
-        ``simulated``: running on fake tensors (``pretrain plan --simulate``): nothing may depend on a
-        tensor's values, so pipeline messages have a declared shape instead of a shape header."""
+        ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`)."""
         from .data import build_sampler
         from .placement import place_groups
+
+        simulated = shapes_only is not None
 
         self.cfg = cfg
         self.device = device or torch.device("cpu")
@@ -60,9 +88,10 @@ class Trainer:
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.placement = place_groups(cfg, layout, topology)  # collective
-        self.model: RankModel = build_rank_model(cfg, layout, full_state, self.device, self.placement)
-        g = self.model.groups
-        self.groups = g
+        self.groups = g = create_groups(self.placement.grid, timeout=timedelta(seconds=cfg.train.timeout_s),
+                                        placement=self.placement.permutation)
+        self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,
+                                                 shapes_only.routing if simulated else None)
         self.fp8_region = fp8_regions(self.kernels, g.tp_dp_cp)  # TE's FP8 autocast for one forward, or a no-op
         self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
@@ -77,17 +106,13 @@ class Trainer:
                 split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
                 shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
                          torch.bfloat16 if self.autocast else torch.float32)
-            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, loss_fn=self._loss,
-                                             device=self.device, message_shape=shape, forward_fn=self._forward_chunk)
-        # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss): the current
-        # batch's per-micro-batch Documents, and the loss's token count (eod_mask_loss); see packing.py.
-        # A simulation cannot read boundaries from fake tokens: it runs whole sequences (same shapes).
+            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, device=self.device,
+                                             message_shape=shape, **self._callbacks(NO_DOCUMENTS))
+        # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss) travel with each
+        # step's MicroBatches (see packing.py).
         self.packed = cfg.data.packed and not simulated
         # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
-        self.cp_imbalance: float | None = None  # the last batch's attention-work imbalance under dynamic CP
-        self._docs: list = []
-        self._loss_tokens: float | None = None
         self.timer = NoTimer()  # the run sets a step_timing.StepTimer under [log] timing
 
     # ---- data ------------------------------------------------------------------------------
@@ -96,39 +121,39 @@ class Trainer:
         x = shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
         return x.to(self.device, non_blocking=True)
 
-    def microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sequence-first CP shards; with MTP the labels carry its token streams too ``[S/cp, B, 1 + 2D]``.
-        Also takes the batch's packed documents (see :meth:`_take_documents`)."""
+    def microbatches(self, batch) -> MicroBatches:
+        """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry
+        its token streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents."""
         if self.span_groups is not None:
             return self._dynamic_microbatches(batch)
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
         if self.packed:
-            return inputs, self._take_documents(batch)
+            return self._packed_microbatches(batch, inputs)
         if not depth:
-            return inputs, [self._shard(batch.labels[m]) for m in range(n)]
+            return MicroBatches(inputs, [self._shard(batch.labels[m]) for m in range(n)])
         streams = [[batch.labels[m]] + mtp_streams(batch.labels[m], depth) for m in range(n)]
-        return inputs, [torch.stack([self._shard(s) for s in group], dim=-1) for group in streams]
+        return MicroBatches(inputs, [torch.stack([self._shard(s) for s in group], dim=-1) for group in streams])
 
-    def _take_documents(self, batch) -> list[torch.Tensor]:
-        """Keep each micro-batch's :class:`Documents` for the forward; return the labels, with the
-        prediction at each EOS dropped under eod_mask_loss, and count the tokens the loss averages."""
+    def _packed_microbatches(self, batch, inputs: list[torch.Tensor]) -> MicroBatches:
+        """Each micro-batch's :class:`Documents`; the labels with the prediction at each EOS dropped
+        under eod_mask_loss, and the count of tokens the loss averages."""
         d, n = self.cfg.data, batch.tokens.shape[0]
-        self._docs, labels = [], []
+        docs, labels = [], []
         for m in range(n):
             segments = batch.input_segments[m]
-            self._docs.append(Documents(
+            docs.append(Documents(
                 cu_seqlens(segments) if d.document_mask else None,
                 self._shard(positions_within_documents(segments)) if d.reset_position_ids else None))
             y = batch.labels[m]
             labels.append(self._shard(mask_eod_labels(batch.inputs[m], y, self.sampler.dataset.eos)
                                       if d.eod_mask_loss else y))
-        self._loss_tokens = None
+        loss_tokens = None
         if d.eod_mask_loss:  # the global batch's kept predictions, as the share of one (rank, micro-batch)
             kept = torch.stack([(y != IGNORE).sum() for y in labels]).sum().reshape(1).double()
             comm.all_reduce(kept, self.groups.dp_cp)
-            self._loss_tokens = kept.item() / (self.groups.size("dp_cp") * n)
-        return labels
+            loss_tokens = kept.item() / (self.groups.size("dp_cp") * n)
+        return MicroBatches(inputs, labels, docs, loss_tokens)
 
     def _batch(self, step: int, eval: bool = False):
         """This rank's batch; under dynamic CP the global one (every rank plans all of it)."""
@@ -137,28 +162,27 @@ class Trainer:
             return s.global_eval_batch(step) if eval else s.global_train_batch(step)
         return s.eval_batch(step) if eval else s.train_batch(step)
 
-    def _dynamic_microbatches(self, batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _dynamic_microbatches(self, batch) -> MicroBatches:
         """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
         p, d = self.cfg.parallel, self.cfg.data
         rounds, kept, work = plan_step(batch, self.sampler.dataset.eos, d.eod_mask_loss, p.max_seq_per_rank,
                                        self.span_groups)
-        self.cp_imbalance = imbalance(work)
-        self._docs = [replace(docs, positions=docs.positions.to(self.device)) for _, _, docs in rounds]
-        self._loss_tokens = kept / (self.groups.size("dp_cp") * len(rounds))
-        return [x.to(self.device) for x, _, _ in rounds], [y.to(self.device) for _, y, _ in rounds]
+        return MicroBatches([x.to(self.device) for x, _, _ in rounds], [y.to(self.device) for _, y, _ in rounds],
+                            [replace(docs, positions=docs.positions.to(self.device)) for _, _, docs in rounds],
+                            kept / (self.groups.size("dp_cp") * len(rounds)), imbalance(work))
 
-    def _forward_chunk(self, chunk_id: int, module, x: torch.Tensor, microbatch: int):
-        """The pipeline's call of one chunk, with that micro-batch's packed documents when there are any,
-        in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
+    def forward_chunk(self, batch: MicroBatches, chunk_id: int, module, x: torch.Tensor, microbatch: int):
+        """One chunk's forward of micro-batch ``microbatch`` of ``batch``, with its packed documents when
+        there are any, in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
         with self.fp8_region():
-            return module(x, docs=self._docs[microbatch]) if self._docs else module(x)
+            return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
-    def _loss(self, out, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, out, labels: torch.Tensor, batch: MicroBatches = NO_DOCUMENTS) -> torch.Tensor:
         """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart).
         Under eod_mask_loss: this rank's sum over kept predictions divided by the global batch's count
         per (rank, micro-batch), so the mean over micro-batches and dp x cp ranks is the one-rank loss."""
-        if self._loss_tokens is not None:
-            return vocab_parallel_cross_entropy(out, labels, self.groups.tp, reduction="sum") / self._loss_tokens
+        if batch.loss_tokens is not None:
+            return vocab_parallel_cross_entropy(out, labels, self.groups.tp, reduction="sum") / batch.loss_tokens
         if not self.cfg.model.mtp_depth:
             return vocab_parallel_cross_entropy(out, labels, self.groups.tp)  # in fp32 inside
         (logits, hidden), streams = out, list(labels.unbind(-1))
@@ -167,29 +191,34 @@ class Trainer:
             extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
         return loss + (extra - extra.detach())
 
+    def _callbacks(self, batch: MicroBatches) -> dict:
+        """The pipeline's forward and loss for this batch (par-pp calls them per action)."""
+        return {"forward_fn": lambda c, module, x, m: self.forward_chunk(batch, c, module, x, m),
+                "loss_fn": lambda out, labels: self.loss(out, labels, batch)}
+
     # ---- one step --------------------------------------------------------------------------
-    def _forward_backward(self, inputs, labels) -> list[torch.Tensor]:
+    def _forward_backward(self, batch: MicroBatches) -> list[torch.Tensor]:
         """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
         with self._compute_context():
-            return self._run_microbatches(inputs, labels)
+            return self._run_microbatches(batch)
 
     def _compute_context(self):
-        """bf16 autocast (when the run is bf16); each chunk's forward adds FP8 inside it (_forward_chunk)."""
+        """bf16 autocast (when the run is bf16); each chunk's forward adds FP8 inside it (forward_chunk)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
-    def _run_microbatches(self, inputs, labels) -> list[torch.Tensor]:
-        dp, n = self.model.dp, len(inputs)
+    def _run_microbatches(self, batch: MicroBatches) -> list[torch.Tensor]:
+        dp, n = self.model.dp, len(batch.inputs)
         if self.executor is not None:
             dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
             start = time.perf_counter()
-            losses = self.executor.step(inputs, labels)
+            losses = self.executor.step(batch.inputs, batch.labels, **self._callbacks(batch))
             self.timer.pipeline(self.executor.records, time.perf_counter() - start)
             dp.reduce_grads()
             return [l.detach() for l in losses] if losses else []
         losses = []
         for m in range(n):
             dp.set_grad_sync(m == n - 1)
-            loss = self._loss(self._forward_chunk(0, dp, inputs[m], m), labels[m])
+            loss = self.loss(self.forward_chunk(batch, 0, dp, batch.inputs[m], m), batch.labels[m], batch)
             (loss / n).backward()
             losses.append(loss.detach())
         dp.set_grad_sync(True)
@@ -215,9 +244,9 @@ class Trainer:
         self.model.module.train()
         timer = self.timer
         timer.start()
-        inputs, labels = self.microbatches(self._batch(step))
+        batch = self.microbatches(self._batch(step))
         timer.lap("data")
-        losses = self._forward_backward(inputs, labels)
+        losses = self._forward_backward(batch)
         timer.lap("fwd_bwd")
         dp.sum_partial_grads()
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
@@ -235,8 +264,8 @@ class Trainer:
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
-        if self.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
-            moe["cp_imbalance"] = self.cp_imbalance
+        if batch.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
+            moe["cp_imbalance"] = batch.cp_imbalance
         timer.lap("optimizer")
         return StepResult(step, loss, lr, float(norm), tokens, moe, timing=timer.finish())
 
@@ -262,7 +291,6 @@ class Trainer:
         if self.cp_size > 1:
             raise ValueError("Trainer.logits runs with cp=1 only")
         self.model.module.eval()
-        self._docs = []  # whole sequences, whatever the last batch packed
         x0 = tokens.t().contiguous().to(self.device)
         s, b = x0.shape
         last = self.model.num_chunks - 1
@@ -270,7 +298,7 @@ class Trainer:
             out = self.model.dp(x0)
             out = out[0] if isinstance(out, tuple) else out
         else:
-            outs = self.executor.forward([x0])
+            outs = self.executor.forward([x0])  # the constructor's callbacks: whole sequences
             out = outs[0] if outs else None
             out = out[0] if isinstance(out, tuple) else out  # MTP: (logits, hidden)
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
@@ -290,12 +318,13 @@ class Trainer:
         losses = []
         with self._compute_context():
             for index in range(batches):
-                inputs, labels = self.microbatches(self._batch(index, eval=True))
+                batch = self.microbatches(self._batch(index, eval=True))
                 if self.executor is not None:  # the last chunk's rank gets the logits
-                    losses += [self._loss(x, y) for x, y in zip(self.executor.forward(inputs), labels)]
+                    outs = self.executor.forward(batch.inputs, forward_fn=self._callbacks(batch)["forward_fn"])
+                    losses += [self.loss(x, y, batch) for x, y in zip(outs, batch.labels)]
                 else:
-                    losses += [self._loss(self._forward_chunk(0, self.model.dp, x, m), y)
-                               for m, (x, y) in enumerate(zip(inputs, labels))]
+                    losses += [self.loss(self.forward_chunk(batch, 0, self.model.dp, x, m), y, batch)
+                               for m, (x, y) in enumerate(zip(batch.inputs, batch.labels))]
         self.model.module.train()
         return self._mean_loss(losses)
 

@@ -4,8 +4,9 @@ from .comm import CommRecord, CommRecorder
 from .watch import CommWatch
 from .grid import LayoutError, RankGrid
 from .groups import ParallelGroups, create_groups, device_mesh
+from .fake_world import fake_world
 
-__all__ = ["CommRecord", "CommRecorder", "CommWatch", "LayoutError", "ParallelGroups", "RankGrid", "create_groups", "device_mesh"]
+__all__ = ["CommRecord", "CommRecorder", "CommWatch", "LayoutError", "ParallelGroups", "RankGrid", "create_groups", "device_mesh", "fake_world"]
 
 # Topology (NVML detection or a description) and group placement; more in par_groups.topology.
 from .topology import Placement, Topology, gather_topology, place  # noqa: E402

@@ -14,7 +14,9 @@ Each rank walks its action list in order:
 
 Gradients accumulate into the chunks' parameters (zero them between optimizer steps); the caller
 runs the optimizer. Per-microbatch extra inputs (position ids, masks) reach a chunk through
-``forward_fn(chunk_id, module, x, microbatch)``, e.g. a closure indexing the caller's lists.
+``forward_fn(chunk_id, module, x, microbatch)``, e.g. a closure over this step's batch: given to the
+constructor, or to :meth:`PipelineExecutor.step` / :meth:`PipelineExecutor.forward` for one call
+(with ``loss_fn`` too), so a caller keeps no per-step state for the callbacks to read.
 """
 
 from __future__ import annotations
@@ -126,11 +128,15 @@ class PipelineExecutor:
         self._plan = [(a, schedule.input_message(a), schedule.output_message(a)) for a in schedule.ranks[self.rank]]
         self.records: list[ActionRecord] = []
 
-    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, *,
+             forward_fn: Callable | None = None, loss_fn: Callable | None = None) -> list[torch.Tensor]:
         """Forward and backward over every microbatch; returns the unscaled per-microbatch losses
         (on the rank holding the last chunk, else ``[]``). ``inputs`` are needed on the rank of
-        chunk 0, ``targets`` on the rank of the last chunk, one per microbatch."""
+        chunk 0, ``targets`` on the rank of the last chunk, one per microbatch. ``forward_fn`` and
+        ``loss_fn``, when given, replace the constructor's for this step."""
         s = self.schedule
+        self._step_forward_fn = forward_fn or self.forward_fn
+        self._step_loss_fn = loss_fn or self.loss_fn
         for name, items, chunk in (("inputs", inputs, 0), ("targets", targets, s.last_chunk)):
             if chunk in self.chunks and (items is None or len(items) != s.microbatches):
                 raise ValueError(f"rank {self.rank} holds chunk {chunk} and needs {s.microbatches} {name}, got {None if items is None else len(items)}")
@@ -155,11 +161,14 @@ class PipelineExecutor:
         return [self._losses[m] for m in sorted(self._losses)]
 
     @torch.no_grad()
-    def forward(self, inputs: list[torch.Tensor] | None, microbatches: int | None = None) -> list[torch.Tensor]:
+    def forward(self, inputs: list[torch.Tensor] | None, microbatches: int | None = None, *,
+                forward_fn: Callable | None = None) -> list[torch.Tensor]:
         """Forward only (evaluation, inference): the schedule's F actions for the first
         ``microbatches`` (default ``len(inputs)``; every rank must agree), no graph, no loss.
-        Returns the last chunk's outputs, one per microbatch, on its rank (else ``[]``)."""
+        Returns the last chunk's outputs, one per microbatch, on its rank (else ``[]``).
+        ``forward_fn``, when given, replaces the constructor's for this call."""
         s = self.schedule
+        forward_fn = forward_fn or self.forward_fn
         n = len(inputs) if microbatches is None else microbatches
         if not 0 < n <= s.microbatches:
             raise ValueError(f"forward runs 1..{s.microbatches} microbatches (the schedule's), got {n}")
@@ -171,7 +180,7 @@ class PipelineExecutor:
             m, c = a.microbatch, a.chunk
             message = fwd.input_message(a)
             x = inputs[m] if c == 0 else stage.recv(message) if message is not None else local.pop((m, c))
-            y = self.forward_fn(c, self.chunks[c], x, m)
+            y = forward_fn(c, self.chunks[c], x, m)
             if c == fwd.last_chunk:
                 outputs[m] = y
             elif (out := fwd.output_message(a)) is not None:
@@ -207,9 +216,9 @@ class PipelineExecutor:
             x = self._receive(a, inbox).detach().requires_grad_(True)
         self._compute_start = time.perf_counter()
         with torch.enable_grad():
-            y = self.forward_fn(c, self.chunks[c], x, m)
+            y = self._step_forward_fn(c, self.chunks[c], x, m)
             if c == self.schedule.last_chunk:
-                loss = self.loss_fn(y, self._targets[m])
+                loss = self._step_loss_fn(y, self._targets[m])
                 self._losses[m] = loss.detach()
                 y = loss / self.schedule.microbatches
         self._live[(m, c)] = _Live(x, y)

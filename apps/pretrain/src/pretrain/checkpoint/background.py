@@ -28,7 +28,7 @@ from par_zero import PiecesSavePlanner
 
 from .faults import removed_if_disk_full
 from .integrity import digests, rank_files
-from .store import _checkpoint_dict, _finalise, _prepare, _quiet, _rank, gather_digests, rng_state, trainer_state
+from .store import checkpoint_tensors, _finalise, _prepare, _quiet, _rank, gather_digests, rng_state, trainer_state
 
 
 class _AlreadyStaged(AsyncStager):
@@ -69,7 +69,7 @@ def start_async_save(trainer, root: str | Path, step: int, keep: int, group) -> 
     used for nothing but checkpoints."""
     root = Path(root)
     final, tmp = _prepare(root, step)
-    sd = _checkpoint_dict(trainer, with_optim=True, copy=True)
+    sd = checkpoint_tensors(trainer, with_optim=True, copy=True)
     with removed_if_disk_full(tmp):
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     response = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=group, async_stager=_AlreadyStaged(),

@@ -97,7 +97,7 @@ def unpadded(pieces: Pieces, shape: tuple[int, ...] | None) -> Pieces:
     return Pieces(tuple(shape), boxes)
 
 
-def _checkpoint_dict(trainer, with_optim: bool, copy: bool = False) -> dict[str, Pieces]:
+def checkpoint_tensors(trainer, with_optim: bool, copy: bool = False) -> dict[str, Pieces]:
     """What this rank writes; ``copy``: private CPU copies, for a write that runs while training goes on."""
     sd = _pieces(trainer, with_optim)
     return {k: v.to_cpu_copy() for k, v in sd.items()} if copy else sd
@@ -158,7 +158,7 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path
     """Write ``root/step_<step>`` (all ranks call it); returns its path."""
     root = Path(root)
     final, tmp = _prepare(root, step)
-    sd = _checkpoint_dict(trainer, with_optim=True)
+    sd = checkpoint_tensors(trainer, with_optim=True)
     with removed_if_disk_full(tmp):
         save_pieces(sd, str(tmp))
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")

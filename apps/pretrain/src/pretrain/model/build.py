@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from par_groups import ParallelGroups, create_groups, declare_copies_, placement_of
+from par_groups import ParallelGroups, declare_copies_, placement_of
 from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
@@ -64,14 +64,15 @@ def chunk_layout(cfg, layout, pp_rank: int):
     return schedule, list(chunks_on_rank(schedule, pp_rank)), ranges
 
 
-def build_rank_model(cfg, layout, full_state: dict[str, torch.Tensor] | None = None,
-                     device: torch.device = torch.device("cpu"), placement=None) -> RankModel:
-    """``placement``: a :class:`pretrain.placement.RunPlacement` (grid + rank permutation); None = as configured."""
+def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, torch.Tensor] | None = None,
+                     device: torch.device = torch.device("cpu"), declared_routing=None) -> RankModel:
+    """This rank's model in ``groups`` (made from the layout's grid under the run's rank permutation).
+    ``declared_routing``: a run on fake tensors (``train_loop.ShapesOnly``): MoE layers route as it
+    declares and attention at cp=1 is one fused call."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
-    grid = placement.grid if placement is not None else layout.grid
-    groups = create_groups(grid, timeout=timeout, placement=placement.permutation if placement is not None else None)
     rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
-                    cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap)
+                    cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
+                    declared_routing=declared_routing, fused_attention_on_cpu=declared_routing is not None)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)

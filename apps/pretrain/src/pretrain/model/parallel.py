@@ -51,6 +51,10 @@ class RankLayout:
     attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
     tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
+    # A run on fake tensors (plan --simulate; see train_loop.ShapesOnly): MoE layers route as declared
+    # (par_moe.DeclaredRouting), attention at cp=1 is one fused SDPA call on the CPU too, as on a GPU.
+    declared_routing: object | None = None
+    fused_attention_on_cpu: bool = False
 
 
 def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
@@ -61,8 +65,10 @@ def context_attention(layout: RankLayout, softmax_scale: float | None = None) ->
         return TEContextAttention(layout, softmax_scale)
     if layout.cp_mode == "a2a+p2p":
         return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
-                                        softmax_scale=softmax_scale, backend=layout.attention_backend)
-    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale, backend=layout.attention_backend)
+                                        softmax_scale=softmax_scale, backend=layout.attention_backend,
+                                        dense_on_cpu=layout.fused_attention_on_cpu)
+    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale,
+                                    backend=layout.attention_backend, dense_on_cpu=layout.fused_attention_on_cpu)
 
 
 class RopeThenContextAttention(nn.Module):
@@ -135,7 +141,7 @@ class ParallelDecoderLayer(nn.Module):
             # Router and shared experts: copies over TP, seeing this rank's sequence shard under SP.
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if sp else (g.dp_cp, g.cp)
             self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
-                                copies=g.tp, partial_grad=sp)
+                                copies=g.tp, partial_grad=sp, routing=layout.declared_routing)
         else:
             self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over

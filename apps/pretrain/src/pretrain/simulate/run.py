@@ -14,7 +14,6 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from par_moe import DeclaredRouting
 
@@ -51,20 +50,6 @@ def _group_names(groups) -> dict[int, str]:
     return names
 
 
-def prepare_for_fake_tensors_(model, imbalance: float) -> None:
-    """What a run on fake CPU tensors needs to take a GPU's path: MoE layers route as declared (fake
-    tensors carry no router choices to count), and attention at cp=1 is one fused SDPA call, as on
-    a GPU (the CPU's block kernels keep fp32 accumulators a GPU never allocates)."""
-    from par_cp import ContextParallelAttention
-    from par_moe import DeclaredRouting, MoELayer
-
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.routing = DeclaredRouting(imbalance)
-        elif isinstance(module, ContextParallelAttention):
-            module.dense_on_cpu = True
-
-
 def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0, on_phase=lambda name: None) -> dict:
     """Run one training step and a checkpoint build as rank ``rank`` of ``world``; measured and planned bytes.
     MoE layers route as declared (see ``par_moe.declared``): balanced, or expert 0 ``imbalance`` x its share.
@@ -76,27 +61,24 @@ def simulate_rank(cfg, world: int, rank: int, imbalance: float = 1.0, on_phase=l
 
 def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from par_groups import comm
+    from par_groups import comm, fake_world
 
-    from ..checkpoint.store import _checkpoint_dict
+    from ..checkpoint.store import checkpoint_tensors
     from ..data import load_dataset
-    from ..train_loop import Trainer
+    from ..train_loop import ShapesOnly, Trainer
 
     layout = cfg.validate_world(world)
     check_rank(rank, world)
     dataset = load_dataset(dataclasses.replace(cfg.data, path="", blend=[]), cfg.model.vocab_size)  # shapes only: embedded data
     timings = {}
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
+    with fake_world(rank, world):
         tracker = MemoryTracker()
         t0 = time.perf_counter()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
             on_phase("build")
             tracker.phase = "other"
-            trainer = Trainer(cfg, dataset=dataset, simulated=True)
-            prepare_for_fake_tensors_(trainer.model.module, imbalance)
+            trainer = Trainer(cfg, dataset=dataset, shapes_only=ShapesOnly(DeclaredRouting(imbalance)))
             build = tracker.snapshot()
             timings["build_s"] = time.perf_counter() - t0
             tracker.retag(_state_tensors(trainer.model.dp))
@@ -113,7 +95,7 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             on_phase("save")
             t2 = time.perf_counter()
             with comm.CommRecorder() as save_rec:
-                tensors = _checkpoint_dict(trainer, with_optim=True)
+                tensors = checkpoint_tensors(trainer, with_optim=True)
             save = tracker.snapshot()
             del tensors
             timings["save_s"] = time.perf_counter() - t2
@@ -131,8 +113,6 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             "collectives": _summarize(rec.records, names), "save_collectives": _summarize(save_rec.records, names),
             "timings_s": timings,
         }
-    finally:
-        dist.destroy_process_group()
 
 
 def _summarize(records, names: dict[int, str]) -> list[dict]:

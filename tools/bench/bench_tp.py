@@ -111,8 +111,7 @@ def bench_rank(sp: bool, repeats: int, warmup: int):
     from torch_comm import TorchCommBytes
 
     from par_groups import CommRecorder
-    from par_tp import allreduce_tp_replicated_grads
-    from par_tp.testing import TPTransformerBlock
+    from par_tp.testing import TPTransformerBlock, sum_partial_grads_of_
 
     torch.manual_seed(0)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -127,7 +126,7 @@ def bench_rank(sp: bool, repeats: int, warmup: int):
     def step_ours():
         ours.zero_grad(set_to_none=True)
         ours(x).sum().backward()
-        allreduce_tp_replicated_grads(ours, group)
+        sum_partial_grads_of_(ours)
 
     def step_peer():
         peer.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """A TP / SP transformer block equals the single-device block: output, input grad, every param grad.
 
 One 4-rank job runs every case (TP = 1, 2, 4 from sub-groups of the world, with and without
-SP, MHA and GQA with KV heads split or replicated, dropout) against a reference written here in
+SP, MHA and GQA with KV heads split or replicated) against a reference written here in
 plain torch; it also records the collectives and the activations the norms save.
 """
 
@@ -13,22 +13,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from par_groups import CommRecorder
-from par_tp import allreduce_tp_replicated_grads, tp_local_grad_norm_sq
-from par_tp.testing import TPTransformerBlock, relative_error, tp_group_of_size
+from par_tp.testing import TPTransformerBlock, counted_grad_norm_sq, relative_error, sum_partial_grads_of_, tp_group_of_size
 
 S, B, D, FFN = 8, 2, 4, 32
 # (name, num_heads, num_kv_heads)
 HEADS = [("mha", 4, 4), ("gqa4x2", 4, 2), ("gqa8x1", 8, 1)]
-CASES = [(tp, sp, h) for tp in (1, 2, 4) for sp in (False, True) for h in HEADS] + [(2, False, HEADS[1]), (4, True, HEADS[1])]
-DROPOUT_CASES = {len(CASES) - 2, len(CASES) - 1}  # these two repeat a layout with dropout
+CASES = [(tp, sp, h) for tp in (1, 2, 4) for sp in (False, True) for h in HEADS]
 CASES += [(2, True, HEADS[1]), (4, True, HEADS[2])]
 OVERLAP_CASES = {len(CASES) - 2, len(CASES) - 1}  # these two with tp_comm_overlap (ring p2p collectives)
 
 
 def case_id(i):
     tp, sp, (name, _, _) = CASES[i]
-    return (f"tp={tp}-{'sp' if sp else 'nosp'}-{name}" + ("-dropout" if i in DROPOUT_CASES else "")
-            + ("-overlap" if i in OVERLAP_CASES else ""))
+    return f"tp={tp}-{'sp' if sp else 'nosp'}-{name}" + ("-overlap" if i in OVERLAP_CASES else "")
 
 
 
@@ -42,11 +39,8 @@ def full_weights(hidden, hq, hkv, seed):
     }
 
 
-def reference_block(x, w, hq, hkv, p=0.0, gen=None):
+def reference_block(x, w, hq, hkv):
     """Single-device pre-norm block in plain torch (explicit softmax attention, GQA by index)."""
-    def drop(t):
-        return t if p == 0.0 else t * torch.empty(t.shape).bernoulli_(1 - p, generator=gen) / (1 - p)
-
     hidden = x.shape[-1]
     a = F.layer_norm(x, (hidden,), w["norm1.weight"], w["norm1.bias"])
     q = (a @ w["wq"].T).view(S, B, hq, D)
@@ -56,9 +50,9 @@ def reference_block(x, w, hq, hkv, p=0.0, gen=None):
     scores = torch.einsum("sbhd,tbhd->bhst", q, k[:, :, kv_of]) / math.sqrt(D)
     scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     o = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v[:, :, kv_of]).reshape(S, B, hq * D)
-    h = x + drop(o @ w["wo"].T)
+    h = x + o @ w["wo"].T
     m = F.layer_norm(h, (hidden,), w["norm2.weight"], w["norm2.bias"])
-    return h + drop((F.silu(m @ w["w_gate"].T) * (m @ w["w_up"].T)) @ w["w_down"].T)
+    return h + (F.silu(m @ w["w_gate"].T) * (m @ w["w_up"].T)) @ w["w_down"].T
 
 
 def local_shard_of(name, full, tp, r, hkv):
@@ -92,7 +86,7 @@ def run_block_cases():
     results = {}
     for i, (tp, sp, (name, hq, hkv)) in enumerate(CASES):
         group, r = groups[tp], dist.get_rank(groups[tp])
-        hidden, p = hq * D, (0.1 if i in DROPOUT_CASES else 0.0)
+        hidden = hq * D
         w = full_weights(hidden, hq, hkv, seed=i)
         gen = torch.Generator().manual_seed(100 + i)
         x_full = torch.randn(S, B, hidden, generator=gen)
@@ -100,11 +94,10 @@ def run_block_cases():
 
         xr = x_full.clone().requires_grad_(True)
         wr = {k: v.clone().requires_grad_(True) for k, v in w.items()}
-        ref = reference_block(xr, wr, hq, hkv, p, torch.Generator().manual_seed(7))
+        ref = reference_block(xr, wr, hq, hkv)
         ref.backward(grad_out)
 
         block = TPTransformerBlock(hidden, hq, hkv, FFN, group, sequence_parallel=sp,
-                                   dropout_p=p, generator=torch.Generator().manual_seed(7),
                                    comm_overlap=i in OVERLAP_CASES).load_full_(w)
         shard = (lambda t: t.chunk(tp, 0)[r]) if sp else (lambda t: t)
         x = shard(x_full).clone().requires_grad_(True)
@@ -112,7 +105,7 @@ def run_block_cases():
             out = block(x)
         with CommRecorder() as bwd:
             out.backward(shard(grad_out))
-        allreduce_tp_replicated_grads(block, group)
+        sum_partial_grads_of_(block)
 
         # activation memory of the norm regions: bytes the norms save for backward (params excluded)
         saved = []
@@ -128,7 +121,7 @@ def run_block_cases():
         for pname, param in param_grads(block).items():
             errs[pname] = relative_error(param.grad, local_shard_of(pname, wr[pname].grad, tp, r, hkv))
         # the grad-norm shares of the TP ranks add up to the single-device grad norm
-        share = tp_local_grad_norm_sq(block)
+        share = counted_grad_norm_sq(block)
         dist.all_reduce(share, group=group)
         errs["grad_norm_sq"] = relative_error(share, sum(t.grad.pow(2).sum() for t in wr.values()))
         record = lambda rec: [(c.op, c.group_size, c.bytes, c.wire_bytes) for c in rec.records]  # noqa: E731
@@ -182,7 +175,7 @@ def test_tp1_block_communicates_nothing(block_results):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallel_norm_saves_s_over_tp_activations(block_results, tp):
-    nosp = next(i for i, c in enumerate(CASES) if c[:2] == (tp, False) and i not in DROPOUT_CASES)
+    nosp = next(i for i, c in enumerate(CASES) if c[:2] == (tp, False))
     sp = next(i for i, c in enumerate(CASES) if c[:2] == (tp, True) and c[2] == CASES[nosp][2])
     full, split = block_results[0][nosp]["norm_saved"], block_results[0][sp]["norm_saved"]
     assert full >= block_results[0][nosp]["act_bytes"]  # at least its [S, B, H] input

@@ -1,4 +1,4 @@
-"""Layers, loss, collectives, sharding and RNG of par-tp against plain single-device torch.
+"""Layers, loss, collectives and sharding of par-tp against plain single-device torch.
 
 One 4-rank job checks every case at TP = 1, 2, 4 (sub-groups of the world) and returns the
 relative errors; the tests below assert on them.
@@ -13,15 +13,13 @@ from par_groups import CommRecorder
 from par_tp import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TensorParallelRNG,
     TPAttention,
     VocabParallelEmbedding,
-    allreduce_tp_replicated_grads,
     gather_from_sequence_parallel,
     scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
-from par_tp.testing import relative_error, tp_group_of_size
+from par_tp.testing import relative_error, sum_partial_grads_of_, tp_group_of_size
 
 TPS = (1, 2, 4)
 S, B, H, V = 8, 2, 12, 16
@@ -76,7 +74,7 @@ def linear_cases(group, tp, r, errs):
         out = row(xi)
         o_up = up.chunk(tp, 0)[r] if sp else up
         (out * o_up).sum().backward()
-        allreduce_tp_replicated_grads(row, group)
+        sum_partial_grads_of_(row)
         ref_out = F.linear(x, w, b)
         errs[f"row-{'sp' if sp else 'full_input'}[tp={tp}]"] = max(
             relative_error(out.detach(), ref_out.chunk(tp, 0)[r] if sp else ref_out),
@@ -121,23 +119,12 @@ def attention_roundtrip_cases(group, tp, r, errs):
         errs[f"attention-full-weights-roundtrip[tp={tp}-{hq}x{hkv}]"] = max(relative_error(back[k], full[k]) for k in full)
 
 
-def rng_cases(group, tp, r, errs):
-    rng = TensorParallelRNG(1234, group)
-    draws = torch.stack([torch.rand(4, generator=rng.replicated), torch.rand(4, generator=rng.tensor_parallel)])
-    gathered = [torch.empty_like(draws) for _ in range(tp)]
-    dist.all_gather(gathered, draws, group=group)
-    errs[f"rng[tp={tp}]"] = {
-        "replicated_equal": all(torch.equal(t[0], gathered[0][0]) for t in gathered),
-        "tensor_parallel_distinct": len({tuple(t[1].tolist()) for t in gathered}) == tp,
-    }
-
-
 def run_layer_cases():
     groups = {tp: tp_group_of_size(tp) for tp in TPS}
     errs = {}
     for tp in TPS:
         group, r = groups[tp], dist.get_rank(groups[tp])
-        for fn in (loss_cases, linear_cases, embedding_cases, sequence_entry_exit_cases, attention_roundtrip_cases, rng_cases):
+        for fn in (loss_cases, linear_cases, embedding_cases, sequence_entry_exit_cases, attention_roundtrip_cases):
             fn(group, tp, r, errs)
     errs["errors"] = run_error_cases(groups)
     return errs
@@ -198,12 +185,6 @@ def test_vocab_parallel_loss_uses_two_all_reduces(layer_results, tp):
 def test_sequence_entry_exit_collectives(layer_results, tp):
     # forward: all-gather; backward of a replicated consumer: a split (no comm) then the scatter's all-gather
     assert layer_results[0][f"sp-entry-exit-collectives[tp={tp}]"] == ["all_gather", "all_gather"]
-
-
-@pytest.mark.parametrize("tp", TPS)
-def test_rng_streams_replicated_and_per_rank(layer_results, tp):
-    for errs in layer_results:
-        assert errs[f"rng[tp={tp}]"] == {"replicated_equal": True, "tensor_parallel_distinct": True}
 
 
 def test_clear_errors(layer_results):

@@ -93,14 +93,6 @@ class ParallelGroups:
     def rank_in(self, name: str) -> int:
         return self.ranks[name].index(self.rank)
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.rank_in("pp") == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.rank_in("pp") == self.size("pp") - 1
-
 
 def create_groups(
     grid: RankGrid,

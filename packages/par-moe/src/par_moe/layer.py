@@ -205,8 +205,3 @@ class MoELayer(nn.Module):
             *((shared.w_gate, shared.w_up, shared.w_down) if shared is not None else (None, None, None)),
             expert_bias=reference.router.expert_bias,
         )
-
-    @classmethod
-    def from_groups(cls, config: MoEConfig, groups, aux_group: ProcessGroup | None = None) -> "MoELayer":
-        """Build from a ``par_groups.ParallelGroups`` (its expert view: ep and etp groups)."""
-        return cls(config, groups.ep, groups.etp, aux_group)

@@ -1,7 +1,7 @@
 """par-tp: tensor and sequence parallelism (Megatron-style), sequence-first ``[S, B, H]`` activations.
 
 Column-parallel then row-parallel layers need one reduction per block; with sequence
-parallelism that all-reduce becomes reduce-scatter + all-gather and norms/dropout run on
+parallelism that all-reduce becomes reduce-scatter + all-gather and norms run on
 ``[S/tp, B, H]``. Every function and module takes its TP ``ProcessGroup`` explicitly.
 """
 
@@ -18,11 +18,9 @@ from .comm import (
     scatter_to_tensor_parallel_region,
 )
 from .embedding import VocabParallelEmbedding
-from .grads import allreduce_tp_replicated_grads, tp_local_grad_norm_sq
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
 from .mlp import TPSwiGLU
-from .rng import TensorParallelRNG, dropout, sharded_dropout
 from .sharding import gather_kv_heads, gather_tensor, kv_head_layout, shard_kv_heads, shard_tensor
 
 __all__ = [
@@ -30,12 +28,9 @@ __all__ = [
     "RowParallelLinear",
     "TPAttention",
     "TPSwiGLU",
-    "TensorParallelRNG",
     "VocabParallelEmbedding",
-    "allreduce_tp_replicated_grads",
     "causal_attention",
     "copy_to_tensor_parallel_region",
-    "dropout",
     "enter_tensor_parallel_region",
     "exit_tensor_parallel_region",
     "gather_from_sequence_parallel",
@@ -49,8 +44,6 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "shard_kv_heads",
     "shard_tensor",
-    "sharded_dropout",
-    "tp_local_grad_norm_sq",
     "validate_heads",
     "vocab_parallel_cross_entropy",
 ]

@@ -7,7 +7,7 @@ Rank r holds query heads ``[r*Hq/tp, (r+1)*Hq/tp)``. KV heads (grouped-query att
 the same way when tp divides Hkv; when Hkv < tp each rank holds the one KV head its query heads
 use, so each KV head is replicated on ``tp/Hkv`` ranks. Those replicas see only their own query
 heads' gradient: their placement declares them partial copies, and their grads are summed by
-``allreduce_tp_replicated_grads`` (or the data-parallel wrapper), so replicas stay identical.
+``par_groups.sum_partial_grads_`` (par-zero's data-parallel wrapper calls it), so replicas stay identical.
 """
 
 from __future__ import annotations

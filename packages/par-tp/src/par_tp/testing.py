@@ -1,8 +1,10 @@
 """A pre-norm transformer block built from the TP layers, for this package's tests and benchmark.
 
 The trainer builds its own block; this one shows the composition and its communication:
-``h = x + drop(attn(norm1(x))); y = h + drop(mlp(norm2(h)))`` on ``[S, B, H]``, or on
-``[S/tp, B, H]`` with sequence parallelism (norms, dropout and residuals on the sequence shard).
+``h = x + attn(norm1(x)); y = h + mlp(norm2(h))`` on ``[S, B, H]``, or on ``[S/tp, B, H]`` with
+sequence parallelism (norms and residuals on the sequence shard). After the backward, the grads of
+parameters copied over TP but fed a shard are partial: :func:`sum_partial_grads_of_` sums them
+(in the trainer par-zero's DataParallel does, from the same declared placements).
 """
 
 from __future__ import annotations
@@ -12,20 +14,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .attention import TPAttention
-from par_groups.param_placement import declare_copies_
+from par_groups.param_placement import declare_copies_, placement_of, sum_partial_grads_
 
+from .attention import TPAttention
 from .mlp import TPSwiGLU
-from .rng import dropout, sharded_dropout
 
 
 class TPTransformerBlock(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, ffn_hidden: int, tp_group: ProcessGroup,
-                 sequence_parallel: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
-                 comm_overlap: bool = False):
+                 sequence_parallel: bool = False, comm_overlap: bool = False):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.dropout_p, self.generator = dropout_p, generator  # generator: identical on all TP ranks
         self.norm1 = nn.LayerNorm(hidden)
         self.attn = TPAttention(hidden, num_heads, num_kv_heads, tp_group, sequence_parallel, comm_overlap=comm_overlap)
         self.norm2 = nn.LayerNorm(hidden)
@@ -33,16 +32,9 @@ class TPTransformerBlock(nn.Module):
         for norm in (self.norm1, self.norm2):  # copies on every TP rank; partial grads over sequence shards
             declare_copies_(norm, tp_group, partial_grad=sequence_parallel)
 
-    def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dropout_p == 0.0 or not self.training:
-            return x
-        if self.sequence_parallel:
-            return sharded_dropout(x, self.dropout_p, self.generator, self.tp_group, dim=0)
-        return dropout(x, self.dropout_p, self.generator)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self._drop(self.attn(self.norm1(x)))
-        return h + self._drop(self.mlp(self.norm2(h)))
+        h = x + self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(h))
 
     @torch.no_grad()
     def load_full_(self, full: dict[str, torch.Tensor]) -> "TPTransformerBlock":
@@ -53,6 +45,19 @@ class TPTransformerBlock(nn.Module):
         self.attn.load_full_(full["wq"], full["wk"], full["wv"], full["wo"])
         self.mlp.load_full_(full["w_gate"], full["w_up"], full["w_down"])
         return self
+
+
+def sum_partial_grads_of_(module: nn.Module) -> int:
+    """Sum the partial grads of ``module``'s copied parameters over their copies (one all-reduce per
+    group; Megatron's ``finalize_model_grads`` for TP); returns how many were summed."""
+    return sum_partial_grads_([(p.grad, placement_of(p)) for p in module.parameters() if p.grad is not None])
+
+
+def counted_grad_norm_sq(module: nn.Module) -> torch.Tensor:
+    """This rank's share of the squared grad norm (each block counted on one copy): summed over TP,
+    the full model's."""
+    shares = [p.grad.float().pow(2).sum() for p in module.parameters() if p.grad is not None and placement_of(p).counted()]
+    return torch.stack(shares).sum()
 
 
 def tp_group_of_size(tp: int) -> dist.ProcessGroup:

@@ -214,7 +214,7 @@ def test_mla_tp_communication_is_the_latent_and_the_output(dist_run, sp):
 def test_mla_params_per_layer_is_deepseeks_formula():
     from pretrain.config import load_config
     from plain_llama import MLA as PlainMLA
-    from pretrain.model.mla import mla_params_per_layer
+    from pretrain.sizing.params import mla_params_per_layer
 
     a = load_config("deepseek-v3").model
     h, n, rq, rkv, dn, dr, dv = 7168, 128, 1536, 512, 128, 64, 128

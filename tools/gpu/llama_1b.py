@@ -68,7 +68,7 @@ def run_baseline(cfg, sampler, device, bf16: bool, compile_model: bool, warmup: 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the plain model lives with the tests
     from plain_llama import PlainLlama
 
-    from pretrain.model.reference import init_full_state
+    from pretrain.model.initial_state import init_full_state
     from pretrain.schedule_lr import lr_at
 
     t = cfg.train

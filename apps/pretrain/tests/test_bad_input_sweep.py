@@ -100,7 +100,7 @@ def _damaged_files(w: Path, hf: dict) -> None:
 
     from pretrain.checkpoint.hf import import_hf
     from pretrain.config import load_config
-    from pretrain.model.reference import init_full_state
+    from pretrain.model.initial_state import init_full_state
 
     (w / "garbage.toml").write_bytes(b"\xff\xfe\x00 not text \x80")
     (w / "string_node.toml").write_text('[[gpus]]\nnode = "a"\nlocal = 0\n')

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import load_config
-from pretrain.model import reference
-from pretrain.model.reference import init_full_state
+from pretrain.model import initial_state
+from pretrain.model.initial_state import init_full_state
 
 
 def _cuts(n: int) -> list[tuple[int, int]]:
@@ -27,10 +27,10 @@ def _cuts(n: int) -> list[tuple[int, int]]:
 
 
 def test_pieces_at_any_offset_are_blocks_of_the_full_tensor(monkeypatch):
-    monkeypatch.setattr(reference, "TILE", 4)  # the tiny model's tensors then span many tiles
-    a = load_config("tiny-moe", []).model
-    state = init_full_state(a, seed=3)
-    layer = next(i for i in range(a.layers) if reference.is_moe_layer(a, i))  # 2-D and the experts' 3-D
+    monkeypatch.setattr(initial_state, "TILE", 4)  # the tiny model's tensors then span many tiles
+    model = load_config("tiny-moe", []).model
+    state = init_full_state(model, seed=3)
+    layer = next(i for i in range(model.layers) if model.is_moe_layer(i))  # 2-D and the experts' 3-D
     drawn = [n for n in state if (n.startswith(f"model.layers.{layer}.") or "embed" in n)
              and not n.endswith(("norm.weight", "expert_bias"))]
     assert {len(state.shapes[n]) for n in drawn} == {2, 3}
@@ -43,7 +43,7 @@ def test_pieces_at_any_offset_are_blocks_of_the_full_tensor(monkeypatch):
     # tiles are independent draws (not one stream restarted), and another seed is another model
     w = state[f"model.layers.{layer}.self_attn.q_proj.weight"]
     assert not w[:4, :4].equal(w[:4, 4:8]) and not w[:4, :4].equal(w[4:8, :4])
-    assert not init_full_state(a, seed=4)[f"model.layers.{layer}.self_attn.q_proj.weight"].equal(w)
+    assert not init_full_state(model, seed=4)[f"model.layers.{layer}.self_attn.q_proj.weight"].equal(w)
 
 
 def _build_allocations(name: str, overrides: list[str], world: int, rank: int) -> dict:

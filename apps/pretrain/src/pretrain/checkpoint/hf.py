@@ -16,7 +16,7 @@ import torch
 
 from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
-from ..model.reference import full_shapes
+from ..model.shapes import full_shapes
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
-from ..model.reference import full_shapes
+from ..model.shapes import full_shapes
 from .faults import first_failure, removed_if_disk_full
 from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
                         read_checksums, verify_files, write_checksums)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from .blend import Blend, check_same_vocabulary
-from .format import TokenDataset, check_token_ids, open_dataset, write_dataset
+from .format import TokenDataset, check_token_ids, open_dataset
+from .writer import write_dataset
 from .sampler import Batch, TokenSampler
 from .synthetic import embedded_dataset
 from .tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer

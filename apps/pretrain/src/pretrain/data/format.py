@@ -80,25 +80,6 @@ def entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,
-                  format: str = "par") -> TokenDataset:
-    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json (``format``:
-    par or megatron, see ``writer.py``), each followed by ``eos`` when given (recorded in the header)."""
-    from .writer import DatasetWriter
-
-    writer = DatasetWriter(prefix, vocab_size, tokenizer, eos, format)
-    try:
-        for doc in docs:
-            ids = np.asarray(doc, dtype=np.int64)
-            if ids.size:
-                ids = np.append(ids, eos) if eos is not None else ids
-                writer.add(ids, np.array([ids.size]))
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.close()
-
-
 def check_token_ids(ds: TokenDataset, vocab_size: int, chunk: int = 1 << 24) -> None:
     """UsageError naming the first token id >= ``vocab_size`` or < 0 (they would index past the embedding)."""
     info = np.iinfo(ds.tokens.dtype)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import UsageError
 from . import megatron_format
+from .format import FORMAT, VERSION, TokenDataset, open_dataset, token_dtype
 
 FORMATS = ("par", "megatron")
 
@@ -21,7 +22,6 @@ FORMATS = ("par", "megatron")
 class DatasetWriter:
     def __init__(self, prefix: str | Path, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,
                  format: str = "par"):
-        from .format import token_dtype
 
         if format not in FORMATS:
             raise UsageError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
@@ -54,7 +54,6 @@ class DatasetWriter:
 
     def close(self):
         """Write the index and header, rename everything into place, return the opened dataset."""
-        from .format import FORMAT, VERSION, open_dataset
 
         try:
             self._bin.close()
@@ -83,3 +82,20 @@ class DatasetWriter:
         self._bin.close()
         for p in self.tmp.values():
             p.unlink(missing_ok=True)
+
+
+def write_dataset(prefix: str | Path, docs, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,
+                  format: str = "par") -> TokenDataset:
+    """Write an iterable of token-id sequences (one per document) as PREFIX.bin/.idx/.json (``format``:
+    par or megatron, see ``writer.py``), each followed by ``eos`` when given (recorded in the header)."""
+    writer = DatasetWriter(prefix, vocab_size, tokenizer, eos, format)
+    try:
+        for doc in docs:
+            ids = np.asarray(doc, dtype=np.int64)
+            if ids.size:
+                ids = np.append(ids, eos) if eos is not None else ids
+                writer.add(ids, np.array([ids.size]))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()

@@ -17,7 +17,7 @@ from par_zero import DataParallel, TorchFSDP2, data_parallel
 
 from .materialize import materialize_, on_meta
 from .parallel import ModelChunk, RankLayout, hf_name
-from .reference import init_full_state
+from .initial_state import init_full_state
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RankModel:
     def full_named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer of this rank's chunks, by its full-model (HF) name;
         each one's placement says which block of that full tensor it is."""
-        return {hf_name(n, chunk.a.tie_embeddings): t
+        return {hf_name(n, chunk.config.tie_embeddings): t
                 for chunk in self.chunks.values() for n, t in chunk.state_dict(keep_vars=True).items()}
 
 

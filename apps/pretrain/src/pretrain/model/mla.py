@@ -24,7 +24,6 @@ narrower side zero-padded: q.k and the output are unchanged).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -40,39 +39,18 @@ from .te import recompute
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
 
-def softmax_scale(a) -> float:
-    return a.qk_head_dim ** -0.5 * softmax_mscale(a.rope_scaling)
+def softmax_scale(config) -> float:
+    return config.qk_head_dim ** -0.5 * softmax_mscale(config.rope_scaling)
 
 
-def mla_shapes(a, prefix: str) -> dict[str, tuple[int, ...]]:
-    """Full shapes of one layer's MLA tensors (HF names under ``prefix``, e.g. ``model.layers.0.self_attn.``)."""
-    h, n, dqk = a.hidden, a.heads, a.qk_head_dim
-    out = {}
-    if a.q_lora_rank:
-        out |= {"q_a_proj.weight": (a.q_lora_rank, h), "q_a_layernorm.weight": (a.q_lora_rank,),
-                "q_b_proj.weight": (n * dqk, a.q_lora_rank)}
-    else:
-        out["q_proj.weight"] = (n * dqk, h)
-    out |= {"kv_a_proj_with_mqa.weight": (a.kv_lora_rank + a.qk_rope_head_dim, h),
-            "kv_a_layernorm.weight": (a.kv_lora_rank,),
-            "kv_b_proj.weight": (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
-            "o_proj.weight": (h, n * a.v_head_dim)}
-    return {prefix + k: v for k, v in out.items()}
-
-
-def mla_params_per_layer(a) -> int:
-    """DeepSeek's count: q (low-rank or full), kv_a, kv_b, o and the two latent norms."""
-    return sum(math.prod(s) for s in mla_shapes(a, "").values())
-
-
-def _split_heads(a, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos, sin):
+def _split_heads(config, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos, sin):
     """q ``[S, B, n*dqk]``, kv ``[S, B, n*(dn+dv)]``, k_rope ``[S, B, dr]`` -> q, k ``[S, B, n, dqk]``, v."""
     s, b = q.shape[:2]
-    dn, dr = a.qk_nope_head_dim, a.qk_rope_head_dim
+    dn, dr = config.qk_nope_head_dim, config.qk_rope_head_dim
     q = q.view(s, b, -1, dn + dr)
-    kv = kv.view(s, b, q.shape[2], dn + a.v_head_dim)
+    kv = kv.view(s, b, q.shape[2], dn + config.v_head_dim)
     q_nope, q_rope = q.split([dn, dr], dim=-1)
-    k_nope, v = kv.split([dn, a.v_head_dim], dim=-1)
+    k_nope, v = kv.split([dn, config.v_head_dim], dim=-1)
     q_rope = apply_rope_interleaved(q_rope, cos, sin)
     k_rope = apply_rope_interleaved(k_rope.view(s, b, 1, dr), cos, sin).expand(s, b, q.shape[2], dr)
     return torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v
@@ -81,22 +59,22 @@ def _split_heads(a, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos
 class ContextMLACore(nn.Module):
     """RoPE at this CP shard's positions, then par-cp attention on K and V padded to one width."""
 
-    def __init__(self, a, attn, seq_len: int, selective: bool, backend: str = "torch") -> None:
+    def __init__(self, config, attn, seq_len: int, selective: bool, backend: str = "torch") -> None:
         super().__init__()
-        self.a, self.attn, self.selective, self.seq_len, self.backend = a, attn, selective, seq_len, backend
+        self.config, self.attn, self.selective, self.seq_len, self.backend = config, attn, selective, seq_len, backend
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
 
     def init_buffers_(self, device: torch.device) -> None:
-        set_shard_rope_tables_(self, device, self.seq_len, self.a.qk_rope_head_dim)
+        set_shard_rope_tables_(self, device, self.seq_len, self.config.qk_rope_head_dim)
 
     def _core(self, q, kv, k_rope, docs):
-        cos, sin = rope_for(self, docs, q.dtype, self.a.qk_rope_head_dim)
-        q, k, v = _split_heads(self.a, q, kv, k_rope, cos, sin)
+        cos, sin = rope_for(self, docs, q.dtype, self.config.qk_rope_head_dim)
+        q, k, v = _split_heads(self.config, q, kv, k_rope, cos, sin)
         width = max(q.shape[-1], v.shape[-1])
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)[..., : self.a.v_head_dim]
+        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)[..., : self.config.v_head_dim]
 
     def forward(self, q, kv, k_rope, docs=None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only
@@ -107,22 +85,22 @@ class ContextMLACore(nn.Module):
 class TPMLAttention(nn.Module):
     """MLA with heads split over TP (see the module docstring); input/output like ``par_tp.TPAttention``."""
 
-    def __init__(self, a, tp_group, sequence_parallel: bool, core: ContextMLACore, comm_overlap: bool = False) -> None:
+    def __init__(self, config, tp_group, sequence_parallel: bool, core: ContextMLACore, comm_overlap: bool = False) -> None:
         super().__init__()
-        self.a, self.tp_group, self.sp, self.core = a, tp_group, sequence_parallel, core
-        n, dqk, sp = a.heads, a.qk_head_dim, sequence_parallel
-        if a.q_lora_rank:
-            self.q_a_proj = nn.Linear(a.hidden, a.q_lora_rank, bias=False)
-            self.q_a_layernorm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(a.q_lora_rank, n * dqk, tp_group)
+        self.config, self.tp_group, self.sp, self.core = config, tp_group, sequence_parallel, core
+        n, dqk, sp = config.heads, config.qk_head_dim, sequence_parallel
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(config.hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, n * dqk, tp_group)
         else:
-            self.q_proj = ColumnParallelLinear(a.hidden, n * dqk, tp_group, sequence_parallel=sp, comm_overlap=comm_overlap)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden, a.kv_lora_rank + a.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = nn.RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, n * (a.qk_nope_head_dim + a.v_head_dim), tp_group)
+            self.q_proj = ColumnParallelLinear(config.hidden, n * dqk, tp_group, sequence_parallel=sp, comm_overlap=comm_overlap)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden, config.kv_lora_rank + config.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(config.kv_lora_rank, n * (config.qk_nope_head_dim + config.v_head_dim), tp_group)
         # tp_comm_overlap: the exit's reduce-scatter rings under o_proj (the latent entry is small
         # and split before its matmuls, so it stays one all-gather)
-        self.o_proj = RowParallelLinear(n * a.v_head_dim, a.hidden, tp_group, input_is_parallel=True,
+        self.o_proj = RowParallelLinear(n * config.v_head_dim, config.hidden, tp_group, input_is_parallel=True,
                                         sequence_parallel=sp, comm_overlap=comm_overlap)
         # Copies on every TP rank; with SP each sees its S/tp tokens, so their grads are partial sums.
         for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
@@ -130,17 +108,17 @@ class TPMLAttention(nn.Module):
                 declare_copies_(getattr(self, name), tp_group, partial_grad=sp)
 
     def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
-        a = self.a
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        config = self.config
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
         parts = [self.kv_a_layernorm(c), k_rope]
-        if a.q_lora_rank:
+        if config.q_lora_rank:
             parts.insert(0, self.q_a_layernorm(self.q_a_proj(x)))
         latent = enter_tensor_parallel_region(torch.cat(parts, -1), self.tp_group, self.sp)  # the one entry
-        if a.q_lora_rank:
-            cq, c, k_rope = latent.split([a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        if config.q_lora_rank:
+            cq, c, k_rope = latent.split([config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
             q = self.q_b_proj.forward_local(cq)
         else:
-            c, k_rope = latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+            c, k_rope = latent.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
             q = self.q_proj(x)  # a second entry (all-gather of x) only without the q low-rank path
         out = self.core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
         return self.o_proj(out.reshape(*out.shape[:2], -1))

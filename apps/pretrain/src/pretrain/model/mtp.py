@@ -18,22 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .shapes import mtp_layer_ids
+
 IGNORE = -100
-
-
-def mtp_layer_ids(a) -> range:
-    return range(a.layers, a.layers + a.mtp_depth)
-
-
-def mtp_shapes(a) -> dict[str, tuple[int, ...]]:
-    from .reference import layer_shapes
-
-    h, out = a.hidden, {}
-    for j in mtp_layer_ids(a):
-        p = f"model.layers.{j}."
-        out |= {p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                p + "shared_head.norm.weight": (h,)} | layer_shapes(a, j)
-    return out
 
 
 def mtp_streams(labels: torch.Tensor, depth: int) -> list[torch.Tensor]:
@@ -50,10 +37,10 @@ def mtp_streams(labels: torch.Tensor, depth: int) -> list[torch.Tensor]:
     return out
 
 
-def add_mtp_parts_(layer: nn.Module, a, norm) -> nn.Module:
+def add_mtp_parts_(layer: nn.Module, config, norm) -> nn.Module:
     """Give decoder layer ``layer`` the MTP-only tensors (HF names); ``norm()`` makes an RMSNorm."""
     layer.enorm, layer.hnorm = norm(), norm()
-    layer.eh_proj = nn.Linear(2 * a.hidden, a.hidden, bias=False)
+    layer.eh_proj = nn.Linear(2 * config.hidden, config.hidden, bias=False)
     layer.shared_head = nn.ModuleDict({"norm": norm()})
     return layer
 
@@ -64,7 +51,7 @@ def mtp_gather_units(layer: nn.Module) -> list[nn.Module]:
     return [layer.enorm, layer.hnorm, layer.eh_proj, layer.shared_head["norm"], layer]
 
 
-def mtp_loss(a, hidden: torch.Tensor, streams: list[torch.Tensor], layers, embed, run_block, project, cross_entropy):
+def mtp_loss(config, hidden: torch.Tensor, streams: list[torch.Tensor], layers, embed, run_block, project, cross_entropy):
     """``mtp_loss_weight / D * sum_k L_k`` (see the module docstring).
 
     ``embed(tokens)`` and ``project(x)`` are the shared embedding and output head (as the caller
@@ -77,4 +64,4 @@ def mtp_loss(a, hidden: torch.Tensor, streams: list[torch.Tensor], layers, embed
         hidden = layer.eh_proj(torch.cat([layer.enorm(embed(tokens)), layer.hnorm(hidden)], dim=-1))
         hidden = run_block(layer, hidden)
         total = total + cross_entropy(project(layer.shared_head["norm"](hidden)), targets) / targets.numel()
-    return total * (a.mtp_loss_weight / a.mtp_depth)
+    return total * (config.mtp_loss_weight / config.mtp_depth)

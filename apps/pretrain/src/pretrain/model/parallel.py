@@ -32,9 +32,9 @@ from ..data.packing import Documents
 from ..dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
-from .mtp import add_mtp_parts_, mtp_gather_units, mtp_layer_ids, mtp_loss
+from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
+from .shapes import mtp_layer_ids
 from .moe import moe_config
-from .reference import is_moe_layer
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
 from .te import fuse_norm_, recompute
 
@@ -77,11 +77,11 @@ class RopeThenContextAttention(nn.Module):
     With ``qk_norm`` (Qwen3) each head's query and key first go through its RMSNorm: copies on every
     TP rank, each seeing only its own heads, so their grads are partial sums over TP."""
 
-    def __init__(self, a, layout: RankLayout) -> None:
+    def __init__(self, config, layout: RankLayout) -> None:
         super().__init__()
-        self.a = a
-        if a.qk_norm:
-            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(a.head_dim, eps=a.norm_eps), layout.groups.tp, True)
+        self.config = config
+        if config.qk_norm:
+            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), layout.groups.tp, True)
                                         for _ in range(2))
         self.attn = context_attention(layout)
         self.seq_len = layout.seq_len
@@ -91,12 +91,12 @@ class RopeThenContextAttention(nn.Module):
         self.selective, self.backend = layout.recompute == "selective", layout.backend
 
     def init_buffers_(self, device: torch.device) -> None:
-        set_shard_rope_tables_(self, device, self.seq_len, self.a.head_dim)
+        set_shard_rope_tables_(self, device, self.seq_len, self.config.head_dim)
 
     def _core(self, q, k, v, docs):
-        if self.a.qk_norm:
+        if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_for(self, docs, q.dtype, self.a.head_dim)
+        cos, sin = rope_for(self, docs, q.dtype, self.config.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
             scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
@@ -109,41 +109,41 @@ class RopeThenContextAttention(nn.Module):
         return self._core(q, k, v, docs)
 
 
-def _norm(a, layout: RankLayout, inside_tp: bool = False) -> nn.RMSNorm:
+def _norm(config, layout: RankLayout, inside_tp: bool = False) -> nn.RMSNorm:
     """A copy on every TP rank. Its grad is partial over TP with sequence parallelism (each rank sees
     its shard), or when it runs inside the TP region, on the input of this rank's matmuls only
     (``inside_tp``: the TE backend fuses it into the next matmul, te.TENormProjections)."""
-    norm = nn.RMSNorm(a.hidden, eps=a.norm_eps)
+    norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
     return declare_copies_(norm, layout.groups.tp, layout.sequence_parallel or inside_tp)
 
 
 class ParallelDecoderLayer(nn.Module):
-    def __init__(self, a, index: int, layout: RankLayout) -> None:
+    def __init__(self, config, index: int, layout: RankLayout) -> None:
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
         self.full_recompute, self.backend = layout.recompute == "full", layout.backend
-        self.is_moe = is_moe_layer(a, index)
+        self.is_moe = config.is_moe_layer(index)
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
-        self.attention_norm_inside = layout.backend == "te" and a.attention != "mla"
+        self.attention_norm_inside = layout.backend == "te" and config.attention != "mla"
         self.mlp_norm_inside = layout.backend == "te" and not self.is_moe
-        self.input_layernorm = _norm(a, layout, self.attention_norm_inside)
-        if a.attention == "mla":
-            core = ContextMLACore(a, context_attention(layout, softmax_scale(a)), layout.seq_len,
+        self.input_layernorm = _norm(config, layout, self.attention_norm_inside)
+        if config.attention == "mla":
+            core = ContextMLACore(config, context_attention(layout, softmax_scale(config)), layout.seq_len,
                                   layout.recompute == "selective", layout.backend)
-            self.self_attn = TPMLAttention(a, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
+            self.self_attn = TPMLAttention(config, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
         else:
-            self.self_attn = TPAttention(a.hidden, a.heads, a.kv_heads, g.tp, sp, core=RopeThenContextAttention(a, layout),
-                                         head_dim=a.head_dim, comm_overlap=layout.tp_comm_overlap)
-        self.post_attention_layernorm = _norm(a, layout, self.mlp_norm_inside)
+            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, layout),
+                                         head_dim=config.head_dim, comm_overlap=layout.tp_comm_overlap)
+        self.post_attention_layernorm = _norm(config, layout, self.mlp_norm_inside)
         if self.is_moe:
             # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
             # under SP), as on one device; the sequence-wise one over the ranks splitting a sequence.
             # Router and shared experts: copies over TP, seeing this rank's sequence shard under SP.
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if sp else (g.dp_cp, g.cp)
-            self.mlp = MoELayer(moe_config(a), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
+            self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=sp, routing=layout.declared_routing)
         else:
-            self.mlp = TPSwiGLU(a.hidden, a.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
+            self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
@@ -168,8 +168,8 @@ class ParallelDecoderLayer(nn.Module):
         return self._forward(x, docs)
 
 
-def _mtp_layer(a, j: int, layout: RankLayout) -> ParallelDecoderLayer:
-    layer = add_mtp_parts_(ParallelDecoderLayer(a, j, layout), a, lambda: _norm(a, layout))
+def _mtp_layer(config, j: int, layout: RankLayout) -> ParallelDecoderLayer:
+    layer = add_mtp_parts_(ParallelDecoderLayer(config, j, layout), config, lambda: _norm(config, layout))
     declare_copies_(layer.eh_proj, layout.groups.tp, layout.sequence_parallel)  # like the norms
     return layer
 
@@ -177,23 +177,23 @@ def _mtp_layer(a, j: int, layout: RankLayout) -> ParallelDecoderLayer:
 class ModelChunk(nn.Module):
     """A contiguous run of layers; the first chunk embeds, the last one norms and projects to logits."""
 
-    def __init__(self, a, layer_ids: range, first: bool, last: bool, layout: RankLayout) -> None:
+    def __init__(self, config, layer_ids: range, first: bool, last: bool, layout: RankLayout) -> None:
         super().__init__()
         g, sp = layout.groups, layout.sequence_parallel
         self.tp_group, self.sp = g.tp, sp
-        self.first, self.last, self.a = first, last, a
+        self.first, self.last, self.config = first, last, config
         self.layer_ids = list(layer_ids)
-        rows = a.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
+        rows = config.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
         # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
-        self.embed_tokens = VocabParallelEmbedding(rows, a.hidden, g.tp, sequence_parallel=sp) if first else None
-        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(a, i, layout) for i in layer_ids})
-        self.norm = _norm(a, layout) if last else None
-        self.lm_head = (ColumnParallelLinear(a.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
+        self.embed_tokens = VocabParallelEmbedding(rows, config.hidden, g.tp, sequence_parallel=sp) if first else None
+        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, layout) for i in layer_ids})
+        self.norm = _norm(config, layout) if last else None
+        self.lm_head = (ColumnParallelLinear(config.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
                         if last else None)
         # Multi-token prediction modules sit with the output head and share the input embedding:
         # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
         # embedding group (other schedules); the builder sets it (build.py's _share_embedding_).
-        self.mtp = nn.ModuleDict({str(j): _mtp_layer(a, j, layout) for j in mtp_layer_ids(a)} if last else {})
+        self.mtp = nn.ModuleDict({str(j): _mtp_layer(config, j, layout) for j in mtp_layer_ids(config)} if last else {})
         self.shared_embedding = None
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None):
@@ -213,7 +213,7 @@ class ModelChunk(nn.Module):
         softmax, the loss and their gradients are the unpadded model's."""
         logits = self.lm_head(x)
         start = placement_of(self.lm_head.weight).offsets[0]
-        real = min(max(self.a.vocab_size - start, 0), logits.shape[-1])
+        real = min(max(self.config.vocab_size - start, 0), logits.shape[-1])
         if real == logits.shape[-1]:
             return logits
         return F.pad(logits[..., :real], (0, logits.shape[-1] - real), value=float("-inf"))
@@ -223,7 +223,7 @@ class ModelChunk(nn.Module):
         def cross_entropy(logits, targets):
             return vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group, reduction="sum")
 
-        return mtp_loss(self.a, hidden, streams, list(self.mtp.values()),
+        return mtp_loss(self.config, hidden, streams, list(self.mtp.values()),
                         self.embed_tokens if self.first else self.shared_embedding,
                         lambda layer, x: layer(x),
                         self.project, cross_entropy)
@@ -242,13 +242,13 @@ class ModelChunk(nn.Module):
     @torch.no_grad()
     def load_full_state_(self, state) -> "ModelChunk":
         """Copy into every parameter and buffer its block of the full (HF-named) tensor, as its placement
-        says. A state that can draw pieces (``reference.InitialState.piece``) draws only that block."""
+        says. A state that can draw pieces (``initial_state.InitialState.piece``) draws only that block."""
         for name, t in self.state_dict(keep_vars=True).items():
             pl = placement_of(t)
             if hasattr(state, "piece"):
-                t.copy_(state.piece(hf_name(name, self.a.tie_embeddings), pl.offsets, pl.shape))
+                t.copy_(state.piece(hf_name(name, self.config.tie_embeddings), pl.offsets, pl.shape))
             else:
-                t.copy_(block_of(state[hf_name(name, self.a.tie_embeddings)], pl.offsets, pl.shape))
+                t.copy_(block_of(state[hf_name(name, self.config.tie_embeddings)], pl.offsets, pl.shape))
         return self
 
 

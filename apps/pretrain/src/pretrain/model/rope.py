@@ -64,7 +64,7 @@ def set_shard_rope_tables_(core, device: torch.device, seq_len: int, head_dim: i
         return
     with torch.device(device):
         pos = position_ids(seq_len, cp_rank, cp_size, layout=core.attn.layout)
-        core.cos, core.sin = rope_tables(pos, head_dim, core.a.rope_theta, torch.float32, core.a.rope_scaling)
+        core.cos, core.sin = rope_tables(pos, head_dim, core.config.rope_theta, torch.float32, core.config.rope_scaling)
 
 
 def rope_for(core, docs, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,5 +73,5 @@ def rope_for(core, docs, dtype: torch.dtype, head_dim: int) -> tuple[torch.Tenso
     positions restart at each document)."""
     if docs is None or docs.positions is None:
         return core.cos.to(dtype), core.sin.to(dtype)
-    cos, sin = rope_tables(docs.positions, head_dim, core.a.rope_theta, torch.float32, core.a.rope_scaling)
+    cos, sin = rope_tables(docs.positions, head_dim, core.config.rope_theta, torch.float32, core.config.rope_scaling)
     return cos.to(dtype), sin.to(dtype)

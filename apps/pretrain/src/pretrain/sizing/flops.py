@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .params import mla_params_per_layer
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,6 @@ def param_counts(m: ModelConfig) -> ParamCounts:
     h, d = m.hidden, m.head_dim
     attention = 2 * h * m.heads * d + 2 * h * m.kv_heads * d + 2 * h + (2 * d if m.qk_norm else 0)
     if m.attention == "mla":
-        from ..model.mla import mla_params_per_layer
-
         attention = mla_params_per_layer(m) + 2 * h  # + the two layer norms
     return ParamCounts(
         embedding=m.vocab_size * h,

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..model.shapes import mla_shapes
+
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,6 @@ def _layer_params(m, layout, i: int) -> tuple[int, int]:
     and the dense MLP; routers, shared experts and MLA's down-projections are copies over tp."""
     tp, h = layout.tp, m.hidden
     if m.attention == "mla":
-        from ..model.mla import mla_shapes
-
         split = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
         dense = sum(math.prod(s) // (tp if n in split else 1) for n, s in mla_shapes(m, "").items())
     else:
@@ -92,3 +92,8 @@ def _chunks(schedule: str, stage: int, pp: int, vpp: int) -> list[int]:
     from par_pp import chunks_on_rank
 
     return chunks_on_rank(schedule, stage, pp, vpp)
+
+
+def mla_params_per_layer(m) -> int:
+    """DeepSeek's count of one layer's MLA: q (low-rank or full), kv_a, kv_b, o and the two latent norms."""
+    return sum(math.prod(s) for s in mla_shapes(m, "").values())

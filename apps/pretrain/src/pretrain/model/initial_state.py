@@ -1,9 +1,9 @@
-"""The model's full (unsharded) state dict: every tensor's shape and its initial values.
+"""The model's initial weights as a full (unsharded) state dict, drawn once for every layout.
 
-Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight`` ...), so the full state
-dict is the canonical form shared by initialisation, checkpoints and HF import. The initial
-weights are the one thing the plain-PyTorch reference of the tests (tests/plain_llama.py) shares
-with the trainer: they are drawn here once, independently of any layout.
+Hugging Face parameter names (``model.layers.0.self_attn.q_proj.weight`` ..., shapes from
+``shapes.py``), so the full state dict is the canonical form shared by initialisation,
+checkpoints and HF import. The initial weights are the one thing the plain-PyTorch reference of
+the tests (tests/plain_llama.py) shares with the trainer.
 """
 
 from __future__ import annotations
@@ -15,47 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-
-def is_moe_layer(a, index: int) -> bool:
-    return a.is_moe_layer(index)
-
-
-def layer_shapes(a, i: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of decoder layer ``i``'s tensors (HF names under ``model.layers.{i}.``)."""
-    d, h, p = a.head_dim, a.hidden, f"model.layers.{i}."
-    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    if a.attention == "mla":
-        from .mla import mla_shapes
-
-        shapes |= mla_shapes(a, p + "self_attn.")
-    else:
-        shapes |= {p + "self_attn.q_proj.weight": (a.heads * d, h), p + "self_attn.k_proj.weight": (a.kv_heads * d, h),
-                   p + "self_attn.v_proj.weight": (a.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, a.heads * d)}
-        if a.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    if is_moe_layer(a, i):
-        e, f = a.num_experts, a.moe_ffn_hidden or a.ffn_hidden
-        shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
-                   p + "mlp.experts.w_gate": (e, f, h), p + "mlp.experts.w_up": (e, f, h),
-                   p + "mlp.experts.w_down": (e, h, f)}
-        if a.shared_experts:
-            fs = a.shared_experts * f
-            shapes |= {p + "mlp.shared.w_gate": (fs, h), p + "mlp.shared.w_up": (fs, h), p + "mlp.shared.w_down": (h, fs)}
-    else:
-        f = a.ffn_hidden
-        shapes |= {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
-    return shapes
-
-
-def full_shapes(a) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor of the full state dict (HF names), without building the model."""
-    from .mtp import mtp_shapes
-
-    h = a.hidden
-    shapes = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (a.vocab_size, h)}
-    for i in range(a.layers):
-        shapes |= layer_shapes(a, i)
-    return shapes | mtp_shapes(a)
+from .shapes import full_shapes
 
 
 TILE = 1024  # rows and columns of one independently drawn block of a weight (1-D: TILE * TILE elements)
@@ -78,8 +38,8 @@ class InitialState(Mapping[str, torch.Tensor]):
     materializes more than its own shard plus one tile (the full tensor is the piece at offset 0).
     """
 
-    def __init__(self, a, seed: int) -> None:
-        self.a, self.seed, self.shapes = a, seed, full_shapes(a)
+    def __init__(self, config, seed: int) -> None:
+        self.config, self.seed, self.shapes = config, seed, full_shapes(config)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
@@ -88,7 +48,7 @@ class InitialState(Mapping[str, torch.Tensor]):
 
     def piece(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The block ``[offsets, offsets + shape)`` of tensor ``name``, drawing only the tiles it overlaps."""
-        if self.a.tie_embeddings and name == "lm_head.weight":
+        if self.config.tie_embeddings and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
         if name.endswith("norm.weight"):
             return torch.ones(shape)
@@ -110,11 +70,11 @@ class InitialState(Mapping[str, torch.Tensor]):
             size = [min(t, f - l) for t, f, l in zip(tile, full, lo)]
             key = name if not any(index) else f"{name}@{','.join(map(str, index))}"  # one-tile tensors: as before tiling
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-            block = torch.randn(size, generator=gen) * self.a.init_std
-            a = [max(o, l) for o, l in zip(offsets, lo)]  # the overlap of tile and piece, in full coordinates
-            b = [min(o + n, l + z) for o, n, l, z in zip(offsets, shape, lo, size)]
-            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, offsets))] = \
-                block[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))]
+            block = torch.randn(size, generator=gen) * self.config.init_std
+            start = [max(o, l) for o, l in zip(offsets, lo)]  # the overlap of tile and piece, in full coordinates
+            stop = [min(o + n, l + z) for o, n, l, z in zip(offsets, shape, lo, size)]
+            out[tuple(slice(x - o, y - o) for x, y, o in zip(start, stop, offsets))] = \
+                block[tuple(slice(x - l, y - l) for x, y, l in zip(start, stop, lo))]
         return out
 
     def __iter__(self):
@@ -124,6 +84,6 @@ class InitialState(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
-def init_full_state(a, seed: int) -> InitialState:
+def init_full_state(config, seed: int) -> InitialState:
     """See :class:`InitialState` (a lazy mapping of full tensors)."""
-    return InitialState(a, seed)
+    return InitialState(config, seed)

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .launch import LAUNCHER_ENV, Aborted
+from .rank_env import LAUNCHER_ENV, Aborted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

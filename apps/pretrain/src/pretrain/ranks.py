@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .errors import UsageError
-from .launch import LAUNCHER_ENV, Aborted, RankFailed, join_key
+from .rank_env import LAUNCHER_ENV, Aborted, RankFailed, join_key
 
 MASTER_ADDR = "127.0.0.1"
 FAILURE_GRACE_S = 1.0  # after a rank fails, how long to wait for a peer whose failure is the cause

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from ..errors import DamagedCheckpoint, damaged
-from .retention import STATE_FILE, write_atomic
+from .retention import STATE_FILE, read_state, write_atomic
 from .safe_metadata import SafeReader
 
 CHECKSUMS = "checksums.json"
@@ -98,8 +98,6 @@ def verify_checkpoint(path: Path) -> str:
 
     Without checksums (an older checkpoint) only what can be: its index reads and its data files
     hold the extents it records."""
-    from .store import read_state
-
     checksums = read_checksums(path)
     checked = verify_files(path, checksums or [STATE_FILE, METADATA], checksums)
     read_state(path)  # a pretrain checkpoint at all

@@ -24,6 +24,7 @@ from ..errors import UsageError
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+FORMAT = "pretrain-checkpoint-v1"  # trainer_state.json's "format"
 STEP_DIR = re.compile(r"step_\d+")
 
 
@@ -125,3 +126,14 @@ def _owned(path: Path, run_id: str) -> bool:
         return json.loads((path / STATE_FILE).read_text()).get("run_id") == run_id
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"checkpoint {path}: cannot read {STATE_FILE}: {e}") from None
+    found = state.get("format") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
+    if found != FORMAT:
+        raise UsageError(f"checkpoint {path}: format {found!r} is not {FORMAT!r}")
+    return state

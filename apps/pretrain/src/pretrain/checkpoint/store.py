@@ -41,10 +41,9 @@ from ..model.shapes import full_shapes
 from .faults import first_failure, removed_if_disk_full
 from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
                         read_checksums, verify_files, write_checksums)
-from .retention import LATEST, STATE_FILE, inside, publish, run_id_of
+from .retention import FORMAT, LATEST, STATE_FILE, inside, publish, read_state, run_id_of  # noqa: F401 - read_state re-exported
 from .safe_metadata import SafeReader
 
-FORMAT = "pretrain-checkpoint-v1"
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
 # [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
@@ -193,17 +192,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if latest is None:
         raise UsageError(f"{path} is not a checkpoint (no {STATE_FILE}) nor a directory with a '{LATEST}' marker")
     return latest
-
-
-def read_state(path: Path) -> dict:
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"checkpoint {path}: cannot read {STATE_FILE}: {e}") from None
-    found = state.get("format") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
-    if found != FORMAT:
-        raise UsageError(f"checkpoint {path}: format {found!r} is not {FORMAT!r}")
-    return state
 
 
 def check_compatible(path: Path, state: dict, cfg) -> None:

@@ -54,7 +54,8 @@ PIPELINE = {
                                              "parallel.zero=optim_grads_params"],
 }
 # Uneven stages (Megatron's decoder_first_pipeline_num_layers), on the 8-layer model: rank 0 holds 2.
-EIGHT_LAYERS = ("model.layers=8",)
+# Batches of 6: 3 micro-batches per dp rank, not a multiple of pp (interleaved's last group takes the rest).
+EIGHT_LAYERS = ("model.layers=8", "train.global_batch=6")
 UNEVEN = {
     "pp2-dp2-zb-v-optim-uneven": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim",
                                   "parallel.first_stage_layers=2"],

@@ -68,12 +68,15 @@ def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path)
     runner = CliRunner()
     for extra, line in [
         (["train.optimizer=sgd", "parallel.zero=optim"],
-         "error: [train].optimizer='sgd' needs [parallel].zero='no_shard' or 'torch_fsdp2': zero='optim' shards "
-         "the optimizer, which only optimizer='adamw' does"),
+         "error: [train].optimizer='sgd' with [parallel].zero='optim': optimizer='SGD' needs strategy 'no_shard' or "
+         "'torch_fsdp2'; strategy='optim' shards the optimizer, which only optimizer='AdamW' does"),
         (["train.optimizer=sgdd"], "error: [train].optimizer='sgdd' is not one of adamw, asgd,"),
         (["train.optimizer=sgd", "train.optimizer_args={momentum=-1}"],
-         "error: [train].optimizer='sgd': optimizer SGD with {'momentum': -1}: ValueError: Invalid momentum value: -1"),
-        (["train.optimizer_args={momentum=0.9}"], "error: [train].optimizer_args={'momentum': 0.9} is for a torch.optim"),
+         "error: [train].optimizer='sgd' with [parallel].zero='no_shard': optimizer SGD with {'momentum': -1}: "
+         "ValueError: Invalid momentum value: -1"),
+        (["train.optimizer_args={momentum=0.9}"],
+         "error: [train].optimizer='adamw' with [parallel].zero='no_shard': optimizer_args={'momentum': 0.9} is for "
+         "a torch.optim class"),
     ]:
         args = [a for kv in extra for a in ("--set", kv)]
         res = runner.invoke(app, ["train", "--nproc", "1", "--set", f"log.dir={tmp_path}", *args])

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from par_zero.config import SHARDED
+from par_zero import check_optimizer_choice
 
 from .config_model import ModelConfig
 from .config_rules import _divisors, _need
@@ -113,11 +113,10 @@ class Config:
                   f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
                   f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
                   f"(ZeRO-3) with them")
-        _need(t.optimizer == "adamw" or p.zero not in SHARDED, f"[train].optimizer={t.optimizer!r} needs [parallel].zero="
-              f"'no_shard' or 'torch_fsdp2': zero={p.zero!r} shards the optimizer, which only optimizer='adamw' does")
-        if p.pp > 1 and p.schedule == "interleaved" and p.microbatches:
-            _need(p.microbatches % p.pp == 0,
-                  f"[parallel].microbatches={p.microbatches} must be a multiple of pp={p.pp} for the interleaved schedule")
+        try:  # par-zero's rules for its optimizer argument (the sharded strategies run its own AdamW only)
+            check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_args, t.weight_decay)
+        except ValueError as e:
+            raise UsageError(f"[train].optimizer={t.optimizer!r} with [parallel].zero={p.zero!r}: {e}") from None
         embedded_vocab = 257 if self.data.packed else 256  # with EOS when documents matter
         _need(self.data.train_sources or m.vocab_size >= embedded_vocab,
               f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
@@ -147,9 +146,6 @@ class Config:
         if sp:
             _need((t.seq_len // p.cp) % p.tp == 0,
                   f"[train].seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for sequence parallelism")
-        if p.pp > 1 and p.schedule == "interleaved":
-            _need(microbatches % p.pp == 0, f"the interleaved schedule needs micro-batches ({microbatches}) to be a "
-                                            f"multiple of pp={p.pp}; set [parallel].microbatches")
         if p.dynamic_cp:
             from .dynamic_cp import check_lengths
 

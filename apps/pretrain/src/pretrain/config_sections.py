@@ -15,7 +15,7 @@ from par_groups import LayoutError, RankGrid
 from par_pp import SCHEDULE_NAMES as SCHEDULES
 from par_pp import V_SCHEDULES, chunk_placement, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
-from par_zero import check_optimizer, optimizer_classes
+from par_zero import optimizer_classes
 
 from .config_rules import _choice, _need, _positive, _seed, _timeout
 from .errors import UsageError
@@ -186,14 +186,7 @@ class TrainConfig:
         _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
-        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)
-        _need(self.optimizer != "adamw" or not self.optimizer_args,
-              f"[train].optimizer_args={self.optimizer_args} is for a torch.optim optimizer; adamw takes beta1, beta2")
-        if self.optimizer != "adamw":
-            try:
-                check_optimizer(self.optimizer_class, self.optimizer_args, self.weight_decay)
-            except ValueError as e:
-                raise UsageError(f"[train].optimizer={self.optimizer!r}: {e}") from None
+        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: Config.validate asks it
 
     @property
     def optimizer_class(self) -> str:

@@ -1,6 +1,6 @@
 """par-zero: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, and the model-state memory model."""
 
-from .config import STRATEGIES, DataParallelConfig
+from .config import STRATEGIES, DataParallelConfig, check_optimizer_choice
 from .data_parallel import DataParallel, data_parallel
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
@@ -21,6 +21,7 @@ __all__ = [
     "DistributedAdamW",
     "TorchOptimizer",
     "check_optimizer",
+    "check_optimizer_choice",
     "optimizer_classes",
     "clip_grad_norm_",
     "DataParallelConfig",

@@ -70,16 +70,7 @@ class DataParallelConfig:
             object.__setattr__(self, name, value)
 
     def _check_optimizer(self) -> None:
-        if self.optimizer == ADAMW:
-            if self.optimizer_args:
-                raise ValueError(f"optimizer_args={self.optimizer_args} is for a torch.optim class; AdamW takes "
-                                 f"betas, eps and weight_decay")
-            return
-        if self.strategy in SHARDED:
-            raise ValueError(f"optimizer={getattr(self.optimizer, '__name__', self.optimizer)!r} needs strategy "
-                             f"'no_shard' or 'torch_fsdp2'; strategy={self.strategy!r} shards the optimizer, "
-                             f"which only optimizer='AdamW' does")
-        check_optimizer(self.optimizer, self.optimizer_args, self.weight_decay)
+        check_optimizer_choice(self.strategy, self.optimizer, self.optimizer_args, self.weight_decay)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -98,3 +89,18 @@ class DataParallelConfig:
             raise ValueError(
                 f"outer_strategy='optim' is only valid with strategy='optim_grads_params', got {self.strategy!r}"
             )
+
+
+def check_optimizer_choice(strategy: str, optimizer: str | type, optimizer_args: dict, weight_decay: float) -> None:
+    """One ValueError line when ``optimizer`` (``'AdamW'``, par-zero's own, or a torch.optim class or
+    its name) cannot run under ``strategy`` with these arguments; the one place these rules live."""
+    if optimizer == ADAMW:
+        if optimizer_args:
+            raise ValueError(f"optimizer_args={optimizer_args} is for a torch.optim class; AdamW takes "
+                             f"betas, eps and weight_decay")
+        return
+    if strategy in SHARDED:
+        raise ValueError(f"optimizer={getattr(optimizer, '__name__', optimizer)!r} needs strategy "
+                         f"'no_shard' or 'torch_fsdp2'; strategy={strategy!r} shards the optimizer, "
+                         f"which only optimizer='AdamW' does")
+    check_optimizer(optimizer, optimizer_args, weight_decay)

@@ -184,11 +184,11 @@ def comm_job(sp):
     from par_groups import RankGrid, comm, create_groups
     from pretrain.config import load_config
     from pretrain.model.mla import TPMLAttention
-    from pretrain.model.parallel import ContextMLACore, RankLayout, context_attention
+    from pretrain.model.parallel import ContextMLACore, ChunkContext, context_attention
 
     a = load_config(None, MLA).model
     g = create_groups(RankGrid(dist.get_world_size(), tp=2))
-    layout = RankLayout(g, sp, "p2p", 8, "none")
+    layout = ChunkContext(g, sp, "p2p", 8, "none")
     attn = TPMLAttention(a, g.tp, sp, ContextMLACore(a, context_attention(layout), 8, False))
     s, b = 8, 2
     x = torch.randn(s // (2 if sp else 1), b, a.hidden, requires_grad=True)

@@ -55,7 +55,7 @@ PIPELINE = {
 }
 # Uneven stages (Megatron's decoder_first_pipeline_num_layers), on the 8-layer model: rank 0 holds 2.
 # Batches of 6: 3 micro-batches per dp rank, not a multiple of pp (interleaved's last group takes the rest).
-EIGHT_LAYERS = ("model.layers=8", "train.global_batch=6")
+EIGHT_LAYERS = ("model.layers=8", "train.global_batch=6", "train.micro_batch=1")
 UNEVEN = {
     "pp2-dp2-zb-v-optim-uneven": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.zero=optim",
                                   "parallel.first_stage_layers=2"],
@@ -183,7 +183,7 @@ def placed_train_steps(overrides):
 
     trainer = Trainer(load_config(None, list(COMMON) + list(overrides)))
     results = [trainer.train_step(step) for step in range(STEPS)]
-    p = trainer.placement
+    p = trainer.assignment
     return ([r.loss for r in results], [r.grad_norm for r in results]), p.grid.order, p.permutation, p.message
 
 

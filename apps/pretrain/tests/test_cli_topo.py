@@ -49,7 +49,7 @@ def test_layout_json_has_order_groups_links_and_warnings():
     assert out["order"] == "tp-cp-ep-dp-pp" and out["warnings"] == []
     assert out["groups"]["tp"] == {**out["groups"]["tp"], "ranks": [list(range(8)), list(range(8, 16))], "link": "nvlink"}
     assert out["groups"]["pp"]["link"] == "network" and out["groups"]["pp"]["ranks"][0] == [0, 8]
-    assert out["placement"] == list(range(16))
+    assert out["permutation"] == list(range(16))
 
 
 def test_layout_infers_nodes_and_warns_in_text():

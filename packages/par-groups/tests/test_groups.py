@@ -11,7 +11,7 @@ from par_groups.groups import logical_rank_lists
 
 def all_reduce_every_group(grid_kwargs, placement=None):
     grid = RankGrid(**grid_kwargs)
-    pg = create_groups(grid, timeout=timedelta(seconds=30), placement=placement)
+    pg = create_groups(grid, timeout=timedelta(seconds=30), permutation=placement)
     me = dist.get_rank()
     out = {}
     for name, group in pg.groups.items():

@@ -24,7 +24,7 @@ DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
-PLACEMENTS = ("auto", "strict", "off")  # see pretrain.placement
+PLACEMENTS = ("auto", "strict", "off")  # see pretrain.rank_assignment
 OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
 
 

@@ -71,7 +71,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")
-            logger.message(trainer.placement.message)
+            logger.message(trainer.assignment.message)
             if dev.type == "cuda":
                 logger.message(f"kernels: {trainer.kernels.describe()}")
         first = last = None

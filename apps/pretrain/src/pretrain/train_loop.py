@@ -73,10 +73,10 @@ class Trainer:
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
                  topology=None, shapes_only: ShapesOnly | None = None) -> None:
-        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.placement).
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.rank_assignment).
         ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`)."""
         from .data import build_sampler
-        from .placement import place_groups
+        from .rank_assignment import assign_run_ranks
 
         simulated = shapes_only is not None
 
@@ -87,9 +87,9 @@ class Trainer:
         self.kernels = select_kernels(cfg.model, cfg.train, self.device)
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
-        self.placement = place_groups(cfg, layout, topology)  # collective
-        self.groups = g = create_groups(self.placement.grid, timeout=timedelta(seconds=cfg.train.timeout_s),
-                                        placement=self.placement.permutation)
+        self.assignment = assign_run_ranks(cfg, layout, topology)  # collective
+        self.groups = g = create_groups(self.assignment.grid, timeout=timedelta(seconds=cfg.train.timeout_s),
+                                        permutation=self.assignment.permutation)
         self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,
                                                  shapes_only.routing if simulated else None)
         self.fp8_region = fp8_regions(self.kernels, g.tp_dp_cp)  # TE's FP8 autocast for one forward, or a no-op

@@ -9,9 +9,9 @@ from .fake_world import fake_world
 __all__ = ["CommRecord", "CommRecorder", "CommWatch", "LayoutError", "ParallelGroups", "RankGrid", "create_groups", "device_mesh", "fake_world"]
 
 # Topology (NVML detection or a description) and group placement; more in par_groups.topology.
-from .topology import Placement, Topology, gather_topology, place  # noqa: E402
+from .topology import RankAssignment, Topology, gather_topology, assign_ranks  # noqa: E402
 
-__all__ += ["Placement", "Topology", "gather_topology", "place"]
+__all__ += ["RankAssignment", "Topology", "gather_topology", "assign_ranks"]
 
 # all-gather / reduce-scatter along dim 0, plain and differentiable (each the other's dual).
 from .autograd import all_gather_along_dim0, all_gather_dim0, reduce_scatter_along_dim0, reduce_scatter_dim0  # noqa: E402

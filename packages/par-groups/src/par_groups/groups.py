@@ -62,7 +62,7 @@ class ParallelGroups:
     rank: int
     groups: dict[str, ProcessGroup] = field(repr=False)
     ranks: dict[str, tuple[int, ...]]
-    placement: tuple[int, ...] | None = None  # placement[i] = global rank of grid position i; None = identity
+    permutation: tuple[int, ...] | None = None  # permutation[i] = global rank of grid position i; None = identity
 
     def __getattr__(self, name: str) -> ProcessGroup:
         groups = self.__dict__.get("groups", {})
@@ -76,16 +76,16 @@ class ParallelGroups:
 
     @property
     def position(self) -> int:
-        """This rank's grid position (its rank when the placement is the identity)."""
-        return self.rank if self.placement is None else self.placement.index(self.rank)
+        """This rank's grid position (its rank when the permutation is the identity)."""
+        return self.rank if self.permutation is None else self.permutation.index(self.rank)
 
     def coords(self) -> dict[str, int]:
-        """This rank's logical grid coordinates (tp, cp, dp, pp, etp, ep, edp), whatever the placement."""
+        """This rank's logical grid coordinates (tp, cp, dp, pp, etp, ep, edp), whatever the permutation."""
         return self.grid.coords(self.position)
 
     def physical(self, logical: list[list[int]]) -> list[list[int]]:
-        """Grid-position rank lists (e.g. ``grid.ranks("dp-cp")``) as global ranks under the placement."""
-        return [list(g) if self.placement is None else [self.placement[r] for r in g] for g in logical]
+        """Grid-position rank lists (e.g. ``grid.ranks("dp-cp")``) as global ranks under the permutation."""
+        return [list(g) if self.permutation is None else [self.permutation[r] for r in g] for g in logical]
 
     def size(self, name: str) -> int:
         return len(self.ranks[name])
@@ -97,12 +97,12 @@ class ParallelGroups:
 def create_groups(
     grid: RankGrid,
     timeout: timedelta | None = None,
-    placement: Sequence[int] | None = None,
+    permutation: Sequence[int] | None = None,
     backend: str | None = None,
 ) -> ParallelGroups:
     """Create every group of ``grid`` on the current default process group; call on every rank.
 
-    ``placement[i]`` is the global rank that plays grid position ``i`` (from par_groups'
+    ``permutation[i]`` is the global rank that plays grid position ``i`` (from par_groups'
     topology placement); the identity when omitted. ``timeout`` is passed to every group.
     Groups with identical membership share one ProcessGroup.
     """
@@ -111,9 +111,9 @@ def create_groups(
     world = dist.get_world_size()
     if world != grid.world_size:
         raise LayoutError(f"grid is for world_size={grid.world_size} but the process group has {world} ranks")
-    perm = list(range(world)) if placement is None else [int(r) for r in placement]
+    perm = list(range(world)) if permutation is None else [int(r) for r in permutation]
     if sorted(perm) != list(range(world)):
-        raise LayoutError(f"placement must be a permutation of 0..{world - 1}, got {perm}")
+        raise LayoutError(f"permutation must be a permutation of 0..{world - 1}, got {perm}")
     me = dist.get_rank()
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if backend is not None:
@@ -132,7 +132,7 @@ def create_groups(
             groups[name] = made[physical]
             ranks[name] = mine_ranks
     return ParallelGroups(grid=grid, rank=me, groups=groups, ranks=ranks,
-                          placement=None if placement is None else tuple(perm))
+                          permutation=None if permutation is None else tuple(perm))
 
 
 def device_mesh(grid: RankGrid, device_type: str = "cpu", view: str = "dense"):

@@ -18,9 +18,9 @@ from par_groups.topology import (
     Workload,
     detect,
     load_toml,
-    place,
+    assign_ranks,
     preset,
-    render_placement,
+    render_assignment,
     render_topology,
     to_toml,
 )
@@ -103,7 +103,7 @@ def topo(
         return
     grid = build_grid(world or topo_.world_size, tp or 1, cp or 1, pp or 1, ep or 1, etp, order, hcp)
     try:
-        result = place(grid, topo_, Workload(cp_comm=cp_comm))
+        result = assign_ranks(grid, topo_, Workload(cp_comm=cp_comm))
     except (TopologyError, ValueError) as e:
         raise fail(str(e))
-    typer.echo(json.dumps(result.to_dict()) if as_json else render_placement(result))
+    typer.echo(json.dumps(result.to_dict()) if as_json else render_assignment(result))

@@ -38,7 +38,7 @@ def train(
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
         if not under_torchrun():
-            from ..placement import check_before_launch
+            from ..rank_assignment import check_before_launch
 
             check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
         leader = not under_torchrun() or os.environ.get("RANK") == "0"

@@ -16,7 +16,7 @@ from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
 from .materialize import materialize_, on_meta
-from .parallel import ModelChunk, RankLayout, hf_name
+from .parallel import ModelChunk, ChunkContext, hf_name
 from .initial_state import init_full_state
 
 
@@ -70,14 +70,14 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     ``declared_routing``: a run on fake tensors (``train_loop.ShapesOnly``): MoE layers route as it
     declares and attention at cp=1 is one fused call."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
-    rl = RankLayout(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
+    context = ChunkContext(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
                     declared_routing=declared_routing, fused_attention_on_cpu=declared_routing is not None)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
     with on_meta():  # shapes and placements only; each rank then fills just its pieces
-        chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, rl) for c in mine}
+        chunks = {c: ModelChunk(cfg.model, ranges[c], c == 0, c == num_chunks - 1, context) for c in mine}
     copies = _share_embedding_(chunks, num_chunks, groups, cfg.model) if cfg.model.mtp_depth else []
     materialize_(list(chunks.values()), device)
     for chunk in chunks.values():

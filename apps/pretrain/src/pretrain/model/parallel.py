@@ -40,8 +40,8 @@ from .te import fuse_norm_, recompute
 
 
 @dataclass(frozen=True)
-class RankLayout:
-    """What a chunk needs to know about where it runs."""
+class ChunkContext:
+    """The process groups and options every chunk of this rank is built with."""
 
     groups: ParallelGroups
     sequence_parallel: bool
@@ -57,18 +57,18 @@ class RankLayout:
     fused_attention_on_cpu: bool = False
 
 
-def context_attention(layout: RankLayout, softmax_scale: float | None = None) -> ContextParallelAttention:
-    g = layout.groups
-    if layout.backend == "te":
+def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:
+    g = context.groups
+    if context.backend == "te":
         from .te import TEContextAttention
 
-        return TEContextAttention(layout, softmax_scale)
-    if layout.cp_mode == "a2a+p2p":
+        return TEContextAttention(context, softmax_scale)
+    if context.cp_mode == "a2a+p2p":
         return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
-                                        softmax_scale=softmax_scale, backend=layout.attention_backend,
-                                        dense_on_cpu=layout.fused_attention_on_cpu)
-    return ContextParallelAttention(layout.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale,
-                                    backend=layout.attention_backend, dense_on_cpu=layout.fused_attention_on_cpu)
+                                        softmax_scale=softmax_scale, backend=context.attention_backend,
+                                        dense_on_cpu=context.fused_attention_on_cpu)
+    return ContextParallelAttention(context.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale,
+                                    backend=context.attention_backend, dense_on_cpu=context.fused_attention_on_cpu)
 
 
 class RopeThenContextAttention(nn.Module):
@@ -77,18 +77,18 @@ class RopeThenContextAttention(nn.Module):
     With ``qk_norm`` (Qwen3) each head's query and key first go through its RMSNorm: copies on every
     TP rank, each seeing only its own heads, so their grads are partial sums over TP."""
 
-    def __init__(self, config, layout: RankLayout) -> None:
+    def __init__(self, config, context: ChunkContext) -> None:
         super().__init__()
         self.config = config
         if config.qk_norm:
-            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), layout.groups.tp, True)
+            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), context.groups.tp, True)
                                         for _ in range(2))
-        self.attn = context_attention(layout)
-        self.seq_len = layout.seq_len
+        self.attn = context_attention(context)
+        self.seq_len = context.seq_len
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
-        self.selective, self.backend = layout.recompute == "selective", layout.backend
+        self.selective, self.backend = context.recompute == "selective", context.backend
 
     def init_buffers_(self, device: torch.device) -> None:
         set_shard_rope_tables_(self, device, self.seq_len, self.config.head_dim)
@@ -109,41 +109,41 @@ class RopeThenContextAttention(nn.Module):
         return self._core(q, k, v, docs)
 
 
-def _norm(config, layout: RankLayout, inside_tp: bool = False) -> nn.RMSNorm:
+def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
     """A copy on every TP rank. Its grad is partial over TP with sequence parallelism (each rank sees
     its shard), or when it runs inside the TP region, on the input of this rank's matmuls only
     (``inside_tp``: the TE backend fuses it into the next matmul, te.TENormProjections)."""
     norm = nn.RMSNorm(config.hidden, eps=config.norm_eps)
-    return declare_copies_(norm, layout.groups.tp, layout.sequence_parallel or inside_tp)
+    return declare_copies_(norm, context.groups.tp, context.sequence_parallel or inside_tp)
 
 
 class ParallelDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, layout: RankLayout) -> None:
+    def __init__(self, config, index: int, context: ChunkContext) -> None:
         super().__init__()
-        g, sp = layout.groups, layout.sequence_parallel
-        self.full_recompute, self.backend = layout.recompute == "full", layout.backend
+        g, sp = context.groups, context.sequence_parallel
+        self.full_recompute, self.backend = context.recompute == "full", context.backend
         self.is_moe = config.is_moe_layer(index)
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
-        self.attention_norm_inside = layout.backend == "te" and config.attention != "mla"
-        self.mlp_norm_inside = layout.backend == "te" and not self.is_moe
-        self.input_layernorm = _norm(config, layout, self.attention_norm_inside)
+        self.attention_norm_inside = context.backend == "te" and config.attention != "mla"
+        self.mlp_norm_inside = context.backend == "te" and not self.is_moe
+        self.input_layernorm = _norm(config, context, self.attention_norm_inside)
         if config.attention == "mla":
-            core = ContextMLACore(config, context_attention(layout, softmax_scale(config)), layout.seq_len,
-                                  layout.recompute == "selective", layout.backend)
-            self.self_attn = TPMLAttention(config, g.tp, sp, core, comm_overlap=layout.tp_comm_overlap)
+            core = ContextMLACore(config, context_attention(context, softmax_scale(config)), context.seq_len,
+                                  context.recompute == "selective", context.backend)
+            self.self_attn = TPMLAttention(config, g.tp, sp, core, comm_overlap=context.tp_comm_overlap)
         else:
-            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, layout),
-                                         head_dim=config.head_dim, comm_overlap=layout.tp_comm_overlap)
-        self.post_attention_layernorm = _norm(config, layout, self.mlp_norm_inside)
+            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, context),
+                                         head_dim=config.head_dim, comm_overlap=context.tp_comm_overlap)
+        self.post_attention_layernorm = _norm(config, context, self.mlp_norm_inside)
         if self.is_moe:
             # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
             # under SP), as on one device; the sequence-wise one over the ranks splitting a sequence.
             # Router and shared experts: copies over TP, seeing this rank's sequence shard under SP.
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if sp else (g.dp_cp, g.cp)
             self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
-                                copies=g.tp, partial_grad=sp, routing=layout.declared_routing)
+                                copies=g.tp, partial_grad=sp, routing=context.declared_routing)
         else:
-            self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=layout.tp_comm_overlap)
+            self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=context.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
@@ -168,32 +168,32 @@ class ParallelDecoderLayer(nn.Module):
         return self._forward(x, docs)
 
 
-def _mtp_layer(config, j: int, layout: RankLayout) -> ParallelDecoderLayer:
-    layer = add_mtp_parts_(ParallelDecoderLayer(config, j, layout), config, lambda: _norm(config, layout))
-    declare_copies_(layer.eh_proj, layout.groups.tp, layout.sequence_parallel)  # like the norms
+def _mtp_layer(config, j: int, context: ChunkContext) -> ParallelDecoderLayer:
+    layer = add_mtp_parts_(ParallelDecoderLayer(config, j, context), config, lambda: _norm(config, context))
+    declare_copies_(layer.eh_proj, context.groups.tp, context.sequence_parallel)  # like the norms
     return layer
 
 
 class ModelChunk(nn.Module):
     """A contiguous run of layers; the first chunk embeds, the last one norms and projects to logits."""
 
-    def __init__(self, config, layer_ids: range, first: bool, last: bool, layout: RankLayout) -> None:
+    def __init__(self, config, layer_ids: range, first: bool, last: bool, context: ChunkContext) -> None:
         super().__init__()
-        g, sp = layout.groups, layout.sequence_parallel
+        g, sp = context.groups, context.sequence_parallel
         self.tp_group, self.sp = g.tp, sp
         self.first, self.last, self.config = first, last, config
         self.layer_ids = list(layer_ids)
         rows = config.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
         # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
         self.embed_tokens = VocabParallelEmbedding(rows, config.hidden, g.tp, sequence_parallel=sp) if first else None
-        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, layout) for i in layer_ids})
-        self.norm = _norm(config, layout) if last else None
-        self.lm_head = (ColumnParallelLinear(config.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=layout.tp_comm_overlap)
+        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, context) for i in layer_ids})
+        self.norm = _norm(config, context) if last else None
+        self.lm_head = (ColumnParallelLinear(config.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=context.tp_comm_overlap)
                         if last else None)
         # Multi-token prediction modules sit with the output head and share the input embedding:
         # this chunk's, chunk 0's on the same rank (V schedules), or a copy of it kept equal over the
         # embedding group (other schedules); the builder sets it (build.py's _share_embedding_).
-        self.mtp = nn.ModuleDict({str(j): _mtp_layer(config, j, layout) for j in mtp_layer_ids(config)} if last else {})
+        self.mtp = nn.ModuleDict({str(j): _mtp_layer(config, j, context) for j in mtp_layer_ids(config)} if last else {})
         self.shared_embedding = None
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None):

@@ -120,27 +120,27 @@ class TEContextAttention(nn.Module):
 
     layout = "zigzag"  # what TE's load balancing expects; RopeThenContextAttention takes positions from it
 
-    def __init__(self, rank_layout, softmax_scale: float | None = None) -> None:
+    def __init__(self, context, softmax_scale: float | None = None) -> None:
         super().__init__()
-        self.rank_layout, self.softmax_scale = rank_layout, softmax_scale  # None: 1/sqrt(head dim)
+        self.context, self.softmax_scale = context, softmax_scale  # None: 1/sqrt(head dim)
         # built at the first call, when the local head counts are known; in a list, not a submodule:
         # TE's modules add an ``_extra_state`` to the state dict, which is not part of our checkpoints
         self.dpa = []
 
     @property
     def cp_rank_and_size(self) -> tuple[int, int]:
-        g = self.rank_layout.groups
+        g = self.context.groups
         return g.rank_in("cp"), g.size("cp")
 
     def _build(self, q: torch.Tensor, k: torch.Tensor):
-        te, layout, g = _te(), self.rank_layout, self.rank_layout.groups
+        te, context, g = _te(), self.context, self.context.groups
         dpa = te.DotProductAttention(q.shape[2], q.shape[3], num_gqa_groups=k.shape[2], attention_dropout=0.0,
                                      qkv_format="sbhd", attn_mask_type="causal", softmax_scale=self.softmax_scale)
         if g.size("cp") > 1:
-            cp_group = [g.hcp[0], g.hcp[1]] if layout.cp_mode == "a2a+p2p" else g.cp  # (a2a, p2p), as TE asks
+            cp_group = [g.hcp[0], g.hcp[1]] if context.cp_mode == "a2a+p2p" else g.cp  # (a2a, p2p), as TE asks
             stream = torch.cuda.Stream(q.device) if q.is_cuda else None  # TE's CP overlaps on a stream of q's GPU
             dpa.set_context_parallel_group(cp_group, dist.get_process_group_ranks(g.cp), stream,
-                                           TE_CP_COMM_TYPES[layout.cp_mode])
+                                           TE_CP_COMM_TYPES[context.cp_mode])
         return dpa
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config import TopologyConfig, apply_overrides, config_from_dict
 from ..errors import UsageError
 from ..metrics import lookup_peak_tflops
-from ..placement import described_topology
+from ..rank_assignment import described_topology
 from .estimate import ASSUMPTIONS, Cluster
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from .search import Choice, search, shape_config

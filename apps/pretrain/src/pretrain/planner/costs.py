@@ -69,7 +69,7 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
         "flops": {"per_token": training_flops_per_token(m, t.seq_len),
                   "per_step": training_flops_per_step(m, t.seq_len, t.global_batch),
                   "per_rank_per_step": training_flops_per_step(m, t.seq_len, t.global_batch) / world},
-        "decision": decide(fits, dp_nodes, layout.dp * layout.cp),
+        "decision": choose_zero(fits, dp_nodes, layout.dp * layout.cp),
     }
     if m.is_moe:
         out["experts"] = {"params_per_expert": c.expert, "bytes_per_expert_bf16": 2 * c.expert,
@@ -80,7 +80,7 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
     return out
 
 
-def decide(fits: dict, dp_nodes: int, d: int) -> dict:
+def choose_zero(fits: dict, dp_nodes: int, d: int) -> dict:
     """The explainer's decision tree over per-rank memory (model state + activations)."""
     for label, strategy in STRATEGIES:
         if not fits[strategy]:

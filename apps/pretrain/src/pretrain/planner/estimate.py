@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from par_groups.topology import LINK_CLASSES, Workload, bytes_per_step
 from par_groups.topology.cost import exposed_share
-from par_groups.topology.placement import MULTI_RAIL
+from par_groups.topology.assignment import MULTI_RAIL
 from par_pp import Costs, build_schedule, simulate
 
 GRADIENT_GROUPS = ("dp", "dp_cp", "edp")
@@ -144,7 +144,7 @@ class Cluster:
 def pattern_bandwidth(stride: int, size: int, multi_rail: bool, cluster: Cluster) -> tuple[float, str]:
     """The slowest link and bandwidth of the pattern's groups on the smallest whole number of nodes
     and NVLink domains that repeats it (groups repeat with the pattern's block)."""
-    from ..placement import described_topology
+    from ..rank_assignment import described_topology
 
     world = math.lcm(stride * size, cluster.per_node, cluster.domain)
     topo = described_topology(SimpleNamespace(topology=replace(cluster.spec, nodes=world // cluster.per_node)), world)

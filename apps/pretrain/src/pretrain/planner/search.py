@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import UsageError
-from ..placement import workload
+from ..rank_assignment import workload
 from ..sizing.activations import planned_activations
 from ..sizing.flops import training_flops_per_step
 from ..sizing.memory import LightLayout

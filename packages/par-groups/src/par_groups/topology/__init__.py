@@ -5,19 +5,19 @@
 * :func:`detect` (this host) and :func:`gather_topology` (all ranks, all-gathered) ask NVML;
   :class:`NvmlUnavailable` says why they cannot.
 * :func:`place` chooses the order string and permutation; ``create_groups(p.grid,
-  placement=p.placement)`` creates the groups it chose. :func:`evaluate` scores a given one.
+  permutation=p.permutation)`` creates the groups it chose. :func:`evaluate` scores a given one.
 """
 
 from .cost import Workload, bytes_per_step
 from .describe import PRESETS, from_dict, load_toml, preset, preset_names, to_toml
 from .model import LINK_CLASSES, Gpu, Topology, TopologyError, uniform
 from .nvml import HOW_TO_DESCRIBE, NvmlUnavailable, detect, gather_topology, local_view, merge_views, probe_host
-from .placement import GroupPlacement, Placement, evaluate, place
-from .report import render_placement, render_topology
+from .assignment import GroupCost, RankAssignment, evaluate, assign_ranks
+from .report import render_assignment, render_topology
 
 __all__ = [
-    "Gpu", "GroupPlacement", "HOW_TO_DESCRIBE", "LINK_CLASSES", "NvmlUnavailable", "PRESETS", "Placement",
+    "Gpu", "GroupCost", "HOW_TO_DESCRIBE", "LINK_CLASSES", "NvmlUnavailable", "PRESETS", "RankAssignment",
     "Topology", "TopologyError", "Workload", "bytes_per_step", "detect", "evaluate", "from_dict",
-    "gather_topology", "load_toml", "local_view", "merge_views", "place", "preset", "preset_names",
-    "probe_host", "render_placement", "render_topology", "to_toml", "uniform",
+    "gather_topology", "load_toml", "local_view", "merge_views", "assign_ranks", "preset", "preset_names",
+    "probe_host", "render_assignment", "render_topology", "to_toml", "uniform",
 ]

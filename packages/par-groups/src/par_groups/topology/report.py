@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .model import Topology, compact
-from .placement import Placement
+from .assignment import RankAssignment
 
 LEGEND = ("Legend: X = self, NV# = NVLink (# active links), NV = NVLink (fabric), "
           "PIX/PXB/PHB/NODE/SYS = PCIe path (same switch / switches / host bridge / NUMA node / across sockets), "
@@ -54,11 +54,11 @@ def _matrix(topo: Topology, ranks: list[int]) -> list[str]:
     return rows
 
 
-def render_placement(p: Placement, groups_shown: int = 2) -> str:
+def render_assignment(p: RankAssignment, groups_shown: int = 2) -> str:
     how = "identity placement (rank i plays grid position i)" if p.is_identity else \
-        f"explicit permutation placement[i] = rank: {list(p.placement)}"
+        f"explicit permutation[i] = rank: {list(p.permutation)}"
     g = p.grid
-    lines = [f"Placement of world={g.world_size} tp={g.tp} cp={g.cp} pp={g.pp} dp={g.dp} ep={g.ep} etp={g.etp} "
+    lines = [f"Rank assignment of world={g.world_size} tp={g.tp} cp={g.cp} pp={g.pp} dp={g.dp} ep={g.ep} etp={g.etp} "
              f"edp={g.edp}" + (f" hcp={list(g.hcp)}" if g.hcp else "") + f" on {p.topology.describe()}",
              f"order {p.order}, {how}"]
     if p.given is not None:

@@ -1,4 +1,4 @@
-"""Placement on described topologies: hungry groups on NVLink, slow groups across nodes, warnings."""
+"""Rank assignment on described topologies: hungry groups on NVLink, slow groups across nodes, warnings."""
 
 from datetime import timedelta
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from par_groups import RankGrid, create_groups
-from par_groups.topology import Workload, bytes_per_step, evaluate, from_dict, place, preset, render_placement
+from par_groups.topology import Workload, bytes_per_step, evaluate, from_dict, assign_ranks, preset, render_assignment
 
 
 def nodes_of(topo, ranks):
@@ -15,15 +15,15 @@ def nodes_of(topo, ranks):
 
 
 def assert_contract(p):
-    """placement[i] is the rank of grid position i: the reported groups are the grid's, mapped."""
-    perm = p.placement
+    """permutation[i] is the rank of grid position i: the reported groups are the grid's, mapped."""
+    perm = p.permutation
     assert sorted(perm) == list(range(p.grid.world_size))
     assert [list(g) for g in p.groups["tp"].ranks] == [[perm[r] for r in g] for g in p.grid.ranks("tp")]
 
 
 def test_tp8_pp2_on_two_dgx_h100_keeps_tp_in_a_node_and_pp_across():
     topo = preset("dgx-h100", nodes=2)
-    p = place(RankGrid(16, tp=8, pp=2), topo)
+    p = assign_ranks(RankGrid(16, tp=8, pp=2), topo)
     assert_contract(p)
     assert p.groups["tp"].link == "nvlink" and all(len(nodes_of(topo, g)) == 1 for g in p.groups["tp"].ranks)
     assert p.groups["pp"].link == "network" and all(nodes_of(topo, g) == {0, 1} for g in p.groups["pp"].ranks)
@@ -34,7 +34,7 @@ def test_a_bad_given_order_is_replaced():
     topo = preset("dgx-h100", nodes=2)
     grid = RankGrid(16, tp=8, pp=2, order="pp-tp-cp-ep-dp")  # tp strided over both nodes
     assert evaluate(grid, topo).groups["tp"].link == "network"
-    p = place(grid, topo)
+    p = assign_ranks(grid, topo)
     assert p.groups["tp"].link == "nvlink" and p.given.order == "pp-tp-cp-ep-dp"
     assert p.cost_s < p.given.cost_s
 
@@ -42,7 +42,7 @@ def test_a_bad_given_order_is_replaced():
 @pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "cp-ep-dp-pp-tp"])
 def test_hierarchical_cp_keeps_the_all_to_all_level_on_nvlink(order):
     topo = preset("dgx-h100", nodes=2)
-    p = place(RankGrid(16, tp=2, cp=8, hcp=(4, 2), order=order), topo)
+    p = assign_ranks(RankGrid(16, tp=2, cp=8, hcp=(4, 2), order=order), topo)
     assert_contract(p)
     a2a = p.groups["hcp0"]
     assert a2a.size == 4 and a2a.link == "nvlink" and all(len(nodes_of(topo, g)) == 1 for g in a2a.ranks)
@@ -52,7 +52,7 @@ def test_hierarchical_cp_keeps_the_all_to_all_level_on_nvlink(order):
 
 def test_ep36_on_nvl72_spans_nine_nodes_on_nvlink():
     topo = preset("nvl72")
-    p = place(RankGrid(72, ep=36), topo)
+    p = assign_ranks(RankGrid(72, ep=36), topo)
     ep = p.groups["ep"]
     assert ep.size == 36 and ep.link == "nvlink"
     assert all(len(nodes_of(topo, g)) == 9 for g in ep.ranks)
@@ -65,40 +65,40 @@ def test_hungry_groups_on_nvlink_come_before_cheaper_gradient_traffic():
     topo = preset("dgx-h100", nodes=8)
     grid = RankGrid(64, tp=4, cp=4, hcp=(2, 2), pp=2, ep=8, etp=1)
     edp_inside = evaluate(RankGrid(64, tp=4, cp=4, hcp=(2, 2), pp=2, ep=8, etp=1, order="tp-cp-dp-ep-pp"), topo)
-    p = place(grid, topo)
+    p = assign_ranks(grid, topo)
     assert p.cost_s > edp_inside.cost_s and edp_inside.groups["ep"].link == "network"
     assert {p.groups[n].link for n in ("tp", "ep", "hcp0")} == {"nvlink"} and p.warnings == ()
 
 
 def test_tp16_on_dgx_h100_warns_and_says_how_to_fix():
-    p = place(RankGrid(16, tp=16), preset("dgx-h100", nodes=2))
+    p = assign_ranks(RankGrid(16, tp=16), preset("dgx-h100", nodes=2))
     assert p.groups["tp"].link == "network"
     assert len(p.warnings) == 1
     w = p.warnings[0]
     assert w.startswith("tp groups of 16 ranks cross network") and "NVLink domain of 8 GPUs" in w and "--tp 8" in w
-    assert "warnings:" in render_placement(p)
+    assert "warnings:" in render_assignment(p)
 
 
 def test_ep_and_cp_all_to_all_too_big_for_a_node_warn():
     topo = preset("dgx-h100", nodes=2)
-    ep = place(RankGrid(16, ep=16, etp=1), topo)
+    ep = assign_ranks(RankGrid(16, ep=16, etp=1), topo)
     assert ep.groups["ep"].link == "network" and any("--ep 8" in w for w in ep.warnings)
-    cp = place(RankGrid(16, cp=16), topo, Workload(cp_comm="a2a"))
+    cp = assign_ranks(RankGrid(16, cp=16), topo, Workload(cp_comm="a2a"))
     assert cp.groups["cp"].link == "network" and any("--hcp 8,2" in w for w in cp.warnings)
-    ring = place(RankGrid(16, cp=16), topo)  # a p2p ring may cross nodes: no warning
+    ring = assign_ranks(RankGrid(16, cp=16), topo)  # a p2p ring may cross nodes: no warning
     assert ring.warnings == ()
 
 
 def test_tp_and_a2a_that_do_not_fit_together_warn():
-    p = place(RankGrid(16, tp=4, cp=4, hcp=(4, 1)), preset("dgx-h100", nodes=2))
+    p = assign_ranks(RankGrid(16, tp=4, cp=4, hcp=(4, 1)), preset("dgx-h100", nodes=2))
     assert p.warnings and "tp x CP all-to-all = 16" in p.warnings[0] and "--hcp 2,2" in p.warnings[0]
 
 
 def test_pcie_box_keeps_tp_inside_the_node():
     topo = preset("pcie-8gpu", nodes=2)
-    p = place(RankGrid(16, tp=4, pp=2), topo)
+    p = assign_ranks(RankGrid(16, tp=4, pp=2), topo)
     assert p.groups["tp"].link == "pcie" and p.warnings == ()
-    wide = place(RankGrid(16, tp=16), topo)
+    wide = assign_ranks(RankGrid(16, tp=16), topo)
     assert "a node of 8 GPUs (no NVLink)" in wide.warnings[0]
 
 
@@ -113,11 +113,11 @@ def test_scrambled_launch_needs_an_explicit_permutation():
     node_of = [0, 1, 2, 3, 3, 2, 1, 0, 0, 1, 2, 3, 3, 2, 1, 0]
     topo = interleaved(4, node_of)
     assert evaluate(RankGrid(16, tp=4, pp=4), topo).groups["tp"].link == "network"
-    p = place(RankGrid(16, tp=4, pp=4), topo)
+    p = assign_ranks(RankGrid(16, tp=4, pp=4), topo)
     assert not p.is_identity
     assert_contract(p)
     assert p.groups["tp"].link == "nvlink" and sorted(map(sorted, p.groups["tp"].ranks))[0] == [0, 7, 8, 15]
-    assert "explicit permutation" in render_placement(p)
+    assert "explicit permutation" in render_assignment(p)
 
 
 def test_cost_model_volumes_match_the_ring_formulas():
@@ -136,7 +136,7 @@ def test_cost_model_volumes_match_the_ring_formulas():
 
 def groups_with_placement(grid_kwargs, placement):
     grid = RankGrid(**grid_kwargs)
-    pg = create_groups(grid, timeout=timedelta(seconds=60), placement=placement)
+    pg = create_groups(grid, timeout=timedelta(seconds=60), permutation=placement)
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t, group=pg.tp)
     return {"tp": list(pg.ranks["tp"]), "pp": list(pg.ranks["pp"]), "tp_sum": t.item()}
@@ -144,10 +144,10 @@ def groups_with_placement(grid_kwargs, placement):
 
 def test_create_groups_accepts_the_placement(dist_run):
     topo = interleaved(2, [0, 1, 1, 0])  # host 0 runs ranks 0 and 3
-    p = place(RankGrid(4, tp=2, pp=2), topo)
+    p = assign_ranks(RankGrid(4, tp=2, pp=2), topo)
     assert not p.is_identity and p.groups["tp"].link == "nvlink"
     kwargs = dict(world_size=4, tp=2, pp=2, order=p.order)
-    results = dist_run(4, groups_with_placement, kwargs, list(p.placement), timeout=300)  # slow start under load
+    results = dist_run(4, groups_with_placement, kwargs, list(p.permutation), timeout=300)  # slow start under load
     for rank, r in enumerate(results):
         assert rank in r["tp"] and len(nodes_of(topo, r["tp"])) == 1
         assert r["tp_sum"] == sum(r["tp"])

@@ -1,4 +1,4 @@
-"""The trainer places its groups on the topology it finds (pretrain.placement).
+"""The trainer places its groups on the topology it finds (pretrain.rank_assignment).
 
 16 ranks on 2 x DGX-H100 described by the stand-in NVML, one rank at a time in this process on
 torch's fake process group: with order pp-tp-cp-ep-dp (tp groups strided across both nodes)
@@ -26,7 +26,7 @@ def two_dgx_h100_views():
 
 
 def nvml_topology():
-    from pretrain.placement import gathered_topology
+    from pretrain.rank_assignment import gathered_topology
 
     return gathered_topology(two_dgx_h100_views())
 
@@ -40,7 +40,7 @@ def build_on_fake_group(cfg, rank, topology):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
     try:
         t = Trainer(cfg, topology=topology)
-        return t.groups.ranks["tp"], t.groups.coords(), t.placement
+        return t.groups.ranks["tp"], t.groups.coords(), t.assignment
     finally:
         dist.destroy_process_group()
 
@@ -76,11 +76,11 @@ def test_the_configured_order_strides_tp_across_nodes():
 
 
 def test_strict_refuses_naming_the_order_that_fixes_it():
-    from pretrain.placement import decide
+    from pretrain.rank_assignment import choose_assignment
 
     cfg = load_config(None, LAYOUT + ["parallel.placement=strict"])
     with pytest.raises(UsageError, match=r'tp groups of 4 ranks cross network.*Fix: set \[parallel\]\.order = "tp-'):
-        decide(cfg, cfg.validate_world(WORLD), nvml_topology())
+        choose_assignment(cfg, cfg.validate_world(WORLD), nvml_topology())
 
 
 def test_strict_cli_exits_2_with_one_line_before_starting_ranks():
@@ -92,10 +92,10 @@ def test_strict_cli_exits_2_with_one_line_before_starting_ranks():
 
 
 def test_no_topology_keeps_the_configured_grid():
-    from pretrain.placement import UNKNOWN, decide
+    from pretrain.rank_assignment import UNKNOWN, choose_assignment
 
     cfg = load_config(None, LAYOUT)
-    decision = decide(cfg, cfg.validate_world(WORLD), None)
+    decision = choose_assignment(cfg, cfg.validate_world(WORLD), None)
     assert decision.permutation is None and decision.grid == cfg.validate_world(WORLD).grid
     assert decision.message == UNKNOWN
 
@@ -115,7 +115,7 @@ def test_node_limited_routing_warns_when_an_expert_group_spans_nodes():
     from par_groups import RankGrid
     from par_groups.topology import preset
 
-    from pretrain.placement import route_node_spread
+    from pretrain.rank_assignment import route_node_spread
 
     topo = preset("pcie-8gpu", 2)  # ranks 0-7 on node 0, 8-15 on node 1
     grid = RankGrid(WORLD, ep=16)

@@ -1,7 +1,7 @@
-"""Placement: which physical rank plays each grid position, so hungry groups stay on NVLink.
+"""Rank assignment: which physical rank plays each grid position, so hungry groups stay on NVLink.
 
-A placement is an order string plus a permutation ``placement`` with ``placement[i]`` = the
-global rank that plays grid position ``i``, exactly what ``create_groups(grid, placement=...)``
+A rank assignment is an order string plus a ``permutation`` with ``permutation[i]`` = the
+global rank that plays grid position ``i``, exactly what ``create_groups(grid, permutation=...)``
 takes. :func:`place` tries every valid order string, each with the identity permutation and
 with the ranks re-sorted by NVLink domain then node (the explicit permutation needed when the
 launcher did not number ranks node by node). It keeps the candidate with the fewest of tp, ep,
@@ -26,8 +26,8 @@ MULTI_RAIL = ("dp", "dp_cp", "edp")
 
 
 @dataclass(frozen=True)
-class GroupPlacement:
-    """One group type under a placement: physical rank lists and the slowest link they cross."""
+class GroupCost:
+    """One group type under an assignment: physical rank lists and the slowest link they cross."""
 
     ranks: tuple[tuple[int, ...], ...]
     link: str
@@ -41,15 +41,15 @@ class GroupPlacement:
 
 
 @dataclass(frozen=True)
-class Placement:
+class RankAssignment:
     topology: Topology
     grid: RankGrid  # with the chosen order
-    placement: tuple[int, ...]  # placement[i] = global rank of grid position i
-    groups: dict[str, GroupPlacement]
+    permutation: tuple[int, ...]  # permutation[i] = global rank of grid position i
+    groups: dict[str, GroupCost]
     workload: Workload
     warnings: tuple[str, ...] = ()
     candidates: int = 1
-    given: "Placement | None" = field(default=None, repr=False)  # the layout as the user gave it
+    given: "RankAssignment | None" = field(default=None, repr=False)  # the layout as the user gave it
 
     @property
     def order(self) -> str:
@@ -57,7 +57,7 @@ class Placement:
 
     @property
     def is_identity(self) -> bool:
-        return list(self.placement) == list(range(len(self.placement)))
+        return list(self.permutation) == list(range(len(self.permutation)))
 
     @property
     def cost_s(self) -> float:
@@ -67,7 +67,7 @@ class Placement:
         out = {
             "topology": self.topology.describe(),
             "order": self.order,
-            "placement": list(self.placement),
+            "permutation": list(self.permutation),
             "identity": self.is_identity,
             "groups": {n: {"size": g.size, "count": len(g.ranks), "ranks": [list(r) for r in g.ranks],
                            "link": g.link, "gbps": g.gbps, "bytes_per_step": g.bytes_per_step,
@@ -105,13 +105,13 @@ def a2a_level(grid: RankGrid, work: Workload) -> str | None:
     return "cp" if grid.cp > 1 and work.cp_comm == "a2a" else None
 
 
-def evaluate(grid: RankGrid, topology: Topology, placement=None, workload: Workload | None = None) -> Placement:
-    """Links, bytes and time of every group type of ``grid`` placed by ``placement`` (identity if None)."""
+def evaluate(grid: RankGrid, topology: Topology, permutation=None, workload: Workload | None = None) -> RankAssignment:
+    """Links, bytes and time of every group type of ``grid`` with ranks assigned by ``permutation`` (identity if None)."""
     work = workload or Workload()
     check_world(topology, grid.world_size)
-    perm = tuple(range(grid.world_size)) if placement is None else tuple(int(r) for r in placement)
+    perm = tuple(range(grid.world_size)) if permutation is None else tuple(int(r) for r in permutation)
     if sorted(perm) != list(range(grid.world_size)):
-        raise LayoutError(f"placement must be a permutation of 0..{grid.world_size - 1}")
+        raise LayoutError(f"permutation must be a permutation of 0..{grid.world_size - 1}")
     volume = bytes_per_step(grid, work)
     groups = {}
     for name, logical in logical_groups(grid, work).items():
@@ -120,8 +120,8 @@ def evaluate(grid: RankGrid, topology: Topology, placement=None, workload: Workl
         gbps = min(topology.group_gbps(g, multi_rail=name in MULTI_RAIL) for g in physical)
         nbytes = volume.get(name, 0.0)
         seconds = nbytes / (gbps * 1e9) * exposed_share(name, grid, work) if nbytes else 0.0
-        groups[name] = GroupPlacement(ranks=physical, link=link, gbps=gbps, bytes_per_step=nbytes, seconds=seconds)
-    result = Placement(topology=topology, grid=grid, placement=perm, groups=groups, workload=work)
+        groups[name] = GroupCost(ranks=physical, link=link, gbps=gbps, bytes_per_step=nbytes, seconds=seconds)
+    result = RankAssignment(topology=topology, grid=grid, permutation=perm, groups=groups, workload=work)
     return replace(result, warnings=tuple(warnings_for(result)))
 
 
@@ -176,7 +176,7 @@ def candidate_permutations(topology: Topology) -> list[tuple[int, ...]]:
     return out
 
 
-def place(grid: RankGrid, topology: Topology, workload: Workload | None = None) -> Placement:
+def assign_ranks(grid: RankGrid, topology: Topology, workload: Workload | None = None) -> RankAssignment:
     """The cheapest order string (and permutation) for ``grid``'s sizes on ``topology``."""
     work = workload or Workload()
     given = evaluate(grid, topology, None, work)
@@ -190,14 +190,14 @@ def place(grid: RankGrid, topology: Topology, workload: Workload | None = None) 
     return replace(best, candidates=count, given=given)
 
 
-def hungry_off_fast_links(p: Placement) -> int:
+def hungry_off_fast_links(p: RankAssignment) -> int:
     """How many NVLink-hungry group types (tp, ep, etp, CP all-to-all) leave the fastest link class."""
     fast = "nvlink" if p.topology.domain_ranks() else "pcie"
     names = [n for n in HUNGRY if n in p.groups] + [a for a in [a2a_level(p.grid, p.workload)] if a in p.groups]
     return sum(_slowness(p.groups[n].link) > _slowness(fast) for n in names)
 
 
-def _better(c: Placement, best: Placement) -> bool:
+def _better(c: RankAssignment, best: RankAssignment) -> bool:
     """Keeping the hungry groups on NVLink comes first (the rule), the cost model ranks the rest;
     a cost must be clearly lower to win, so float noise keeps the earlier candidate."""
     a, b = hungry_off_fast_links(c), hungry_off_fast_links(best)
@@ -208,7 +208,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
 
 
-def warnings_for(p: Placement) -> list[str]:
+def warnings_for(p: RankAssignment) -> list[str]:
     """Say which bandwidth-hungry group crosses a slow link, why, and what would fix it."""
     topo, grid, work = p.topology, p.grid, p.workload
     has_nvlink = bool(topo.domain_ranks())

@@ -1,6 +1,6 @@
 """Where the trainer's groups go: the topology at start-up, then par_groups' :func:`place`.
 
-Every rank calls :func:`place_groups` (collectively) before it creates its groups:
+Every rank calls :func:`assign_run_ranks` (collectively) before it creates its groups:
 
 1. the topology: each rank asks NVML about its GPU and the views are all-gathered; where NVML
    cannot describe every rank, ``[topology] preset`` or ``file`` from the config; else unknown
@@ -25,18 +25,18 @@ from pathlib import Path
 from par_groups import RankGrid
 from par_groups.topology import (
     LINK_CLASSES,
-    Placement,
+    RankAssignment,
     Topology,
     TopologyError,
     Workload,
     load_toml,
     local_view,
     merge_views,
-    place,
+    assign_ranks,
     preset,
 )
 from par_groups.topology.model import ceil_div
-from par_groups.topology.placement import hungry_off_fast_links
+from par_groups.topology.assignment import hungry_off_fast_links
 
 from .errors import UsageError
 
@@ -45,14 +45,14 @@ UNKNOWN = ("topology unknown (no NVML here and no [topology] preset or file in t
 
 
 @dataclass(frozen=True)
-class RunPlacement:
+class RunAssignment:
     """The grid whose groups this run creates and the permutation of ranks that plays it."""
 
     grid: RankGrid  # its order may differ from [parallel].order under placement = "auto"
     permutation: tuple[int, ...] | None  # permutation[i] = global rank of grid position i; None = identity
     message: str  # the one start-up line
     topology: Topology | None = None
-    chosen: Placement | None = None
+    chosen: RankAssignment | None = None
 
 
 def workload(cfg, layout) -> Workload:
@@ -121,15 +121,15 @@ def find_topology(cfg, world: int) -> Topology | None:
     return gathered_topology(views) or described_topology(cfg, world)
 
 
-def decide(cfg, layout, topology: Topology | None) -> RunPlacement:
+def choose_assignment(cfg, layout, topology: Topology | None) -> RunAssignment:
     """The grid and permutation for ``[parallel].placement`` on ``topology``; UsageError under strict."""
     grid, mode = layout.grid, cfg.parallel.placement
     if mode == "off":
-        return RunPlacement(grid, None, f"placement off: groups follow order {grid.order} as given", topology)
+        return RunAssignment(grid, None, f"placement off: groups follow order {grid.order} as given", topology)
     if topology is None:
-        return RunPlacement(grid, None, UNKNOWN)
+        return RunAssignment(grid, None, UNKNOWN)
     try:
-        best = place(grid, topology, workload(cfg, layout))
+        best = assign_ranks(grid, topology, workload(cfg, layout))
     except (TopologyError, ValueError) as e:
         raise UsageError(f"placement on {topology.name}: {e}") from None
     given = best.given
@@ -139,10 +139,10 @@ def decide(cfg, layout, topology: Topology | None) -> RunPlacement:
         chosen = given
     else:
         chosen = best
-    perm = None if chosen.is_identity else tuple(chosen.placement)
+    perm = None if chosen.is_identity else tuple(chosen.permutation)
     line = summary(chosen, given, mode)
     spread = route_node_spread(cfg.model.max_route_nodes, cfg.model.n_groups, chosen.grid, perm, topology)
-    return RunPlacement(chosen.grid, perm, f"{line}; {spread}" if spread else line, topology, chosen)
+    return RunAssignment(chosen.grid, perm, f"{line}; {spread}" if spread else line, topology, chosen)
 
 
 def route_node_spread(max_route_nodes: int, n_groups: int, grid: RankGrid, permutation, topology: Topology) -> str:
@@ -162,7 +162,7 @@ def route_node_spread(max_route_nodes: int, n_groups: int, grid: RankGrid, permu
     return ""
 
 
-def strict_refusal(given: Placement, best: Placement) -> str:
+def strict_refusal(given: RankAssignment, best: RankAssignment) -> str:
     """One line: which hungry group leaves NVLink under the configured order, and the fix."""
     warning = given.warnings[0].split(". Fix:")[0] if given.warnings else "a bandwidth-hungry group leaves NVLink"
     if hungry_off_fast_links(best) == 0:
@@ -179,7 +179,7 @@ def config_words(text: str) -> str:
     return re.sub(r"--(\w+)(?: (\d[\d,]*))?", lambda m: f"parallel.{m[1]}" + (f"={m[2]}" if m[2] else ""), text)
 
 
-def summary(chosen: Placement, given: Placement, mode: str) -> str:
+def summary(chosen: RankAssignment, given: RankAssignment, mode: str) -> str:
     """The start-up line: which groups stay on NVLink, which cross slower links, estimated comm time."""
     by_link: dict[str, list[str]] = {}
     for name, g in chosen.groups.items():
@@ -201,17 +201,17 @@ def summary(chosen: Placement, given: Placement, mode: str) -> str:
 _LINK_WORDS = {"nvlink": "on NVLink", "pcie": "over PCIe", "network": "across the network"}
 
 
-def place_groups(cfg, layout, topology: Topology | None = None) -> RunPlacement:
-    """Collective (every rank): find the topology unless given, then :func:`decide`."""
+def assign_run_ranks(cfg, layout, topology: Topology | None = None) -> RunAssignment:
+    """Collective (every rank): find the topology unless given, then :func:`choose_assignment`."""
     if topology is None and cfg.parallel.placement != "off":
         topology = find_topology(cfg, layout.world_size)
-    return decide(cfg, layout, topology)
+    return choose_assignment(cfg, layout, topology)
 
 
-def check_before_launch(cfg, layout) -> RunPlacement:
+def check_before_launch(cfg, layout) -> RunAssignment:
     """A standalone launch (all ranks on this host): the same decision in the launching process, so
     ``strict`` refuses with exit 2 before any rank starts."""
     if cfg.parallel.placement == "off":
-        return decide(cfg, layout, None)
+        return choose_assignment(cfg, layout, None)
     views = [local_view(r) for r in range(layout.world_size)]
-    return decide(cfg, layout, gathered_topology(views) or described_topology(cfg, layout.world_size))
+    return choose_assignment(cfg, layout, gathered_topology(views) or described_topology(cfg, layout.world_size))

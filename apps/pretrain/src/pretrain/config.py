@@ -137,12 +137,13 @@ class Config:
         dp, rest = divmod(world_size, p.tp * p.cp * p.pp)
         if not rest:  # before the grid is built: a dp the batch cannot fill fails at once (else the grid says why)
             micro_batch, microbatches = micro_batching(t.global_batch, t.micro_batch, p.microbatches, dp, p.pp)
+        sp = p.tp > 1 if p.sequence_parallel is None else (p.sequence_parallel and p.tp > 1)
+        layout = Layout(world_size, p.tp, p.cp, p.pp, p.ep, p.expert_tp, p.vpp, p.chunks_per_rank, sp,
+                        micro_batch if not rest else 0, microbatches if not rest else 0, p.order, tuple(p.hcp or ()))
         try:
-            grid = RankGrid(world_size, tp=p.tp, cp=p.cp, pp=p.pp, ep=p.ep, etp=p.expert_tp, order=p.order,
-                            hcp=p.hcp or None)
+            layout.grid  # noqa: B018 - builds and checks the grid
         except LayoutError as e:
             raise UsageError(f"[parallel] does not fit {world_size} ranks: {e}") from None
-        sp = p.tp > 1 if p.sequence_parallel is None else (p.sequence_parallel and p.tp > 1)
         if sp:
             _need((t.seq_len // p.cp) % p.tp == 0,
                   f"[train].seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for sequence parallelism")
@@ -153,8 +154,7 @@ class Config:
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,
                   f"[parallel].hsdp_replicas={p.hsdp_replicas} does not divide dp={dp} (world {world_size})")
-        return Layout(grid=grid, vpp=p.vpp, chunks_per_rank=p.chunks_per_rank, sequence_parallel=sp,
-                      micro_batch=micro_batch, microbatches=microbatches)
+        return layout
 
     def to_dict(self) -> dict:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

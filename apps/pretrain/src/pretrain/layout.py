@@ -1,8 +1,9 @@
-"""The layout one world size resolves to: the rank grid plus sequence parallelism and micro-batching."""
+"""The layout one world size resolves to: the parallel degrees, sequence parallelism and micro-batching."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from par_groups import RankGrid
 
@@ -13,25 +14,41 @@ MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it build
 
 @dataclass(frozen=True)
 class Layout:
-    """What :meth:`Config.validate_world` returns: the :class:`RankGrid` and what the config derives on it."""
+    """The layout one world size resolves to (:meth:`Config.validate_world`): the parallel degrees
+    and micro-batching, and on demand its :class:`RankGrid` (every group's ranks, in ``order``).
 
-    grid: RankGrid
+    The chain of a rank's position: this layout (what the user asked for) -> its grid (coordinates)
+    -> ``pretrain.rank_assignment`` (which process plays each grid position, possibly in another
+    order) -> ``par_groups.create_groups`` (the process groups). The planner's search sizes
+    thousands of layouts and never builds their grids."""
+
+    world_size: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    etp: int
     vpp: int
     chunks_per_rank: int
     sequence_parallel: bool
     micro_batch: int  # sequences per micro-batch on one dp rank
     microbatches: int  # micro-batches per optimizer step on one dp rank
+    order: str = "tp-cp-ep-dp-pp"
+    hcp: tuple[int, ...] = ()  # hierarchical CP sizes, innermost first; () = flat CP
 
-    world_size = property(lambda self: self.grid.world_size)
-    tp = property(lambda self: self.grid.tp)
-    cp = property(lambda self: self.grid.cp)
-    pp = property(lambda self: self.grid.pp)
-    dp = property(lambda self: self.grid.dp)
-    ep = property(lambda self: self.grid.ep)
-    etp = property(lambda self: self.grid.etp)
-    edp = property(lambda self: self.grid.edp)
-    order = property(lambda self: self.grid.order)
-    hcp = property(lambda self: self.grid.hcp or ())
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @cached_property
+    def grid(self) -> RankGrid:
+        """The rank grid (raises par_groups' LayoutError when the degrees do not fit the world)."""
+        return RankGrid(self.world_size, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep, etp=self.etp,
+                        order=self.order, hcp=self.hcp or None)
 
 
 def micro_batching(global_batch: int, micro_batch: int, microbatches: int, dp: int, pp: int) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from ..errors import UsageError
 from ..rank_assignment import workload
 from ..sizing.activations import planned_activations
 from ..sizing.flops import training_flops_per_step
-from ..sizing.memory import LightLayout
+from ..layout import Layout
 from ..sizing.params import rank_params
 from ..sizing.state import params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
@@ -99,9 +99,10 @@ def shape_config(cfg, s: Shape):
         return None
 
 
-def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> LightLayout:
-    return LightLayout(s.tp, s.cp, s.pp, s.dp, s.ep, s.etp, s.edp, s.vpp, s.chunks_per_rank, s.tp > 1,
-                       micro_batch, microbatches)
+def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> Layout:
+    """The shape's layout (its grid is never built: the search sizes, it does not place ranks)."""
+    return Layout(s.world, s.tp, s.cp, s.pp, s.ep, s.etp, s.vpp, s.chunks_per_rank, s.tp > 1,
+                  micro_batch, microbatches)
 
 
 def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster) -> Choice | None:

@@ -6,7 +6,6 @@ fits :func:`budget_bytes`, and `plan --simulate` prints it beside what it measur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from par_zero import ModelState
 
@@ -21,24 +20,6 @@ HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocat
 def budget_bytes(gpu_memory_gb: float) -> float:
     """What a rank may use of a GPU of ``gpu_memory_gb``: the memory less :data:`HEADROOM`."""
     return gpu_memory_gb * GB * (1 - HEADROOM)
-
-
-@dataclass(frozen=True)
-class LightLayout:
-    """What the sizing reads of a layout, without the world's rank lists (``plan --auto``'s search)."""
-
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    ep: int
-    etp: int
-    edp: int
-    vpp: int
-    chunks_per_rank: int
-    sequence_parallel: bool
-    micro_batch: int
-    microbatches: int
 
 
 def rank_memory(cfg, layout, stage: int, zero: str | None = None, routing=None, ep_rank: int = 0) -> dict[str, float]:

@@ -212,16 +212,19 @@ def test_mla_tp_communication_is_the_latent_and_the_output(dist_run, sp):
 
 
 def test_mla_params_per_layer_is_deepseeks_formula():
+    """The sizing's count of a layer's attention (its MLA and the layer's two norms) is DeepSeek's formula."""
     from pretrain.config import load_config
     from plain_llama import MLA as PlainMLA
-    from pretrain.sizing.params import mla_params_per_layer
+    from pretrain.sizing.params import layer_parts
 
-    a = load_config("deepseek-v3").model
+    def mla_params(model):
+        return layer_parts(model, 0)["attention"] - 2 * model.hidden
+
     h, n, rq, rkv, dn, dr, dv = 7168, 128, 1536, 512, 128, 64, 128
     formula = h * rq + rq + rq * n * (dn + dr) + h * (rkv + dr) + rkv + rkv * n * (dn + dv) + n * dv * h
-    assert mla_params_per_layer(a) == formula == 187_107_328
+    assert mla_params(load_config("deepseek-v3").model) == formula == 187_107_328
     tiny = load_config(None, MLA).model
-    assert mla_params_per_layer(tiny) == sum(p.numel() for p in PlainMLA(tiny).parameters())
+    assert mla_params(tiny) == sum(p.numel() for p in PlainMLA(tiny).parameters())
 
 
 def test_plan_deepseek_v3_gives_the_published_totals():

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from .params import mla_params_per_layer
+from .params import layer_parts
 
 
 @dataclass(frozen=True)
@@ -65,21 +65,25 @@ class ParamCounts:
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
-    """The main model's counts (as DeepSeek reports 671B / 37B); the MTP modules are ``mtp_params``."""
-    h, d = m.hidden, m.head_dim
-    attention = 2 * h * m.heads * d + 2 * h * m.kv_heads * d + 2 * h + (2 * d if m.qk_norm else 0)
-    if m.attention == "mla":
-        attention = mla_params_per_layer(m) + 2 * h  # + the two layer norms
+    """The main model's counts (as DeepSeek reports 671B / 37B); the MTP modules are ``mtp_params``.
+    Per layer from the full shapes (``sizing.params.layer_parts``) of one dense and one MoE layer."""
+    h = m.hidden
+    ids = range(m.layers + m.mtp_depth)  # an MTP layer may be the only dense (or MoE) one
+    dense_id = next((i for i in ids if not m.is_moe_layer(i)), None)
+    moe_id = next((i for i in ids if m.is_moe_layer(i)), None)
+    dense = layer_parts(m, dense_id) if dense_id is not None else None
+    moe = layer_parts(m, moe_id) if moe_id is not None else None
+    attention = (dense or moe)["attention"]
     return ParamCounts(
         embedding=m.vocab_size * h,
         embedding_row=h,
         output=0 if m.tie_embeddings else m.vocab_size * h,
         final_norm=h,
         attention=attention,
-        dense_mlp=3 * h * m.ffn_hidden,
-        router=h * m.num_experts if m.is_moe else 0,
-        shared_experts=3 * h * m.expert_ffn_hidden * m.shared_experts if m.is_moe else 0,
-        expert=3 * h * m.expert_ffn_hidden if m.is_moe else 0,
+        dense_mlp=dense["dense_mlp"] if dense else 0,
+        router=moe["router"] if moe else 0,
+        shared_experts=moe["shared"] if moe else 0,
+        expert=moe["experts"] // m.num_experts if moe else 0,
         num_experts=m.num_experts if m.is_moe else 0,
         dense_layers=m.layers - m.num_moe_layers,
         moe_layers=m.num_moe_layers,

@@ -1,8 +1,9 @@
-"""Parameter elements one rank holds: its pipeline stage's chunks, cut by tp, ep and expert tp.
+"""Parameter elements: per decoder layer and part, and what one rank holds of its pipeline stage.
 
-Counted from the shapes the trainer builds: attention heads and the dense MLP split over tp;
-routers, shared experts and MLA's down-projections copied over tp; the embedding and head with
-the padded vocabulary (``ModelConfig.padded_vocab``); the MTP layers on the last stage.
+Counted from the full shapes (``pretrain.model.shapes``), the one account of the model's tensors:
+attention heads and the dense MLP split over tp; routers, shared experts and MLA's
+down-projections copied over tp; the routed experts over ep and expert tp; the embedding and
+head with the padded vocabulary (``ModelConfig.padded_vocab``); the MTP layers on the last stage.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..model.shapes import mla_shapes
+from ..model.shapes import layer_shapes
 
 
 
@@ -60,21 +61,55 @@ def _by_kind(m, layers: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def _layer_params(m, layout, i: int) -> tuple[int, int]:
-    """(dense, routed-expert) elements of decoder layer ``i`` on one rank: TP splits attention heads
-    and the dense MLP; routers, shared experts and MLA's down-projections are copies over tp."""
-    tp, h = layout.tp, m.hidden
-    if m.attention == "mla":
-        split = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
-        dense = sum(math.prod(s) // (tp if n in split else 1) for n, s in mla_shapes(m, "").items())
-    else:
-        kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
-        dense = 2 * h * (m.heads * m.head_dim) // tp + 2 * h * kv
-    dense += 2 * h  # the two norms
-    if not m.is_moe_layer(i):
-        return dense + 3 * h * m.ffn_hidden // tp, 0
-    f = m.expert_ffn_hidden
-    dense += h * m.num_experts + 3 * h * f * m.shared_experts
-    return dense, (m.num_experts // layout.ep) * 3 * h * f // layout.etp
+    """(dense, routed-expert) elements of decoder layer ``i`` on one rank, from its full shapes."""
+    dense = experts = 0
+    for name, shape in layer_shapes(m, i).items():
+        part, n = layer_part(name), _on_rank(m, layout, name, math.prod(shape))
+        if part == "experts":
+            experts += n
+        elif part != "buffer":
+            dense += n
+    return dense, experts
+
+
+# Split over tp as the trainer builds them: column-parallel (heads, ffn) and row-parallel weights.
+TP_SPLIT = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight",
+            "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def _on_rank(m, layout, name: str, elements: int) -> int:
+    """A tensor's elements on one rank: TP splits heads and the dense MLP, GQA's KV heads too when tp
+    divides them (else each rank holds the one KV head its query heads use); the routed experts are
+    split over ep and expert tp; routers, shared experts, norms and MLA's down-projections are copies."""
+    tp, leaf = layout.tp, ".".join(name.split(".")[-2:])
+    if leaf in TP_SPLIT:
+        return elements // tp
+    if leaf in ("k_proj.weight", "v_proj.weight"):
+        return elements // tp if m.kv_heads % tp == 0 else elements // m.kv_heads
+    if layer_part(name) == "experts":
+        return elements // m.num_experts * (m.num_experts // layout.ep) // layout.etp
+    return elements
+
+
+def layer_part(name: str) -> str:
+    """Which part of a decoder layer a tensor (HF name) is: attention (with the layer's two norms),
+    dense_mlp, router, shared (experts), experts (routed) or buffer (the router's bias, not trained)."""
+    if ".mlp." not in name:
+        return "attention"
+    tail = name.split(".mlp.", 1)[1]
+    for prefix, part in (("experts.", "experts"), ("shared.", "shared"), ("router.weight", "router"),
+                         ("router.expert_bias", "buffer")):
+        if tail.startswith(prefix):
+            return part
+    return "dense_mlp"
+
+
+def layer_parts(m, i: int) -> dict[str, int]:
+    """Elements of decoder layer ``i``'s full tensors by :func:`layer_part`."""
+    parts = dict.fromkeys(("attention", "dense_mlp", "router", "shared", "experts", "buffer"), 0)
+    for name, shape in layer_shapes(m, i).items():
+        parts[layer_part(name)] += math.prod(shape)
+    return parts
 
 
 def _num_chunks(layout) -> int:
@@ -92,8 +127,3 @@ def _chunks(schedule: str, stage: int, pp: int, vpp: int) -> list[int]:
     from par_pp import chunks_on_rank
 
     return chunks_on_rank(schedule, stage, pp, vpp)
-
-
-def mla_params_per_layer(m) -> int:
-    """DeepSeek's count of one layer's MLA: q (low-rank or full), kv_a, kv_b, o and the two latent norms."""
-    return sum(math.prod(s) for s in mla_shapes(m, "").values())

@@ -2,21 +2,24 @@
 (``[log] timing = true``, ``flight_records = 64``: a ``CommWatch`` over every collective, a
 ``StepTimer``, its all-gather) against the same step with both off, tp2 x pp2 on 4 CPU gloo ranks.
 
-    uv run python tools/bench/bench_timing_overhead.py [--rounds 30] [--warmup 4] [--tp 2] [--pp 2]
+    uv run python tools/bench/bench_timing_overhead.py [--rounds 30] [--warmup 4] [--block 2] [--tp 2] [--pp 2]
     uv run python tools/bench/bench_timing_overhead.py --ablate     # also the watch alone, the timer alone
     uv run python tools/bench/bench_timing_overhead.py --cprofile 0 # rank 0's profile of each mode
-    uv run python tools/bench/bench_timing_overhead.py --per-call   # the watch's cost per collective
 
-The same trainer in the same processes runs every mode once per round, the order rotated from
-round to round (no mode always first after a mode that warms or cools a cache); each step starts
-after a barrier. Per step: its wall time (the slowest rank's) and its CPU time (the main threads'
-CPU time summed over the ranks: the compute and Python work, without the waiting, so it hardly
-moves with the machine's load; gloo's own threads are not in it). The first ``warmup`` rounds are
+The same trainer in the same processes runs every mode once per round, ``block`` steps back to
+back (as a run does: no barrier between them, so a collective the timing adds can hold ranks
+together where they would drift), the order of the modes rotated from round to round (no mode
+always first after one that warms or cools a cache); each block starts after a barrier. Per
+block: its wall time per step (the slowest rank's) and its CPU time per step (the main threads'
+CPU time summed over the ranks: compute and Python work without the waiting, which moves less
+with the machine's load; gloo's own threads are not in it). The first ``warmup`` rounds are
 discarded. Per mode the figures are the medians [min, max] of the per-round ratios mode / off:
 a load that slows one round slows every mode of it alike. The load average before and after is
 printed with them. Ends with ``RESULT <mode> wall= [min,max] cpu= [min,max] rounds= on_ms= off_ms=``.
-``--per-call``: one process, a one-rank group, 2000 all-reduces of 16 floats with and without the
-watch, 21 alternating pairs: the median added time per call (``RESULT per_call added_us=``).
+Then, counted on rank 0 (robust to the load): one watched step's calls (blocking and
+point-to-point), the watch's own time per call around a no-op (the minimum of 15 x 2000), and the
+timer's all-gather (20 back to back): ``RESULT counted calls= blocking_us= p2p_us= gather_ms=
+added_ms= share=`` (added time / the median watched step).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def rank(args) -> dict | None:
 
     modes = MODES + (ABLATIONS if args.ablate else ())
     cfg = load_config(None, [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "train.warmup_steps=1",
-                             f"train.steps={len(modes) * (args.rounds + args.warmup) + 2}"])
+                             f"train.steps={len(modes) * (args.rounds + args.warmup) * args.block + 2}"])
     me, _, _, dev = init_distributed(600, "cpu")
     try:
         trainer = Trainer(cfg, device=dev)
@@ -63,14 +66,15 @@ def rank(args) -> dict | None:
             wall, cpu = time.perf_counter(), time.thread_time()
             if profiles is not None:
                 profiles[mode].enable()
-            if mode in watched:
-                with watch:
+            for _ in range(args.block):  # back to back, as in a run: ranks may drift apart within a block
+                if mode in watched:
+                    with watch:
+                        trainer.train_step(next(steps))
+                else:
                     trainer.train_step(next(steps))
-            else:
-                trainer.train_step(next(steps))
             if profiles is not None:
                 profiles[mode].disable()
-            return time.perf_counter() - wall, time.thread_time() - cpu
+            return (time.perf_counter() - wall) / args.block, (time.thread_time() - cpu) / args.block
 
         rows = []  # per round: {mode: (wall s slowest rank, cpu s summed)}
         for r in range(args.warmup + args.rounds):
@@ -87,7 +91,12 @@ def rank(args) -> dict | None:
                 out = io.StringIO()
                 pstats.Stats(profiles[m], stream=out).sort_stats("tottime").print_stats(args.cprofile_top)
                 print(f"==== rank {me} cProfile, mode {m}, {args.rounds + args.warmup} steps\n{out.getvalue()}", flush=True)
-        return rows if me == 0 else None
+        use = counted(trainer, timers["on"], next(steps))
+        dist.barrier()
+        if me == 0:
+            use["blocking_us"], use["p2p_us"] = bookkeeping_us(CommWatch(64))
+        dist.barrier()
+        return (rows, use) if me == 0 else None
     finally:
         shutdown()
 
@@ -109,50 +118,71 @@ def report(rows: list[dict], load_before, load_after) -> None:
               f"cpu_added_ms={1e3 * statistics.median(r[m][1] - r['off'][1] for r in rows):.2f}")
 
 
-def per_call(pairs: int = 21, calls: int = 2000) -> None:
-    import torch
-    import torch.distributed as dist
+def bookkeeping_us(watch, repeats: int = 15, calls: int = 2000) -> tuple[float, float]:
+    """The watch's own time per call, around a no-op instead of a collective: a blocking call and a
+    point-to-point batch (wrapped work, waited). The minimum over repeats: what the code costs
+    when the CPU is not taken away from it."""
+    class Done:
+        def wait(self):
+            return True
 
-    from par_groups import comm
-    from par_groups.watch import CommWatch
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    x, watch = torch.ones(16), CommWatch(64)
-
-    def loop() -> float:
+    def loop(async_op: bool) -> float:
         start = time.perf_counter()
         for _ in range(calls):
-            comm.all_reduce(x, None)
+            if async_op:
+                for w in watch.run(watch.begin("recv", None, 64, 0), lambda: [Done()], True):
+                    w.wait()
+            else:
+                watch.run(watch.begin("all_reduce", None, 64), lambda: None, False)
         return (time.perf_counter() - start) / calls
 
-    added = []
-    for _ in range(pairs):
-        off = loop()
-        with watch:
-            added.append(loop() - off)
-    dist.destroy_process_group()
-    print(f"RESULT per_call added_us={1e6 * statistics.median(added):.1f} min_us={1e6 * min(added):.1f} "
-          f"max_us={1e6 * max(added):.1f} pairs={pairs} calls={calls}")
+    return tuple(1e6 * min(loop(a) for _ in range(repeats)) for a in (False, True))
+
+
+def counted(trainer, timer, step: int) -> dict:
+    """One watched step on this rank: its calls (blocking, point-to-point), its step time, and the
+    timer's all-gather alone (20 back to back, per call)."""
+    import torch.distributed as dist
+
+    from par_groups.watch import P2P, CommWatch
+
+    trainer.timer = timer
+    with CommWatch(10**6) as everything:
+        timer.watch = everything
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        step_s = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            timer.finish()
+        gather_s = (time.perf_counter() - t0) / 20
+    ops = [e.op for e in everything.entries]
+    return {"blocking": sum(op not in P2P for op in ops), "p2p": sum(op in P2P for op in ops), "step_s": step_s,
+            "gather_s": gather_s}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", "--repeats", type=int, default=30)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--block", type=int, default=2, help="Steps each mode runs back to back per round.")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--ablate", action="store_true", help="Also the watch alone and the timer alone.")
     p.add_argument("--cprofile", type=int, default=-1, metavar="RANK", help="Print this rank's cProfile of each mode.")
     p.add_argument("--cprofile-top", type=int, default=25)
-    p.add_argument("--per-call", action="store_true", help="Only the watch's cost per collective, in this process.")
     args = p.parse_args()
-    if args.per_call:
-        return per_call()
     from pretrain.launch import launch
 
     before = os.getloadavg()
-    rows = launch(rank, (args,), nproc=args.tp * args.pp, device="cpu")[0]
+    rows, use = launch(rank, (args,), nproc=args.tp * args.pp, device="cpu")[0]
     report(rows, before, os.getloadavg())
+    added_ms = (use["blocking"] * use["blocking_us"] + use["p2p"] * use["p2p_us"]) / 1e3 + 1e3 * use["gather_s"]
+    step_ms = 1e3 * statistics.median(r["on"][0] for r in rows)
+    print(f"RESULT counted calls={use['blocking']}+{use['p2p']}p2p blocking_us={use['blocking_us']:.2f} "
+          f"p2p_us={use['p2p_us']:.2f} gather_ms={1e3 * use['gather_s']:.2f} added_ms={added_ms:.2f} "
+          f"share={added_ms / step_ms:.4f} (rank 0, of the median step {step_ms:.0f} ms)")
 
 
 if __name__ == "__main__":

@@ -3,23 +3,32 @@
 ``StepTimer``, its all-gather) against the same step with both off, tp2 x pp2 on 4 CPU gloo ranks.
 
     uv run python tools/bench/bench_timing_overhead.py [--rounds 30] [--warmup 4] [--block 2] [--tp 2] [--pp 2]
-    uv run python tools/bench/bench_timing_overhead.py --ablate     # also the watch alone, the timer alone
+    uv run python tools/bench/bench_timing_overhead.py --ablate     # also the watch alone, the timer alone, off again
     uv run python tools/bench/bench_timing_overhead.py --cprofile 0 # rank 0's profile of each mode
 
 The same trainer in the same processes runs every mode once per round, ``block`` steps back to
-back (as a run does: no barrier between them, so a collective the timing adds can hold ranks
+back (as in a run: no barrier between them, so a collective the timing adds can hold ranks
 together where they would drift), the order of the modes rotated from round to round (no mode
 always first after one that warms or cools a cache); each block starts after a barrier. Per
-block: its wall time per step (the slowest rank's) and its CPU time per step (the main threads'
-CPU time summed over the ranks: compute and Python work without the waiting, which moves less
-with the machine's load; gloo's own threads are not in it). The first ``warmup`` rounds are
-discarded. Per mode the figures are the medians [min, max] of the per-round ratios mode / off:
-a load that slows one round slows every mode of it alike. The load average before and after is
-printed with them. Ends with ``RESULT <mode> wall= [min,max] cpu= [min,max] rounds= on_ms= off_ms=``.
-Then, counted on rank 0 (robust to the load): one watched step's calls (blocking and
-point-to-point), the watch's own time per call around a no-op (the minimum of 15 x 2000), and the
-timer's all-gather (20 back to back): ``RESULT counted calls= blocking_us= p2p_us= gather_ms=
-added_ms= share=`` (added time / the median watched step).
+block: its wall time per step, from the first rank's start to the last rank's end on the host's
+one clock (CLOCK_MONOTONIC), and its CPU time per step (the main threads' CPU time summed over
+the ranks: compute and Python work without the waiting, which moves less with the load; gloo's
+own threads are not in it). The first ``warmup`` rounds are discarded. Per mode the figures are
+the medians [min, max] of the per-round ratios mode / off: a load that slows one round slows
+every mode of it alike. The load average before and after is printed with them.
+
+``own`` is the figure this bench gave before: each rank's own time, the slowest rank's taken. It
+does not compare like with like: the timer's all-gather makes every rank end with the last one,
+so with timing on the slowest own time also holds the gap between the ranks leaving the barrier
+(printed; 3-4 ms median, up to ~30 ms, with 4 ranks on 2 busy cores), with timing off it does not.
+``off_again`` (with ``--ablate``) runs "off" a second time: the spread of its ratio is the
+bench's own noise on the machine it ran on.
+
+Lines: ``RESULT <mode> wall= cpu= own= rounds= <mode>_ms= off_ms= cpu_added_ms=``. Then, counted
+on rank 0 (robust to the load): one watched step's calls (blocking and point-to-point), the
+watch's own time per call around a no-op (the minimum of 15 x 2000), and the timer's all-gather
+(20 back to back): ``RESULT counted calls= blocking_us= p2p_us= gather_ms= added_ms= share=``
+(added time / the median watched step).
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ import statistics
 import time
 
 MODES = ("off", "on")
-ABLATIONS = ("watch", "timer")  # the watch alone (no timer, no all-gather); the timer alone (unwatched)
+# the watch alone (no timer, no all-gather); the timer alone (unwatched); "off" again: what the
+# bench itself makes of two identical modes (its ratio should be 1 within the spread)
+ABLATIONS = ("watch", "timer", "off_again")
 
 
 def rank(args) -> dict | None:
@@ -55,15 +66,16 @@ def rank(args) -> dict | None:
         trainer = Trainer(cfg, device=dev)
         watch = CommWatch(64)
         watch.name_groups(trainer.groups.ranks)
-        timers = {"off": NoTimer(), "on": StepTimer(watch, dev), "watch": NoTimer(), "timer": StepTimer(CommWatch(0), dev)}
+        timers = {"off": NoTimer(), "on": StepTimer(watch, dev), "watch": NoTimer(), "timer": StepTimer(CommWatch(0), dev),
+                  "off_again": NoTimer()}
         watched = {"on", "watch"}
         steps = iter(range(10**6))
         profiles = {m: cProfile.Profile() for m in modes} if args.cprofile == me else None
 
-        def one(mode: str) -> tuple[float, float]:
+        def one(mode: str) -> list[float]:
             trainer.timer = timers[mode]
             dist.barrier()
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu = time.perf_counter(), time.thread_time()  # perf_counter: CLOCK_MONOTONIC, one clock for the host
             if profiles is not None:
                 profiles[mode].enable()
             for _ in range(args.block):  # back to back, as in a run: ranks may drift apart within a block
@@ -74,18 +86,21 @@ def rank(args) -> dict | None:
                     trainer.train_step(next(steps))
             if profiles is not None:
                 profiles[mode].disable()
-            return (time.perf_counter() - wall) / args.block, (time.thread_time() - cpu) / args.block
+            end = time.perf_counter()
+            return [-wall, wall, end, end - wall, time.thread_time() - cpu]
 
-        rows = []  # per round: {mode: (wall s slowest rank, cpu s summed)}
+        rows = []  # per round: {mode: (wall s per step, cpu s per step summed over ranks, own s, skew s)}
         for r in range(args.warmup + args.rounds):
             order = modes[r % len(modes):] + modes[:r % len(modes)]
             got = {m: one(m) for m in order}
-            wall = torch.tensor([got[m][0] for m in modes], dtype=torch.float64)
-            cpu = torch.tensor([got[m][1] for m in modes], dtype=torch.float64)
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            times = torch.tensor([got[m][:4] for m in modes], dtype=torch.float64)
+            cpu = torch.tensor([got[m][4] for m in modes], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # first start (negated), last start, last end, slowest own
             dist.all_reduce(cpu)
             if r >= args.warmup:
-                rows.append({m: (wall[i].item(), cpu[i].item()) for i, m in enumerate(modes)})
+                k = args.block
+                rows.append({m: ((t[2] + t[0]).item() / k, cpu[i].item() / k, t[3].item() / k, (t[1] + t[0]).item())
+                             for i, (m, t) in enumerate(zip(modes, times))})
         if profiles is not None:
             for m in modes:
                 out = io.StringIO()
@@ -108,12 +123,15 @@ def _spread(xs: list[float]) -> str:
 def report(rows: list[dict], load_before, load_after) -> None:
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} {load_after[1]:.2f}")
     off_ms = 1e3 * statistics.median(r["off"][0] for r in rows)
+    skew = [1e3 * r[m][3] for r in rows for m in r]
+    print(f"ranks leave the barrier {statistics.median(skew):.1f} ms apart (median; max {max(skew):.1f})")
     for m in rows[0]:
         if m == "off":
             continue
         wall = [r[m][0] / r["off"][0] for r in rows]
         cpu = [r[m][1] / r["off"][1] for r in rows]
-        print(f"RESULT {m} wall={_spread(wall)} cpu={_spread(cpu)} rounds={len(rows)} "
+        own = [r[m][2] / r["off"][2] for r in rows]
+        print(f"RESULT {m} wall={_spread(wall)} cpu={_spread(cpu)} own={_spread(own)} rounds={len(rows)} "
               f"{m}_ms={1e3 * statistics.median(r[m][0] for r in rows):.1f} off_ms={off_ms:.1f} "
               f"cpu_added_ms={1e3 * statistics.median(r[m][1] - r['off'][1] for r in rows):.2f}")
 

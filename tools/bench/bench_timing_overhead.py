@@ -20,11 +20,12 @@ every mode of it alike. The load average before and after is printed with them.
 ``own`` is the figure this bench gave before: each rank's own time, the slowest rank's taken. It
 does not compare like with like: the timer's all-gather makes every rank end with the last one,
 so with timing on the slowest own time also holds the gap between the ranks leaving the barrier
-(printed; 3-4 ms median, up to ~30 ms, with 4 ranks on 2 busy cores), with timing off it does not.
+(printed; 1-4 ms median, at most 11-79 ms, on 2 busy cores), with timing off it does not.
 ``off_again`` (with ``--ablate``) runs "off" a second time: the spread of its ratio is the
 bench's own noise on the machine it ran on.
 
-Lines: ``RESULT <mode> wall= cpu= own= rounds= <mode>_ms= off_ms= cpu_added_ms=``. Then, counted
+Lines: ``RESULT <mode> ratio= ratio_min= ratio_max= cpu= cpu_min= cpu_max= own= ... rounds=
+<mode>_ms= off_ms= cpu_added_ms=`` (``ratio``: the wall-clock one). Then, counted
 on rank 0 (robust to the load): one watched step's calls (blocking and point-to-point), the
 watch's own time per call around a no-op (the minimum of 15 x 2000), and the timer's all-gather
 (20 back to back): ``RESULT counted calls= blocking_us= p2p_us= gather_ms= added_ms= share=``
@@ -116,8 +117,9 @@ def rank(args) -> dict | None:
         shutdown()
 
 
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.4f} [{min(xs):.4f},{max(xs):.4f}]"
+def _spread(name: str, xs: list[float]) -> str:
+    """``name=median name_min= name_max=`` (run_all.py reads ``ratio``, ``ratio_min``, ``ratio_max``)."""
+    return f"{name}={statistics.median(xs):.4f} {name}_min={min(xs):.4f} {name}_max={max(xs):.4f}"
 
 
 def report(rows: list[dict], load_before, load_after) -> None:
@@ -131,7 +133,7 @@ def report(rows: list[dict], load_before, load_after) -> None:
         wall = [r[m][0] / r["off"][0] for r in rows]
         cpu = [r[m][1] / r["off"][1] for r in rows]
         own = [r[m][2] / r["off"][2] for r in rows]
-        print(f"RESULT {m} wall={_spread(wall)} cpu={_spread(cpu)} own={_spread(own)} rounds={len(rows)} "
+        print(f"RESULT {m} {_spread('ratio', wall)} {_spread('cpu', cpu)} {_spread('own', own)} rounds={len(rows)} "
               f"{m}_ms={1e3 * statistics.median(r[m][0] for r in rows):.1f} off_ms={off_ms:.1f} "
               f"cpu_added_ms={1e3 * statistics.median(r[m][1] - r['off'][1] for r in rows):.2f}")
 

@@ -7,6 +7,9 @@ import time
 
 import pytest
 
+from typer.testing import CliRunner
+
+from pretrain.cli import app
 from pretrain.launch import RankFailed, launch
 
 TIMEOUT_S = 4.0
@@ -35,3 +38,20 @@ def test_the_launcher_names_the_rank_that_has_not_arrived(fault, tmp_path, fault
     # from the moment rank 0 began to wait to the launcher's error: within timeout_s + 10 s
     assert named_at - record["in_flight"]["start"] < TIMEOUT_S + 10, named_at - record["in_flight"]["start"]
     assert took < TIMEOUT_S + 10 + 60, took  # and start-up (forkserver, imports) on a loaded machine
+    # `pretrain hang LOG_DIR` (torchrun's ranks write the same records): the same line from the records alone
+    out = CliRunner().invoke(app, ["hang", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    summary = e.error.split("s: ", 1)[1]
+    if fault == "stop":  # the launcher saw the stopped process in /proc; the records only that rank 2 left none
+        summary = summary.replace("process stopped (SIGSTOP), no flight record",
+                                  "no flight record: stopped, dead, or stuck outside a collective")
+    assert out.output.strip() == f"hang: {summary}", (out.output, e.error)
+
+
+def test_hang_without_records(tmp_path):
+    runner = CliRunner()
+    none = runner.invoke(app, ["hang", str(tmp_path)])
+    assert (none.exit_code, none.output.strip()) == (0, f"no hang recorded (no flight records in {tmp_path / 'flight'})")
+    missing = runner.invoke(app, ["hang", str(tmp_path / "nope")])
+    assert missing.exit_code == 2 and missing.output.count("\n") == 1, missing.output
+    assert missing.output.startswith(f"error: '{tmp_path / 'nope'}' is not a directory"), missing.output

@@ -1,6 +1,7 @@
 """The watch over the counted layer: waits timed where a rank stands still, every call in the
 flight recorder with its group's sequence number, and a summary naming the rank not arrived."""
 
+import pickle
 import time
 
 import torch
@@ -33,19 +34,33 @@ def late_rank_1():
         ops = [dist.P2POp(dist.isend if me == 0 else dist.irecv, torch.ones(2), peer)]
         for w in comm.batch_isend_irecv(ops):
             w.wait()
+        with comm.CommRecorder() as rec:  # the barrier and the object collectives: counted and watched too
+            comm.barrier(None)
+            views = [None, None]
+            comm.all_gather_object(views, {"rank": me}, None)
+            digests = [None, None] if me == 1 else None
+            comm.gather_object(f"r{me}", digests, 1, pair)
         record = watch.record("test")
-    return blocking, overlapped, [(e["op"], e["group"], e["seq"], e["bytes"], e["peer"], e["state"])
-                                  for e in record["entries"]]
+    calls = [(e["op"], e["group"], e["seq"], e["bytes"], e["peer"], e["state"]) for e in record["entries"]]
+    return blocking, overlapped, calls, views, digests, [(r.op, r.bytes) for r in rec.records]
 
 
 def test_waits_are_timed_where_the_rank_stands_still_and_calls_are_recorded(dist_run):
-    (wait0, over0, entries0), (wait1, over1, entries1) = dist_run(2, late_rank_1)
+    (wait0, over0, entries0, *objects0), (wait1, over1, entries1, *objects1) = dist_run(2, late_rank_1)
     assert LATE_S * 0.8 < wait0 < LATE_S * 3 and wait1 < LATE_S * 0.5, (wait0, wait1)
     # rank 0 computed LATE_S/3 of rank 1's LATE_S lateness while the gather was in flight
     assert LATE_S * 0.4 < over0 < LATE_S * 3 and over1 < LATE_S * 0.5, (over0, over1)
     assert entries0[:2] == entries1[:2] == [("all_reduce", "world", 1, 12, None, "done"),
                                            ("all_gather", "pair", 1, 24, None, "done")]
     assert entries0[2] == ("send", "world", 1, 8, 1, "done") and entries1[2] == ("recv", "world", 1, 8, 0, "done")
+    gathered = [{"rank": 0}, {"rank": 1}]
+    assert objects0[:2] == [gathered, None] and objects1[:2] == [gathered, ["r0", "r1"]]
+    one = len(pickle.dumps({"rank": 0}))
+    sent = len(pickle.dumps("r0"))  # rank 0 sends its string to rank 1, which sends nothing
+    assert objects0[2] == [("barrier", 0), ("all_gather_object", 2 * one), ("gather_object", sent)]
+    assert objects1[2] == [("barrier", 0), ("all_gather_object", 2 * one), ("gather_object", 0)]
+    assert [e[:3] for e in entries0[3:]] == [e[:3] for e in entries1[3:]] == [
+        ("barrier", "world", 2), ("all_gather_object", "world", 3), ("gather_object", "pair", 2)]
 
 
 def _entry(op, seq, ranks=(0, 1, 2, 3), group="dp", state="done", peer=None):

@@ -8,7 +8,8 @@ number, bytes) and its Python stack. SIGUSR1 writes it too, from wherever the ra
 In the launcher (:func:`hang_summary`), once a rank failed on a timeout: ranks that wrote no
 record yet get SIGUSR1 and a few seconds; a stopped process (``SIGSTOP``, state T) or a dead one
 is noted as such; ``par_groups.flight.summarize`` names the ranks waiting, the collective, and
-the rank that has not arrived. On CUDA, NCCL's own flight recorder is turned on as well
+the rank that has not arrived. ``pretrain hang LOG_DIR`` (:func:`summary_of_dir`) prints the same
+line from the records alone, for runs another launcher started (torchrun). On CUDA, NCCL's own flight recorder is turned on as well
 (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumps on timeout to ``flight/nccl_rank_R``), unless set.
 """
 
@@ -75,6 +76,28 @@ def _read(path: Path, since: float) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if record.get("time", 0) >= since else None
+
+
+def _world(records: dict[int, dict]) -> int:
+    """The run's size as far as the records tell: the highest rank any of them names, plus one."""
+    seen = set(records)
+    for record in records.values():
+        for entry in record.get("entries", []) + [record.get("in_flight") or {}]:
+            seen |= set(entry.get("ranks", [])) | ({entry["peer"]} if entry.get("peer") is not None else set())
+    return max(seen) + 1
+
+
+def summary_of_dir(log_dir: str | Path) -> tuple[Hang | None, int]:
+    """``pretrain hang``: the summary of the records in ``<log_dir>/flight`` (whoever launched the
+    run, e.g. torchrun) and how many records there were. A rank without one is named as such."""
+    records = {}
+    for path in sorted((Path(log_dir) / FLIGHT_DIR).glob("rank_*.json")):
+        record = _read(path, 0.0)
+        if record is not None and isinstance(record.get("rank"), int):
+            records[record["rank"]] = record
+    if not records:
+        return None, 0
+    return summarize(records, _world(records)), len(records)
 
 
 def hang_summary(log_dir: str | Path, pids: list[int], since: float) -> Hang | None:

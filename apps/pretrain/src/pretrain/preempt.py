@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from par_groups import comm
 
 from .rank_env import LAUNCHER_ENV, Aborted
 
@@ -47,7 +48,7 @@ class StopRequests:
 
     def agreed(self) -> bool:
         flag = torch.tensor([0.0 if self.signal is None else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce(flag, self.group, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def close(self) -> None:

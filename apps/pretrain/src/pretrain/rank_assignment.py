@@ -112,10 +112,12 @@ def find_topology(cfg, world: int) -> Topology | None:
     """Collective: NVML views of every rank all-gathered, else the config's description, else None."""
     import torch.distributed as dist
 
+    from par_groups import comm
+
     view = local_view(int(os.environ.get("LOCAL_RANK", "0")))
     views = [None] * world
     if dist.is_initialized() and world > 1:
-        dist.all_gather_object(views, view)
+        comm.all_gather_object(views, view, None)
     else:
         views = [view]
     return gathered_topology(views) or described_topology(cfg, world)

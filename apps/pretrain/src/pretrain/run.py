@@ -6,7 +6,7 @@ import os
 import time
 from contextlib import ExitStack, nullcontext
 
-import torch.distributed as dist
+from par_groups import comm
 from par_groups.watch import CommWatch
 
 # imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
@@ -119,7 +119,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
                                f"loss {first:.4f} -> {last:.4f}")
             logger.close()
-        dist.barrier()  # only on success: a failed rank must not wait here for peers stuck in a step's collective
+        comm.barrier(None)  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     finally:
         watching.close()

@@ -3,7 +3,8 @@
 Each call records ``(op, group_size, bytes)`` into every active :class:`CommRecorder`.
 ``bytes`` is the size of the logical tensor the operation works on: all-reduce its tensor,
 all-gather the gathered output, reduce-scatter the unreduced input, all-to-all this rank's
-input, send/recv the message. ``wire_bytes`` gives what a ring algorithm actually puts on the
+input, send/recv the message, a barrier nothing, the object collectives the pickled objects
+(all-gather: group size x this rank's). ``wire_bytes`` gives what a ring algorithm actually puts on the
 wire per rank: there a reduce-scatter plus an all-gather of one tensor move exactly what one
 all-reduce of it moves, as the theory says. An all-to-all records exactly the bytes it sends to
 other ranks (``sent``, from its split sizes), which is its ``wire_bytes``.
@@ -15,6 +16,7 @@ recorder of the last ones (see :mod:`par_groups.watch`).
 
 from __future__ import annotations
 
+import pickle
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -48,7 +50,7 @@ class CommRecord:
             return self.sent
         if self.op == "all_reduce":
             return 2 * (n - 1) * self.bytes // n
-        if self.op in ("all_gather", "reduce_scatter", "all_to_all"):
+        if self.op in ("all_gather", "all_gather_object", "reduce_scatter", "all_to_all"):
             return (n - 1) * self.bytes // n
         return self.bytes
 
@@ -152,3 +154,28 @@ def batch_isend_irecv(ops: list[dist.P2POp]):
     kind = "send" if first.op is dist.isend else "recv"
     return _call(kind, first.group, sum(_nbytes(p.tensor) for p in ops), lambda: dist.batch_isend_irecv(ops), True,
                  first.peer)  # P2POp's peer is a global rank
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Every rank of ``group`` waits for the others (recorded with 0 bytes)."""
+    _record("barrier", group, 0)
+    _call("barrier", group, 0, lambda: dist.barrier(group=group), False)
+
+
+def _pickled(obj) -> int:
+    return len(pickle.dumps(obj))  # the bytes torch's object collectives send for it (they pickle it too)
+
+
+def all_gather_object(output: list, obj, group: ProcessGroup | None) -> None:
+    """``output[i]`` = rank i's ``obj`` (picklable). Recorded as group size x this rank's pickled size."""
+    nbytes = dist.get_world_size(group) * _pickled(obj)
+    _record("all_gather_object", group, nbytes)
+    _call("all_gather_object", group, nbytes, lambda: dist.all_gather_object(output, obj, group=group), False)
+
+
+def gather_object(obj, output: list | None, dst: int, group: ProcessGroup | None) -> None:
+    """Every rank's ``obj`` into ``output`` on global rank ``dst`` (None elsewhere). Recorded as what
+    this rank sends: its pickled ``obj``, nothing on ``dst``."""
+    nbytes = 0 if dist.get_rank() == dst else _pickled(obj)
+    _record("gather_object", group, nbytes)
+    _call("gather_object", group, nbytes, lambda: dist.gather_object(obj, output, dst=dst, group=group), False)

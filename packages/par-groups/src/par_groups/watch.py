@@ -26,7 +26,6 @@ import sys
 import time
 import traceback
 from collections import deque
-from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ _watch: ContextVar["CommWatch | None"] = ContextVar("par_comm_watch", default=No
 P2P = ("send", "recv")
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is made per collective, cheaply
 class Entry:
     """One call: ``seq`` counts this rank's calls on ``group`` (1-based); ``end`` is None while in flight."""
 
@@ -70,16 +69,19 @@ class _TimedWork:
     def wait(self, *args, **kwargs):
         if self._done:
             return self._work.wait(*args, **kwargs)
-        entry, t0 = self._entry, time.perf_counter()
+        entry, watch, t0 = self._entry, self._watch, time.perf_counter()
         entry.waiting_since = entry.waiting_since or time.time()
         try:
-            with self._watch.range(entry):
+            if watch.ranges:
+                with watch.range(entry):
+                    out = self._work.wait(*args, **kwargs)
+            else:
                 out = self._work.wait(*args, **kwargs)
         except Exception as e:
-            self._watch.failed(entry, e)
+            watch.failed(entry, e)
             raise
         self._done = True
-        self._watch.wait_s += time.perf_counter() - t0
+        watch.wait_s += time.perf_counter() - t0
         entry.pending -= 1
         if entry.pending <= 0:
             entry.end = time.time()
@@ -143,9 +145,7 @@ class CommWatch:
         return entry
 
     def range(self, entry: Entry):
-        """The profiler range of ``entry`` (a no-op outside a profiler window)."""
-        if not self.ranges:
-            return nullcontext()
+        """The profiler range of ``entry`` (used while ``ranges`` is on: in a profiler window)."""
         peer = "" if entry.peer is None else f"->{entry.peer}" if entry.op == "send" else f"<-{entry.peer}"
         return torch.profiler.record_function(f"comm.{entry.op}[{entry.group}]{peer}")
 
@@ -153,7 +153,10 @@ class CommWatch:
         """Run ``call`` (the torch collective) as ``entry``; wrap the work(s) it returns when asynchronous."""
         t0 = time.perf_counter()
         try:
-            with self.range(entry):
+            if self.ranges:
+                with self.range(entry):
+                    out = call()
+            else:  # no context manager per call outside a profiler window
                 out = call()
         except Exception as e:
             self.failed(entry, e)

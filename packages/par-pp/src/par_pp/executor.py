@@ -148,10 +148,14 @@ class PipelineExecutor:
         self._comm = StageComm(s, self.rank, self.group, self.device, self.message_shape)
         self._comm.start()
         run = {"F": self._run_F, "B": self._run_B, "W": self._run_W}
+        named = torch.autograd._profiler_enabled()  # ranges only under a profiler: one costs ~15 us even unprofiled
         for action, inbox, outbox in self._plan:
             self._compute_start = None
             start = time.perf_counter()
-            with torch.profiler.record_function(f"{action.kind}{action.microbatch}.c{action.chunk}"):  # named in traces
+            if named:
+                with torch.profiler.record_function(f"{action.kind}{action.microbatch}.c{action.chunk}"):  # named in traces
+                    run[action.kind](action, inbox, outbox)
+            else:
                 run[action.kind](action, inbox, outbox)
             # The record starts once the inputs are here: waiting for a message is bubble.
             self.records.append(ActionRecord(action, self._compute_start or start, time.perf_counter()))

@@ -33,7 +33,7 @@ def _mesh(dp_group: ProcessGroup, outer_group: ProcessGroup | None, device_type:
         return DeviceMesh.from_group(dp_group, device_type)
     # Row a of the 2-D mesh is the inner group of the rank with outer index a in our outer group.
     inner_of = [None] * dist.get_world_size()
-    dist.all_gather_object(inner_of, dist.get_process_group_ranks(dp_group))
+    comm.all_gather_object(inner_of, dist.get_process_group_ranks(dp_group), None)
     rows = [inner_of[r] for r in dist.get_process_group_ranks(outer_group)]
     return DeviceMesh.from_group([outer_group, dp_group], device_type, mesh=torch.tensor(rows, dtype=torch.int), mesh_dim_names=("outer", "inner"))
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from par_groups import comm
 from par_zero import PiecesSavePlanner
 
 from .faults import removed_if_disk_full
@@ -59,7 +60,7 @@ class PendingSave:
             entries = gather_digests(entries, self.group)  # ... and every rank's
             if _rank() == 0:
                 _finalise(self.root, self.tmp, self.final, self.state, self.keep, entries)
-        dist.barrier(group=self.group)
+        comm.barrier(self.group)
         return self.final
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from par_groups import comm
 from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
@@ -104,7 +105,7 @@ def checkpoint_tensors(trainer, with_optim: bool, copy: bool = False) -> dict[st
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier(None)
 
 
 def _rank() -> int:
@@ -138,7 +139,7 @@ def gather_digests(entries: dict[str, dict], group=None) -> dict[str, dict]:
         return entries
     first = dist.get_rank(group) == 0
     out = [None] * dist.get_world_size(group) if first else None
-    dist.gather_object(entries, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    comm.gather_object(entries, out, dist.get_global_rank(group, 0) if group is not None else 0, group)
     return {name: d for part in out for name, d in part.items()} if first else {}
 
 

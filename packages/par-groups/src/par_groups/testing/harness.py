@@ -71,6 +71,8 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
     import torch
     import torch.distributed as dist
 
+    from par_groups import comm
+
     torch.set_num_threads(1)
     gc.freeze()  # what the forkserver imported stays: no collection walks it again
     store = dist.TCPStore(host, port, None, is_master=False, timeout=timedelta(seconds=60))
@@ -107,7 +109,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
         gc.freeze()
         if joined:
             if ok:
-                dist.barrier()  # nobody closes its connections while a peer still reads from them
+                comm.barrier(None)  # nobody closes its connections while a peer still reads from them
             dist.destroy_process_group()
 
 

@@ -1,0 +1,98 @@
+"""A stage's activation peak, found by walking its pipeline schedule as par-pp's executor runs it.
+
+What each (micro-batch, chunk) keeps, per the executor (``par_pp.executor``):
+
+* ``F``: the chunk's saved set (:class:`ChunkBytes` ``saved``) until its backward frees it;
+* a full ``B``: runs the backward (``saved`` still alive, plus the backward's working set), then
+  frees the saved set;
+* a split ``B`` (ZB-H1, ZB-V): input grad only, with ``retain_graph``: the saved set stays, and the
+  gradient arriving at every weight junction is recorded (``junctions``) for the W;
+* ``W``: the weight grads from those junctions, then both are freed (chunk 0, which has no input
+  grad to send, does its whole backward in its W).
+
+Gradients: under ZeRO-2/3 the trainer turns gradient sync off for the whole schedule (pp > 1) or
+for all but the last micro-batch (pp = 1), so par-zero's full, unsharded gradient buffer of the
+stage lives from the first backward to the end of the step (``grad_buffer``, on top of the shard
+the model state counts). :class:`StagePeak` keeps the peak before and after that point apart, so
+one walk serves every ZeRO strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+NONE = float("-inf")
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Bytes one micro-batch of a chunk keeps: its saved set, a split B's recorded junction grads,
+    and its backward's largest working set beyond the saved set."""
+
+    saved: float
+    junctions: float
+    backward: float
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The stage's activation peak before its first backward allocates gradients, and after."""
+
+    before: float
+    after: float  # -inf: no backward runs with the full gradients alive
+
+    def with_grads(self, grad_buffer: float) -> float:
+        """The peak when ``grad_buffer`` bytes of full gradients live from the first backward on."""
+        return max(self.before, self.after + grad_buffer) if grad_buffer else max(self.before, self.after)
+
+
+def walked_microbatches(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batches walked: all for GPipe (it keeps them all), else enough to reach the steady
+    state (4 x pp, a multiple of pp for interleaved), which repeats the same peak."""
+    return microbatches if pp == 1 or schedule == "gpipe" else min(microbatches, 4 * pp)
+
+
+@lru_cache(maxsize=1024)
+def _actions(schedule: str, pp: int, microbatches: int, vpp: int, stage: int) -> tuple:
+    from par_pp import build_schedule
+
+    return build_schedule(schedule, pp, microbatches, vpp).ranks[stage]
+
+
+def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
+               chunks: dict[int, ChunkBytes], receive: float = 0.0) -> StagePeak:
+    """Walk ``stage``'s actions; ``chunks``: its chunks' bytes by global chunk id; ``receive``: the
+    receive buffers alive throughout."""
+    if pp == 1:
+        (c,) = chunks.values()
+        top = c.saved + c.backward + receive
+        return StagePeak(top, top if microbatches > 1 else NONE)  # m > 1: later backwards meet the buffer
+    m = walked_microbatches(schedule, pp, microbatches)
+    live, grads, peak = 0.0, False, [0.0, NONE]  # [before, after] the gradients exist
+    split_done: set[tuple[int, int]] = set()
+
+    def see(value: float) -> None:
+        peak[grads] = max(peak[grads], value + receive)
+
+    for a in _actions(schedule, pp, m, vpp, stage):
+        c, key = chunks[a.chunk], (a.microbatch, a.chunk)
+        if a.kind == "F":
+            live += c.saved
+            see(live)
+        elif a.kind == "B" and a.split:
+            if a.chunk > 0:  # chunk 0 sends no input grad: its W does the whole backward
+                see(live + c.junctions + c.backward)
+                live += c.junctions
+                split_done.add(key)
+        elif a.kind == "W" and key in split_done:
+            see(live)
+            grads = True
+            see(live)
+            live -= c.saved + c.junctions
+        else:  # a full backward (B, or chunk 0's W)
+            see(live + c.backward)
+            grads = True
+            live -= c.saved
+            see(live)
+    return StagePeak(*peak)

@@ -72,25 +72,43 @@ def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = N
     return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb, pairs)
 
 
-def _backward_work(cfg, layout, i: int, tokens: float) -> float:
-    """A dense MLP's backward working set: the output gradient gathered (h), one intermediate's
-    gradient (ffn/tp) and one projection's weight gradient in the compute dtype, before it is added
-    into the fp32 gradient buffer. An MoE layer's peak comes before its backward allocates."""
+def _ring_backward_work(m, layout, pb: int) -> float:
+    """Per local token: a context-parallel attention's backward working set (par-cp's ring): fp32
+    dq and two steps' dk, dv, the fp32 dK|dV stack it sends home; in bf16 K|V and its spare, the
+    casts of the gradients out and the blocks' temporaries (measured: 5.5 q-widths at cp 2)."""
+    if layout.cp == 1:
+        return 0.0  # one fused SDPA call, as on a GPU
+    if m.attention == "mla":
+        q = kv = m.heads / layout.tp * max(m.qk_head_dim, m.v_head_dim)  # k and v padded to one width
+    else:
+        q = m.heads * m.head_dim / layout.tp
+        kv = (m.kv_heads // layout.tp if m.kv_heads % layout.tp == 0 else 1) * m.head_dim
+    return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q)
+
+
+def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
+    """The larger of a layer's two backward working sets: a dense MLP's (the output gradient
+    gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
+    compute dtype, before it is added into the fp32 gradient buffer; an MoE layer's peak comes
+    before its backward allocates) and, under context parallelism, the attention's, which runs once
+    the MLP's saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
+    attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
-        return 0.0
+        return max(attention, 0.0)
     ffn = m.ffn_hidden / layout.tp
-    return (m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb
+    return max((m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb, attention)
 
 
-def _loss_peak(cfg, layout, tokens: float) -> float:
-    """The last stage during its loss: logits in bf16 and the cross-entropy's fp32 buffer; per MTP
-    depth its logits, the fp32 copy its loss takes and its own buffer, plus the final and MTP
-    norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
+def _loss_saved(cfg, layout, tokens: float) -> float:
+    """What the last chunk's loss keeps for backward: the cross-entropy's fp32 copy of the logits
+    (the bf16 logits are freed once copied: :func:`_chunk_bytes` counts them as the forward's
+    transient); per MTP depth its logits, the fp32 copy its loss takes and its own buffer, plus the
+    final and MTP norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
     m, pb = cfg.model, _pb(cfg)
     vocab = m.padded_vocab(layout.tp) / layout.tp
     h = m.hidden / (layout.tp if layout.sequence_parallel else 1)  # the norms see this rank's tokens
-    main = vocab * (pb + 4) + h * (8 + pb)
+    main = vocab * 4 + h * (8 + pb)
     mtp = m.mtp_depth * (vocab * (pb + 8) + h * (3 * 8 + 5 * pb))
     return (main + mtp) * tokens
 
@@ -142,18 +160,19 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
 
     def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
         again = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
-        return again + _backward_work(cfg, layout, i, tokens)
+        return again + _backward_work(cfg, layout, i, tokens, moe_pairs)
 
-    work = max((backward(i) for i, _ in kinds), default=0.0)
+    work, forward = max((backward(i) for i, _ in kinds), default=0.0), 0.0
     if last:  # the loss's logits are saved with the chunk; the head's output gradient is a junction
-        vocab, loss = m.padded_vocab(layout.tp) / layout.tp, _loss_peak(cfg, layout, tokens)
+        vocab, loss = m.padded_vocab(layout.tp) / layout.tp, _loss_saved(cfg, layout, tokens)
         saved += loss
+        forward = vocab * pb * tokens  # the bf16 logits, alive until the loss has its fp32 copy
         junctions += (vocab * pb + 4 * m.hidden / share) * tokens
         if m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and the
             # head's gradient from MTP's use (waiting for the main use's) are alive
             work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
         work = max(work - loss, 0.0)  # the loss's backward frees its logits before the layers' run
-    return ChunkBytes(saved, junctions, work)
+    return ChunkBytes(saved, junctions, work, forward)
 
 
 def stage_peak_of(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> StagePeak:

@@ -28,11 +28,12 @@ NONE = float("-inf")
 @dataclass(frozen=True)
 class ChunkBytes:
     """Bytes one micro-batch of a chunk keeps: its saved set, a split B's recorded junction grads,
-    and its backward's largest working set beyond the saved set."""
+    its backward's largest working set beyond the saved set, and its forward's beyond its saved set."""
 
     saved: float
     junctions: float
     backward: float
+    forward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
     receive buffers alive throughout."""
     if pp == 1:
         (c,) = chunks.values()
-        top = c.saved + c.backward + receive
+        top = c.saved + max(c.backward, c.forward) + receive
         return StagePeak(top, top if microbatches > 1 else NONE)  # m > 1: later backwards meet the buffer
     m = walked_microbatches(schedule, pp, microbatches)
     live, grads, peak = 0.0, False, [0.0, NONE]  # [before, after] the gradients exist
@@ -79,7 +80,7 @@ def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
         c, key = chunks[a.chunk], (a.microbatch, a.chunk)
         if a.kind == "F":
             live += c.saved
-            see(live)
+            see(live + c.forward)
         elif a.kind == "B" and a.split:
             if a.chunk > 0:  # chunk 0 sends no input grad: its W does the whole backward
                 see(live + c.junctions + c.backward)

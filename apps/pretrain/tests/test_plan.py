@@ -98,11 +98,14 @@ def test_decision_tree_walks_ddp_zero1_zero3_and_hsdp():
     # Llama-3-8B at tp 2, dp 32: DDP peaks at 106 GB, ZeRO-1 at 60 GB (budget: 90 % of the GPU)
     assert plan_json("llama3-8b", "--world", "64", "--gpu-memory", "200")["decision"]["zero"] == "no_shard"
     assert plan_json("llama3-8b", "--world", "64")["decision"]["zero"] == "optim"
-    # tp=1, full recompute (8.8 GB of activations): ZeRO-2 peaks at 26.9 GB, HSDP in nodes of 16 at 17.8 GB
+    # tp=1, full recompute (8.8 GB of activations), one micro-batch per step: ZeRO-2 peaks at 26.9 GB,
+    # HSDP in nodes of 16 at 17.8 GB
     tp1 = ["--set", "parallel.tp=1", "--set", "model.recompute=full", "--gpu-memory"]
-    d = plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", *tp1, "22")["decision"]
+    d = plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", "--set", "train.global_batch=64", *tp1, "22")["decision"]
     assert d == {"zero": "optim_grads_params", "hsdp_replicas": 4, "why": d["why"]} and "HSDP" in d["why"]
-    single_node = plan_json("llama3-8b", "--world", "8", *tp1, "32")
+    # 8 micro-batches: ZeRO-2/3 accumulate into the full fp32 gradient buffer (32 GB): nothing fits
+    assert plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", *tp1, "22")["decision"]["zero"] is None
+    single_node = plan_json("llama3-8b", "--world", "8", "--set", "train.global_batch=8", *tp1, "32")
     assert single_node["decision"]["zero"] == "optim_grads_params" and single_node["decision"]["hsdp_replicas"] == 1
     # DeepSeek-V3 on 64 GPUs without pipeline parallelism fits under no strategy
     assert plan_json("deepseek-v3", "--world", "64", "--set", "parallel.pp=1", "--set", "parallel.last_stage_layers=0",

@@ -54,11 +54,42 @@ def walked_microbatches(schedule: str, pp: int, microbatches: int) -> int:
     return microbatches if pp == 1 or schedule == "gpipe" else min(microbatches, 4 * pp)
 
 
-@lru_cache(maxsize=1024)
-def _actions(schedule: str, pp: int, microbatches: int, vpp: int, stage: int) -> tuple:
+@lru_cache(maxsize=4096)
+def _events(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -> tuple[tuple, ...]:
+    """The distinct moments of ``stage``'s walk, each ``(grads alive, saved sets alive per chunk,
+    junction sets alive per chunk, (field, chunk) of the transient on top or None)``, chunks in
+    ``chunks_on`` order: the walk once per schedule shape, for any chunk sizes."""
     from par_pp import build_schedule
 
-    return build_schedule(schedule, pp, microbatches, vpp).ranks[stage]
+    s = build_schedule(schedule, pp, walked_microbatches(schedule, pp, microbatches), vpp)
+    index = {c: i for i, c in enumerate(s.chunks_on(stage))}
+    saved, junctions, grads, split_done, seen = [0] * len(index), [0] * len(index), False, set(), {}
+
+    def see(extra=None) -> None:
+        seen.setdefault((grads, tuple(saved), tuple(junctions), extra), None)
+
+    for a in s.ranks[stage]:
+        i, key = index[a.chunk], (a.microbatch, a.chunk)
+        if a.kind == "F":
+            saved[i] += 1
+            see(("forward", i))
+        elif a.kind == "B" and a.split:
+            if a.chunk > 0:  # chunk 0 sends no input grad: its W does the whole backward
+                junctions[i] += 1
+                see(("backward", i))
+                split_done.add(key)
+        elif a.kind == "W" and key in split_done:
+            see()
+            grads = True
+            see()
+            saved[i] -= 1
+            junctions[i] -= 1
+        else:  # a full backward (B, or chunk 0's W)
+            see(("backward", i))
+            grads = True
+            saved[i] -= 1
+            see()
+    return tuple(seen)
 
 
 def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
@@ -69,31 +100,11 @@ def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
         (c,) = chunks.values()
         top = c.saved + max(c.backward, c.forward) + receive
         return StagePeak(top, top if microbatches > 1 else NONE)  # m > 1: later backwards meet the buffer
-    m = walked_microbatches(schedule, pp, microbatches)
-    live, grads, peak = 0.0, False, [0.0, NONE]  # [before, after] the gradients exist
-    split_done: set[tuple[int, int]] = set()
-
-    def see(value: float) -> None:
+    sizes = [chunks[c] for c in sorted(chunks)]
+    peak = [NONE, NONE]  # before, after the gradients exist
+    for grads, saved, junctions, extra in _events(schedule, pp, vpp, microbatches, stage):
+        value = sum(n * c.saved for n, c in zip(saved, sizes)) + sum(n * c.junctions for n, c in zip(junctions, sizes))
+        if extra is not None:
+            value += getattr(sizes[extra[1]], extra[0])
         peak[grads] = max(peak[grads], value + receive)
-
-    for a in _actions(schedule, pp, m, vpp, stage):
-        c, key = chunks[a.chunk], (a.microbatch, a.chunk)
-        if a.kind == "F":
-            live += c.saved
-            see(live + c.forward)
-        elif a.kind == "B" and a.split:
-            if a.chunk > 0:  # chunk 0 sends no input grad: its W does the whole backward
-                see(live + c.junctions + c.backward)
-                live += c.junctions
-                split_done.add(key)
-        elif a.kind == "W" and key in split_done:
-            see(live)
-            grads = True
-            see(live)
-            live -= c.saved + c.junctions
-        else:  # a full backward (B, or chunk 0's W)
-            see(live + c.backward)
-            grads = True
-            live -= c.saved
-            see(live)
     return StagePeak(*peak)

@@ -54,14 +54,19 @@ def walked_microbatches(schedule: str, pp: int, microbatches: int) -> int:
     return microbatches if pp == 1 or schedule == "gpipe" else min(microbatches, 4 * pp)
 
 
-@lru_cache(maxsize=4096)
-def _events(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -> tuple[tuple, ...]:
-    """The distinct moments of ``stage``'s walk, each ``(grads alive, saved sets alive per chunk,
-    junction sets alive per chunk, (field, chunk) of the transient on top or None)``, chunks in
-    ``chunks_on`` order: the walk once per schedule shape, for any chunk sizes."""
+@lru_cache(maxsize=256)
+def _schedule(schedule: str, pp: int, microbatches: int, vpp: int):
     from par_pp import build_schedule
 
-    s = build_schedule(schedule, pp, walked_microbatches(schedule, pp, microbatches), vpp)
+    return build_schedule(schedule, pp, microbatches, vpp)
+
+
+@lru_cache(maxsize=4096)
+def _events(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -> tuple[tuple, ...]:
+    """The distinct moments of ``stage``'s walk over ``microbatches`` (already walked_microbatches), each ``(grads alive, saved sets alive per chunk,
+    junction sets alive per chunk, (field, chunk) of the transient on top or None)``, chunks in
+    ``chunks_on`` order: the walk once per schedule shape, for any chunk sizes."""
+    s = _schedule(schedule, pp, microbatches, vpp)
     index = {c: i for i, c in enumerate(s.chunks_on(stage))}
     saved, junctions, grads, split_done, seen = [0] * len(index), [0] * len(index), False, set(), {}
 
@@ -102,7 +107,7 @@ def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
         return StagePeak(top, top if microbatches > 1 else NONE)  # m > 1: later backwards meet the buffer
     sizes = [chunks[c] for c in sorted(chunks)]
     peak = [NONE, NONE]  # before, after the gradients exist
-    for grads, saved, junctions, extra in _events(schedule, pp, vpp, microbatches, stage):
+    for grads, saved, junctions, extra in _events(schedule, pp, vpp, walked_microbatches(schedule, pp, microbatches), stage):
         value = sum(n * c.saved for n, c in zip(saved, sizes)) + sum(n * c.junctions for n, c in zip(junctions, sizes))
         if extra is not None:
             value += getattr(sizes[extra[1]], extra[0])

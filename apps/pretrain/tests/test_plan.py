@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from pretrain.cli import app
 from pretrain.config import load_config
-from pretrain.sizing.activations import in_flight, planned_activations
+from pretrain.sizing.activations import planned_activations
+from pretrain.sizing.schedule_peak import ChunkBytes, stage_peak
 from pretrain.sizing.flops import param_counts, training_flops_per_token
 
 runner = CliRunner()
@@ -67,9 +68,21 @@ def test_activations_shrink_with_sp_cp_and_recomputation():
     sp, cp = act("model.recompute=none"), act("model.recompute=none", "parallel.cp=2", world=4)
     sel, full = act("model.recompute=selective"), act("model.recompute=full")
     assert full < sel < sp < base and cp < 0.55 * sp
-    # 1F1B: stage s holds pp - s micro-batches in flight
-    cfg = load_config("llama3-8b", ["parallel.pp=4", "train.global_batch=16"])
-    assert [in_flight(cfg, cfg.validate_world(8), s) for s in range(4)] == [4, 3, 2, 1]
+
+
+def test_the_schedule_walk_counts_what_the_executor_keeps():
+    unit = ChunkBytes(saved=1.0, junctions=0.0, backward=0.0)
+    # 1F1B: stage s holds pp - s micro-batches in flight, and again once its gradients exist
+    peaks = [stage_peak("1f1b", 4, 1, 16, s, {s: unit}) for s in range(4)]
+    assert [(p.before, p.after) for p in peaks] == [(4, 4), (3, 3), (2, 2), (1, 1)]
+    assert peaks[0].with_grads(10.0) == 14 and peaks[3].with_grads(0.0) == 1
+    # split backward: ZB-H1's last stage keeps each saved set until its W (not its B), with the
+    # junction grads its B recorded: pp of them wait for their W (1F1B's last stage: one)
+    split = stage_peak("zb-h1", 4, 1, 16, 3, {3: ChunkBytes(saved=1.0, junctions=0.5, backward=0.0)})
+    assert split.before == split.after == 4 * 1.5
+    # pp = 1: one micro-batch's saved set; later ones meet the gradient buffer only when m > 1
+    assert stage_peak("1f1b", 1, 1, 1, 0, {0: unit}).with_grads(5.0) == 1
+    assert stage_peak("1f1b", 1, 1, 2, 0, {0: unit}).with_grads(5.0) == 6
 
 
 def test_vocabulary_padding_rounds_up_as_megatron():
@@ -85,11 +98,14 @@ def test_decision_tree_walks_ddp_zero1_zero3_and_hsdp():
     # Llama-3-8B at tp 2, dp 32: DDP peaks at 106 GB, ZeRO-1 at 60 GB (budget: 90 % of the GPU)
     assert plan_json("llama3-8b", "--world", "64", "--gpu-memory", "200")["decision"]["zero"] == "no_shard"
     assert plan_json("llama3-8b", "--world", "64")["decision"]["zero"] == "optim"
-    # tp=1, full recompute (8.8 GB of activations): ZeRO-2 peaks at 26.9 GB, HSDP in nodes of 16 at 17.8 GB
+    # tp=1, full recompute (8.8 GB of activations), one micro-batch per step: ZeRO-2 peaks at 26.9 GB,
+    # HSDP in nodes of 16 at 17.8 GB
     tp1 = ["--set", "parallel.tp=1", "--set", "model.recompute=full", "--gpu-memory"]
-    d = plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", *tp1, "22")["decision"]
+    d = plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", "--set", "train.global_batch=64", *tp1, "22")["decision"]
     assert d == {"zero": "optim_grads_params", "hsdp_replicas": 4, "why": d["why"]} and "HSDP" in d["why"]
-    single_node = plan_json("llama3-8b", "--world", "8", *tp1, "32")
+    # 8 micro-batches: ZeRO-2/3 accumulate into the full fp32 gradient buffer (32 GB): nothing fits
+    assert plan_json("llama3-8b", "--world", "64", "--gpus-per-node", "16", *tp1, "22")["decision"]["zero"] is None
+    single_node = plan_json("llama3-8b", "--world", "8", "--set", "train.global_batch=8", *tp1, "32")
     assert single_node["decision"]["zero"] == "optim_grads_params" and single_node["decision"]["hsdp_replicas"] == 1
     # DeepSeek-V3 on 64 GPUs without pipeline parallelism fits under no strategy
     assert plan_json("deepseek-v3", "--world", "64", "--set", "parallel.pp=1", "--set", "parallel.last_stage_layers=0",

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import UsageError
-from ..rank_assignment import workload
-from ..sizing.activations import planned_activations
-from ..sizing.flops import training_flops_per_step
 from ..layout import Layout
+from ..rank_assignment import workload
+from ..sizing.activations import stage_peak_of
+from ..sizing.flops import training_flops_per_step
 from ..sizing.params import rank_params
-from ..sizing.state import params_state, state_dtypes
+from ..sizing.state import grad_buffer, params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
 
 TP = (1, 2, 4, 8, 16, 32, 64)
@@ -126,8 +126,9 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
         layout = light_layout(s, mb, microbatches)
         for recompute in RECOMPUTE:
-            acts = [planned_activations(variants[recompute], layout, stage) for stage in range(s.pp)]
-            peaks = {z: max(a + b for a, b in zip(state[z], acts)) for z in ZERO}  # the heaviest stage
+            acts = [stage_peak_of(variants[recompute], layout, stage) for stage in range(s.pp)]
+            peaks = {z: max(a + b.with_grads(grad_buffer(shaped, layout, p, z)) for a, b, p in zip(state[z], acts, params))
+                     for z in ZERO}  # the heaviest stage
             if peaks[ZERO[-1]] > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)

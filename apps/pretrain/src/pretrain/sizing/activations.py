@@ -1,25 +1,25 @@
-"""Activation bytes one pipeline stage holds at its peak, in closed form, as the trainer saves them.
+"""Activation bytes one pipeline stage holds at its peak, as the trainer saves them.
 
-``in flight x per micro-batch + the largest transient + pipeline receive buffers``:
+Per micro-batch of a chunk (:func:`_chunk_bytes`):
 
-* per micro-batch in flight: with full recomputation each layer's input (the checkpoint's one
-  saved tensor; the stage's sent output is freed, as Megatron's ``deallocate_output_tensor``);
-  otherwise each layer's saved set (:func:`layer_per_token`) plus the received input the pipeline
-  keeps for the input gradient;
-* transient, the largest of: one layer's backward (under full recomputation its recomputed saved
-  set, plus the MLP backward's working set), and on the last stage the loss (bf16 logits held
-  through it and the cross-entropy's fp32 buffer; each MTP depth adds its logits, the fp32 copy
-  its loss takes and its norms and projections) and, with MTP, an MTP layer's backward beside the
-  main loss's fp32 buffer and the head's weight gradient from MTP's use;
-* one activation-sized receive buffer per neighbouring stage.
+* saved: with full recomputation each layer's input (the checkpoint's one saved tensor; the
+  stage's sent output is freed, as Megatron's ``deallocate_output_tensor``); otherwise each
+  layer's saved set (:func:`layer_per_token`) plus the received input the pipeline keeps for the
+  input gradient; on the last chunk also the loss's logits (bf16, and the cross-entropy's fp32
+  copy; each MTP depth its logits, fp32 copy, norms and projections);
+* junctions: what a split backward (ZB-H1, ZB-V) records for its W (:func:`_junctions`);
+* backward: one layer's working set beyond the saved set (under full recomputation its
+  recomputed saved set, plus the MLP backward's working set).
 
+:mod:`.schedule_peak` walks the stage's schedule with these, plus one activation-sized receive
+buffer per neighbouring stage, and ZeRO-2/3's full gradient buffer from the first backward on.
 Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one fused SDPA call).
 """
 
 from __future__ import annotations
 
-from .flops import microbatches_in_flight
-from .params import by_kind, chunks_of, stage_layers
+from .params import by_kind, chunk_layers, chunks_of
+from .schedule_peak import ChunkBytes, StagePeak, stage_peak
 
 
 def _pb(cfg) -> int:
@@ -72,35 +72,43 @@ def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = N
     return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb, pairs)
 
 
-def _backward_work(cfg, layout, i: int, tokens: float) -> float:
-    """A dense MLP's backward working set: the output gradient gathered (h), one intermediate's
-    gradient (ffn/tp) and one projection's weight gradient in the compute dtype, before it is added
-    into the fp32 gradient buffer. An MoE layer's peak comes before its backward allocates."""
+def _ring_backward_work(m, layout, pb: int) -> float:
+    """Per local token: a context-parallel attention's backward working set (par-cp's ring): fp32
+    dq and two steps' dk, dv, the fp32 dK|dV stack it sends home; in bf16 K|V and its spare, the
+    casts of the gradients out and the blocks' temporaries (measured: 5.5 q-widths at cp 2)."""
+    if layout.cp == 1:
+        return 0.0  # one fused SDPA call, as on a GPU
+    if m.attention == "mla":
+        q = kv = m.heads / layout.tp * max(m.qk_head_dim, m.v_head_dim)  # k and v padded to one width
+    else:
+        q = m.heads * m.head_dim / layout.tp
+        kv = (m.kv_heads // layout.tp if m.kv_heads % layout.tp == 0 else 1) * m.head_dim
+    return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q)
+
+
+def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
+    """The larger of a layer's two backward working sets: a dense MLP's (the output gradient
+    gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
+    compute dtype, before it is added into the fp32 gradient buffer; an MoE layer's peak comes
+    before its backward allocates) and, under context parallelism, the attention's, which runs once
+    the MLP's saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
+    attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
-        return 0.0
+        return max(attention, 0.0)
     ffn = m.ffn_hidden / layout.tp
-    return (m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb
+    return max((m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb, attention)
 
 
-def in_flight(cfg, layout, stage: int) -> float:
-    """Micro-batches whose activations pipeline ``stage`` holds at its peak."""
-    p = cfg.parallel
-    if layout.pp == 1:
-        return 1.0
-    if p.schedule in ("1f1b", "zb-h1"):  # stage s warms up with pp - s forwards
-        return float(min(layout.pp - stage, layout.microbatches))
-    return microbatches_in_flight(p.schedule, layout.pp, layout.vpp, layout.microbatches)
-
-
-def _loss_peak(cfg, layout, tokens: float) -> float:
-    """The last stage during its loss: logits in bf16 and the cross-entropy's fp32 buffer; per MTP
-    depth its logits, the fp32 copy its loss takes and its own buffer, plus the final and MTP
-    norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
+def _loss_saved(cfg, layout, tokens: float) -> float:
+    """What the last chunk's loss keeps for backward: the cross-entropy's fp32 copy of the logits
+    (the bf16 logits are freed once copied: :func:`_chunk_bytes` counts them as the forward's
+    transient); per MTP depth its logits, the fp32 copy its loss takes and its own buffer, plus the
+    final and MTP norms in fp32, their bf16 outputs, the concatenated MTP input and its projection."""
     m, pb = cfg.model, _pb(cfg)
     vocab = m.padded_vocab(layout.tp) / layout.tp
     h = m.hidden / (layout.tp if layout.sequence_parallel else 1)  # the norms see this rank's tokens
-    main = vocab * (pb + 4) + h * (8 + pb)
+    main = vocab * 4 + h * (8 + pb)
     mtp = m.mtp_depth * (vocab * (pb + 8) + h * (3 * 8 + 5 * pb))
     return (main + mtp) * tokens
 
@@ -113,38 +121,79 @@ def routed_pairs(cfg, layout, routing, ep_rank: int) -> float | None:
     return sum(routed_sizes(cfg, layout, routing, ep_rank).local) / (cfg.train.seq_len // layout.cp * layout.micro_batch // share)
 
 
-def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> float:
-    """Bytes at the stage's peak; MoE token counts as ``routing`` (a ``par_moe.DeclaredRouting``,
-    default balanced) declares them for EP rank ``ep_rank``."""
-    m, t = cfg.model, cfg.train
-    tokens = t.seq_len / layout.cp * layout.micro_batch
+def _junctions(m, layout, i: int, pb: int, pairs: float) -> float:
+    """Per token: the gradients a split backward records for its W at layer ``i``'s weight
+    junctions: the two norms' ``x * weight`` (fp32, this rank's tokens) and each projection's
+    output gradient (GQA: q, k, v, o; MLA: its down- and up-projections, o; SwiGLU: gate, up, down;
+    MoE: the router and per routed pair the experts' gate, up and down)."""
+    tp, h = layout.tp, m.hidden
+    share = tp if layout.sequence_parallel else 1
+    norms = 2 * 4 * h / share
+    if m.attention == "mla":
+        n = m.heads / tp
+        attention = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim + n * (m.qk_head_dim + m.qk_head_dim + m.v_head_dim) + h) * pb \
+            + 4 * (m.q_lora_rank + m.kv_lora_rank) / share
+    else:
+        kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
+        attention = (m.heads * m.head_dim / tp + 2 * kv + h) * pb
+    if not m.is_moe_layer(i):
+        return norms + attention + (2 * m.ffn_hidden / tp + h) * pb
+    f = m.expert_ffn_hidden
+    routed = pairs * (2 * f / layout.etp + h) * pb
+    return norms + attention + (routed + m.num_experts * 4 + (2 * f * m.shared_experts + h) * pb) / share
+
+
+def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | None) -> ChunkBytes:
+    """What one micro-batch of ``chunk`` (holding ``layers``) keeps, in bytes."""
+    m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
-    pairs = routed_pairs(cfg, layout, routing, ep_rank)
-    message = m.hidden / share * _pb(cfg) * tokens
-    layers = list(stage_layers(cfg.parallel, m.layers)[stage])
-    chunks = chunks_of(cfg, layout, stage)
-    last = layout.pp * layout.chunks_per_rank - 1 in chunks
-    if last:
-        layers += list(range(m.layers, m.layers + m.mtp_depth))  # MTP layers run on the last stage
-    per_mb = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in by_kind(m, layers)) * tokens
-    if m.recompute != "full":  # the received input, kept for the input gradient (else it is layer 0's input)
-        per_mb += sum(message for c in chunks if c > 0)
+    message = m.hidden / share * pb * tokens
+    last = chunk == layout.pp * layout.chunks_per_rank - 1
+    layers = list(layers) + (list(range(m.layers, m.layers + m.mtp_depth)) if last else [])  # MTP: last stage
+    kinds = by_kind(m, layers)
+    moe_pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
+    saved = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in kinds) * tokens
+    junctions = sum(n * _junctions(m, layout, i, pb, moe_pairs) for i, n in kinds) * tokens
+    if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient
+        saved += message
     recomputed = "selective" if m.recompute == "full" else None
 
     def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
-        saved = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
-        return saved + _backward_work(cfg, layout, i, tokens)
+        again = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
+        return again + _backward_work(cfg, layout, i, tokens, moe_pairs)
 
-    kinds = {m.is_moe_layer(i): i for i in layers}.values()  # one dense and one MoE layer stand for all
-    transient = max((backward(i) for i in kinds), default=0.0)
-    if last:
-        transient = max(transient, _loss_peak(cfg, layout, tokens))
-    if last and m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and
-        # the head's gradient from MTP's use (waiting for the main use's) are alive
-        vocab = m.padded_vocab(layout.tp) / layout.tp
-        transient = max(transient, backward(m.layers) + vocab * (4 * tokens + m.hidden * _pb(cfg)))
+    work, forward = max((backward(i) for i, _ in kinds), default=0.0), 0.0
+    if last:  # the loss's logits are saved with the chunk; the head's output gradient is a junction
+        vocab, loss = m.padded_vocab(layout.tp) / layout.tp, _loss_saved(cfg, layout, tokens)
+        saved += loss
+        forward = vocab * pb * tokens  # the bf16 logits, alive until the loss has its fp32 copy
+        junctions += (vocab * pb + 4 * m.hidden / share) * tokens
+        if m.mtp_depth:  # MTP's layers run backward first, while the main loss's fp32 buffer and the
+            # head's gradient from MTP's use (waiting for the main use's) are alive
+            work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
+        work = max(work - loss, 0.0)  # the loss's backward frees its logits before the layers' run
+    return ChunkBytes(saved, junctions, work, forward)
+
+
+def stage_peak_of(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> StagePeak:
+    """The activation peak of pipeline ``stage`` (before / after the gradients exist); MoE token
+    counts as ``routing`` (a ``par_moe.DeclaredRouting``, default balanced) declares them for EP
+    rank ``ep_rank``."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    tokens = t.seq_len / layout.cp * layout.micro_batch
+    share = layout.tp if layout.sequence_parallel else 1
+    pairs = routed_pairs(cfg, layout, routing, ep_rank)
+    ranges = chunk_layers(p, m.layers)
+    chunks = {c: _chunk_bytes(cfg, layout, c, ranges[c], tokens, pairs) for c in chunks_of(cfg, layout, stage)}
     neighbours = (stage > 0) + (stage < layout.pp - 1) if layout.pp > 1 else 0
-    return per_mb * in_flight(cfg, layout, stage) + transient + neighbours * message
+    receive = neighbours * m.hidden / share * _pb(cfg) * tokens  # one receive buffer per neighbour
+    return stage_peak(p.schedule, layout.pp, layout.vpp, layout.microbatches, stage, chunks, receive)
+
+
+def planned_activations(cfg, layout, stage: int, routing=None, ep_rank: int = 0, grad_buffer: float = 0.0) -> float:
+    """Bytes at the stage's peak (:func:`stage_peak_of`) with ``grad_buffer`` bytes of full gradients
+    alive from its first backward (ZeRO-2/3 accumulating: :func:`pretrain.sizing.state.grad_buffer`)."""
+    return stage_peak_of(cfg, layout, stage, routing, ep_rank).with_grads(grad_buffer)
 
 
 def routed_sizes(cfg, layout, routing, ep_rank: int):

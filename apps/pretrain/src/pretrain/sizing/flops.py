@@ -118,15 +118,3 @@ def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 def training_flops_per_step(m: ModelConfig, seq_len: int, global_batch: int) -> float:
     return training_flops_per_token(m, seq_len) * seq_len * global_batch
-
-
-def microbatches_in_flight(schedule: str, pp: int, vpp: int, microbatches: int) -> float:
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule == "interleaved":
-        return pp + (pp - 1) / vpp
-    if schedule == "dualpipev":
-        return float(pp + 1)
-    return float(min(pp, microbatches))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from par_zero import ModelState
 
-from .activations import planned_activations
+from .activations import stage_peak_of
 from .params import RankParams, rank_params
-from .state import params_state, rank_state, state_dtypes
+from .schedule_peak import StagePeak
+from .state import grad_buffer, params_state, rank_state, state_dtypes
 
 GB = 1e9
 HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
@@ -23,25 +24,29 @@ def budget_bytes(gpu_memory_gb: float) -> float:
 
 
 def rank_memory(cfg, layout, stage: int, zero: str | None = None, routing=None, ep_rank: int = 0) -> dict[str, float]:
-    """Bytes of params, grads, optimizer state and activations pipeline stage ``stage`` holds at its peak."""
+    """Bytes of params, grads, optimizer state and activations pipeline stage ``stage`` holds at its
+    peak; activations include ZeRO-2/3's full gradient buffer while gradients accumulate
+    (:func:`.state.grad_buffer`), as ``plan --simulate`` counts it."""
     s = rank_state(cfg, layout, stage, zero)
+    buffer = grad_buffer(cfg, layout, rank_params(cfg, layout, stage), zero)
     return {"params": s.params, "grads": s.grads, "optim": s.optim,
-            "activations": planned_activations(cfg, layout, stage, routing, ep_rank)}
+            "activations": stage_peak_of(cfg, layout, stage, routing, ep_rank).with_grads(buffer)}
 
 
-def stage_sizes(cfg, layout) -> list[tuple[RankParams, float]]:
-    """(parameter elements, activation bytes) of every pipeline stage's ranks."""
-    return [(rank_params(cfg, layout, s), planned_activations(cfg, layout, s)) for s in range(layout.pp)]
+def stage_sizes(cfg, layout) -> list[tuple[RankParams, StagePeak]]:
+    """(parameter elements, activation peak) of every pipeline stage's ranks."""
+    return [(rank_params(cfg, layout, s), stage_peak_of(cfg, layout, s)) for s in range(layout.pp)]
 
 
-def worst_stage(cfg, layout, stages: list[tuple[RankParams, float]], zero: str,
+def worst_stage(cfg, layout, stages: list[tuple[RankParams, StagePeak]], zero: str,
                 replicas: int = 1) -> tuple[float, int, ModelState, float]:
     """(peak bytes, stage, its model state, its activations) of the stage of ``stages`` that holds the
     most under ``zero`` (``replicas`` > 1: HSDP)."""
     dtypes, d = state_dtypes(cfg.train), layout.dp * layout.cp
     best = None
-    for stage, (p, act) in enumerate(stages):
+    for stage, (p, peak) in enumerate(stages):
         state = params_state(p.dense, p.experts, d, layout.edp, zero, dtypes, replicas)
+        act = peak.with_grads(grad_buffer(cfg, layout, p, zero))
         if best is None or state.total + act > best[0]:
             best = (state.total + act, stage, state, act)
     return best

@@ -47,6 +47,12 @@ def stage_layers(parallel, layers: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(ids) for ids in parallel.stage_layers(layers))
 
 
+@lru_cache(maxsize=4096)
+def chunk_layers(parallel, layers: int) -> tuple[range, ...]:
+    """``parallel.chunk_layers(layers)``, computed once per [parallel]."""
+    return tuple(parallel.chunk_layers(layers))
+
+
 def by_kind(m, layers) -> list[tuple[int, int]]:
     """(a layer, how many) of each kind among ``layers`` (dense, MoE): layers of a kind are sized alike."""
     return _by_kind(m, tuple(layers))

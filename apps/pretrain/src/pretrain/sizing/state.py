@@ -53,3 +53,17 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
     replicas = cfg.parallel.hsdp_replicas if replicas is None else replicas
     return params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero or cfg.parallel.zero,
                         state_dtypes(cfg.train, device_type), replicas)
+
+
+def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:
+    """Bytes of the full, unsharded gradient buffer a rank of ``params`` (:class:`RankParams`) holds
+    from its first backward to the end of the step beyond what :func:`params_state` counts: ZeRO-2/3
+    (par-zero's flat buffer, torch's FSDP2 alike) accumulate full gradients while gradient sync is
+    off, which the trainer does for a whole pipeline schedule, and at pp = 1 for every micro-batch
+    but the last. ZeRO-1 and DDP keep that buffer always (it is their model state)."""
+    zero = zero or cfg.parallel.zero
+    if zero not in ("optim_grads", "optim_grads_params", "torch_fsdp2"):
+        return 0.0
+    if layout.pp == 1 and layout.microbatches == 1:
+        return 0.0  # one backward, grads reduced bucket by bucket as they arrive
+    return (params.dense + params.experts) * bytes_per_param(*state_dtypes(cfg.train, device_type))[1]

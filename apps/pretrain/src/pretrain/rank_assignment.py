@@ -56,7 +56,7 @@ class RunAssignment:
 
 
 def workload(cfg, layout) -> Workload:
-    """What one step of this config moves, for the placement cost model."""
+    """What one step of this config moves, for the rank-assignment cost model."""
     m, t = cfg.model, cfg.train
     cp_comm = cfg.parallel.cp_comm_type if cfg.parallel.cp_comm_type in ("p2p", "a2a", "allgather") else "p2p"
     return Workload(hidden=m.hidden, ffn_hidden=m.ffn_hidden, layers=m.layers, seq_len=t.seq_len,

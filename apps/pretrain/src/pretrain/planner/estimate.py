@@ -23,7 +23,7 @@ ASSUMPTIONS = (
     "selective: the attention core forward), spread evenly over the ranks, at the GPU's peak bf16 rate x efficiency",
     "bubble: par-pp's simulator on the schedule (F = 1 slot, B = 2, or 1 + 1 split for ZB-V; +1 with full "
     "recompute); past pp micro-batches (2 x pp for ZB-V) the idle time is carried over (steady state)",
-    "communication: par_groups' placement cost model with groups in order tp-cp-ep-dp-pp on ranks numbered node "
+    "communication: par_groups' rank-assignment cost model with groups in order tp-cp-ep-dp-pp on ranks numbered node "
     "by node: bytes per step of each group type / bandwidth of the slowest link its groups cross x the share not "
     "hidden (tp, ep, etp and CP all-to-all 100 %; CP ring, gradient reductions and pipeline sends 50 %)",
     "gradients: fp32 all-reduce (DDP); ZeRO-1/2 reduce-scatter them and all-gather bf16 parameters once per step; "

@@ -21,7 +21,9 @@ def simulated_config(cfg, layout, all_microbatches: bool):
 
     Without ``all_microbatches`` a pipeline runs the fewest micro-batches that reach its schedule's
     memory peak (1F1B: pp, whose stage s holds pp - s; other schedules 2 x pp; GPipe keeps all),
-    which is what bounds the time on a small machine."""
+    which is what bounds the time on a small machine. When ZeRO-2/3 shard the gradients, one more:
+    their full gradient buffer is alive from the first backward on, so the peak needs a forward
+    after a backward (pp = 1: two micro-batches)."""
     if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
     # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
@@ -31,7 +33,8 @@ def simulated_config(cfg, layout, all_microbatches: bool):
         keep = m
     else:
         per_stage = 1 if layout.pp == 1 or cfg.parallel.schedule == "1f1b" else 2
-        keep = min(m, per_stage * layout.pp)
+        grads_sharded = cfg.parallel.zero in ("optim_grads", "optim_grads_params")
+        keep = min(m, per_stage * layout.pp + (1 if grads_sharded and per_stage == 1 else 0))
     if keep == m:
         return cfg, keep, m
     train = dataclasses.replace(cfg.train, global_batch=keep * layout.dp * layout.micro_batch)

@@ -144,6 +144,8 @@ def test_round_trip_through_toml(tmp_path):
     (["model.z_loss_coeff=-1"], 1, "[model].z_loss_coeff=-1.0 must be >= 0"),
     (["model.routed_scaling=0"], 1, "[model].routed_scaling=0.0 must be > 0"),
     ([], 1000000, "world size 1000000 must be in 1..131072"),
+    (["train.compile=true", "data.document_mask=true"], 1, "[train].compile=true compiles the torch backend's blocks: "
+                                                          "not with [model].backend='te' nor packed documents"),
 ])
 def test_bad_input_names_the_key(sets, world, message):
     with pytest.raises(UsageError) as e:

@@ -106,6 +106,10 @@ class Config:
               "(Transformer Engine overlaps with its own userbuffers)")
         _need(t.fp8 == "off" or m.backend == "te",
               f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
+        _need(not t.compile or (m.backend == "torch" and not self.data.packed and not p.dynamic_cp),
+              "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
+              "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "
+              "follow each batch's document boundaries, which breaks the graph and recompiles); turn one off")
         _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),
               f"[train].seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal CP)")
         if p.zero == "torch_fsdp2":  # torch's FSDP2 wraps plain data-parallel blocks: the one place this is checked

@@ -166,6 +166,7 @@ class TrainConfig:
     nan_policy: str = "stop"
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
     grad_reduce_dtype: str = "fp32"
+    compile: bool = False  # each transformer block's forward compiled by torch.compile (inductor), as torchtitan
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")

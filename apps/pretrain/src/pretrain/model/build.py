@@ -15,6 +15,7 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from .compile import compile_blocks_
 from .materialize import materialize_, on_meta
 from .parallel import ModelChunk, ChunkContext, hf_name
 from .initial_state import init_full_state
@@ -92,6 +93,8 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     for chunk in chunks.values():
         for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
+    if cfg.train.compile:
+        compile_blocks_([layer for chunk in chunks.values() for layer in chunk.decoder_layers()])
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
     t = cfg.train

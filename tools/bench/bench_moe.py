@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from commit import print_commit
 from paired_timing import Summary, paired_times
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     parser.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = parser.parse_args()
+    print_commit()
     world = 4
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

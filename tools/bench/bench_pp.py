@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from commit import print_commit
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -141,6 +142,7 @@ def main():
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
+    print_commit()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000

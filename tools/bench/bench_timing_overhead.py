@@ -20,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+from commit import print_commit  # noqa: E402
 
 
 def rank(args) -> dict | None:
@@ -93,6 +94,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--per-call", action="store_true", help="Only the watch's cost per collective, in this process.")
     args = p.parse_args()
+    print_commit()
     if args.per_call:
         return per_call()
     from pretrain.launch import launch

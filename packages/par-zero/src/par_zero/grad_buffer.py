@@ -7,6 +7,10 @@ its grad into its bucket; when a bucket is complete its reduction starts (unless
 and all are awaited at the end of that backward. Under ``no_sync()`` grads only accumulate locally,
 with no communication. Gradients are AVERAGED over the data-parallel ranks.
 
+DDP and ZeRO-1 launch each bucket's reduction as soon as its grads are in and never wait for one
+inside backward (their grad buffers persist, so there is nothing to bound), as torch DDP does;
+after the step ZeRO-1 gathers several buckets' params per all-gather (param_gather.py).
+
 Overlap (``overlap_comm``; default on, off for CPU params): with it off, ZeRO-3 prefetches a unit
 only after the current one freed its params (units.py), and a ZeRO-2/3 bucket's full grad buffer
 is allocated only once the reductions in flight leave room for it (``bucket_mb``), so one

@@ -9,7 +9,8 @@ with no communication. Gradients are AVERAGED over the data-parallel ranks.
 
 DDP and ZeRO-1 launch each bucket's reduction as soon as its grads are in and never wait for one
 inside backward (their grad buffers persist, so there is nothing to bound), as torch DDP does;
-after the step ZeRO-1 gathers several buckets' params per all-gather (param_gather.py).
+after the step ZeRO-1 gathers several buckets' params per all-gather (param_gather.py; a transient
+buffer of up to 4 buckets, which ZeRO-2, there for memory, does not take).
 
 Overlap (``overlap_comm``; default on, off for CPU params): with it off, ZeRO-3 prefetches a unit
 only after the current one freed its params (units.py), and a ZeRO-2/3 bucket's full grad buffer
@@ -240,9 +241,9 @@ class GradBuffer:
 
         ``step(each)``: an optimizer step calling ``each(bucket)`` once a bucket is updated, which
         starts that bucket's re-assembly at once, so it runs while the next buckets step. ZeRO-1
-        gathers several buckets per collective (param_gather.py); ZeRO-3 with outer 'optim' one
-        per bucket, bounded like the reductions."""
-        if self.cfg.shard_optimizer and not self.cfg.shard_params:
+        gathers several buckets per collective (param_gather.py); ZeRO-2, which is about memory,
+        and ZeRO-3 with outer 'optim' one per bucket, bounded like the reductions."""
+        if self.cfg.shard_optimizer and not self.cfg.shard_grads:
             gathers = CoalescedGathers(self._window(0))
             self._each_stepped(step, gathers.add)
             gathers.finish()

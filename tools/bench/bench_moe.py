@@ -23,8 +23,8 @@ warm-up repeats discarded, each step's time the slowest rank's; ``ratio`` is the
 per-repeat ratios ours / peer, ``ratio_min`` / ``ratio_max`` their spread.
 
 Bytes: every collective of one step (forward + backward) is recorded, ours through
-``par_groups.comm``, torchtitan's from the dispatched functional collectives (``torch_comm.py``); a rank's bytes are what it sends to other ranks
-(``wire_bytes``: an all-to-all's off-rank split sizes, (n-1)/n of an all-gather or reduce-scatter),
+``par_groups.comm``, torchtitan's from the dispatched functional collectives (``torch_comm.py``);
+a rank's bytes are what it sends to other ranks (``wire_bytes``: an all-to-all's off-rank split sizes, (n-1)/n of an all-gather or reduce-scatter),
 averaged over the ranks. The minimum is the routing's: each token sent once to each other EP
 rank holding any of its experts and its result sent back once, forward and again backward
 (2 x 2 x rows x hidden x 4 B). ``bytes_ratio`` is ours / that minimum, ``peer_bytes_ratio``

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from commit import print_commit
 from paired_timing import Summary, paired_times
 
 MODES = ("p2p", "a2a", "allgather", "a2a+p2p")
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
+    print_commit()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from commit import print_commit
 import numpy as np
 
 EOS = 255
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
+    print_commit()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_data(Path(tmp) / "skewed", args.seq)
         pool = RankPool(4)

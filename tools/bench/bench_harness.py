@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from commit import print_commit
 from par_groups.testing import RankPool
 
 
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=100)
     args = ap.parse_args()
+    print_commit()
     t0 = time.perf_counter()
     pool = RankPool(args.world)
     pool.run(small_job, 0)

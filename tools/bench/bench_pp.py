@@ -7,7 +7,8 @@ warm-up discarded, the slowest rank's time; ``ratio`` is the median of the per-r
 ours / peer, ``ratio_min`` / ``ratio_max`` their spread. Ours declares its message shape as the
 trainer does (``message_shape``: no shape header per message; torch's stages infer theirs once). Bytes sent per rank per step: ours
 recorded by ``par_groups.CommRecorder``, the peer's from its dispatched sends
-(``torch_comm.TorchCommBytes``). The bubble is measured from par-pp's executed timeline. Ends with
+(``torch_comm.TorchCommBytes``). Both sides hold the same stages per rank (``vpp``): zb-h1's peer is
+torch's ScheduleInterleavedZeroBubble given one stage per rank (the ZB-H1 shape, the same bytes). The bubble is measured from par-pp's executed timeline. Ends with
 ``RESULT <schedule> ratio= ratio_min= ratio_max= repeats= bubble=<measured> bytes= peer_bytes=``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from commit import print_commit
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,7 +27,8 @@ from torch import nn
 PAIRS = [
     ("1f1b", 1, "Schedule1F1B", "loop"),
     ("interleaved", 2, "ScheduleInterleaved1F1B", "loop"),
-    ("zb-h1", 1, "ScheduleInterleavedZeroBubble", "loop2"),  # torch's ZB needs >= 2 stages per rank
+    # torch's zero-bubble scheduler given one stage per rank: ZB-H1's shape (B/W split), our bytes
+    ("zb-h1", 1, "ScheduleInterleavedZeroBubble", "loop"),
     ("zb-v", 2, "ScheduleZBVZeroBubble", "v"),
     ("dualpipev", 2, "ScheduleDualPipeV", "v"),
 ]
@@ -66,12 +69,13 @@ def build_ours(name, vpp, pp, m, args, data):
     return step, bubble
 
 
-def build_peer(cls_name, placement, pp, m, args, data, group):
-    """One step of torch's schedule; its stages talk over ``group``, apart from our messages."""
+def build_peer(cls_name, vpp, placement, pp, m, args, data, group):
+    """One step of torch's schedule with ``vpp`` stages per rank (as ours); its stages talk over
+    ``group``, apart from our messages."""
     from torch.distributed import pipelining
 
     rank = dist.get_rank()
-    per_rank = 1 if placement == "loop" and cls_name == "Schedule1F1B" else 2
+    per_rank = vpp
     stages_total = pp * per_rank
     if placement == "v":
         mine = [rank, 2 * pp - 1 - rank]
@@ -81,7 +85,8 @@ def build_peer(cls_name, placement, pp, m, args, data, group):
     stages = [pipelining.PipelineStage(make_chunk(c, args.hidden, layers), c, stages_total, torch.device("cpu"))
               for c in mine]
     cls = getattr(pipelining, cls_name)
-    sched = cls(stages[0], m, loss_fn=loss_fn) if per_rank == 1 else cls(stages, m, loss_fn=loss_fn)
+    single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+    sched = cls(stages[0], m, loss_fn=loss_fn) if single else cls(stages, m, loss_fn=loss_fn)
     xs, ts = data
     x, t = torch.cat(xs, dim=1), torch.cat(ts, dim=1)  # microbatches split along the batch dim
     inputs = (x,) if 0 in mine else ()
@@ -116,7 +121,7 @@ def worker(rank, world, port, args, queue):
     for name, vpp, cls_name, placement in [p for p in PAIRS if p[0] in args.schedules]:
         ours, bubble = build_ours(name, vpp, world, m, args, (xs, ts))
         try:
-            peer = build_peer(cls_name, placement, world, m, args, (xs, ts), peer_group)
+            peer = build_peer(cls_name, vpp, placement, world, m, args, (xs, ts), peer_group)
             summary = Summary.of(paired_times(ours, peer, args.repeats, args.warmup))
             peer_bytes = _send_bytes(peer, TorchCommBytes())
         except Exception as e:  # report, keep benchmarking the others
@@ -141,6 +146,7 @@ def main():
     p.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
+    print_commit()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000

@@ -21,6 +21,7 @@ import time
 import torch
 from torch import nn
 
+from commit import print_commit
 from par_pp.split_backward import backward_input, backward_weight
 
 
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
+    print_commit()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stage = nn.Sequential(*[Block(args.hidden) for _ in range(args.layers)])

@@ -39,6 +39,11 @@ import os
 import statistics
 import time
 
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from commit import print_commit  # noqa: E402
+
 MODES = ("off", "on")
 # the watch alone (no timer, no all-gather); the timer alone (unwatched); "off" again: what the
 # bench itself makes of two identical modes (its ratio should be 1 within the spread)
@@ -193,6 +198,7 @@ def main() -> None:
     p.add_argument("--cprofile", type=int, default=-1, metavar="RANK", help="Print this rank's cProfile of each mode.")
     p.add_argument("--cprofile-top", type=int, default=25)
     args = p.parse_args()
+    print_commit()
     from pretrain.launch import launch
 
     before = os.getloadavg()

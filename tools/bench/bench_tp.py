@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 
+from commit import print_commit
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -152,6 +153,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=15, help="timed repeats (pairs of steps)")
     ap.add_argument("--warmup", type=int, default=3, help="discarded repeats before them")
     args = ap.parse_args()
+    print_commit()
     print(f"block: S={S} B={B} H={H} heads={HEADS} kv_heads={KV_HEADS} ffn={FFN}, fp32, CPU gloo, fwd+bwd, "
           f"{args.repeats} paired repeats after {args.warmup} warm-up (slowest rank)")
     results = []

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from commit import print_commit  # noqa: E402
 from paired_timing import Summary, paired_times  # noqa: E402
 
 
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
+    print_commit()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29600 + os.getpid() % 1000

@@ -15,6 +15,7 @@ Bytes per rank per step (``wire_bytes``, ring algorithms): ours recorded by
 ``par_groups.CommRecorder``, the peer's from its dispatched collectives (``torch_comm.TorchCommBytes``).
 
     uv run python tools/bench/bench_zero.py [--repeats 7] [--hidden 384] [--layers 6] [--bucket-mb MB] [--overlap-comm on]
+        [--only no_shard optim]
 
 Ours runs with its defaults: on the CPU ``overlap_comm`` is off (par_zero.DataParallel: ZeRO-3
 prefetches a unit once the current one is freed; a bucket's grads wait for room among the
@@ -40,6 +41,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from alloc_trace import trace
+from commit import print_commit
 from paired_timing import Summary, paired_times
 from torch_comm import TorchCommBytes
 
@@ -131,7 +133,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, 16, generator=g)
     rows = []
-    for ours, _, peer in PAIRS:
+    for ours, _, peer in [p for p in PAIRS if args.only is None or p[0] in args.only]:
         runners = [Runner(ours, args, groups), Runner(peer, args, groups)]
         steps = [lambda r=r: r.step(x, y) for r in runners]
         summary = Summary.of(paired_times(*steps, args.repeats, args.warmup))
@@ -177,8 +179,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats (pairs of steps)")
     ap.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     ap.add_argument("--mem-steps", type=int, default=2, help="steps whose peak memory is measured (after a warm-up one)")
+    ap.add_argument("--only", nargs="+", choices=[p[0] for p in PAIRS], default=None, help="run only these of ours")
     add_model_args(ap)
     args = ap.parse_args()
+    print_commit()
     args.bucket_mb = args.bucket_mb or layer_mb(args)
     world = 4
     rows = run_world(worker, world, args)

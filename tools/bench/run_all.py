@@ -1,6 +1,6 @@
 """Run every benchmark with quick settings and collect their RESULT lines into one table and chart.
 
-    uv run python tools/bench/run_all.py [--out tools/bench/results] [--only bench_cp ...]
+    uv run python tools/bench/run_all.py [--out tools/bench/results] [--only bench_cp ...] [--repeats N]
 
 Each bench runs as its own subprocess (CPU, gloo, world 4 where it is multi-rank). Its
 ``RESULT <case> key=value ...`` lines are parsed; ``ratio`` is ours / peer (median of paired
@@ -35,6 +35,7 @@ BENCHES = [
     ("bench_tp_overlap.py", ["--repeats", "7", "--tp", "2"]),
     ("bench_moe.py", ["--repeats", "7", "--tokens", "128"]),
     ("bench_timing_overhead.py", ["--repeats", "15"]),  # step timing + flight recorder on / off (tp2 x pp2)
+    ("bench_compile.py", ["--repeats", "11"]),  # [train].compile vs eager tokens/s, tiny model, one process
 ]
 
 
@@ -118,6 +119,14 @@ def plot_ratios(results: list[Result], path: Path) -> None:
     tmp.replace(path)
 
 
+def _with_repeats(bench_args: list[str], repeats: int) -> list[str]:
+    """``bench_args`` with its ``--repeats`` value replaced by ``repeats``."""
+    out = list(bench_args)
+    if "--repeats" in out:
+        out[out.index("--repeats") + 1] = str(repeats)
+    return out
+
+
 def run_bench(script: str, args: list[str], timeout: float) -> tuple[list[Result], float]:
     command = shlex.join(["uv", "run", "python", f"tools/bench/{script}", *args])
     start = time.perf_counter()
@@ -127,26 +136,42 @@ def run_bench(script: str, args: list[str], timeout: float) -> tuple[list[Result
     results = parse_results(script, proc.stdout, command)
     if proc.returncode or not results:
         print(f"{script} exited {proc.returncode} with {len(results)} RESULT lines:\n{proc.stderr[-2000:]}", file=sys.stderr)
+    commits = {line.split(":", 1)[1].strip() for line in proc.stdout.splitlines() if line.startswith("commit: ")}
+    for r in results:
+        r.fields["commit"] = ",".join(sorted(commits)) or "not printed"
     return results, seconds
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: say how busy it was)."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--only", nargs="*", help="bench scripts to run (default: all)")
+    ap.add_argument("--repeats", type=int, help="timed repeats for every bench (default: each one's quick setting)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per bench")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results, timings = [], []
+    load_before = load_average()
     for script, bench_args in BENCHES:
         if args.only and script not in args.only:
             continue
+        if args.repeats:
+            bench_args = _with_repeats(bench_args, args.repeats)
         rows, seconds = run_bench(script, bench_args, args.timeout)
         print(f"{script}: {len(rows)} results in {seconds:.0f} s", flush=True)
         results += rows
         timings.append(f"{script} {seconds:.0f} s")
+    commits = sorted({r.fields["commit"] for r in results})
     header = (f"# Benchmark results ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `uv run python "
-              f"tools/bench/run_all.py`)\n\nCPU gloo, world 4 where multi-rank, on a shared 2-core machine. ratio = ours / "
+              f"tools/bench/run_all.py`)\n\nCommit measured: {', '.join(commits)} (`git rev-parse --short HEAD`, "
+              f"+dirty: uncommitted changes; each row's `commit` field says which). Machine: {os.cpu_count()} CPU "
+              f"cores, shared; load average (1, 5, 15 min) {load_before} before, {load_average()} after.\n\n"
+              "CPU gloo, world 4 where multi-rank. ratio = ours / "
               "peer, the median of per-repeat ratios of steps interleaved in the same processes (the slowest rank's "
               "time); spread = min and max of those ratios. Wall time: " + ", ".join(timings) + ".\n\n")
     write_table(results, args.out / "RESULTS.md", header)

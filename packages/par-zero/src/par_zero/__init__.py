@@ -5,7 +5,8 @@ from .data_parallel import DataParallel, data_parallel
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
-from .torch_optimizer import TorchOptimizer, check_optimizer, optimizer_classes
+from .optimizer_choice import check_optimizer, optimizer_classes
+from .torch_optimizer import TorchOptimizer
 from .clipping import clip_grad_norm_
 from .checkpoint import owned_pieces, whole_pieces
 from .pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, load_pieces, save_pieces

@@ -269,20 +269,29 @@ class Bucket:
         self.pending = len(self.params)
 
     # ---- parameters ----------------------------------------------------------------------
+    @torch.no_grad()
+    def write_master(self) -> None:
+        """After the step: copy the master into the params' dtype (no-op when the master is the params)."""
+        if not self.master_is_param:
+            self._param_view_of_opt_range().copy_(self.master)
+
+    def own_params(self) -> torch.Tensor:
+        """ZeRO-1: this rank's shard of the full params, the part it stepped (a view)."""
+        return self.full_param[self.shard_lo : self.shard_lo + self.S]
+
+    @torch.no_grad()
     def launch_param_sync(self):
         """After the step: copy the master into the param dtype and start re-assembling params."""
-        with torch.no_grad():
-            if not self.master_is_param:
-                self._param_view_of_opt_range().copy_(self.master)
-            if not self.cfg.shard_optimizer:
-                return None
-            if self.zero3:
-                if not self.outer_optim:
-                    return None  # the shard is the truth; the next forward gathers it
-                mine = self.param_shard[self.opt_lo - self.shard_lo : self.opt_hi - self.shard_lo].clone()
-                return comm.all_gather_into_tensor(self.param_shard, mine, self.groups.outer, async_op=True)
-            mine = self.full_param[self.shard_lo : self.shard_lo + self.S].clone()
-            return comm.all_gather_into_tensor(self.full_param, mine, self.groups.gather_group, async_op=True)
+        self.write_master()
+        if not self.cfg.shard_optimizer:
+            return None
+        if self.zero3:
+            if not self.outer_optim:
+                return None  # the shard is the truth; the next forward gathers it
+            mine = self.param_shard[self.opt_lo - self.shard_lo : self.opt_hi - self.shard_lo].clone()
+            return comm.all_gather_into_tensor(self.param_shard, mine, self.groups.outer, async_op=True)
+        return comm.all_gather_into_tensor(self.full_param, self.own_params().clone(), self.groups.gather_group,
+                                           async_op=True)
 
     # ---- introspection -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

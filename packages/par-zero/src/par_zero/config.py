@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .torch_optimizer import ADAMW, check_optimizer
+from .optimizer_choice import ADAMW, check_optimizer
 
 # Megatron's --data-parallel-sharding-strategy names, plus torch's own FSDP2 as an alternative.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2")

@@ -36,7 +36,8 @@ from .config import DataParallelConfig, skip_decay
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
-from .torch_optimizer import ADAMW, TorchOptimizer
+from .optimizer_choice import ADAMW
+from .torch_optimizer import TorchOptimizer
 
 
 def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard",
@@ -177,8 +178,11 @@ class DataParallel:
 
     def step(self) -> None:
         """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded)."""
-        self.optimizer.step()
-        self.buffer.sync_params()
+        if isinstance(self.optimizer, DistributedAdamW):  # each bucket's gather overlaps the next one's update
+            self.buffer.sync_params(self.optimizer.step)
+        else:
+            self.optimizer.step()
+            self.buffer.sync_params()
 
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""

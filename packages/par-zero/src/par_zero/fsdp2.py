@@ -23,7 +23,7 @@ from par_groups.param_placement import placement_of
 from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
 from .fsdp2_state import FSDP2OptimizerState, owned_local_pieces
-from .torch_optimizer import ADAMW, optimizer_class, takes_weight_decay
+from .optimizer_choice import ADAMW, optimizer_class, takes_weight_decay
 from .units import default_unit_modules
 
 

@@ -7,6 +7,11 @@ its grad into its bucket; when a bucket is complete its reduction starts (unless
 and all are awaited at the end of that backward. Under ``no_sync()`` grads only accumulate locally,
 with no communication. Gradients are AVERAGED over the data-parallel ranks.
 
+DDP and ZeRO-1 launch each bucket's reduction as soon as its grads are in and never wait for one
+inside backward (their grad buffers persist, so there is nothing to bound), as torch DDP does;
+after the step ZeRO-1 gathers several buckets' params per all-gather (param_gather.py; a transient
+buffer of up to 4 buckets, which ZeRO-2, there for memory, does not take).
+
 Overlap (``overlap_comm``; default on, off for CPU params): with it off, ZeRO-3 prefetches a unit
 only after the current one freed its params (units.py), and a ZeRO-2/3 bucket's full grad buffer
 is allocated only once the reductions in flight leave room for it (``bucket_mb``), so one
@@ -26,6 +31,7 @@ from par_groups.param_placement import placement_of, sum_partial_grads_
 
 from .bucket import Bucket, BucketGroups
 from .config import DataParallelConfig
+from .param_gather import CoalescedGathers
 from .units import GatherUnit, default_unit_modules
 
 
@@ -185,9 +191,12 @@ class GradBuffer:
         bucket.new_full_grad()
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start a bucket's reduction once the older ones in flight leave room for it (see
-        :meth:`_retire`): what a reduction holds (its input, the backend's copy) stays bounded."""
-        self._retire(block=True, room=bucket.N)
+        """Start a bucket's reduction. ZeRO-2/3 first wait until the older ones in flight leave room
+        for it (see :meth:`_retire`): what a reduction holds (its input, the backend's copy) stays
+        bounded. DDP and ZeRO-1 reduce buffers that persist anyway, so they never wait here (as
+        torch DDP: a wait inside backward stalls the grads computed after it)."""
+        if self.cfg.shard_grads:
+            self._retire(block=True, room=bucket.N)
         bucket.launch_reduce()
         self._inflight.append(bucket)
 
@@ -227,17 +236,38 @@ class GradBuffer:
             b.zero_grad()
 
     @torch.no_grad()
-    def sync_params(self) -> None:
-        """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
-        inflight: list[tuple[object, int]] = []  # (work, elements): bounded like the reductions
-        for b in self.buckets:
+    def sync_params(self, step: Callable[[Callable[[Bucket], None]], None] | None = None) -> None:
+        """Re-assemble the params from each rank's optimizer range (after a step or a load).
+
+        ``step(each)``: an optimizer step calling ``each(bucket)`` once a bucket is updated, which
+        starts that bucket's re-assembly at once, so it runs while the next buckets step. ZeRO-1
+        gathers several buckets per collective (param_gather.py); ZeRO-2, which is about memory,
+        and ZeRO-3 with outer 'optim' one per bucket, bounded like the reductions."""
+        if self.cfg.shard_optimizer and not self.cfg.shard_grads:
+            gathers = CoalescedGathers(self._window(0))
+            self._each_stepped(step, gathers.add)
+            gathers.finish()
+            return
+        inflight: list[tuple[object, int]] = []  # (work, elements)
+
+        def launch(b: Bucket) -> None:
             while inflight and sum(n for _, n in inflight) + b.N > self._window(b.N):
                 inflight.pop(0)[0].wait()
             w = b.launch_param_sync()
             if w is not None:
                 inflight.append((w, b.N))
+
+        self._each_stepped(step, launch)
         for w, _ in inflight:
             w.wait()
+
+    def _each_stepped(self, step, each: Callable[[Bucket], None]) -> None:
+        """``each(bucket)`` for every bucket: after its update inside ``step(each)``, or at once without a step."""
+        if step is not None:
+            step(each)
+        else:
+            for b in self.buckets:
+                each(b)
 
     @torch.no_grad()
     def sum_partial_grads(self) -> int:

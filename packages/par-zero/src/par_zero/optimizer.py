@@ -62,14 +62,21 @@ class DistributedAdamW:
         """The moments (for measuring bytes; the masters are the buckets')."""
         return [t for moments in self.state.values() for t in moments.values()]
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """One AdamW update of every bucket's master (the params are not re-assembled here)."""
+    def step(self, each: Callable[[Bucket], None] | None = None) -> None:
+        """One AdamW update of every bucket's master (the params are not re-assembled here);
+        ``each(bucket)`` runs after each bucket's update (the buffer launches its param gather
+        there, so it runs while the next bucket steps)."""
         self.step_count += 1
-        c, lr = self.cfg, self.lr
         for b in self.buckets:
-            grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
-            m, v = self.state[b]["exp_avg"], self.state[b]["exp_avg_sq"]
-            for lo, hi in self.decay_ranges[b]:  # decoupled decay first, with torch.optim.AdamW's arithmetic
-                b.master[lo:hi].mul_(1 - lr * c.weight_decay)
-            adamw_step_(b.master, grad, m, v, step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
+            self._step_bucket(b)
+            if each is not None:
+                each(b)
+
+    @torch.no_grad()
+    def _step_bucket(self, b: Bucket) -> None:
+        c, lr = self.cfg, self.lr
+        grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
+        m, v = self.state[b]["exp_avg"], self.state[b]["exp_avg_sq"]
+        for lo, hi in self.decay_ranges[b] if c.weight_decay else ():  # decoupled decay first, as torch's AdamW
+            b.master[lo:hi].mul_(1 - lr * c.weight_decay)
+        adamw_step_(b.master, grad, m, v, step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)

@@ -1,0 +1,55 @@
+"""Which optimizer: par-zero's own AdamW or a ``torch.optim`` class, checked once on a small tensor.
+
+Imported by the configuration (config.py) and the optimizers alike; it imports only torch, so the
+configuration does not import the optimizers (no import circle through bucket.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+ADAMW = "AdamW"  # par-zero's own distributed AdamW: the only choice for the sharded strategies
+
+
+def optimizer_classes() -> list[str]:
+    return sorted(n for n, c in vars(torch.optim).items()
+                  if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
+
+
+def optimizer_class(optimizer: str | type) -> type[torch.optim.Optimizer]:
+    """The class ``optimizer`` names (a ``torch.optim`` class name) or is; ValueError otherwise."""
+    cls = getattr(torch.optim, optimizer, None) if isinstance(optimizer, str) else optimizer
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        raise ValueError(f"optimizer={optimizer!r} is not a torch.optim optimizer class; "
+                         f"use one of {', '.join(optimizer_classes())} (or a torch.optim.Optimizer subclass)")
+    return cls
+
+
+def takes_weight_decay(cls: type) -> bool:
+    return "weight_decay" in inspect.signature(cls.__init__).parameters
+
+
+def check_optimizer(optimizer: str | type, args: dict, weight_decay: float) -> type[torch.optim.Optimizer]:
+    """The class, after one step on a small tensor: bad arguments, a class that needs a closure or
+    sparse grads, or state not shaped like its param (not cut into pieces) raise one ValueError line."""
+    cls = optimizer_class(optimizer)
+    name = getattr(cls, "__name__", repr(cls))
+    for key in ("lr", "weight_decay", "params"):
+        if key in args:
+            raise ValueError(f"optimizer_args sets {key!r}: it is the wrapper's own argument (lr, weight_decay)")
+    if weight_decay and not takes_weight_decay(cls):
+        raise ValueError(f"optimizer {name} takes no weight_decay; set weight_decay to 0")
+    p = torch.zeros(3, 2)
+    p.grad = torch.ones(3, 2)
+    try:
+        opt = cls([p], lr=1e-3, **args, **({"weight_decay": weight_decay} if weight_decay else {}))
+        opt.step()
+    except Exception as e:  # noqa: BLE001 -- whatever torch refuses, in one line
+        raise ValueError(f"optimizer {name} with {args}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    for key, t in opt.state[p].items():
+        if torch.is_tensor(t) and t.dim() > 0 and t.shape != p.shape:
+            raise ValueError(f"optimizer {name} keeps state {key!r} not shaped like its param "
+                             f"({list(t.shape)} for {list(p.shape)}): only elementwise state is saved as pieces")
+    return cls

@@ -6,10 +6,9 @@ the loss by at most 9.5e-8 and the grad norm by at most 6.2e-8 (relative); the l
 the eager single rank: at most 1.4e-7 and 2.5e-7, within the 1e-6 every layout keeps against one
 rank (layout_runs), so the compiled layouts keep that tolerance (and its rounding-noise fallback).
 
-Compiling is slow on a small CPU (gcc builds each graph's kernels), so two layouts combine the
+Compiling is slow on a small CPU (gcc builds each graph's kernels), so one layout combines the
 features rather than test each alone: TP/SP's collectives traced into the graph, the zero-bubble
-split backward and full recomputation; CP's all-to-all, EP (a MoE block's attention compiled, its
-experts eager) and ZeRO-3's gather hooks. Dynamo's counters show no graph break on any rank.
+split backward and full recomputation. Dynamo's counters show no graph break on any rank.
 """
 
 import pytest
@@ -17,10 +16,8 @@ import torch
 
 from layout_runs import assert_same, single_rank, train_steps
 from layout_runs import deferred_noise as noise
-from test_layouts_train_same_model import MOE_BALANCING, assert_moe_same
 
 TOLERANCE = 1e-6
-TWO_LAYERS = ("model.layers=2",)
 COMPILE = "train.compile=true"
 
 
@@ -42,10 +39,9 @@ LAYOUTS = {
     # one graph serves every block of a rank (and every step): the blocks repeat
     "tp2-pp2-zb-v-recompute-full": (None, (), ["parallel.tp=2", "parallel.pp=2", "parallel.schedule=zb-v",
                                                "model.recompute=full", FOUR_MICROBATCHES], 1),
-    # tiny-moe's dense block and its MoE block's attention: two graphs; the experts' all-to-all eager
-    "moe-cp2-dp2-ep2-a2a-optim_grads_params": ("tiny-moe", MOE_BALANCING + ("train.seed=1234",) + TWO_LAYERS,
-                                               ["parallel.cp=2", "parallel.ep=2", "parallel.cp_comm_type=a2a",
-                                                "parallel.zero=optim_grads_params"], 2),
+    # (a MoE layout, tiny-moe cp2 x ep2 a2a ZeRO-3, also trains the single rank at 1e-6 compiled: 1.39e-7
+    # loss, 2.50e-7 grad norm, 2 graphs, 0 breaks; left out of the suite for its 14-35 s. A MoE block
+    # compiling its attention only is the unit test below.)
 }
 
 
@@ -56,10 +52,7 @@ def test_compiled_layout_matches_single_rank(dist_run, name):
     assert [g for _, _, g in out] == [graphs] * 4  # compiled on every rank, once
     assert [b for _, b, _ in out] == [0] * 4  # no graph break: TP's and CP's collectives inside the graph
     results, reference = [r for r, _, _ in out], single_rank(dist_run, config, common)
-    if config == "tiny-moe":  # MoE's tolerance (and no rounding-noise measure): see that test file
-        assert_moe_same(results, reference, name)
-    else:
-        assert_same(results, reference, TOLERANCE, name, noise(dist_run, config, common))
+    assert_same(results, reference, TOLERANCE, name, noise(dist_run, config, common))
 
 
 class Block(torch.nn.Module):

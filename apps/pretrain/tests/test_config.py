@@ -218,3 +218,11 @@ def test_dynamic_cp_bad_input_is_one_line(overrides, world, message):
 
     with pytest.raises(UsageError, match=re.escape(message)):
         load_config(None, overrides).validate_world(world)
+
+
+def test_a_renamed_key_still_works_and_says_its_new_name(capsys):
+    """[parallel].placement is now [parallel].rank_assignment: the old name sets the new key, with one note."""
+    cfg = load_config(None, ["parallel.placement=off"])
+    assert cfg.parallel.rank_assignment == "off"
+    assert capsys.readouterr().err == "note: [parallel].placement is now [parallel].rank_assignment\n"
+    assert load_config(None, ["parallel.rank_assignment=strict"]).parallel.rank_assignment == "strict"

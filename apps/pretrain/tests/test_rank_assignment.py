@@ -2,7 +2,7 @@
 
 16 ranks on 2 x DGX-H100 described by the stand-in NVML, one rank at a time in this process on
 torch's fake process group: with order pp-tp-cp-ep-dp (tp groups strided across both nodes)
-``placement = "auto"`` builds every tp group inside one node, ``strict`` refuses with the fix.
+``rank_assignment = "auto"`` builds every tp group inside one node, ``strict`` refuses with the fix.
 """
 
 import pytest
@@ -53,7 +53,7 @@ def test_stand_in_nvml_describes_two_dgx_h100_nodes():
 
 
 def test_auto_placement_puts_every_tp_group_inside_one_node():
-    cfg = load_config(None, LAYOUT + ["parallel.placement=auto"])
+    cfg = load_config(None, LAYOUT + ["parallel.rank_assignment=auto"])
     topo = nvml_topology()
     results = [build_on_fake_group(cfg, r, topo) for r in range(WORLD)]
     tp_groups = {tuple(tp) for tp, _, _ in results}
@@ -78,17 +78,17 @@ def test_the_configured_order_strides_tp_across_nodes():
 def test_strict_refuses_naming_the_order_that_fixes_it():
     from pretrain.rank_assignment import choose_assignment
 
-    cfg = load_config(None, LAYOUT + ["parallel.placement=strict"])
+    cfg = load_config(None, LAYOUT + ["parallel.rank_assignment=strict"])
     with pytest.raises(UsageError, match=r'tp groups of 4 ranks cross network.*Fix: set \[parallel\]\.order = "tp-'):
         choose_assignment(cfg, cfg.validate_world(WORLD), nvml_topology())
 
 
 def test_strict_cli_exits_2_with_one_line_before_starting_ranks():
     res = CliRunner().invoke(app, ["train", "--nproc", str(WORLD), *sum((["--set", s] for s in LAYOUT), []),
-                                   "--set", "parallel.placement=strict", "--set", "topology.preset=dgx-h100"])
+                                   "--set", "parallel.rank_assignment=strict", "--set", "topology.preset=dgx-h100"])
     assert res.exit_code == 2, res.output
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "placement=strict" in lines[0] and "Fix: set [parallel].order" in lines[0], res.stderr
+    assert len(lines) == 1 and "rank_assignment=strict" in lines[0] and "Fix: set [parallel].order" in lines[0], res.stderr
 
 
 def test_no_topology_keeps_the_configured_grid():

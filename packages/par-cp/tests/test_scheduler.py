@@ -9,8 +9,8 @@ from par_cp import schedule_subsamples, span_for
 
 def _check_invariants(lengths, cap, ranks):
     sched = schedule_subsamples(lengths, cap, ranks)
-    assert [p.index for p in sched.placements] == list(range(len(lengths)))
-    for p in sched.placements:
+    assert [p.index for p in sched.spans] == list(range(len(lengths)))
+    for p in sched.spans:
         assert p.length == lengths[p.index]
         assert p.tokens_per_rank * p.span >= p.length
         assert p.tokens_per_rank <= cap
@@ -27,7 +27,7 @@ def _check_invariants(lengths, cap, ranks):
 
 def test_long_samples_spread_short_ones_stay():
     sched = _check_invariants([131072, 2048, 16384, 40000, 1000], 16384, 16)
-    spans = [p.span for p in sched.placements]
+    spans = [p.span for p in sched.spans]
     assert spans == [8, 1, 1, 4, 1]
     assert sched.num_rounds == 1
 
@@ -67,10 +67,10 @@ def test_compute_balance_weighs_long_samples_by_their_quadratic_cost():
 
     def worst(sched):
         work = [0.0] * 4
-        for p in sched.placements:
+        for p in sched.spans:
             for r in p.ranks:
                 work[r] += p.length * (p.length + 1) / 2 / p.span
         return max(work) / (sum(work) / 4)
     assert worst(by_compute) < worst(by_tokens)
-    long_rank = by_compute.placements[0].ranks[0]
-    assert all(p.ranks[0] != long_rank for p in by_compute.placements[1:])
+    long_rank = by_compute.spans[0].ranks[0]
+    assert all(p.ranks[0] != long_rank for p in by_compute.spans[1:])

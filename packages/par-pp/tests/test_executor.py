@@ -91,7 +91,7 @@ def test_every_schedule_matches_single_device_losses_and_grads(dist_run, pp):
             schedule = build_schedule(name, pp, m, vpp)
             ref_losses, model = reference(pp, schedule.vpp, m)
             ranges = split_layers(num_layers_for(pp, schedule.vpp), schedule.num_chunks)
-            last_rank = schedule.placement[schedule.last_chunk]
+            last_rank = schedule.chunk_ranks[schedule.last_chunk]
             got_losses = results[last_rank][(name, m)]["losses"]
             torch.testing.assert_close(torch.stack(got_losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6)
             with torch.no_grad():  # the forward-only walk gives the single-device logits
@@ -100,7 +100,7 @@ def test_every_schedule_matches_single_device_losses_and_grads(dist_run, pp):
             assert all(results[r][(name, m)]["logits"] == [] for r in range(pp) if r != last_rank)
             embed, layers, head = model[0], list(model[1:-1]), model[-1]
             for c in range(schedule.num_chunks):
-                rank = schedule.placement[c]
+                rank = schedule.chunk_ranks[c]
                 ref_params = list(chunk_module(embed, layers, head, ranges, c).parameters())
                 got = results[rank][(name, m)]["grads"][c]
                 assert len(got) == len(ref_params)
@@ -202,7 +202,7 @@ def tied_embedding_step(pp, name, vpp, m):
     schedule = build_schedule(name, pp, m, vpp)
     embed, layers, head = build_model(num_layers_for(pp, schedule.vpp))
     ranges = split_layers(len(layers), schedule.num_chunks)
-    first_rank, last_rank = schedule.placement[0], schedule.placement[schedule.last_chunk]
+    first_rank, last_rank = schedule.chunk_ranks[0], schedule.chunk_ranks[schedule.last_chunk]
     if first_rank == last_rank:
         head.weight = embed.weight  # one Parameter shared by both chunks on this rank
         embedding_group, tied = None, [embed.weight] if rank == first_rank else []
@@ -239,9 +239,9 @@ def test_tied_embedding_grads_and_extra_inputs_match_single_device(dist_run, nam
     # Chunk 0 is embed + its layers; the shift is added to chunk 0's output.
     ref = [loss_fn(rest(body(embed(x)) + s), t) for x, t, s in zip(inputs, targets, shifts)]
     (sum(ref) / m).backward()
-    last_rank = schedule.placement[schedule.last_chunk]
+    last_rank = schedule.chunk_ranks[schedule.last_chunk]
     torch.testing.assert_close(torch.stack(results[last_rank]["losses"]), torch.stack([l.detach() for l in ref]))
-    for r in {schedule.placement[0], last_rank}:
+    for r in {schedule.chunk_ranks[0], last_rank}:
         torch.testing.assert_close(results[r]["tied"][0], embed.weight.grad, rtol=1e-5, atol=1e-6)
     if name == "1f1b":
         # One all-reduce of the tied grad; per microbatch one activation and one grad message,

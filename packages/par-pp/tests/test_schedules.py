@@ -2,7 +2,7 @@
 
 import pytest
 
-from par_pp import Action, Costs, chunk_placement, ScheduleError, build_schedule, chunks_on_rank, parse_costs, render_timeline, simulate, split_layers, split_stages, stage_layer_counts, timeline_json, validate_schedule
+from par_pp import Action, Costs, chunk_ranks, ScheduleError, build_schedule, chunks_on_rank, parse_costs, render_timeline, simulate, split_layers, split_stages, stage_layer_counts, timeline_json, validate_schedule
 from par_pp.ir import make_schedule
 
 EXPLAINER_GPIPE_P4_M4 = """\
@@ -54,14 +54,14 @@ def test_validator_rejects_backward_before_forward_and_deadlocks():
     swapped = [list(ok.ranks[0]), list(ok.ranks[1])]
     swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]  # B0 before F0 on the last rank
     with pytest.raises(ScheduleError, match="before"):
-        validate_schedule(make_schedule("bad", 2, 2, ok.placement, swapped))
+        validate_schedule(make_schedule("bad", 2, 2, ok.chunk_ranks, swapped))
     # Rank 0 wants B0 before sending F1, rank 1 wants F1 before sending B0: a cross-rank deadlock.
     r0 = [Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)]
     r1 = [Action("F", 0, 1), Action("F", 1, 1), Action("B", 1, 1), Action("B", 0, 1)]
     with pytest.raises(ScheduleError, match="deadlock"):
-        validate_schedule(make_schedule("dead", 2, 2, ok.placement, [r0, r1]))
+        validate_schedule(make_schedule("dead", 2, 2, ok.chunk_ranks, [r0, r1]))
     with pytest.raises(ScheduleError, match="appears 0 times"):
-        validate_schedule(make_schedule("short", 2, 2, ok.placement, [r0[:3], r1]))
+        validate_schedule(make_schedule("short", 2, 2, ok.chunk_ranks, [r0[:3], r1]))
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
@@ -135,7 +135,7 @@ def test_invalid_combinations_name_the_values():
         build_schedule("gpipe", 4, 0)
 
 
-def test_chunk_placement_matches_the_explainer():
+def test_chunk_ranks_match_the_explainer():
     # PP=4, VPP=2: GPU 0 holds chunks {0, 4}, GPU 3 holds {3, 7}; V shapes hold r and 2p-1-r.
     assert [chunks_on_rank("interleaved", r, 4, 2) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [chunks_on_rank("zb-v", r, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -148,21 +148,21 @@ def test_chunk_placement_matches_the_explainer():
         split_layers(3, 4)
 
 
-def test_uneven_end_stages_in_every_placement():
+def test_uneven_end_stages_in_every_chunk_layout():
     # Llama-3-405B over 16 stages (7 | 8 x 14 | 7); DeepSeek-V3's 61 layers with a light first stage
     assert stage_layer_counts(126, 16, 1, 7, 7) == [7] + [8] * 14 + [7]
     assert stage_layer_counts(61, 16, 1, 1) == [1] + [4] * 15
-    assert split_stages(10, chunk_placement("1f1b", 4)) == split_layers(10, 4)  # 0 = even, as before
+    assert split_stages(10, chunk_ranks("1f1b", 4)) == split_layers(10, 4)  # 0 = even, as before
 
     def sizes(layers, name, pp, vpp, first, last):
-        return [len(r) for r in split_stages(layers, chunk_placement(name, pp, vpp), first, last)]
+        return [len(r) for r in split_stages(layers, chunk_ranks(name, pp, vpp), first, last)]
 
     assert sizes(10, "gpipe", 4, 1, 1, 3) == [1, 3, 3, 3]
     # vpp 2 on 4 ranks: rank 0 holds chunks 0 and 4, each with half of its 2 layers
     assert sizes(12, "interleaved", 4, 2, 2, 2) == [1, 2, 2, 1, 1, 2, 2, 1]
     # V: rank 0 holds chunks 0 and 5 (both ends), rank 2 the bottom of the V (chunks 2 and 3)
     assert sizes(12, "zb-v", 3, 1, 2, 6) == [1, 2, 3, 3, 2, 1]
-    ranges = split_stages(12, chunk_placement("dualpipev", 3), 2, 6)
+    ranges = split_stages(12, chunk_ranks("dualpipev", 3), 2, 6)
     assert [r.start for r in ranges] == [0, 1, 3, 6, 9, 11] and ranges[-1].stop == 12
     for bad, match in [((10, "1f1b", 2, 3, 4), "must add up to num_layers at pp=2, they add up to 7"),
                        ((10, "1f1b", 4, 3, 0), "the other 3 stages get 7 layers"),
@@ -170,7 +170,7 @@ def test_uneven_end_stages_in_every_placement():
                        ((4, "1f1b", 4, 0, 2), "must split evenly into 3 stages x 1 chunks of at least one layer")]:
         layers, name, pp, first, last = bad
         with pytest.raises(ValueError, match=match):
-            split_stages(layers, chunk_placement(name, pp), first, last)
+            split_stages(layers, chunk_ranks(name, pp), first, last)
 
 
 def test_costs_parse_and_render_multi_slot_actions_and_p2p():

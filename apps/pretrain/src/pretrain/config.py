@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -234,6 +235,10 @@ def _suggest(name: str, valid: list[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+RENAMED = {("parallel", "placement"): "rank_assignment"}  # (section, old key) -> new key
+RENAMED_FROM = {(section, new): old for (section, old), new in RENAMED.items()}
+
+
 def config_from_dict(data: dict, source: str = "") -> Config:
     """Build and validate a :class:`Config` from nested dicts; unknown sections or keys are errors."""
     sections = {}
@@ -247,6 +252,9 @@ def config_from_dict(data: dict, source: str = "") -> Config:
         valid = [f.name for f in dataclasses.fields(cls)]
         kwargs = {}
         for key, value in values.items():
+            if (section, key) in RENAMED:  # the old name still works, and says the new one
+                key = RENAMED[section, key]
+                print(f"note: [{section}].{RENAMED_FROM[section, key]} is now [{section}].{key}", file=sys.stderr)
             if key not in valid:
                 raise UsageError(f"unknown key [{section}].{key}{_suggest(key, valid)}; valid keys: {', '.join(valid)}")
             kwargs[key] = _coerce(section, key, value, hints[key])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from par_cp import MODES as CP_COMM_TYPES
 from par_groups import LayoutError, RankGrid
 from par_pp import SCHEDULE_NAMES as SCHEDULES
-from par_pp import V_SCHEDULES, chunk_placement, split_stages
+from par_pp import V_SCHEDULES, chunk_ranks, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
 from par_zero import optimizer_classes
 
@@ -24,7 +24,7 @@ DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
-PLACEMENTS = ("auto", "strict", "off")  # see pretrain.rank_assignment
+RANK_ASSIGNMENTS = ("auto", "strict", "off")  # see pretrain.rank_assignment
 OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
 
 
@@ -47,7 +47,8 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
     order: str = "tp-cp-ep-dp-pp"
-    placement: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
+    # which process plays each grid position (pretrain.rank_assignment); was [parallel].placement
+    rank_assignment: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
     # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
     first_stage_layers: int = 0
     last_stage_layers: int = 0
@@ -58,7 +59,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hcp", tuple(self.hcp))
-        _choice("[parallel].placement", self.placement, PLACEMENTS)
+        _choice("[parallel].rank_assignment", self.rank_assignment, RANK_ASSIGNMENTS)
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
         _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", "max_seq_per_rank",
                   allow_zero=True)
@@ -117,17 +118,17 @@ class ParallelConfig:
         """Layer range of every pipeline chunk in model order (one chunk when pp = 1)."""
         if self.pp == 1:
             return [range(num_layers)]
-        placement = chunk_placement(self.schedule, self.pp, self.vpp)
+        ranks = chunk_ranks(self.schedule, self.pp, self.vpp)
         try:
-            return split_stages(num_layers, placement, self.first_stage_layers, self.last_stage_layers)
+            return split_stages(num_layers, ranks, self.first_stage_layers, self.last_stage_layers)
         except ValueError as e:
             raise UsageError(f"[parallel] layer split: {e}") from None
 
     def stage_layers(self, num_layers: int) -> list[list[int]]:
         """The layer ids each pipeline rank holds (all its chunks), by pp rank."""
-        placement = chunk_placement(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
+        ranks = chunk_ranks(self.schedule, self.pp, self.vpp) if self.pp > 1 else [0]
         out: list[list[int]] = [[] for _ in range(self.pp)]
-        for rank, layers in zip(placement, self.chunk_layers(num_layers)):
+        for rank, layers in zip(ranks, self.chunk_layers(num_layers)):
             out[rank] += list(layers)
         return out
 
@@ -269,7 +270,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    """Where the ranks run, for placement when NVML cannot tell (NVML is asked first)."""
+    """Where the ranks run, for the rank assignment when NVML cannot tell (NVML is asked first)."""
 
     preset: str = ""  # a par_groups topology preset (dgx-h100, dgx-a100, pcie-8gpu, nvl72)
     file: str = ""  # or a TOML description (`pretrain topo --save` writes one)

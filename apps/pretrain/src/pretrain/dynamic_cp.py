@@ -106,7 +106,7 @@ def plan_step(batch, eos: int | None, eod_mask_loss: bool, max_seq_per_rank: int
     sched = schedule_subsamples([e - s for _, s, e in subs], max_seq_per_rank, width, balance="compute")
     work = [0.0] * width
     rounds = [([], [], [], []) for _ in range(sched.num_rounds)]  # tokens, labels, positions, pieces
-    for (g, s, e), p in zip(subs, sched.placements):
+    for (g, s, e), p in zip(subs, sched.spans):
         for r in p.ranks:
             work[r] += attention_work(e - s, p.span)
         if groups.me not in p.ranks:

@@ -5,7 +5,7 @@ Every rank calls :func:`assign_run_ranks` (collectively) before it creates its g
 1. the topology: each rank asks NVML about its GPU and the views are all-gathered; where NVML
    cannot describe every rank, ``[topology] preset`` or ``file`` from the config; else unknown
    (the groups follow ``[parallel].order`` as before, and the trainer says so once);
-2. ``[parallel].placement``: ``auto`` takes the cheapest order string and rank permutation that
+2. ``[parallel].rank_assignment``: ``auto`` takes the cheapest order string and rank permutation that
    :func:`par_groups.topology.place` finds, ``strict`` keeps the configured order but refuses
    (one line naming the fix) when tp, ep, expert tp or the CP all-to-all level would leave an
    NVLink domain, ``off`` keeps the configured order without looking.
@@ -48,7 +48,7 @@ UNKNOWN = ("topology unknown (no NVML here and no [topology] preset or file in t
 class RunAssignment:
     """The grid whose groups this run creates and the permutation of ranks that plays it."""
 
-    grid: RankGrid  # its order may differ from [parallel].order under placement = "auto"
+    grid: RankGrid  # its order may differ from [parallel].order under rank_assignment = "auto"
     permutation: tuple[int, ...] | None  # permutation[i] = global rank of grid position i; None = identity
     message: str  # the one start-up line
     topology: Topology | None = None
@@ -124,8 +124,8 @@ def find_topology(cfg, world: int) -> Topology | None:
 
 
 def choose_assignment(cfg, layout, topology: Topology | None) -> RunAssignment:
-    """The grid and permutation for ``[parallel].placement`` on ``topology``; UsageError under strict."""
-    grid, mode = layout.grid, cfg.parallel.placement
+    """The grid and permutation for ``[parallel].rank_assignment`` on ``topology``; UsageError under strict."""
+    grid, mode = layout.grid, cfg.parallel.rank_assignment
     if mode == "off":
         return RunAssignment(grid, None, f"placement off: groups follow order {grid.order} as given", topology)
     if topology is None:
@@ -169,11 +169,11 @@ def strict_refusal(given: RankAssignment, best: RankAssignment) -> str:
     warning = given.warnings[0].split(". Fix:")[0] if given.warnings else "a bandwidth-hungry group leaves NVLink"
     if hungry_off_fast_links(best) == 0:
         fix = (f'set [parallel].order = "{best.order}"' if best.is_identity else
-               'set [parallel].placement = "auto" (the ranks must also be permuted: the launcher interleaved the hosts)')
+               'set [parallel].rank_assignment = "auto" (the ranks must also be permuted: the launcher interleaved the hosts)')
     else:
         fix = config_words(best.warnings[0].split(". Fix: ")[-1])
-    return (f"[parallel].placement=strict: with order {given.order}, {warning}. Fix: {fix}, "
-            f'or set [parallel].placement = "auto"')
+    return (f"[parallel].rank_assignment=strict: with order {given.order}, {warning}. Fix: {fix}, "
+            f'or set [parallel].rank_assignment = "auto"')
 
 
 def config_words(text: str) -> str:
@@ -205,7 +205,7 @@ _LINK_WORDS = {"nvlink": "on NVLink", "pcie": "over PCIe", "network": "across th
 
 def assign_run_ranks(cfg, layout, topology: Topology | None = None) -> RunAssignment:
     """Collective (every rank): find the topology unless given, then :func:`choose_assignment`."""
-    if topology is None and cfg.parallel.placement != "off":
+    if topology is None and cfg.parallel.rank_assignment != "off":
         topology = find_topology(cfg, layout.world_size)
     return choose_assignment(cfg, layout, topology)
 
@@ -213,7 +213,7 @@ def assign_run_ranks(cfg, layout, topology: Topology | None = None) -> RunAssign
 def check_before_launch(cfg, layout) -> RunAssignment:
     """A standalone launch (all ranks on this host): the same decision in the launching process, so
     ``strict`` refuses with exit 2 before any rank starts."""
-    if cfg.parallel.placement == "off":
+    if cfg.parallel.rank_assignment == "off":
         return choose_assignment(cfg, layout, None)
     views = [local_view(r) for r in range(layout.world_size)]
     return choose_assignment(cfg, layout, gathered_topology(views) or described_topology(cfg, layout.world_size))

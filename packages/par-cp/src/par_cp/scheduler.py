@@ -23,7 +23,7 @@ from typing import Sequence
 
 
 @dataclass(frozen=True)
-class Placement:
+class DocumentSpan:
     index: int  # position of the sub-sample in the input
     length: int
     span: int  # CP ranks it is spread over
@@ -39,16 +39,16 @@ class Placement:
 class CPSchedule:
     num_ranks: int
     max_seqlen_per_rank: int
-    placements: tuple[Placement, ...]  # in input order
+    spans: tuple[DocumentSpan, ...]  # in input order
 
     @property
     def num_rounds(self) -> int:
-        return 1 + max((p.round for p in self.placements), default=-1)
+        return 1 + max((p.round for p in self.spans), default=-1)
 
     def loads(self, round: int = 0) -> list[int]:
         """Tokens each rank holds in ``round``."""
         out = [0] * self.num_ranks
-        for p in self.placements:
+        for p in self.spans:
             if p.round == round:
                 for r in p.ranks:
                     out[r] += p.tokens_per_rank
@@ -78,7 +78,7 @@ def schedule_subsamples(lengths: Sequence[int], max_seqlen_per_rank: int, num_ra
         raise ValueError(f"sub-sample lengths must be positive, got {list(lengths)}")
     loads: list[list[int]] = []  # per round, tokens per rank
     work: list[list[float]] = []  # per round, what the blocks are balanced by
-    placed: dict[int, Placement] = {}
+    placed: dict[int, DocumentSpan] = {}
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
         length = int(lengths[i])
         span = span_for(length, max_seqlen_per_rank)
@@ -104,5 +104,5 @@ def schedule_subsamples(lengths: Sequence[int], max_seqlen_per_rank: int, num_ra
         for r in block:
             loads[rnd][r] += share
             work[rnd][r] += cost
-        placed[i] = Placement(i, length, span, block, rnd)
+        placed[i] = DocumentSpan(i, length, span, block, rnd)
     return CPSchedule(num_ranks, max_seqlen_per_rank, tuple(placed[i] for i in range(len(lengths))))

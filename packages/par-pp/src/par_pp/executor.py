@@ -176,7 +176,7 @@ class PipelineExecutor:
         n = len(inputs) if microbatches is None else microbatches
         if not 0 < n <= s.microbatches:
             raise ValueError(f"forward runs 1..{s.microbatches} microbatches (the schedule's), got {n}")
-        fwd = make_schedule(f"{s.name}-forward", s.pp, n, s.placement,
+        fwd = make_schedule(f"{s.name}-forward", s.pp, n, s.chunk_ranks,
                             [[a for a in row if a.kind == "F" and a.microbatch < n] for row in s.ranks])
         stage, local, outputs = StageComm(fwd, self.rank, self.group, self.device), {}, {}
         stage.start()

@@ -1,6 +1,6 @@
 """The schedule IR: per rank, the ordered compute actions; messages are derived, never written.
 
-Chunks are the model's pieces in forward order, ``0 .. num_chunks - 1``; ``placement[c]`` is the
+Chunks are the model's pieces in forward order, ``0 .. num_chunks - 1``; ``chunk_ranks[c]`` is the
 rank holding chunk ``c``. An action is ``F`` (forward), ``B`` (backward; ``split=True`` means
 input-grad only, its weight grad comes later in a ``W``) or ``W`` (weight grad), each for one
 (microbatch, chunk). A message exists wherever a dependency crosses ranks: the forward of chunk
@@ -48,13 +48,13 @@ class Schedule:
     name: str
     pp: int
     microbatches: int
-    placement: tuple[int, ...]  # chunk id -> rank
+    chunk_ranks: tuple[int, ...]  # chunk id -> rank
     ranks: tuple[tuple[Action, ...], ...]  # per rank, in execution order
     meta: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_chunks(self) -> int:
-        return len(self.placement)
+        return len(self.chunk_ranks)
 
     @property
     def vpp(self) -> int:
@@ -65,7 +65,7 @@ class Schedule:
         return self.num_chunks - 1
 
     def chunks_on(self, rank: int) -> list[int]:
-        return [c for c, r in enumerate(self.placement) if r == rank]
+        return [c for c, r in enumerate(self.chunk_ranks) if r == rank]
 
     @property
     def has_split_backward(self) -> bool:
@@ -74,20 +74,20 @@ class Schedule:
     def input_message(self, action: Action) -> Message | None:
         """The message ``action`` must receive before it runs, if its producer is on another rank."""
         if action.kind == "F" and action.chunk > 0:
-            src, dst = self.placement[action.chunk - 1], self.placement[action.chunk]
+            src, dst = self.chunk_ranks[action.chunk - 1], self.chunk_ranks[action.chunk]
             return Message("act", action.microbatch, action.chunk, src, dst) if src != dst else None
         if action.kind == "B" and action.chunk < self.last_chunk:
-            src, dst = self.placement[action.chunk + 1], self.placement[action.chunk]
+            src, dst = self.chunk_ranks[action.chunk + 1], self.chunk_ranks[action.chunk]
             return Message("grad", action.microbatch, action.chunk, src, dst) if src != dst else None
         return None
 
     def output_message(self, action: Action) -> Message | None:
         """The message ``action`` sends when it finishes, if its consumer is on another rank."""
         if action.kind == "F" and action.chunk < self.last_chunk:
-            src, dst = self.placement[action.chunk], self.placement[action.chunk + 1]
+            src, dst = self.chunk_ranks[action.chunk], self.chunk_ranks[action.chunk + 1]
             return Message("act", action.microbatch, action.chunk + 1, src, dst) if src != dst else None
         if action.kind == "B" and action.chunk > 0:
-            src, dst = self.placement[action.chunk], self.placement[action.chunk - 1]
+            src, dst = self.chunk_ranks[action.chunk], self.chunk_ranks[action.chunk - 1]
             return Message("grad", action.microbatch, action.chunk - 1, src, dst) if src != dst else None
         return None
 
@@ -125,5 +125,5 @@ def action_key(action: Action) -> Action:
     return Action(action.kind, action.microbatch, action.chunk)
 
 
-def make_schedule(name: str, pp: int, microbatches: int, placement, ranks, **meta) -> Schedule:
-    return Schedule(name, pp, microbatches, tuple(placement), tuple(tuple(r) for r in ranks), dict(meta))
+def make_schedule(name: str, pp: int, microbatches: int, chunk_ranks, ranks, **meta) -> Schedule:
+    return Schedule(name, pp, microbatches, tuple(chunk_ranks), tuple(tuple(r) for r in ranks), dict(meta))

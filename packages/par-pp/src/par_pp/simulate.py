@@ -98,7 +98,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 deps = dependencies(schedule, a)
                 if not all(d in end for d in deps):
                     break
-                ready = [end[d] + (costs.p2p if schedule.placement[d.chunk] != rank else 0.0) for d in deps]
+                ready = [end[d] + (costs.p2p if schedule.chunk_ranks[d.chunk] != rank else 0.0) for d in deps]
                 start = max([free[rank], *ready])
                 free[rank] = start + costs.duration(a)
                 end[action_key(a)] = free[rank]

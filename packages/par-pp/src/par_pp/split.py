@@ -50,24 +50,24 @@ def stage_layer_counts(num_layers: int, pp: int, chunks_per_rank: int = 1,
     return [fixed.get(r, even) for r in range(pp)]
 
 
-def split_stages(num_layers: int, placement: list[int], first_stage_layers: int = 0,
+def split_stages(num_layers: int, chunk_ranks: list[int], first_stage_layers: int = 0,
                  last_stage_layers: int = 0) -> list[range]:
-    """Layer ranges of every chunk, in model order, for a schedule's ``placement`` (chunk -> rank).
+    """Layer ranges of every chunk, in model order, for a schedule's ``chunk_ranks`` (chunk -> rank).
 
     Without fixed end stages this is :func:`split_layers`. With them, each rank's count (see
-    :func:`stage_layer_counts`) is split evenly over the chunks it holds, in any placement
+    :func:`stage_layer_counts`) is split evenly over the chunks it holds, in any chunk layout
     (interleaved, V-shaped): rank 0 of a V schedule holds both the first and the last chunk.
     """
     if not (first_stage_layers or last_stage_layers):
-        return split_layers(num_layers, len(placement))
-    per_rank = Counter(placement)
+        return split_layers(num_layers, len(chunk_ranks))
+    per_rank = Counter(chunk_ranks)
     pp = len(per_rank)
     if sorted(per_rank) != list(range(pp)) or len(set(per_rank.values())) != 1:
-        raise ValueError(f"placement={list(placement)} must give every rank 0..pp-1 the same number of chunks")
+        raise ValueError(f"chunk_ranks={list(chunk_ranks)} must give every rank 0..pp-1 the same number of chunks")
     cpr = per_rank[0]
     counts = stage_layer_counts(num_layers, pp, cpr, first_stage_layers, last_stage_layers)
     ranges, start = [], 0
-    for rank in placement:
+    for rank in chunk_ranks:
         size = counts[rank] // cpr
         ranges.append(range(start, start + size))
         start += size

@@ -27,8 +27,8 @@ def _check_complete(s: Schedule) -> None:
         for a in row:
             if not (0 <= a.microbatch < s.microbatches and 0 <= a.chunk < s.num_chunks):
                 raise ScheduleError(f"{s.name}: rank {rank} has {a}, outside microbatches={s.microbatches}, chunks={s.num_chunks}")
-            if s.placement[a.chunk] != rank:
-                raise ScheduleError(f"{s.name}: {a} runs on rank {rank} but chunk {a.chunk} lives on rank {s.placement[a.chunk]}")
+            if s.chunk_ranks[a.chunk] != rank:
+                raise ScheduleError(f"{s.name}: {a} runs on rank {rank} but chunk {a.chunk} lives on rank {s.chunk_ranks[a.chunk]}")
             seen[action_key(a)] += 1
             if a.split:
                 split_b.add((a.microbatch, a.chunk))
@@ -47,7 +47,7 @@ def _check_local_order(s: Schedule) -> None:
         position = {action_key(a): i for i, a in enumerate(row)}
         for a in row:
             for dep in dependencies(s, a):
-                if s.placement[dep.chunk] == rank and position[dep] > position[action_key(a)]:
+                if s.chunk_ranks[dep.chunk] == rank and position[dep] > position[action_key(a)]:
                     raise ScheduleError(f"{s.name}: rank {rank} runs {a} before {dep}, which it depends on")
 
 

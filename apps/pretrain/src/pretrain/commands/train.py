@@ -40,7 +40,7 @@ def train(
         if not under_torchrun():
             from ..rank_assignment import check_before_launch
 
-            check_before_launch(cfg, layout)  # placement = "strict" refuses here, exit 2
+            check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
         leader = not under_torchrun() or os.environ.get("RANK") == "0"
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():

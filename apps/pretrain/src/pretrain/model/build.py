@@ -61,7 +61,7 @@ def chunk_layout(cfg, layout, pp_rank: int):
         return None, [0], [range(cfg.model.layers)]
     schedule = build_schedule(p.schedule, layout.pp, layout.microbatches, vpp=layout.vpp)
     ranges = p.chunk_layers(cfg.model.layers)
-    assert len(ranges) == len(schedule.placement)
+    assert len(ranges) == len(schedule.chunk_ranks)
     return schedule, list(chunks_on_rank(schedule, pp_rank)), ranges
 
 

@@ -27,7 +27,7 @@ def simulated_config(cfg, layout, all_microbatches: bool):
     if cfg.train.dtype == "auto":  # simulate what a GPU run does: bf16
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype="bf16"))
     # the configured rank order (finding a topology all-gathers NVML views, which fake ranks lack)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement="off"))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, rank_assignment="off"))
     m = layout.microbatches
     if all_microbatches or cfg.parallel.schedule == "gpipe":
         keep = m

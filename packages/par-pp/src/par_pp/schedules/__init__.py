@@ -7,7 +7,7 @@ from .dualpipev import dualpipev
 from .gpipe import gpipe
 from .interleaved import interleaved
 from .one_f_one_b import one_f_one_b
-from .placement import linear_placement, v_placement
+from .chunk_ranks import linear_chunk_ranks, v_chunk_ranks
 from .zero_bubble import zb_h1, zb_v
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -61,13 +61,13 @@ def chunks_on_rank(schedule_or_name: Schedule | str, rank: int, pp: int | None =
         raise ValueError("chunks_on_rank(name, rank, pp, vpp) needs pp when given a schedule name")
     if not 0 <= rank < pp:
         raise ValueError(f"rank={rank} is outside pp={pp}")
-    return [c for c, r in enumerate(chunk_placement(schedule_or_name, pp, vpp)) if r == rank]
+    return [c for c, r in enumerate(chunk_ranks(schedule_or_name, pp, vpp)) if r == rank]
 
 
-def chunk_placement(name: str, pp: int, vpp: int = 1) -> list[int]:
+def chunk_ranks(name: str, pp: int, vpp: int = 1) -> list[int]:
     """The rank of every global chunk (model order) under the named schedule."""
     per_rank = _check(name, pp, pp, vpp)
-    return v_placement(pp) if name in V_SCHEDULES else linear_placement(pp, per_rank)
+    return v_chunk_ranks(pp) if name in V_SCHEDULES else linear_chunk_ranks(pp, per_rank)
 
 
-__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_placement", "chunks_on_rank"]
+__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_ranks", "chunks_on_rank"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..ir import Action, Schedule, make_schedule
-from .placement import v_placement
+from .chunk_ranks import v_chunk_ranks
 
 
 def dualpipev(pp: int, microbatches: int) -> Schedule:
@@ -79,4 +79,4 @@ def dualpipev(pp: int, microbatches: int) -> Schedule:
         while pending_w:  # 8
             weight_if_pending()
         ranks.append([a for a in order if a.microbatch < microbatches])
-    return make_schedule("dualpipev", pp, microbatches, v_placement(pp), ranks)
+    return make_schedule("dualpipev", pp, microbatches, v_chunk_ranks(pp), ranks)

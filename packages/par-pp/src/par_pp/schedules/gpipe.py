@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ir import Action, Schedule, make_schedule
-from .placement import linear_placement
+from .chunk_ranks import linear_chunk_ranks
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
@@ -12,4 +12,4 @@ def gpipe(pp: int, microbatches: int) -> Schedule:
         forwards = [Action("F", m, rank) for m in range(microbatches)]
         backwards = [Action("B", m, rank) for m in reversed(range(microbatches))]
         ranks.append(forwards + backwards)
-    return make_schedule("gpipe", pp, microbatches, linear_placement(pp, 1), ranks)
+    return make_schedule("gpipe", pp, microbatches, linear_chunk_ranks(pp, 1), ranks)

@@ -10,7 +10,7 @@ rule), so 9 microbatches on p=4 go in groups of 4 and 5.
 from __future__ import annotations
 
 from ..ir import Action, Schedule, make_schedule
-from .placement import linear_placement
+from .chunk_ranks import linear_chunk_ranks
 
 
 def _virtual_order(pp: int, vpp: int, microbatches: int, reverse_chunks: bool) -> list[tuple[int, int]]:
@@ -47,4 +47,4 @@ def interleaved(pp: int, microbatches: int, vpp: int) -> Schedule:
             order.append(Action("B", m, chunk(l)))
         order += [Action("B", m, chunk(l)) for m, l in backwards[total - warmup :]]
         ranks.append(order)
-    return make_schedule("interleaved", pp, microbatches, linear_placement(pp, vpp), ranks)
+    return make_schedule("interleaved", pp, microbatches, linear_chunk_ranks(pp, vpp), ranks)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ir import Action, Schedule, make_schedule
-from .placement import linear_placement
+from .chunk_ranks import linear_chunk_ranks
 
 
 def one_f_one_b_order(pp: int, rank: int, microbatches: int, chunk: int, split: bool = False) -> list[Action]:
@@ -21,4 +21,4 @@ def one_f_one_b_order(pp: int, rank: int, microbatches: int, chunk: int, split: 
 
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     ranks = [one_f_one_b_order(pp, r, microbatches, r) for r in range(pp)]
-    return make_schedule("1f1b", pp, microbatches, linear_placement(pp, 1), ranks)
+    return make_schedule("1f1b", pp, microbatches, linear_chunk_ranks(pp, 1), ranks)

@@ -10,7 +10,7 @@ once) and W (weight grad), and the W's fill slots that would otherwise be idle.
 from __future__ import annotations
 
 from ..ir import Action, Schedule, make_schedule
-from .placement import linear_placement, v_placement
+from .chunk_ranks import linear_chunk_ranks, v_chunk_ranks
 
 
 def zb_h1(pp: int, microbatches: int) -> Schedule:
@@ -35,7 +35,7 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
             backward_then_maybe_weight()
         order += [Action("W", m, rank) for m in range(weights, microbatches)]
         ranks.append(order)
-    return make_schedule("zb-h1", pp, microbatches, linear_placement(pp, 1), ranks)
+    return make_schedule("zb-h1", pp, microbatches, linear_chunk_ranks(pp, 1), ranks)
 
 
 def zb_v(pp: int, microbatches: int) -> Schedule:
@@ -81,4 +81,4 @@ def zb_v(pp: int, microbatches: int) -> Schedule:
         while count["W", down] < count["B", down]:
             add("W", down)
         ranks.append([a for a in order if a.microbatch < microbatches])
-    return make_schedule("zb-v", pp, microbatches, v_placement(pp), ranks)
+    return make_schedule("zb-v", pp, microbatches, v_chunk_ranks(pp), ranks)

@@ -100,7 +100,7 @@ def test_round_trip_through_toml(tmp_path):
     (["parallel.zero=torch_fsdp2", "parallel.pp=2"], 2, "'torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp=1, pp=2"),
     (["parallel.zero=torch_fsdp2", "parallel.tp=2"], 2, "'torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp=2, pp=1, ep=1"),
     (["parallel.zero=torch_fsdp2", "model.tie_embeddings=true"], 2, "ep=1, tie_embeddings=true); use optim_grads_params"),
-    (["parallel.vpp=2"], 1, "[parallel].vpp=2 needs schedule='interleaved'"),
+    (["parallel.vpp=2"], 1, "[parallel].schedule='1f1b' with vpp=2: 1f1b runs one chunk per rank, so vpp must be 1"),
     (["parallel.ep=2"], 2, "[parallel].ep=2 needs MoE layers"),
     (["model.num_experts=6", "parallel.ep=4"], 4, "[parallel].ep=4 does not divide [model].num_experts=6"),
     (["parallel.zero=zero3"], 1, "[parallel].zero='zero3' is not one of no_shard, optim,"),

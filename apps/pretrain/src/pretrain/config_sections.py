@@ -81,11 +81,11 @@ class ParallelConfig:
                   f"got hcp={list(self.hcp)}")
         else:
             _need(not self.hcp, f"[parallel].hcp={list(self.hcp)} is only used with cp_comm_type='a2a+p2p'")
-        if self.vpp > 1:
-            _need(self.schedule == "interleaved",
-                  f"[parallel].vpp={self.vpp} needs schedule='interleaved', got schedule={self.schedule!r}")
-        if self.schedule == "interleaved" and self.pp > 1:
-            _need(self.vpp > 1, "[parallel].schedule='interleaved' needs vpp >= 2 model chunks per rank")
+        if self.pp > 1 or self.vpp > 1:  # par-pp's rules for a schedule's chunks per rank
+            try:
+                chunk_ranks(self.schedule, self.pp, self.vpp)
+            except ValueError as e:
+                raise UsageError(f"[parallel].schedule={self.schedule!r} with vpp={self.vpp}: {e}") from None
         if self.tp_comm_overlap:
             _need(self.tp > 1 and self.sequence_parallel is not False,
                   f"[parallel].tp_comm_overlap=true overlaps sequence parallelism's collectives: it needs tp > 1 and "

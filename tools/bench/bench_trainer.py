@@ -24,7 +24,8 @@ weight decay and eps, and a warm-up + cosine LambdaLR. Ours: ``pretrain.train_lo
 theirs: ``torch.randint`` over the vocabulary).
 
 Layouts: ``dp2`` (ours ZeRO-3 vs torchtitan FSDP2), ``tp2`` (ours TP vs torchtitan's TP plan,
-no sequence parallel on either side). Both trainers live in the same two processes; each repeat
+sequence parallel off on both sides), ``tp2-sp`` (on on both; torchtitan's default). pp2 is not
+raced yet (torchtitan's ``pipeline_llm`` on the CPU was not tried). Both trainers live in the same two processes; each repeat
 runs one step of each in alternating order after a barrier (tools/bench/paired_timing.py), the
 slowest rank's time counts, the warm-up repeats are dropped. Inits differ (each side its own):
 both first losses are printed next to ln(vocab).
@@ -46,9 +47,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from commit import print_commit  # noqa: E402
 from paired_timing import paired_times  # noqa: E402
 
-LAYOUTS = {  # name: (our overrides, torchtitan's (dp_shard, tp))
-    "dp2": (["parallel.zero=optim_grads_params"], (2, 1)),
-    "tp2": (["parallel.tp=2"], (1, 2)),
+LAYOUTS = {  # name: (our overrides, torchtitan's (dp_shard, tp, sequence parallel))
+    "dp2": (["parallel.zero=optim_grads_params"], (2, 1, False)),
+    "tp2": (["parallel.tp=2", "parallel.sequence_parallel=false"], (1, 2, False)),
+    "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], (1, 2, True)),
 }
 WORLD = 2
 
@@ -105,14 +107,17 @@ class TitanStep:
         import torchtitan.distributed.parallel_dims as parallel_dims_module
 
         parallel_dims_module.device_type = "cpu"  # its default is "cuda" when no accelerator is found
+        from torchtitan.distributed.utils import set_spmd_backend
+
+        set_spmd_backend("partial_dtensor")  # as its Trainer.__init__ does with parallelism.spmd_backend
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.distributed import ParallelDims
         from torchtitan.models.llama3 import parallelize_llama
 
-        dp_shard, tp = LAYOUTS[layout][1]
+        dp_shard, tp, sp = LAYOUTS[layout][1]
         parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
-                                        enable_sequence_parallel=False, spmd_backend="partial_dtensor")
+                                        enable_sequence_parallel=sp, spmd_backend="partial_dtensor")
         training = TrainingConfig(local_batch_size=args.batch // dp_shard, seq_len=args.seq, dtype="float32",
                                   mixed_precision_param="float32", mixed_precision_reduce="float32")
         self.dims = ParallelDims.from_config(parallelism, WORLD)
@@ -147,7 +152,7 @@ class TitanStep:
 
     def __call__(self) -> None:
         import torch
-        import torch.nn.functional as F
+        from torchtitan.components.loss import cross_entropy_loss
         from torchtitan.distributed.utils import clip_grad_norm_
 
         a = self.args
@@ -156,7 +161,8 @@ class TitanStep:
         self.optimizer.zero_grad()
         logits = self.model(inputs)  # SDPA: causal, no mask; positions default to 0..seq-1
         # as its trainer: summed over this rank's tokens / the global token count, the grads summed over dp
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / (a.batch * a.seq)
+        # (its cross_entropy_loss: sum reduction; vocab-parallel on TP's Shard(-1) logits)
+        loss = cross_entropy_loss(logits, labels) / (a.batch * a.seq)
         loss.backward()
         clip_grad_norm_(list(self.model.parameters()), self.t.grad_clip or math.inf, foreach=True)
         self.optimizer.step()

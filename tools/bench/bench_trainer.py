@@ -135,7 +135,7 @@ class TitanStep:
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         model.train()
-        self.model, self.args, self.t = model, args, cfg.train
+        self.model, self.args, self.t, self.local_batch = model, args, cfg.train, args.batch // dp_shard
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.t.lr, betas=(self.t.beta1, self.t.beta2),
                                            eps=1e-8, weight_decay=self.t.weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -156,7 +156,7 @@ class TitanStep:
         from torchtitan.distributed.utils import clip_grad_norm_
 
         a = self.args
-        tokens = torch.randint(0, a.vocab, (a.batch // dp_of_dims(self.dims), a.seq + 1), generator=self.generator)
+        tokens = torch.randint(0, a.vocab, (self.local_batch, a.seq + 1), generator=self.generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         self.optimizer.zero_grad()
         logits = self.model(inputs)  # SDPA: causal, no mask; positions default to 0..seq-1
@@ -168,10 +168,6 @@ class TitanStep:
         self.optimizer.step()
         self.schedule.step()
         self.losses.append(loss.detach())
-
-
-def dp_of_dims(dims) -> int:
-    return dims.dp_shard if dims.dp_shard > 1 else 1
 
 
 def rank(args):

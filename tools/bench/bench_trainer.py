@@ -24,8 +24,9 @@ weight decay and eps, and a warm-up + cosine LambdaLR. Ours: ``pretrain.train_lo
 theirs: ``torch.randint`` over the vocabulary).
 
 Layouts: ``dp2`` (ours ZeRO-3 vs torchtitan FSDP2), ``tp2`` (ours TP vs torchtitan's TP plan,
-sequence parallel off on both sides), ``tp2-sp`` (on on both; torchtitan's default). pp2 is not
-raced yet (torchtitan's ``pipeline_llm`` on the CPU was not tried). Both trainers live in the same two processes; each repeat
+sequence parallel off on both sides), ``tp2-sp`` (on on both; torchtitan's default), ``pp2``
+(1F1B, microbatches of 2 sequences on both sides: ours ``parallel.pp=2 schedule=1f1b
+train.micro_batch=2``, theirs its ``pipeline_llm`` + schedule, the loss on the last stage). Both trainers live in the same two processes; each repeat
 runs one step of each in alternating order after a barrier (tools/bench/paired_timing.py), the
 slowest rank's time counts, the warm-up repeats are dropped. Inits differ (each side its own):
 both first losses are printed next to ln(vocab).
@@ -51,7 +52,10 @@ LAYOUTS = {  # name: (our overrides, torchtitan's (dp_shard, tp, sequence parall
     "dp2": (["parallel.zero=optim_grads_params"], (2, 1, False)),
     "tp2": (["parallel.tp=2", "parallel.sequence_parallel=false"], (1, 2, False)),
     "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], (1, 2, True)),
+    "pp2": (["parallel.pp=2", "parallel.schedule=1f1b"], (1, 1, False)),
 }
+PP = {"pp2": 2}  # pipeline layouts: their degree
+PP_MICRO = 2  # sequences per pipeline microbatch, both sides
 WORLD = 2
 
 
@@ -64,7 +68,7 @@ def our_trainer(args, layout: str, steps: int):
         f"model.kv_heads={args.kv_heads}", f"model.ffn_hidden={args.ffn}", f"model.vocab_size={args.vocab}",
         f"model.rope_theta={args.rope_theta}", "model.tie_embeddings=false",
         f"train.seq_len={args.seq}", f"train.global_batch={args.batch}",
-        f"train.micro_batch={args.batch // dp_of(layout)}", f"train.steps={steps}", "train.warmup_steps=2",
+        f"train.micro_batch={PP_MICRO if layout in PP else args.batch // dp_of(layout)}", f"train.steps={steps}", "train.warmup_steps=2",
         "train.eval_every=0", "train.dtype=fp32", "log.progress=false", *LAYOUTS[layout][0]])
     return Trainer(cfg), cfg
 
@@ -116,8 +120,11 @@ class TitanStep:
         from torchtitan.models.llama3 import parallelize_llama
 
         dp_shard, tp, sp = LAYOUTS[layout][1]
+        pp = PP.get(layout, 1)
         parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, tensor_parallel_degree=tp,
-                                        enable_sequence_parallel=sp, spmd_backend="partial_dtensor")
+                                        enable_sequence_parallel=sp, spmd_backend="partial_dtensor",
+                                        pipeline_parallel_degree=pp, pipeline_parallel_schedule="1F1B",
+                                        pipeline_parallel_microbatch_size=PP_MICRO)
         training = TrainingConfig(local_batch_size=args.batch // dp_shard, seq_len=args.seq, dtype="float32",
                                   mixed_precision_param="float32", mixed_precision_reduce="float32")
         self.dims = ParallelDims.from_config(parallelism, WORLD)
@@ -126,8 +133,21 @@ class TitanStep:
         model_cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
         with torch.device("meta"):
             model = model_cfg.build()
-        model = parallelize_llama(model, parallel_dims=self.dims, training=training, parallelism=parallelism,
-                                  compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
+        self.pp = None
+        if pp > 1:
+            from torchtitan.components.loss import CrossEntropyLoss
+            from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+            loss_fn = CrossEntropyLoss.Config().build()
+            self.pp, parts, self.first, self.last = pipeline_llm(
+                model, parallel_dims=self.dims, training=training, parallelism=parallelism,
+                compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp",
+                device=torch.device("cpu"), model_config=model_cfg, parallelize_fn=parallelize_llama, loss_fn=loss_fn)
+            assert len(parts) == 1
+            model = parts[0]
+        else:
+            model = parallelize_llama(model, parallel_dims=self.dims, training=training, parallelism=parallelism,
+                                      compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="/tmp")
         for m in model.modules():  # torchtitan sets a divide factor of 1 (PREMUL_SUM), which gloo lacks: plain SUM
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
@@ -159,12 +179,23 @@ class TitanStep:
         tokens = torch.randint(0, a.vocab, (self.local_batch, a.seq + 1), generator=self.generator)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         self.optimizer.zero_grad()
-        logits = self.model(inputs)  # SDPA: causal, no mask; positions default to 0..seq-1
-        # as its trainer: summed over this rank's tokens / the global token count, the grads summed over dp
-        # (its cross_entropy_loss: sum reduction; vocab-parallel on TP's Shard(-1) logits)
-        loss = cross_entropy_loss(logits, labels) / (a.batch * a.seq)
-        loss.backward()
-        clip_grad_norm_(list(self.model.parameters()), self.t.grad_clip or math.inf, foreach=True)
+        if self.pp is not None:  # its pipeline schedule, microbatches of PP_MICRO, loss on the last stage
+            n = self.local_batch // PP_MICRO
+            losses = [] if self.last else None
+            self.pp.step(arg_mbs=[(x,) for x in inputs.chunk(n)] if self.first else None, kwarg_mbs=[{}] * n,
+                         target_mbs=list(labels.chunk(n)) if self.last else None, losses=losses,
+                         loss_kwargs={"global_valid_tokens": torch.tensor(float(a.batch * a.seq))},
+                         return_outputs=False)
+            loss = torch.stack(losses).sum() if self.last else torch.zeros(())
+            clip_grad_norm_(list(self.model.parameters()), self.t.grad_clip or math.inf, foreach=True,
+                            pp_mesh=self.dims.get_mesh("pp"))
+        else:
+            logits = self.model(inputs)  # SDPA: causal, no mask; positions default to 0..seq-1
+            # as its trainer: summed over this rank's tokens / the global token count, the grads summed over dp
+            # (its cross_entropy_loss: sum reduction; vocab-parallel on TP's Shard(-1) logits)
+            loss = cross_entropy_loss(logits, labels) / (a.batch * a.seq)
+            loss.backward()
+            clip_grad_norm_(list(self.model.parameters()), self.t.grad_clip or math.inf, foreach=True)
         self.optimizer.step()
         self.schedule.step()
         self.losses.append(loss.detach())
@@ -193,7 +224,7 @@ def rank(args):
             pairs = paired_times(lambda: our_losses.append(ours.train_step(next(step)).loss), theirs,
                                  repeats=args.repeats, warmup=args.warmup)
             their_losses = [float(x) for x in theirs.losses]
-            if dp_of(layout) > 1:  # each dp rank's share of the global mean: sum them
+            if dp_of(layout) > 1 or layout in PP:  # each dp rank's share (pp: the last stage's, 0 elsewhere) of the global mean: sum them
                 t = torch.tensor(their_losses, dtype=torch.float64)
                 dist.all_reduce(t)
                 their_losses = t.tolist()

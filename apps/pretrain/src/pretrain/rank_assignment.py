@@ -33,6 +33,7 @@ from par_groups.topology import (
     local_view,
     merge_views,
     assign_ranks,
+    gather_views,
     preset,
 )
 from par_groups.topology.model import ceil_div
@@ -112,14 +113,8 @@ def find_topology(cfg, world: int) -> Topology | None:
     """Collective: NVML views of every rank all-gathered, else the config's description, else None."""
     import torch.distributed as dist
 
-    from par_groups import comm
-
     view = local_view(int(os.environ.get("LOCAL_RANK", "0")))
-    views = [None] * world
-    if dist.is_initialized() and world > 1:
-        comm.all_gather_object(views, view, None)
-    else:
-        views = [view]
+    views = gather_views(view) if dist.is_initialized() and world > 1 else [view]
     return gathered_topology(views) or described_topology(cfg, world)
 
 

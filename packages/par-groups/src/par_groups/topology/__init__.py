@@ -11,13 +11,13 @@
 from .cost import Workload, bytes_per_step
 from .describe import PRESETS, from_dict, load_toml, preset, preset_names, to_toml
 from .model import LINK_CLASSES, Gpu, Topology, TopologyError, uniform
-from .nvml import HOW_TO_DESCRIBE, NvmlUnavailable, detect, gather_topology, local_view, merge_views, probe_host
+from .nvml import HOW_TO_DESCRIBE, NvmlUnavailable, detect, gather_topology, gather_views, local_view, merge_views, probe_host
 from .assignment import GroupCost, RankAssignment, evaluate, assign_ranks
 from .report import render_assignment, render_topology
 
 __all__ = [
     "Gpu", "GroupCost", "HOW_TO_DESCRIBE", "LINK_CLASSES", "NvmlUnavailable", "PRESETS", "RankAssignment",
     "Topology", "TopologyError", "Workload", "bytes_per_step", "detect", "evaluate", "from_dict",
-    "gather_topology", "load_toml", "local_view", "merge_views", "assign_ranks", "preset", "preset_names",
+    "gather_topology", "gather_views", "load_toml", "local_view", "merge_views", "assign_ranks", "preset", "preset_names",
     "probe_host", "render_assignment", "render_topology", "to_toml", "uniform",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
+import json
 import socket
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
@@ -300,12 +300,13 @@ def gather_topology(group=None, local_rank: int | None = None, nvml=None,
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     view = local_view(local_rank, nvml, hostname)
-    views = all_gather_objects(view, group) if dist.is_initialized() else [view]  # one process: itself
+    views = gather_views(view, group) if dist.is_initialized() else [view]  # one process: itself
     return merge_views(views, bandwidth)
 
 
-def all_gather_objects(obj: Any, group=None) -> list:
-    """Every rank's picklable ``obj``, through the counted comm layer (sizes first, then padded bytes)."""
+def gather_views(view: dict, group=None) -> list[dict]:
+    """Every rank's :func:`local_view` (plain JSON data), through the counted comm layer (sizes first,
+    then padded bytes). JSON, not pickle: nothing a peer sends can run code here."""
     import torch
     import torch.distributed as dist
 
@@ -313,7 +314,7 @@ def all_gather_objects(obj: Any, group=None) -> list:
 
     # NCCL moves CUDA tensors only (this rank's current GPU, as torch's all_gather_object does)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    payload = torch.frombuffer(bytearray(json.dumps(view).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
@@ -323,4 +324,4 @@ def all_gather_objects(obj: Any, group=None) -> list:
     out = torch.zeros(world * longest, dtype=torch.uint8, device=device)
     comm.all_gather_into_tensor(out, padded, group=group)
     out, sizes = out.cpu(), sizes.cpu()
-    return [pickle.loads(out[r * longest: r * longest + int(sizes[r])].numpy().tobytes()) for r in range(world)]
+    return [json.loads(out[r * longest: r * longest + int(sizes[r])].numpy().tobytes()) for r in range(world)]

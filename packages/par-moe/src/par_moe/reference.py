@@ -118,9 +118,8 @@ class ReferenceMoE(nn.Module):
             batch = shape[1] if len(shape) == 3 else 1
             per_seq = []
             for b in range(batch):
-                rows = torch.arange(b, logits.shape[0], batch)
-                f = one_hot[rows].mean(0) * E / k
-                per_seq.append((f * probs[rows].mean(0)).sum())
+                f = one_hot[b::batch].mean(0) * E / k  # sequence b's tokens (rows b, b + batch, ...)
+                per_seq.append((f * probs[b::batch].mean(0)).sum())
             total = total + c.seq_aux_loss_coeff * torch.stack(per_seq).mean()
         if c.z_loss_coeff:
             total = total + c.z_loss_coeff * torch.logsumexp(logits, -1).pow(2).mean()

@@ -44,16 +44,24 @@ def single_rank(dist_run, config: str | None, overrides: tuple[str, ...] = (), f
 # single rank's own rounding noise at that step is at least 1/NOISE_MARGIN of it; measured, a layout
 # lands at 0.8x (that packed step) and 2.0x (step 8 of the MLA + MTP tp2 x pp2 run) of that noise.
 NOISE_MARGIN = 4
-NOISE_MICRO_BATCHES = (2, 4)  # divide every test model's global batch of 8
+
+
+def noise_micro_batches(config: str | None, overrides) -> list[int]:
+    """Two micro-batch sizes that divide the run's global batch (2 and 4 of 8; 2 and 3 of 6)."""
+    from pretrain.config import load_config
+
+    batch = load_config(config, list(COMMON) + list(overrides)).train.global_batch
+    return [n for n in range(2, batch) if batch % n == 0][:2]
 
 
 def rounding_noise(dist_run, config: str | None, overrides: tuple[str, ...] = (), fn=train_steps):
     """Per step, the largest relative change of the single rank's loss and grad norm over re-runs that
-    accumulate 2 and 4 sequences per micro-batch: the same math, summed in another order. Not for MoE,
+    accumulate 2 and 4 sequences per micro-batch (of 8; :func:`noise_micro_batches`): the same math,
+    summed in another order. Not for MoE,
     whose balancing losses are per micro-batch (there the split changes the math)."""
     reference = single_rank(dist_run, config, overrides, fn)
     runs = [single_rank(dist_run, config, tuple(overrides) + (f"train.micro_batch={n}",), fn)
-            for n in NOISE_MICRO_BATCHES]
+            for n in noise_micro_batches(config, overrides)]
     return tuple([max(abs(run[kind][s] - reference[kind][s]) / abs(reference[kind][s]) for run in runs)
                   for s in range(len(reference[kind]))] for kind in (0, 1))
 

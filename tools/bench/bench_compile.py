@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paired_timing import paired_times
+from paired_timing import median_ci, paired_times
 
 
 def commit() -> str:
@@ -72,8 +72,9 @@ def main() -> None:
           f"{args.steps} steps per repeat, threads={args.threads}")
     compiled_tps = statistics.median(tokens / p[0] for p in pairs)
     eager_tps = statistics.median(tokens / p[1] for p in pairs)
+    ci = median_ci(speedups)
     print(f"RESULT compile ratio={statistics.median(speedups):.2f} ratio_min={min(speedups):.2f} "
-          f"ratio_max={max(speedups):.2f} repeats={len(pairs)} compiled_tokens_s={compiled_tps:.0f} "
+          f"ratio_max={max(speedups):.2f} ci95={ci[0]:.2f}-{ci[1]:.2f} repeats={len(pairs)} compiled_tokens_s={compiled_tps:.0f} "
           f"eager_tokens_s={eager_tps:.0f} commit={commit()}")
     dist.destroy_process_group()
 

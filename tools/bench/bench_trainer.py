@@ -32,8 +32,9 @@ repeats are dropped. Inits differ (each side its own): both first losses are pri
 ln(vocab).
 
 Prints the commit, then per layout ``RESULT trainer layout=<name> ratio= ratio_min= ratio_max=
-repeats=``: the median [min, max] of the per-repeat ratios of tokens/s ours / torchtitan (above
-1: ours is faster; the inverse of the step-time ratio), both sides' median tokens/s and losses.
+ci95= repeats=``: the median [min, max] of the per-repeat ratios of tokens/s ours / torchtitan (above
+1: ours is faster; the inverse of the step-time ratio), the median's 95 % confidence interval, both
+sides' median tokens/s and losses.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from commit import print_commit  # noqa: E402
-from paired_timing import paired_times  # noqa: E402
+from paired_timing import median_ci, paired_times  # noqa: E402
 
 LAYOUTS = {  # name: (our overrides, torchtitan's (dp_shard, tp, sequence parallel))
     "dp2": (["parallel.zero=optim_grads_params"], (2, 1, False)),
@@ -252,8 +253,9 @@ def report(args, results: dict) -> None:
         fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         print(f"layout {layout}: losses ours   {fmt(r['ours'])}")
         print(f"layout {layout}: losses theirs {fmt(r['theirs'])}")
+        ci = median_ci(speed)
         print(f"RESULT trainer layout={layout} ratio={statistics.median(speed):.3f} ratio_min={min(speed):.3f} "
-              f"ratio_max={max(speed):.3f} repeats={len(speed)} ours_tok_s={ours_tps:.0f} "
+              f"ratio_max={max(speed):.3f} ci95={ci[0]:.3f}-{ci[1]:.3f} repeats={len(speed)} ours_tok_s={ours_tps:.0f} "
               f"torchtitan_tok_s={theirs_tps:.0f} first_loss_ours={r['ours'][0]:.3f} "
               f"first_loss_torchtitan={r['theirs'][0]:.3f} metric=tokens_per_s_higher_is_better")
 

@@ -25,8 +25,13 @@ Granularity: FSDP2 shards, gathers and reduce-scatters per layer, so ours (ZeRO-
 per layer) and DDP get buckets of one layer by default (``--bucket-mb``). ``zero_mem_trace.py``
 splits the same peaks by phase and lists the blocks alive at them.
 
-Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= repeats= mem_ratio=<ours/peer
-peak bytes> bytes= peer_bytes=``.
+Collectives: the same counts and bytes on both sides, but not the same algorithms on gloo. ZeRO-1's
+reduce-scatter is ``par_groups.comm``'s all-to-all and local sum (gloo's own, which DDP does not use
+and FSDP2 does, is an all-reduce and a copy); ZeRO-2/3 keep gloo's own, which holds no transient
+of the bucket's size (``spare_memory``).
+
+Ends with ``RESULT <strategy>-vs-<peer> ratio= ratio_min= ratio_max= ci95=<the median's 95 % CI>
+repeats= mem_ratio=<ours/peer peak bytes> bytes= peer_bytes=``.
 """
 
 from __future__ import annotations

@@ -16,21 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from commit import measured_commit, print_commit
 from paired_timing import median_ci, paired_times
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).parent).stdout.strip()
-    return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
 
 
 def main() -> None:
@@ -42,6 +33,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override, as pretrain's --set")
     args = ap.parse_args()
+    print_commit()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29581")
@@ -67,7 +59,7 @@ def main() -> None:
     pairs = paired_times(run(True), run(False), repeats=args.repeats, warmup=args.warmup)
     speedups = [eager / compiled for compiled, eager in pairs]  # tokens/s compiled over tokens/s eager
     m = cfg.model
-    print(f"commit {commit()}  model: layers={m.layers} hidden={m.hidden} heads={m.heads} seq_len={cfg.train.seq_len} "
+    print(f"model: layers={m.layers} hidden={m.hidden} heads={m.heads} seq_len={cfg.train.seq_len} "
           f"global_batch={cfg.train.global_batch} ({tokens // args.steps} tokens/step), "
           f"{args.steps} steps per repeat, threads={args.threads}")
     compiled_tps = statistics.median(tokens / p[0] for p in pairs)
@@ -75,7 +67,7 @@ def main() -> None:
     ci = median_ci(speedups)
     print(f"RESULT compile ratio={statistics.median(speedups):.2f} ratio_min={min(speedups):.2f} "
           f"ratio_max={max(speedups):.2f} ci95={ci[0]:.2f}-{ci[1]:.2f} repeats={len(pairs)} compiled_tokens_s={compiled_tps:.0f} "
-          f"eager_tokens_s={eager_tps:.0f} commit={commit()}")
+          f"eager_tokens_s={eager_tps:.0f} commit={measured_commit()}")
     dist.destroy_process_group()
 
 

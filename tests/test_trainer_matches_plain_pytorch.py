@@ -15,7 +15,8 @@ A bug in the trainer's model, accumulation, optimizer, clipping or schedule is o
 fp32, 6 steps (2 of warm-up, 4 of decay): loss within 1.9e-7 and grad norm within 5.0e-7
 (relative) measured over the six cases (`pytest -s` prints each), so 1e-6; the seventh
 (qwen3-moe: qk_norm, head_dim, llama3 RoPE scaling, norm_topk_prob, expert groups) measured
-1.0e-7 and 8.3e-7.
+1.0e-7 and 8.3e-7, and on a Sapphire Rapids CPU 2.1e-7 and 1.1e-6, where plain PyTorch's own fp32
+run lies 5.4e-7 from its fp64 run: a step past 1e-6 passes within 4x that noise (NOISE_MARGIN).
 """
 
 import warnings
@@ -25,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 STEPS = 6
+# A step off by more than 1e-6 passes only within NOISE_MARGIN x plain PyTorch's own fp32 rounding
+# there (its distance from the same run in fp64), as tests/layout_runs.py allows over the single
+# rank's noise. Measured on a Sapphire Rapids CPU: qwen3-moe's grad norm at step 1, 1.1e-6.
+TOLERANCE, NOISE_MARGIN = 1e-6, 4
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false",
           "model.layers=2", "train.grad_clip=0.5"]
 
@@ -71,17 +76,28 @@ def lr_schedule(opt, t):
     return SequentialLR(opt, [warmup, decay], milestones=[t.warmup_steps])
 
 
-def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches, steps=STEPS):
-    from plain_llama import build_plain
+def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches, steps=STEPS, plain64=False):
+    """[(loss, grad norm)] per step of the trainer and of plain PyTorch; ``plain64``: and, where a step
+    differs by more than TOLERANCE, plain PyTorch again in fp64 (None where none does)."""
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     cfg = load_config(config, COMMON + list(overrides))
     trainer = Trainer(cfg)
-    ours = [trainer.train_step(step) for step in range(steps)]
+    ours = [(r.loss, r.grad_norm) for r in (trainer.train_step(step) for step in range(steps))]
+    plain = plain_pytorch(cfg, trainer.sampler, plain_loss, steps)
+    if not plain64:
+        return ours, plain
+    beyond = any(abs(a / b - 1) > TOLERANCE for step in zip(ours, plain) for a, b in zip(*step))
+    return ours, plain, plain_pytorch(cfg, trainer.sampler, plain_loss, steps, torch.float64) if beyond else None
+
+
+def plain_pytorch(cfg, sampler, plain_loss=mean_of_microbatches, steps=STEPS, dtype=torch.float32):
+    """[(logged loss, pre-clip grad norm)] per step of plain PyTorch training in ``dtype`` (see the module doc)."""
+    from plain_llama import build_plain
 
     t = cfg.train
-    model = build_plain(cfg.model, t.seed)
+    model = build_plain(cfg.model, t.seed).to(dtype)
     named = dict(model.named_parameters())  # tied weights once
     params = list(named.values())
     # two groups, as nanoGPT and Megatron: no weight decay on norms, biases and the embedding
@@ -98,7 +114,7 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
         count_routed(moe, load)
     plain = []
     for step in range(steps):
-        loss, logged = plain_loss(model, trainer.sampler, step)
+        loss, logged = plain_loss(model, sampler, step)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
@@ -109,7 +125,7 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
                 moe.router.expert_bias += cfg.model.bias_update_rate * torch.sign(load.double().mean() - load)
                 load.zero_()
         plain.append((logged, float(norm)))
-    return [(r.loss, r.grad_norm) for r in ours], plain
+    return plain
 
 
 # SGD: lr large enough that the weight-decay mask moves the loss well beyond the tolerance
@@ -137,13 +153,19 @@ CASES = {  # name: (config, overrides, ranks)
 @pytest.mark.parametrize("name", list(CASES))
 def test_trainer_equals_plain_pytorch(dist_run, name):
     config, overrides, world = CASES[name]
-    ours, plain = dist_run(world, trainer_and_plain_pytorch, config, overrides)[0]
+    ours, plain, plain64 = dist_run(world, trainer_and_plain_pytorch, config, overrides, plain64=True)[0]
     assert all(norm > 0.5 for _, norm in plain), "grad_clip=0.5 must bind at every step"
     print(f"{name}: max rel error loss {max(abs(a / b - 1) for (a, _), (b, _) in zip(ours, plain)):.1e} "
           f"grad norm {max(abs(a / b - 1) for (_, a), (_, b) in zip(ours, plain)):.1e}")  # the evidence for 1e-6
-    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, plain)):
-        assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} vs plain PyTorch {ref_loss}"
-        assert norm == pytest.approx(ref_norm, rel=1e-6), f"step {step}: grad norm {norm} vs plain PyTorch {ref_norm}"
+    for step, pairs in enumerate(zip(ours, plain)):
+        for what, got, want, k in zip(("loss", "grad norm"), *pairs, range(2)):
+            error = abs(got / want - 1)
+            if error <= TOLERANCE:
+                continue
+            noise = abs(want / plain64[step][k] - 1)  # plain PyTorch's own fp32 rounding at this step
+            print(f"{name} step {step}: {what} error {error:.1e}, plain PyTorch's fp32-vs-fp64 noise {noise:.1e}")
+            assert error <= NOISE_MARGIN * noise, (f"step {step}: {what} {got} vs plain PyTorch {want} ({error:.1e} > "
+                                                   f"{TOLERANCE} and > {NOISE_MARGIN} x its fp32 noise {noise:.1e})")
 
 
 def test_lr_schedule_is_torchs_warmup_then_cosine():

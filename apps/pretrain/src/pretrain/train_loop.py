@@ -62,8 +62,7 @@ class ShapesOnly:
     """A Trainer on fake tensors (``pretrain plan --simulate``): nothing may depend on a tensor's values.
     Pipeline messages have a declared shape (no shape header); packed documents and dynamic CP are
     off (whole sequences: the same shapes); MoE layers route as ``routing`` declares (balanced, or
-    expert 0 ``imbalance`` x its share, see ``par_moe.declared``); attention at cp=1 is one fused
-    SDPA call, as on a GPU (the CPU's block kernels keep fp32 accumulators a GPU never allocates)."""
+    expert 0 ``imbalance`` x its share, see ``par_moe.declared``)."""
 
     routing: DeclaredRouting = DeclaredRouting()
 

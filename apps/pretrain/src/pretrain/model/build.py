@@ -69,11 +69,11 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
                      device: torch.device = torch.device("cpu"), declared_routing=None) -> RankModel:
     """This rank's model in ``groups`` (made from the layout's grid under the run's rank permutation).
     ``declared_routing``: a run on fake tensors (``train_loop.ShapesOnly``): MoE layers route as it
-    declares and attention at cp=1 is one fused call."""
+    declares."""
     timeout = timedelta(seconds=cfg.train.timeout_s)
     context = ChunkContext(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
-                    declared_routing=declared_routing, fused_attention_on_cpu=declared_routing is not None)
+                    declared_routing=declared_routing)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)

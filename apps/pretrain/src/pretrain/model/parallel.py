@@ -52,12 +52,15 @@ class ChunkContext:
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
     tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
     # A run on fake tensors (plan --simulate; see train_loop.ShapesOnly): MoE layers route as declared
-    # (par_moe.DeclaredRouting), attention at cp=1 is one fused SDPA call on the CPU too, as on a GPU.
+    # (par_moe.DeclaredRouting).
     declared_routing: object | None = None
-    fused_attention_on_cpu: bool = False
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:
+    """par-cp's attention for this chunk. At cp=1 without document boundaries it is one torch SDPA
+    call on the CPU too (``dense_on_cpu``), as on a GPU: torch's own autograd instead of the block
+    kernels' (the same CPU flash kernels; a step 1-2 % faster, tools/bench/bench_trainer.py), and
+    the single-rank runs every layout is tested against then check par-cp's kernels against SDPA."""
     g = context.groups
     if context.backend == "te":
         from .te import TEContextAttention
@@ -66,9 +69,9 @@ def context_attention(context: ChunkContext, softmax_scale: float | None = None)
     if context.cp_mode == "a2a+p2p":
         return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
                                         softmax_scale=softmax_scale, backend=context.attention_backend,
-                                        dense_on_cpu=context.fused_attention_on_cpu)
+                                        dense_on_cpu=True)
     return ContextParallelAttention(context.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale,
-                                    backend=context.attention_backend, dense_on_cpu=context.fused_attention_on_cpu)
+                                    backend=context.attention_backend, dense_on_cpu=True)
 
 
 class RopeThenContextAttention(nn.Module):

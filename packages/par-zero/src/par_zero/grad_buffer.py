@@ -12,8 +12,8 @@ inside backward (their grad buffers persist, so there is nothing to bound), as t
 after the step ZeRO-1 gathers several buckets' params per all-gather (param_gather.py; a transient
 buffer of up to 4 buckets, which ZeRO-2, there for memory, does not take). Likewise on gloo ZeRO-1's
 reduce-scatter is par_groups.comm's all-to-all (faster; a transient of the bucket's size until its
-wait), ZeRO-2/3's gloo's own (``spare_memory``; with the all-to-all ZeRO-2's peak measured 1.06x
-FSDP2's, 0.97x without: tools/bench/bench_zero.py).
+wait), ZeRO-2/3's gloo's own (``spare_memory``: ZeRO-2's peak measured 0.91-0.98x FSDP2's with
+it, 0.99-1.07x with the all-to-all, three runs each of tools/bench/bench_zero.py).
 
 Overlap (``overlap_comm``; default on, off for CPU params): with it off, ZeRO-3 prefetches a unit
 only after the current one freed its params (units.py), and a ZeRO-2/3 bucket's full grad buffer

@@ -146,6 +146,9 @@ class _ThenWork:
             then()
         return out
 
+    def __getattr__(self, name):  # exception, source rank ... as the work has them
+        return getattr(self._work, name)
+
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
                                   async_op: bool):

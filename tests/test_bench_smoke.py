@@ -19,10 +19,14 @@ def _bench(name: str):
     return module
 
 
+def dynamic_cp_job(*args):
+    """bench_dynamic_cp.job on a rank (whose worker process may predate any sys.path change here)."""
+    return _bench("bench_dynamic_cp").job(*args)
+
+
 def test_bench_dynamic_cp_runs_a_step_of_both_trainers(dist_run, tmp_path):
-    bench = _bench("bench_dynamic_cp")
     seq = 256
-    path = bench.write_data(tmp_path / "skewed", seq)
-    rows = dist_run(4, bench.job, path, seq, 1, 1, timeout=300)[0]
+    path = _bench("bench_dynamic_cp").write_data(tmp_path / "skewed", seq)
+    rows = dist_run(4, dynamic_cp_job, path, seq, 1, 1, timeout=300)[0]
     assert len(rows) == 1 and rows[0]["static"] > 0 and rows[0]["dynamic"] > 0
     assert rows[0]["imbalance"] >= 1.0 and rows[0]["static_imbalance"] >= 1.0  # max / mean over the ranks

@@ -79,10 +79,17 @@ def max_errors(result, reference) -> tuple[float, float]:
     return loss, norm
 
 
+def fp64_noise(reference, reference_fp64) -> tuple[list[float], list[float]]:
+    """Per step, how far an fp32 oracle's (losses, grad norms) lie from the same run in fp64 (relative):
+    its own rounding noise, as :func:`assert_close_steps`'s ``noise``."""
+    return tuple([abs(a / b - 1) for a, b in zip(reference[kind], reference_fp64[kind])] for kind in (0, 1))
+
+
 def assert_close_steps(result, reference, tolerance: float, name: str, noise=None, steps: int = STEPS) -> None:
     """One rank's losses and grad norms equal the reference's at every step within ``tolerance``
-    (relative), or, at a step where they do not, within NOISE_MARGIN x the single rank's own rounding
-    noise there (``noise()``: :func:`rounding_noise`, computed only when a step needs it)."""
+    (relative), or, at a step where they do not, within NOISE_MARGIN x the reference's own rounding
+    noise there (``noise()``, computed only when a step needs it: :func:`rounding_noise` for the
+    single rank, :func:`fp64_noise` for an outside oracle)."""
     loss, norm = max_errors(result, reference)
     print(f"{name}: max rel error loss {loss:.2e} grad norm {norm:.2e}")  # the evidence for the tolerance
     measured = None
@@ -93,12 +100,12 @@ def assert_close_steps(result, reference, tolerance: float, name: str, noise=Non
             error = abs(a - b) / abs(b)
             if error <= tolerance:
                 continue
-            assert noise is not None, f"{name} step {step}: {what} {a} vs single-rank {b} ({error:.2e} > {tolerance})"
+            assert noise is not None, f"{name} step {step}: {what} {a} vs reference {b} ({error:.2e} > {tolerance})"
             measured = measured or noise()
             allowed = NOISE_MARGIN * measured[kind][step]
-            print(f"{name} step {step}: {what} error {error:.2e}, single-rank rounding noise {measured[kind][step]:.2e}")
-            assert error <= allowed, (f"{name} step {step}: {what} {a} vs single-rank {b} ({error:.2e} > {tolerance}, "
-                                      f"and > {NOISE_MARGIN} x the single rank's rounding noise {measured[kind][step]:.2e})")
+            print(f"{name} step {step}: {what} error {error:.2e}, the reference's rounding noise {measured[kind][step]:.2e}")
+            assert error <= allowed, (f"{name} step {step}: {what} {a} vs reference {b} ({error:.2e} > {tolerance}, "
+                                      f"and > {NOISE_MARGIN} x the reference's rounding noise {measured[kind][step]:.2e})")
 
 
 def assert_same(results, reference, tolerance: float, name: str, noise=None) -> None:

@@ -16,7 +16,7 @@ fp32, 6 steps (2 of warm-up, 4 of decay): loss within 1.9e-7 and grad norm withi
 (relative) measured over the six cases (`pytest -s` prints each), so 1e-6; the seventh
 (qwen3-moe: qk_norm, head_dim, llama3 RoPE scaling, norm_topk_prob, expert groups) measured
 1.0e-7 and 8.3e-7, and on a Sapphire Rapids CPU 2.1e-7 and 1.1e-6, where plain PyTorch's own fp32
-run lies 5.4e-7 from its fp64 run: a step past 1e-6 passes within 4x that noise (NOISE_MARGIN).
+run lies 5.4e-7 from its fp64 run: a step past 1e-6 passes within 4x that noise.
 """
 
 import warnings
@@ -24,12 +24,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from layout_runs import assert_close_steps, fp64_noise
 
 STEPS = 6
-# A step off by more than 1e-6 passes only within NOISE_MARGIN x plain PyTorch's own fp32 rounding
-# there (its distance from the same run in fp64), as tests/layout_runs.py allows over the single
-# rank's noise. Measured on a Sapphire Rapids CPU: qwen3-moe's grad norm at step 1, 1.1e-6.
-TOLERANCE, NOISE_MARGIN = 1e-6, 4
+# A step off by more than 1e-6 passes only within 4x plain PyTorch's own fp32 rounding there (its
+# distance from the same run in fp64; layout_runs.assert_close_steps). Measured on a Sapphire Rapids
+# CPU: qwen3-moe's grad norm at step 1, 1.1e-6.
+TOLERANCE = 1e-6
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false",
           "model.layers=2", "train.grad_clip=0.5"]
 
@@ -157,15 +158,9 @@ def test_trainer_equals_plain_pytorch(dist_run, name):
     assert all(norm > 0.5 for _, norm in plain), "grad_clip=0.5 must bind at every step"
     print(f"{name}: max rel error loss {max(abs(a / b - 1) for (a, _), (b, _) in zip(ours, plain)):.1e} "
           f"grad norm {max(abs(a / b - 1) for (_, a), (_, b) in zip(ours, plain)):.1e}")  # the evidence for 1e-6
-    for step, pairs in enumerate(zip(ours, plain)):
-        for what, got, want, k in zip(("loss", "grad norm"), *pairs, range(2)):
-            error = abs(got / want - 1)
-            if error <= TOLERANCE:
-                continue
-            noise = abs(want / plain64[step][k] - 1)  # plain PyTorch's own fp32 rounding at this step
-            print(f"{name} step {step}: {what} error {error:.1e}, plain PyTorch's fp32-vs-fp64 noise {noise:.1e}")
-            assert error <= NOISE_MARGIN * noise, (f"step {step}: {what} {got} vs plain PyTorch {want} ({error:.1e} > "
-                                                   f"{TOLERANCE} and > {NOISE_MARGIN} x its fp32 noise {noise:.1e})")
+    columns = lambda run: tuple(zip(*run))  # noqa: E731  [(loss, norm)] per step -> (losses, norms)
+    assert_close_steps(columns(ours), columns(plain), TOLERANCE, name, steps=STEPS,
+                       noise=lambda: fp64_noise(columns(plain), columns(plain64)))
 
 
 def test_lr_schedule_is_torchs_warmup_then_cosine():

@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from commit import measured_commit, print_commit
+from commit import print_commit
 from paired_timing import median_ci, paired_times
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     ci = median_ci(speedups)
     print(f"RESULT compile ratio={statistics.median(speedups):.2f} ratio_min={min(speedups):.2f} "
           f"ratio_max={max(speedups):.2f} ci95={ci[0]:.2f}-{ci[1]:.2f} repeats={len(pairs)} compiled_tokens_s={compiled_tps:.0f} "
-          f"eager_tokens_s={eager_tps:.0f} commit={measured_commit()}")
+          f"eager_tokens_s={eager_tps:.0f}")
     dist.destroy_process_group()
 
 

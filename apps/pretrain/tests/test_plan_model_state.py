@@ -1,8 +1,9 @@
 """`pretrain plan --params N --dp D`: the explainer's worked ZeRO example (issue 54), the trainer's
-default, the HSDP row and bad values."""
+default, the HSDP row, bad values, and the README's copy of the example's output."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -10,6 +11,7 @@ from typer.testing import CliRunner
 from pretrain.cli import app
 
 runner = CliRunner()
+README = Path(__file__).resolve().parents[3] / "README.md"
 EXPLAINER = ["--params", "7e9", "--dp", "8", "--param-bytes", "2", "--grad-bytes", "2", "--optim-bytes", "8"]
 
 
@@ -44,6 +46,15 @@ def test_the_default_keeps_the_trainers_convention():
     out = json.loads(runner.invoke(app, ["plan", "--params", "7e9", "--dp", "8", "--json"]).stdout)
     assert out["model_state_gb"] == {"no_shard": 126, "optim": 52.5, "optim_grads": 28, "optim_grads_params": 15.75}
     assert out["bytes_per_param"] == {"params": 2, "grads": 4, "optim": 12} and "hsdp" not in out["detail"]
+
+
+def test_the_readme_shows_the_explainers_example_and_its_real_output():
+    block = re.search(r"```bash\nuv run pretrain plan (--params 7e9 --dp 8 --param-bytes [^\n]*)\n```\n\n```text\n(.*?)```",
+                      README.read_text(), flags=re.S)
+    assert block, "README: the explainer's example and its output"
+    res = runner.invoke(app, ["plan", *block.group(1).split()])
+    assert res.exit_code == 0 and res.stdout == block.group(2)
+    assert "35 GB  41.7 %" in res.stdout and "22.75 GB  27.1 %" in res.stdout and "HSDP 1x8 (h=8)" in res.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,6 +6,7 @@ The figures come from :mod:`pretrain.planner` and :mod:`pretrain.sizing`; this m
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from contextlib import contextmanager
@@ -17,7 +18,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..config import load_config
 from ..errors import UsageError, fail
-from ..planner.costs import config_plan, params_only_plan
+from ..planner.costs import config_plan
+from ..planner.state_only import TRAINER_BYTES, params_only_plan
 
 GB, MB = 1e9, 1e6
 
@@ -43,10 +45,27 @@ def human_count(n: float) -> str:
 
 def render_params_only(plan: dict) -> str:
     lines = [f"model state per rank for {plan['params']:g} params at dp={plan['dp']} ({plan['convention']}):"]
-    for strategy, row in plan["detail"].items():
-        lines.append(f"  {row['label'] + ' (' + strategy + ')':30} {num(row['total'] / GB):>8} GB   params "
+    for key, row in plan["detail"].items():
+        tag = f"h={plan['dp'] // plan['hsdp_replicas']}" if key == "hsdp" else key
+        pct = f"{round(100 * row['fraction'], 1):g}"
+        lines.append(f"  {row['label'] + ' (' + tag + ')':30} {num(row['total'] / GB):>8} GB {pct:>5} % of DDP   params "
                      f"{num(row['params'] / GB)} + grads {num(row['grads'] / GB)} + optimizer {num(row['optim'] / GB)}")
     return "\n".join(lines)
+
+
+def state_only_plan(params: float, dp: int, bytes_pgo: tuple, hsdp_replicas: Optional[int]) -> dict:
+    """``params_only_plan`` after checking the values (a :class:`UsageError` for a bad one)."""
+    if not (math.isfinite(params) and params > 0) or dp < 1:
+        raise UsageError(f"--params {params:g} must be a finite number > 0 and --dp {dp} >= 1")
+    p, g, o = bytes_pgo
+    if not (math.isfinite(p) and p > 0):
+        raise UsageError(f"--param-bytes {p:g} must be a finite number > 0")
+    for name, b in (("grad", g), ("optim", o)):
+        if not (math.isfinite(b) and b >= 0):
+            raise UsageError(f"--{name}-bytes {b:g} must be a finite number >= 0")
+    if hsdp_replicas is not None and (hsdp_replicas < 1 or dp % hsdp_replicas):
+        raise UsageError(f"--hsdp-replicas {hsdp_replicas} must be >= 1 and divide --dp {dp}")
+    return params_only_plan(params, dp, bytes_pgo, hsdp_replicas)
 
 
 def render_config(plan: dict) -> str:
@@ -114,6 +133,14 @@ def plan(
                                      "the decision tree's and --simulate's fits / does not fit."),
     params: Optional[float] = typer.Option(None, "--params", help="Model-state-only form: number of parameters."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Model-state-only form: data-parallel size."),
+    param_bytes: Optional[float] = typer.Option(None, "--param-bytes", help="With --params: bytes per parameter of "
+                                                "the parameters (default 2: bf16)."),
+    grad_bytes: Optional[float] = typer.Option(None, "--grad-bytes", help="With --params: bytes per parameter of the "
+                                               "gradients (default 4: fp32)."),
+    optim_bytes: Optional[float] = typer.Option(None, "--optim-bytes", help="With --params: bytes per parameter of the "
+                                                "optimizer state (default 12: fp32 main weights + two Adam moments)."),
+    hsdp_replicas: Optional[int] = typer.Option(None, "--hsdp-replicas", help="With --params: add HSDP's row, ZeRO-3 "
+                                                "inside h = dp / N ranks, N replicas (1/h of DDP)."),
     auto: bool = typer.Option(False, "--auto", help="Search the layouts for --world GPUs of --topology; print the best 5 "
                               "(with --simulate: measure the first choice's heaviest stage before calling it a fit)."),
     topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description."),
@@ -129,6 +156,10 @@ def plan(
 ) -> None:
     """Per-rank memory (model state per ZeRO strategy, activations, experts), FLOPs and the ZeRO decision."""
     try:
+        bytes_given = (param_bytes, grad_bytes, optim_bytes)
+        if params is None and dp is None and any(v is not None for v in (*bytes_given, hsdp_replicas)):
+            raise UsageError("--param-bytes, --grad-bytes, --optim-bytes and --hsdp-replicas go with --params N --dp D "
+                             "(a config's come from [train] and [parallel].hsdp_replicas)")
         if auto:
             from ..planner.auto import auto_plan, render
 
@@ -146,9 +177,8 @@ def plan(
                 raise UsageError("the model-state-only form needs both --params and --dp, e.g. --params 7e9 --dp 8")
             if config is not None or overrides or world is not None:
                 raise UsageError("--params/--dp plan model state alone; leave out CONFIG, --set and --world")
-            if params <= 0 or dp < 1:
-                raise UsageError(f"--params {params:g} must be > 0 and --dp {dp} >= 1")
-            result = params_only_plan(params, dp)
+            bytes_pgo = tuple(default if v is None else v for v, default in zip(bytes_given, TRAINER_BYTES))
+            result = state_only_plan(params, dp, bytes_pgo, hsdp_replicas)
             typer.echo(json.dumps(result) if as_json else render_params_only(result))
             return
         if gpus_per_node < 1 or gpu_memory <= 0:

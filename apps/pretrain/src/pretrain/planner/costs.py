@@ -9,27 +9,13 @@ DDP if it fits, then ZeRO-1, then ZeRO-2 / ZeRO-3, then HSDP when a ZeRO-3 dp gr
 
 from __future__ import annotations
 
-import torch
-
-from par_zero import model_state_for_params
-
 from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from ..sizing.state import STRATEGIES, convention
 
-PARAMS_ONLY = "bf16 params, fp32 grads, fp32 main weights + Adam moments: 2 + 4 + 12 bytes per parameter"
-
 
 def _row(label: str, state) -> dict:
     return {"label": label, "params": state.params, "grads": state.grads, "optim": state.optim, "total": state.total}
-
-
-def params_only_plan(num_params: float, dp: int) -> dict:
-    """Model state of ``num_params`` parameters at data-parallel size ``dp`` for every strategy."""
-    detail = {s: _row(label, model_state_for_params(num_params, s, dp, param_dtype=torch.bfloat16,
-                                                    reduce_dtype=torch.float32)) for label, s in STRATEGIES}
-    return {"params": num_params, "dp": dp, "convention": PARAMS_ONLY,
-            "model_state_gb": {k: v["total"] / 1e9 for k, v in detail.items()}, "detail": detail}
 
 
 def crosses_nodes(ranks: list[list[int]], gpus_per_node: int) -> int:

@@ -207,3 +207,16 @@ def test_sigterm_to_the_process_group_of_pretrain_train_saves_and_exits_0(tmp_pa
     step = int((ck / "latest").read_text().strip().split("_")[1])
     assert 2 <= step < 300 and f"SIGTERM: stopped after step {step}, checkpoint written" in out, out
     assert "Traceback" not in out and "error" not in out, out
+
+
+def test_the_callers_own_handler_hears_the_signal_once_the_ranks_stopped():
+    """pytest's (the suite's conftest) ends the run on SIGTERM: a launcher inside a test must pass it on.
+    The defaults are not called: a pre-empted `pretrain train` saved and ends normally."""
+    from pretrain.ranks import _pass_on
+
+    heard = []
+    _pass_on(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+    _pass_on(None, lambda signum, frame: heard.append("no signal"))
+    for default in (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler, None):
+        _pass_on(signal.SIGINT, default)  # neither raises KeyboardInterrupt nor kills this process
+    assert heard == [signal.SIGTERM]

@@ -13,7 +13,8 @@ Each rank marks its arrival and its join in the store; a rank that has not joine
 Signals: the first SIGTERM or SIGINT reaching the launcher (alone, or with its whole process group,
 as SLURM and Kubernetes send it) is forwarded to every rank once, as SIGTERM; the ranks save at
 the next step boundary and exit. Ranks that have not finished ``preempt_timeout_s`` later are
-killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. Ranks ignore SIGINT and hold SIGTERM pending until the
+killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. A
+handler of the caller's own (a test runner's) hears the signal once the ranks have stopped. Ranks ignore SIGINT and hold SIGTERM pending until the
 entry installs its handler (``pretrain.preempt``), so a signal during start-up is not lost.
 """
 
@@ -230,3 +231,13 @@ def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: fl
         ranks.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _pass_on(ranks.stop_signal, previous.get(ranks.stop_signal))
+
+
+def _pass_on(signum: int | None, handler) -> None:
+    """Once the ranks have stopped, hand the signal to the handler the caller had installed, if it is
+    its own (a test runner's or an embedding program's: ``pytest`` ends its run on SIGTERM): the
+    launcher must not keep it. The defaults (terminate, KeyboardInterrupt) are not called: a
+    pre-empted ``pretrain train`` has saved and ends normally."""
+    if signum is not None and callable(handler) and handler is not signal.default_int_handler:
+        handler(signum, None)

@@ -1,0 +1,16 @@
+"""For the whole suite: SIGTERM (as `timeout` or a CI runner sends it) or SIGINT ends the run
+promptly with pytest's summary, wherever it is. pytest itself handles only SIGINT; here both raise
+KeyboardInterrupt and mark the session to stop after the current test, so code under test that
+catches the interrupt (a CLI invoked in-process) cannot keep the run going. A test that launches
+ranks in-process hands the signal back here once its ranks stop (``pretrain.ranks``)."""
+
+import signal
+
+
+def pytest_sessionstart(session):
+    def interrupted(signum, frame):
+        session.shouldstop = f"{signal.Signals(signum).name} received"
+        raise KeyboardInterrupt(session.shouldstop)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, interrupted)

@@ -95,3 +95,25 @@ def stop_before_step(rank: int, step: int, *run_args) -> dict:
 
     Trainer.train_step = stopping
     return run_rank(*run_args)
+
+
+def inf_weight_before_step(step: int, *run_args) -> dict:
+    """``run_rank(*run_args)``, with a norm weight set to inf on every rank before its (1-based) ``step``:
+    that step's loss is not finite."""
+    import torch
+
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def poisoned(self, s):
+        if s + 1 == step:
+            with torch.no_grad():
+                for name, p in self.model.module.named_parameters():
+                    if "norm" in name:
+                        p.fill_(float("inf"))
+        return train_step(self, s)
+
+    Trainer.train_step = poisoned
+    return run_rank(*run_args)

@@ -52,10 +52,14 @@ def nan_job(policy):
     before = {k: v.clone() for k, v in t.model.dp.full_state("master").items()}
     with torch.no_grad():
         t.model.chunks[0].layers["0"].input_layernorm.weight.fill_(float("inf"))
-    try:
-        r = t.train_step(1)
-    except UsageError as e:  # a NaN stop is the user's to fix (lr, data): exit 2 and one line
-        return {"error": str(e)}
+    r = t.train_step(1)
+    if policy == "stop":  # noted on the device; read at the next log or checkpoint step (Trainer.check_finite)
+        t.train_step(2)
+        try:
+            t.check_finite()
+        except UsageError as e:  # a NaN stop is the user's to fix (lr, data): exit 2 and one line
+            return {"error": str(e)}
+        return {"error": None}
     after = t.model.dp.full_state("master")
     changed = [k for k in before if not before[k].equal(after[k]) and "input_layernorm" not in k]
     return {"skipped": r.skipped, "changed": changed, "optimizer_steps": t.model.dp.step_count}
@@ -65,3 +69,17 @@ def test_non_finite_loss_stops_or_skips(dist_run):
     stop, skip = dist_run(1, nan_job, "stop")[0], dist_run(1, nan_job, "skip")[0]
     assert "at step 2" in stop["error"] and "nan_policy" in stop["error"]
     assert skip == {"skipped": True, "changed": [], "optimizer_steps": 1}
+
+
+def test_a_non_finite_step_stops_at_the_next_log_step_and_no_checkpoint_follows_it(monkeypatch, tmp_path, fault_ranks):
+    """Step 3 is not finite; the run reads that at step 4 (its log step: log.every=4) and stops with one
+    line naming step 3, exit 2. Checkpoints are written every 2 steps: step 2's is the last."""
+    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.inf_weight_before_step, 3))
+    ck = tmp_path / "ck"
+    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=8", "--set", "train.warmup_steps=1", "--set", "model.layers=2",
+                              "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.every=4",
+                              "--set", f"log.dir={tmp_path}", "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2",
+                              "--set", "checkpoint.keep=10"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: loss is") and "at step 3;" in res.stderr, res.stderr
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_2"]

@@ -26,6 +26,10 @@ from .profile_window import ProfileWindow
 from .step_timing import StepTimer
 from .train_loop import Trainer
 
+# A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
+# with a small collective and a host read, not at every step (issue 47).
+PREEMPT_CHECK_STEPS = 10
+
 
 def run_rank(config: str | None, overrides: list[str], device: str | None = None, force: bool = False) -> dict:
     """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
@@ -77,37 +81,52 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         first = last = None
         saved_at = start_step if latest is not None else -1
         done = start_step
-        start = time.time()
+        start = interval = time.time()
+        interval_steps = 0
         for step in range(start_step, last_step):
             profiler.before(step + 1)
-            t0 = time.time()
             result = trainer.train_step(step)
-            done = step + 1
-            if result.skipped and logger is not None:
-                logger.message(f"step {step + 1}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
-            first = result.loss if first is None else first
-            last = result.loss
-            if logger is not None:
-                logger.log(step + 1, result.loss, step_time=time.time() - t0, lr=result.lr, grad_norm=result.grad_norm,
-                           **result.moe, **result.timing, **trainer.sampler.shares(step + 1))
-            profiler.after(step + 1)  # after the log line: writing the trace is not the step's time
-            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == last_step):
+            done, interval_steps = step + 1, interval_steps + 1
+            first = result if first is None else first
+            if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
+                logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+            # Values are read on the host at log steps only (and checked finite there): see step_result.py
+            if done % cfg.log.every == 0 or done == last_step:
+                trainer.check_finite()
+                timing = trainer.timer.gathered()
+                last = result.loss
+                if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
+                    step_time = (time.time() - interval) / interval_steps
+                    logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
+                               **result.moe, **timing, **trainer.sampler.shares(done))
+                interval, interval_steps = time.time(), 0
+            profiler.after(done)  # after the log line: writing the trace is not the step's time
+            if t.eval_every and (done % t.eval_every == 0 or done == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
-                    logger.log_eval(step + 1, eval_loss)
-            preempted = stops.agreed()
-            if (ck.every and done % ck.every == 0) or preempted:
+                    logger.log_eval(done, eval_loss)
+                interval, interval_steps = time.time(), 0
+            checkpoint_step = bool(ck.every and done % ck.every == 0)
+            # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
+            preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
+            if checkpoint_step or preempted:
+                trainer.check_finite()  # never a checkpoint after a non-finite step
                 path = saver.save(trainer, root, done, ck.keep)
                 saved_at = done
                 if logger is not None:
                     logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+                interval, interval_steps = time.time(), 0
             if preempted:
                 saver.finish()  # published before we exit
                 if logger is not None:
                     logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
                                    f"checkpoint written")
                 break
+        first = None if first is None else first.loss
+        if last is None and done > start_step:  # stopped by a signal between log steps
+            last = result.loss
         if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
+            trainer.check_finite()
             path = saver.save(trainer, root, done, ck.keep)
             if logger is not None:
                 logger.message(f"checkpoint {path}")

@@ -1,17 +1,19 @@
 """Where a step's time goes (``[log] timing``, like Megatron's ``--timing-log-level``): measured on
-every rank, compared across ranks once per step.
+every rank, compared across ranks at log steps.
 
 Per rank: ``time_data_s`` (the batch and its CP shards), ``time_fwd_bwd_s`` (every micro-batch's
 forward and backward, the pipeline schedule, the gradient reduction), ``time_optimizer_s``
 (partial-gradient sums, clipping, the loss all-reduce, the optimizer step). These three are the
 step. ``time_exposed_comm_s`` is the part of them this rank stood waiting in a collective or a
 receive, measured by ``par_groups.watch`` around each call; ``pp_bubble`` is the share of the
-pipeline schedule's time in which this rank ran no forward/backward (waiting for its inputs). On
-CUDA each phase ends with a device synchronize, so the times are the GPU's, not the launch queue's.
+pipeline schedule's time in which this rank ran no forward/backward (waiting for its inputs).
+On CUDA the phases are CUDA events recorded on the stream (no synchronize per phase: the GPU's
+times, read at log steps only); on the CPU, host timestamps. The exposed communication and the
+bubble are host timestamps on every device.
 
-Across ranks (one small all-gather over all ranks per step): ``time_busy_s`` is a rank's step less
-its exposed communication; its median over ranks, its maximum and that rank (``straggler_rank``)
-find the rank the others wait for. Rank 0 logs its own parts and these.
+Across ranks (one small all-gather over all ranks, at log steps only): ``time_busy_s`` is a rank's
+step less its exposed communication; its median over ranks, its maximum and that rank
+(``straggler_rank``) find the rank the others wait for. Rank 0 logs its own parts and these.
 """
 
 from __future__ import annotations
@@ -26,28 +28,52 @@ from par_groups import comm
 PHASES = ("data", "fwd_bwd", "optimizer")
 
 
-class StepTimer:
-    """Times one rank's phases (:meth:`start`, :meth:`lap`) and gathers them (:meth:`finish`)."""
+class HostClock:
+    """Marks are host timestamps."""
 
-    def __init__(self, watch, device: torch.device) -> None:
-        self.watch, self.device = watch, device
-        self.times: dict[str, float] = {}
-        self.bubble = 0.0
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def mark(self) -> float:
         return time.perf_counter()
 
+    @staticmethod
+    def seconds(start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventClock:
+    """Marks are CUDA events recorded on the current stream; reading one waits for that event only."""
+
+    def __init__(self, event_class=None) -> None:
+        self.event_class = event_class or torch.cuda.Event
+
+    def mark(self):
+        event = self.event_class(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def seconds(start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3  # ms
+
+
+class StepTimer:
+    """Marks one rank's phases (:meth:`start`, :meth:`lap`, :meth:`finish`); :meth:`gathered` (every
+    rank, at log steps) reads the last step's and compares them across ranks."""
+
+    def __init__(self, watch, device: torch.device, clock=None) -> None:
+        self.watch, self.device = watch, device
+        self.clock = clock or (CudaEventClock() if device.type == "cuda" else HostClock())
+        self.marks: list = []
+        self.bubble = 0.0
+        self.last: tuple | None = None  # the last finished step: (marks, exposed wait, bubble)
+
     def start(self) -> None:
-        self.times, self.bubble = {}, 0.0
+        self.bubble = 0.0
         self.watch.take_wait()
-        self._last = self._now()
+        self.marks = [self.clock.mark()]
 
     def lap(self, phase: str) -> None:
-        now = self._now()
-        self.times[phase] = now - self._last
-        self._last = now
+        self.marks.append(self.clock.mark())
 
     def pipeline(self, records, seconds: float) -> None:
         """The schedule ran ``seconds``; ``records`` are its actions (start once the inputs arrived)."""
@@ -55,9 +81,15 @@ class StepTimer:
         self.bubble = max(0.0, 1.0 - busy / seconds) if seconds > 0 else 0.0
 
     def finish(self) -> dict:
-        """This rank's parts and the cross-rank median / slowest (every rank calls it)."""
-        wait = self.watch.take_wait()
-        mine = [self.times.get(p, 0.0) for p in PHASES] + [wait, self.bubble]
+        """Keep this step's marks; nothing is read or gathered here (see :meth:`gathered`)."""
+        self.last = (self.marks, self.watch.take_wait(), self.bubble)
+        return {}
+
+    def gathered(self) -> dict:
+        """The last step's parts on this rank and the cross-rank median / slowest (every rank calls it)."""
+        marks, wait, bubble = self.last
+        times = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+        mine = times + [0.0] * (len(PHASES) - len(times)) + [wait, bubble]
         local = torch.tensor(mine, dtype=torch.float64, device=self.device)
         every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, local, None)
@@ -67,7 +99,7 @@ class StepTimer:
         out = {f"time_{p}_s": mine[i] for i, p in enumerate(PHASES)}
         out |= {"time_exposed_comm_s": wait, "time_busy_median_s": float(busy.median()),
                 "time_busy_max_s": float(busy[slowest]), "straggler_rank": slowest}
-        if self.bubble or rows[:, 4].any():
+        if bubble or rows[:, 4].any():
             out["pp_bubble"] = float(rows[:, 4].median())  # the median rank's share
         return out
 
@@ -85,6 +117,9 @@ class NoTimer:
         pass
 
     def finish(self) -> dict:
+        return {}
+
+    def gathered(self) -> dict:
         return {}
 
 

@@ -28,19 +28,8 @@ from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
 from .schedule_lr import lr_at
+from .step_result import NonFinite, StepResult
 from .step_timing import NoTimer
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    moe: dict = field(default_factory=dict)
-    skipped: bool = False  # non-finite loss under [train].nan_policy=skip: no update was applied
-    timing: dict = field(default_factory=dict)  # where the step's time went ([log] timing; see step_timing.py)
 
 
 @dataclass(frozen=True)
@@ -50,7 +39,7 @@ class MicroBatches:
     inputs: list[torch.Tensor]  # token shards [S/cp, micro_batch] (dynamic CP: [T, 1])
     labels: list[torch.Tensor]  # alike; with MTP [..., 1 + depth] token streams
     docs: list = field(default_factory=list)  # packed data: each micro-batch's Documents; else empty
-    loss_tokens: float | None = None  # eod_mask_loss / dynamic CP: kept predictions per (rank, micro-batch)
+    loss_tokens: torch.Tensor | float | None = None  # eod_mask_loss / dynamic CP: kept predictions per (rank, micro-batch)
     cp_imbalance: float | None = None  # dynamic CP: this batch's attention-work imbalance
 
 
@@ -100,8 +89,8 @@ class Trainer:
         if self.model.schedule is not None:
             from par_pp import PipelineExecutor
 
-            shape = None
-            if simulated:
+            shape = None  # declared message shapes: no header to send, nothing to read on receive
+            if not cfg.parallel.dynamic_cp or simulated:  # dynamic CP's rounds vary in length
                 split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
                 shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
                          torch.bfloat16 if self.autocast else torch.float32)
@@ -113,6 +102,7 @@ class Trainer:
         # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
         self.timer = NoTimer()  # the run sets a step_timing.StepTimer under [log] timing
+        self.non_finite = NonFinite(self.device)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +141,7 @@ class Trainer:
         if d.eod_mask_loss:  # the global batch's kept predictions, as the share of one (rank, micro-batch)
             kept = torch.stack([(y != IGNORE).sum() for y in labels]).sum().reshape(1).double()
             comm.all_reduce(kept, self.groups.dp_cp)
-            loss_tokens = kept.item() / (self.groups.size("dp_cp") * n)
+            loss_tokens = (kept / (self.groups.size("dp_cp") * n)).float().reshape(())  # on the device: no host read
         return MicroBatches(inputs, labels, docs, loss_tokens)
 
     def _batch(self, step: int, eval: bool = False):
@@ -223,8 +213,8 @@ class Trainer:
         dp.set_grad_sync(True)
         return losses
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage."""
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage (a device scalar)."""
         g = self.groups
         total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         total = total.reshape(1).float()
@@ -234,7 +224,7 @@ class Trainer:
             if self.model.num_chunks - 1 not in self.model.chunks:
                 total.zero_()
             comm.all_reduce(total, g.pp)
-        return total.item()
+        return total.reshape(())
 
     def train_step(self, step: int) -> StepResult:
         cfg, dp, g = self.cfg, self.model.dp, self.groups
@@ -252,21 +242,26 @@ class Trainer:
                                   expert_norm_groups=(g.tp_ep, g.pp))
         loss = self._mean_loss(losses)
         tokens = cfg.train.global_batch * cfg.train.seq_len
-        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+        finite = self.non_finite.note(step, loss, norm)  # read at the next log or checkpoint step
+        if cfg.train.nan_policy == "skip" and not bool(finite):  # dropping an update: one host read per step
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
-            if cfg.train.nan_policy == "stop":
-                raise UsageError(f"loss is {loss} (grad norm {float(norm)}) at step {step + 1}; stopping "
-                                         f"([train].nan_policy=stop; 'skip' drops such steps instead)")
             timer.lap("optimizer")
-            return StepResult(step, loss, lr, float(norm), tokens, {}, skipped=True, timing=timer.finish())
+            timer.finish()
+            self.non_finite = NonFinite(self.device)  # a skipped step does not stop the run
+            return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
         dp.set_lr(lr)
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
         if batch.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
-            moe["cp_imbalance"] = batch.cp_imbalance
+            moe["cp_imbalance"] = torch.tensor(batch.cp_imbalance, device=self.device)
         timer.lap("optimizer")
-        return StepResult(step, loss, lr, float(norm), tokens, moe, timing=timer.finish())
+        timer.finish()  # read at log steps (StepTimer.gathered)
+        return StepResult(step, loss, lr, norm, tokens, moe)
+
+    def check_finite(self) -> None:
+        """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read)."""
+        self.non_finite.check()
 
     # ---- checkpoints and inference ---------------------------------------------------------
     def save_checkpoint(self, root, step: int, keep: int = 2):
@@ -297,7 +292,7 @@ class Trainer:
             out = self.model.dp(x0)
             out = out[0] if isinstance(out, tuple) else out
         else:
-            outs = self.executor.forward([x0])  # the constructor's callbacks: whole sequences
+            outs = self.executor.forward([x0])  # the constructor's callbacks: whole sequences (with headers)
             out = outs[0] if outs else None
             out = out[0] if isinstance(out, tuple) else out  # MTP: (logits, hidden)
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
@@ -325,7 +320,7 @@ class Trainer:
                     losses += [self.loss(self.forward_chunk(batch, 0, self.model.dp, x, m), y, batch)
                                for m, (x, y) in enumerate(zip(batch.inputs, batch.labels))]
         self.model.module.train()
-        return self._mean_loss(losses)
+        return float(self._mean_loss(losses))
 
     def _update_moe(self) -> dict:
         """Aux-loss-free bias updates over every rank that saw other tokens; imbalance for the log."""
@@ -336,5 +331,5 @@ class Trainer:
                     if layer.mlp.config.bias_update_rate > 0:
                         layer.mlp.update_bias(self.groups.tp_dp_cp)
                     if layer.mlp.last_metrics:
-                        imbalance.append(float(layer.mlp.last_metrics["imbalance"]))
-        return {"imbalance": max(imbalance)} if imbalance else {}
+                        imbalance.append(layer.mlp.last_metrics["imbalance"])
+        return {"imbalance": torch.stack(imbalance).max().float()} if imbalance else {}

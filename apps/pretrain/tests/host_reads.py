@@ -1,0 +1,42 @@
+"""A rank entry that counts host reads of tensor values in pretrain's own ``run_rank``: every call of
+``Tensor.item / tolist / __float__ / __int__ / __bool__`` (on a GPU each one waits for the stream to
+drain), per step. Patched in the rank processes only (as fault_ranks.py)."""
+
+import functools
+
+import torch
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+def counting_host_reads(out_file: str, *run_args) -> dict:
+    """``run_rank(*run_args)``; writes ``[reads between the starts of step s and s + 1, ...]`` of this
+    rank to ``out_file.<rank>`` (the last entry: the last step through the end of the run)."""
+    import json
+
+
+    from pretrain.run import run_rank
+    from pretrain.train_loop import Trainer
+
+    count = [0]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        @functools.wraps(original)
+        def counted(self, *a, _original=original, **kw):
+            count[0] += 1
+            return _original(self, *a, **kw)
+
+        setattr(torch.Tensor, name, counted)
+    per_step, train_step = [], Trainer.train_step
+
+    def marking(self, step):
+        per_step.append(count[0])
+        return train_step(self, step)
+
+    Trainer.train_step = marking
+    result = run_rank(*run_args)
+    per_step.append(count[0])
+    with open(f"{out_file}.{result['rank']}", "w") as f:
+        json.dump([b - a for a, b in zip(per_step, per_step[1:])], f)
+    return result

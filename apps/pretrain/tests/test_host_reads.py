@@ -1,0 +1,53 @@
+"""A training step reads no tensor value on the host outside log steps (issue 47): on a GPU each
+``.item()`` / ``float(t)`` / ``.tolist()`` stops the CPU from queueing kernels until the stream drains.
+Counted in every rank of a real ``pretrain train`` (host_reads.py): a step that is neither a log
+step nor the last one (nor an eval or checkpoint step) reads nothing."""
+
+import functools
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+STEPS, EVERY = 8, 4  # logged: steps 4 and 8 (the last); counted: the other six
+BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=1",
+        "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.every={EVERY}"]
+LAYOUTS = {  # name: (config, nproc, overrides)
+    "dp2": (None, 2, []),
+    "tp2-sp": (None, 2, ["parallel.tp=2"]),
+    "cp2": (None, 2, ["parallel.cp=2"]),
+    "pp2-1f1b": (None, 2, ["parallel.pp=2"]),
+    "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
+    "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
+}
+
+
+def reads_per_step(monkeypatch, tmp_path, config, nproc, overrides) -> list[list[int]]:
+    """Each rank's host reads per step of a ``pretrain train`` (see host_reads.py)."""
+    import host_reads
+
+    out = tmp_path / "reads"
+    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(host_reads.counting_host_reads, str(out)))
+    args = ["train"] + ([config] if config else []) + ["--nproc", str(nproc), *BASE, "--set", f"log.dir={tmp_path}"]
+    for o in overrides:
+        args += ["--set", o]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return [json.loads((tmp_path / f"reads.{r}").read_text()) for r in range(nproc)]
+
+
+def unlogged(per_step: list[int]) -> list[int]:
+    """The counts of the steps that are not log steps (nor the last)."""
+    return [n for s, n in enumerate(per_step) if (s + 1) % EVERY and s + 1 != STEPS]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_no_host_read_outside_log_steps(monkeypatch, tmp_path, fault_ranks, name):
+    config, nproc, overrides = LAYOUTS[name]
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides)
+    print(name, reads)
+    for rank, per_step in enumerate(reads):
+        assert len(per_step) == STEPS
+        assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), f"{name} rank {rank}: reads per step {per_step}"

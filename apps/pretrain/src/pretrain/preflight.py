@@ -1,21 +1,16 @@
 """Checks made before any rank trains, so a user's mistake is one line and exit 2 at any ``--nproc``
 (not a rank's traceback, nor an error at the first save minutes later).
 
-Also the run lock: one run per ``[log].dir`` and per checkpoint directory (a second one refuses,
-naming the first one's PID).
+The run lock (one run per ``[log].dir`` and per checkpoint directory) is :mod:`pretrain.run_lock`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import tempfile
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .errors import UsageError
-
-PID_FILE = "pretrain.pid"
+from .run_lock import PID_FILE, run_lock  # noqa: F401 - the launcher takes the lock from here
 
 
 def checkpoint_root(cfg) -> Path:
@@ -53,6 +48,18 @@ def check_run(cfg, layout, force: bool = False) -> None:
         check_unclaimed(root)
     check_writable(Path(cfg.log.dir), "[log].dir")
     check_writable(root, "[checkpoint].dir")
+    if cfg.log.flight_records:  # every rank writes its record there: a file or a read-only mount fails them all
+        _check_flight_dir(Path(cfg.log.dir))
+
+
+def _check_flight_dir(log_dir: Path) -> None:
+    from .hang import FLIGHT_DIR
+
+    flight = log_dir / FLIGHT_DIR
+    if flight.is_symlink():
+        raise UsageError(f"{str(flight)!r} is a symlink; the ranks write their flight records there and follow no "
+                         f"symlink in [log].dir: remove it, or set [log].flight_records = 0")
+    check_writable(flight, "the flight-record directory ([log].flight_records)")
 
 
 def _latest_to_check(root: Path, fallback: bool):
@@ -99,39 +106,3 @@ def check_writable(path: Path, what: str) -> None:
     if cannot_write_here(path):
         raise UsageError(f"{what} {str(path)!r} is on a full disk (no room for {PROBE_BYTES >> 20} MiB); free space "
                          f"there or choose another directory")
-
-
-@contextmanager
-def run_lock(*dirs: str | Path):
-    """Hold a lock on each of ``dirs`` (log and checkpoint directory) for the run; another live run
-    holding one is a UsageError naming its PID.
-
-    The lock is on the directory itself (released by the kernel when the process dies); the holder's
-    PID is in ``pretrain.pid`` while it runs."""
-    with ExitStack() as stack:
-        for path in dict.fromkeys(Path(d).resolve() for d in dirs):  # the same directory twice: one lock
-            stack.enter_context(_lock_dir(path))
-        yield
-
-
-@contextmanager
-def _lock_dir(path: Path):
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = (path / PID_FILE).read_text().strip()
-            except OSError:
-                holder = "?"
-            raise UsageError(f"{path} is in use by another run (PID {holder}); wait for it to end, or choose "
-                             f"another --set log.dir / checkpoint.dir") from None
-        (path / PID_FILE).write_text(f"{os.getpid()}\n")
-        try:
-            yield
-        finally:
-            (path / PID_FILE).unlink(missing_ok=True)
-    finally:
-        os.close(fd)

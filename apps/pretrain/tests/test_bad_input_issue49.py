@@ -1,0 +1,119 @@
+"""Issue 49's bad inputs, as the bad-input sweep runs them: exit 2, exactly one ``error:`` line naming
+the value (the words listed with each case), no traceback, no hang, and no file in the prepared
+directory changed (names and bytes; a secret file outside the run included)."""
+
+import hashlib
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+runner = CliRunner()
+LIMIT_S = 60
+TRAIN = ["train", "--nproc", "1", "--set", "model.layers=1", "--set", "train.steps=2", "--set", "train.warmup_steps=1",
+         "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.dir=run"]
+HF = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8,
+      "num_key_value_heads": 4, "intermediate_size": 128}
+
+
+def _retarget(ck: Path, data_path: str) -> None:
+    """Point checkpoint ``ck``'s recorded config at ``data_path`` (its checksums rewritten to match)."""
+    from pretrain.checkpoint.integrity import digests, write_checksums
+
+    state = json.loads((ck / "trainer_state.json").read_text())
+    state["config"]["data"]["path"] = data_path
+    (ck / "trainer_state.json").write_text(json.dumps(state))
+    (ck / "checksums.json").unlink()
+    write_checksums(ck, digests(ck, sorted(p.name for p in ck.glob("*.distcp"))))
+
+
+def _hf_dir(w: Path, name: str, config: dict, weights: bool = True) -> Path:
+    from safetensors.torch import save_file
+
+    from pretrain.config import load_config
+    from pretrain.model.initial_state import init_full_state
+
+    (w / name).mkdir()
+    (w / name / "config.json").write_text(json.dumps(config))
+    if weights:
+        model = load_config(None, ["model.layers=1", "model.vocab_size=256"]).model
+        save_file(dict(init_full_state(model, 1)), str(w / name / "model.safetensors"))
+    return w / name
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from pretrain.checkpoint.hf import import_hf
+    from pretrain.data import write_dataset
+
+    w = tmp_path_factory.mktemp("issue49")
+    (w / "secret.txt").write_text("API_KEY=do-not-export\n")
+    write_dataset(w / "data" / "good", [list(range(1, 200))] * 10, 256)
+    write_dataset(w / "data" / "evil", [list(range(1, 200))] * 10, 256)
+    header = json.loads((w / "data" / "evil.json").read_text())
+    (w / "data" / "evil.json").write_text(json.dumps(header | {"tokenizer": str(w / "secret.txt")}))
+    import_hf(_hf_dir(w, "hf_good", HF), w / "ck_evil")
+    _retarget(w / "ck_evil", str(w / "data" / "evil"))
+    return w
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+CASES = {  # name -> (arguments, words the one line must hold)
+    # 2: a dataset header naming a file outside the run as its tokenizer
+    "export copies a header's secret file": (["convert", "--to-hf", "out_hf", "--checkpoint", "ck_evil"],
+                                             "secret.txt' named by"),
+}
+
+
+def _hung(signum, frame):
+    raise TimeoutError(f"no answer within {LIMIT_S} s")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(workspace, monkeypatch, name):
+    args, words = CASES[name]
+    monkeypatch.chdir(workspace)
+    before = _snapshot(workspace)
+    start = time.time()
+    signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(LIMIT_S)  # a hang fails this case instead of the whole run
+    try:
+        res = runner.invoke(app, args)
+    finally:
+        signal.alarm(0)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (name, res.stderr)
+    assert "Traceback" not in res.output, (name, res.output)
+    assert time.time() - start < LIMIT_S
+    assert _snapshot(workspace) == before, name
+
+
+def test_export_copies_the_tokenizer_prepare_recorded(workspace, tmp_path):
+    from pretrain.checkpoint.hf import export_hf, import_hf
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"a tokenizer": true}')
+    header = json.loads((workspace / "data" / "good.json").read_text())
+    header |= {"tokenizer": str(tok), "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest()}
+    (tmp_path / "data.json").write_text(json.dumps(header))
+    for name in ("bin", "idx"):
+        (tmp_path / f"data.{name}").write_bytes((workspace / "data" / f"good.{name}").read_bytes())
+    import_hf(workspace / "hf_good", tmp_path / "ck")
+    _retarget(tmp_path / "ck", str(tmp_path / "data"))
+    assert (export_hf(tmp_path / "ck", tmp_path / "out") / "tokenizer.json").read_bytes() == tok.read_bytes()
+    tok.write_text('{"another tokenizer": true}')
+    res = runner.invoke(app, ["convert", "--to-hf", str(tmp_path / "out2"), "--checkpoint", str(tmp_path / "ck")])
+    assert res.exit_code == 2 and "does not match the sha256" in res.stderr, res.output
+    res = runner.invoke(app, ["convert", "--to-hf", str(tmp_path / "out2"), "--checkpoint", str(tmp_path / "ck"),
+                              "--no-tokenizer"])
+    assert res.exit_code == 0 and not (tmp_path / "out2" / "tokenizer.json").exists(), res.output

@@ -59,7 +59,25 @@ def workspace(tmp_path_factory):
     (w / "data" / "evil.json").write_text(json.dumps(header | {"tokenizer": str(w / "secret.txt")}))
     import_hf(_hf_dir(w, "hf_good", HF), w / "ck_evil")
     _retarget(w / "ck_evil", str(w / "data" / "evil"))
+    _checkpoints(w)
     return w
+
+
+def _checkpoints(w: Path) -> None:
+    """Items 3 and 4: checksums naming a file outside the checkpoint; a checkpoint without checksums."""
+    import shutil
+
+    from pretrain.checkpoint.integrity import digest
+
+    (w / "outside.txt").write_text("not the checkpoint's\n")
+    for name in ("ck_sums_escape", "ck_sums_absolute", "ck_no_sums"):
+        shutil.copytree(w / "ck_evil", w / name)
+        _retarget(w / name, str(w / "data" / "good"))
+    for name, entry in (("ck_sums_escape", "../outside.txt"), ("ck_sums_absolute", str(w / "outside.txt"))):
+        sums = json.loads((w / name / "checksums.json").read_text())
+        sums["files"][entry] = digest(w / "outside.txt")
+        (w / name / "checksums.json").write_text(json.dumps(sums))
+    (w / "ck_no_sums" / "checksums.json").unlink()
 
 
 def _snapshot(root: Path) -> dict:
@@ -71,6 +89,14 @@ CASES = {  # name -> (arguments, words the one line must hold)
     # 2: a dataset header naming a file outside the run as its tokenizer
     "export copies a header's secret file": (["convert", "--to-hf", "out_hf", "--checkpoint", "ck_evil"],
                                              "secret.txt' named by"),
+    # 3: checksums.json naming files outside the checkpoint
+    "verify checksums naming ../": (["verify", "ck_sums_escape"], "names '../outside.txt', which is not a file inside"),
+    "verify checksums naming /abs": (["verify", "ck_sums_absolute"], "outside.txt', which is not a file inside"),
+    "train init_from checksums naming ../": (TRAIN + ["ck_evil/config.toml", "--set", "checkpoint.init_from=ck_sums_escape"],
+                                             "names '../outside.txt'"),
+    # 4: a checkpoint whose checksums.json is gone
+    "train init_from without checksums": (TRAIN + ["ck_evil/config.toml", "--set", "checkpoint.init_from=ck_no_sums"],
+                                          "checksums.json is missing, so its files cannot be verified"),
 }
 
 

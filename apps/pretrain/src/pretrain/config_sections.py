@@ -262,6 +262,7 @@ class CheckpointConfig:
     async_save: bool = False
     init_from: str = ""  # a checkpoint (e.g. from `pretrain convert --from-hf`) to take the weights from
     fallback: bool = False  # resume: a damaged `latest` falls back to the newest intact checkpoint (and says so)
+    verify: bool = True  # false: a checkpoint without checksums.json (written before them) loads unverified
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", allow_zero=True)

@@ -35,8 +35,13 @@ def check_run(cfg, layout, force: bool = False) -> None:
     check_data_ids(load_eval(cfg.data, cfg.model.vocab_size, dataset), cfg.model.vocab_size)
     build_sampler(cfg, layout, 0, dataset)  # too small for the windows: UsageError now, not in the ranks
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
-    latest = _latest_to_check(root, ck.fallback) if ck.resume else None
+    latest = _latest_to_check(root, ck.fallback, ck.verify) if ck.resume else None
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
+    if latest is None and start is not None:  # init_from: its index files checked as a resume's are
+        from .checkpoint.integrity import METADATA, read_checksums, verify_files
+        from .checkpoint.retention import STATE_FILE
+
+        verify_files(start, [STATE_FILE, METADATA], read_checksums(start, ck.verify))
     if start is not None:
         check_compatible(start, read_state(start), cfg)
     if latest is None and start is not None:
@@ -62,7 +67,7 @@ def _check_flight_dir(log_dir: Path) -> None:
     check_writable(flight, "the flight-record directory ([log].flight_records)")
 
 
-def _latest_to_check(root: Path, fallback: bool):
+def _latest_to_check(root: Path, fallback: bool, verify: bool):
     """``latest``, its small index files checked (a damaged one: exit 2 here); None when it is damaged
     and ``fallback`` lets the ranks take an older one."""
     from .checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
@@ -74,7 +79,7 @@ def _latest_to_check(root: Path, fallback: bool):
     try:
         latest = latest_checkpoint(root)
         if latest is not None:
-            verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest))
+            verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest, verify))
             read_metadata(latest)  # a crafted index, or a missing or truncated data file
         return latest
     except DamagedCheckpoint as e:

@@ -244,7 +244,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
 
     ``model_only`` (or a checkpoint without optimizer state) keeps fresh moments and starts at step 0."""
     path = resolve_checkpoint(path)
-    checksums = read_checksums(path)  # None: written before checkpoints carried them
+    checksums = read_checksums(path, trainer.cfg.checkpoint.verify)  # None: older, and verify = false
     verify_files(path, [STATE_FILE, METADATA], checksums)
     state = read_state(path)
     check_compatible(path, state, trainer.cfg)

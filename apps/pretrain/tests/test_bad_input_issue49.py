@@ -97,6 +97,14 @@ CASES = {  # name -> (arguments, words the one line must hold)
     # 4: a checkpoint whose checksums.json is gone
     "train init_from without checksums": (TRAIN + ["ck_evil/config.toml", "--set", "checkpoint.init_from=ck_no_sums"],
                                           "checksums.json is missing, so its files cannot be verified"),
+    # 8: evaluating on training data
+    "eval_blend is the training blend": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
+                                                  'data.eval_blend=[[1, "data/good"], [2, "data/evil"]]'],
+                                         "[data].eval_blend source 'data/good' is also a training source"),
+    "eval_path is the training path": (TRAIN + ["--set", "data.path=data/good", "--set", "data.eval_path=./data/../data/good"],
+                                       "[data].eval_path source './data/../data/good' is also a training source"),
+    "eval_path is one blend source": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
+                                               "data.eval_path=data/evil"], "'data/evil' is also a training source"),
 }
 
 
@@ -143,3 +151,22 @@ def test_export_copies_the_tokenizer_prepare_recorded(workspace, tmp_path):
     res = runner.invoke(app, ["convert", "--to-hf", str(tmp_path / "out2"), "--checkpoint", str(tmp_path / "ck"),
                               "--no-tokenizer"])
     assert res.exit_code == 0 and not (tmp_path / "out2" / "tokenizer.json").exists(), res.output
+
+
+def test_blend_weights_too_large_to_sum_keep_their_shares(workspace, monkeypatch):
+    """Item 7: [1e308, 1e308] overflowed the sum and trained on source A only (share 1.0 / 0.0)."""
+    import warnings
+
+    from pretrain.data.blend import normalised
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow RuntimeWarning included
+        assert normalised([1e308, 1e308]) == [0.5, 0.5]
+        assert normalised([1.7e308, 1.7e308, 1e308]) == pytest.approx([1.7 / 4.4, 1.7 / 4.4, 1 / 4.4])
+    assert normalised([0.3, 0.7]) == [0.3, 0.7]  # unchanged where the sum is finite
+    monkeypatch.chdir(workspace)
+    res = runner.invoke(app, ["train", *TRAIN[1:-2], "--set", "log.dir=run_blend", "--set", "train.steps=4", "--set",
+                              "model.vocab_size=256", "--set", 'data.blend=[[1e308, "data/good"], [1e308, "data/evil"]]'])
+    assert res.exit_code == 0, res.output
+    last = json.loads((workspace / "run_blend" / "log.jsonl").read_text().splitlines()[-1])
+    assert last["data_share"] == pytest.approx({"data/good": 0.5, "data/evil": 0.5}, abs=0.13), last

@@ -225,7 +225,7 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
-        from .data.blend import check_blend
+        from .data.blend import check_blend, check_held_out
 
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
         _seed("[data].seed", self.seed)
@@ -236,6 +236,8 @@ class DataConfig:
             if getattr(self, key):
                 check_blend(getattr(self, key), f"[data].{key}")
                 object.__setattr__(self, key, [[float(w), p] for w, p in getattr(self, key)])
+        check_held_out(self.train_sources, self.eval_sources, "[data].eval_blend" if self.eval_blend else
+                       "[data].eval_path")
 
     @property
     def train_sources(self) -> list:

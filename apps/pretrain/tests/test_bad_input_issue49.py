@@ -60,6 +60,13 @@ def workspace(tmp_path_factory):
     import_hf(_hf_dir(w, "hf_good", HF), w / "ck_evil")
     _retarget(w / "ck_evil", str(w / "data" / "evil"))
     _checkpoints(w)
+    rope = {"rope_type": "llama3", "factor": float("inf"), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    for name, cfg in {"hf_rope_inf": HF | {"rope_scaling": rope}, "hf_eps_nan": HF | {"rms_norm_eps": float("nan")},
+                      "hf_layer_types_5": HF | {"layer_types": 5}}.items():
+        _hf_dir(w, name, cfg, weights=False)
+    _hf_dir(w, "hf_theta_1e400", HF, weights=False)
+    (w / "hf_theta_1e400" / "config.json").write_text(json.dumps(HF)[:-1] + ', "rope_theta": 1e400}')
     return w
 
 
@@ -97,6 +104,13 @@ CASES = {  # name -> (arguments, words the one line must hold)
     # 4: a checkpoint whose checksums.json is gone
     "train init_from without checksums": (TRAIN + ["ck_evil/config.toml", "--set", "checkpoint.init_from=ck_no_sums"],
                                           "checksums.json is missing, so its files cannot be verified"),
+    # 9, 15: Hugging Face configs with non-finite numbers, a layer_types that is no list
+    "import RoPE factor Infinity": (["convert", "--from-hf", "hf_rope_inf", "--out", "ck_new"],
+                                    "rope_scaling.factor=Infinity is not a finite number"),
+    "import rms_norm_eps NaN": (["convert", "--from-hf", "hf_eps_nan", "--out", "ck_new"], "rms_norm_eps=NaN is not a"),
+    "import rope_theta 1e400": (["convert", "--from-hf", "hf_theta_1e400", "--out", "ck_new"], "rope_theta=1e400 is not"),
+    "import layer_types 5": (["convert", "--from-hf", "hf_layer_types_5", "--out", "ck_new"],
+                             "layer_types=5 must be a list of layer type names"),
     # 8: evaluating on training data
     "eval_blend is the training blend": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
                                                   'data.eval_blend=[[1, "data/good"], [2, "data/evil"]]'],

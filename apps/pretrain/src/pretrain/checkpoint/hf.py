@@ -17,6 +17,7 @@ import torch
 from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
+from .hf_fields import read_config_json
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
@@ -49,12 +50,7 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     src = Path(src)
     if not (src / "config.json").is_file():
         raise UsageError(f"{src} has no config.json (expected a Hugging Face save_pretrained directory)")
-    try:
-        hf = json.loads((src / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{src / 'config.json'} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise UsageError(f"{src / 'config.json'} is not a JSON object")
+    hf = read_config_json(src / "config.json")
     m = model_config_from_hf(hf, str(src / "config.json"))
     files = sorted(src.glob("*.safetensors"))
     if not files:

@@ -64,7 +64,7 @@ def workspace(tmp_path_factory):
             "original_max_position_embeddings": 64}
     for name, cfg in {"hf_rope_inf": HF | {"rope_scaling": rope}, "hf_eps_nan": HF | {"rms_norm_eps": float("nan")},
                       "hf_layer_types_5": HF | {"layer_types": 5}}.items():
-        _hf_dir(w, name, cfg, weights=False)
+        _hf_dir(w, name, cfg, weights=name == "hf_rope_inf")  # weights: main imported it (exit 0)
     _hf_dir(w, "hf_theta_1e400", HF, weights=False)
     (w / "hf_theta_1e400" / "config.json").write_text(json.dumps(HF)[:-1] + ', "rope_theta": 1e400}')
     return w

@@ -111,6 +111,17 @@ CASES = {  # name -> (arguments, words the one line must hold)
     "import rope_theta 1e400": (["convert", "--from-hf", "hf_theta_1e400", "--out", "ck_new"], "rope_theta=1e400 is not"),
     "import layer_types 5": (["convert", "--from-hf", "hf_layer_types_5", "--out", "ck_new"],
                              "layer_types=5 must be a list of layer type names"),
+    # 10, 11: plan's numeric options finite and in range; absurd model sizes refused before any work
+    "plan gpu-memory inf": (["plan", "--gpu-memory", "inf"], "--gpu-memory inf must be a finite number in (0, "),
+    "plan gpu-memory nan": (["plan", "--gpu-memory", "nan"], "--gpu-memory nan must be a finite number"),
+    "plan peak-tflops nan": (["plan", "--auto", "--world", "8", "--topology", "dgx-h100", "--peak-tflops", "nan"],
+                             "--peak-tflops nan must be a finite number in [0, "),
+    "plan efficiency 0": (["plan", "--auto", "--world", "8", "--topology", "dgx-h100", "--efficiency", "0"],
+                          "--efficiency 0 must be a finite number in (0, 1]"),
+    "plan expert-imbalance nan": (["plan", "--simulate", "--expert-imbalance", "nan"], "--expert-imbalance nan must be"),
+    "plan layers 1e12": (["plan", "--world", "8", "--set", "model.layers=1000000000000"],
+                         "[model].layers=1000000000000 is more than 10,000"),
+    "plan hidden 2**40": (["plan", "--set", "model.hidden=1099511627776"], "[model].hidden=1099511627776 is more than"),
     # 8: evaluating on training data
     "eval_blend is the training blend": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
                                                   'data.eval_blend=[[1, "data/good"], [2, "data/evil"]]'],

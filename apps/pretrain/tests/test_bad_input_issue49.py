@@ -67,7 +67,23 @@ def workspace(tmp_path_factory):
         _hf_dir(w, name, cfg, weights=name == "hf_rope_inf")  # weights: main imported it (exit 0)
     _hf_dir(w, "hf_theta_1e400", HF, weights=False)
     (w / "hf_theta_1e400" / "config.json").write_text(json.dumps(HF)[:-1] + ', "rope_theta": 1e400}')
+    _later_items(w)
     return w
+
+
+def _later_items(w: Path) -> None:
+    """Items 12-14: a flight directory that is a file or a symlink, JSONL that is no text, logs that are no logs."""
+    (w / "run_flight_file").mkdir()
+    (w / "run_flight_file" / "flight").write_text("a file where the flight records go\n")
+    (w / "run_flight_link").mkdir()
+    (w / "run_flight_link" / "flight").symlink_to(w / "data")
+    (w / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (w / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "a\\ud800b"}\n')
+    for name, content in {"rep_binary": bytes(range(256)) * 4, "rep_string_loss": b'{"step": 1, "loss": "abc"}\n',
+                          "rep_null_loss": b'{"step": 1, "loss": 2.0}\n{"step": 2, "loss": null}\n',
+                          "rep_string_step": b'{"step": "1", "loss": 2.0}\n'}.items():
+        (w / name).mkdir()
+        (w / name / "log.jsonl").write_bytes(content)
 
 
 def _checkpoints(w: Path) -> None:
@@ -122,6 +138,18 @@ CASES = {  # name -> (arguments, words the one line must hold)
     "plan layers 1e12": (["plan", "--world", "8", "--set", "model.layers=1000000000000"],
                          "[model].layers=1000000000000 is more than 10,000"),
     "plan hidden 2**40": (["plan", "--set", "model.hidden=1099511627776"], "[model].hidden=1099511627776 is more than"),
+    # 12: the flight-record directory checked before launch, like log.dir
+    "train flight dir is a file": (TRAIN[:-1] + ["log.dir=run_flight_file"], "'run_flight_file/flight' is not a writable"),
+    "train flight dir is a symlink": (TRAIN[:-1] + ["log.dir=run_flight_link"], "'run_flight_link/flight' is a symlink"),
+    # 13: prepare, JSONL that is no text
+    "prepare deeply nested jsonl": (["prepare", "deep.jsonl", "--out", "data/x"], "deep.jsonl:1 is nested too deeply"),
+    "prepare lone surrogate": (["prepare", "surrogate.jsonl", "--out", "data/x"],
+                               "surrogate.jsonl:2: field \"text\" holds a lone surrogate '\\ud800'"),
+    # 14: report, logs that are no logs
+    "report binary log": (["report", "rep_binary"], "log.jsonl is not UTF-8 text (byte 128)"),
+    "report string loss": (["report", "rep_string_loss"], "log.jsonl:1 has loss='abc', step=1"),
+    "report null loss": (["report", "rep_null_loss"], "log.jsonl:2 has loss=None, step=2"),
+    "report string step": (["report", "rep_string_step"], "log.jsonl:1 has loss=2.0, step='1'"),
     # 8: evaluating on training data
     "eval_blend is the training blend": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
                                                   'data.eval_blend=[[1, "data/good"], [2, "data/evil"]]'],
@@ -195,3 +223,39 @@ def test_blend_weights_too_large_to_sum_keep_their_shares(workspace, monkeypatch
     assert res.exit_code == 0, res.output
     last = json.loads((workspace / "run_blend" / "log.jsonl").read_text().splitlines()[-1])
     assert last["data_share"] == pytest.approx({"data/good": 0.5, "data/evil": 0.5}, abs=0.13), last
+
+
+def test_report_draws_a_log_whose_lines_carry_part_of_the_timing_keys(tmp_path):
+    """Item 14: a line with only part of the timing keys was a KeyError; now the plot has no breakdown."""
+    lines = [{"step": 1, "loss": 3.0, "step_time_s": 0.1, "time_data_s": 0.01, "time_fwd_bwd_s": 0.08,
+              "tokens_per_s": "fast", "mfu": None},
+             {"step": 2, "loss": 2.5, "step_time_s": 0.1, "time_fwd_bwd_s": 0.07}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0 and "2 steps, loss 3.0000 -> 2.5000" in res.stdout, (res.output, res.exception)
+    assert (tmp_path / "report.png").stat().st_size > 0 and (tmp_path / "report.html").is_file()
+
+
+def test_wandb_without_a_key_is_one_line_before_launch(workspace, tmp_path, monkeypatch):
+    """Item 16: was `rank 0 failed: UsageError: No API key configured`, exit 1."""
+    pytest.importorskip("wandb")
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.chdir(workspace)
+    before = _snapshot(workspace)
+    res = runner.invoke(app, TRAIN[:-1] + ["log.dir=run_wandb", "--set", "log.wandb=true"])
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, (res.output, res.exception)
+    assert "no W&B API key is configured" in lines[0] and "WANDB_MODE=offline" in lines[0]
+    assert _snapshot(workspace) == before
+    (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    (tmp_path / "no-netrc").chmod(0o600)
+    from pretrain.preflight import _wandb_can_log
+
+    assert _wandb_can_log()
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert _wandb_can_log()

@@ -58,7 +58,7 @@ def report_png(train: list[dict], evals: list[dict], title: str, path: Path) -> 
 
 def _breakdown(ax, train: list[dict], steps: list[int]) -> None:
     if not all("time_fwd_bwd_s" in r for r in train):
-        ax.plot(steps, [1e3 * r["step_time_s"] for r in train], label="step")
+        ax.plot(steps, [1e3 * r.get("step_time_s", float("nan")) for r in train], label="step")
         ax.set(title="step time (ms; no breakdown: [log].timing = false)", xlabel="step")
         return
     bottom = [0.0] * len(train)

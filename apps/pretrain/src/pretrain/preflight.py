@@ -96,6 +96,28 @@ def _check_wandb() -> None:
 
     if importlib.util.find_spec("wandb") is None:
         raise UsageError(WANDB_MISSING)
+    if not _wandb_can_log():
+        raise UsageError("[log].wandb = true but no W&B API key is configured (no WANDB_API_KEY, no `wandb login` "
+                         "in ~/.netrc): log in with `wandb login`, or set WANDB_MODE=offline to keep the run on disk "
+                         "(`wandb sync` uploads it later)")
+
+
+def _wandb_can_log() -> bool:
+    """Offline/disabled W&B needs no key; online needs WANDB_API_KEY or a netrc entry for the W&B host."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") or \
+            os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def check_writable(path: Path, what: str) -> None:

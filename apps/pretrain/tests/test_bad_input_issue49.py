@@ -68,7 +68,35 @@ def workspace(tmp_path_factory):
     _hf_dir(w, "hf_theta_1e400", HF, weights=False)
     (w / "hf_theta_1e400" / "config.json").write_text(json.dumps(HF)[:-1] + ', "rope_theta": 1e400}')
     _later_items(w)
+    _other_surfaces(w)
     return w
+
+
+def _other_surfaces(w: Path) -> None:
+    """Beyond the list: damaged safetensors in an HF import; flight records that are missing, empty or garbage."""
+    import struct
+
+    good = (w / "hf_good" / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", good[:8])[0]
+    header = good[8:8 + n].decode()
+    damage = {"hf_st_truncated": good[: len(good) // 2], "hf_st_header_len": struct.pack("<Q", 1 << 62) + good[8:],
+              "hf_st_header_cut": good[: 8 + n // 2], "hf_st_empty": b"",
+              "hf_st_dtype": good[:8] + header.replace('"F32"', '"F64"').encode() + good[8 + n:],
+              "hf_st_offsets": good[:8] + header.replace('"data_offsets":[0,', '"data_offsets":[4,', 1).encode()
+              + good[8 + n:]}
+    for name, data in damage.items():
+        _hf_dir(w, name, HF, weights=False)
+        (w / name / "model.safetensors").write_bytes(data)
+    for name, records in {"hang_empty": {}, "hang_garbage": {"rank_0.json": b"not json"},
+                          "hang_binary": {"rank_0.json": bytes(range(256))},
+                          "hang_list": {"rank_0.json": b"[1, 2]"},
+                          "hang_entries": {"rank_0.json": b'{"rank": 0, "time": 1, "entries": 5}'},
+                          "hang_huge_rank": {"rank_0.json": json.dumps({"rank": 0, "time": 1, "entries": [], "in_flight": {
+                              "seq": 1, "op": "all_reduce", "group": "world", "ranks": [0, 10**9], "bytes": 4}}).encode()}
+                          }.items():
+        (w / name / "flight").mkdir(parents=True)
+        for file, data in records.items():
+            (w / name / "flight" / file).write_bytes(data)
 
 
 def _later_items(w: Path) -> None:
@@ -150,6 +178,25 @@ CASES = {  # name -> (arguments, words the one line must hold)
     "report string loss": (["report", "rep_string_loss"], "log.jsonl:1 has loss='abc', step=1"),
     "report null loss": (["report", "rep_null_loss"], "log.jsonl:2 has loss=None, step=2"),
     "report string step": (["report", "rep_string_step"], "log.jsonl:1 has loss=2.0, step='1'"),
+    # beyond the list: damaged safetensors in an HF import
+    "import truncated safetensors": (["convert", "--from-hf", "hf_st_truncated", "--out", "ck_new"],
+                                     "hf_st_truncated/model.safetensors"),
+    "import safetensors header length 2**62": (["convert", "--from-hf", "hf_st_header_len", "--out", "ck_new"],
+                                               "hf_st_header_len/model.safetensors"),
+    "import safetensors header cut": (["convert", "--from-hf", "hf_st_header_cut", "--out", "ck_new"],
+                                      "hf_st_header_cut/model.safetensors"),
+    "import empty safetensors": (["convert", "--from-hf", "hf_st_empty", "--out", "ck_new"], "hf_st_empty/model.safetensors"),
+    "import safetensors dtype lies": (["convert", "--from-hf", "hf_st_dtype", "--out", "ck_new"],
+                                      "hf_st_dtype/model.safetensors"),
+    "import safetensors offsets shifted": (["convert", "--from-hf", "hf_st_offsets", "--out", "ck_new"],
+                                           "hf_st_offsets/model.safetensors"),
+    # beyond the list: `pretrain hang` on missing or garbage records
+    "hang missing dir": (["hang", "nosuch"], "'nosuch' is not a directory"),
+    "hang garbage record": (["hang", "hang_garbage"], "rank_0.json is not a flight record pretrain wrote"),
+    "hang binary record": (["hang", "hang_binary"], "rank_0.json is not a flight record pretrain wrote"),
+    "hang list record": (["hang", "hang_list"], "rank_0.json is not a flight record pretrain wrote"),
+    "hang entries not a list": (["hang", "hang_entries"], "rank_0.json is not a flight record pretrain wrote"),
+    "hang rank 10**9": (["hang", "hang_huge_rank"], "rank_0.json is not a flight record pretrain wrote"),
     # 8: evaluating on training data
     "eval_blend is the training blend": (TRAIN + ["--set", 'data.blend=[[1, "data/good"], [2, "data/evil"]]', "--set",
                                                   'data.eval_blend=[[1, "data/good"], [2, "data/evil"]]'],
@@ -259,3 +306,8 @@ def test_wandb_without_a_key_is_one_line_before_launch(workspace, tmp_path, monk
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert _wandb_can_log()
+
+
+def test_hang_on_an_empty_flight_dir_says_no_hang(workspace):
+    res = runner.invoke(app, ["hang", str(workspace / "hang_empty")])
+    assert res.exit_code == 0 and res.stdout.startswith("no hang recorded (no flight records in"), res.output

@@ -92,7 +92,7 @@ def _other_surfaces(w: Path) -> None:
                           "hang_list": {"rank_0.json": b"[1, 2]"},
                           "hang_entries": {"rank_0.json": b'{"rank": 0, "time": 1, "entries": 5}'},
                           "hang_huge_rank": {"rank_0.json": json.dumps({"rank": 0, "time": 1, "entries": [], "in_flight": {
-                              "seq": 1, "op": "all_reduce", "group": "world", "ranks": [0, 10**9], "bytes": 4}}).encode()}
+                              "seq": 1, "op": "all_reduce", "group": "world", "ranks": [0, 10**9], "bytes": 4, "peer": None}}).encode()}
                           }.items():
         (w / name / "flight").mkdir(parents=True)
         for file, data in records.items():

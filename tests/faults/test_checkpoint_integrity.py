@@ -33,7 +33,7 @@ def train_and_save(root: str) -> list[float]:
     return losses
 
 
-def resume_and_train(root: str, fallback: bool) -> dict:
+def resume_and_train(root: str, fallback: bool, extra: tuple = ()) -> dict:
     """Resume from ``root`` as `pretrain train` does; the checkpoint taken, its note, the losses to step 4,
     and which files this rank hashed; or the error."""
     from pretrain.checkpoint import integrity
@@ -42,7 +42,7 @@ def resume_and_train(root: str, fallback: bool) -> dict:
     from pretrain.errors import UsageError
     from pretrain.train_loop import Trainer
 
-    trainer, hashed, digest = Trainer(load_config(None, CONFIG)), [], integrity.digest
+    trainer, hashed, digest = Trainer(load_config(None, CONFIG + list(extra))), [], integrity.digest
     integrity.digest = lambda file: hashed.append(str(file.relative_to(root))) or digest(file)
     try:
         path, step, note = resume_latest(trainer, __import__("pathlib").Path(root), fallback)
@@ -123,13 +123,17 @@ def test_no_intact_checkpoint_to_fall_back_to_is_one_line(saved, dist_run, tmp_p
     assert "step_4 is damaged: __0_0.distcp" in error and "no intact checkpoint" in error and "(nor is step_2)" in error
 
 
-def test_a_checkpoint_from_before_checksums_loads_and_says_so(saved, dist_run, tmp_path):
-    root = _copy(saved, tmp_path)
+def test_a_checkpoint_without_checksums_is_refused_unless_verify_is_off_then_loads_and_says_so(saved, dist_run,
+                                                                                                   tmp_path):
+    root, off = _copy(saved, tmp_path), ("checkpoint.verify=false",)
     (root / "step_4" / "checksums.json").unlink()
-    got = dist_run(2, resume_and_train, str(root), False)
+    error = dist_run(2, resume_and_train, str(root), False)[0]["error"]  # issue 49: it used to load, unverified
+    assert "step_4 is damaged: checksums.json is missing" in error and "[checkpoint].verify = false" in error, error
+    assert "\n" not in error
+    got = dist_run(2, resume_and_train, str(root), False, off)
     assert got[0]["taken"] == "step_4" and "loaded unverified" in got[0]["note"] and got[0]["hashed"] == []
     (root / "step_4" / "__1_0.distcp").write_bytes((root / "step_4" / "__1_0.distcp").read_bytes()[:1000])
-    error = dist_run(2, resume_and_train, str(root), False)[0]["error"]
+    error = dist_run(2, resume_and_train, str(root), False, off)[0]["error"]
     assert "step_4 is damaged: __1_0.distcp has 1000 bytes, its index needs" in error and "\n" not in error
 
 

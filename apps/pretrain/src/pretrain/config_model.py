@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config_rules import _choice, _need, _positive
+from .config_rules import MAX_SIZES, _at_most, _choice, _need, _positive
 from .model.rope_scaling import check_rope_scaling
 
 BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
@@ -110,6 +110,7 @@ class ModelConfig:
         _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "decoder_sparse_step")
         _positive("model", self, "kv_channels", allow_zero=True)
+        _at_most("model", self, MAX_SIZES)
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # a list once read from JSON
         _need(all(0 <= i < self.layers for i in self.mlp_only_layers),
               f"[model].mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in 0..{self.layers - 1}")

@@ -225,7 +225,7 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
-        from .data.blend import check_blend
+        from .data.blend import check_blend, check_held_out
 
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
         _seed("[data].seed", self.seed)
@@ -236,6 +236,8 @@ class DataConfig:
             if getattr(self, key):
                 check_blend(getattr(self, key), f"[data].{key}")
                 object.__setattr__(self, key, [[float(w), p] for w, p in getattr(self, key)])
+        check_held_out(self.train_sources, self.eval_sources, "[data].eval_blend" if self.eval_blend else
+                       "[data].eval_path")
 
     @property
     def train_sources(self) -> list:
@@ -262,6 +264,7 @@ class CheckpointConfig:
     async_save: bool = False
     init_from: str = ""  # a checkpoint (e.g. from `pretrain convert --from-hf`) to take the weights from
     fallback: bool = False  # resume: a damaged `latest` falls back to the newest intact checkpoint (and says so)
+    verify: bool = True  # false: a checkpoint without checksums.json (written before them) loads unverified
 
     def __post_init__(self) -> None:
         _positive("checkpoint", self, "every", allow_zero=True)

@@ -24,6 +24,9 @@ from pathlib import Path
 from par_groups.flight import Hang, summarize
 from par_groups.watch import CommWatch
 
+from .errors import UsageError
+from .layout import MAX_WORLD
+
 FLIGHT_DIR = "flight"
 RECORD_WAIT_S = 3.0  # how long the launcher waits for the records of ranks it sent SIGUSR1
 TIMEOUT_WORDS = ("timed out", "timeout", "time out")
@@ -70,12 +73,36 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _read(path: Path, since: float) -> dict | None:
+ENTRY_FIELDS = {"seq": int, "op": str, "group": str, "ranks": list, "bytes": int}
+
+
+def _entry_ok(entry) -> bool:
+    return (isinstance(entry, dict) and all(type(entry.get(k)) is t for k, t in ENTRY_FIELDS.items())
+            and all(type(r) is int and 0 <= r < MAX_WORLD for r in entry["ranks"])
+            and (entry.get("peer") is None or (type(entry["peer"]) is int and 0 <= entry["peer"] < MAX_WORLD))
+            and isinstance(entry.get("group_id", ""), str))
+
+
+def well_formed(record) -> bool:
+    """Whether ``record`` has the shape a flight recorder writes (what the summary reads), ranks below MAX_WORLD."""
+    if not (isinstance(record, dict) and type(record.get("rank")) is int and 0 <= record["rank"] < MAX_WORLD):
+        return False
+    entries, in_flight = record.get("entries", []), record.get("in_flight")
+    return (type(record.get("time", 0)) in (int, float) and isinstance(record.get("where", ""), str)
+            and isinstance(entries, list) and all(_entry_ok(e) for e in entries)
+            and (in_flight is None or _entry_ok(in_flight)))
+
+
+def _load(path: Path):
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
-    return record if record.get("time", 0) >= since else None
+
+
+def _read(path: Path, since: float) -> dict | None:
+    record = _load(path)
+    return record if well_formed(record) and record.get("time", 0) >= since else None
 
 
 def _world(records: dict[int, dict]) -> int:
@@ -89,12 +116,15 @@ def _world(records: dict[int, dict]) -> int:
 
 def summary_of_dir(log_dir: str | Path) -> tuple[Hang | None, int]:
     """``pretrain hang``: the summary of the records in ``<log_dir>/flight`` (whoever launched the
-    run, e.g. torchrun) and how many records there were. A rank without one is named as such."""
+    run, e.g. torchrun) and how many records there were. A rank without one is named as such; a file
+    that is not a flight record (not JSON, another shape) is a UsageError naming it."""
     records = {}
     for path in sorted((Path(log_dir) / FLIGHT_DIR).glob("rank_*.json")):
-        record = _read(path, 0.0)
-        if record is not None and isinstance(record.get("rank"), int):
-            records[record["rank"]] = record
+        record = _load(path)
+        if not well_formed(record):
+            raise UsageError(f"{path} is not a flight record pretrain wrote (not JSON, or not a rank's record of "
+                             f"its collectives); move it away and run `pretrain hang` again")
+        records[record["rank"]] = record
     if not records:
         return None, 0
     return summarize(records, _world(records)), len(records)

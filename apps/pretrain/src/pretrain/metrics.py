@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .errors import UsageError
+from .safe_files import replace_for_append
 from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MFU's denominator
 from .step_timing import format_timing
 
@@ -55,7 +56,7 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float 
 
 def _set_aside(path: Path) -> Path | None:
     """Move an earlier run's non-empty ``log.jsonl`` to ``log.<its run id>.jsonl`` (a new run starts its own)."""
-    if not path.is_file() or path.stat().st_size == 0:
+    if path.is_symlink() or not path.is_file() or path.stat().st_size == 0:
         return None
     try:
         run_id = str(json.loads(path.open().readline()).get("run_id", "previous"))
@@ -74,17 +75,14 @@ def _open_log(path: Path, start_step: int):
     repeats the steps after its checkpoint; a new run starts an empty log, the earlier one set aside
     by :func:`_set_aside`). Rewritten via a rename."""
     kept = []
-    if start_step > 0 and path.is_file():
+    if start_step > 0 and path.is_file() and not path.is_symlink():
         for line in path.read_text().splitlines():
             try:
                 if json.loads(line).get("step", 0) <= start_step:
                     kept.append(line + "\n")
             except (ValueError, AttributeError):
                 continue
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
-    return open(path, "a", buffering=1)
+    return replace_for_append(path, "".join(kept))  # never opened by name: a symlink there is replaced
 
 
 class MetricsLogger:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 
 from .errors import UsageError
+from .safe_files import write_atomic, write_via
 
 MATPLOTLIB_MISSING = "drawing needs matplotlib, which is not installed: pip install matplotlib"
 PHASES = (("time_data_s", "data"), ("time_fwd_bwd_s", "forward-backward"), ("time_optimizer_s", "optimizer"))
@@ -26,9 +26,7 @@ def pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    write_via(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format=path.suffix[1:]))
 
 
 def report_png(train: list[dict], evals: list[dict], title: str, path: Path) -> None:
@@ -60,7 +58,7 @@ def report_png(train: list[dict], evals: list[dict], title: str, path: Path) -> 
 
 def _breakdown(ax, train: list[dict], steps: list[int]) -> None:
     if not all("time_fwd_bwd_s" in r for r in train):
-        ax.plot(steps, [1e3 * r["step_time_s"] for r in train], label="step")
+        ax.plot(steps, [1e3 * r.get("step_time_s", float("nan")) for r in train], label="step")
         ax.set(title="step time (ms; no breakdown: [log].timing = false)", xlabel="step")
         return
     bottom = [0.0] * len(train)
@@ -79,10 +77,8 @@ def report_html(png: Path, path: Path, title: str, summary: list[str]) -> None:
     """A page with the PNG inline, so it is one file to pass around."""
     data = base64.b64encode(png.read_bytes()).decode()
     rows = "".join(f"<li>{line}</li>" for line in summary)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(f"<!doctype html><meta charset=utf-8><title>{title}</title><h1>{title}</h1><ul>{rows}</ul>"
-                   f"<img alt='report' src='data:image/png;base64,{data}'>\n")
-    os.replace(tmp, path)
+    write_atomic(path, f"<!doctype html><meta charset=utf-8><title>{title}</title><h1>{title}</h1><ul>{rows}</ul>"
+                       f"<img alt='report' src='data:image/png;base64,{data}'>\n", fsync=False)
 
 
 def schedule_png(timeline: dict, caption: str, path: Path) -> None:

@@ -1,21 +1,16 @@
 """Checks made before any rank trains, so a user's mistake is one line and exit 2 at any ``--nproc``
 (not a rank's traceback, nor an error at the first save minutes later).
 
-Also the run lock: one run per ``[log].dir`` and per checkpoint directory (a second one refuses,
-naming the first one's PID).
+The run lock (one run per ``[log].dir`` and per checkpoint directory) is :mod:`pretrain.run_lock`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import tempfile
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .errors import UsageError
-
-PID_FILE = "pretrain.pid"
+from .run_lock import PID_FILE, run_lock  # noqa: F401 - the launcher takes the lock from here
 
 
 def checkpoint_root(cfg) -> Path:
@@ -40,8 +35,13 @@ def check_run(cfg, layout, force: bool = False) -> None:
     check_data_ids(load_eval(cfg.data, cfg.model.vocab_size, dataset), cfg.model.vocab_size)
     build_sampler(cfg, layout, 0, dataset)  # too small for the windows: UsageError now, not in the ranks
     ck, root = cfg.checkpoint, checkpoint_root(cfg)
-    latest = _latest_to_check(root, ck.fallback) if ck.resume else None
+    latest = _latest_to_check(root, ck.fallback, ck.verify) if ck.resume else None
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
+    if latest is None and start is not None:  # init_from: its index files checked as a resume's are
+        from .checkpoint.integrity import METADATA, read_checksums, verify_files
+        from .checkpoint.retention import STATE_FILE
+
+        verify_files(start, [STATE_FILE, METADATA], read_checksums(start, ck.verify))
     if start is not None:
         check_compatible(start, read_state(start), cfg)
     if latest is None and start is not None:
@@ -53,9 +53,21 @@ def check_run(cfg, layout, force: bool = False) -> None:
         check_unclaimed(root)
     check_writable(Path(cfg.log.dir), "[log].dir")
     check_writable(root, "[checkpoint].dir")
+    if cfg.log.flight_records:  # every rank writes its record there: a file or a read-only mount fails them all
+        _check_flight_dir(Path(cfg.log.dir))
 
 
-def _latest_to_check(root: Path, fallback: bool):
+def _check_flight_dir(log_dir: Path) -> None:
+    from .hang import FLIGHT_DIR
+
+    flight = log_dir / FLIGHT_DIR
+    if flight.is_symlink():
+        raise UsageError(f"{str(flight)!r} is a symlink; the ranks write their flight records there and follow no "
+                         f"symlink in [log].dir: remove it, or set [log].flight_records = 0")
+    check_writable(flight, "the flight-record directory ([log].flight_records)")
+
+
+def _latest_to_check(root: Path, fallback: bool, verify: bool):
     """``latest``, its small index files checked (a damaged one: exit 2 here); None when it is damaged
     and ``fallback`` lets the ranks take an older one."""
     from .checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
@@ -67,7 +79,7 @@ def _latest_to_check(root: Path, fallback: bool):
     try:
         latest = latest_checkpoint(root)
         if latest is not None:
-            verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest))
+            verify_files(latest, [STATE_FILE, METADATA], read_checksums(latest, verify))
             read_metadata(latest)  # a crafted index, or a missing or truncated data file
         return latest
     except DamagedCheckpoint as e:
@@ -84,6 +96,28 @@ def _check_wandb() -> None:
 
     if importlib.util.find_spec("wandb") is None:
         raise UsageError(WANDB_MISSING)
+    if not _wandb_can_log():
+        raise UsageError("[log].wandb = true but no W&B API key is configured (no WANDB_API_KEY, no `wandb login` "
+                         "in ~/.netrc): log in with `wandb login`, or set WANDB_MODE=offline to keep the run on disk "
+                         "(`wandb sync` uploads it later)")
+
+
+def _wandb_can_log() -> bool:
+    """Offline/disabled W&B needs no key; online needs WANDB_API_KEY or a netrc entry for the W&B host."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") or \
+            os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def check_writable(path: Path, what: str) -> None:
@@ -99,39 +133,3 @@ def check_writable(path: Path, what: str) -> None:
     if cannot_write_here(path):
         raise UsageError(f"{what} {str(path)!r} is on a full disk (no room for {PROBE_BYTES >> 20} MiB); free space "
                          f"there or choose another directory")
-
-
-@contextmanager
-def run_lock(*dirs: str | Path):
-    """Hold a lock on each of ``dirs`` (log and checkpoint directory) for the run; another live run
-    holding one is a UsageError naming its PID.
-
-    The lock is on the directory itself (released by the kernel when the process dies); the holder's
-    PID is in ``pretrain.pid`` while it runs."""
-    with ExitStack() as stack:
-        for path in dict.fromkeys(Path(d).resolve() for d in dirs):  # the same directory twice: one lock
-            stack.enter_context(_lock_dir(path))
-        yield
-
-
-@contextmanager
-def _lock_dir(path: Path):
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = (path / PID_FILE).read_text().strip()
-            except OSError:
-                holder = "?"
-            raise UsageError(f"{path} is in use by another run (PID {holder}); wait for it to end, or choose "
-                             f"another --set log.dir / checkpoint.dir") from None
-        (path / PID_FILE).write_text(f"{os.getpid()}\n")
-        try:
-            yield
-        finally:
-            (path / PID_FILE).unlink(missing_ok=True)
-    finally:
-        os.close(fd)

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from .safe_files import write_via
+
 MEMORY_EVENTS = 100_000  # allocation events the CUDA history keeps
 
 
@@ -68,6 +70,4 @@ class ProfileWindow:
 
 def _write(path: Path, writer) -> None:
     """``writer(name)`` to a temporary name, then renamed (no half-written file under the real name)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    writer(str(tmp))
-    os.replace(tmp, path)
+    write_via(path, writer)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections import deque
@@ -186,14 +187,20 @@ class CommWatch:
                 "where": f"{Path(last.filename).name}:{last.lineno} in {last.name}: {last.line}"}
 
     def dump(self, reason: str = "", in_flight: Entry | None = None, frame=None) -> Path | None:
-        """Write :meth:`record` to ``dump_path`` (temporary name, then renamed); returns the path."""
+        """Write :meth:`record` to ``dump_path`` (a new temporary name, then renamed: a symlink at either
+        name is never written through); returns the path."""
         if self.dump_path is None:
             return None
         frame = frame or sys._getframe(1)
         self.dump_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.dump_path.with_name(f".{self.dump_path.name}.tmp")
-        tmp.write_text(json.dumps(self.record(reason, in_flight, frame), indent=1))
-        os.replace(tmp, self.dump_path)
+        fd, tmp = tempfile.mkstemp(dir=self.dump_path.parent, prefix=f".{self.dump_path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.record(reason, in_flight, frame), indent=1))
+            os.replace(tmp, self.dump_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return self.dump_path
 
 

@@ -8,7 +8,7 @@ stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 from __future__ import annotations
 
 import json
-import shutil
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import torch
 from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
+from .hf_fields import read_config_json
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
@@ -49,12 +50,7 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     src = Path(src)
     if not (src / "config.json").is_file():
         raise UsageError(f"{src} has no config.json (expected a Hugging Face save_pretrained directory)")
-    try:
-        hf = json.loads((src / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{src / 'config.json'} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise UsageError(f"{src / 'config.json'} is not a JSON object")
+    hf = read_config_json(src / "config.json")
     m = model_config_from_hf(hf, str(src / "config.json"))
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -105,7 +101,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
+def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -> Path:
     """Write ``dst/config.json`` and ``dst/model.safetensors`` from one of our checkpoints."""
     from safetensors.torch import save_file
 
@@ -117,6 +113,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
         m = config_from_dict({"model": saved["config"]["model"]}).model  # type-checked as a TOML's
     except (KeyError, TypeError, UsageError) as e:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
+    tokenizer = tokenizer_source(saved["config"].get("data", {})) if tokenizer else None  # before any write
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
     state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
@@ -126,25 +123,47 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})
-    write_tokenizer(dst, saved["config"].get("data", {}))
+    write_tokenizer(dst, tokenizer)
     return dst
 
 
-def write_tokenizer(dst: Path, data: dict) -> None:
-    """The tokenizer the run's data was prepared with, beside the weights: the byte tokenizer as a
-    ``tokenizer.json``, or a copy of the ``tokenizers`` file (nothing when that file is gone)."""
-    name = data.get("tokenizer", "byte")
-    header = Path(f"{data['path']}.json") if data.get("path") else None
-    if header is not None and header.is_file():
-        name = json.loads(header.read_text()).get("tokenizer", name)  # what `prepare` used
+def tokenizer_source(data: dict) -> str | bytes | None:
+    """What the export's ``tokenizer.json`` will be: "byte", the bytes of the ``tokenizers`` file the
+    run's data was prepared with, or None (that file is gone). A file is copied only when the dataset
+    header records its sha256 (``prepare`` does) and the file still has it: a header or config naming
+    any other file (a secret outside the run) is refused in one line."""
+    name, header, recorded = data.get("tokenizer", "byte"), None, None
+    if data.get("path") and Path(f"{data['path']}.json").is_file():
+        header = Path(f"{data['path']}.json")
+        try:
+            fields = json.loads(header.read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"dataset header {header} is unreadable ({e})") from None
+        fields = fields if isinstance(fields, dict) else {}
+        name, recorded = fields.get("tokenizer", name), fields.get("tokenizer_sha256")
     if name in ("", "byte"):
+        return "byte"
+    if not isinstance(name, str) or not Path(name).is_file():
+        return None
+    content = Path(name).read_bytes()
+    if recorded is None or hashlib.sha256(content).hexdigest() != recorded:
+        why = "has no recorded sha256" if recorded is None else "does not match the sha256 `prepare` recorded"
+        raise UsageError(f"tokenizer {name!r} named by {header or 'the checkpoint config'} {why}, so it is not "
+                         f"copied into the export; re-run `pretrain prepare` with it, or export the weights alone "
+                         f"with --no-tokenizer")
+    return content
+
+
+def write_tokenizer(dst: Path, source: str | bytes | None) -> None:
+    """The tokenizer the run's data was prepared with (:func:`tokenizer_source`), beside the weights."""
+    if source == "byte":
         from ..data.tokenizer import ByteTokenizer
 
         tok = ByteTokenizer()
         (dst / "tokenizer.json").write_text(json.dumps(tok.to_json(), ensure_ascii=False))
         special = {"eos_token": tok.eos_token}
-    elif Path(name).is_file():
-        shutil.copyfile(name, dst / "tokenizer.json")
+    elif isinstance(source, bytes):
+        (dst / "tokenizer.json").write_bytes(source)
         special = {}
     else:
         return

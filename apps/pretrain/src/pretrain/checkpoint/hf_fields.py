@@ -3,6 +3,7 @@ the RoPE parameters in either spelling, and MoE expert tensors stacked/unstacked
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -12,6 +13,42 @@ from ..errors import UsageError
 from ..model.rope_scaling import check_rope_scaling
 
 MISSING = object()
+
+
+class _NonFinite(str):
+    """A number JSON spells but a config cannot hold (NaN, Infinity, 1e400), kept as its text."""
+
+
+def _number(text: str):
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _non_finite(value, path: str):
+    """The key path of the first non-finite number in ``value``, or None."""
+    if isinstance(value, _NonFinite):
+        return path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _non_finite(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def read_config_json(path) -> dict:
+    """A ``config.json`` as a dict; invalid JSON, another type or any non-finite number (``"factor":
+    Infinity``, NaN, 1e400) is one error line naming it (transformers' own json reader accepts them)."""
+    try:
+        hf = json.loads(path.read_text(), parse_constant=_NonFinite, parse_float=_number)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise UsageError(f"{path} is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{path} is not a JSON object")
+    found = _non_finite(hf, "")
+    if found:
+        raise UsageError(f"{path}: {found[0]}={found[1]} is not a finite number; every number in config.json must be")
+    return hf
 
 
 def hf_value(hf: dict, key: str, kind: str, where: str, default=MISSING):

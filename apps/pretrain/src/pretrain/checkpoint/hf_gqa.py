@@ -42,7 +42,10 @@ def gqa_model_config(hf: dict, where: str) -> ModelConfig:
     if kind in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
         raise UsageError(f"{where}: sliding_window={hf['sliding_window']!r} is not supported (full causal attention "
                          f"only; null turns it off)")
-    if any(t != "full_attention" for t in hf.get("layer_types") or []):
+    types = hf.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise UsageError(f"{where}: layer_types={types!r} must be a list of layer type names, e.g. [\"full_attention\"]")
+    if any(t != "full_attention" for t in types or []):
         raise UsageError(f"{where}: layer_types={hf['layer_types']!r} is not supported (full_attention only)")
     hidden, heads = hf_value(hf, "hidden_size", "size", where), hf_value(hf, "num_attention_heads", "size", where)
     head_dim = hf_value(hf, "head_dim", "size", where, hidden // heads)

@@ -55,11 +55,15 @@ def write_checksums(tmp: Path, entries: dict[str, dict]) -> None:
                                              indent=1) + "\n")
 
 
-def read_checksums(path: Path) -> dict[str, dict] | None:
-    """The recorded ``{file: {"size", "sha256"}}`` of checkpoint ``path``; None if it has none (older)."""
+def read_checksums(path: Path, required: bool = False) -> dict[str, dict] | None:
+    """The recorded ``{file: {"size", "sha256"}}`` of checkpoint ``path``; None if it has none (written
+    before checksums existed), which is damage when ``required`` (``[checkpoint].verify``, on by default)."""
     try:
         data = json.loads((path / CHECKSUMS).read_text())
     except FileNotFoundError:
+        if required:
+            raise damaged(path, f"{CHECKSUMS} is missing, so its files cannot be verified (a checkpoint written "
+                                f"before checksums existed loads with [checkpoint].verify = false)") from None
         return None
     except (OSError, ValueError) as e:
         raise damaged(path, f"{CHECKSUMS} is unreadable ({e})") from None
@@ -68,7 +72,16 @@ def read_checksums(path: Path) -> dict[str, dict] | None:
             isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
             for v in files.values()):
         raise damaged(path, f"{CHECKSUMS} is not a {ALGORITHM} file list")
+    for name in files:
+        if not _is_inside(name):
+            raise damaged(path, f"{CHECKSUMS} names {name!r}, which is not a file inside the checkpoint")
     return files
+
+
+def _is_inside(name: str) -> bool:
+    """A relative name of a file below the checkpoint: no absolute path, no '..', '.', empty part or NUL."""
+    parts = name.split("/")
+    return bool(name) and "\\" not in name and "\0" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
 def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
@@ -82,6 +95,8 @@ def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
         if want is None:
             raise damaged(path, f"{name} is not in its {CHECKSUMS}")
         file = path / name
+        if not file.resolve().is_relative_to(path.resolve()):  # a symlink out of the checkpoint
+            raise damaged(path, f"{name} leads outside the checkpoint")
         if not file.is_file():
             raise damaged(path, f"{name} is missing")
         size = file.stat().st_size

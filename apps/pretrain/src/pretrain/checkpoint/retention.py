@@ -19,6 +19,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from .. import safe_files
 from ..errors import UsageError
 
 MANIFEST = "manifest.json"
@@ -29,13 +30,8 @@ STEP_DIR = re.compile(r"step_\d+")
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``text`` to a new temporary sibling, fsync, then rename over ``path`` (never through a symlink)."""
+    safe_files.write_atomic(path, text)
 
 
 def read_manifest(root: Path) -> dict | None:

@@ -39,6 +39,7 @@ from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from ..model.shapes import full_shapes
+from ..safe_files import write_atomic
 from .faults import first_failure, removed_if_disk_full
 from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
                         read_checksums, verify_files, write_checksums)
@@ -126,11 +127,20 @@ def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_entry(tmp)
         with removed_if_disk_full(tmp):
-            (tmp / "rng").mkdir(parents=True)
+            tmp.mkdir()  # new: never a directory a symlink points to
+            (tmp / "rng").mkdir()
     _barrier()
     return final, tmp
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove what stands at ``path``: a symlink itself (not what it points to), or a directory tree."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def gather_digests(entries: dict[str, dict], group=None) -> dict[str, dict]:
@@ -148,7 +158,7 @@ def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int, entrie
     id), ``checksums.json``, rename, ``latest``, prune."""
     (tmp / STATE_FILE).write_text(json.dumps(state | {"run_id": run_id_of(root)}, indent=1))
     write_checksums(tmp, entries)
-    shutil.rmtree(final, ignore_errors=True)
+    _remove_entry(final)
     os.replace(tmp, final)
     publish(root, final, keep)
 
@@ -234,7 +244,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
 
     ``model_only`` (or a checkpoint without optimizer state) keeps fresh moments and starts at step 0."""
     path = resolve_checkpoint(path)
-    checksums = read_checksums(path)  # None: written before checkpoints carried them
+    checksums = read_checksums(path, trainer.cfg.checkpoint.verify)  # None: older, and verify = false
     verify_files(path, [STATE_FILE, METADATA], checksums)
     state = read_state(path)
     check_compatible(path, state, trainer.cfg)
@@ -276,7 +286,7 @@ def _keep_traceback(log_dir: Path) -> str:
     """Rank 0 writes the traceback being handled to ``<log.dir>/error.log``; the note to add to the line."""
     if _rank() == 0:
         try:
-            (log_dir / ERROR_LOG).write_text(traceback.format_exc())
+            write_atomic(log_dir / ERROR_LOG, traceback.format_exc(), fsync=False)
         except OSError:
             return ""
     return f" (traceback in {log_dir / ERROR_LOG})"

@@ -15,6 +15,7 @@ def convert(
     out: Optional[str] = typer.Option(None, "--out", help="With --from-hf: the checkpoint directory to write."),
     to_hf: Optional[str] = typer.Option(None, "--to-hf", help="A directory to export config.json + model.safetensors to."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --to-hf: a checkpoint (or a run's checkpoint dir)."),
+    tokenizer: bool = typer.Option(True, "--tokenizer/--no-tokenizer", help="With --to-hf: also write the run's tokenizer."),
 ) -> None:
     """Import a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 model from Hugging Face
     (--from-hf DIR --out CKPT) or export one (--to-hf DIR --checkpoint CKPT)."""
@@ -30,7 +31,7 @@ def convert(
         elif to_hf and not from_hf:
             if not checkpoint:
                 raise UsageError("--to-hf needs --checkpoint CKPT")
-            dst = export_hf(checkpoint, to_hf)
+            dst = export_hf(checkpoint, to_hf, tokenizer)
             files = ["config.json", "model.safetensors"] + (["tokenizer.json"] if (dst / "tokenizer.json").is_file() else [])
             typer.echo(f"wrote {dst} ({', '.join(files)})")
         else:

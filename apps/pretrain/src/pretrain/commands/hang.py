@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ..errors import fail
+from ..errors import UsageError, fail
 from ..hang import FLIGHT_DIR, summary_of_dir
 
 
@@ -15,7 +15,10 @@ def hang(log_dir: Path = typer.Argument(..., help="A run's [log].dir (holding fl
     records the ranks wrote when a collective timed out (or on SIGUSR1)."""
     if not log_dir.is_dir():
         raise fail(f"{str(log_dir)!r} is not a directory; give the [log].dir of a run")
-    found, count = summary_of_dir(log_dir)
+    try:
+        found, count = summary_of_dir(log_dir)
+    except UsageError as e:
+        raise fail(str(e))
     if found is None:
         where = f"{count} flight record(s)" if count else "no flight records"
         typer.echo(f"no hang recorded ({where} in {log_dir / FLIGHT_DIR})")

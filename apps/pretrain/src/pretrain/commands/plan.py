@@ -123,6 +123,17 @@ def simulation_progress():
         yield lambda rank, phase: bar.update(task, description=f"simulating rank {rank}: {PHASES[phase]}")
 
 
+def check_options(options: dict, open_low: tuple = ()) -> None:
+    """Each given ``name: (value, low, high)`` a finite number in range (``open_low``: above low), else one line."""
+    for name, (value, low, high) in options.items():
+        if value is None:
+            continue
+        ok = math.isfinite(value) and (value > low if name in open_low else value >= low) and value <= high
+        if not ok:
+            raise UsageError(f"{name} {value:g} must be a finite number in {'(' if name in open_low else '['}{low:g}, "
+                             f"{high:g}]")
+
+
 def plan(
     config: Optional[str] = typer.Argument(None, help="TOML config or shipped name (default: the embedded tiny.toml)."),
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set parallel.tp=2 (repeatable)."),
@@ -156,6 +167,10 @@ def plan(
 ) -> None:
     """Per-rank memory (model state per ZeRO strategy, activations, experts), FLOPs and the ZeRO decision."""
     try:
+        check_options({"--gpus-per-node": (gpus_per_node, 1, 1 << 12), "--gpu-memory": (gpu_memory, 0, 1e6),
+                       "--params": (params, 0, 1e16), "--dp": (dp, 1, 1 << 17), "--efficiency": (efficiency, 0, 1),
+                       "--peak-tflops": (peak_tflops, 0, 1e7), "--expert-imbalance": (imbalance, 1, 1e9)},
+                      open_low=("--gpu-memory", "--params", "--efficiency"))
         bytes_given = (param_bytes, grad_bytes, optim_bytes)
         if params is None and dp is None and any(v is not None for v in (*bytes_given, hsdp_replicas)):
             raise UsageError("--param-bytes, --grad-bytes, --optim-bytes and --hsdp-replicas go with --params N --dp D "

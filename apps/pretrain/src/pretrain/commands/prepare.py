@@ -79,7 +79,8 @@ def prepare(
         vocab = 256 if isinstance(tok, ByteTokenizer) and eos_id is None else tok.vocab_size  # bytes only
         if like:
             _check_like(like, vocab, eos_id)
-        writer = DatasetWriter(out, vocab, tokenizer=tok.name, eos=eos_id, format=format)
+        writer = DatasetWriter(out, vocab, tokenizer=tok.name, eos=eos_id, format=format,
+                               tokenizer_sha256=getattr(tok, "sha256", None))
         bar = _progress(progress and sys.stderr.isatty())
         task = bar.add_task("prepare", docs=0, tokens=0, mb=0.0, rate=0.0) if bar else None
         n_docs = n_bytes = 0

@@ -12,24 +12,49 @@ import typer
 from ..errors import UsageError, fail
 
 
+TIMING = ("step_time_s", "time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_exposed_comm_s",
+          "time_busy_max_s", "straggler_rank")  # the breakdown is drawn only when every step has all of them
+
+
+def _number(value) -> bool:
+    return type(value) in (int, float)
+
+
 def read_log(log_dir: Path) -> tuple[list[dict], list[dict]]:
-    """The train and eval records of ``<log_dir>/log.jsonl`` (a line that is not JSON is skipped)."""
+    """The train and eval records of ``<log_dir>/log.jsonl`` (a line that is not JSON is skipped; a record
+    whose loss or step is no number is one error line). Optional figures that are not numbers are dropped."""
     path = log_dir / "log.jsonl"
     if not path.is_file():
         raise UsageError(f"{str(log_dir)!r} has no log.jsonl; give the [log].dir of a run")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path} is not UTF-8 text (byte {e.start}): not a log.jsonl pretrain wrote") from None
     train, evals = [], []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and "loss" in record:
-            train.append(record)
-        elif isinstance(record, dict) and "eval_loss" in record:
-            evals.append(record)
+        kind = "loss" if isinstance(record, dict) and "loss" in record else "eval_loss"
+        if not isinstance(record, dict) or kind not in record:
+            continue
+        if not (_number(record[kind]) and type(record.get("step")) is int):
+            raise UsageError(f"{path}:{number} has {kind}={record[kind]!r}, step={record.get('step')!r}; a record's "
+                             f"{kind} is a number and its step an integer (not a log.jsonl pretrain wrote?)")
+        (train if kind == "loss" else evals).append(record)
     if not train:
         raise UsageError(f"{path} has no training steps yet")
-    return train, evals
+    timed = all(_number(r.get(k)) for r in train for k in TIMING)
+    return [_numbers_only(r, timed) for r in train], evals
+
+
+def _numbers_only(record: dict, timed: bool) -> dict:
+    """``record`` with tokens/s and MFU kept only as numbers, and the timing keys only if ``timed``."""
+    out = {k: v for k, v in record.items() if timed or k not in TIMING}
+    out |= {k: out[k] if _number(out.get(k)) else None for k in ("tokens_per_s", "mfu")}
+    out["step_time_s"] = record["step_time_s"] if _number(record.get("step_time_s")) else float("nan")
+    return out
 
 
 def summary(train: list[dict]) -> list[str]:

@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError, fail
+from ..safe_files import write_atomic
 
 USAGE_PREFIX = "UsageError: "  # how a rank's UsageError reads in the launcher's failure record
 TRACEBACK_FILE = "error.log"
@@ -66,7 +67,7 @@ def _internal_error(cause: str, trace: str, log_dir: str | None) -> None:
     where = ""
     if trace and log_dir:
         try:
-            (Path(log_dir) / TRACEBACK_FILE).write_text(trace)
+            write_atomic(Path(log_dir) / TRACEBACK_FILE, trace, fsync=False)  # a symlink there is replaced
             where = f" (traceback in {Path(log_dir) / TRACEBACK_FILE})"
         except OSError:
             typer.echo(trace, err=True)

@@ -10,6 +10,7 @@ is a pure function of ``n``: the batch of step ``s`` follows from ``s`` alone, u
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -18,9 +19,15 @@ from .format import entropy
 
 
 def normalised(weights) -> list[float]:
-    """Weights over their sum, in float64 (megatron-core's ``utils.normalize``)."""
+    """Weights over their sum, in float64 (megatron-core's ``utils.normalize``); weights whose sum
+    overflows (``[1e308, 1e308]``) are scaled by their largest first, so the shares stay right."""
     w = np.asarray(weights, dtype=np.float64)
-    return (w / w.sum()).tolist()
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if not np.isfinite(total):
+        w = w / w.max()
+        total = w.sum()
+    return (w / total).tolist()
 
 
 def check_blend(blend, key: str) -> None:
@@ -37,6 +44,16 @@ def check_blend(blend, key: str) -> None:
     dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
     if dup:
         raise UsageError(f"{key} names {dup[0]!r} twice; give it one weight")
+
+
+def check_held_out(train: list, held_out: list, key: str) -> None:
+    """One line if a held-out source (``key``) is also a training source: the eval would measure training data."""
+    seen = {os.path.realpath(p): p for _, p in train}
+    shared = [p for _, p in held_out if os.path.realpath(p) in seen]
+    if shared:
+        raise UsageError(f"{key} source {shared[0]!r} is also a training source, so the eval would measure the "
+                         f"training data; give a held-out set, or leave {key} empty to hold out each training "
+                         f"source's trailing [data].valid_fraction")
 
 
 class BlendSchedule:

@@ -59,9 +59,12 @@ def write_index(path: Path, lengths: np.ndarray, dtype: np.dtype) -> None:
         f.write(np.arange(lengths.size + 1, dtype="<i8").tobytes())
 
 
-def write_sidecar(path: Path, vocab_size: int, tokenizer: str, eos: int | None, num_tokens: int, num_docs: int) -> None:
+def write_sidecar(path: Path, vocab_size: int, tokenizer: str, eos: int | None, num_tokens: int, num_docs: int,
+                  tokenizer_sha256: str | None = None) -> None:
     header = dict(format=SIDECAR, vocab_size=int(vocab_size), tokenizer=tokenizer, eos=eos,
                   num_tokens=int(num_tokens), num_docs=int(num_docs))
+    if tokenizer_sha256:
+        header["tokenizer_sha256"] = tokenizer_sha256
     path.write_text(json.dumps(header, indent=1) + "\n")
 
 

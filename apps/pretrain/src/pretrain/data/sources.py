@@ -49,9 +49,22 @@ def _jsonl(path: Path, key: str) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError:
                 raise UsageError(f"{path}:{number} is not a JSON object") from None
+            except RecursionError:
+                raise UsageError(f"{path}:{number} is nested too deeply to read (thousands of levels); a record is "
+                                 f"one JSON object with a string field \"{key}\"") from None
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise UsageError(f"{path}:{number} has no string field \"{key}\" (choose the field with --text-key)")
+            if "\\ud" in line.lower():  # a \uD800-\uDFFF escape: a lone surrogate is no text (UTF-8 cannot hold it)
+                _check_encodable(record[key], f"{path}:{number}", key)
             yield record[key]
+
+
+def _check_encodable(text: str, where: str, key: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: field \"{key}\" holds a lone surrogate {e.object[e.start:e.end]!r} (a \\uD800-"
+                         f"\\uDFFF escape without its pair), which is not text; fix or drop that record") from None
 
 
 def _parquet(path: Path, key: str, rows: int = 1024) -> Iterator[str]:

@@ -4,6 +4,7 @@ the EOS its tokenizer_config.json names)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class HFTokenizer:
         except Exception as e:  # tokenizers raises its own Exception type for malformed files
             raise UsageError(f"tokenizer file {path!r} could not be read: {e}") from None
         self.name = str(path)
+        self.sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()  # recorded: export copies only this file
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def eos_for(self, token: str | None) -> int:

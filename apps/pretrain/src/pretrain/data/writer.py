@@ -21,7 +21,7 @@ FORMATS = ("par", "megatron")
 
 class DatasetWriter:
     def __init__(self, prefix: str | Path, vocab_size: int, tokenizer: str = "byte", eos: int | None = None,
-                 format: str = "par"):
+                 format: str = "par", tokenizer_sha256: str | None = None):
 
         if format not in FORMATS:
             raise UsageError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
@@ -30,6 +30,7 @@ class DatasetWriter:
             raise UsageError(f"{str(prefix)!r} is a directory; give a file prefix inside it, e.g. {prefix / 'corpus'}")
         prefix.parent.mkdir(parents=True, exist_ok=True)
         self.prefix, self.vocab_size, self.tokenizer, self.eos, self.format = prefix, vocab_size, tokenizer, eos, format
+        self.tokenizer_sha256 = tokenizer_sha256
         self.dtype = token_dtype(vocab_size) if format == "par" else megatron_format.megatron_dtype(vocab_size)
         self.final = {ext: Path(f"{prefix}.{ext}") for ext in ("bin", "idx", "json")}
         self.tmp = {ext: p.with_name(f".{p.name}.tmp") for ext, p in self.final.items()}
@@ -63,13 +64,15 @@ class DatasetWriter:
             if self.format == "megatron":
                 megatron_format.write_index(self.tmp["idx"], lengths, self.dtype)
                 megatron_format.write_sidecar(self.tmp["json"], self.vocab_size, self.tokenizer, self.eos,
-                                              self.num_tokens, lengths.size)
+                                              self.num_tokens, lengths.size, self.tokenizer_sha256)
             else:
                 np.concatenate([[0], np.cumsum(lengths)]).astype("<i8").tofile(self.tmp["idx"])
                 header = dict(format=FORMAT, version=VERSION, dtype=self.dtype.name, vocab_size=int(self.vocab_size),
                               num_tokens=self.num_tokens, num_docs=int(lengths.size), tokenizer=self.tokenizer)
                 if self.eos is not None:
                     header["eos"] = int(self.eos)
+                if self.tokenizer_sha256:
+                    header["tokenizer_sha256"] = self.tokenizer_sha256
                 self.tmp["json"].write_text(json.dumps(header, indent=1) + "\n")
             for ext in ("bin", "idx", "json"):  # the header last: a reader never sees a header without its data
                 self.tmp[ext].replace(self.final[ext])

@@ -1,0 +1,122 @@
+"""The run lock (issue 49, items 5 and 6, and the lock under races and after a SIGKILL).
+
+- Without ``flock`` (Lustre ``noflock``, some NFS: ``flock`` fails with ENOLCK) a run still starts,
+  locked by its ``pretrain.pid`` file alone, and a second run on the directory refuses in one line.
+- A lock file another node's job left (host and job id in it) is refused in one line naming it and
+  the file to delete once that job has ended; the same job id (a requeued job) takes it over.
+- Processes racing for one directory: exactly one wins, with and without ``flock``.
+- A holder killed with SIGKILL leaves ``pretrain.pid`` behind: the next run takes it over.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.errors import UsageError
+from pretrain.preflight import PID_FILE, run_lock
+
+runner = CliRunner()
+TRAIN = ["train", "--nproc", "1", "--set", "model.layers=1", "--set", "train.steps=1", "--set", "train.warmup_steps=1",
+         "--set", "train.eval_every=0", "--set", "log.progress=false"]
+NO_FLOCK = "import fcntl, errno\ndef _no(*a):\n    raise OSError(errno.ENOLCK, 'No locks available')\nfcntl.flock = _no\n"
+
+
+def _no_flock(monkeypatch):
+    def refuse(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+
+
+def test_without_flock_a_run_starts_and_a_second_one_refuses(tmp_path, monkeypatch):
+    _no_flock(monkeypatch)
+    res = runner.invoke(app, TRAIN + ["--set", f"log.dir={tmp_path / 'run'}"])
+    assert res.exit_code == 0, res.output  # was: exit 1, "OSError: [Errno 37] No locks available"
+    assert not (tmp_path / "run" / PID_FILE).exists()
+    with run_lock(tmp_path / "run"):
+        res = runner.invoke(app, TRAIN + ["--set", f"log.dir={tmp_path / 'run'}", "--force"])
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and f"in use by another run (PID {os.getpid()}" in lines[0], res.output
+
+
+def test_a_lock_left_by_another_nodes_job_is_refused_and_the_same_job_takes_it_over(tmp_path, monkeypatch):
+    log = tmp_path / "run"
+    log.mkdir()
+    theirs = json.dumps({"pid": 4242, "host": "node-b", "job": "SLURM_JOB_ID=17", "token": "x"}) + "\n"
+    (log / PID_FILE).write_text(theirs)
+    monkeypatch.setenv("SLURM_JOB_ID", "18")
+    res = runner.invoke(app, TRAIN + ["--set", f"log.dir={log}"])
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    assert "(PID 4242 on node-b, job SLURM_JOB_ID=17)" in lines[0] and f"delete {log / PID_FILE}" in lines[0]
+    assert (log / PID_FILE).read_text() == theirs and not (log / "log.jsonl").exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "17")  # the same job, requeued on this node
+    res = runner.invoke(app, TRAIN + ["--set", f"log.dir={log}"])
+    assert res.exit_code == 0 and not (log / PID_FILE).exists(), res.output
+
+
+RACER = """
+import os, sys, time
+from pathlib import Path
+{patch}
+from pretrain.errors import UsageError
+from pretrain.preflight import run_lock
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.001)
+try:
+    with run_lock(sys.argv[1]):
+        print("won", flush=True)
+        time.sleep(float(sys.argv[3]))
+except UsageError as e:
+    print("lost", e, flush=True)
+"""
+
+
+def _racers(tmp_path, n, patch, hold_s=1.0):
+    go = tmp_path / "go"
+    script = textwrap.dedent(RACER.format(patch=patch))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "dir"), str(go), str(hold_s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    time.sleep(3.0)  # every racer imported and waiting
+    go.touch()
+    return [p.communicate(timeout=60) for p in procs]
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+def test_racing_runs_one_wins(tmp_path, flock):
+    results = _racers(tmp_path, 6, "" if flock == "flock" else NO_FLOCK)
+    outs = [out.strip() for out, err in results]
+    assert all(not err for _, err in results), [err for _, err in results]
+    assert sum(o == "won" for o in outs) == 1, outs
+    assert all(o == "won" or (o.startswith("lost ") and "in use by another run" in o) for o in outs), outs
+    assert not (tmp_path / "dir" / PID_FILE).exists() and not list((tmp_path / "dir").glob(".*stale"))
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+def test_a_holder_killed_with_sigkill_leaves_a_lock_the_next_run_takes_over(tmp_path, monkeypatch, flock):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RACER.format(
+        patch="" if flock == "flock" else NO_FLOCK)), str(tmp_path / "dir"), str(tmp_path), "600"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "won"
+    if flock == "no flock":  # the file system has none: for every process on it
+        _no_flock(monkeypatch)
+    with pytest.raises(UsageError, match=f"in use by another run \\(PID {holder.pid}"):
+        with run_lock(tmp_path / "dir"):
+            pass
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert json.loads((tmp_path / "dir" / PID_FILE).read_text())["pid"] == holder.pid  # left behind
+    with run_lock(tmp_path / "dir"):
+        assert json.loads((tmp_path / "dir" / PID_FILE).read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "dir" / PID_FILE).exists()

@@ -8,7 +8,6 @@ stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ..errors import UsageError
 from ..model.shapes import full_shapes
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
+from .hf_tokenizer import write_tokenizer
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
 SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
@@ -105,8 +105,9 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
-    """Write ``dst/config.json`` and ``dst/model.safetensors`` from one of our checkpoints."""
+def export_hf(checkpoint: str | Path, dst: str | Path) -> tuple[Path, list[str]]:
+    """Write ``dst/config.json``, ``dst/model.safetensors`` and the data's tokenizer from one of our
+    checkpoints; (dst, the names of the files written)."""
     from safetensors.torch import save_file
 
     dst = Path(dst)
@@ -126,26 +127,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path) -> Path:
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})
-    write_tokenizer(dst, saved["config"].get("data", {}))
-    return dst
+    # safetensors writes mode 0600: give it the mode config.json got (0666 less the umask)
+    (dst / "model.safetensors").chmod((dst / "config.json").stat().st_mode & 0o777)
+    return dst, ["config.json", "model.safetensors", *write_tokenizer(dst, saved["config"].get("data", {}))]
 
-
-def write_tokenizer(dst: Path, data: dict) -> None:
-    """The tokenizer the run's data was prepared with, beside the weights: the byte tokenizer as a
-    ``tokenizer.json``, or a copy of the ``tokenizers`` file (nothing when that file is gone)."""
-    name = data.get("tokenizer", "byte")
-    header = Path(f"{data['path']}.json") if data.get("path") else None
-    if header is not None and header.is_file():
-        name = json.loads(header.read_text()).get("tokenizer", name)  # what `prepare` used
-    if name in ("", "byte"):
-        from ..data.tokenizer import ByteTokenizer
-
-        tok = ByteTokenizer()
-        (dst / "tokenizer.json").write_text(json.dumps(tok.to_json(), ensure_ascii=False))
-        special = {"eos_token": tok.eos_token}
-    elif Path(name).is_file():
-        shutil.copyfile(name, dst / "tokenizer.json")
-        special = {}
-    else:
-        return
-    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}))

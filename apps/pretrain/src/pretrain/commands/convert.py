@@ -13,7 +13,7 @@ from ..errors import UsageError, fail
 def convert(
     from_hf: Optional[str] = typer.Option(None, "--from-hf", help="A Hugging Face save_pretrained directory to import."),
     out: Optional[str] = typer.Option(None, "--out", help="With --from-hf: the checkpoint directory to write."),
-    to_hf: Optional[str] = typer.Option(None, "--to-hf", help="A directory to export config.json + model.safetensors to."),
+    to_hf: Optional[str] = typer.Option(None, "--to-hf", help="A directory to export config.json, model.safetensors and the data's tokenizer to."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="With --to-hf: a checkpoint (or a run's checkpoint dir)."),
 ) -> None:
     """Import a Llama / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3 model from Hugging Face
@@ -30,8 +30,7 @@ def convert(
         elif to_hf and not from_hf:
             if not checkpoint:
                 raise UsageError("--to-hf needs --checkpoint CKPT")
-            dst = export_hf(checkpoint, to_hf)
-            files = ["config.json", "model.safetensors"] + (["tokenizer.json"] if (dst / "tokenizer.json").is_file() else [])
+            dst, files = export_hf(checkpoint, to_hf)
             typer.echo(f"wrote {dst} ({', '.join(files)})")
         else:
             raise UsageError("give either --from-hf DIR --out CKPT or --to-hf DIR --checkpoint CKPT")

@@ -16,6 +16,7 @@ import torch
 from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
+from .hf_data import source_tokenizer
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .hf_tokenizer import write_tokenizer
@@ -95,11 +96,13 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     out = Path(out).resolve()
     _refuse_existing(out, "--out")
     m, state = read_hf(src)
-    from ..config import CheckpointConfig, LogConfig
+    from ..config import CheckpointConfig, DataConfig, LogConfig
 
-    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)), log=LogConfig(dir=f"runs/{out.name}"))
+    tokenizer = source_tokenizer(Path(src))  # training refuses data of another tokenizer (hf_data.py)
+    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)), log=LogConfig(dir=f"runs/{out.name}"),
+                 data=DataConfig(tokenizer=tokenizer.get("tokenizer", "byte")))
     save_full_model(out, state, {"format": FORMAT, "step": 0, "config": cfg.to_dict(), "optimizer": False,
-                                 "source": f"huggingface:{Path(src).resolve()}"})
+                                 "source": f"huggingface:{Path(src).resolve()}", **tokenizer})
     (out / "config.toml").write_text(f"# derived from {Path(src).resolve()} by pretrain convert --from-hf\n"
                                      + cfg.to_toml())
     return out

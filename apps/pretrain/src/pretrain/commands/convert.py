@@ -25,8 +25,7 @@ def convert(
             if not out:
                 raise UsageError("--from-hf needs --out CKPT (the checkpoint directory to write)")
             path = import_hf(from_hf, out)
-            typer.echo(f"wrote {path} (model only) and {path / 'config.toml'}; "
-                       f"train from it with: pretrain train {path / 'config.toml'}")
+            typer.echo(f"wrote {path} (model only) and {path / 'config.toml'}; {_next_step(path)}")
         elif to_hf and not from_hf:
             if not checkpoint:
                 raise UsageError("--to-hf needs --checkpoint CKPT")
@@ -36,3 +35,18 @@ def convert(
             raise UsageError("give either --from-hf DIR --out CKPT or --to-hf DIR --checkpoint CKPT")
     except UsageError as e:
         raise fail(str(e))
+
+
+def _next_step(path) -> str:
+    """How to train the import: on the embedded byte-level data when its vocabulary is the bytes',
+    else on data prepared with its tokenizer (training refuses other data: checkpoint/hf_data.py)."""
+    from ..checkpoint.hf_data import BYTE_VOCABS
+    from ..checkpoint.store import read_state
+
+    saved = read_state(path)
+    want = saved.get("tokenizer_vocab") or saved["config"]["model"]["vocab_size"]
+    if want in BYTE_VOCABS:
+        return f"train from it with: pretrain train {path / 'config.toml'}"
+    return (f"train it on data prepared with its tokenizer: pretrain prepare TEXT --tokenizer "
+            f"{saved.get('tokenizer', 'ITS_TOKENIZER')} --out data/NAME, then pretrain train "
+            f"{path / 'config.toml'} --set data.path=data/NAME")

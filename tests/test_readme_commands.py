@@ -33,6 +33,10 @@ SKIP = (  # (pattern, why)
 )
 
 
+# what the test puts in the directory before the README's lines run (the clone and the placeholders)
+PLACED = {"apps", "packages", "tools", "README.md", "path", "shards", "a.jsonl.gz", "b.parquet", "my-tokenizer"}
+
+
 def readme_commands() -> list[str]:
     """The command lines of README.md's ```bash blocks, in order (continuations joined)."""
     text = (ROOT / "README.md").read_text()
@@ -115,7 +119,11 @@ def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys):
         print(f"\nREADME.md: {sum(r.startswith('ran') for r in report)} lines run, "
               f"{sum(r.startswith('skip') for r in report)} skipped, {time.perf_counter() - start:.0f} s\n"
               + "\n".join(report))
-    # what the lines left behind is what the README says they leave
+    # what the lines left behind is what the README says they leave, and a checkout's git ignores it
+    made = [p.name + "/" * p.is_dir() for p in tmp_path.iterdir() if p.name not in PLACED]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *made], capture_output=True,
+                             text=True).stdout.split()
+    assert sorted(made) == sorted(ignored), f"README outputs that .gitignore misses: {set(made) - set(ignored)}"
     assert (tmp_path / "runs" / "tiny" / "log.jsonl").is_file() and (tmp_path / "exported" / "tokenizer.json").is_file()
     assert (tmp_path / "data" / "web_text_document.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
     assert 'dir = "runs/llama"' in (tmp_path / "ckpt" / "llama" / "config.toml").read_text()

@@ -9,7 +9,7 @@
 # needs none: tomllib is built in). Steps:
 #   1. pytest -m gpu: every package's CUDA tests against the CPU fp32 result (packages/*/tests/test_gpu.py)
 #   2. a ~1B Llama (16 layers, hidden 2048, seq 4096, bf16) for 50 steps with `pretrain` and with a
-#      plain-PyTorch baseline in the same process: RESULT gpu-1b tokens_per_s= mfu= ratio=
+#      plain-PyTorch baseline in the same process: RESULT gpu-1b tokens_per_s= mfu= step_time_par_over_baseline= (below 1: par faster)
 #   3. where Transformer Engine is installed: the same run with [model].backend=te, and with fp8.
 # Without a CUDA GPU it prints one line and exits 0. Exit status 1 if any step failed.
 # The whole check keeps to CHECK_BUDGET_S seconds (470: under 8 minutes): each step's limit is cut

@@ -6,7 +6,7 @@ nn.RMSNorm, torch SDPA, the same initial weights) under the same autocast, ``tor
 clipping, on the very same batches (``--compile`` compiles it). Steps after ``--warmup`` are timed
 (CUDA-synchronized); the medians give
 
-    RESULT gpu-1b tokens_per_s=<par> mfu=<par, against the GPU's bf16 (or fp8) peak> ratio=<par step / baseline step>
+    RESULT gpu-1b tokens_per_s=<par> mfu=<par, against the GPU's bf16 (or fp8) peak> step_time_par_over_baseline=<par step / baseline step: below 1, par is faster>
 
     python tools/gpu/llama_1b.py                       # 16 layers, hidden 2048, seq 4096, 50 steps
     python tools/gpu/llama_1b.py --label te --set model.backend=te --no-baseline
@@ -145,7 +145,7 @@ def main() -> int:
     line = f"RESULT {args.label} tokens_per_s={tokens / par_s:.0f} mfu={'n/a' if mfu is None else f'{mfu:.3f}'}"
     if base_times:
         base_s = statistics.median(base_times)
-        line += f" ratio={par_s / base_s:.3f}"
+        line += f" step_time_par_over_baseline={par_s / base_s:.3f}"
         spread += f" s/step; baseline median {base_s:.3f} s ({min(base_times):.3f}..{max(base_times):.3f})"
     print(f"par median {par_s:.3f} s/step ({spread})")
     print(line, flush=True)

@@ -244,7 +244,7 @@ def test_export_copies_the_tokenizer_prepare_recorded(workspace, tmp_path):
         (tmp_path / f"data.{name}").write_bytes((workspace / "data" / f"good.{name}").read_bytes())
     import_hf(workspace / "hf_good", tmp_path / "ck")
     _retarget(tmp_path / "ck", str(tmp_path / "data"))
-    assert (export_hf(tmp_path / "ck", tmp_path / "out") / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert (export_hf(tmp_path / "ck", tmp_path / "out")[0] / "tokenizer.json").read_bytes() == tok.read_bytes()
     tok.write_text('{"another tokenizer": true}')
     res = runner.invoke(app, ["convert", "--to-hf", str(tmp_path / "out2"), "--checkpoint", str(tmp_path / "ck")])
     assert res.exit_code == 2 and "does not match the sha256" in res.stderr, res.output

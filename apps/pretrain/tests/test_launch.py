@@ -53,6 +53,13 @@ def late_rank(seconds):
         time.sleep(seconds)
     return report(1.0)
 
+def names():
+    init_distributed(timeout_s=60)
+    with open("/proc/self/comm") as f:
+        out = (os.environ["RANK"], f.read().strip())
+    shutdown()
+    return out
+
 def one_rank_fails(stamp):
     rank, *_ = init_distributed(timeout_s=600)
     if rank == 1:
@@ -82,6 +89,11 @@ def test_standalone_ranks_see_the_torchrun_environment_and_the_store_listens_on_
     out = launch(entries.report, (2.0,), nproc=2)
     assert out == [(0, 2, 0, "cpu", 6.0, [LOOPBACK]), (1, 2, 1, "cpu", 6.0, [LOOPBACK])]
     assert launch(entries.report, (1.0,), nproc=1) == [(0, 1, 0, "cpu", 1.0, [])]  # one rank: nothing listens
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process name is Linux's /proc/PID/comm")
+def test_each_rank_process_is_named_after_its_rank(entries):  # issue 50: nothing told which PID was which rank
+    assert launch(entries.names, (), nproc=2) == [("0", "pretrain-rank0"), ("1", "pretrain-rank1")]
 
 
 def _churn(stop: threading.Event) -> None:

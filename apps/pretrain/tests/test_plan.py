@@ -126,3 +126,12 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     res = runner.invoke(app, ["plan", *args])
     assert res.exit_code == 2 and message in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_the_model_state_rows_are_all_in_gb():  # issue 50: "params 501.91 MB" among the GB of ZeRO-3's row
+    res = runner.invoke(app, ["plan", "llama3-8b", "--world", "32"])
+    assert res.exit_code == 0, res.output
+    rows = [line for line in res.stdout.splitlines() if line.startswith("  ") and "params" in line]
+    assert len(rows) == 5 and not any(" MB" in r or " KB" in r for r in rows), rows  # DDP, ZeRO-1/2/3, HSDP
+    zero3 = next(r for r in rows if "(optim_grads_params)" in r)
+    assert "params 0.50 GB + grads 1.00 GB + optimizer 3.01 GB" in zero3, zero3

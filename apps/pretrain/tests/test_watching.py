@@ -132,3 +132,35 @@ def test_wandb_without_the_package_is_one_line_before_any_rank_starts(monkeypatc
     assert res.stderr.startswith("error: [log].wandb = true needs the wandb package"), res.stderr
     res = runner.invoke(app, ["train", "--set", "log.wandb_tags=[1]", "--set", f"log.dir={tmp_path}"])
     assert res.exit_code == 2 and "[log].wandb_tags must be a list of strings" in res.stderr, res.output
+
+
+def test_a_profiled_step_prints_no_kineto_notes(tmp_path, capfd):  # issue 50: 12 USDT lines per profiled run
+    import os
+
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.profile_window import ProfileWindow, _without_kineto_notes
+
+    cfg = load_config(None, ['profile.steps="1-2"', f"log.dir={tmp_path}"])
+    window = ProfileWindow(cfg, 0, torch.device("cpu"))
+    for step in (1, 2):
+        window.before(step)
+        torch.ones(4).sum()
+        window.after(step)
+    _without_kineto_notes(lambda: os.write(2, b"a real error\n"))  # anything else still shows
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err and err.count("a real error") == 1, err
+    assert (tmp_path / "profile" / "step_2" / "rank_0.json").is_file()
+
+
+def test_a_long_runs_breakdown_has_no_per_step_markers_over_its_bars():  # issue 50: red triangles hid the bars
+    from pretrain.plots import _breakdown, pyplot
+
+    keys = ("time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_exposed_comm_s", "time_busy_max_s")
+    for steps, marked in ((200, False), (10, True)):
+        train = [{k: 0.1 for k in keys} | {"step": i, "step_time_s": 0.4} for i in range(1, steps + 1)]
+        fig, ax = pyplot().subplots()
+        _breakdown(ax, train, [r["step"] for r in train])
+        assert any(line.get_marker() not in (None, "None", "") for line in ax.get_lines()) == marked, steps
+        pyplot().close(fig)

@@ -8,8 +8,10 @@ from pathlib import Path
 from .errors import UsageError
 from .safe_files import write_atomic, write_via
 
-MATPLOTLIB_MISSING = "drawing needs matplotlib, which is not installed: pip install matplotlib"
+MATPLOTLIB_MISSING = ("drawing needs matplotlib, which is not installed here: `uv sync` (the dev group has it), or "
+                      "`uv pip install matplotlib` into this environment")
 PHASES = (("time_data_s", "data"), ("time_fwd_bwd_s", "forward-backward"), ("time_optimizer_s", "optimizer"))
+MARKED_STEPS = 30  # the report marks each step's points up to this many steps
 KIND_COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#c44e52"}
 
 
@@ -66,8 +68,11 @@ def _breakdown(ax, train: list[dict], steps: list[int]) -> None:
         values = [1e3 * r[key] for r in train]
         ax.bar(steps, values, bottom=bottom, label=label, width=0.9)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.plot(steps, [1e3 * r["time_exposed_comm_s"] for r in train], "k.--", label="of which waiting in comm")
-    ax.plot(steps, [1e3 * r["time_busy_max_s"] for r in train], "r^:", label="slowest rank busy")
+    few = len(train) <= MARKED_STEPS  # past that, a marker per step would hide the bars
+    ax.plot(steps, [1e3 * r["time_exposed_comm_s"] for r in train], "k.--" if few else "k--", lw=0.8,
+            label="of which waiting in comm")
+    ax.plot(steps, [1e3 * r["time_busy_max_s"] for r in train], "r^:" if few else "r:", lw=0.8,
+            label="slowest rank busy")
     ax.plot(steps, [1e3 * r["step_time_s"] for r in train], "k-", lw=0.8, label="step")
     ax.set(title="where the step's time goes (ms, rank 0)", xlabel="step")
     ax.legend(fontsize=8)

@@ -22,7 +22,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
     from .checkpoint.retention import check_unclaimed, read_manifest
     from .checkpoint.safe_metadata import read_metadata
     from .checkpoint.store import check_compatible, check_optimizer_matches, read_state, resolve_checkpoint
-    from .data import build_sampler, check_data_ids, load_dataset, load_eval
+    from .checkpoint.hf_data import check_data_matches_import
+    from .data import members, build_sampler, check_data_ids, load_dataset, load_eval
 
     for key, path in (("[log].dir", Path(cfg.log.dir)), ("[checkpoint].dir", checkpoint_root(cfg))):
         if path.resolve() == Path(path.resolve().anchor):
@@ -44,6 +45,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
         verify_files(start, [STATE_FILE, METADATA], read_checksums(start, ck.verify))
     if start is not None:
         check_compatible(start, read_state(start), cfg)
+    if latest is None and start is not None:  # an imported model: data of its own tokenizer
+        check_data_matches_import(read_state(start), members(dataset), cfg.model.vocab_size)
     if latest is None and start is not None:
         read_metadata(start)  # a crafted index, or a missing or truncated data file: one line here
     if latest is not None and read_state(latest).get("optimizer", False):  # resuming loads the optimizer's state

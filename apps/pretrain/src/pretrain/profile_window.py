@@ -13,6 +13,9 @@ https://pytorch.org/memory_viz); on the CPU the profiler's memory columns, per o
 from __future__ import annotations
 
 import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 from .safe_files import write_via
 
 MEMORY_EVENTS = 100_000  # allocation events the CUDA history keeps
+# Kineto's notes on stderr at every start and stop, whatever KINETO_LOG_LEVEL says:
+# "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:39] profiler_start" (and STAGE: lines)
+KINETO_NOTE = re.compile(rb"^(USDT|STAGE):\S+ \S+ \S+ \S+\.cpp:\d+\] ")
 
 
 class ProfileWindow:
@@ -44,14 +50,14 @@ class ProfileWindow:
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no "gpuGetDeviceCount failed" line per rank on a CPU host
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._prof = profile(activities=activities, profile_memory=self.memory and not cuda)
-        self._prof.start()
+        _without_kineto_notes(self._prof.start)
         if self.watch is not None:
             self.watch.ranges = True
 
     def after(self, step: int) -> None:
         if self._prof is None:
             return
-        self._prof.stop()
+        _without_kineto_notes(self._prof.stop)
         out = self.dir / f"step_{step}"
         out.mkdir(parents=True, exist_ok=True)
         _write(out / f"rank_{self.rank}.json", self._prof.export_chrome_trace)
@@ -71,3 +77,20 @@ class ProfileWindow:
 def _write(path: Path, writer) -> None:
     """``writer(name)`` to a temporary name, then renamed (no half-written file under the real name)."""
     write_via(path, writer)
+
+
+def _without_kineto_notes(call) -> None:
+    """``call()`` with the C++ stderr (fd 2) caught, then written back without Kineto's notes."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            call()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            rest = b"".join(line for line in caught if not KINETO_NOTE.match(line))
+            if rest:
+                os.write(2, rest)

@@ -48,12 +48,25 @@ def _exit_with_launcher(conn) -> None:
     os._exit(1)
 
 
+def _name_process(rank: str) -> None:
+    """``ps -o pid,comm``, ``top`` and ``pgrep`` show which process is which rank: ``pretrain-rank3``
+    (Linux's process name, 15 characters at most). A forked rank's /proc/PID/environ keeps the
+    forkserver's environment, so RANK is in ``os.environ`` but not there."""
+    name = f"pretrain-rank{rank}" if len(rank) <= 2 else f"pretrain-r{rank}"
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:  # not Linux: the name stays python's
+        pass
+
+
 def _rank_main(env: dict[str, str], entry: Callable, args: tuple, conn) -> None:
     """Runs in each rank process: the torchrun environment, then ``entry(*args)``; reports the outcome."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher turns Ctrl-C into one SIGTERM
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until the entry handles it
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
+    _name_process(env["RANK"])
     threading.Thread(target=_exit_with_launcher, args=(conn,), daemon=True).start()
     try:
         reply = ("ok", entry(*args))

@@ -8,7 +8,6 @@ stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 from __future__ import annotations
 
 import json
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +17,10 @@ from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
 from .hf_fields import read_config_json
+from .hf_data import source_tokenizer
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
+from .hf_tokenizer import check_tokenizer, write_tokenizer
 from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
 
 SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
@@ -91,18 +92,21 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     out = Path(out).resolve()
     _refuse_existing(out, "--out")
     m, state = read_hf(src)
-    from ..config import CheckpointConfig, LogConfig
+    from ..config import CheckpointConfig, DataConfig, LogConfig
 
-    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)), log=LogConfig(dir=f"runs/{out.name}"))
+    tokenizer = source_tokenizer(Path(src))  # training refuses data of another tokenizer (hf_data.py)
+    cfg = Config(model=m, checkpoint=CheckpointConfig(init_from=str(out)), log=LogConfig(dir=f"runs/{out.name}"),
+                 data=DataConfig(tokenizer=tokenizer.get("tokenizer", "byte")))
     save_full_model(out, state, {"format": FORMAT, "step": 0, "config": cfg.to_dict(), "optimizer": False,
-                                 "source": f"huggingface:{Path(src).resolve()}"})
+                                 "source": f"huggingface:{Path(src).resolve()}", **tokenizer})
     (out / "config.toml").write_text(f"# derived from {Path(src).resolve()} by pretrain convert --from-hf\n"
                                      + cfg.to_toml())
     return out
 
 
-def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -> Path:
-    """Write ``dst/config.json`` and ``dst/model.safetensors`` from one of our checkpoints."""
+def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -> tuple[Path, list[str]]:
+    """Write ``dst/config.json``, ``dst/model.safetensors`` and (``tokenizer``) the data's tokenizer from
+    one of our checkpoints; (dst, the names of the files written)."""
     from safetensors.torch import save_file
 
     dst = Path(dst)
@@ -113,7 +117,9 @@ def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -
         m = config_from_dict({"model": saved["config"]["model"]}).model  # type-checked as a TOML's
     except (KeyError, TypeError, UsageError) as e:
         raise UsageError(f"checkpoint {path}: {STATE_FILE} has no valid model config ({e})") from None
-    tokenizer = tokenizer_source(saved["config"].get("data", {})) if tokenizer else None  # before any write
+    data = saved["config"].get("data", {})
+    if tokenizer:
+        check_tokenizer(data)  # before any write: only a tokenizer `prepare` recorded is copied
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
     state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
@@ -123,48 +129,6 @@ def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})
-    write_tokenizer(dst, tokenizer)
-    return dst
-
-
-def tokenizer_source(data: dict) -> str | bytes | None:
-    """What the export's ``tokenizer.json`` will be: "byte", the bytes of the ``tokenizers`` file the
-    run's data was prepared with, or None (that file is gone). A file is copied only when the dataset
-    header records its sha256 (``prepare`` does) and the file still has it: a header or config naming
-    any other file (a secret outside the run) is refused in one line."""
-    name, header, recorded = data.get("tokenizer", "byte"), None, None
-    if data.get("path") and Path(f"{data['path']}.json").is_file():
-        header = Path(f"{data['path']}.json")
-        try:
-            fields = json.loads(header.read_text())
-        except (OSError, ValueError) as e:
-            raise UsageError(f"dataset header {header} is unreadable ({e})") from None
-        fields = fields if isinstance(fields, dict) else {}
-        name, recorded = fields.get("tokenizer", name), fields.get("tokenizer_sha256")
-    if name in ("", "byte"):
-        return "byte"
-    if not isinstance(name, str) or not Path(name).is_file():
-        return None
-    content = Path(name).read_bytes()
-    if recorded is None or hashlib.sha256(content).hexdigest() != recorded:
-        why = "has no recorded sha256" if recorded is None else "does not match the sha256 `prepare` recorded"
-        raise UsageError(f"tokenizer {name!r} named by {header or 'the checkpoint config'} {why}, so it is not "
-                         f"copied into the export; re-run `pretrain prepare` with it, or export the weights alone "
-                         f"with --no-tokenizer")
-    return content
-
-
-def write_tokenizer(dst: Path, source: str | bytes | None) -> None:
-    """The tokenizer the run's data was prepared with (:func:`tokenizer_source`), beside the weights."""
-    if source == "byte":
-        from ..data.tokenizer import ByteTokenizer
-
-        tok = ByteTokenizer()
-        (dst / "tokenizer.json").write_text(json.dumps(tok.to_json(), ensure_ascii=False))
-        special = {"eos_token": tok.eos_token}
-    elif isinstance(source, bytes):
-        (dst / "tokenizer.json").write_bytes(source)
-        special = {}
-    else:
-        return
-    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}))
+    # safetensors writes mode 0600: give it the mode config.json got (0666 less the umask)
+    (dst / "model.safetensors").chmod((dst / "config.json").stat().st_mode & 0o777)
+    return dst, ["config.json", "model.safetensors", *(write_tokenizer(dst, data) if tokenizer else [])]

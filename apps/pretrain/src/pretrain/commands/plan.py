@@ -36,6 +36,11 @@ def human_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def gb(b: float) -> str:
+    """Bytes in GB whatever their size, so the rows of one table compare at a glance: 501.91e6 -> '0.50 GB'."""
+    return f"{b / GB:.2f} GB"
+
+
 def human_count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
@@ -90,9 +95,9 @@ def render_config(plan: dict) -> str:
     for strategy, row in plan["model_state"].items():
         mark = " <- current" if strategy == plan["current"] else ""
         peak = plan["peak_gb"][strategy]
-        lines.append(f"  {row['label'] + ' (' + strategy + ')':30} {human_bytes(row['total']):>10}   params "
-                     f"{human_bytes(row['params'])} + grads {human_bytes(row['grads'])} + optimizer "
-                     f"{human_bytes(row['optim'])}; peak {human_bytes(peak * GB)} {'fits' if peak <= plan['budget_gb'] else 'does not fit'}{mark}")
+        lines.append(f"  {row['label'] + ' (' + strategy + ')':30} {gb(row['total']):>10}   params "
+                     f"{gb(row['params'])} + grads {gb(row['grads'])} + optimizer "
+                     f"{gb(row['optim'])}; peak {gb(peak * GB)} {'fits' if peak <= plan['budget_gb'] else 'does not fit'}{mark}")
     lines.append(f"activations per rank: {human_bytes(act['total'])} on pp stage {act['stage']} (recompute="
                  f"{act['recompute']}, sp {'on' if act['sequence_parallel'] else 'off'}, cp={act['cp']})")
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")

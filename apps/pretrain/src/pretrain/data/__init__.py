@@ -14,7 +14,7 @@ from .tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 
 __all__ = ["Batch", "Blend", "ByteTokenizer", "HFTokenizer", "TokenDataset", "TokenSampler", "build_sampler",
            "check_data_ids", "check_token_ids", "embedded_dataset", "get_tokenizer", "load_dataset", "load_eval",
-           "open_dataset", "write_dataset"]
+           "members", "open_dataset", "write_dataset"]
 
 
 def _open(prefix: str, data_cfg, vocab_size: int | None) -> TokenDataset:
@@ -42,7 +42,8 @@ def _load(sources: list, data_cfg, vocab_size: int | None, key: str, others: lis
     return Blend(datasets, [w for w, _ in sources])
 
 
-def _members(data) -> list:
+def members(data) -> list:
+    """The datasets of ``data``: a blend's sources, a dataset alone, or none."""
     return [] if data is None else data.datasets if isinstance(data, Blend) else [data]
 
 
@@ -69,12 +70,12 @@ def load_eval(data_cfg, vocab_size: int | None = None, train=None):
     if not data_cfg.eval_sources:
         return None
     key = "[data].eval_blend" if data_cfg.eval_blend else "[data].eval_path"
-    return _load(data_cfg.eval_sources, data_cfg, vocab_size, key, others=_members(train)[:1])
+    return _load(data_cfg.eval_sources, data_cfg, vocab_size, key, others=members(train)[:1])
 
 
 def check_data_ids(data, vocab_size: int) -> None:
     """:func:`check_token_ids` for every dataset of ``data`` (a dataset, a blend or None)."""
-    for ds in _members(data):
+    for ds in members(data):
         check_token_ids(ds, vocab_size)
 
 
@@ -84,8 +85,8 @@ def build_sampler(cfg, layout, dp_rank: int, dataset=None) -> TokenSampler:
     # the embedded data (also what `plan --simulate` runs on) has its own held-out tail
     held_out = None if str(ds.source).startswith("<embedded") else load_eval(cfg.data, cfg.model.vocab_size, ds)
     weights = ds.weights if isinstance(ds, Blend) else None
-    return TokenSampler(_members(ds), seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
+    return TokenSampler(members(ds), seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                         micro_batch=layout.micro_batch, dp_rank=dp_rank, dp_size=layout.dp,
                         seed=cfg.train.seed, valid_fraction=cfg.data.valid_fraction, weights=weights,
-                        eval_datasets=_members(held_out) or None,
+                        eval_datasets=members(held_out) or None,
                         eval_weights=held_out.weights if isinstance(held_out, Blend) else None)

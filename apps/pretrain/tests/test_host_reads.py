@@ -22,6 +22,9 @@ LAYOUTS = {  # name: (config, nproc, overrides)
     "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
     "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
 }
+# MoE at ep2: the all-to-all's split sizes are read once per MoE layer per micro-batch (their
+# tensor sizes follow the routing); the static-shape dispatch reads none.
+MOE = ("tiny-moe", 2, ["parallel.ep=2", "model.layers=3", "train.micro_batch=2"])
 
 
 def reads_per_step(monkeypatch, tmp_path, config, nproc, overrides) -> list[list[int]]:
@@ -51,3 +54,12 @@ def test_no_host_read_outside_log_steps(monkeypatch, tmp_path, fault_ranks, name
     for rank, per_step in enumerate(reads):
         assert len(per_step) == STEPS
         assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), f"{name} rank {rank}: reads per step {per_step}"
+
+
+def test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch(monkeypatch, tmp_path, fault_ranks):
+    config, nproc, overrides = MOE
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides)
+    print("ep2", reads)
+    moe_layers, micro_batches = 2, 8 // 2 // 2  # layers 1-2 of 3; global batch 8 over dp 2 in micro-batches of 2
+    for rank, per_step in enumerate(reads):
+        assert unlogged(per_step) == [moe_layers * micro_batches] * (STEPS - STEPS // EVERY), (rank, per_step)

@@ -61,12 +61,13 @@ def test_dispatch_then_combine_with_unit_weights_returns_the_input(dist_run):
             assert got == expected, (ep, kind, k, rank)
             if kind == "alltoall":
                 # The minimum: each token once to each other rank holding any of its experts (with its k
-                # slots' weights and ids: 2k columns), one row back per row received; plus the counts.
+                # slots' weights and ids: 2k columns), one row back per row received; plus the counts (to
+                # each other rank: its rows and its pairs per local expert, int64, read once on the host).
                 me = group.index(rank)
                 ranks_of = [[{int(e) // (E // ep) for e in experts} for experts in per_rank[src]["indices"]] for src in group]
                 rows_out = sum(len(dests - {me}) for dests in ranks_of[me])
                 rows_in = sum(me in dests for i, src in enumerate(group) if i != me for dests in ranks_of[i])
-                minimum = (ep - 1) * 8 + rows_out * (H + 2 * k) * 4 + rows_in * H * 4
+                minimum = (ep - 1) * (1 + E // ep) * 8 + rows_out * (H + 2 * k) * 4 + rows_in * H * 4
                 assert r["sent"] == minimum, (ep, k, rank, r["sent"], minimum)
                 assert r["ops"] == ["all_to_all"] * 3
 

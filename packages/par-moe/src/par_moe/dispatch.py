@@ -39,6 +39,7 @@ class DispatchHandle:
     output_splits: list[int] | None = None  # all-to-all: rows received from each rank
     source_token: torch.Tensor | None = None  # all-to-all: the token of each sent row
     num_source_tokens: int = 0
+    max_count: int | None = None  # the most rows of one local expert, when known without a host read
 
 
 def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
@@ -84,40 +85,53 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.ep
         self.num_experts = num_experts
 
+    def routed_sizes(self, indices: torch.Tensor, kept: torch.Tensor, needs: torch.Tensor) -> RoutedSizes:
+        """The sizes of this dispatch from the routing with ONE host read: the rows for each destination
+        and the pairs for each of its experts go out in one small all-to-all, and what was sent and
+        received is read together. A GPU waits once per MoE layer and micro-batch; every later shape
+        (the token rows, the all-to-all, the expert rows, the padded batch) is then known."""
+        pairs = torch.zeros(self.ep * self.num_local, dtype=torch.int64, device=indices.device)
+        pairs = pairs.scatter_add_(0, indices.reshape(-1), kept.reshape(-1).to(torch.int64))
+        out = torch.cat([needs.sum(0, dtype=torch.int64).unsqueeze(1), pairs.view(self.ep, self.num_local)], dim=1)
+        received = exchange_counts(out.reshape(-1), self.group).view(self.ep, 1 + self.num_local)
+        sent, got = torch.stack([out, received]).tolist()  # the one host read
+        return RoutedSizes(pairs=[n for row in sent for n in row[1:]], send=[row[0] for row in sent],
+                           receive=[row[0] for row in got], local=[sum(col) for col in zip(*(row[1:] for row in got))])
+
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
-        """``sizes``: a declared routing's sizes in place of the data's (None: the data's)."""
-        local = None if sizes is None else sizes.local
+        """``sizes``: a declared routing's sizes in place of the data's (None: the data's, read once)."""
+        declared = None if sizes is None else sizes.local  # counts to build on the host (no data to count)
         if self.ep == 1:
-            expert, token, weight = sort_pairs(indices, weights, keep, size=None if local is None else sum(local))
-            return x[token], bincount(expert, self.num_experts, local), DispatchHandle(x.shape[0], token, weight)
+            expert, token, weight = sort_pairs(indices, weights, keep, size=None if declared is None else sum(declared))
+            return x[token], bincount(expert, self.num_experts, declared), DispatchHandle(x.shape[0], token, weight)
         hidden, top_k = x.shape[1], indices.shape[1]
         rank_of_slot = indices // self.num_local  # [T, k]
         kept = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
         # needs[t, p]: token t has a kept slot on rank p (a scatter, not a masked index: static shapes)
         needs = torch.zeros(x.shape[0], self.ep, dtype=torch.int32, device=x.device)
         needs = needs.scatter_add_(1, rank_of_slot, kept.to(torch.int32)) > 0
+        sizes = self.routed_sizes(indices, kept, needs) if sizes is None else sizes
+        local = sizes.local
         # one row per (destination rank, token), by rank
-        dest, token = nonzero(needs.t(), None if sizes is None else sum(sizes.send))
+        dest, token = nonzero(needs.t(), sum(sizes.send))
         # Each row carries its k slots: the weight and local expert id of the slots bound for dest, else 0 / -1.
         mine = (rank_of_slot[token] == dest.unsqueeze(1)) & kept[token]
         slot_weight = torch.where(mine, weights[token], 0.0).to(x.dtype)
         slot_expert = torch.where(mine, indices[token] - dest.unsqueeze(1) * self.num_local, -1)
         payload = torch.cat([x[token], slot_weight, _ids_as(slot_expert, x.dtype)], dim=1)
-        input_splits = bincount(dest, self.ep, None if sizes is None else sizes.send)
-        output_splits = exchange_counts(input_splits, self.group)
-        output_splits = output_splits.tolist() if sizes is None else sizes.receive
-        input_splits = input_splits.tolist() if sizes is None else sizes.send
+        input_splits, output_splits = sizes.send, sizes.receive
         received = all_to_all_tokens(payload, self.group, output_splits, input_splits)
         # Expand each received row to its local experts, sorted by expert.
         rows_x, rows_w = received[:, :hidden], received[:, hidden:hidden + top_k]
         rows_e = _ids_from(received[:, hidden + top_k:], torch.int64)
-        row, slot = nonzero(rows_e >= 0, None if local is None else sum(local))
+        row, slot = nonzero(rows_e >= 0, sum(local))
         expert = rows_e[row, slot]
         order = torch.argsort(expert, stable=True)
         row, slot, expert = row[order], slot[order], expert[order]
         handle = DispatchHandle(received.shape[0], row, rows_w[row, slot], input_splits=input_splits,
-                                output_splits=output_splits, source_token=token, num_source_tokens=x.shape[0])
-        return rows_x[row], bincount(expert, self.num_local, local), handle
+                                output_splits=output_splits, source_token=token, num_source_tokens=x.shape[0],
+                                max_count=max(local))
+        return rows_x[row], bincount(expert, self.num_local, declared), handle
 
     def combine(self, expert_out, handle: DispatchHandle):
         per_row = weighted_sum(expert_out, handle)  # each received row's experts, weighted and summed

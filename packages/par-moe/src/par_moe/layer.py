@@ -106,7 +106,7 @@ class MoELayer(nn.Module):
             sizes = declared.sizes(xs.shape[0], c.top_k, c.num_experts, self.ep, group_rank(self.ep_group),
                                    None if capacity is None else capacity * self.etp)
         expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, sizes)
-        expert_out = self.experts(expert_in, expert_counts, None if sizes is None else max(sizes.local))
+        expert_out = self.experts(expert_in, expert_counts, max(sizes.local) if sizes is not None else handle.max_count)
         y = self.dispatcher.combine(expert_out, handle)
         if self.etp > 1:
             y = reduce_scatter_tokens(y, self.etp_group)

@@ -84,7 +84,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         start = interval = time.time()
         interval_steps = 0
         for step in range(start_step, last_step):
+            began = time.time()
             profiler.before(step + 1)
+            interval += time.time() - began  # starting a profile is not the step's time
             result = trainer.train_step(step)
             done, interval_steps = step + 1, interval_steps + 1
             first = result if first is None else first
@@ -99,13 +101,13 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                     step_time = (time.time() - interval) / interval_steps
                     logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
                                **result.moe, **timing, **trainer.sampler.shares(done))
-                interval, interval_steps = time.time(), 0
+                interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
             profiler.after(done)  # after the log line: writing the trace is not the step's time
             if t.eval_every and (done % t.eval_every == 0 or done == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
                     logger.log_eval(done, eval_loss)
-                interval, interval_steps = time.time(), 0
+                interval_steps = -1
             checkpoint_step = bool(ck.every and done % ck.every == 0)
             # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
             preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
@@ -115,13 +117,15 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 saved_at = done
                 if logger is not None:
                     logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
-                interval, interval_steps = time.time(), 0
+                interval_steps = -1
             if preempted:
                 saver.finish()  # published before we exit
                 if logger is not None:
                     logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
                                    f"checkpoint written")
                 break
+            if interval_steps < 0:
+                interval, interval_steps = time.time(), 0
         first = None if first is None else first.loss
         if last is None and done > start_step:  # stopped by a signal between log steps
             last = result.loss

@@ -117,6 +117,8 @@ MOE = {
     "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
     "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
     "cp2-dp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
+    # static shapes (every expert padded to this rank's token count): the dropless math of one rank
+    "tp2-ep2-padded": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall_padded"],
 }
 # Without a pipeline two layers (one dense, one MoE) show what four do, except for ep2 x dp2, the
 # case that once drifted, kept at four (three MoE layers). The pipeline keeps four too, so the first

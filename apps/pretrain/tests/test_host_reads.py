@@ -63,3 +63,11 @@ def test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch(monkeypatch, t
     moe_layers, micro_batches = 2, 8 // 2 // 2  # layers 1-2 of 3; global batch 8 over dp 2 in micro-batches of 2
     for rank, per_step in enumerate(reads):
         assert unlogged(per_step) == [moe_layers * micro_batches] * (STEPS - STEPS // EVERY), (rank, per_step)
+
+
+def test_the_static_shape_moe_dispatch_reads_nothing(monkeypatch, tmp_path, fault_ranks):
+    config, nproc, overrides = MOE
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides + ["model.dispatcher=alltoall_padded"])
+    print("ep2 padded", reads)
+    for rank, per_step in enumerate(reads):
+        assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), (rank, per_step)

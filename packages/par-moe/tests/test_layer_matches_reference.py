@@ -26,7 +26,7 @@ ROUTINGS = {
     "top1-capacity-position": dict(top_k=1, capacity_factor=1.5, drop_policy="position"),
 }
 CASES = [(f"{name}-{d}", dict(hidden=H, ffn_hidden=F, num_experts=E, dispatcher=d, **kw))
-         for name, kw in ROUTINGS.items() for d in ("alltoall", "allgather")]
+         for name, kw in ROUTINGS.items() for d in ("alltoall", "allgather", "alltoall_padded")]
 
 
 def make_reference(config, seed):

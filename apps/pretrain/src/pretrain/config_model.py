@@ -11,7 +11,7 @@ BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: Py
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
 RECOMPUTE = ("none", "selective", "full")
 SCORE_FUNCS = ("softmax", "sigmoid")
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 ATTENTIONS = ("gqa", "mla")
 GROUP_SCORES = ("top2", "top_k_per_group")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 GROUP_SCORES = ("top2", "top_k_per_group")
 
 

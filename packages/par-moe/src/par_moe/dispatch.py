@@ -14,6 +14,7 @@ token's k contributions.
 * :class:`AllGatherDispatcher`: every rank gathers all tokens of the EP group (and routing),
   computes its experts' share of every token, then a reduce-scatter sums the shares and hands
   each rank its own tokens. Needs the same token count on every EP rank.
+* ``PaddedAllToAllDispatcher`` (padded.py): static shapes, every expert padded to its capacity.
 """
 
 from __future__ import annotations
@@ -186,4 +187,8 @@ def make_dispatcher(kind: str, num_experts: int, ep_group: ProcessGroup | None):
         return AllToAllDispatcher(num_experts, ep_group)
     if kind == "allgather":
         return AllGatherDispatcher(num_experts, ep_group)
-    raise ValueError(f"dispatcher {kind!r}; use 'alltoall' or 'allgather'")
+    if kind == "alltoall_padded":
+        from .padded import PaddedAllToAllDispatcher
+
+        return PaddedAllToAllDispatcher(num_experts, ep_group)
+    raise ValueError(f"dispatcher {kind!r}; use 'alltoall', 'allgather' or 'alltoall_padded'")

@@ -105,8 +105,13 @@ class MoELayer(nn.Module):
         if declared is not None:
             sizes = declared.sizes(xs.shape[0], c.top_k, c.num_experts, self.ep, group_rank(self.ep_group),
                                    None if capacity is None else capacity * self.etp)
-        expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, sizes)
-        expert_out = self.experts(expert_in, expert_counts, max(sizes.local) if sizes is not None else handle.max_count)
+        if c.dispatcher == "alltoall_padded":  # static shapes: each expert padded to its capacity (x etp ranks)
+            slots = (tokens.shape[0] if capacity is None else capacity) * self.etp
+            expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, slots=slots)
+        else:
+            expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, sizes)
+        max_count = handle.max_count if handle.max_count is not None else None if sizes is None else max(sizes.local)
+        expert_out = self.experts(expert_in, expert_counts, max_count)
         y = self.dispatcher.combine(expert_out, handle)
         if self.etp > 1:
             y = reduce_scatter_tokens(y, self.etp_group)

@@ -21,16 +21,21 @@ TOLERANCE = 1e-6
 COMPILE = "train.compile=true"
 
 
-def compiled_train_steps(config, overrides):
-    """:func:`layout_runs.train_steps` with ``[train].compile`` on, and dynamo's counters over the
-    run: graph breaks and graphs compiled."""
+def compiled_train_steps(config, overrides, steps_fn=train_steps, *args):
+    """``steps_fn`` (:func:`layout_runs.train_steps`) with ``[train].compile`` on, under the watch a
+    run has by default (flight records and timing: ``pretrain.run``), and dynamo's counters over the
+    run: graph breaks and graphs compiled; and the watch's compiled-region entries."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from par_groups.watch import CommWatch
+
     torch._dynamo.reset()  # the harness's worker processes serve the whole session
     counters.clear()
-    result = train_steps(config, [*overrides, COMPILE])
-    return result, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    with CommWatch(capacity=10_000) as watch:
+        result = steps_fn(config, [*overrides, COMPILE], *args)
+    regions = sum(e.op.startswith("compiled ") for e in watch.entries)
+    return result, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], regions
 
 
 FOUR_MICROBATCHES = "parallel.microbatches=4"
@@ -49,10 +54,25 @@ LAYOUTS = {
 def test_compiled_layout_matches_single_rank(dist_run, name):
     config, common, layout, graphs = LAYOUTS[name]
     out = dist_run(4, compiled_train_steps, config, list(common) + layout, timeout=900)
-    assert [g for _, _, g in out] == [graphs] * 4  # compiled on every rank, once
-    assert [b for _, b, _ in out] == [0] * 4  # no graph break: TP's and CP's collectives inside the graph
-    results, reference = [r for r, _, _ in out], single_rank(dist_run, config, common)
+    assert [g for _, _, g, _ in out] == [graphs] * 4  # compiled on every rank, once
+    assert [b for _, b, _, _ in out] == [0] * 4  # no graph break: TP's and CP's collectives inside the graph
+    assert all(regions > 0 for *_, regions in out)  # the flight recorder still sees every compiled call
+    results, reference = [r for r, *_ in out], single_rank(dist_run, config, common)
     assert_same(results, reference, TOLERANCE, name, noise(dist_run, config, common))
+
+
+def test_compiled_moe_ep2_under_the_watch_has_no_graph_break_and_trains_the_single_rank(dist_run, tmp_path):
+    """tiny-moe at tp2 x ep2, compiled (MoE blocks compile their attention), each step from the single
+    eager rank's state (moe_stepwise: routing is a discrete top-k)."""
+    from moe_stepwise import assert_moe_steps_same, layout_steps, reference_steps
+
+    common = ["model.layers=2", "model.bias_update_rate=0.001"]
+    reference = dist_run(1, reference_steps, "tiny-moe", common, str(tmp_path), timeout=600)[0]
+    out = dist_run(4, compiled_train_steps, "tiny-moe", common + ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+                   layout_steps, str(tmp_path), timeout=900)
+    assert [b for _, b, _, _ in out] == [0] * 4, out
+    assert all(regions > 0 for *_, regions in out)
+    assert_moe_steps_same([r for r, *_ in out], reference, TOLERANCE, "compiled tp2-ep2")
 
 
 class Block(torch.nn.Module):

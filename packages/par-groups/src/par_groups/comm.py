@@ -11,7 +11,9 @@ other ranks (``sent``, from its split sizes), which is its ``wire_bytes``.
 
 The active recorders live in a ContextVar (per thread / task), not in module globals. So does the
 active :class:`~par_groups.watch.CommWatch`, which times each call's wait and keeps a flight
-recorder of the last ones (see :mod:`par_groups.watch`).
+recorder of the last ones (see :mod:`par_groups.watch`). Inside a region torch.compile traces,
+neither sees the call (it becomes a functional collective in the graph, with no graph break);
+the watch records the compiled region as a whole (``CommWatch.region``).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class CommRecorder:
 
 def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None = None) -> None:
     recorders = _recorders.get()
-    if recorders:
+    if recorders and not torch.compiler.is_compiling():  # traced: dynamo keeps no Python side effect
         rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group, sent)
         for r in recorders:
             r.records.append(rec)
@@ -89,8 +91,8 @@ def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None =
 def _call(op: str, group: ProcessGroup | None, nbytes: int, call, async_op: bool, peer: int | None = None):
     """``call()`` (the torch collective), timed and recorded by the active watch if there is one."""
     watch = active_watch()
-    if watch is None:
-        return call()
+    if watch is None or torch.compiler.is_compiling():  # traced into the graph; the watch records the
+        return call()  # compiled region around it as one entry (CommWatch.region), outside the trace
     return watch.run(watch.begin(op, group, nbytes, peer), call, async_op)
 
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,6 +145,18 @@ class CommWatch:
         entry = Entry(seq, op, label, ranks, int(nbytes), time.time(), peer, key)
         self.entries.append(entry)
         return entry
+
+    @contextmanager
+    def region(self, name: str, group=None):
+        """One entry for a compiled region (``op`` = ``name``) whose collectives dynamo traced into its
+        graph: a hang inside it shows the region in flight. Its time is compute, not a wait."""
+        entry = self.begin(name, group, 0)
+        try:
+            yield entry
+        except Exception as e:
+            self.failed(entry, e)
+            raise
+        entry.end = time.time()
 
     def range(self, entry: Entry):
         """The profiler range of ``entry`` (used while ``ranges`` is on: in a profiler window)."""

@@ -94,7 +94,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss
     if cfg.train.compile:
-        compile_blocks_([layer for chunk in chunks.values() for layer in chunk.decoder_layers()])
+        compile_blocks_([layer for chunk in chunks.values() for layer in chunk.decoder_layers()], groups.tp)
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
     _scale_expert_grads(module, layout)
     t = cfg.train

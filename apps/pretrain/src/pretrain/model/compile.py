@@ -9,10 +9,11 @@ only: routing is data-dependent (per-expert counts, the all-to-all's split sizes
 break the graph and recompile as the counts change; the MoE layer and its dispatch stay eager.
 
 Collectives inside a block (TP/SP, CP's all-to-all and all-gather) go through ``par_groups.comm``;
-dynamo traces them into the graph as functional collectives, or, while a ``CommRecorder`` or a
-``CommWatch`` is active (the flight recorder, ``[log].flight_records``; ``[log].timing``), breaks
-the graph there so each call is recorded and timed where it runs. CP's ring (``p2p``) always runs
-its point-to-point batches eagerly between compiled pieces (dynamo does not compile P2P).
+dynamo traces them into the graph as functional collectives, with or without a ``CommWatch``
+(the flight recorder, ``[log].flight_records``; ``[log].timing``): the watch records each compiled
+block call as one entry (``CommWatch.region``, on the group given), outside the traced region, so
+a hang inside one still shows where. CP's ring (``p2p``) always runs its point-to-point batches
+eagerly between compiled pieces (dynamo does not compile P2P).
 
 A compiled piece's backward is one autograd node, which the zero-bubble split backward
 (par_pp.split_backward) sees as one junction: W re-enters it for the weight grads (the same
@@ -25,6 +26,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from par_groups.watch import active_watch
+
 
 def is_fake_or_meta(module: nn.Module) -> bool:
     """Built on fake tensors (``plan --simulate``) or on meta: there is nothing to compile for."""
@@ -36,14 +39,28 @@ def compiled_part(block: nn.Module) -> nn.Module:
     return block.self_attn if getattr(block, "is_moe", False) else block
 
 
-def compile_blocks_(blocks: list[nn.Module]) -> list[nn.Module]:
+def compile_blocks_(blocks: list[nn.Module], group=None) -> list[nn.Module]:
     """Compile each block's forward in place (parameters, names and hooks unchanged); returns the
-    modules compiled: none on fake or meta tensors (``plan --simulate`` measures the eager step)."""
+    modules compiled: none on fake or meta tensors (``plan --simulate`` measures the eager step).
+    ``group``: the group an active watch files each compiled call under (the ranks running the
+    same blocks, e.g. tp)."""
     compiled = []
     for block in blocks:
         part = compiled_part(block)
         if is_fake_or_meta(part):
             continue
-        part.forward = torch.compile(part.forward, backend="inductor")
+        part.forward = _watched(torch.compile(part.forward, backend="inductor"), type(part).__name__, group)
         compiled.append(part)
     return compiled
+
+
+def _watched(forward, name: str, group):
+    """``forward`` as one flight-record entry while a watch is active (eager: outside the graph)."""
+    def call(*args, **kwargs):
+        watch = active_watch()
+        if watch is None:
+            return forward(*args, **kwargs)
+        with watch.region(f"compiled {name}", group):
+            return forward(*args, **kwargs)
+
+    return call

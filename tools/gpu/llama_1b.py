@@ -6,7 +6,7 @@ nn.RMSNorm, torch SDPA, the same initial weights) under the same autocast, ``tor
 clipping, on the very same batches (``--compile`` compiles it). Steps after ``--warmup`` are timed
 (CUDA-synchronized); the medians give
 
-    RESULT gpu-1b tokens_per_s=<par> mfu=<par, against the GPU's bf16 (or fp8) peak> step_time_par_over_baseline=<par step / baseline step: below 1, par is faster>
+    RESULT gpu-1b tokens_per_s=<par> mfu=<par, against the GPU's bf16 (or fp8) peak> step_time_par_over_baseline=<par step / baseline step: below 1, par is faster> host_syncs_per_step=<the median step's, torch.cuda.set_sync_debug_mode>
 
     python tools/gpu/llama_1b.py                       # 16 layers, hidden 2048, seq 4096, 50 steps
     python tools/gpu/llama_1b.py --label te --set model.backend=te --no-baseline
@@ -16,9 +16,11 @@ clipping, on the very same batches (``--compile`` compiles it). Steps after ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +50,41 @@ def timed(step, steps: int, warmup: int, device: torch.device) -> list[float]:
     return times
 
 
+@contextlib.contextmanager
+def counted_syncs(device: torch.device):
+    """Counts the host syncs torch's sync debug mode reports inside (CUDA only: [count])."""
+    count = [0]
+    if device.type != "cuda":
+        yield count
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield count
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    count[0] = sum("synchroniz" in str(w.message) for w in caught)
+
+
 def run_par(cfg, device, warmup: int):
     from pretrain.data import load_dataset
     from pretrain.train_loop import Trainer
 
     trainer = Trainer(cfg, dataset=load_dataset(cfg.data, cfg.model.vocab_size), device=device)
     print(f"par: kernels {trainer.kernels.describe()}", flush=True)
-    losses = []
-    times = timed(lambda s: losses.append(trainer.train_step(s).loss), cfg.train.steps, warmup, device)
+    results, syncs = [], []
+
+    def step(s):  # the loss is read after the run: a read per step would be a sync of this script's
+        with counted_syncs(device) as count:
+            results.append(trainer.train_step(s))
+        syncs.append(count)
+
+    times = timed(step, cfg.train.steps, warmup, device)
     peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
-    print(f"par: loss {losses[0]:.4f} -> {losses[-1]:.4f}, peak memory {peak_gb:.1f} GB", flush=True)
-    return times, trainer.sampler, trainer.autocast, trainer.kernels
+    print(f"par: loss {results[0].loss:.4f} -> {results[-1].loss:.4f}, peak memory {peak_gb:.1f} GB; host syncs "
+          f"per step (torch.cuda.set_sync_debug_mode) {[c[0] for c in syncs]}", flush=True)
+    return times, trainer.sampler, trainer.autocast, trainer.kernels, statistics.median(c[0] for c in syncs[warmup:])
 
 
 def run_baseline(cfg, sampler, device, bf16: bool, compile_model: bool, warmup: int) -> list[float]:
@@ -130,7 +156,7 @@ def main() -> int:
     cfg = load_config(None, common + [f"train.device={args.device}"] + args.overrides)
     _, _, _, device = init_distributed(cfg.train.timeout_s, args.device)
     try:
-        par_times, sampler, bf16, kernels = run_par(cfg, device, warmup)
+        par_times, sampler, bf16, kernels, syncs = run_par(cfg, device, warmup)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -147,6 +173,7 @@ def main() -> int:
         base_s = statistics.median(base_times)
         line += f" step_time_par_over_baseline={par_s / base_s:.3f}"
         spread += f" s/step; baseline median {base_s:.3f} s ({min(base_times):.3f}..{max(base_times):.3f})"
+    line += f" host_syncs_per_step={syncs:g}"  # torch's sync debug mode, inside the training step (CUDA; 0 on the CPU)
     print(f"par median {par_s:.3f} s/step ({spread})")
     print(line, flush=True)
     return 0

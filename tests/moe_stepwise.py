@@ -39,10 +39,11 @@ MAX_FLIPPED_STEPS = 3  # of STEPS: near-ties flip rarely; a layout that flips ro
 
 
 @contextlib.contextmanager
-def recorded_routing(margins: list | None = None, perturb: float = 0.0):
-    """While open, every MoE layer's bias update appends ``(layer, load)`` to ``routing_log`` (returned),
-    and with ``margins`` every router call appends its smallest top-k margin. ``perturb`` multiplies the
-    router logits by ``1 + perturb`` (a last-bit change of every score, for the robustness test)."""
+def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: dict | None = None):
+    """While open, every MoE layer's bias update appends ``(layer, load)`` to the list returned; with
+    ``margins`` every router call appends its smallest top-k margin, with ``routed`` adds its routed
+    pairs per expert to ``routed[layer]`` (this rank's tokens; no bias update needed). ``perturb``
+    multiplies the router logits by ``1 + perturb`` (a last-bit change of every score)."""
     import par_moe.layer
     import par_moe.router
     import torch.nn.functional as F
@@ -68,15 +69,19 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0):
 
     def margin_forward(self, x):
         routing = forward(self, x)
-        select = (routing.scores.detach() + self.expert_bias).sort(dim=-1, descending=True).values
-        k = self.config.top_k
-        margins.append(float((select[:, k - 1] - select[:, k]).min()))
+        if margins is not None:
+            select = (routing.scores.detach() + self.expert_bias).sort(dim=-1, descending=True).values
+            k = self.config.top_k
+            margins.append(float((select[:, k - 1] - select[:, k]).min()))
+        if routed is not None:
+            load = routing.indices.reshape(-1).bincount(minlength=self.config.num_experts).tolist()
+            routed[self.layer_name] = [a + b for a, b in zip(routed.get(self.layer_name, [0] * len(load)), load)]
         return routing
 
     layer_cls.update_bias = recording_update_bias
     if perturb:
         router_mod.F = PerturbedF()
-    if margins is not None:
+    if margins is not None or routed is not None:
         router_mod.Router.forward = margin_forward
     try:
         yield log
@@ -90,7 +95,7 @@ def name_moe_layers(trainer) -> None:
     for chunk in trainer.model.chunks.values():
         for layer in chunk.decoder_layers():
             if layer.is_moe:
-                layer.mlp.layer_name = tensors.get(id(layer.mlp.router.weight), "?")
+                layer.mlp.layer_name = layer.mlp.router.layer_name = tensors.get(id(layer.mlp.router.weight), "?")
 
 
 def reference_steps(config: str | None, overrides, root: str):
@@ -150,6 +155,19 @@ def moved_pairs(loads: dict, ref_loads: dict) -> int:
     layers in ``loads`` (a pipeline stage's ranks hold some of the layers)."""
     assert loads and set(loads) <= set(ref_loads), (sorted(loads), sorted(ref_loads))
     return sum(sum(abs(a - b) for a, b in zip(load, ref_loads[name])) for name, load in loads.items()) // 2
+
+
+def steps_before_flip(name: str, ours: list, routing: list, reference: list, ref_routing: list, margins: list) -> int:
+    """Against an outside oracle that trains its own trajectory: how many steps to compare strictly,
+    the steps before the first whose routed pairs differ (after it the two runs hold other weights).
+    ``ours``/``reference``: (loss, grad norm) per step; ``routing``/``ref_routing``: {layer: pairs per
+    expert} per step; ``margins``: our smallest top-k margin per step. A flip must be a near-tie."""
+    for step, (loads, ref_loads) in enumerate(zip(routing, ref_routing)):
+        moved = moved_pairs(loads, ref_loads)
+        if moved:
+            check_flip(f"{name} step {step}", moved, margins[step], abs(ours[step][0] / reference[step][0] - 1))
+            return step
+    return len(routing)
 
 
 def check_flip(name: str, moved: int, margin: float, loss_error: float) -> None:

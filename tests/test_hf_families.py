@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 from hf_families import FAMILIES, aux_loss, reference_losses, tiny_model  # noqa: E402
 from layout_runs import assert_close_steps, fp64_noise  # noqa: E402
+from moe_stepwise import name_moe_layers, recorded_routing, steps_before_flip  # noqa: E402
 
 from pretrain.cli import app  # noqa: E402
 
@@ -49,10 +50,18 @@ def train_job(hf_dir, overrides, tokens):
 
     m, state = read_hf(hf_dir)
     trainer = Trainer(config_for(m, overrides), full_state=state)
+    name_moe_layers(trainer)
     logits = trainer.logits(tokens).permute(1, 0, 2)
-    results = [trainer.train_step(step) for step in range(STEPS)]
+    results, routing, margins = [], [], []
+    for step in range(STEPS):
+        routed, mine = {}, [1.0]
+        with recorded_routing(mine, routed=routed):
+            results.append(trainer.train_step(step))
+        routing.append(routed)  # this rank's tokens: the test sums the ranks
+        margins.append(min(mine))
     batches = [trainer.sampler.global_train_batch(step).tokens for step in range(STEPS)]
-    return logits, [r.loss for r in results], [r.grad_norm for r in results], batches, trainer.groups.size("dp")
+    return (logits, [r.loss for r in results], [r.grad_norm for r in results], batches, trainer.groups.size("dp"),
+            routing, margins)
 
 
 def train_transformers(family, batches, dp, dtype=torch.float32):
@@ -72,8 +81,17 @@ def train_transformers(family, batches, dp, dtype=torch.float32):
     sched = torch.optim.lr_scheduler.SequentialLR(opt, [
         torch.optim.lr_scheduler.LinearLR(opt, 1 / WARMUP, 1.0, total_iters=WARMUP - 1),
         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS - WARMUP, eta_min=MIN_LR)], milestones=[WARMUP])
-    losses, norms = [], []
+    losses, norms, routing = [], [], []
+    routed = {}  # MoE: {layer: pairs per expert} of the step (the trainer's names)
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if type(gate).__name__.endswith("Router"):  # returns (logits, weights, chosen experts)
+            gate.register_forward_hook(lambda mod, args, out, name=f"model.layers.{i}.mlp.router.weight":
+                                       routed.__setitem__(name, [a + b for a, b in zip(
+                                           routed.get(name, [0] * mod.weight.shape[0]),
+                                           out[2].reshape(-1).bincount(minlength=mod.weight.shape[0]).tolist())]))
     for step, tokens in enumerate(batches):
+        routed.clear()
         lr = opt.param_groups[0]["lr"]
         assert abs(lr - lr_at(step, lr=LR, min_lr=MIN_LR, warmup_steps=WARMUP, steps=STEPS)) <= 1e-12, step
         per_rank = tokens.shape[0] // dp
@@ -90,7 +108,8 @@ def train_transformers(family, batches, dp, dtype=torch.float32):
         sched.step()
         opt.zero_grad()
         losses.append(loss)
-    return losses, norms
+        routing.append(dict(routed))
+    return losses, norms, routing
 
 
 @pytest.fixture(scope="module")
@@ -119,21 +138,30 @@ def test_imported_family_matches_transformers_then_trains_like_it(dist_run, save
     ref, errors = None, {}
     for name, world, overrides in (("1rank", 1, []), (LAYOUT[family][0], 2, LAYOUT[family])):
         runs = dist_run(world, train_job, str(saved(family)), overrides, tokens[:, :-1])
-        for logits, losses, norms, batches, dp in runs:
+        # MoE routing over every rank's tokens, and the smallest top-k margin any rank saw
+        routing = [{n: [sum(c) for c in zip(*(run[5][s][n] for run in runs))] for n in runs[0][5][s]} for s in range(STEPS)]
+        margins = [min(run[6][s] for run in runs) for s in range(STEPS)]
+        for logits, losses, norms, batches, dp, _, _ in runs:
             err = (logits - want_logits).abs().max().item() / want_logits.abs().max().item()
             assert err <= LOGITS_TOLERANCE, f"{family} {name}: logits off by {err} of the largest"
             errors[f"{name} logits"] = err
             got_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             errors[f"{name} loss"] = _rel(got_loss.item(), want_loss.item())
             assert errors[f"{name} loss"] <= TOLERANCE, f"{family} {name}: loss of the logits, relative errors {errors}"
-            if ref is None or dp != ref[2]:
-                ref = (*train_transformers(family, batches, dp), dp)
+            if ref is None or dp != ref[3]:
+                ref = (*train_transformers(family, batches, dp), dp)  # losses, norms, routing, dp
             errors[f"{name} trained loss"] = max(_rel(a, b) for a, b in zip(losses, ref[0]))
             errors[f"{name} grad norm"] = max(_rel(a, b) for a, b in zip(norms, ref[1]))
             # a step past TOLERANCE passes within 4x the oracle's own fp32-vs-fp64 noise there (measured on a
             # Sapphire Rapids CPU: Qwen3 tp2's grad norm at step 4, 1.26e-6 and 1.44e-6, where that noise is 1.45e-6)
-            assert_close_steps((losses, norms), ref[:2], TOLERANCE, f"{family} {name}", steps=STEPS,
-                               noise=lambda: fp64_noise(ref[:2], train_transformers(family, batches, dp, torch.float64)))
+            steps = STEPS  # MoE: the steps before a near-tie routing flip (moe_stepwise.steps_before_flip)
+            assert bool(ref[2][0]) == bool(routing[0]) == (family in ("qwen3_moe", "mixtral", "deepseek_v3")), family
+            if ref[2][0]:
+                steps = steps_before_flip(f"{family} {name}", list(zip(losses, norms)), routing,
+                                          list(zip(*ref[:2])), ref[2], margins)
+            assert_close_steps((losses[:steps], norms[:steps]), (ref[0][:steps], ref[1][:steps]), TOLERANCE,
+                               f"{family} {name}", steps=steps, noise=lambda: fp64_noise(
+                                   ref[:2], train_transformers(family, batches, dp, torch.float64)[:2]))
     print(family, {k: f"{v:.2g}" for k, v in errors.items()})
     assert ref[1][0] > CLIP  # clipping really acts
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from layout_runs import assert_close_steps, fp64_noise
-from moe_stepwise import check_flip, moved_pairs, name_moe_layers, recorded_routing
+from moe_stepwise import name_moe_layers, recorded_routing, steps_before_flip
 
 STEPS = 6
 # A step off by more than 1e-6 passes only within 4x plain PyTorch's own fp32 rounding there (its
@@ -177,12 +177,9 @@ def test_trainer_equals_plain_pytorch(dist_run, name):
     assert all(norm > 0.5 for _, norm in plain), "grad_clip=0.5 must bind at every step"
     print(f"{name}: max rel error loss {max(abs(a / b - 1) for (a, _), (b, _) in zip(ours, plain)):.1e} "
           f"grad norm {max(abs(a / b - 1) for (_, a), (_, b) in zip(ours, plain)):.1e}")  # the evidence for 1e-6
-    steps = STEPS
-    if routing:  # MoE: the steps before a near-tie routing flip (after it the two runs hold other weights)
-        steps = next((s for s in range(STEPS) if moved_pairs(our_routing[s], routing[s][0])), STEPS)
-        if steps < STEPS:
-            check_flip(f"{name} step {steps}", moved_pairs(our_routing[steps], routing[steps][0]), routing[steps][1],
-                       abs(ours[steps][0] / plain[steps][0] - 1))
+    steps = STEPS  # MoE: the steps before a near-tie routing flip (after it the runs hold other weights)
+    if routing:
+        steps = steps_before_flip(name, ours, our_routing, plain, [r for r, _ in routing], [m for _, m in routing])
     columns = lambda run: tuple(zip(*run[:steps]))  # noqa: E731  [(loss, norm)] per step -> (losses, norms)
     assert_close_steps(columns(ours), columns(plain), TOLERANCE, name, steps=steps,
                        noise=lambda: fp64_noise(columns(plain), columns(plain64)))

@@ -6,8 +6,21 @@ import time
 
 import pytest
 
+MLA_MTP = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+           "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.layers=6",
+           "model.mtp_depth=1", "model.mtp_loss_weight=0.5", "model.rope_scaling={rope_type = \"yarn\", factor = 4.0, original_max_position_embeddings = 16}"]
+MOE_BALANCING = ["model.aux_loss_coeff=0.01", "model.seq_aux_loss_coeff=1.0", "model.z_loss_coeff=0.001",
+                 "model.bias_update_rate=0.001", "model.layers=2"]
+# The must-show layouts, each at 4 CPU ranks (the default tiny.toml, tiny-moe.toml for MoE).
 CONFIGS = {
-    "tp2-sp": (None, ["parallel.tp=2", "model.layers=2"]),
+    "tp2-dp2-sp": (None, ["parallel.tp=2", "model.layers=2"]),
+    "pp2-dp2-zb-v-uneven": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=6",
+                                   "parallel.first_stage_layers=2", "train.global_batch=4"]),
+    "cp2-dp2-ring": (None, ["parallel.cp=2", "parallel.cp_comm_type=p2p", "model.layers=2"]),
+    "cp2-dp2-a2a": (None, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "model.layers=2"]),
+    "tp2-ep2-moe": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"] + MOE_BALANCING),
+    "dp4-zero3": (None, ["parallel.zero=optim_grads_params", "model.layers=2"]),
+    "pp2-dp2-zb-v-mla-mtp": (None, MLA_MTP + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "train.global_batch=4"]),
 }
 
 

@@ -69,16 +69,26 @@ def narrowed_overrides(config: str | None, overrides: list[str], world: int) -> 
 
 
 def reference_overrides(cfg, layout) -> list[str]:
-    """The same model on one rank: every parallel degree 1, no sharding, the layout's micro-batch (MoE
-    balancing losses are per micro-batch), the same data."""
+    """The same model on one rank: every parallel degree 1, no sharding, the same data, and the
+    layout's global micro-batch (its micro-batch on every dp rank together: MoE balancing losses are
+    per global micro-batch), so as many micro-batches as the layout. With dp > 1 and several
+    micro-batches the reference's micro-batch m holds other sequences than the layout's global
+    micro-batch m (the sampler gives each dp rank a contiguous block): dense models do not mind,
+    MoE balancing losses would, see :func:`check_certifiable`."""
     return ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.cp=1", "parallel.cp_comm_type=p2p",
             "parallel.hcp=[]", "parallel.ep=1", "parallel.etp=0", "parallel.zero=no_shard", "parallel.hsdp_replicas=1",
             "parallel.schedule=1f1b", "parallel.microbatches=0", "parallel.first_stage_layers=0",
             "parallel.last_stage_layers=0", "parallel.tp_comm_overlap=false", "parallel.rank_assignment=off",
-            f"train.micro_batch={layout.micro_batch}"]
+            f"train.micro_batch={layout.micro_batch * layout.dp}"]
 
 
-def check_certifiable(cfg) -> None:
+def check_certifiable(cfg, layout) -> None:
     """What certify cannot compare yet: one line, exit 2."""
+    m = cfg.model
+    balancing = m.aux_loss_coeff or m.seq_aux_loss_coeff or m.z_loss_coeff
+    if m.num_experts and balancing and layout.dp > 1 and layout.microbatches > 1:
+        raise UsageError(f"certify compares MoE balancing losses per global micro-batch: with dp={layout.dp} use one "
+                         f"micro-batch per step (--set train.micro_batch={cfg.train.global_batch // layout.dp}), "
+                         f"not {layout.microbatches}")
     if cfg.parallel.dynamic_cp:
         raise UsageError("certify does not support [parallel].dynamic_cp (its micro-batches are not the reference's)")

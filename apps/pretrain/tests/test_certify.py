@@ -75,7 +75,7 @@ def test_planted_bug_is_not_certified_and_named(dist_run, tmp_path, monkeypatch,
     assert module in first["module"] and first["dimension"].startswith(dimension), line
 
 
-def test_cli_certifies_and_writes_the_report(tmp_path):
+def test_cli_certifies_writes_the_report_and_torchrun_agrees(tmp_path):
     """The command itself: one verdict line, exit 0, the JSON report per step; bad input is one error line, exit 2."""
     import json
     import subprocess
@@ -90,5 +90,12 @@ def test_cli_certifies_and_writes_the_report(tmp_path):
     assert report["certified"] and len(report["steps"]) == 2
     for key in ("loss", "grad_norm", "loss_difference", "loss_band", "grad_norm_difference", "grad_norm_band"):
         assert key in report["steps"][0]
+    # the same under torchrun: the same verdict and report
+    args = ["--steps", "2", "--set", "parallel.tp=2", "--set", "model.layers=2", "--out", str(tmp_path / "t")]
+    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "pretrain", "certify",
+                        *args], capture_output=True, text=True)
+    assert t.returncode == 0, t.stderr[-2000:]
+    assert t.stdout.split(" [report")[0] == p.stdout.split(" [report")[0]
+    assert json.loads((tmp_path / "t" / "report.json").read_text()) == report
     bad = run("--nproc", "4", "--set", "parallel.tp=3", "--out", str(out))
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -1,0 +1,100 @@
+"""Bands, the per-step comparison, the one-line verdict and the JSON report.
+
+The allowed difference of a quantity (a step's loss or grad norm, a module output, a parameter
+gradient) is ``max(FLOOR, MARGIN x noise)``, where ``noise`` is the reference's own fp32-vs-fp64
+distance of that quantity at that step (:mod:`.fp64`), measured, not assumed. MARGIN: the suite's
+layouts land at 0.8x-2x of the reference's rounding noise (``tests/layout_runs.py``); FLOOR: 8 units
+of fp32's last place (2**-20, 9.5e-7), where the fp64 distance is itself below fp32's resolution
+(an embedding lookup, a copy: exact in both).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MARGIN = 4.0
+FLOOR = 2.0 ** -20
+
+
+def band(noise: float, margin: float = MARGIN) -> float:
+    return max(FLOOR, margin * noise)
+
+
+def rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / abs(b) if b else (0.0 if a == b else math.inf)
+
+
+def judge_step(step: int, result: dict, ref: dict, out_err: dict, grad_err: dict, dims: dict, owners: dict,
+               order: list[str], grad_order: list[str], ctx, margin: float) -> dict:
+    """One step's record: loss and grad norm against the reference with their bands, and the first
+    tensor out of its band (forward outputs in forward order, then gradients in backward order)."""
+    from .localise import owning_dimension
+
+    rec = {"step": step, "loss": result["loss"], "grad_norm": result["grad_norm"],
+           "reference_loss": ref["loss"], "reference_grad_norm": ref["grad_norm"]}
+    for key, ref_key, noise_key in (("loss", "loss", "loss64"), ("grad_norm", "grad_norm", "norm64")):
+        noise = rel(ref[ref_key], ref[noise_key])
+        rec[f"{key}_difference"] = rel(result[key], ref[ref_key])
+        rec[f"{key}_fp64_noise"] = noise
+        rec[f"{key}_band"] = band(noise, margin)
+    rec["within_band"] = all(rec[f"{k}_difference"] <= rec[f"{k}_band"] for k in ("loss", "grad_norm"))
+    first = None
+    for name in order:
+        if name in out_err and out_err[name] > band(ref["noise_out"].get(name, 0.0), margin):
+            first = {"kind": "output", "module": name, "tensor": f"{name} (output)", "relative_error": out_err[name],
+                     "band": band(ref["noise_out"].get(name, 0.0), margin),
+                     "dimension": owning_dimension(dims.get(name, set()), owners.get(name), ctx, grad=False)}
+            break
+    if first is None:
+        for name in grad_order:
+            if name in grad_err and grad_err[name] > band(ref["noise_grad"].get(name, 0.0), margin):
+                module = name.rsplit(".", 1)[0]
+                first = {"kind": "gradient", "module": module, "tensor": f"{name} (gradient)",
+                         "relative_error": grad_err[name], "band": band(ref["noise_grad"].get(name, 0.0), margin),
+                         "dimension": owning_dimension(set(), owners.get("param:" + name), ctx, grad=True)}
+                break
+    rec["tensors_compared"] = {"outputs": len(out_err), "gradients": len(grad_err)}
+    rec["first_divergence"] = first
+    rec["certified"] = rec["within_band"] and first is None
+    return rec
+
+
+def verdict_line(steps: list[dict], layout: str) -> tuple[str, int]:
+    """(line, exit code): ``certified: ...`` 0, ``NOT certified: ...`` 3."""
+    bad = [s for s in steps if not s["certified"]]
+    worst_loss = max(s["loss_difference"] for s in steps)
+    worst_norm = max(s["grad_norm_difference"] for s in steps)
+    if not bad:
+        return (f"certified: {layout} trains the same model as one rank over {len(steps)} fp32 steps "
+                f"(max relative difference loss {worst_loss:.1e}, grad norm {worst_norm:.1e}; every step within "
+                f"{MARGIN:g}x the reference's fp32-vs-fp64 noise)"), 0
+    s = bad[0]
+    f = s["first_divergence"]
+    if f is None:
+        where = (f"loss differs by {s['loss_difference']:.1e} (band {s['loss_band']:.1e}), grad norm by "
+                 f"{s['grad_norm_difference']:.1e} (band {s['grad_norm_band']:.1e}); no single tensor was out of its band")
+    else:
+        where = (f"first divergence at module {f['module']}, tensor {f['tensor']}, relative error "
+                 f"{f['relative_error']:.1e} (band {f['band']:.1e}), dimension {f['dimension']}")
+    return f"NOT certified: {layout} at step {s['step']}: {where}", 3
+
+
+def write_report(path: Path, layout: str, overrides: list[str], steps: list[dict], line: str, code: int) -> None:
+    from ..safe_files import write_atomic
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    report = {"verdict": line, "certified": code == 0, "layout": layout, "margin": MARGIN, "floor": FLOOR,
+              "overrides": overrides, "steps": steps}
+    write_atomic(path, json.dumps(clean(report), indent=1) + "\n", fsync=False)

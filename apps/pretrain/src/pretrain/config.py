@@ -30,10 +30,9 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from par_zero import check_optimizer_choice
-
+from .config_checks import CROSS_SECTION_RULES
 from .config_model import ModelConfig
-from .config_rules import _divisors, _need
+from .config_rules import _need
 from .config_sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, ProfileConfig,
                               TopologyConfig, TrainConfig)
 from .errors import UsageError
@@ -70,70 +69,12 @@ class Config:
     source: str = field(default="", compare=False)  # the file it came from ("" = built in)
 
     def __post_init__(self) -> None:
-        m, p = self.model, self.parallel
-        _need(m.is_moe or p.ep == 1, f"[parallel].ep={p.ep} needs MoE layers ([model].num_experts > 0 and "
-                                     f"moe_layers_start < layers)")
-        if m.is_moe:
-            _need(m.num_experts % p.ep == 0, f"[parallel].ep={p.ep} does not divide [model].num_experts={m.num_experts}")
-            _need(not m.max_route_nodes or p.ep % m.n_groups == 0 or m.n_groups % p.ep == 0,
-                  f"[model].max_route_nodes needs each of the n_groups={m.n_groups} node groups of experts on whole "
-                  f"EP ranks: n_groups must divide [parallel].ep={p.ep} or be a multiple of it")
-        _need(m.heads % p.tp == 0, f"[parallel].tp={p.tp} does not divide [model].heads={m.heads}; "
-                                   f"use one of {_divisors(m.heads)}")
-        _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
-              f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
-              f"(kv heads are split over tp, or replicated when fewer than tp)")
-        padded = m.padded_vocab(p.tp)
-        _need(padded % p.tp == 0, f"[model].vocab_size={m.vocab_size} padded to a multiple of vocab_pad_to={m.vocab_pad_to} "
-              f"is {padded} rows, which [parallel].tp={p.tp} does not divide: use vocab_pad_to = 0 (Megatron's "
-              f"128 x tp) or a multiple of {p.tp}")
-        chunks = p.pp * p.chunks_per_rank
-        if p.uneven:
-            _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
-            p.chunk_layers(m.layers)  # raises the one-line error when the sizes do not add up
-        else:
-            _need(m.layers % chunks == 0,
-                  f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
-                  f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
-        if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
-            a2a = p.hcp[0] if p.hcp else p.cp
-            for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
-                local = max(heads // p.tp, 1)
-                _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
-                                        f"which does not divide the {local} [model].{name} per tp rank")
-        t = self.train
-        _need(not self.parallel.tp_comm_overlap or m.backend == "torch",
-              "[parallel].tp_comm_overlap=true runs par-tp's own ring matmuls: use [model].backend='torch' "
-              "(Transformer Engine overlaps with its own userbuffers)")
-        _need(t.fp8 == "off" or m.backend == "te",
-              f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
-        _need(not t.compile or (m.backend == "torch" and not self.data.packed and not p.dynamic_cp),
-              "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
-              "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "
-              "follow each batch's document boundaries, which breaks the graph and recompiles); turn one off")
-        _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),
-              f"[train].seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal CP)")
-        if p.zero == "torch_fsdp2":  # torch's FSDP2 wraps plain data-parallel blocks: the one place this is checked
-            _need(p.tp == p.pp == p.ep == 1 and not m.tie_embeddings,
-                  f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
-                  f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
-                  f"(ZeRO-3) with them")
-        try:  # par-zero's rules for its optimizer argument (the sharded strategies run its own AdamW only)
-            check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_args, t.weight_decay)
-        except ValueError as e:
-            raise UsageError(f"[train].optimizer={t.optimizer!r} with [parallel].zero={p.zero!r}: {e}") from None
-        embedded_vocab = 257 if self.data.packed else 256  # with EOS when documents matter
-        _need(self.data.train_sources or m.vocab_size >= embedded_vocab,
-              f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
-              f"{' (256 bytes and EOS: [data] document keys are set)' if self.data.packed else ''}")
-        if p.dynamic_cp:
-            _need(self.data.document_mask and not m.is_moe and m.attention != "mla",
-                  "[parallel].dynamic_cp=true needs [data].document_mask=true and a dense GQA model "
-                  "([model].num_experts=0, attention='gqa')")
-        if self.data.packed:
-            _need(not m.mtp_depth and m.backend != "te",
-                  f"[data].document_mask/reset_position_ids/eod_mask_loss do not run with "
-                  f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
+        self.validate()
+
+    def validate(self) -> None:
+        """Every rule that spans sections, once each (``config_checks``: one named function per concern)."""
+        for rule in CROSS_SECTION_RULES:
+            rule(self)
 
     def validate_world(self, world_size: int) -> Layout:
         """Check everything that depends on the number of ranks; return the resolved layout."""

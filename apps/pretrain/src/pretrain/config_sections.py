@@ -188,7 +188,7 @@ class TrainConfig:
         _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
-        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: Config.validate asks it
+        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: config_checks.data_parallel_rules asks it
 
     @property
     def optimizer_class(self) -> str:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(FAULTS))
 from run_group import finish, kill_group, losses, start, wait_for_steps  # noqa: E402
 
 BASE = ("model.layers=2", "train.steps=6", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
-        "checkpoint.every=2", "checkpoint.keep=5", "train.timeout_s=120")
+        "checkpoint.every=2", "checkpoint.keep=5", "train.collective_timeout_s=120")
 RESUME = ("checkpoint.resume=true",)
 
 
@@ -115,9 +115,9 @@ class Cases:
         return _resume(row, log, self.reference, *overrides)
 
     def sigstop(self) -> Row:
-        row = Row("SIGSTOP rank 1 (step 5) past train.timeout_s=30", expect={"code": 1, "lines": 1, "latest": "step_4"})
+        row = Row("SIGSTOP rank 1 (step 5) past train.collective_timeout_s=30", expect={"code": 1, "lines": 1, "latest": "step_4"})
         log = self.work / "sigstop"
-        _run(row, log, "train.timeout_s=30", prelude=_prelude("sigstop", 1, 5))
+        _run(row, log, "train.collective_timeout_s=30", prelude=_prelude("sigstop", 1, 5))
         return _resume(row, log, self.reference)
 
     def signal(self, name: str, signum: int, twice: bool, code: int) -> Row:

@@ -9,7 +9,7 @@ import signal
 from run_group import finish, kill_group, members, rank_pids, start, wait_for_steps
 
 RUN = ("model.layers=2", "train.steps=100000", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
-       "train.timeout_s=600")
+       "train.collective_timeout_s=600")
 
 
 def test_a_rank_killed_mid_step_leaves_no_process_of_the_run(tmp_path):

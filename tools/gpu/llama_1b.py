@@ -154,7 +154,7 @@ def main() -> int:
     common = (TINY if args.tiny else LLAMA_1B) + [f"train.steps={args.steps}", f"train.warmup_steps={warmup_steps}",
                                                    "train.eval_every=0", "log.progress=false", "train.nproc=1"]
     cfg = load_config(None, common + [f"train.device={args.device}"] + args.overrides)
-    _, _, _, device = init_distributed(cfg.train.timeout_s, args.device)
+    _, _, _, device = init_distributed(cfg.train.collective_timeout_s, args.device)
     try:
         par_times, sampler, bf16, kernels, syncs = run_par(cfg, device, warmup)
         gc.collect()

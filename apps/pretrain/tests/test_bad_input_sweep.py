@@ -215,8 +215,8 @@ CASES = {
     "plan bad world": ["plan", "--world", "3", "--set", "parallel.tp=2"],
     "topo unknown topology": ["topo", "--topology", "nosuch"],
     # issue 40: values the RNGs, timedelta or the planner cannot take
-    "train timeout inf": _train("--set", "train.timeout_s=inf"),
-    "train timeout 1e15": _train("--set", "train.timeout_s=1e15"),
+    "train timeout inf": _train("--set", "train.collective_timeout_s=inf"),
+    "train timeout 1e15": _train("--set", "train.join_timeout_s=1e15"),
     "train data seed -1": _train("--set", "data.seed=-1"),
     "train seed 2**64": _train("--set", "train.seed=18446744073709551616"),
     "train eval_batches 0": _train("--set", "train.eval_every=1", "--set", "train.eval_batches=0"),

@@ -133,8 +133,8 @@ def test_round_trip_through_toml(tmp_path):
     (["parallel.tp=2", "parallel.sequence_parallel=false", "parallel.tp_comm_overlap=true"], 2, "sequence_parallel=False"),
     (["parallel.tp=2", "parallel.tp_comm_overlap=true", "model.backend=te"], 2, "use [model].backend='torch'"),
     # issue 40: numbers the RNGs, timedelta/gloo or the step cannot take
-    (["train.timeout_s=inf"], 1, "[train].timeout_s=inf must be a finite number"),
-    (["train.timeout_s=1e15"], 1, "[train].timeout_s=1000000000000000.0 must be in (0, 604800] seconds"),
+    (["train.collective_timeout_s=inf"], 1, "[train].collective_timeout_s=inf must be a finite number"),
+    (["train.join_timeout_s=1e15"], 1, "[train].join_timeout_s=1000000000000000.0 must be in (0, 604800] seconds"),
     (["train.preempt_timeout_s=nan"], 1, "[train].preempt_timeout_s=nan must be a finite number"),
     (["train.lr=inf"], 1, "[train].lr=inf must be a finite number"),
     (["data.seed=-1"], 1, "[data].seed=-1 must be in 0..4294967295"),
@@ -226,3 +226,29 @@ def test_a_renamed_key_still_works_and_says_its_new_name(capsys):
     assert cfg.parallel.rank_assignment == "off"
     assert capsys.readouterr().err == "note: [parallel].placement is now [parallel].rank_assignment\n"
     assert load_config(None, ["parallel.rank_assignment=strict"]).parallel.rank_assignment == "strict"
+
+
+def test_the_former_timeout_key_sets_both_timeouts_and_says_so(capsys):
+    cfg = load_config(None, ["train.timeout_s=42"])
+    assert (cfg.train.collective_timeout_s, cfg.train.join_timeout_s) == (42.0, 42.0)
+    assert capsys.readouterr().err == ("note: [train].timeout_s is now [train].collective_timeout_s and "
+                                       "[train].join_timeout_s; it sets each\n")
+    cfg = load_config(None, ["train.timeout_s=42", "train.join_timeout_s=7"])  # the new key beside it wins
+    assert (cfg.train.collective_timeout_s, cfg.train.join_timeout_s) == (42.0, 7.0)
+
+
+def test_train_seed_owns_the_weights_and_data_seed_the_data_order():
+    from pretrain.data import build_sampler, load_dataset
+    from pretrain.layout import Layout  # noqa: F401 - the sampler takes the resolved layout
+    from pretrain.model.initial_state import init_full_state
+
+    def batch_and_weights(*overrides):
+        cfg = load_config(None, ["model.layers=2", *overrides])
+        sampler = build_sampler(cfg, cfg.validate_world(1), 0, load_dataset(cfg.data, cfg.model.vocab_size))
+        return sampler.train_batch(0).tokens, dict(init_full_state(cfg.model, cfg.train.seed))
+
+    tokens, weights = batch_and_weights()
+    other_tokens, same_weights = batch_and_weights("data.seed=7")
+    same_tokens, other_weights = batch_and_weights("train.seed=7")
+    assert not other_tokens.equal(tokens) and all(same_weights[k].equal(w) for k, w in weights.items())
+    assert same_tokens.equal(tokens) and not all(other_weights[k].equal(w) for k, w in weights.items())

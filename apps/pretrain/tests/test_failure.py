@@ -17,7 +17,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path, f
     start = time.time()
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
                               "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
-                              "--set", "train.timeout_s=600"])
+                              "--set", "train.collective_timeout_s=600"])
     took = time.time() - start
     assert res.exit_code == 1, res.output
     assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
@@ -34,7 +34,7 @@ def test_a_users_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=3", "--set", "model.layers=2",
                               "--set", "train.warmup_steps=0", "--set", "train.lr=1e30", "--set", "train.min_lr=0",
                               "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
-                              "--set", "train.timeout_s=600"])
+                              "--set", "train.collective_timeout_s=600"])
     assert res.exit_code == 2, res.output
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: loss is") and "nan_policy" in res.stderr, \
         res.stderr

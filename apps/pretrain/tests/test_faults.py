@@ -19,7 +19,7 @@ from pretrain.cli import app
 runner = CliRunner()
 RUN = ["train", "--nproc", "4", "--set", "model.layers=2", "--set", "train.steps=4", "--set", "train.warmup_steps=1",
        "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "checkpoint.every=2",
-       "--set", "checkpoint.keep=5", "--set", "train.timeout_s=600"]
+       "--set", "checkpoint.keep=5", "--set", "train.collective_timeout_s=600"]
 
 
 def _train(log, ck, *extra):

@@ -1,5 +1,5 @@
 """A hang names itself: the launcher's error names the rank that has not arrived and the collective
-the others wait in, within [train].timeout_s + 10 s, from the ranks' flight records."""
+the others wait in, within [train].collective_timeout_s + 10 s, from the ranks' flight records."""
 
 import functools
 import json

@@ -132,7 +132,7 @@ def test_ranks_start_safely_while_the_caller_runs_threads(entries):
 def test_a_rank_that_does_not_join_in_time_is_named(entries):
     with pytest.raises(RankFailed) as e:  # before rank 0's own 60 s rendezvous timeout, and rank 1's 600 s sleep
         launch(entries.late_rank, (600,), nproc=2, join_timeout_s=4)
-    assert str(e.value) == "rank 1 failed: did not reach the rendezvous within 4 s ([train].timeout_s)"
+    assert str(e.value) == "rank 1 failed: did not reach the rendezvous within 4 s ([train].join_timeout_s)"
 
 
 def test_a_raising_rank_ends_every_rank_within_seconds_with_its_error(entries, tmp_path):

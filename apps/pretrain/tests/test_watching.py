@@ -33,7 +33,7 @@ def watched_run(tmp_path_factory):
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "parallel.pp=2", "--set", "model.layers=2",
                               "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=1",
                               "--set", "train.eval_every=0", "--set", "log.progress=false",
-                              "--set", f"log.dir={log_dir}", "--set", "train.timeout_s=600",
+                              "--set", f"log.dir={log_dir}", "--set", "train.collective_timeout_s=600",
                               "--set", "profile.steps=\"3\"", "--set", "log.wandb=true",
                               "--set", "log.wandb_tags=[\"ci\"]"])
     mp.undo()

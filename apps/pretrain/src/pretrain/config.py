@@ -178,6 +178,8 @@ def _suggest(name: str, valid: list[str]) -> str:
 
 RENAMED = {("parallel", "placement"): "rank_assignment"}  # (section, old key) -> new key
 RENAMED_FROM = {(section, new): old for (section, old), new in RENAMED.items()}
+# (section, old key) -> the keys it now sets, all to its value ([train].timeout_s meant both timeouts)
+SPLIT = {("train", "timeout_s"): ("collective_timeout_s", "join_timeout_s")}
 
 
 def config_from_dict(data: dict, source: str = "") -> Config:
@@ -192,7 +194,15 @@ def config_from_dict(data: dict, source: str = "") -> Config:
         hints = typing.get_type_hints(cls)
         valid = [f.name for f in dataclasses.fields(cls)]
         kwargs = {}
-        for key, value in values.items():
+        for key, value in list(values.items()):
+            if (section, key) in SPLIT:  # the old key still works, sets each new one, and says so
+                new = SPLIT[section, key]
+                print(f"note: [{section}].{key} is now {' and '.join(f'[{section}].{n}' for n in new)}; "
+                      f"it sets each", file=sys.stderr)
+                for name in new:
+                    if name not in values:  # a new key given beside it wins
+                        kwargs[name] = _coerce(section, name, value, hints[name])
+                continue
             if (section, key) in RENAMED:  # the old name still works, and says the new one
                 key = RENAMED[section, key]
                 print(f"note: [{section}].{RENAMED_FROM[section, key]} is now [{section}].{key}", file=sys.stderr)

@@ -155,14 +155,15 @@ class TrainConfig:
     optimizer: str = "adamw"
     optimizer_args: dict = field(default_factory=dict)
     grad_clip: float = 1.0  # 0 = no clipping
-    seed: int = 1234
+    seed: int = 1234  # the initial weights ([data].seed: the data order and the embedded corpus)
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
     fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te)
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2
-    timeout_s: float = 300.0  # bounds every collective and the ranks' rendezvous
+    collective_timeout_s: float = 300.0  # bounds every collective (a hang names its rank after it)
+    join_timeout_s: float = 300.0  # every rank must have joined the rendezvous within it ([train].timeout_s: both)
     preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
     nan_policy: str = "stop"
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
@@ -181,7 +182,8 @@ class TrainConfig:
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
         _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
-        _timeout("[train].timeout_s", self.timeout_s)
+        _timeout("[train].collective_timeout_s", self.collective_timeout_s)
+        _timeout("[train].join_timeout_s", self.join_timeout_s)
         _timeout("[train].preempt_timeout_s", self.preempt_timeout_s)
         _choice("[train].dtype", self.dtype, DTYPES)
         _choice("[train].device", self.device, DEVICES)
@@ -216,7 +218,7 @@ class DataConfig:
     eos: int = -1  # the EOS id of a dataset whose files do not say it (Megatron's own); -1 = the header's
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
     valid_fraction: float = 0.05
-    seed: int = 1234
+    seed: int = 1234  # the data order (which window each step reads) and the embedded corpus
     # Packed documents, as Megatron's --reset-attention-mask / --reset-position-ids / --eod-mask-loss:
     # attention stays inside each document, RoPE positions restart at each document, and the loss
     # of predicting the token after an EOS is dropped. They need a dataset whose documents end with EOS.

@@ -1,7 +1,7 @@
 """A hang names itself: each rank's flight recorder, and the launcher's one-line summary of them.
 
 In a rank (:func:`flight_recorder`): a :class:`par_groups.watch.CommWatch` over the whole run. A
-collective that raises (gloo's timeout after ``[train].timeout_s``, or a peer gone) writes the
+collective that raises (gloo's timeout after ``[train].collective_timeout_s``, or a peer gone) writes the
 rank's record, ``<log.dir>/flight/rank_R.json``: its last collectives (op, group, sequence
 number, bytes) and its Python stack. SIGUSR1 writes it too, from wherever the rank is.
 

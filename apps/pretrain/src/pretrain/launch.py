@@ -106,12 +106,13 @@ def _rendezvous_store(rank: int, world: int, timeout_s: float) -> dist.Store | N
     return store
 
 
-def init_distributed(timeout_s: float = 300.0, device: str = "auto") -> tuple[int, int, int, torch.device]:
+def init_distributed(timeout_s: float = 300.0, device: str = "auto",
+                     join_timeout_s: float | None = None) -> tuple[int, int, int, torch.device]:
     """Join the default process group; returns (rank, world_size, local_rank, device).
 
     CUDA: binds LOCAL_RANK's GPU and uses NCCL. CPU: gloo, and this host's cores are shared among
     its local ranks (torch threads per rank = cores / local ranks). ``timeout_s`` bounds every
-    collective. Outside any launcher it makes a one-rank group. Idempotent.
+    collective, ``join_timeout_s`` (default: the same) the rendezvous. Outside any launcher it makes a one-rank group. Idempotent.
     """
     kind = device_type(device)
     if not dist.is_initialized():
@@ -126,7 +127,7 @@ def init_distributed(timeout_s: float = 300.0, device: str = "auto") -> tuple[in
         else:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-        store = _rendezvous_store(rank, world, timeout_s)
+        store = _rendezvous_store(rank, world, timeout_s if join_timeout_s is None else join_timeout_s)
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))  # no store: env://
         if store is not None:

@@ -169,7 +169,7 @@ class LocalRanks:
         what = "reach" if absent else "complete"
         others = f" (nor did ranks {', '.join(map(str, culprits[1:]))})" if len(culprits) > 1 else ""
         raise RankFailed(culprits[0], f"did not {what} the rendezvous within {self.join_timeout_s:g} s "
-                                      f"([train].timeout_s){others}")
+                                      f"([train].join_timeout_s){others}")
 
     def _hang_named(self, root: _Failure) -> RankFailed | None:
         """After a timeout: the error naming the rank that has not arrived, from the flight records."""
@@ -180,7 +180,7 @@ class LocalRanks:
         hang = hang_summary(self.log_dir, [p.pid for p in self.procs], self.wall_started)
         if hang is None or hang.rank is None:
             return None
-        return RankFailed(hang.rank, f"hang after [train].timeout_s={self.join_timeout_s:g} s: {hang.line}",
+        return RankFailed(hang.rank, f"hang after [train].collective_timeout_s: {hang.line}",
                           root.exitcode, root.traceback)
 
     # ---- waiting ---------------------------------------------------------------------------

@@ -38,8 +38,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     cfg = load_config(config, overrides)
     if device_type(device or cfg.train.device) == "cuda":
         os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
-    rank, world, _, dev = init_distributed(cfg.train.timeout_s, device or cfg.train.device)
-    stops = StopRequests(cfg.train.timeout_s)  # from here a signal means: save after the next step
+    t = cfg.train
+    rank, world, _, dev = init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s)
+    stops = StopRequests(t.collective_timeout_s)  # from here a signal means: save after the next step
     watching = ExitStack()
     try:
         watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
@@ -59,7 +60,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
-        saver = CheckpointSaver(ck.async_save, t.timeout_s)  # async: one save in flight, published later
+        saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published later
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:

@@ -76,7 +76,7 @@ class Trainer:
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.assignment = assign_run_ranks(cfg, layout, topology)  # collective
-        self.groups = g = create_groups(self.assignment.grid, timeout=timedelta(seconds=cfg.train.timeout_s),
+        self.groups = g = create_groups(self.assignment.grid, timeout=timedelta(seconds=cfg.train.collective_timeout_s),
                                         permutation=self.assignment.permutation)
         self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,
                                                  shapes_only.routing if simulated else None)

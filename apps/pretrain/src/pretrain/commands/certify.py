@@ -71,7 +71,7 @@ def certify(
         work = Path(out or Path(cfg.log.dir) / "certify")
         work.mkdir(parents=True, exist_ok=True)
         ref_ov = ov + reference_overrides(cfg, layout)
-        timeout = cfg.train.timeout_s
+        timeout = cfg.train.collective_timeout_s
         if reference_only:
             launch(_reference_entry, (config, ref_ov, steps, str(work), "cpu", timeout), nproc=1, device="cpu")
             return

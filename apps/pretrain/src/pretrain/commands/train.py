@@ -47,7 +47,7 @@ def train(
         with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
-                   join_timeout_s=cfg.train.timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s,
+                   join_timeout_s=cfg.train.join_timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s,
                    log_dir=cfg.log.dir if cfg.log.flight_records else None)  # flight records: a hang's summary
     except UsageError as e:
         raise fail(str(e))

@@ -70,7 +70,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     """This rank's model in ``groups`` (made from the layout's grid under the run's rank permutation).
     ``declared_routing``: a run on fake tensors (``train_loop.ShapesOnly``): MoE layers route as it
     declares."""
-    timeout = timedelta(seconds=cfg.train.timeout_s)
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     context = ChunkContext(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
                     declared_routing=declared_routing)

@@ -45,11 +45,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     try:
         watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-        trainer = Trainer(cfg, dataset=dataset, device=dev)
+        trainer = Trainer(cfg, dataset=dataset, device=dev, timer=StepTimer(watch, dev) if cfg.log.timing else None)
         if watch is not None:
             watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
-        if cfg.log.timing:
-            trainer.timer = StepTimer(watch, dev)
         profiler = ProfileWindow(cfg, rank, dev, watch)
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)

@@ -9,7 +9,6 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -29,6 +28,7 @@ from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
 from .schedule_lr import lr_at
 from .step_result import NonFinite, StepResult
+from .runners import make_runner
 from .step_timing import NoTimer
 
 
@@ -60,9 +60,10 @@ class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
-                 topology=None, shapes_only: ShapesOnly | None = None) -> None:
+                 topology=None, shapes_only: ShapesOnly | None = None, timer=None) -> None:
         """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.rank_assignment).
-        ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`)."""
+        ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`). ``timer``: where each step's
+        time goes (a ``step_timing.StepTimer``; default none measured)."""
         from .data import build_sampler
         from .rank_assignment import assign_run_ranks
 
@@ -85,23 +86,18 @@ class Trainer:
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
         self.cp_rank, self.cp_size = g.rank_in("cp"), g.size("cp")
-        self.executor = None
-        if self.model.schedule is not None:
-            from par_pp import PipelineExecutor
-
-            shape = None  # declared message shapes: no header to send, nothing to read on receive
-            if not cfg.parallel.dynamic_cp or simulated:  # dynamic CP's rounds vary in length
-                split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
-                shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
-                         torch.bfloat16 if self.autocast else torch.float32)
-            self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, device=self.device,
-                                             message_shape=shape, **self._callbacks(NO_DOCUMENTS))
+        shape = None  # pipeline messages' declared shape: no header to send, nothing to read on receive
+        if not cfg.parallel.dynamic_cp or simulated:  # dynamic CP's rounds vary in length
+            split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
+            shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
+                     torch.bfloat16 if self.autocast else torch.float32)
+        self.runner = make_runner(self, shape, self.callbacks(NO_DOCUMENTS))  # a pipeline schedule, or accumulation
         # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss) travel with each
         # step's MicroBatches (see packing.py).
         self.packed = cfg.data.packed and not simulated
         # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
-        self.timer = NoTimer()  # the run sets a step_timing.StepTimer under [log] timing
+        self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
 
     # ---- data ------------------------------------------------------------------------------
@@ -180,7 +176,7 @@ class Trainer:
             extra = self.model.chunks[self.model.num_chunks - 1].mtp_loss(hidden, streams[1:])
         return loss + (extra - extra.detach())
 
-    def _callbacks(self, batch: MicroBatches) -> dict:
+    def callbacks(self, batch: MicroBatches) -> dict:
         """The pipeline's forward and loss for this batch (par-pp calls them per action)."""
         return {"forward_fn": lambda c, module, x, m: self.forward_chunk(batch, c, module, x, m),
                 "loss_fn": lambda out, labels: self.loss(out, labels, batch)}
@@ -189,29 +185,11 @@ class Trainer:
     def _forward_backward(self, batch: MicroBatches) -> list[torch.Tensor]:
         """Run all micro-batches; return the per-micro-batch losses (on the last stage)."""
         with self._compute_context():
-            return self._run_microbatches(batch)
+            return self.runner.train(batch)
 
     def _compute_context(self):
         """bf16 autocast (when the run is bf16); each chunk's forward adds FP8 inside it (forward_chunk)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
-
-    def _run_microbatches(self, batch: MicroBatches) -> list[torch.Tensor]:
-        dp, n = self.model.dp, len(batch.inputs)
-        if self.executor is not None:
-            dp.set_grad_sync(False)  # the schedule runs many backwards: reduce once, after it
-            start = time.perf_counter()
-            losses = self.executor.step(batch.inputs, batch.labels, **self._callbacks(batch))
-            self.timer.pipeline(self.executor.records, time.perf_counter() - start)
-            dp.reduce_grads()
-            return [l.detach() for l in losses] if losses else []
-        losses = []
-        for m in range(n):
-            dp.set_grad_sync(m == n - 1)
-            loss = self.loss(self.forward_chunk(batch, 0, dp, batch.inputs[m], m), batch.labels[m], batch)
-            (loss / n).backward()
-            losses.append(loss.detach())
-        dp.set_grad_sync(True)
-        return losses
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage (a device scalar)."""
@@ -288,13 +266,7 @@ class Trainer:
         x0 = tokens.t().contiguous().to(self.device)
         s, b = x0.shape
         last = self.model.num_chunks - 1
-        if self.executor is None:
-            out = self.model.dp(x0)
-            out = out[0] if isinstance(out, tuple) else out
-        else:
-            outs = self.executor.forward([x0])  # the constructor's callbacks: whole sequences (with headers)
-            out = outs[0] if outs else None
-            out = out[0] if isinstance(out, tuple) else out  # MTP: (logits, hidden)
+        out = self.runner.last_output(x0)
         full = torch.empty(s, b, self.cfg.model.vocab_size, device=self.device)
         if out is not None:
             full = gather_tensor(out.float(), -1, g.tp) if g.size("tp") > 1 else out.float()
@@ -312,13 +284,7 @@ class Trainer:
         losses = []
         with self._compute_context():
             for index in range(batches):
-                batch = self.microbatches(self._batch(index, eval=True))
-                if self.executor is not None:  # the last chunk's rank gets the logits
-                    outs = self.executor.forward(batch.inputs, forward_fn=self._callbacks(batch)["forward_fn"])
-                    losses += [self.loss(x, y, batch) for x, y in zip(outs, batch.labels)]
-                else:
-                    losses += [self.loss(self.forward_chunk(batch, 0, self.model.dp, x, m), y, batch)
-                               for m, (x, y) in enumerate(zip(batch.inputs, batch.labels))]
+                losses += self.runner.eval_losses(self.microbatches(self._batch(index, eval=True)))
         self.model.module.train()
         return float(self._mean_loss(losses))
 

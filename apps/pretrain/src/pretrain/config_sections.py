@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from par_cp import MODES as CP_COMM_TYPES
 from par_groups import LayoutError, RankGrid
 from par_pp import SCHEDULE_NAMES as SCHEDULES
-from par_pp import V_SCHEDULES, chunk_ranks, split_stages
+from par_pp import V_SCHEDULES, chunk_ranks, chunks_per_rank, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
 from par_zero import optimizer_classes
 
@@ -105,10 +105,8 @@ class ParallelConfig:
 
     @property
     def chunks_per_rank(self) -> int:
-        """Model chunks each pipeline rank holds: vpp for interleaved, 2 for the V schedules, else 1."""
-        if self.pp == 1:
-            return 1
-        return 2 if self.schedule in V_SCHEDULES else self.vpp
+        """Model chunks each pipeline rank holds (par-pp's rule: vpp for interleaved, 2 for the V schedules)."""
+        return chunks_per_rank(self.schedule, self.pp, self.vpp)
 
     @property
     def uneven(self) -> bool:

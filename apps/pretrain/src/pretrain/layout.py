@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from par_groups import RankGrid
+from par_groups import ParallelDims, RankGrid
 
 from .config_rules import _need
 
@@ -13,36 +13,23 @@ MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it build
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(ParallelDims):
     """The layout one world size resolves to (:meth:`Config.validate_world`): the parallel degrees
-    and micro-batching, and on demand its :class:`RankGrid` (every group's ranks, in ``order``).
+    (:class:`ParallelDims`, which derives dp and expert dp) and micro-batching, and on demand its
+    :class:`RankGrid` (every group's ranks, in ``order``).
 
     The chain of a rank's position: this layout (what the user asked for) -> its grid (coordinates)
     -> ``pretrain.rank_assignment`` (which process plays each grid position, possibly in another
     order) -> ``par_groups.create_groups`` (the process groups). The planner's search sizes
     thousands of layouts and never builds their grids."""
 
-    world_size: int
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    etp: int
-    vpp: int
-    chunks_per_rank: int
-    sequence_parallel: bool
-    micro_batch: int  # sequences per micro-batch on one dp rank
-    microbatches: int  # micro-batches per optimizer step on one dp rank
+    vpp: int = 1
+    chunks_per_rank: int = 1
+    sequence_parallel: bool = False
+    micro_batch: int = 0  # sequences per micro-batch on one dp rank
+    microbatches: int = 0  # micro-batches per optimizer step on one dp rank
     order: str = "tp-cp-ep-dp-pp"
     hcp: tuple[int, ...] = ()  # hierarchical CP sizes, innermost first; () = flat CP
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
-
-    @property
-    def edp(self) -> int:
-        return self.world_size // (self.etp * self.ep * self.pp)
 
     @cached_property
     def grid(self) -> RankGrid:

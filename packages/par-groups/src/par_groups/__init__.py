@@ -2,11 +2,12 @@
 
 from .comm import CommRecord, CommRecorder
 from .watch import CommWatch
+from .dims import ParallelDims
 from .grid import LayoutError, RankGrid
 from .groups import ParallelGroups, create_groups, device_mesh
 from .fake_world import fake_world
 
-__all__ = ["CommRecord", "CommRecorder", "CommWatch", "LayoutError", "ParallelGroups", "RankGrid", "create_groups", "device_mesh", "fake_world"]
+__all__ = ["CommRecord", "CommRecorder", "CommWatch", "LayoutError", "ParallelDims", "ParallelGroups", "RankGrid", "create_groups", "device_mesh", "fake_world"]
 
 # Topology (NVML detection or a description) and group placement; more in par_groups.topology.
 from .topology import RankAssignment, Topology, gather_topology, assign_ranks  # noqa: E402

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .dims import ParallelDims
+
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 DENSE_TOKENS = ("tp", "cp", "dp", "pp")
 EXPERT_TOKENS = ("tp", "ep", "dp", "pp")
@@ -89,20 +91,15 @@ class _View:
 
 
 @dataclass(frozen=True)
-class RankGrid:
-    """A parallel layout of ``world_size`` ranks. dp and expert dp (edp) are derived.
+class RankGrid(ParallelDims):
+    """A parallel layout of ``world_size`` ranks (its degrees: :class:`ParallelDims`, which derives dp
+    and expert dp), in a Megatron ``order``.
 
     >>> g = RankGrid(16, tp=2, cp=2, pp=2)
     >>> g.ranks("tp")[:2], g.ranks("pp")[:2]
     ([[0, 1], [2, 3]], [[0, 8], [1, 9]])
     """
 
-    world_size: int
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
     order: str = "tp-cp-ep-dp-pp"
     hcp: tuple[int, ...] | None = None
     _dense: _View = field(init=False, repr=False, compare=False)
@@ -147,14 +144,6 @@ class RankGrid:
             raise LayoutError(
                 f"hierarchical CP sizes {list(self.hcp)} multiply to {math.prod(self.hcp)}, not cp={self.cp}"
             )
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
-
-    @property
-    def edp(self) -> int:
-        return self.world_size // (self.etp * self.ep * self.pp)
 
     def ranks(self, token: str) -> list[list[int]]:
         """Dense-view groups for a hyphen-joined token such as ``tp``, ``dp-cp`` or ``tp-dp-cp``."""

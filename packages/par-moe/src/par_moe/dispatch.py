@@ -91,13 +91,17 @@ class AllToAllDispatcher:
         and the pairs for each of its experts go out in one small all-to-all, and what was sent and
         received is read together. A GPU waits once per MoE layer and micro-batch; every later shape
         (the token rows, the all-to-all, the expert rows, the padded batch) is then known."""
+        sent, got = self._exchange_counts(indices, kept, needs).tolist()  # the one host read
+        return RoutedSizes(pairs=[n for row in sent for n in row[1:]], send=[row[0] for row in sent],
+                           receive=[row[0] for row in got], local=[sum(col) for col in zip(*(row[1:] for row in got))])
+
+    def _exchange_counts(self, indices, kept, needs) -> torch.Tensor:
+        """[2, ep, 1 + local]: the rows for each rank and pairs for each of its experts, sent and received."""
         pairs = torch.zeros(self.ep * self.num_local, dtype=torch.int64, device=indices.device)
         pairs = pairs.scatter_add_(0, indices.reshape(-1), kept.reshape(-1).to(torch.int64))
         out = torch.cat([needs.sum(0, dtype=torch.int64).unsqueeze(1), pairs.view(self.ep, self.num_local)], dim=1)
         received = exchange_counts(out.reshape(-1), self.group).view(self.ep, 1 + self.num_local)
-        sent, got = torch.stack([out, received]).tolist()  # the one host read
-        return RoutedSizes(pairs=[n for row in sent for n in row[1:]], send=[row[0] for row in sent],
-                           receive=[row[0] for row in got], local=[sum(col) for col in zip(*(row[1:] for row in got))])
+        return torch.stack([out, received])
 
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
         """``sizes``: a declared routing's sizes in place of the data's (None: the data's, read once)."""
@@ -111,7 +115,10 @@ class AllToAllDispatcher:
         # needs[t, p]: token t has a kept slot on rank p (a scatter, not a masked index: static shapes)
         needs = torch.zeros(x.shape[0], self.ep, dtype=torch.int32, device=x.device)
         needs = needs.scatter_add_(1, rank_of_slot, kept.to(torch.int32)) > 0
-        sizes = self.routed_sizes(indices, kept, needs) if sizes is None else sizes
+        if sizes is None:
+            sizes = self.routed_sizes(indices, kept, needs)
+        else:  # a declared routing (plan --simulate) exchanges its counts too, as a real run does; reads nothing
+            self._exchange_counts(indices, kept, needs)
         local = sizes.local
         # one row per (destination rank, token), by rank
         dest, token = nonzero(needs.t(), sum(sizes.send))

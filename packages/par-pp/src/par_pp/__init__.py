@@ -9,7 +9,7 @@
 from .executor import ActionRecord, PipelineExecutor
 from .ir import Action, Message, Schedule
 from .render import render_timeline, timeline_json
-from .schedules import SCHEDULE_NAMES, V_SCHEDULES, build_schedule, chunk_ranks, chunks_on_rank
+from .schedules import SCHEDULE_NAMES, V_SCHEDULES, build_schedule, chunk_ranks, chunks_on_rank, chunks_per_rank
 from .simulate import Costs, SimResult, TimedAction, parse_costs, simulate
 from .split import split_layers, split_stages, stage_layer_counts
 from .validate import ScheduleError, validate_schedule
@@ -28,6 +28,7 @@ __all__ = [
     "V_SCHEDULES",
     "build_schedule",
     "chunk_ranks",
+    "chunks_per_rank",
     "chunks_on_rank",
     "parse_costs",
     "render_timeline",

@@ -105,7 +105,7 @@ def output_errors(recorded: dict, reference: dict, names: list[str], ctx: ShardC
             stats[i, 2] += 1
     comm.all_reduce(stats, None)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, dims_here)
+    comm.all_gather_object(every, dims_here, None)
     dims = {name: set() for name in names}
     for d in every:
         for name, ds in d.items():
@@ -140,7 +140,7 @@ def module_owners(trainer, ctx: ShardContext) -> dict[str, dict]:
             mine.setdefault("param:" + full, {"chunk": c, "pp_rank": pp_rank, "expert": pl.expert and ctx.ep > 1,
                                               "tp": ctx.tp > 1 and (pl.full_shape != pl.shape or pl.copies is not None)})
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    comm.all_gather_object(every, mine, None)
     out: dict[str, dict] = {}
     for d in every:
         for k, v in d.items():

@@ -112,7 +112,7 @@ def full_shapes(trainer) -> dict[str, tuple[int, ...]]:
     mine = {names[id(p)]: placement_of(p).full_shape for p in trainer.model.parameters()
             if p.requires_grad and id(p) in names}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    comm.all_gather_object(everyone, mine, None)
     out: dict[str, tuple[int, ...]] = {}
     for shapes in everyone:
         out |= shapes

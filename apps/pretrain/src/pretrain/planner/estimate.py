@@ -15,7 +15,8 @@ from types import SimpleNamespace
 from par_groups.topology import LINK_CLASSES, Workload, bytes_per_step
 from par_groups.topology.cost import exposed_share
 from par_groups.topology.assignment import MULTI_RAIL
-from par_pp import Costs, build_schedule, simulate
+from par_groups import ParallelDims
+from par_pp import Costs, build_schedule, chunks_per_rank, simulate
 
 GRADIENT_GROUPS = ("dp", "dp_cp", "edp")
 ASSUMPTIONS = (
@@ -37,27 +38,14 @@ CANONICAL_ORDER = "tp-cp-ep-dp-pp"
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The structure of a layout (what the groups are), without batching, ZeRO or recompute."""
+class Shape(ParallelDims):
+    """The structure of a layout (what the groups are: :class:`ParallelDims` and the schedule), without
+    batching, ZeRO or recompute."""
 
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    etp: int
-    schedule: str
-    vpp: int
-    world: int
+    schedule: str = "1f1b"
+    vpp: int = 1
     first: int = 0  # layers on the first / last pipeline rank when the layers do not split evenly (0: even)
     last: int = 0
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.cp * self.pp)
-
-    @property
-    def edp(self) -> int:
-        return self.world // (self.etp * self.ep * self.pp)
 
     def heaviest_stage(self, layers: int) -> int:
         """Layers on the busiest pipeline rank (the middle ones under an uneven split)."""
@@ -67,9 +55,7 @@ class Shape:
 
     @property
     def chunks_per_rank(self) -> int:
-        if self.pp == 1:
-            return 1
-        return 2 if self.schedule in ("zb-v", "dualpipev") else self.vpp
+        return chunks_per_rank(self.schedule, self.pp, self.vpp)
 
 
 @dataclass(frozen=True)
@@ -121,7 +107,7 @@ def patterns(shape: Shape) -> dict[str, tuple[int, int]]:
     """(stride, size) of each group type under the canonical order."""
     s = shape
     out = {"tp": (1, s.tp), "cp": (s.tp, s.cp), "dp": (s.tp * s.cp, s.dp), "dp_cp": (s.tp, s.cp * s.dp),
-           "ep": (s.etp, s.ep), "etp": (1, s.etp), "edp": (s.etp * s.ep, s.edp), "pp": (s.world // s.pp, s.pp)}
+           "ep": (s.etp, s.ep), "etp": (1, s.etp), "edp": (s.etp * s.ep, s.edp), "pp": (s.world_size // s.pp, s.pp)}
     return {name: p for name, p in out.items() if p[1] > 1}
 
 
@@ -184,11 +170,11 @@ def zero_traffic(zero: str, work: Workload) -> float:
 def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, model_flops: float,
              peak_flops: float, efficiency: float, bandwidth: dict) -> Estimate:
     """Step time and MFU of one layout."""
-    compute = model_flops / shape.world * (1.0 + recompute_fraction(model, work.seq_len, recompute))
+    compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute))
     compute *= shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
     compute /= peak_flops * efficiency
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches, recompute == "full")
     bubble = compute * idle / busy if shape.pp > 1 else 0.0
     comm = comm_seconds(shape, work, zero, bandwidth)
     step = compute + bubble + sum(comm.values())
-    return Estimate(compute, bubble, comm, step, model_flops / (shape.world * peak_flops * step))
+    return Estimate(compute, bubble, comm, step, model_flops / (shape.world_size * peak_flops * step))

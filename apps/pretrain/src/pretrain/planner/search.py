@@ -68,7 +68,7 @@ def shapes(cfg, world: int) -> list[Shape]:
                 for schedule, vpp in pipelines(pp) if not first else (("1f1b", 1),) if first > 0 else ():
                     for ep in experts:
                         for etp in sorted({1, tp}) if m.is_moe else [tp]:
-                            shape = Shape(tp, cp, pp, ep, etp, schedule, vpp, world, max(first, 0), last)
+                            shape = Shape(world, tp, cp, pp, ep, etp, schedule, vpp, max(first, 0), last)
                             if (world // pp) % (etp * ep) == 0 and shape_config(cfg, shape) is not None:
                                 out.append(shape)
     return out
@@ -101,7 +101,7 @@ def shape_config(cfg, s: Shape):
 
 def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> Layout:
     """The shape's layout (its grid is never built: the search sizes, it does not place ranks)."""
-    return Layout(s.world, s.tp, s.cp, s.pp, s.ep, s.etp, s.vpp, s.chunks_per_rank, s.tp > 1,
+    return Layout(s.world_size, s.tp, s.cp, s.pp, s.ep, s.etp, s.vpp, s.chunks_per_rank, s.tp > 1,
                   micro_batch, microbatches)
 
 

@@ -15,6 +15,16 @@ _ONE_CHUNK = ("gpipe", "1f1b", "zb-h1")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two model chunks per rank, laid out in a V
 
 
+def chunks_per_rank(name: str, pp: int, vpp: int = 1) -> int:
+    """Model chunks each pipeline rank holds under the named schedule: 2 for the V schedules, vpp for
+    interleaved, else 1 (and 1 without a pipeline)."""
+    return 1 if pp == 1 else _chunks_in_schedule(name, vpp)
+
+
+def _chunks_in_schedule(name: str, vpp: int) -> int:
+    return 2 if name in V_SCHEDULES else vpp
+
+
 def _check(name: str, pp: int, microbatches: int, vpp: int) -> int:
     """Validate the combination; return the number of chunks per rank it implies."""
     if name not in SCHEDULE_NAMES:
@@ -28,7 +38,7 @@ def _check(name: str, pp: int, microbatches: int, vpp: int) -> int:
             raise ValueError(f"interleaved needs vpp >= 2 chunks per rank (got vpp={vpp}); use 1f1b for vpp=1")
     if name in V_SCHEDULES and vpp not in (1, 2):
         raise ValueError(f"{name} always places 2 chunks per rank (V shape); pass vpp=2 or leave it at 1, not vpp={vpp}")
-    return 2 if name in V_SCHEDULES else vpp
+    return _chunks_in_schedule(name, vpp)  # the schedule's own, even at pp = 1
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:
@@ -70,4 +80,4 @@ def chunk_ranks(name: str, pp: int, vpp: int = 1) -> list[int]:
     return v_chunk_ranks(pp) if name in V_SCHEDULES else linear_chunk_ranks(pp, per_rank)
 
 
-__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_ranks", "chunks_on_rank"]
+__all__ = ["SCHEDULE_NAMES", "build_schedule", "chunk_ranks", "chunks_on_rank", "chunks_per_rank"]

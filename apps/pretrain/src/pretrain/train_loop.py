@@ -21,6 +21,7 @@ from par_groups import comm, create_groups
 from par_moe import DeclaredRouting
 from par_tp import vocab_parallel_cross_entropy
 
+from .data.prefetch import Prefetcher
 from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
 from .kernels import fp8_regions, select_kernels
@@ -107,24 +108,27 @@ class Trainer:
                          torch.bfloat16 if self.autocast else torch.float32)
             self.executor = PipelineExecutor(self.model.schedule, self.model.chunks, g.pp, device=self.device,
                                              message_shape=shape, **self._callbacks(NO_DOCUMENTS))
-        # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss) travel with each
-        # step's MicroBatches (see packing.py).
+        # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss) go in MicroBatches.
         self.packed = cfg.data.packed and not simulated
         # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
         self.timer = NoTimer()  # the run sets a step_timing.StepTimer under [log] timing
+        self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
-        """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first)."""
+        """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first), on the device."""
         x = shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
         return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> MicroBatches:
         """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry
-        its token streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents."""
+        its token streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents.
+        Tokens go to the device in one copy (asynchronous from the prefetcher's pinned memory on CUDA);
+        the segments stay on the host, where document starts are read."""
         if self.span_groups is not None:
             return self._dynamic_microbatches(batch)
+        batch = replace(batch, tokens=batch.tokens.to(self.device, non_blocking=True))
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
         if self.packed:
@@ -155,7 +159,13 @@ class Trainer:
         return MicroBatches(inputs, labels, docs, loss_tokens)
 
     def _batch(self, step: int, eval: bool = False):
-        """This rank's batch; under dynamic CP the global one (every rank plans all of it)."""
+        """This rank's batch ``step``; a training step's was read during the previous one (time_data waits for it)."""
+        if eval or self.prefetch is None:
+            return self._read_batch(step, eval)
+        return self.prefetch.get(step)
+
+    def _read_batch(self, step: int, eval: bool = False):
+        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it)."""
         s = self.sampler
         if self.span_groups is not None:
             return s.global_eval_batch(step) if eval else s.global_train_batch(step)

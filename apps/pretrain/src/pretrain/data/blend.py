@@ -4,7 +4,9 @@ Sample ``n`` of the blended stream comes from the source whose realised count la
 most: ``argmax_i  w_i * max(n, 1) - count_i`` (first source on ties), the rule and float64
 arithmetic of megatron-core's ``build_blending_indices``, so the choices are the same sample for
 sample. After ``n`` samples every source's count is within one sample of ``w_i * n``. The rule
-is a pure function of ``n``: the batch of step ``s`` follows from ``s`` alone, under any layout.
+is a pure function of ``n``: the batch of step ``s`` follows from ``s`` alone, under any layout, and
+placing it costs a numpy search over a few thousand samples before it (``anchor_counts``), not a
+walk from sample 0.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def check_blend(blend, key: str) -> None:
 class BlendSchedule:
     """Which source each sample of the blended stream comes from, and its index within that source.
 
-    It walks the samples in order and keeps its place, so consecutive steps cost their own samples
-    only; a step before its place (resuming, evaluating) starts the walk again from sample 0."""
+    Placing sample ``n`` needs the counts of the first ``n`` samples. They are not walked from 0:
+    :func:`anchor_counts` finds, with numpy over a block of samples just before ``n``, a sample whose
+    counts the rule forces, and the walk starts there (a few samples back, whatever ``n`` is). The
+    schedule keeps its place, so consecutive steps cost their own samples only."""
 
     def __init__(self, weights):
         self.weights = normalised(weights)
+        self._w = np.asarray(self.weights, dtype=np.float64)
         self._n, self._counts = 0, [0] * len(self.weights)
 
     def _advance(self, stop: int, record: list | None = None) -> None:
@@ -63,10 +68,16 @@ class BlendSchedule:
             c[best] += 1
         self._n = max(self._n, stop)
 
+    def _seek(self, n: int) -> None:
+        """Place the walk at sample ``n``: walk on when ``n`` is at most SEEK_WALK ahead, else start at an anchor."""
+        if self._n <= n <= self._n + SEEK_WALK:
+            return
+        self._n, counts = anchor_counts(self._w, n)
+        self._counts = [int(c) for c in counts]
+
     def counts_at(self, n: int) -> list[int]:
         """Samples taken from each source among the first ``n``."""
-        if n < self._n:
-            self._n, self._counts = 0, [0] * len(self.weights)
+        self._seek(n)
         self._advance(n)
         return list(self._counts)
 
@@ -77,6 +88,36 @@ class BlendSchedule:
         self._advance(stop, record)
         out = np.asarray(record, dtype=np.int64).reshape(-1, 2)
         return out[:, 0], out[:, 1]
+
+
+SEEK_WALK = 64  # samples the schedule walks on rather than starting at an anchor (anchors are ~1-50 samples back)
+ANCHOR_BLOCK = 1024  # samples searched per numpy block, going back from n
+
+
+def anchor_counts(w: np.ndarray, n: int) -> tuple[int, np.ndarray]:
+    """``(m, counts of the first m samples)`` for the last sample ``m <= n`` whose counts the rule forces
+    (``(0, zeros)`` when none is found back to sample 2).
+
+    Source ``i`` was last taken (at some ``t < m``) when its lag ``P_i(t) - count_i`` was the largest, so
+    at least the mean lag ``(sum_i P_i(t) - t) / k >= -eps``, where ``P_i(t) = w_i * max(t, 1)`` in float64
+    is the product the rule compares and ``eps`` bounds float64's rounding of the products and of the
+    weights' sum (a few ulps of ``t``). ``P_i`` never decreases, so ``count_i(m) <= U_i = floor(P_i(m - 1)
+    + 1 + eps)``. The counts sum to ``m``: where the bounds do too, every count is its bound. The margin
+    used for ``eps`` is far above float64's, which only makes the bounds looser (never wrong)."""
+    k = w.shape[0]
+    hi = n + 1
+    while hi > 2:
+        lo = max(2, hi - ANCHOR_BLOCK)
+        m = np.arange(lo, hi, dtype=np.int64)
+        before = w[None, :] * (m - 1).astype(np.float64)[:, None]  # P(m - 1), as the rule computes it
+        margin = 64.0 * k * np.finfo(np.float64).eps * m.astype(np.float64)[:, None]
+        bound = np.floor(before + 1.0 + margin).astype(np.int64)
+        hits = np.flatnonzero(bound.sum(1) == m)
+        if hits.size:
+            j = int(hits[-1])
+            return int(m[j]), bound[j]
+        hi = lo
+    return 0, np.zeros(k, dtype=np.int64)
 
 
 class Blend:

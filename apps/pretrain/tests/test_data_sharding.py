@@ -95,10 +95,14 @@ def test_prefetcher_pins_every_tensor_for_a_cuda_device(monkeypatch):
         pinned.append(threading.current_thread().name)
         return self.clone()
 
+    devices = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
-    p = Prefetcher(_batch, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((threading.current_thread().name, d)))
+    p = Prefetcher(_batch, torch.device("cuda", 3))
     p.get(0)
     b = p.get(1)
     assert torch.equal(b.tokens, _batch(1).tokens)
     assert len(pinned) == 4 and all(name.startswith("prefetch") for name in pinned[2:])
+    # the reader's thread works on this rank's GPU (the current device is per thread; default GPU 0)
+    assert any(name.startswith("prefetch") and d == torch.device("cuda", 3) for name, d in devices), devices
     p.close()

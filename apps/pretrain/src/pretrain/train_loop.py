@@ -122,10 +122,9 @@ class Trainer:
         return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> MicroBatches:
-        """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry
-        its token streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents.
-        Tokens go to the device in one copy (asynchronous from the prefetcher's pinned memory on CUDA);
-        the segments stay on the host, where document starts are read."""
+        """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry its token
+        streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents. Tokens go to the device
+        in one copy (asynchronous from the prefetcher's pinned memory on CUDA); segments stay on the host."""
         if self.span_groups is not None:
             return self._dynamic_microbatches(batch)
         batch = replace(batch, tokens=batch.tokens.to(self.device, non_blocking=True))

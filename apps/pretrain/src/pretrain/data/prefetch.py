@@ -34,6 +34,8 @@ class Prefetcher:
         self._pending: tuple[int, Future] | None = None
 
     def _load(self, step: int):
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # the current device is per thread: pin for this rank's GPU, not GPU 0
         return pin(self.read(step), self.device)
 
     def get(self, step: int):

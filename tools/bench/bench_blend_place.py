@@ -12,6 +12,8 @@
   the indices Megatron builds once per run), if installed.
 
 The choices are checked equal to the walk's over the step (and to the peer's with ``--peer``).
+Anchors thin out with the number of sources (see ``BlendSchedule``): with 16 or more sources of
+generic weights there are none and ``ours`` walks like before.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ most: ``argmax_i  w_i * max(n, 1) - count_i`` (first source on ties), the rule a
 arithmetic of megatron-core's ``build_blending_indices``, so the choices are the same sample for
 sample. After ``n`` samples every source's count is within one sample of ``w_i * n``. The rule
 is a pure function of ``n``: the batch of step ``s`` follows from ``s`` alone, under any layout, and
-placing it costs a numpy search over a few thousand samples before it (``anchor_counts``), not a
-walk from sample 0.
+placing it starts from a sample shortly before it whose counts the rule forces (``anchor_counts``),
+not from sample 0.
 """
 
 from __future__ import annotations
@@ -45,9 +45,15 @@ class BlendSchedule:
     """Which source each sample of the blended stream comes from, and its index within that source.
 
     Placing sample ``n`` needs the counts of the first ``n`` samples. They are not walked from 0:
-    :func:`anchor_counts` finds, with numpy over a block of samples just before ``n``, a sample whose
-    counts the rule forces, and the walk starts there (a few samples back, whatever ``n`` is). The
-    schedule keeps its place, so consecutive steps cost their own samples only."""
+    :func:`anchor_counts` finds, with numpy over blocks of samples just before ``n``, a sample whose
+    counts the rule forces, and the walk starts there (a few samples back for a few sources, whatever
+    ``n`` is). The schedule keeps its place, so consecutive steps cost at most their own samples.
+
+    Limit: a forced sample needs about ``k - 1`` of the ``k`` sources' products just below an integer at
+    once, so anchors thin out as ``k`` grows (measured at step 100,000 x 1024: a few samples apart for 3-5
+    sources, thousands for 8; none for 16 or 32 sources of generic weights, while weights of a few decimals
+    repeat and anchor at every period). Without one within ANCHOR_SEARCH samples the walk starts from its
+    current place or from 0, as it always did."""
 
     def __init__(self, weights):
         self.weights = normalised(weights)
@@ -69,11 +75,17 @@ class BlendSchedule:
         self._n = max(self._n, stop)
 
     def _seek(self, n: int) -> None:
-        """Place the walk at sample ``n``: walk on when ``n`` is at most SEEK_WALK ahead, else start at an anchor."""
-        if self._n <= n <= self._n + SEEK_WALK:
+        """Place the walk at sample ``n``: from the last anchor at or before ``n``, or from where the walk is
+        when that is nearer (consecutive steps of one rank: the search never looks further back)."""
+        if n == self._n:
             return
-        self._n, counts = anchor_counts(self._w, n)
-        self._counts = [int(c) for c in counts]
+        ahead = n > self._n
+        found = anchor_counts(self._w, n, lowest=max(self._n + 1 if ahead else 2, n - ANCHOR_SEARCH))
+        if found is not None:
+            self._n, counts = found
+            self._counts = [int(c) for c in counts]
+        elif not ahead:
+            self._n, self._counts = 0, [0] * len(self.weights)
 
     def counts_at(self, n: int) -> list[int]:
         """Samples taken from each source among the first ``n``."""
@@ -90,24 +102,26 @@ class BlendSchedule:
         return out[:, 0], out[:, 1]
 
 
-SEEK_WALK = 64  # samples the schedule walks on rather than starting at an anchor (anchors are ~1-50 samples back)
 ANCHOR_BLOCK = 1024  # samples searched per numpy block, going back from n
+ANCHOR_SEARCH = 1 << 22  # samples searched at most (~0.3 s of numpy); further back, walking is the answer
 
 
-def anchor_counts(w: np.ndarray, n: int) -> tuple[int, np.ndarray]:
-    """``(m, counts of the first m samples)`` for the last sample ``m <= n`` whose counts the rule forces
-    (``(0, zeros)`` when none is found back to sample 2).
+def anchor_counts(w: np.ndarray, n: int, lowest: int = 2) -> tuple[int, np.ndarray] | None:
+    """``(m, counts of the first m samples)`` for the last sample ``lowest <= m <= n`` whose counts the rule
+    forces, or None.
 
     Source ``i`` was last taken (at some ``t < m``) when its lag ``P_i(t) - count_i`` was the largest, so
     at least the mean lag ``(sum_i P_i(t) - t) / k >= -eps``, where ``P_i(t) = w_i * max(t, 1)`` in float64
     is the product the rule compares and ``eps`` bounds float64's rounding of the products and of the
     weights' sum (a few ulps of ``t``). ``P_i`` never decreases, so ``count_i(m) <= U_i = floor(P_i(m - 1)
     + 1 + eps)``. The counts sum to ``m``: where the bounds do too, every count is its bound. The margin
-    used for ``eps`` is far above float64's, which only makes the bounds looser (never wrong)."""
+    used for ``eps`` is far above float64's, which only makes the bounds looser (never wrong).
+
+    The search costs numpy over the distance to the anchor, the walk from it Python over the same."""
     k = w.shape[0]
-    hi = n + 1
-    while hi > 2:
-        lo = max(2, hi - ANCHOR_BLOCK)
+    hi, lowest = n + 1, max(lowest, 2)
+    while hi > lowest:
+        lo = max(lowest, hi - ANCHOR_BLOCK)
         m = np.arange(lo, hi, dtype=np.int64)
         before = w[None, :] * (m - 1).astype(np.float64)[:, None]  # P(m - 1), as the rule computes it
         margin = 64.0 * k * np.finfo(np.float64).eps * m.astype(np.float64)[:, None]
@@ -117,7 +131,7 @@ def anchor_counts(w: np.ndarray, n: int) -> tuple[int, np.ndarray]:
             j = int(hits[-1])
             return int(m[j]), bound[j]
         hi = lo
-    return 0, np.zeros(k, dtype=np.int64)
+    return None
 
 
 class Blend:

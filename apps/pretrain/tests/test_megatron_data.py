@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from pretrain.cli import app
 from pretrain.config import load_config
 from pretrain.data import TokenSampler, build_sampler, load_dataset, open_dataset, write_dataset
-from pretrain.data.blend import BlendSchedule
+from pretrain.data.blend import BlendSchedule, anchor_counts, normalised
 from pretrain.errors import UsageError
 
 indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
@@ -85,6 +85,56 @@ def test_blend_chooses_megatron_cores_source_for_every_sample(weights):
     later = BlendSchedule(weights).take(3001, 3517)  # from any sample on, no history needed
     assert np.array_equal(later[0], source[3001:3517]) and np.array_equal(later[1], index[3001:3517])
     assert np.array_equal(ours.take(10, 20)[0], source[10:20])  # going back restarts the walk
+
+
+def _megatron_counts(weights, n):
+    """megatron-core's choices for samples 0..n-1 and the counts before each sample ``[n + 1, k]``."""
+    w = np.asarray(normalised(weights))
+    source, index = np.zeros(n, dtype=np.int16), np.zeros(n, dtype=np.int64)
+    helpers_cpp.build_blending_indices(source, index, w, len(w), n, False)
+    counts = np.zeros((n + 1, len(w)), dtype=np.int64)
+    np.add.at(counts, (np.arange(1, n + 1), source), 1)
+    return source, index, counts.cumsum(0)
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.5, 0.2], [1, 1, 1], [3, 1], [0.7, 0.2, 0.05, 0.05],
+                                     [0.533, 0.465, 0.002], [0.98, 0.01, 0.01], [0.40623, 0.2701, 0.32367],
+                                     [0.31, 0.016, 0.155, 0.119, 0.201, 0.063, 0.05, 0.086]])
+def test_blend_anchor_counts_equal_megatron_cores_far_into_the_stream(weights):
+    """Placing sample n starts from a sample the rule forces, a few samples back (not from 0); its
+    counts, and the choices after it, are megatron-core's (exact ties of rational weights included)."""
+    n = 1_500_000
+    source, index, counts = _megatron_counts(weights, n)
+    rng = np.random.default_rng(0)
+    w = np.asarray(normalised(weights))
+    for at in [*range(0, 40), *rng.integers(40, n, 200).tolist(), n]:
+        m, got = anchor_counts(w, at) or (0, np.zeros(len(w), dtype=np.int64))
+        assert m <= at and np.array_equal(got, counts[m]), (at, m, got, counts[m])
+        assert at - m < (200 if len(w) < 8 else 20_000), (at, m)  # a few samples back (thousands for 8 sources)
+    for start in rng.integers(0, n - 3000, 20).tolist():
+        got_source, got_index = BlendSchedule(weights).take(start, start + 3000)
+        assert np.array_equal(got_source, source[start:start + 3000]), start
+        assert np.array_equal(got_index, index[start:start + 3000]), start
+    steps = BlendSchedule(weights)  # one rank's consecutive steps: 64 of 256 samples each, any distance apart
+    for start in [700_000 + 256 * s + 64 for s in range(5)] + [10_000, 1_400_000]:
+        assert np.array_equal(steps.take(start, start + 64)[0], source[start:start + 64]), start
+        assert steps.counts_at(start + 80) == counts[start + 80].tolist()
+
+
+def test_blend_without_an_anchor_walks_and_still_equals_megatron_core(monkeypatch):
+    """16 sources of generic weights: no forced sample (they thin out as the sources grow), so placing
+    a sample walks, from the schedule's place or from 0, within a bounded search."""
+    from pretrain.data import blend
+
+    weights = np.random.default_rng(16).dirichlet(np.ones(16)).tolist()
+    n = 30_000
+    source, index, counts = _megatron_counts(weights, n)
+    monkeypatch.setattr(blend, "ANCHOR_SEARCH", 5000)
+    assert anchor_counts(np.asarray(normalised(weights)), n - 1, lowest=n - 5000) is None
+    s = BlendSchedule(weights)
+    for start in (20_000, 25_000, 3_000, 29_000):  # ahead, ahead, back (from 0), ahead
+        got = s.take(start, start + 500)
+        assert np.array_equal(got[0], source[start:start + 500]) and np.array_equal(got[1], index[start:start + 500])
 
 
 def _sources(tmp_path):

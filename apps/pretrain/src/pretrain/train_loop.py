@@ -20,6 +20,7 @@ from par_groups import comm, create_groups
 from par_moe import DeclaredRouting
 from par_tp import vocab_parallel_cross_entropy
 
+from .data.prefetch import Prefetcher
 from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
 from .kernels import fp8_regions, select_kernels
@@ -99,18 +100,21 @@ class Trainer:
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
         self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
+        self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
-        """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first)."""
+        """``[micro_batch, S]`` -> this CP rank's ``[S/cp, micro_batch]`` (sequence-first), on the device."""
         x = shard_sequence(x.t().contiguous(), self.cp_rank, self.cp_size, dim=0, layout="zigzag")
         return x.to(self.device, non_blocking=True)
 
     def microbatches(self, batch) -> MicroBatches:
-        """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry
-        its token streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents."""
+        """This rank's micro-batches of ``batch``: sequence-first CP shards; with MTP the labels carry its token
+        streams too ``[S/cp, B, 1 + 2D]``; packed data brings each micro-batch's documents. Tokens go to the device
+        in one copy (asynchronous from the prefetcher's pinned memory on CUDA); segments stay on the host."""
         if self.span_groups is not None:
             return self._dynamic_microbatches(batch)
+        batch = replace(batch, tokens=batch.tokens.to(self.device, non_blocking=True))
         n, depth = batch.tokens.shape[0], self.cfg.model.mtp_depth
         inputs = [self._shard(batch.inputs[m]) for m in range(n)]
         if self.packed:
@@ -141,7 +145,13 @@ class Trainer:
         return MicroBatches(inputs, labels, docs, loss_tokens)
 
     def _batch(self, step: int, eval: bool = False):
-        """This rank's batch; under dynamic CP the global one (every rank plans all of it)."""
+        """This rank's batch ``step``; a training step's was read during the previous one (time_data waits for it)."""
+        if eval or self.prefetch is None:
+            return self._read_batch(step, eval)
+        return self.prefetch.get(step)
+
+    def _read_batch(self, step: int, eval: bool = False):
+        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it)."""
         s = self.sampler
         if self.span_groups is not None:
             return s.global_eval_batch(step) if eval else s.global_train_batch(step)

@@ -19,14 +19,16 @@ def fused_adamw_available(param: torch.Tensor) -> bool:
 @torch.no_grad()
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                fused: bool | None = None) -> None:
+                fused: bool | None = None, step_tensor: torch.Tensor | None = None) -> None:
     """One decoupled-weight-decay Adam update of ``param`` in place (all fp32, same shape).
 
-    ``fused``: None = torch's fused kernel on CUDA; True/False force it on or off."""
+    ``fused``: None = torch's fused kernel on CUDA; True/False force it on or off. ``step_tensor``: the
+    fused kernel's step count, a 0-d fp32 tensor on the param's device holding ``step`` (the caller's,
+    kept across steps); without it one is made here."""
     beta1, beta2 = betas
     if fused if fused is not None else fused_adamw_available(param):
         fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
-                          weight_decay=weight_decay)
+                          weight_decay=weight_decay, step_tensor=step_tensor)
         return
     if weight_decay:
         param.mul_(1 - lr * weight_decay)
@@ -39,10 +41,12 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 
 def fused_adamw_step_(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, betas, eps: float,
-                      weight_decay: float) -> None:
-    """torch's fused AdamW kernel on one tensor (the step count lives on the param's device: made by
-    a fill there, not copied from the host, which on CUDA would wait for the stream once per bucket)."""
-    steps = [torch.full((), float(step), dtype=torch.float32, device=param.device)]
+                      weight_decay: float, step_tensor: torch.Tensor | None = None) -> None:
+    """torch's fused AdamW kernel on one tensor (the step count lives on the param's device: ``step_tensor``
+    or made by a fill there, not copied from the host, which on CUDA would wait for the stream)."""
+    if step_tensor is None:
+        step_tensor = torch.full((), float(step), dtype=torch.float32, device=param.device)
+    steps = [step_tensor]
     torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], steps, lr=lr, beta1=betas[0], beta2=betas[1],
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 

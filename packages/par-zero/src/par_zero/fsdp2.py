@@ -23,7 +23,7 @@ from par_groups.param_placement import placement_of
 from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
 from .fsdp2_state import FSDP2OptimizerState, owned_local_pieces
-from .optimizer_choice import ADAMW, optimizer_class, takes_weight_decay
+from .optimizer_choice import ADAMW, fastest_implementation, optimizer_class, takes_weight_decay
 from .units import default_unit_modules
 
 
@@ -79,15 +79,17 @@ class TorchFSDP2:
         self.params = [p for _, p in named]
         groups = [{"params": [p for n, p in named if not no_decay(n, p)]},
                   {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+        device = self.params[0].device if self.params else torch.device("cpu")
         if optimizer == ADAMW:
             self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                               foreach=False)
+                                               **fastest_implementation(torch.optim.AdamW, device))
         else:  # any torch.optim class (validated by the config), the mask as its two groups
             cls = optimizer_class(optimizer)
             decay = {"weight_decay": weight_decay} if takes_weight_decay(cls) else {}
             if not decay:
                 groups = [{"params": groups[0]["params"] + groups[1]["params"]}]
-            self.optimizer = cls(groups, lr=lr, **decay, **self.cfg.optimizer_args)
+            fast = fastest_implementation(cls, device, self.cfg.optimizer_args)
+            self.optimizer = cls(groups, lr=lr, **decay, **fast, **self.cfg.optimizer_args)
         self.optimizer_state = FSDP2OptimizerState(self.optimizer, self.params, lambda: self.step_count)
         self.step_count = 0
 

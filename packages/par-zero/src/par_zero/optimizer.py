@@ -14,12 +14,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .adamw import adamw_step_
+from .adamw import adamw_step_, fused_adamw_available
 from .bucket import Bucket
 from .config import DataParallelConfig
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+GRAD_CHUNK = 1 << 22  # bf16 grads are stepped this many elements at a time through one fp32 scratch (16 MiB)
 
 
 class DistributedAdamW:
@@ -33,7 +34,11 @@ class DistributedAdamW:
         # {bucket: {moment: tensor over its optimizer range}}, as torch.optim's per-param ``state``
         self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in MOMENTS}
                       for b in buckets}
-        self.decay_ranges = {b: [(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)] for b in buckets}
+        self.decay_ranges = {b: contiguous_runs([(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)])
+                             for b in buckets}
+        # made once on the device of the tensors they serve, refilled in place every step:
+        self._steps: dict[torch.device, torch.Tensor] = {}  # the fused kernel's step count
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # fp32 copy of a chunk of bf16 grads
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -67,6 +72,8 @@ class DistributedAdamW:
         ``each(bucket)`` runs after each bucket's update (the buffer launches its param gather
         there, so it runs while the next bucket steps)."""
         self.step_count += 1
+        for t in self._steps.values():
+            t.fill_(float(self.step_count))
         for b in self.buckets:
             self._step_bucket(b)
             if each is not None:
@@ -74,9 +81,42 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def _step_bucket(self, b: Bucket) -> None:
-        c, lr = self.cfg, self.lr
-        grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
+        """Decoupled decay first (as torch's AdamW), one foreach call over the decayed runs; then Adam on
+        the whole range, or chunk by chunk through an fp32 scratch when the grads are bf16."""
+        c, lr, g = self.cfg, self.lr, b.opt_grad
         m, v = self.state[b]["exp_avg"], self.state[b]["exp_avg_sq"]
-        for lo, hi in self.decay_ranges[b] if c.weight_decay else ():  # decoupled decay first, as torch's AdamW
-            b.master[lo:hi].mul_(1 - lr * c.weight_decay)
-        adamw_step_(b.master, grad, m, v, step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
+        if c.weight_decay and self.decay_ranges[b]:
+            torch._foreach_mul_([b.master[lo:hi] for lo, hi in self.decay_ranges[b]], 1 - lr * c.weight_decay)
+        kw = dict(step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0,
+                  step_tensor=self._step_tensor(g.device) if fused_adamw_available(b.master) else None)
+        if g.dtype == torch.float32:
+            adamw_step_(b.master, g, m, v, **kw)
+            return
+        scratch = self._scratch_for(g)
+        for lo in range(0, g.numel(), scratch.numel()):
+            hi = min(lo + scratch.numel(), g.numel())
+            adamw_step_(b.master[lo:hi], scratch[: hi - lo].copy_(g[lo:hi]), m[lo:hi], v[lo:hi], **kw)
+
+    def _step_tensor(self, device: torch.device) -> torch.Tensor:
+        t = self._steps.get(device)
+        if t is None:
+            t = self._steps[device] = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
+        return t
+
+    def _scratch_for(self, grad: torch.Tensor) -> torch.Tensor:
+        size = min(GRAD_CHUNK, grad.numel())
+        s = self._scratch.get(grad.device)
+        if s is None or s.numel() < size:
+            s = self._scratch[grad.device] = torch.empty(size, dtype=torch.float32, device=grad.device)
+        return s
+
+
+def contiguous_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint) with the touching ones merged: ``[(0, 4), (4, 6), (8, 9)] -> [(0, 6), (8, 9)]``."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out

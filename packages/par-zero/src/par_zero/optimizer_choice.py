@@ -53,3 +53,22 @@ def check_optimizer(optimizer: str | type, args: dict, weight_decay: float) -> t
             raise ValueError(f"optimizer {name} keeps state {key!r} not shaped like its param "
                              f"({list(t.shape)} for {list(p.shape)}): only elementwise state is saved as pieces")
     return cls
+
+
+def fastest_implementation(cls: type, device: torch.device, args: dict | None = None) -> dict:
+    """The keyword that selects ``cls``'s fastest kernels on ``device``: ``fused=True`` on an accelerator
+    (CUDA, ...) where the class has a fused kernel, else ``foreach=True`` there; nothing on the CPU
+    (torch's default there is the per-tensor loop, which these results are measured against) or when
+    ``args`` already choose (``fused`` / ``foreach`` in ``[train].optimizer_args``)."""
+    params = inspect.signature(cls.__init__).parameters
+    if torch.device(device).type == "cpu" or {"fused", "foreach"} & set(args or {}):
+        return {}
+    if "fused" in params and torch.device(device).type in _fused_devices():
+        return {"fused": True}
+    return {"foreach": True} if "foreach" in params else {}
+
+
+def _fused_devices() -> list[str]:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()

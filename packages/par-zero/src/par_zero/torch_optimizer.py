@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 # ADAMW, check_optimizer and optimizer_classes are re-exported: they lived here before optimizer_choice.py
-from .optimizer_choice import ADAMW, check_optimizer, optimizer_class, optimizer_classes, takes_weight_decay  # noqa: F401
+from .optimizer_choice import (ADAMW, check_optimizer, fastest_implementation, optimizer_class,  # noqa: F401
+                               optimizer_classes, takes_weight_decay)
 
 if TYPE_CHECKING:
     from .bucket import Bucket
@@ -53,7 +54,8 @@ class TorchOptimizer:
         else:
             groups = [{"params": decay + keep}]
         groups = [g for g in groups if g["params"]]
-        self.inner = cls(groups, lr=cfg.lr, **cfg.optimizer_args) if groups else None
+        fast = fastest_implementation(cls, buckets[0].master.device, cfg.optimizer_args) if groups else {}
+        self.inner = cls(groups, lr=cfg.lr, **fast, **cfg.optimizer_args) if groups else None
         self.flat: dict[Bucket, dict[str, torch.Tensor]] = {b: {} for b in buckets}  # per state name, over the range
         self._bind()
 
@@ -68,6 +70,8 @@ class TorchOptimizer:
         if self.inner is None:
             return
         for b, views in self.views.items():
+            # torch.optim steps every param at once, so bf16 grads need all of their fp32 copy now: a transient
+            # (the caching allocator's on CUDA) rather than a buffer that would stay through forward/backward
             grad = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
             for v, lo, hi in views:
                 v.grad = grad[lo:hi].view(v.shape)

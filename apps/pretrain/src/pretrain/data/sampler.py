@@ -6,7 +6,8 @@ so consecutive windows overlap by the one token that is both a label and the nex
 
 * Training: every epoch visits all windows in an order shuffled by (seed, epoch). Optimizer step s
   uses global sequences ``s * global_batch ... (s + 1) * global_batch - 1`` of that endless order;
-  dp rank r takes the r-th contiguous ``global_batch / dp`` of them, cut into micro-batches. The
+  dp rank r takes the r-th contiguous ``global_batch / dp`` of them, cut into micro-batches, and reads
+  only those (``global_*_batch`` read all of a step, for dynamic CP and tests). The
   batch is a pure function of the step: resuming at step s needs only s, and every tp/pp/cp rank
   of one dp rank gets the same tokens.
 * Evaluation: held-out windows in order, batch i starting at window ``i * global_batch``.
@@ -23,6 +24,7 @@ inside a packed sequence are where ``segments`` changes (for packed attention / 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,20 +83,33 @@ class Windows:
 
 
 class Stream:
-    """Samples of one or more :class:`Windows`, blended by weight (see ``blend.py``) when several."""
+    """Samples of one or more :class:`Windows`, blended by weight (see ``blend.py``) when several.
+    Thread-safe: the trainer reads the next step in the background (``prefetch.py``) while the
+    main thread may log the blend's counts; the windows' and the blend's cached places are shared."""
 
     def __init__(self, windows: list[Windows], weights: list[float] | None):
         self.windows = windows
         self.blend = BlendSchedule(weights) if len(windows) > 1 else None
+        self._lock = threading.Lock()
 
     def sources(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """For samples start..stop-1: the source of each and its index within that source."""
         if self.blend is None:
             return np.zeros(stop - start, dtype=np.int64), np.arange(start, stop, dtype=np.int64)
-        return self.blend.take(start, stop)
+        with self._lock:
+            return self.blend.take(start, stop)
+
+    def counts_at(self, n: int) -> list[int]:
+        """Samples each source gave among the first ``n`` (a blend's)."""
+        with self._lock:
+            return self.blend.counts_at(n)
 
     def gather(self, start: int, stop: int) -> Batch:
-        source, index = self.sources(start, stop)
+        with self._lock:
+            return self._gather(start, stop)
+
+    def _gather(self, start: int, stop: int) -> Batch:
+        source, index = self.blend.take(start, stop) if self.blend is not None else self.sources(start, stop)
         seq_len = self.windows[0].seq_len
         tokens = np.empty((stop - start, seq_len + 1), dtype=np.int64)
         segments = np.empty((stop - start, seq_len + 1), dtype=np.int32)
@@ -158,7 +173,7 @@ class TokenSampler:
     def source_samples(self, steps: int) -> list[int]:
         """Training samples each source gave in the first ``steps`` steps."""
         n = steps * self.global_batch
-        return [n] if self.train.blend is None else self.train.blend.counts_at(n)
+        return [n] if self.train.blend is None else self.train.counts_at(n)
 
     def shares(self, steps: int) -> dict:
         """For ``log.jsonl`` under a blend: each source's training samples in the first ``steps`` steps
@@ -170,12 +185,13 @@ class TokenSampler:
         total = max(sum(counts), 1)
         return {"data_samples": dict(zip(names, counts)), "data_share": {n: c / total for n, c in zip(names, counts)}}
 
-    def _rank_slice(self, batch: Batch) -> Batch:
+    def _rank_part(self, stream: Stream, index: int) -> Batch:
+        """This dp rank's contiguous ``global_batch / dp`` sequences of batch ``index``, read alone."""
         per_rank = self.global_batch // self.dp_size
-        lo = self.dp_rank * per_rank
+        lo = index * self.global_batch + self.dp_rank * per_rank
+        batch = stream.gather(lo, lo + per_rank)
         shape = (self.microbatches, self.micro_batch, self.seq_len + 1)
-        return Batch(batch.tokens[lo:lo + per_rank].reshape(shape).contiguous(),
-                     batch.segments[lo:lo + per_rank].reshape(shape).contiguous())
+        return Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
 
     def global_train_batch(self, step: int) -> Batch:
         """All ``global_batch`` sequences of optimizer step ``step`` (0-based): ``[global_batch, seq_len + 1]``."""
@@ -186,8 +202,8 @@ class TokenSampler:
 
     def train_batch(self, step: int) -> Batch:
         """This dp rank's part of step ``step``: ``[microbatches, micro_batch, seq_len + 1]``."""
-        return self._rank_slice(self.global_train_batch(step))
+        return self._rank_part(self.train, step)
 
     def eval_batch(self, index: int) -> Batch:
         """This dp rank's part of held-out batch ``index``: ``[microbatches, micro_batch, seq_len + 1]``."""
-        return self._rank_slice(self.global_eval_batch(index))
+        return self._rank_part(self.valid, index)

@@ -108,8 +108,9 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
-    if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules
-        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay)
+    if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules; the same mixed precision
+        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay,
+                      param_dtype=kwargs["param_dtype"], reduce_dtype=kwargs["reduce_dtype"])
     kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_args)  # [train].optimizer
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)

@@ -2,13 +2,22 @@
 promptly with pytest's summary, wherever it is. pytest itself handles only SIGINT; here both raise
 KeyboardInterrupt and mark the session to stop after the current test, so code under test that
 catches the interrupt (a CLI invoked in-process) cannot keep the run going. A test that launches
-ranks in-process hands the signal back here once its ranks stop (``pretrain.ranks``)."""
+ranks in-process hands the signal back here once its ranks stop (``pretrain.ranks``). A process
+forked from pytest (a multiprocessing pool of a command under test) gets the default action back:
+it dies as it would outside the suite."""
 
+import os
 import signal
 
 
 def pytest_sessionstart(session):
+    pytest_pid = os.getpid()
+
     def interrupted(signum, frame):
+        if os.getpid() != pytest_pid:  # a forked child inherited this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         session.shouldstop = f"{signal.Signals(signum).name} received"
         raise KeyboardInterrupt(session.shouldstop)
 

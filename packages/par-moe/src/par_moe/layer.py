@@ -202,7 +202,7 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_reference(cls, reference: nn.Module, ep_group=None, etp_group=None, aux_group=None) -> "MoELayer":
-        """This rank's slice of a single-device :class:`ReferenceMoE` (same parameter names)."""
+        """This rank's slice of a single-device :class:`par_moe.testing.ReferenceMoE` (same parameter names)."""
         layer = cls(reference.config, ep_group, etp_group, aux_group)
         shared = reference.shared
         return layer.load_full_(

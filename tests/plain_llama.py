@@ -6,8 +6,10 @@ It shares with ``pretrain`` only what a reference may share: the initial weights
 missing tensor fails the load) and, in the tests, the batches. RoPE (both layouts; the scaled
 frequencies of ``rope_scaling`` come from transformers' ``ROPE_INIT_FUNCTIONS``), attention, Qwen3's qk_norm,
 MLA, the MTP streams and loss are computed here; norms, SDPA and cross entropy are torch's; the
-MoE layer is par-moe's loop-over-experts ``ReferenceMoE`` (independent of its fast path, its
-capacity written out from the formula), configured here from ``[model]``.
+MoE layer is par-moe's loop-over-experts ``par_moe.testing.ReferenceMoE`` (independent of its fast
+path, its capacity written out from the formula; par-moe's router, losses, capacity and bias update are
+checked against megatron-core's ``moe_utils`` in ``test_matches_megatron_moe.py``), configured here
+from ``[model]``.
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ class SwiGLU(nn.Module):
 
 def routed_experts(config):
     """par-moe's loop-over-experts reference layer, configured from ``[model]`` here."""
-    from par_moe import MoEConfig, ReferenceMoE
+    from par_moe import MoEConfig
+    from par_moe.testing import ReferenceMoE
 
     normalize = config.score_func == "sigmoid" if config.norm_topk_prob is None else config.norm_topk_prob  # HF's norm_topk_prob
     return ReferenceMoE(MoEConfig(

@@ -7,7 +7,8 @@
 Each mutant names the fewest tests that should catch it. A mutant is *caught* when those tests
 fail (pytest exit 1), *survived* when they pass, *error* when pytest could not run them (the
 mutated text was not found, collection failed, ...). The file is restored after every mutant,
-also on Ctrl-C or SIGTERM (the pytest run is stopped first). Not part of the suite.
+also on Ctrl-C or SIGTERM (the pytest run is stopped first). Not part of the suite; the suite's
+tests/test_mutants_targets.py checks that every mutant's text occurs once and its tests exist.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MLA_PLAIN = "tests/test_layouts_mla_mtp.py::test_single_rank_mla_mtp_equals_plai
 ZERO = "packages/par-zero/tests/test_matches_single_process.py::test_every_strategy_matches_single_process_training[2]"
 MOE_REF = "packages/par-moe/tests/test_layer_matches_reference.py::test_single_device_layer_matches_reference"
 CAPACITY = "packages/par-moe/tests/test_dispatch_and_balance.py::test_capacity_matches_reference_policy"
+MEGATRON = "packages/par-moe/tests/test_matches_megatron_moe.py"  # the outside oracle: megatron-core's moe_utils
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ MUTANTS = [
            "tokens = F.pad(labels[..., k - 1:], (0, k - 1), value=0)",
            "tokens = F.pad(labels[..., k:], (0, k), value=0)", (MLA_PLAIN,)),
     Mutant("mtp-weight", "apps/pretrain/src/pretrain/model/mtp.py",
-           "return total * (a.mtp_loss_weight / a.mtp_depth)", "return total * a.mtp_loss_weight", (MLA_PLAIN,)),
+           "return total * (config.mtp_loss_weight / config.mtp_depth)", "return total * config.mtp_loss_weight",
+           (MLA_PLAIN,)),
     Mutant("capacity-round", "packages/par-moe/src/par_moe/config.py",
            "return math.ceil(self.capacity_factor * num_tokens", "return math.floor(self.capacity_factor * num_tokens",
            (CAPACITY,)),
@@ -90,6 +93,17 @@ MUTANTS = [
     Mutant("bias-update", "packages/par-moe/src/par_moe/layer.py",
            "delta = torch.sign(load.mean() - load) * self.config.bias_update_rate",
            "delta = torch.sign(load - load.mean()) * self.config.bias_update_rate", (f"{PLAIN}[moe]",)),
+    Mutant("seq-aux-mean", "packages/par-moe/src/par_moe/losses.py",
+           "return coeff * per_sequence.mean()", "return coeff * per_sequence.sum()",
+           (f"{MEGATRON}::test_layer_losses_and_their_gradients_match_megatron",)),
+    Mutant("z-loss-scale", "packages/par-moe/src/par_moe/losses.py",
+           "return coeff * torch.logsumexp(logits, dim=-1).square().sum() / total_tokens",
+           "return coeff * torch.logsumexp(logits, dim=-1).square().mean() / total_tokens",
+           (f"{MEGATRON}::test_layer_losses_and_their_gradients_match_megatron",)),
+    Mutant("bias-sign-megatron", "packages/par-moe/src/par_moe/layer.py",  # bias-update's bug, the outside oracle's test
+           "delta = torch.sign(load.mean() - load) * self.config.bias_update_rate",
+           "delta = -torch.sign(load.mean() - load) * self.config.bias_update_rate",
+           (f"{MEGATRON}::test_bias_update_matches_megatron_get_updated_expert_bias",)),
     Mutant("router-ties", "packages/par-moe/src/par_moe/router.py",
            "indices = select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]",
            "indices = select.topk(c.top_k, dim=-1).indices",

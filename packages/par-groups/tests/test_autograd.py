@@ -79,3 +79,33 @@ def test_matches_single_process_and_counts_communication(dist_run, world):
         assert res["single"] == []
         torch.testing.assert_close(res["single_grad"], torch.full((ROWS, COLS), 3.0))
         assert f"dim 0 of size {world * ROWS + 1} is not divisible by the group size {world}" in res["error"]
+
+
+def test_conjugate_pair_runs_each_side_forward_and_the_other_on_the_gradient():
+    """With a matrix A as x and its transpose as y (adjoints), the two Functions are a @ A.T and b @ A."""
+    from par_groups.autograd import conjugate_pair
+
+    g = torch.Generator().manual_seed(0)
+    a_mat = torch.randn(4, 3, generator=g)
+    seen = []
+
+    def x(t, group):
+        seen.append(("x", group))
+        return t @ a_mat.T  # [n, 3] -> [n, 4]
+
+    def y(t, group):
+        seen.append(("y", group))
+        return t @ a_mat  # [n, 4] -> [n, 3]
+
+    first, second = conjugate_pair(x, y, ("First", "Second"))
+    assert (first.__name__, second.__name__) == ("First", "Second")
+    group = object()  # passed through untouched, forward and backward
+    for fn, plain, shape in ((first, lambda t: t @ a_mat.T, (2, 3)), (second, lambda t: t @ a_mat, (2, 4))):
+        inp, w = torch.randn(*shape, generator=g), torch.randn(2, 7 - shape[1], generator=g)
+        got, ref = inp.clone().requires_grad_(), inp.clone().requires_grad_()
+        out = fn.apply(got, group)
+        (out * w).sum().backward()
+        (plain(ref) * w).sum().backward()
+        torch.testing.assert_close(out, plain(inp), rtol=0, atol=0)
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-6, atol=1e-6)
+    assert seen == [("x", group), ("y", group), ("y", group), ("x", group)]

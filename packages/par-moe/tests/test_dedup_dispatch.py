@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from par_groups import RankGrid, create_groups
-from par_moe import MoEConfig, MoELayer, ReferenceMoE, make_dispatcher
+from par_moe import MoEConfig, MoELayer, make_dispatcher
+from par_moe.testing import ReferenceMoE
 
 T, H, F, E, WORLD = 24, 16, 8, 64, 4
 CASES = {

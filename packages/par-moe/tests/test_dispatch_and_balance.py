@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from par_groups import CommRecorder, RankGrid, create_groups, placement_of
-from par_moe import GroupedSwiGLU, MoEConfig, MoELayer, ReferenceMoE, capacity_keep, make_dispatcher
+from par_moe import GroupedSwiGLU, MoEConfig, MoELayer, capacity_keep, make_dispatcher
+from par_moe.testing import ReferenceMoE
 from par_moe.router import Router
 
 H, E = 16, 64

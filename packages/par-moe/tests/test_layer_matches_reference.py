@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from par_groups import RankGrid, create_groups
-from par_moe import MoEConfig, MoELayer, ReferenceMoE
+from par_moe import MoEConfig, MoELayer
+from par_moe.testing import ReferenceMoE
 
 S, B, H, F, E = 4, 2, 16, 8, 64
 

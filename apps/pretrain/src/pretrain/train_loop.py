@@ -233,6 +233,8 @@ class Trainer:
         finite = self.non_finite.note(step, loss, norm)  # read at the next log or checkpoint step
         if cfg.train.nan_policy == "skip" and not bool(finite):  # dropping an update: one host read per step
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
+            for moe in self._moe_layers():
+                moe.step_metrics()  # the dropped step's statistics are not the next step's
             timer.lap("optimizer")
             timer.finish()
             self.non_finite = NonFinite(self.device)  # a skipped step does not stop the run
@@ -299,13 +301,16 @@ class Trainer:
         return float(self._mean_loss(losses))
 
     def _update_moe(self) -> dict:
-        """Aux-loss-free bias updates over every rank that saw other tokens; imbalance for the log."""
+        """Aux-loss-free bias updates over every rank that saw other tokens; for the log, the largest
+        layer's imbalance over the whole step (all its micro-batches; a device scalar, no host read)."""
         imbalance = []
-        for chunk in self.model.chunks.values():
-            for layer in chunk.decoder_layers():
-                if layer.is_moe:
-                    if layer.mlp.config.bias_update_rate > 0:
-                        layer.mlp.update_bias(self.groups.tp_dp_cp)
-                    if layer.mlp.last_metrics:
-                        imbalance.append(layer.mlp.last_metrics["imbalance"])
+        for moe in self._moe_layers():
+            if moe.config.bias_update_rate > 0:
+                moe.update_bias(self.groups.tp_dp_cp)
+            stats = moe.step_metrics()
+            if stats:
+                imbalance.append(stats["imbalance"])
         return {"imbalance": torch.stack(imbalance).max().float()} if imbalance else {}
+
+    def _moe_layers(self):
+        return [layer.mlp for chunk in self.model.chunks.values() for layer in chunk.decoder_layers() if layer.is_moe]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from par_groups import comm
+from par_groups.autograd import conjugate_pair
 
 from .segments import segment_attention
 from .sharding import Segments, merge_segments, segment_indices
@@ -40,30 +41,9 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return y.permute(1, 2, 0, 3, 4).reshape(s // p, b, p * h, d)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """Forward: all-to-all sequence shards -> head shards; backward: the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """Forward: all-to-all head shards -> sequence shards; backward: the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+# SeqToHeads: forward all-to-all sequence shards -> head shards, backward the reverse all-to-all;
+# HeadsToSeq the other way round.
+SeqToHeads, HeadsToSeq = conjugate_pair(_seq_to_heads, _heads_to_seq, ("SeqToHeads", "HeadsToSeq"))
 
 
 def check_heads(num_q_heads: int, num_kv_heads: int, a2a_size: int) -> None:

@@ -45,9 +45,12 @@ from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
 from .router import Router, tokens_per_expert
 
+STEP_SUMS = ("dropped_pairs", "pairs", "aux_loss", "seq_aux_loss", "z_loss")  # MoELayer.step_sums, in order
+
 
 class MoELayer(nn.Module):
-    """``forward(x) -> (y, aux_loss)``; ``last_metrics`` holds this step's routing statistics."""
+    """``forward(x) -> (y, aux_loss)``; ``last_metrics`` holds the last forward's routing statistics,
+    :meth:`step_metrics` those of every training forward since its last call (the whole step)."""
 
     def __init__(self, config: MoEConfig, ep_group: ProcessGroup | None = None, etp_group: ProcessGroup | None = None,
                  aux_group: ProcessGroup | None = None, sequence_group: ProcessGroup | None | str = "aux_group",
@@ -77,10 +80,17 @@ class MoELayer(nn.Module):
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
         self.last_metrics: dict[str, torch.Tensor] = {}
+        # The step's statistics, summed on the device over its training forwards (see step_metrics):
+        # routed pairs per expert, and (dropped pairs, pairs, aux loss, seq aux loss, z loss).
+        self.register_buffer("step_load", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
+        self.register_buffer("step_sums", torch.zeros(len(STEP_SUMS), dtype=torch.float64), persistent=False)
+        self.step_forwards = 0
 
     def init_buffers_(self, device: torch.device) -> None:
         """Reset the computed (unsaved) buffers once they have storage on ``device`` (built on meta)."""
         self.routed_since_update.zero_()
+        self.step_load.zero_()
+        self.step_sums.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -126,7 +136,39 @@ class MoELayer(nn.Module):
             "dropped_fraction": dropped.detach(),
             **{k: v.detach() for k, v in parts.items()},
         }
+        if self.training:
+            self._add_to_step(counts, keep, routing.indices.numel(), parts)
         return y.reshape(shape).to(x.dtype), aux_loss
+
+    @torch.no_grad()
+    def _add_to_step(self, counts, keep, pairs: int, parts) -> None:
+        """Add one forward to the step's sums (device ops only: no host read)."""
+        self.step_load += counts.to(self.step_load.dtype)
+        dropped = counts.new_zeros(()) if keep is None else (~keep).sum()
+        self.step_sums[0] += dropped.to(self.step_sums.dtype)
+        self.step_sums[1] += pairs
+        self.step_sums[2:] += torch.stack([parts[k] for k in STEP_SUMS[2:]]).to(self.step_sums.dtype)
+        self.step_forwards += 1
+
+    @torch.no_grad()
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """The step's routing statistics, then reset: every training forward since the last call (all
+        the micro-batches of a step, not the last one's), as device tensors; {} when there was none.
+
+        ``imbalance`` is the max over the mean of the step's routed pairs per expert, ``dropped_fraction``
+        the share of the step's pairs capacity dropped, the losses the mean over the forwards. A
+        recomputed (activation-checkpointed) forward counts twice, which leaves these ratios as they are.
+        """
+        if not self.step_forwards:
+            return {}
+        load, sums = self.step_load.clone(), self.step_sums.clone()
+        out = {"tokens_per_expert": load, "imbalance": (load.max() / load.mean()).float(),
+               "dropped_fraction": (sums[0] / sums[1]).float(),
+               **{k: (v / self.step_forwards).float() for k, v in zip(STEP_SUMS[2:], sums[2:])}}
+        self.step_load.zero_()
+        self.step_sums.zero_()
+        self.step_forwards = 0
+        return out
 
     def _balance_losses(self, routing, counts, shape):
         """This rank's share of the aux, sequence-aux and z losses (see ``losses``)."""
@@ -202,7 +244,7 @@ class MoELayer(nn.Module):
 
     @classmethod
     def from_reference(cls, reference: nn.Module, ep_group=None, etp_group=None, aux_group=None) -> "MoELayer":
-        """This rank's slice of a single-device :class:`ReferenceMoE` (same parameter names)."""
+        """This rank's slice of a single-device :class:`par_moe.testing.ReferenceMoE` (same parameter names)."""
         layer = cls(reference.config, ep_group, etp_group, aux_group)
         shared = reference.shared
         return layer.load_full_(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from par_groups import all_gather_along_dim0, all_gather_dim0, comm, reduce_scatter_along_dim0
+from par_groups.autograd import conjugate_pair, identity
 
 
 def _size(group: ProcessGroup) -> int:
@@ -70,84 +71,15 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
-# ---- autograd functions -------------------------------------------------------------------------
+# ---- autograd functions: conjugate pairs (the first forwards x and backwards y, the second the reverse)
 
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    """Forward identity; backward all-reduce (each rank holds a partial input gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    """Forward all-reduce of partial sums; backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ScatterToSequenceParallel(torch.autograd.Function):
-    """Forward keep this rank's chunk of dim 0; backward all-gather dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
-
-
-class _GatherFromSequenceParallelReplicatedGrad(torch.autograd.Function):
-    """Forward all-gather dim 0; backward split dim 0 (every rank holds the whole, same gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_dim0(grad, ctx.group), None
-
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward all-gather the last dim; backward keep this rank's slice of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward keep this rank's slice of the last dim; backward all-gather the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+_CopyToTensorParallelRegion, _ReduceFromTensorParallelRegion = conjugate_pair(
+    identity, _all_reduce, ("_CopyToTensorParallelRegion", "_ReduceFromTensorParallelRegion"))
+_ScatterToSequenceParallel, _GatherFromSequenceParallelReplicatedGrad = conjugate_pair(
+    _split_dim0, all_gather_dim0, ("_ScatterToSequenceParallel", "_GatherFromSequenceParallelReplicatedGrad"))
+_GatherFromTensorParallelRegion, _ScatterToTensorParallelRegion = conjugate_pair(
+    _gather_last, _split_last, ("_GatherFromTensorParallelRegion", "_ScatterToTensorParallelRegion"))
 
 
 # ---- public functions ------------------------------------------------------------------------------

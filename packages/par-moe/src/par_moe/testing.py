@@ -1,4 +1,5 @@
-"""ReferenceMoE: the single-device MoE layer, written plainly and independently of the fast path.
+"""For tests only (not exported from ``par_moe``): ReferenceMoE, the single-device MoE layer, written
+plainly and independently of the fast path.
 
 It loops over experts, applies capacity with a per-expert sort, and spells out each loss. It has
 the parameter layout of :class:`MoELayer` with every expert and the full F (``router.weight

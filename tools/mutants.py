@@ -48,7 +48,7 @@ MUTANTS = [
     Mutant("lr-cosine", "apps/pretrain/src/pretrain/schedule_lr.py",
            "progress = min(1.0, (step - warmup_steps) / span)", "progress = min(1.0, (step - warmup_steps + 1) / span)",
            (f"{PLAIN}[dense]",)),
-    Mutant("accumulation", "apps/pretrain/src/pretrain/train_loop.py",
+    Mutant("accumulation", "apps/pretrain/src/pretrain/runners.py",
            "(loss / n).backward()", "(loss / max(1, n - 1)).backward()", (f"{PLAIN}[dense]",)),
     Mutant("clip", "packages/par-zero/src/par_zero/adamw.py",
            "return (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)",

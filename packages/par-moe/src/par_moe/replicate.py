@@ -56,6 +56,7 @@ class ReplicatingDispatcher:
     def __init__(self, num_experts: int, ep_group: ProcessGroup | None, max_replicas: int):
         self.group, self.ep, self.rank = ep_group, group_size(ep_group), group_rank(ep_group)
         self.num_experts, self.num_local, self.max_replicas = num_experts, num_experts // self.ep, max_replicas
+        self.last_plan: ReplicaPlan | None = None  # the latest dispatch's plan (tests, logging)
 
     def plan(self, indices: torch.Tensor, kept: torch.Tensor, declared: list[int] | None = None) -> ReplicaPlan:
         """Every rank's pairs per expert, gathered and read once; the plan from them (the same on every rank).
@@ -69,7 +70,7 @@ class ReplicatingDispatcher:
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
         """Rows for this rank's slots sorted by slot, their counts per slot, the handle."""
         kept = torch.ones_like(indices, dtype=torch.bool) if keep is None else keep
-        plan = self.plan(indices, kept, None if sizes is None else sizes.pairs)
+        plan = self.last_plan = self.plan(indices, kept, None if sizes is None else sizes.pairs)
         me, width = self.rank, self.num_local + max(len(r) for r in plan.replicas)
         expert, token, weight = sort_pairs(indices, weights, keep, size=sum(plan.counts[me]))
         pieces = plan.pieces[me]  # this rank's pairs, in sort_pairs' order, cut by destination slot
@@ -111,7 +112,7 @@ class _FetchReplicas(torch.autograd.Function):
     def backward(ctx, *grads):
         rows = sum(ctx.output_splits)
         parts = [g if g is not None else torch.zeros(rows, *s[1:], **ctx.kind) for g, s in zip(grads, ctx.shapes)]
-        back = _all_to_all(torch.cat([g.reshape(rows, -1) for g in parts], dim=1), ctx.group,
+        back = _all_to_all(torch.cat([g.reshape(rows, s[1:].numel()) for g, s in zip(parts, ctx.shapes)], dim=1), ctx.group,
                            ctx.input_splits, ctx.output_splits)
         total = back.new_zeros(ctx.shapes[0][0], back.shape[1])
         seen: dict[int, int] = {}

@@ -153,10 +153,11 @@ def expert_bytes(w_gate, w_up, w_down) -> int:
 
 def balance_metrics(plan: ReplicaPlan, rank: int, one_expert_bytes: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The plan's figures as device scalars (read at log steps only): max / mean pairs per EP rank
-    before and after balancing, replicas made, and the bytes EP rank ``rank``'s weight fetch sends
+    before and after balancing, their mean, replicas made, and the bytes EP rank ``rank``'s weight fetch sends
     (as many as its gradient return receives)."""
     figures = {"slots_max_over_mean_before": plan.max_over_mean(plan.load_before),
                "slots_max_over_mean_after": plan.max_over_mean(plan.load_after),
+               "slots_per_rank": sum(plan.load_before) / plan.ep,
                "replicated_experts": float(sum(len(r) for r in plan.replicas)),
                "replica_fetch_bytes": float(plan.fetched(rank) * one_expert_bytes)}
     return {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in figures.items()}

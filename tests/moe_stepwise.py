@@ -134,18 +134,33 @@ def reference_steps(config: str | None, overrides, root: str, skew: bool = False
 @contextlib.contextmanager
 def planted(bug: str | None):
     """A test-only bug: "reversed_expert_counts" hands each local expert another expert's rows (a wrong
-    expert permutation under EP)."""
+    expert permutation under EP); "replica_gradient_not_returned" and "stale_replica_weights" break
+    expert_balance = "replicate"."""
+    import par_moe.layer as layer_mod
+    import par_moe.replicate as rep
+    import torch
     from par_moe.experts import GroupedSwiGLU
 
-    forward = GroupedSwiGLU.forward
+    forward, fetch, backward = GroupedSwiGLU.forward, layer_mod.fetch_replicas, rep._FetchReplicas.backward
     if bug == "reversed_expert_counts":
         GroupedSwiGLU.forward = lambda self, tokens, counts, *a: forward(self, tokens, counts.flip(0), *a)
+    elif bug == "replica_gradient_not_returned":  # the return all-to-all runs; its gradients are dropped
+        rep._FetchReplicas.backward = staticmethod(
+            lambda ctx, *g: (*(torch.zeros_like(x) for x in backward(ctx, *g)[:3]), None, None, None, None))
+    elif bug == "stale_replica_weights":  # the replicas compute with the values of the first step's weights
+        stale = {}
+
+        def stale_fetch(*args):
+            kept = stale.setdefault(id(args[0]), [w.detach().clone() for w in args[:3]])
+            return fetch(*(s + (w - w.detach()) for s, w in zip(kept, args[:3])), *args[3:])
+
+        layer_mod.fetch_replicas = stale_fetch
     elif bug is not None:
         raise ValueError(bug)
     try:
         yield
     finally:
-        GroupedSwiGLU.forward = forward
+        GroupedSwiGLU.forward, layer_mod.fetch_replicas, rep._FetchReplicas.backward = forward, fetch, backward
 
 
 def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0, bug: str | None = None,
@@ -158,11 +173,12 @@ def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0,
     trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
     name_moe_layers(trainer)
     out = []
-    for step in range(STEPS):
-        assert trainer.load_checkpoint(f"{root}/step_{step}") == step
-        with recorded_routing(perturb=perturb) as log, planted(bug):
-            r = trainer.train_step(step)
-        out.append((r.loss, r.grad_norm, dict(log)) + ((r.moe,) if balance else ()))
+    with planted(bug):  # one bug over every step (a stale replica outlives its step)
+        for step in range(STEPS):
+            assert trainer.load_checkpoint(f"{root}/step_{step}") == step
+            with recorded_routing(perturb=perturb) as log:
+                r = trainer.train_step(step)
+            out.append((r.loss, r.grad_norm, dict(log)) + ((r.moe,) if balance else ()))
     return out
 
 

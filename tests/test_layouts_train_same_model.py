@@ -191,6 +191,17 @@ def test_replicated_experts_layout_matches_single_rank_under_skew(dist_run, moe_
             assert stats["imbalance"] == 2.0 and after <= min(before, 1 + 1 / mean), (name, rank, step, stats)
 
 
+@pytest.mark.parametrize("bug", ["replica_gradient_not_returned", "stale_replica_weights"])
+def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, bug):
+    """The same comparison fails with a replica's gradient dropped, or replicas computing with stale weights."""
+    name = "ep4-optim_grads-replicate"
+    root, reference = moe_reference(SKEWED, skew=True)
+    planted = dist_run(4, layout_steps, "tiny-moe", list(SKEWED) + MOE_SKEWED[name], root, bug=bug, timeout=900)
+    with pytest.raises(AssertionError) as caught:
+        assert_moe_steps_same(planted, reference, TOLERANCE, f"{name} {bug}")
+    print(f"{bug}: {str(caught.value).splitlines()[0]}")
+
+
 def test_moe_layouts_hold_under_last_bit_router_noise_and_catch_a_wrong_expert_order(dist_run, moe_reference):
     """Router logits x (1 + 2**-23) on the layout's ranks (another CPU's rounding, exaggerated to
     every score): still the single rank's steps. The same layout with its local experts' token

@@ -1,5 +1,6 @@
 """par-moe: routers, token dispatchers, grouped SwiGLU experts, expert parallelism."""
 
+from .balance import ReplicaPlan, plan_replicas
 from .capacity import capacity_keep
 from .config import MoEConfig
 from .declared import DeclaredRouting, RoutedSizes
@@ -7,10 +8,11 @@ from .dispatch import AllGatherDispatcher, AllToAllDispatcher, DispatchHandle, m
 from .experts import GroupedSwiGLU, SwiGLU, grouped_mm_available, grouped_mm_supported
 from .layer import MoELayer
 from .reference import ReferenceMoE
+from .replicate import ReplicatingDispatcher
 from .router import Router, Routing, tokens_per_expert
 
 __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "DeclaredRouting", "DispatchHandle", "GroupedSwiGLU", "MoEConfig",
-    "MoELayer", "ReferenceMoE", "RoutedSizes", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
-    "tokens_per_expert",
+    "MoELayer", "ReferenceMoE", "ReplicaPlan", "ReplicatingDispatcher", "RoutedSizes", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
+    "plan_replicas", "tokens_per_expert",
 ]

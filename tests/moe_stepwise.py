@@ -98,14 +98,28 @@ def name_moe_layers(trainer) -> None:
                 layer.mlp.layer_name = layer.mlp.router.layer_name = tensors.get(id(layer.mlp.router.weight), "?")
 
 
-def reference_steps(config: str | None, overrides, root: str):
+def skew_routing(trainer, experts: int = 2, bias: float = 1.0) -> None:
+    """A forced skew: every MoE router's selection bias (softmax scores < 1) puts experts 0 .. experts-1
+    in every token's top-k (with top_k = 2 x experts: half of all pairs on them, all on EP rank 0)."""
+    import torch
+
+    for chunk in trainer.model.chunks.values():
+        for layer in chunk.decoder_layers():
+            if layer.is_moe:
+                with torch.no_grad():
+                    layer.mlp.router.expert_bias[:experts] += bias
+
+
+def reference_steps(config: str | None, overrides, root: str, skew: bool = False):
     """The single rank's STEPS steps, saving ``root/step_s`` before step s; per step (loss, grad norm,
-    per-layer loads, smallest top-k margin)."""
+    per-layer loads, smallest top-k margin). ``skew``: :func:`skew_routing` first (the checkpoints carry it)."""
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
     name_moe_layers(trainer)
+    if skew:
+        skew_routing(trainer)
     out = []
     for step in range(STEPS):
         trainer.save_checkpoint(root, step, keep=STEPS + 1)
@@ -120,33 +134,51 @@ def reference_steps(config: str | None, overrides, root: str):
 @contextlib.contextmanager
 def planted(bug: str | None):
     """A test-only bug: "reversed_expert_counts" hands each local expert another expert's rows (a wrong
-    expert permutation under EP)."""
+    expert permutation under EP); "replica_gradient_not_returned" and "stale_replica_weights" break
+    expert_balance = "replicate"."""
+    import par_moe.layer as layer_mod
+    import par_moe.replicate as rep
+    import torch
     from par_moe.experts import GroupedSwiGLU
 
-    forward = GroupedSwiGLU.forward
+    forward, fetch, backward = GroupedSwiGLU.forward, layer_mod.fetch_replicas, rep._FetchReplicas.backward
     if bug == "reversed_expert_counts":
         GroupedSwiGLU.forward = lambda self, tokens, counts, *a: forward(self, tokens, counts.flip(0), *a)
+    elif bug == "replica_gradient_not_returned":  # the return all-to-all runs; its gradients are dropped
+        rep._FetchReplicas.backward = staticmethod(
+            lambda ctx, *g: (*(torch.zeros_like(x) for x in backward(ctx, *g)[:3]), None, None, None, None))
+    elif bug == "stale_replica_weights":  # the replicas compute with the values of the first step's weights
+        stale = {}
+
+        def stale_fetch(*args):
+            kept = stale.setdefault(id(args[0]), [w.detach().clone() for w in args[:3]])
+            return fetch(*(s + (w - w.detach()) for s, w in zip(kept, args[:3])), *args[3:])
+
+        layer_mod.fetch_replicas = stale_fetch
     elif bug is not None:
         raise ValueError(bug)
     try:
         yield
     finally:
-        GroupedSwiGLU.forward = forward
+        GroupedSwiGLU.forward, layer_mod.fetch_replicas, rep._FetchReplicas.backward = forward, fetch, backward
 
 
-def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0, bug: str | None = None):
-    """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s."""
+def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0, bug: str | None = None,
+                 balance: bool = False):
+    """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s. ``balance``: each
+    step's MoE statistics too (the trainer's logged figures), as a fourth element."""
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
     trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
     name_moe_layers(trainer)
     out = []
-    for step in range(STEPS):
-        assert trainer.load_checkpoint(f"{root}/step_{step}") == step
-        with recorded_routing(perturb=perturb) as log, planted(bug):
-            r = trainer.train_step(step)
-        out.append((r.loss, r.grad_norm, dict(log)))
+    with planted(bug):  # one bug over every step (a stale replica outlives its step)
+        for step in range(STEPS):
+            assert trainer.load_checkpoint(f"{root}/step_{step}") == step
+            with recorded_routing(perturb=perturb) as log:
+                r = trainer.train_step(step)
+            out.append((r.loss, r.grad_norm, dict(log)) + ((r.moe,) if balance else ()))
     return out
 
 

@@ -131,6 +131,17 @@ MOE_PIPELINE = {
 }
 
 
+# expert_balance = "replicate" under a forced skew (moe_stepwise.skew_routing: top 4 of 8, experts 0 and 1
+# in every token's top 4, so half of all pairs on EP rank 0): every EP rank computes ceil(pairs / ep).
+REPLICATE = ("model.expert_balance=replicate",)
+MOE_SKEWED = {
+    "ep2-dp2-replicate": ["parallel.ep=2", *REPLICATE],
+    "ep4-optim_grads-replicate": ["parallel.ep=4", "parallel.zero=optim_grads", *REPLICATE],
+    "tp2-ep2-etp1-replicate": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", *REPLICATE],
+}
+SKEWED = MOE_BALANCING + TWO_LAYERS + ("model.top_k=4",)
+
+
 def moe_common(name: str) -> tuple[str, ...]:
     extra = ("train.micro_batch=2",) if name in MOE_PIPELINE else () if name in MOE_FOUR_LAYERS else TWO_LAYERS
     return MOE_BALANCING + extra
@@ -141,11 +152,12 @@ def moe_reference(dist_run, tmp_path_factory):
     """The single rank's steps (and its checkpoint before each step) for a MoE config, once per module."""
     cache = {}
 
-    def reference(common):
-        if common not in cache:
+    def reference(common, skew=False):
+        if (common, skew) not in cache:
             root = str(tmp_path_factory.mktemp("moe-reference"))
-            cache[common] = root, dist_run(1, reference_steps, "tiny-moe", list(common), root, timeout=600)[0]
-        return cache[common]
+            cache[common, skew] = root, dist_run(1, reference_steps, "tiny-moe", list(common), root, skew=skew,
+                                                 timeout=600)[0]
+        return cache[common, skew]
 
     return reference
 
@@ -158,6 +170,36 @@ def test_moe_layout_matches_single_rank(dist_run, moe_reference, name):
     results = dist_run(4, layout_steps, "tiny-moe", list(common) + (MOE | MOE_PIPELINE)[name], root, timeout=900)
     assert_moe_steps_same(results, reference, TOLERANCE, name)
     assert reference[-1][0] < reference[0][0]  # and it learns
+
+
+@pytest.mark.parametrize("name", list(MOE_SKEWED))
+def test_replicated_experts_layout_matches_single_rank_under_skew(dist_run, moe_reference, name):
+    """expert_balance = "replicate" under the forced skew: each step of the layout from the single rank's
+    state at 1e-6, and every step balanced: max / mean pairs per EP rank <= 1 + 1 / (pairs per rank)."""
+    root, reference = moe_reference(SKEWED, skew=True)
+    results = dist_run(4, layout_steps, "tiny-moe", list(SKEWED) + MOE_SKEWED[name], root, balance=True, timeout=900)
+    assert_moe_steps_same([[step[:3] for step in rank] for rank in results], reference, TOLERANCE, name)
+    for rank, steps in enumerate(results):
+        for step, (*_, stats) in enumerate(steps):
+            before, after, mean = (stats[k] for k in ("slots_max_over_mean_before", "slots_max_over_mean_after",
+                                                       "slots_per_rank"))
+            if rank == 0 and step in (0, len(steps) - 1):
+                print(f"{name} step {step}: max/mean pairs per EP rank {before:.3f} today, {after:.4f} balanced "
+                      f"(bound {1 + 1 / mean:.4f}); {stats['replicated_experts']:.0f} replicas over the MoE layers, "
+                      f"rank 0 fetches {stats['replica_fetch_bytes']:.0f} B")
+            # the skew holds (experts 0 and 1 take a quarter of all pairs each: twice the mean), and is balanced
+            assert stats["imbalance"] == 2.0 and after <= min(before, 1 + 1 / mean), (name, rank, step, stats)
+
+
+@pytest.mark.parametrize("bug", ["replica_gradient_not_returned", "stale_replica_weights"])
+def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, bug):
+    """The same comparison fails with a replica's gradient dropped, or replicas computing with stale weights."""
+    name = "ep4-optim_grads-replicate"
+    root, reference = moe_reference(SKEWED, skew=True)
+    planted = dist_run(4, layout_steps, "tiny-moe", list(SKEWED) + MOE_SKEWED[name], root, bug=bug, timeout=900)
+    with pytest.raises(AssertionError) as caught:
+        assert_moe_steps_same(planted, reference, TOLERANCE, f"{name} {bug}")
+    print(f"{bug}: {str(caught.value).splitlines()[0]}")
 
 
 def test_moe_layouts_hold_under_last_bit_router_noise_and_catch_a_wrong_expert_order(dist_run, moe_reference):

@@ -12,6 +12,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel 
 RECOMPUTE = ("none", "selective", "full")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
+EXPERT_BALANCES = ("none", "replicate")
 ATTENTIONS = ("gqa", "mla")
 GROUP_SCORES = ("top2", "top_k_per_group")
 
@@ -86,6 +87,10 @@ class ModelConfig:
     bias_update_rate: float = 0.0
     capacity_factor: float = 0.0  # 0 = no token dropping
     dispatcher: str = "alltoall"
+    # "replicate": every EP rank computes at most ceil(pairs / ep) (token, expert) pairs, hot experts'
+    # excess on replicas fetched from their home ranks (par_moe.balance); at most this many per rank
+    expert_balance: str = "none"
+    max_replicas_per_rank: int = 2
     # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
     norm_topk_prob: bool | None = None
     # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
@@ -137,6 +142,8 @@ class ModelConfig:
         _choice("[model].recompute", self.recompute, RECOMPUTE)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
+        _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)
+        _need(self.max_replicas_per_rank >= 1, f"[model].max_replicas_per_rank={self.max_replicas_per_rank} must be >= 1")
         _positive("model", self, "max_route_nodes", allow_zero=True)
         if self.num_experts and self.max_route_nodes:
             _validate_route_nodes(self)

@@ -32,6 +32,10 @@ from .step_result import NonFinite, StepResult
 from .runners import make_runner
 from .step_timing import NoTimer
 
+# the last micro-batch's figures of each replicating MoE layer (par_moe.replicate.balance_metrics)
+BALANCE_STATS = ("slots_max_over_mean_before", "slots_max_over_mean_after", "slots_per_rank", "replicated_experts",
+                 "replica_fetch_bytes")
+
 
 @dataclass(frozen=True)
 class MicroBatches:
@@ -302,15 +306,22 @@ class Trainer:
 
     def _update_moe(self) -> dict:
         """Aux-loss-free bias updates over every rank that saw other tokens; for the log, the largest
-        layer's imbalance over the whole step (all its micro-batches; a device scalar, no host read)."""
-        imbalance = []
+        layer's imbalance over the whole step (all its micro-batches; a device scalar, no host read), and
+        under expert_balance = "replicate" the worst layer's pairs per EP rank (its last micro-batch's)."""
+        imbalance, balance = [], []
         for moe in self._moe_layers():
             if moe.config.bias_update_rate > 0:
                 moe.update_bias(self.groups.tp_dp_cp)
             stats = moe.step_metrics()
             if stats:
                 imbalance.append(stats["imbalance"])
-        return {"imbalance": torch.stack(imbalance).max().float()} if imbalance else {}
+            if "slots_max_over_mean_after" in moe.last_metrics:  # expert_balance = "replicate"
+                balance.append(torch.stack([moe.last_metrics[k] for k in BALANCE_STATS]))
+        out = {"imbalance": torch.stack(imbalance).max().float()} if imbalance else {}
+        if balance:  # the worst layer's max/mean pairs per EP rank before and after (and mean); replicas, bytes summed
+            per_layer = torch.stack(balance)
+            out |= dict(zip(BALANCE_STATS, torch.cat([per_layer[:, :3].max(0).values, per_layer[:, 3:].sum(0)])))
+        return out
 
     def _moe_layers(self):
         return [layer.mlp for chunk in self.model.chunks.values() for layer in chunk.decoder_layers() if layer.is_moe]

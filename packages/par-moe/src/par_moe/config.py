@@ -9,6 +9,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 GROUP_SCORES = ("top2", "top_k_per_group")
+EXPERT_BALANCES = ("none", "replicate")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ with one group per node this is DeepSeek-V3's
     otherwise each expert takes at most ``ceil(capacity_factor * tokens * top_k / num_experts)``
     of a rank's tokens, dropping the rest by lowest routing weight ("probs") or latest position
     ("position"). ``bias_update_rate`` > 0 enables aux-loss-free balancing (``update_bias``).
+    ``expert_balance = "replicate"`` (all-to-all dispatcher) has every EP rank compute at most
+    ``ceil(pairs / ep)`` (token, expert) pairs: hot experts' excess pairs go to replicas on other
+    ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``).
     """
 
     hidden: int
@@ -49,6 +53,8 @@ with one group per node this is DeepSeek-V3's
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     dispatcher: str = "alltoall"
+    expert_balance: str = "none"
+    max_replicas_per_rank: int = 2
 
     def __post_init__(self) -> None:
         sizes = {"hidden": self.hidden, "ffn_hidden": self.ffn_hidden, "num_experts": self.num_experts, "top_k": self.top_k,
@@ -64,6 +70,13 @@ with one group per node this is DeepSeek-V3's
             raise ValueError(f"drop_policy={self.drop_policy!r}; use one of {DROP_POLICIES}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher={self.dispatcher!r}; use one of {DISPATCHERS}")
+        if self.expert_balance not in EXPERT_BALANCES:
+            raise ValueError(f"expert_balance={self.expert_balance!r}; use one of {EXPERT_BALANCES}")
+        if self.expert_balance == "replicate" and self.dispatcher != "alltoall":
+            raise ValueError(f"expert_balance='replicate' balances the 'alltoall' dispatcher; dispatcher="
+                             f"{self.dispatcher!r} is not supported with it")
+        if not isinstance(self.max_replicas_per_rank, int) or self.max_replicas_per_rank < 1:
+            raise ValueError(f"max_replicas_per_rank={self.max_replicas_per_rank} must be a positive integer")
         if self.num_experts % self.n_groups:
             raise ValueError(f"n_groups={self.n_groups} does not divide num_experts={self.num_experts}")
         if self.topk_groups > self.n_groups:

@@ -98,14 +98,19 @@ class GroupedSwiGLU(nn.Module):
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, max_count: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor, max_count: int | None = None,
+                replicas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens ``[N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``.
-        ``max_count``: the largest of ``counts`` when known without reading them (a declared routing)."""
+        ``max_count``: the largest of ``counts`` when known without reading them (a declared routing).
+        ``replicas``: other ranks' experts' (w_gate, w_up, w_down), computed as experts ``E, E + 1, ...``."""
+        weights = (self.w_gate, self.w_up, self.w_down)
+        if replicas is not None:
+            weights = tuple(torch.cat([w, r]) for w, r in zip(weights, replicas))
         layout = GroupLayout(counts.to(tokens.device), tokens.shape[0], max_count)
         if tokens.shape[0] == 0:
             # Keep every weight in the graph so its (zero) gradient exists on every rank.
-            return tokens + 0 * (self.w_gate.sum() + self.w_up.sum() + self.w_down.sum()).to(tokens.dtype)
-        tokens, w_gate, w_up, w_down = _autocast_operands(tokens, self.w_gate, self.w_up, self.w_down)
+            return tokens + 0 * sum(w.sum() for w in weights).to(tokens.dtype)
+        tokens, w_gate, w_up, w_down = _autocast_operands(tokens, *weights)
         fast = grouped_mm_supported(tokens, w_gate, w_up, w_down)
         gate = grouped_linear(tokens, w_gate, layout, fast)
         up = grouped_linear(tokens, w_up, layout, fast)

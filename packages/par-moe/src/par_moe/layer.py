@@ -43,6 +43,7 @@ from .config import MoEConfig
 from .declared import DeclaredRouting
 from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
+from .replicate import ReplicatingDispatcher, balance_metrics, expert_bytes, fetch_replicas
 from .router import Router, tokens_per_expert
 
 STEP_SUMS = ("dropped_pairs", "pairs", "aux_loss", "seq_aux_loss", "z_loss")  # MoELayer.step_sums, in order
@@ -76,7 +77,9 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(config.hidden, config.shared_hidden) if config.shared_hidden else None
         if self.shared is not None:
             declare_copies_(self.shared, copies, partial_grad)
-        self.dispatcher = make_dispatcher(config.dispatcher, config.num_experts, ep_group)
+        self.replicate = config.expert_balance == "replicate" and self.ep > 1
+        self.dispatcher = (ReplicatingDispatcher(config.num_experts, ep_group, config.max_replicas_per_rank)
+                           if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
         self.last_metrics: dict[str, torch.Tensor] = {}
@@ -121,7 +124,11 @@ class MoELayer(nn.Module):
         else:
             expert_in, expert_counts, handle = self.dispatcher.dispatch(xs, indices, weights, kept, sizes)
         max_count = handle.max_count if handle.max_count is not None else None if sizes is None else max(sizes.local)
-        expert_out = self.experts(expert_in, expert_counts, max_count)
+        replicas = None
+        if self.replicate:  # the replica slots' weights, from their experts' home ranks
+            ex = self.experts
+            replicas = fetch_replicas(ex.w_gate, ex.w_up, ex.w_down, handle.plan, self.ep_group, group_rank(self.ep_group))
+        expert_out = self.experts(expert_in, expert_counts, max_count, replicas)
         y = self.dispatcher.combine(expert_out, handle)
         if self.etp > 1:
             y = reduce_scatter_tokens(y, self.etp_group)
@@ -135,6 +142,7 @@ class MoELayer(nn.Module):
             "imbalance": (load.max() / load.mean()).detach(),
             "dropped_fraction": dropped.detach(),
             **{k: v.detach() for k, v in parts.items()},
+            **(self._balance_metrics(handle.plan, x.device) if self.replicate else {}),
         }
         if self.training:
             self._add_to_step(counts, keep, routing.indices.numel(), parts)
@@ -169,6 +177,10 @@ class MoELayer(nn.Module):
         self.step_sums.zero_()
         self.step_forwards = 0
         return out
+
+    def _balance_metrics(self, plan, device):
+        ex = self.experts
+        return balance_metrics(plan, group_rank(self.ep_group), expert_bytes(ex.w_gate, ex.w_up, ex.w_down), device)
 
     def _balance_losses(self, routing, counts, shape):
         """This rank's share of the aux, sequence-aux and z losses (see ``losses``)."""

@@ -24,4 +24,6 @@ def moe_config(config) -> MoEConfig:
         bias_update_rate=config.bias_update_rate,
         capacity_factor=config.capacity_factor or None,
         dispatcher=config.dispatcher,
+        expert_balance=config.expert_balance,
+        max_replicas_per_rank=config.max_replicas_per_rank,
     )

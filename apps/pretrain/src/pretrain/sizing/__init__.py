@@ -6,6 +6,7 @@
 - :mod:`.activations`: the activation bytes one micro-batch of a chunk keeps;
 - :mod:`.schedule_peak`: a stage's peak, walking its pipeline schedule as the executor runs it;
 - :mod:`.memory`: one rank's total, the heaviest stage, and the GPU memory budget.
+- :mod:`.replicas`: what `[model].expert_balance = "replicate"` fetches, returns and holds per MoE layer.
 
 `plan --simulate` measures the trainer itself on fake tensors and prints these figures beside
 what it measured; the tests hold them together (params, grads and optimizer state within 1 %,

@@ -104,7 +104,7 @@ def data_parallel_rules(cfg) -> None:
               f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
               f"(ZeRO-3) with them")
     try:  # the sharded strategies run par-zero's own AdamW only
-        check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_args, t.weight_decay)
+        check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_kwargs, t.weight_decay)
     except ValueError as e:
         raise UsageError(f"[train].optimizer={t.optimizer!r} with [parallel].zero={p.zero!r}: {e}") from None
 

@@ -16,6 +16,7 @@ from par_pp import SCHEDULE_NAMES as SCHEDULES
 from par_pp import V_SCHEDULES, chunk_ranks, chunks_per_rank, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
 from par_zero import optimizer_classes
+from par_zero.newton_schulz import ADJUST_LR_FNS
 
 from .config_rules import _choice, _need, _positive, _seed, _timeout
 from .errors import UsageError
@@ -152,6 +153,13 @@ class TrainConfig:
     # weight_decay (norms, biases, embeddings excluded) and optimizer_args, e.g. {momentum = 0.9}
     optimizer: str = "adamw"
     optimizer_args: dict = field(default_factory=dict)
+    # muon: par-zero's Muon on the hidden matrices (model/muon_split.py), AdamW (beta1, beta2) on the rest,
+    # torch.optim.Muon's arithmetic and options; ns_dtype: Newton-Schulz in bf16 (torch's) or fp32
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr_fn: str = "original"  # original | match_rms_adamw | spectral_unclamped
+    muon_ns_dtype: str = "bf16"
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234  # the initial weights ([data].seed: the data order and the embedded corpus)
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
@@ -188,12 +196,28 @@ class TrainConfig:
         _choice("[train].fp8", self.fp8, FP8)
         _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        _choice("[train].muon_adjust_lr_fn", self.muon_adjust_lr_fn, ADJUST_LR_FNS)
+        _choice("[train].muon_ns_dtype", self.muon_ns_dtype, ("bf16", "fp32"))
+        _need(0 <= self.muon_momentum < 1 and 1 <= self.muon_ns_steps < 100,
+              f"[train].muon_momentum={self.muon_momentum} must be in [0, 1), muon_ns_steps={self.muon_ns_steps} in 1..99")
+        _need(self.optimizer != "muon" or not self.optimizer_args,
+              "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: config_checks.data_parallel_rules asks it
 
     @property
     def optimizer_class(self) -> str:
         """What par-zero's ``optimizer`` argument takes: 'AdamW' (its own) or a torch.optim class name."""
-        return "AdamW" if self.optimizer == "adamw" else {n.lower(): n for n in optimizer_classes()}[self.optimizer]
+        if self.optimizer in ("adamw", "muon"):  # par-zero's own: 'AdamW', 'Muon'
+            return {"adamw": "AdamW", "muon": "Muon"}[self.optimizer]
+        return {n.lower(): n for n in optimizer_classes()}[self.optimizer]
+
+    @property
+    def optimizer_kwargs(self) -> dict:
+        """par-zero's ``optimizer_args``: the muon_* keys for 'muon', else ``optimizer_args``."""
+        if self.optimizer != "muon":
+            return self.optimizer_args
+        return {"momentum": self.muon_momentum, "nesterov": self.muon_nesterov, "ns_steps": self.muon_ns_steps,
+                "adjust_lr_fn": self.muon_adjust_lr_fn, "ns_dtype": self.muon_ns_dtype}
 
     @property
     def last_step(self) -> int:

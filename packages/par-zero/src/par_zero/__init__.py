@@ -5,6 +5,7 @@ from .data_parallel import DataParallel, data_parallel
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
+from .muon import DistributedMuon
 from .optimizer_choice import check_optimizer, optimizer_classes
 from .torch_optimizer import TorchOptimizer
 from .clipping import clip_grad_norm_
@@ -20,6 +21,7 @@ __all__ = [
     "data_parallel",
     "GradBuffer",
     "DistributedAdamW",
+    "DistributedMuon",
     "TorchOptimizer",
     "check_optimizer",
     "check_optimizer_choice",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optimizer_choice import ADAMW, check_optimizer
+from .optimizer_choice import ADAMW, MUON, check_optimizer, muon_args
 
 # Megatron's --data-parallel-sharding-strategy names, plus torch's own FSDP2 as an alternative.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
@@ -85,6 +85,9 @@ class DataParallelConfig:
                 f"an outer (HSDP replica) group needs a sharded inner strategy, got strategy={self.strategy!r}; "
                 f"use one of {SHARDED + ('torch_fsdp2',)}, or pass one dp group for plain DDP"
             )
+        if self.outer_shard_optimizer and self.optimizer == MUON:
+            raise ValueError("optimizer='Muon' gathers each matrix over the inner sharding group: not with "
+                             "outer_strategy='optim' (use outer_strategy='no_shard')")
         if self.outer_shard_optimizer and not (self.shard_params and not self.torch_native):
             raise ValueError(
                 f"outer_strategy='optim' is only valid with strategy='optim_grads_params', got {self.strategy!r}"
@@ -98,6 +101,12 @@ def check_optimizer_choice(strategy: str, optimizer: str | type, optimizer_args:
         if optimizer_args:
             raise ValueError(f"optimizer_args={optimizer_args} is for a torch.optim class; AdamW takes "
                              f"betas, eps and weight_decay")
+        return
+    if optimizer == MUON:
+        if strategy == "torch_fsdp2":
+            raise ValueError("optimizer='Muon' is par-zero's own, over its buckets: strategy 'no_shard', 'optim', "
+                             "'optim_grads' or 'optim_grads_params', not 'torch_fsdp2'")
+        muon_args(optimizer_args)
         return
     if strategy in SHARDED:
         raise ValueError(f"optimizer={getattr(optimizer, '__name__', optimizer)!r} needs strategy "

@@ -36,7 +36,8 @@ from .config import DataParallelConfig, skip_decay
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
 from .optimizer import DistributedAdamW
-from .optimizer_choice import ADAMW
+from .muon import DistributedMuon
+from .optimizer_choice import ADAMW, MUON
 from .torch_optimizer import TorchOptimizer
 
 
@@ -68,6 +69,9 @@ class DataParallel:
     on the compute's cores and stages each gathered output in a second buffer of its size.
 
     ``optimizer``: 'AdamW' (par-zero's distributed AdamW, with ``betas``, ``eps``; every strategy),
+    'Muon' (par-zero's: Muon on the params ``muon_params(name, param)`` names, each matrix gathered
+    whole over the sharding group and ``matrix_group(param)`` (the group splitting it, TP); AdamW on
+    the rest; ``optimizer_args``: momentum, nesterov, ns_steps, adjust_lr_fn, ns_dtype; see muon.py),
     or, for 'no_shard' only, a ``torch.optim`` class or its name (e.g. 'SGD'), built with ``lr``,
     ``weight_decay`` (on the decayed group) and ``optimizer_args`` (e.g. ``{"momentum": 0.9}``).
     """
@@ -96,6 +100,8 @@ class DataParallel:
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
         own_bucket: Iterable[nn.Parameter] = (),
         overlap_comm: bool | None = None,
+        muon_params: Callable[[str, nn.Parameter], bool] = lambda name, p: p.dim() >= 2,
+        matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None,
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
@@ -113,8 +119,13 @@ class DataParallel:
         dense = BucketGroups(dp_group, outer_group, all_gather_group)
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
         self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
-        opt = DistributedAdamW if cfg.optimizer == ADAMW else TorchOptimizer
-        self.optimizer = opt(self.buffer.buckets, cfg, lambda p: not no_decay(self.param_names[p], p))
+        decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
+        if cfg.optimizer == MUON:
+            self.optimizer = DistributedMuon(self.buffer.buckets, cfg, decayed,
+                                             lambda p: muon_params(self.param_names[p], p), matrix_group)
+        else:
+            opt = DistributedAdamW if cfg.optimizer == ADAMW else TorchOptimizer
+            self.optimizer = opt(self.buffer.buckets, cfg, decayed)
 
     @property
     def buckets(self) -> list[Bucket]:

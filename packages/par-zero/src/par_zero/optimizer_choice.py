@@ -10,7 +10,10 @@ import inspect
 
 import torch
 
-ADAMW = "AdamW"  # par-zero's own distributed AdamW: the only choice for the sharded strategies
+from .newton_schulz import adjusted_lr
+
+ADAMW = "AdamW"  # par-zero's own distributed AdamW: every strategy
+MUON = "Muon"  # par-zero's own Muon (hidden matrices) + AdamW (the rest): every strategy of par-zero's buckets
 
 
 def optimizer_classes() -> list[str]:
@@ -72,3 +75,20 @@ def _fused_devices() -> list[str]:
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     return _get_fused_kernels_supported_devices()
+
+
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MUON_ARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": None, "ns_dtype": "bf16"}
+
+
+def muon_args(args: dict) -> dict:
+    """``args`` over MUON_ARGS' defaults; ValueError naming what is wrong."""
+    unknown = set(args) - set(MUON_ARGS)
+    if unknown:
+        raise ValueError(f"Muon takes {', '.join(MUON_ARGS)}; not {', '.join(sorted(unknown))}")
+    out = MUON_ARGS | args
+    if not 0 <= out["momentum"] < 1 or not 1 <= out["ns_steps"] < 100 or out["ns_dtype"] not in NS_DTYPES:
+        raise ValueError(f"Muon momentum={out['momentum']} must be in [0, 1), ns_steps={out['ns_steps']} in 1..99, "
+                         f"ns_dtype={out['ns_dtype']!r} one of {', '.join(NS_DTYPES)}")
+    adjusted_lr(1.0, out["adjust_lr_fn"], (2, 1))  # raises on an unknown name
+    return out

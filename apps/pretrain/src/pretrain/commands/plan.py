@@ -90,6 +90,10 @@ def render_config(plan: dict) -> str:
                      f"{human_bytes(e['routed_bytes_all_layers_bf16'])} over {e['moe_layers']} layers; ep={e['ep']}: "
                      f"{e['experts_per_rank_per_layer']} experts per rank per layer "
                      f"({human_bytes(e['bytes_per_rank_per_layer_bf16'])})")
+    if "optimizer" in plan:
+        from ..model.muon_split import render_split
+
+        lines.append(render_split(plan["optimizer"]))
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")
     for strategy, row in plan["model_state"].items():

@@ -17,6 +17,7 @@ from par_zero import DataParallel, TorchFSDP2, data_parallel
 
 from .compile import compile_blocks_
 from .materialize import materialize_, on_meta
+from .muon_split import uses_muon
 from .parallel import ModelChunk, ChunkContext, hf_name
 from .initial_state import init_full_state
 
@@ -111,13 +112,22 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules; the same mixed precision
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay,
                       param_dtype=kwargs["param_dtype"], reduce_dtype=kwargs["reduce_dtype"])
-    kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_args)  # [train].optimizer
+    kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_kwargs)  # [train].optimizer
+    if t.optimizer == "muon":  # the split: model/muon_split.py; a matrix split by TP is gathered over tp / etp
+        kwargs |= dict(muon_params=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
+                       matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
         dp = data_parallel(module, groups.dp_cp, zero, **kwargs)
     return RankModel(groups, chunks, module, dp, schedule, num_chunks)
+
+
+def muon_param(name: str, param: nn.Parameter, tied: bool = False) -> bool:
+    """Whether the DP wrapper's param ``name`` (a chunk's, or ``<chunk id>.`` and a chunk's) steps with Muon."""
+    local = name.split(".", 1)[1] if name.split(".", 1)[0].isdigit() else name
+    return uses_muon(hf_name(local, tied), placement_of(param).full_shape)
 
 
 def no_decay(name: str, param: nn.Parameter, tied: bool = False) -> bool:

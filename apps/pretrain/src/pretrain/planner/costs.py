@@ -63,6 +63,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
                           "routed_bytes_all_layers_bf16": 2 * c.routed_per_layer * c.moe_layers,
                           "experts_per_rank_per_layer": m.num_experts // layout.ep, "ep": layout.ep,
                           "bytes_per_rank_per_layer_bf16": 2 * c.expert * (m.num_experts // layout.ep) / layout.etp}
+    if t.optimizer == "muon":  # which params Muon steps, which AdamW (model/muon_split.py)
+        from ..model.muon_split import muon_split
+
+        out["optimizer"] = muon_split(m)
     return out
 
 

@@ -1,0 +1,94 @@
+"""[train].optimizer = "muon" trains the same model under layouts: Newton-Schulz sees whole matrices.
+
+Dense layouts: 20 fp32 steps (Newton-Schulz in fp32: ``muon_ns_dtype=fp32``; bf16 would round a
+last-bit difference of the summed gradients to a whole bf16 step) give the single rank's loss and
+grad norm at every step at 1e-6 (layout_runs.assert_same): a step's update moves every later loss, so
+a wrong piece of a matrix (a ZeRO range, a TP shard orthogonalized alone) fails from step 1 on.
+
+MoE (ep2): routing flips make whole trajectories incomparable (moe_stepwise), and its step-by-step
+comparison checks a step's loss and grad norm, not the update. So here each step of the layout starts
+from the single rank's checkpoint of that step (resharded), steps once, and saves: its params and
+Muon momentum after the step must equal the single rank's checkpoint of the next step at 1e-6.
+"""
+
+import pytest
+import torch
+
+from layout_runs import assert_same, single_rank, train_steps
+from layout_runs import deferred_noise as noise
+
+TOLERANCE = 1e-6
+MUON = ("train.optimizer=muon", "train.muon_ns_dtype=fp32", "model.layers=2")
+DENSE = {  # name: (world, overrides)
+    "dp2-no_shard": (2, ["parallel.zero=no_shard"]),
+    "dp4-optim": (4, ["parallel.zero=optim"]),
+    "dp4-optim_grads_params": (4, ["parallel.zero=optim_grads_params"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_muon_layout_matches_single_rank(dist_run, name):
+    world, overrides = DENSE[name]
+    results = dist_run(world, train_steps, None, list(MUON) + overrides, timeout=900)
+    assert_same(results, single_rank(dist_run, None, MUON), TOLERANCE, name, noise(dist_run, None, MUON))
+    assert results[0][0][-1] < results[0][0][0]
+
+
+MOE_STEPS = 6
+MOE = ("train.optimizer=muon", "train.muon_ns_dtype=fp32", "model.layers=2", "model.bias_update_rate=0.001",
+       f"train.steps={MOE_STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false",
+       "train.seq_len=32", "train.collective_timeout_s=40")
+
+
+def _trainer(overrides):
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    return Trainer(load_config("tiny-moe", list(MOE) + list(overrides)))
+
+
+def moe_reference(root: str) -> None:
+    """The single rank's steps, saving ``root/step_s`` before step s (and after the last)."""
+    trainer = _trainer([])
+    for step in range(MOE_STEPS):
+        trainer.save_checkpoint(root, step, keep=MOE_STEPS + 2)
+        trainer.train_step(step)
+    trainer.save_checkpoint(root, MOE_STEPS, keep=MOE_STEPS + 2)
+
+
+def moe_layout_updates(overrides, root: str, mine: str) -> dict:
+    """Each step from the reference's checkpoint, once, saved to ``mine``; per step the largest
+    relative error (norm) of the params and of the Muon momentum against the reference's next checkpoint."""
+    from pretrain.checkpoint.store import read_full_tensors
+
+    trainer = _trainer(overrides)
+    out = {}
+    for step in range(MOE_STEPS):
+        assert trainer.load_checkpoint(f"{root}/step_{step}") == step
+        trainer.train_step(step)
+        trainer.save_checkpoint(mine, step + 1, keep=MOE_STEPS + 2)
+        errors = {}  # read_full_tensors loads through torch.distributed.checkpoint: every rank reads
+        for prefix in ("model/", "optim/momentum_buffer/"):
+            want, got = (read_full_tensors(f"{r}/step_{step + 1}", prefix) for r in (root, mine))
+            assert sorted(want) == sorted(got) and want, prefix
+            errors[prefix] = max(((got[k].double() - want[k].double()).norm() /
+                                  want[k].double().norm().clamp_min(1e-30)).item() for k in want)
+        out[step] = errors
+    return out
+
+
+MOE_LAYOUTS = {"ep2": (2, ["parallel.ep=2"]), "tp2-etp2-ep2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"])}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_muon_moe_layout_update_matches_single_rank(dist_run, tmp_path, name):
+    world, overrides = MOE_LAYOUTS[name]
+    root = str(tmp_path / "reference")
+    dist_run(1, moe_reference, root, timeout=600)
+    errors = dist_run(world, moe_layout_updates, overrides, root, str(tmp_path / "layout"), timeout=900)[0]
+    worst = {k: max(e[k] for e in errors.values()) for k in ("model/", "optim/momentum_buffer/")}
+    print(f"{name}: max rel error after a step: params {worst['model/']:.1e} momentum {worst['optim/momentum_buffer/']:.1e}")
+    assert len(errors) == MOE_STEPS and all(e <= TOLERANCE for e in worst.values()), errors
+    assert torch.isfinite(torch.tensor(list(worst.values()))).all()

@@ -142,3 +142,57 @@ def test_a_saved_tokenizer_directory_gives_its_eos_and_workers_give_the_same_byt
     ds = open_dataset(tmp_path / "w2")
     assert ds.eos == 3 and ds.vocab_size == 5 and ds.num_docs == 200
     assert ds.tokens[ds.doc_offsets[3]:ds.doc_offsets[4]].tolist() == [1, 2, 3, 3, 3, 0, 3]
+
+
+def _reference(files, tok_spec, out, key="text"):
+    """The dataset as one process reading each document with sources.texts (the former reader: text
+    mode, one line at a time) and encoding them in one batch writes it."""
+    from pretrain.data import get_tokenizer
+    from pretrain.data.encode import encode
+    from pretrain.data.sources import texts
+    from pretrain.data.writer import DatasetWriter
+
+    tok = get_tokenizer(tok_spec)
+    eos = tok.eos_for(None)
+    writer = DatasetWriter(str(out), tok.vocab_size, tokenizer=tok.name, eos=eos, tokenizer_sha256=tok.sha256)
+    docs = [t for f in files for t in texts(f, "file", key)]
+    writer.add(*encode(tok, docs, eos)[:2])
+    writer.close()
+    return [out.with_suffix(ext).read_bytes() for ext in (".bin", ".idx", ".json")]
+
+
+def test_jsonl_parsed_in_workers_is_byte_identical_to_reading_in_one_process(tmp_path, monkeypatch):
+    # JSONL is handed to the workers as undecoded blocks of lines (issue 50): blocks smaller than a
+    # line, \r\n and bare \r line ends, blank lines, non-ASCII text and gzip give the same bytes as
+    # the former one-process reader, for any number of workers; progress lines off a terminal
+    import gzip
+
+    from pretrain.commands import prepare as prepare_cmd
+
+    tok = _tokenizer_json(tmp_path)
+    words = ["hello", "world", "again", "</s>", "héllo wörld", "nope"]
+    lines = [json.dumps({"text": " ".join(words[(i * j) % 6] for j in range(i % 40))}) for i in range(400)]
+    ends = ["\n", "\r\n", "\r", "\n\n"]
+    raw = ["".join(line + ends[i % 4] for i, line in enumerate(part)) for part in (lines, lines[:200])]
+    (tmp_path / "a.jsonl").write_bytes(raw[0].encode())
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
+        f.write(raw[1].encode())
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz"]
+    want = _reference(files, str(tok), tmp_path / "ref")
+    monkeypatch.setattr(prepare_cmd, "PROGRESS_EVERY_S", 0.0)
+    for workers, buffer in ((1, "16"), (2, "0.0001"), (3, "0.002")):
+        out = tmp_path / f"w{workers}"
+        res = runner.invoke(app, ["prepare", *map(str, files), "--tokenizer", str(tok), "--workers", str(workers),
+                                  "--buffer-mb", buffer, "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        assert [out.with_suffix(ext).read_bytes() for ext in (".bin", ".idx")] == want[:2], (workers, buffer)
+        assert "prepare: " in res.stderr and " MB/s)" in res.stderr  # CliRunner's stderr is no terminal
+
+
+def test_a_bad_jsonl_line_is_named_as_before_from_any_worker(tmp_path):
+    good = json.dumps({"text": "hello world"})
+    (tmp_path / "a.jsonl").write_text("\r\n".join([good] * 300 + ["{not json"] + [good] * 10) + "\n")
+    for workers in ("1", "2"):
+        res = runner.invoke(app, ["prepare", str(tmp_path / "a.jsonl"), "--workers", workers, "--buffer-mb", "0.0005",
+                                  "--out", str(tmp_path / "d")])
+        assert res.exit_code == 2 and f"{tmp_path / 'a.jsonl'}:301 is not a JSON object" in res.stderr, res.output

@@ -119,3 +119,34 @@ def test_cli_shows_progress_on_stderr_a_verdict_per_rank_and_no_warnings():
     verdict = res.stdout.strip().splitlines()[-1]
     assert verdict.startswith("rank 0: does NOT fit: ") and "against 9.0 GB (10 GB GPU less the headroom)" in verdict
     assert "simulating rank 0: running one training step" in res.stderr and "Warning" not in res.output
+
+
+# DeepSeek-V3's own per-layer shapes (hidden 7168, 256 experts, vocab 129280, MTP) on 11 of its 61
+# layers (--auto's first choice at world 2048 has 61 and simulates in about a minute): tp 8 x
+# cp 2 x pp 4 x ep 8 at world 512, uneven stages 3|4|4|2 as --auto chooses them at 2048
+DEEPSEEK_DEPTH = ["model.layers=13", "parallel.tp=8", "parallel.cp=2", "parallel.pp=4", "parallel.ep=8",
+                  "parallel.first_stage_layers=3", "parallel.last_stage_layers=2", "parallel.zero=optim",
+                  "parallel.sequence_parallel=true", "train.micro_batch=1", "model.recompute=none"]
+
+
+def test_default_ranks_include_the_heaviest_stages_and_every_stage_matches_the_plan():
+    # the first, middle and last stage, and the plan's heaviest by memory (stage 1: 4 MoE layers, 3
+    # micro-batches in flight) and by time (the most layers); the last stage holds the head, the
+    # loss and the MTP layer, whose backward peaks at its experts' weight gradient (issue 50: +42 %)
+    from pretrain.simulate.report import simulate
+    from pretrain.simulate.run import default_roles
+    from pretrain.sizing.memory import stage_sizes, worst_stage
+
+    cfg = load_config("deepseek-v3", DEEPSEEK_DEPTH)
+    layout = cfg.validate_world(512)
+    _, heaviest, _, _ = worst_stage(cfg, layout, stage_sizes(cfg, layout), cfg.parallel.zero)
+    roles = default_roles(cfg, layout)
+    stage_of = {layout.grid.ranks("pp")[0][s]: s for s in range(layout.pp)}
+    assert heaviest == 1 and {stage_of[r] for r in roles} == {0, 1, 2, 3}
+    assert "heaviest by memory" in roles[layout.grid.ranks("pp")[0][heaviest]]
+    result = simulate(cfg, 512, [])
+    assert [r["stage"] for r in result["ranks"]] == [0, 1, 2, 3]
+    for rank in result["ranks"]:
+        assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10), rank["stage"]
+    last = result["ranks"][-1]
+    assert last["measured"]["activations"] == pytest.approx(last["planned"]["activations"], rel=0.10)

@@ -168,8 +168,8 @@ def plan(
     peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
     simulate: bool = typer.Option(False, "--simulate", help="Run the real training step of one rank on fake tensors "
                                   "and report measured memory and collectives beside the plan."),
-    ranks: List[int] = typer.Option([], "--rank", help="With --simulate: the rank(s) to simulate (default: first, "
-                                    "middle and last pipeline stage)."),
+    ranks: List[int] = typer.Option([], "--rank", help="With --simulate: the rank(s) to simulate (default: the first, "
+                                    "middle and last pipeline stage and the plan's heaviest by memory and by time)."),
     imbalance: float = typer.Option(1.0, "--expert-imbalance", help="With --simulate: one expert gets F times its share."),
     all_microbatches: bool = typer.Option(False, "--all-microbatches", help="With --simulate: run every micro-batch "
                                           "(default: enough to reach the schedule's memory peak)."),

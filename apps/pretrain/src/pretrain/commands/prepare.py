@@ -13,7 +13,7 @@ import typer
 
 from ..data import ByteTokenizer, get_tokenizer, open_dataset
 from ..data.format import entropy
-from ..data.encode import encoded_batches
+from ..data.encode import cores, encoded_batches
 from ..data.sources import DOC_MODES, batches, input_files
 from ..data.writer import FORMATS, DatasetWriter
 from ..errors import UsageError, fail
@@ -29,6 +29,24 @@ def _progress(show: bool):
     return Progress(TextColumn("{task.fields[docs]:,} documents  {task.fields[tokens]:,} tokens  "
                                "{task.fields[mb]:.1f} MB  {task.fields[rate]:.1f} MB/s"), TimeElapsedColumn(),
                     console=Console(stderr=True), transient=True)
+
+
+PROGRESS_EVERY_S = 5.0  # a progress line this often on stderr when it is not a terminal (a log)
+
+
+class _LogProgress:
+    """Off a terminal: one plain line on stderr every :data:`PROGRESS_EVERY_S` seconds."""
+
+    def __init__(self, start: float):
+        self.start = self.last = start
+
+    def update(self, docs: int, tokens: int, n_bytes: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last, seconds = now, now - self.start
+        print(f"prepare: {docs:,} documents, {tokens:,} tokens, {n_bytes / 1e6:.1f} MB of text in {seconds:.0f} s "
+              f"({n_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s)", file=sys.stderr, flush=True)
 
 
 def _check_like(like: str, vocab: int, eos: int | None) -> None:
@@ -53,13 +71,15 @@ def prepare(
     eos_token: Optional[str] = typer.Option(None, "--eos-token", help="The EOS token of --tokenizer (default: a "
                                             "directory's eos_token, else the first of <|end_of_text|>, "
                                             "<|endoftext|>, </s>, <eos> it has)."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Tokenizing processes (the output is the same for any)."),
-    buffer_mb: float = typer.Option(16.0, "--buffer-mb", help="Text per batch handed to a worker; memory is a "
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Tokenizing processes, each parsing and "
+                                          "tokenizing its own batches (default: the cores; the output is the same "
+                                          "for any)."),
+    buffer_mb: float = typer.Option(4.0, "--buffer-mb", help="Text per batch handed to a worker; memory is a "
                                     "few batches, not the corpus."),
     like: Optional[str] = typer.Option(None, "--like", help="An existing dataset this one will be blended with: "
                                        "refuse a different vocabulary or EOS."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show documents, tokens and MB/s on "
-                                  "stderr (only on a terminal)."),
+                                  "stderr: a live line on a terminal, else a line every few seconds."),
 ) -> None:
     """Tokenize text into a memory-mapped dataset for `[data].path` / `[data].blend` (byte-level unless --tokenizer)."""
     writer = None
@@ -81,14 +101,18 @@ def prepare(
             _check_like(like, vocab, eos_id)
         writer = DatasetWriter(out, vocab, tokenizer=tok.name, eos=eos_id, format=format,
                                tokenizer_sha256=getattr(tok, "sha256", None))
+        workers = workers or cores()
         bar = _progress(progress and sys.stderr.isatty())
         task = bar.add_task("prepare", docs=0, tokens=0, mb=0.0, rate=0.0) if bar else None
+        log = _LogProgress(start) if progress and not bar else None
         n_docs = n_bytes = 0
         with bar if bar else nullcontext():
             stream = batches(files, docs, text_key, int(buffer_mb * (1 << 20)))
             for ids, lengths, nbytes in encoded_batches(stream, tok, tokenizer, eos_id, workers):
                 writer.add(ids, lengths)
                 n_docs, n_bytes = n_docs + int((lengths > 0).sum()), n_bytes + nbytes
+                if log:
+                    log.update(n_docs, writer.num_tokens, n_bytes)
                 if bar:
                     mb = n_bytes / 1e6
                     bar.update(task, docs=n_docs, tokens=writer.num_tokens, mb=mb,

@@ -1,5 +1,10 @@
 """Tokenizing batches of documents, in this process or in ``workers`` processes, in input order.
 
+A batch is a list of documents or a block of undecoded JSONL lines (``sources.RawLines``), which
+the worker decodes and parses itself, so the parent only reads bytes. Each batch is one call of
+the tokenizer's ``encode_batch`` (a Hugging Face tokenizer's own Rust parallelism: the worker
+processes share the cores between them).
+
 At most ``2 * workers`` batches are in flight (read ahead, being tokenized, or waiting to be
 written), so memory stays a few buffers whatever the corpus size, and the output is the same
 bytes for any number of workers.
@@ -9,19 +14,31 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from itertools import chain
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from .sources import RawLines
 from .tokenizer import get_tokenizer
 
 _worker_tokenizer = None  # the tokenizer of a worker process (set by its initializer; never in the parent)
 
 
-def encode(tok, texts: list[str], eos: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+def cores() -> int:
+    """The CPUs this process may run on (``--workers``' default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def encode(tok, texts: list[str] | RawLines, eos: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     """``(ids back to back, one length per document, utf-8 bytes of text)`` with ``eos`` after each document."""
+    if isinstance(texts, RawLines):
+        texts = texts.texts()
     encoded = tok.encode_batch(texts)
     lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
     if encoded and isinstance(encoded[0], bytes):  # the byte tokenizer: the ids are the bytes
@@ -39,6 +56,8 @@ def encode(tok, texts: list[str], eos: int | None) -> tuple[np.ndarray, np.ndarr
 
 def _init_worker(spec: str | None) -> None:
     global _worker_tokenizer
+    for s in (signal.SIGTERM, signal.SIGINT):  # a forked worker keeps no handler of the parent's: the pool ends it
+        signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.SIG_IGN)
     _worker_tokenizer = get_tokenizer(spec)
 
 
@@ -53,9 +72,14 @@ def encoded_batches(batches: Iterable[list[str]], tok, spec: str | None, eos: in
         for texts in batches:
             yield encode(tok, texts, eos)
         return
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers is the knob
+    threads = cores() // workers  # the tokenizer's Rust threads per worker: the workers share the cores
+    if threads <= 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    else:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(spec,))
+    try:
         pending: deque = deque()
         for texts in batches:
             pending.append(pool.apply_async(_encode_in_worker, (texts, eos)))
@@ -63,3 +87,7 @@ def encoded_batches(batches: Iterable[list[str]], tok, spec: str | None, eos: in
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        pool.close()  # the workers finish and exit
+    finally:
+        pool.terminate()  # on an error: at once
+        pool.join()

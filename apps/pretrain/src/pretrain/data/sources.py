@@ -6,8 +6,10 @@ batches of at most ``buffer_bytes`` of text. Memory is bounded by the buffer, no
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -42,21 +44,72 @@ def input_files(paths: list[Path]) -> list[Path]:
 def _jsonl(path: Path, key: str) -> Iterator[str]:
     opener = gzip.open if kind(path) == ".jsonl.gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+        yield from parse_jsonl(f, path, key)
+
+
+def parse_jsonl(lines, path: Path, key: str, first: int = 1) -> Iterator[str]:
+    """The ``key`` field of each JSON line of ``lines`` (numbered from ``first`` in messages)."""
+    for number, line in enumerate(lines, first):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise UsageError(f"{path}:{number} is not a JSON object") from None
+        except RecursionError:
+            raise UsageError(f"{path}:{number} is nested too deeply to read (thousands of levels); a record is "
+                             f"one JSON object with a string field \"{key}\"") from None
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise UsageError(f"{path}:{number} has no string field \"{key}\" (choose the field with --text-key)")
+        if "\\ud" in line.lower():  # a \uD800-\uDFFF escape: a lone surrogate is no text (UTF-8 cannot hold it)
+            _check_encodable(record[key], f"{path}:{number}", key)
+        yield record[key]
+
+
+@dataclass(frozen=True)
+class RawLines:
+    """Undecoded JSONL lines of ``path`` from line ``first`` on (``lines`` of them, ``data`` ends at a
+    newline), for a worker to decode and parse: :meth:`texts`. Lines are counted as text mode reads
+    them (universal newlines), so messages name the same line numbers as reading in one process."""
+
+    path: Path
+    key: str
+    data: bytes
+    first: int
+
+    def texts(self) -> list[str]:
+        try:
+            text = self.data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{self.path} is not UTF-8 text ({e.reason})") from None
+        return list(parse_jsonl(io.StringIO(text, newline=None), self.path, self.key, self.first))
+
+    @property
+    def lines(self) -> int:
+        """Lines in text mode: ends at \\n, \\r\\n or \\r (bytes no other UTF-8 character holds)."""
+        d = self.data
+        return d.count(b"\n") + d.count(b"\r") - d.count(b"\r\n") + (not d.endswith((b"\n", b"\r")))
+
+
+def raw_jsonl(path: Path, key: str, buffer_bytes: int) -> Iterator[RawLines]:
+    """``path``'s lines, undecoded, in blocks of about ``buffer_bytes`` ending at a newline."""
+    opener = gzip.open if kind(path) == ".jsonl.gz" else open
+    first, rest = 1, b""
+    with opener(path, "rb") as f:
+        while True:
+            block = f.read(buffer_bytes)
+            data = rest + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            if cut == 0 and block:  # no newline yet: one line longer than the buffer
+                rest = data
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise UsageError(f"{path}:{number} is not a JSON object") from None
-            except RecursionError:
-                raise UsageError(f"{path}:{number} is nested too deeply to read (thousands of levels); a record is "
-                                 f"one JSON object with a string field \"{key}\"") from None
-            if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                raise UsageError(f"{path}:{number} has no string field \"{key}\" (choose the field with --text-key)")
-            if "\\ud" in line.lower():  # a \uD800-\uDFFF escape: a lone surrogate is no text (UTF-8 cannot hold it)
-                _check_encodable(record[key], f"{path}:{number}", key)
-            yield record[key]
+            chunk, rest = data[:cut], data[cut:]
+            if chunk:
+                raw = RawLines(path, key, chunk, first)
+                first += raw.lines
+                yield raw
+            if not block:
+                return
 
 
 def _check_encodable(text: str, where: str, key: str) -> None:
@@ -125,10 +178,22 @@ def texts(path: Path, docs: str = "file", key: str = "text") -> Iterator[str]:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def batches(files: list[Path], docs: str, key: str, buffer_bytes: int) -> Iterator[list[str]]:
-    """Documents of all ``files`` in order, in lists of about ``buffer_bytes`` characters or fewer."""
+def batches(files: list[Path], docs: str, key: str, buffer_bytes: int) -> Iterator[list[str] | RawLines]:
+    """Documents of all ``files`` in order, in lists of about ``buffer_bytes`` characters or fewer;
+    JSONL as :class:`RawLines` of about ``buffer_bytes`` bytes, which the tokenizing worker parses."""
     batch, size = [], 0
     for path in files:
+        if kind(path) in (".jsonl", ".jsonl.gz"):
+            if batch:
+                yield batch
+                batch, size = [], 0
+            try:
+                yield from raw_jsonl(path, key, buffer_bytes)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+                raise UsageError(f"{path} is not a readable gzip file: {e}") from None
+            except OSError as e:
+                raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+            continue
         for text in texts(path, docs, key):
             batch.append(text)
             size += len(text)

@@ -61,7 +61,8 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
     out = {"config": cfg.source, "world": world, "routing": routing_note(cfg, imbalance),
            "microbatches": {"simulated": kept, "per_step": total}, "gpu_memory_gb": gpu_memory_gb,
            "budget_gb": budget / GB, "ranks": []}
-    for rank in ranks or default_roles(layout):
+    roles = {r: ["chosen"] for r in ranks} if ranks else default_roles(cfg, layout)
+    for rank, why in roles.items():
         t0 = time.perf_counter()
         r = simulate_rank(sim_cfg, world, rank, imbalance, on_phase=lambda phase, rank=rank: on_phase(rank, phase))
         r["fits"], r["planned_fits"] = r["measured_peak"] <= budget, r["planned_peak"] <= budget
@@ -69,6 +70,7 @@ def simulate(cfg, world: int, ranks: list[int], imbalance: float = 1.0, all_micr
         theory = step_collectives(sim_cfg, sim_layout, r["stage"], kept, routing, r["coords"].get("ep", 0))
         r["collectives"] = compare(r["collectives"], theory)
         r["timings_s"]["total_s"] = time.perf_counter() - t0
+        r["roles"] = why
         out["ranks"].append(r)
     return out
 
@@ -93,7 +95,8 @@ def render(result: dict) -> str:
              + (" (the schedule's peak is reached; --all-microbatches runs them all)" if mb["simulated"] < mb["per_step"] else "")]
     for r in result["ranks"]:
         layers = r["layers"]
-        lines.append(f"rank {r['rank']} (pp stage {r['stage']}, layers {layer_ranges(layers)}, {len(layers)} layers): "
+        roles = "" if r.get("roles", ["chosen"]) == ["chosen"] else f" [{', '.join(r['roles'])}]"
+        lines.append(f"rank {r['rank']} (pp stage {r['stage']}{roles}, layers {layer_ranges(layers)}, {len(layers)} layers): "
                      f"peak {r['measured_peak'] / GB:.2f} GB measured, {r['planned_peak'] / GB:.2f} GB planned; "
                      f"build peak {r['build_peak'] / GB:.2f} GB; checkpoint save peak {r['save_peak'] / GB:.2f} GB; "
                      f"{r['timings_s']['total_s']:.0f} s")

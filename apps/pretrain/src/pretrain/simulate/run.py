@@ -22,11 +22,23 @@ from ..sizing.memory import rank_memory
 from .memory import MemoryTracker
 
 
-def default_roles(layout) -> list[int]:
-    """The global ranks of the first, a middle and the last pipeline stage (tp, cp, dp rank 0)."""
+def default_roles(cfg, layout) -> dict[int, list[str]]:
+    """The global ranks (tp, cp, dp rank 0) of the first, a middle and the last pipeline stage, and of
+    the stages the plan calls heaviest: by memory (:func:`pretrain.sizing.memory.worst_stage`, what
+    ``plan --auto`` judges a layout by) and by time (the most layers: the busiest stage sets the
+    pace), each with why it was picked."""
+    from ..sizing.memory import stage_sizes, worst_stage
+
     stages = layout.grid.ranks("pp")[0]  # the pp group of rank 0, by stage
-    picks = sorted({0, layout.pp // 2, layout.pp - 1})
-    return [stages[s] for s in picks]
+    roles: dict[int, list[str]] = {}
+    for stage, why in ((0, "first"), (layout.pp // 2, "middle"), (layout.pp - 1, "last")):
+        roles.setdefault(stage, []).append(why)
+    if layout.pp > 1:
+        _, heaviest, _, _ = worst_stage(cfg, layout, stage_sizes(cfg, layout), cfg.parallel.zero)
+        per_stage = [len(ids) for ids in cfg.parallel.stage_layers(cfg.model.layers)]
+        roles.setdefault(heaviest, []).append("heaviest by memory")
+        roles.setdefault(per_stage.index(max(per_stage)), []).append("heaviest by time")
+    return {stages[s]: roles[s] for s in sorted(roles)}
 
 
 def check_rank(rank: int, world: int) -> None:

@@ -56,7 +56,7 @@ def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
         return (h + 4 * m.ffn_hidden / tp) * pb
     share = tp if layout.sequence_parallel else 1
     f = m.expert_ffn_hidden
-    routed = pairs * (5 * h + 4 * f / layout.etp) * pb
+    routed = pairs * (4 * h + 4 * f / layout.etp) * pb
     return (routed + 3 * h * pb + m.num_experts * (2 * pb + 4) + 4 * f * m.shared_experts * pb) / share
 
 
@@ -86,16 +86,27 @@ def _ring_backward_work(m, layout, pb: int) -> float:
     return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q)
 
 
+def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float:
+    """An MoE layer's backward working set beyond its saved set (:func:`_mlp`), the larger of two
+    moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
+    the returned rows, 2 h, are freed) and the experts' first grouped GEMM's (w_down's) gradients
+    in the compute dtype, the weight's for this rank's experts ([E/ep, h, F/etp] before it is added
+    into the gradient buffer: 0.94 GB for DeepSeek-V3 at ep 8) and the rows' (F/etp per pair),
+    once those two and the experts' output (3 h per pair) are freed."""
+    share = layout.tp if layout.sequence_parallel else 1
+    rows, h, f = pairs * tokens / share, m.hidden, m.expert_ffn_hidden / layout.etp
+    return max(rows * h, m.num_experts / layout.ep * h * f + rows * (f - 3 * h), 0.0) * pb
+
+
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
-    """The larger of a layer's two backward working sets: a dense MLP's (the output gradient
+    """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; an MoE layer's peak comes
-    before its backward allocates) and, under context parallelism, the attention's, which runs once
-    the MLP's saved set is freed."""
+    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and, under context parallelism, the attention's,
+    which runs once the MLP's saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
     attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
-        return max(attention, 0.0)
+        return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
     return max((m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb, attention)
 

@@ -39,7 +39,9 @@ def run_reference(config: str | None, overrides: list[str], steps: int, work: st
     shapes = full_shapes(trainer)
     sink: dict = {}
     capture_grads_at_clip(trainer, shapes, sink)
-    grad_order = [n for n in reversed(list(shapes))]  # registration order is forward order
+    # backward order: the one chunk's registration order (forward order) reversed; ``shapes`` is sorted by name
+    # (lm_head would come last, layers.10 before layers.2)
+    grad_order = [n for n in reversed(list(trainer.model.full_named_tensors())) if n in shapes]
     out = []
     for step in range(steps):
         trainer.save_checkpoint(Path(work) / CHECKPOINTS, step, keep=steps + 1)

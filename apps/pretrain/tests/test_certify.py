@@ -19,6 +19,9 @@ CONFIGS = {
     "cp2-dp2-ring": (None, ["parallel.cp=2", "parallel.cp_comm_type=p2p", "model.layers=2"]),
     "cp2-dp2-a2a": (None, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "model.layers=2"]),
     "tp2-ep2-moe": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"] + MOE_BALANCING),
+    # without SP each tp rank routes its 1/tp of the tokens (issue 53: experts' gradients were 2x)
+    "tp2-ep2-moe-nosp": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1",
+                                      "parallel.sequence_parallel=false"] + MOE_BALANCING),
     "dp4-zero2": (None, ["parallel.zero=optim_grads", "model.layers=2"]),
     "dp4-zero3": (None, ["parallel.zero=optim_grads_params", "model.layers=2"]),
     "pp2-dp2-zb-v-mla-mtp": (None, MLA_MTP + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "train.global_batch=4"]),

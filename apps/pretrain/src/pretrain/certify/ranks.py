@@ -100,8 +100,9 @@ def run_layout(config: str | None, overrides: list[str], steps: int, work: str, 
                     continue
                 rows = tuple(slice(0, min(a, b)) for a, b in zip(g.shape, want.shape))  # vocabulary padding
                 grad_err[name] = relative(g[rows], want[rows])
-        # routed pairs: each rank's own tokens; without SP the tp ranks route the same ones (tp rank 0 counts)
-        routed = gather_routing(recorder.routed, trainer.layout.sequence_parallel or ctx.tp_rank == 0)
+        # routed pairs: each rank routes its own tokens (dp, cp, and tp: a MoE layer takes its 1/tp of the
+        # sequence with or without SP), so every rank counts; a layout that routed a token twice shows here
+        routed = gather_routing(recorder.routed, True)
         routing = compare_routing(routed, r_step["routed"], r_step["margins"], r_step["order"],
                                   rel(r.loss, r_step["loss"])) if routed or r_step["routed"] else None
         records.append(judge_step(step, {"loss": r.loss, "grad_norm": r.grad_norm}, r_step, out_err, grad_err, dims,

@@ -7,9 +7,9 @@ rounding, so it cannot be judged at the fp64 band; a wrong layout that sends tok
 must still fail. The rule is the suite's (``tests/moe_stepwise.py``):
 
 - every MoE layer's routed (token, expert) pairs per expert are counted each step, on the reference
-  (one rank: the whole batch) and on the layout (summed over the ranks that route different tokens:
-  dp x cp, and tp under sequence parallelism; without it the tp ranks route the same tokens, and
-  tp rank 0 counts them); the smallest top-k margin of the reference's selection scores per layer;
+  (one rank: the whole batch) and on the layout (summed over its ranks: each routes its own tokens,
+  its dp x cp x tp share, with or without sequence parallelism, so a token routed twice shows);
+  the smallest top-k margin of the reference's selection scores per layer;
 - equal counts: the step is compared as any other;
 - different counts pass only as a near-tie flip: at most MAX_MOVED_PAIRS pairs moved over all
   layers, the reference's smallest top-k margin in the first layer that differs (forward order)

@@ -115,6 +115,10 @@ MOE = {
     "ep2-dp2": ["parallel.ep=2"],
     "ep4-optim_grads": ["parallel.ep=4", "parallel.zero=optim_grads"],
     "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+    # without SP the tp ranks hold the same tokens: each routes its 1/tp share of them (issue 53: every
+    # expert once got each token from both tp ranks, its gradients twice the single rank's)
+    "tp2-ep2-etp1-nosp": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "parallel.sequence_parallel=false"],
+    "tp2-ep1-nosp": ["parallel.tp=2", "parallel.sequence_parallel=false"],  # experts copied over tp, each sees half
     "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
     "cp2-dp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
     # static shapes (every expert padded to this rank's token count): the dropless math of one rank

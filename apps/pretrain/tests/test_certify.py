@@ -19,6 +19,10 @@ CONFIGS = {
     "cp2-dp2-ring": (None, ["parallel.cp=2", "parallel.cp_comm_type=p2p", "model.layers=2"]),
     "cp2-dp2-a2a": (None, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "model.layers=2"]),
     "tp2-ep2-moe": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"] + MOE_BALANCING),
+    # without SP each tp rank routes its 1/tp of the tokens (issue 53: experts' gradients were 2x)
+    "tp2-ep2-moe-nosp": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1",
+                                      "parallel.sequence_parallel=false"] + MOE_BALANCING),
+    "dp4-zero2": (None, ["parallel.zero=optim_grads", "model.layers=2"]),
     "dp4-zero3": (None, ["parallel.zero=optim_grads_params", "model.layers=2"]),
     "pp2-dp2-zb-v-mla-mtp": (None, MLA_MTP + ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.first_stage_layers=2", "train.global_batch=4"]),
 }
@@ -60,6 +64,12 @@ BUGS = {
     "vocab_padding_not_masked": ("tp2-dp2-sp", "logits", "tp"),
     "ep_permutation_off_by_one": ("tp2-ep2-moe", "mlp", "ep"),
     "mtp_target_shifted": ("pp2-dp2-zb-v-mla-mtp", "model.layers.6.", "pp"),  # MTP layer 0 = layers.6 (HF)
+    "sp_reduce_scatter_missing": ("tp2-dp2-sp", "layers.0.self_attn.wo", "tp"),  # the first SP row layer to run
+    "pp_stale_activation": ("pp2-dp2-zb-v-uneven", "layers.1.", "pp stage 1"),  # chunk 1's first layer
+    "cp_causal_offset_wrong": ("cp2-dp2-ring", "layers.0.self_attn.core", "cp"),
+    # dp rank 0's shard of the first bucket reduced (the last layers') holds lm_head, first in backward order
+    "zero2_shard_reduced_twice": ("dp4-zero2", "lm_head", "dp"),
+    "router_picks_next_expert": ("tp2-ep2-moe", "layers.1.mlp", "ep"),  # routing counted on both sides
 }
 
 

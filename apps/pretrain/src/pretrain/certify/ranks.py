@@ -6,7 +6,8 @@ that state (:mod:`.fp64`), trains the step and records the loss, grad norm, ever
 then starts from the reference's checkpoint of that step (resharded to the layout, as a resume
 would be), so a difference cannot accumulate, and an MoE near-tie that one step flips does not set
 the next steps apart: every step is the same computation from the same state (weights, optimizer,
-batch) and must give the same numbers to rounding.
+batch) and must give the same numbers to rounding -- except where MoE routing flips at a near-tie
+(:mod:`.routing`): counted on both sides every step, reported, not compared at the band.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ..config import load_config
 from .fp64 import fp64_step, relative
 from .localise import ShardContext, module_owners, output_errors
 from .record import Recorder, capture_grads_at_clip, full_shapes
-from .verdict import judge_step
+from .routing import compare_routing, gather_routing
+from .verdict import judge_step, rel
 
 REFERENCE = "reference.pt"
 CHECKPOINTS = "checkpoints"
@@ -39,7 +41,9 @@ def run_reference(config: str | None, overrides: list[str], steps: int, work: st
     shapes = full_shapes(trainer)
     sink: dict = {}
     capture_grads_at_clip(trainer, shapes, sink)
-    grad_order = [n for n in reversed(list(shapes))]  # registration order is forward order
+    # backward order: the one chunk's registration order (forward order) reversed; ``shapes`` is sorted by name
+    # (lm_head would come last, layers.10 before layers.2)
+    grad_order = [n for n in reversed(list(trainer.model.full_named_tensors())) if n in shapes]
     out = []
     for step in range(steps):
         trainer.save_checkpoint(Path(work) / CHECKPOINTS, step, keep=steps + 1)
@@ -54,7 +58,8 @@ def run_reference(config: str | None, overrides: list[str], steps: int, work: st
         full32, full64 = _full_outputs(recorder.outputs), _full_outputs(outputs64)
         grads = sink.pop("grads")
         out.append({"loss": r.loss, "grad_norm": r.grad_norm, "loss64": loss64, "norm64": norm64,
-                    "order": [n for n in recorder.order if n in full32], "outputs": full32, "grads": grads,
+                    "order": [n for n in recorder.order if n in full32 or n in recorder.routed], "outputs": full32,
+                    "grads": grads, "routed": recorder.routed, "margins": recorder.margins,
                     "noise_out": {n: relative(full32[n], full64[n]) for n in full32 if n in full64},
                     "noise_grad": {n: relative(grads[n], grads64[n]) for n in grads if n in grads64},
                     "grad_order": grad_order})
@@ -95,6 +100,11 @@ def run_layout(config: str | None, overrides: list[str], steps: int, work: str, 
                     continue
                 rows = tuple(slice(0, min(a, b)) for a, b in zip(g.shape, want.shape))  # vocabulary padding
                 grad_err[name] = relative(g[rows], want[rows])
+        # routed pairs: each rank routes its own tokens (dp, cp, and tp: a MoE layer takes its 1/tp of the
+        # sequence with or without SP), so every rank counts; a layout that routed a token twice shows here
+        routed = gather_routing(recorder.routed, True)
+        routing = compare_routing(routed, r_step["routed"], r_step["margins"], r_step["order"],
+                                  rel(r.loss, r_step["loss"])) if routed or r_step["routed"] else None
         records.append(judge_step(step, {"loss": r.loss, "grad_norm": r.grad_norm}, r_step, out_err, grad_err, dims,
-                                  owners, r_step["order"], r_step["grad_order"], ctx, margin))
+                                  owners, r_step["order"], r_step["grad_order"], ctx, margin, routing))
     return records

@@ -10,6 +10,8 @@
   the full tensor (:meth:`ParamPlacement.boxes`), with a count per element; one all-reduce of
   values and counts over the world, then values / counts: every element of every parameter in full,
   copies (TP-replicated norms, DDP replicas) averaged, shards (TP, EP, ZeRO ranges) put in place.
+- MoE routing: every router's routed pairs per expert and smallest top-k margin over the step's
+  forwards (:mod:`.routing`); a router takes its place in the forward order like a module output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from par_groups import comm
 from par_groups.param_placement import placement_of
+
+from .routing import is_router, routed_pairs, smallest_margin
 
 LOGITS = "logits"
 
@@ -39,6 +43,8 @@ class Recorder:
         self.outputs: dict[str, dict[int, torch.Tensor]] = {}
         self.order: list[str] = []  # forward order of first appearance
         self.stage: dict[str, int] = {}  # module name -> chunk id that ran it
+        self.routed: dict[str, list[int]] = {}  # MoE router name -> routed pairs per expert (this rank's tokens)
+        self.margins: dict[str, float] = {}  # MoE router name -> smallest top-k margin of its selection scores
         self.mb: int | None = None
         self.loss_calls = 0
         self.handles = []
@@ -51,6 +57,8 @@ class Recorder:
                         continue
                     name = LOGITS
                 self.handles.append(module.register_forward_hook(self._hook(name, c)))
+                if is_router(module):
+                    self.handles.append(module.register_forward_hook(self._routing_hook(name, c)))
 
     def _hook(self, name: str, chunk: int):
         def hook(module, args, out):
@@ -66,8 +74,24 @@ class Recorder:
             per_mb[self.mb] = t.detach().clone()
         return hook
 
+    def _routing_hook(self, name: str, chunk: int):
+        """Every call of a trainer's forward counts (all micro-batches); a recomputation does not."""
+        def hook(module, args, out):
+            if self.mb is None:
+                return
+            if name not in self.stage:  # a router's output is no tensor: its place in forward order
+                self.order.append(name)
+                self.stage[name] = chunk
+            cfg = module.config
+            load = routed_pairs(out.indices, cfg.num_experts)
+            self.routed[name] = [a + b for a, b in zip(self.routed.get(name, [0] * len(load)), load)]
+            self.margins[name] = min(self.margins.get(name, float("inf")),
+                                     smallest_margin(out.scores, module.expert_bias, cfg.top_k))
+        return hook
+
     def reset(self) -> None:
         self.outputs, self.order, self.stage, self.loss_calls = {}, [], {}, 0
+        self.routed, self.margins = {}, {}
 
     def forward_chunk(self, original):
         def forward_chunk(batch, chunk_id, module, x, microbatch):

@@ -25,6 +25,8 @@ from par_tp import (
     TPAttention,
     TPSwiGLU,
     VocabParallelEmbedding,
+    gather_from_sequence_parallel,
+    scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
 
@@ -138,13 +140,20 @@ class ParallelDecoderLayer(nn.Module):
             self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, context),
                                          head_dim=config.head_dim, comm_overlap=context.tp_comm_overlap)
         self.post_attention_layernorm = _norm(config, context, self.mlp_norm_inside)
+        # Without SP the tp ranks hold the same tokens: a MoE layer takes this rank's 1/tp of the
+        # sequence (as under SP) and gathers its output back, so each token reaches its experts once.
+        # (Routing every tp rank's copy sent each token to every expert of the EP group tp times:
+        # their gradients and the aux-free load were tp x the single rank's, issue 53.)
+        self.moe_splits_tokens = self.is_moe and not sp and g.size("tp") > 1
+        self.moe_tp_group = g.tp
         if self.is_moe:
-            # Balancing losses over the global micro-batch (every dp x cp rank's tokens; tp too
-            # under SP), as on one device; the sequence-wise one over the ranks splitting a sequence.
-            # Router and shared experts: copies over TP, seeing this rank's sequence shard under SP.
-            aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if sp else (g.dp_cp, g.cp)
+            # Balancing losses over the global micro-batch (every dp x cp x tp rank's tokens), as on
+            # one device; the sequence-wise one over the ranks splitting a sequence.
+            # Router and shared experts: copies over TP, seeing this rank's sequence shard.
+            split = sp or self.moe_splits_tokens
+            aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if split else (g.dp_cp, g.cp)
             self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
-                                copies=g.tp, partial_grad=sp, routing=context.declared_routing)
+                                copies=g.tp, partial_grad=split, routing=context.declared_routing)
         else:
             self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=context.tp_comm_overlap)
         # The MoE aux loss is this rank's share of the micro-batch's loss; DP averages grads over
@@ -159,10 +168,15 @@ class ParallelDecoderLayer(nn.Module):
     def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
         x = x + self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
-        out = self.mlp(x if self.mlp_norm_inside else self.post_attention_layernorm(x))
+        h = x if self.mlp_norm_inside else self.post_attention_layernorm(x)
+        if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
+            h = scatter_to_sequence_parallel(h, self.moe_tp_group)
+        out = self.mlp(h)
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
+        if self.moe_splits_tokens:  # the consumers are replicated: backward keeps this rank's rows
+            out = gather_from_sequence_parallel(out, self.moe_tp_group, output_grad_is_partial=False)
         return x + out
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:

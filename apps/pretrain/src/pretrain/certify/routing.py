@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from par_groups import comm
 
 # The suite's numbers (tests/moe_stepwise.py): a near-tie flip moves one (token, expert) pair, or a few;
 # the largest top-k margin rounding can cross is 10x fp32's resolution at 1; one of a few hundred
@@ -58,7 +59,7 @@ def gather_routing(local: dict[str, list[int]], counts_here: bool) -> dict[str, 
     """The layout's routed pairs per expert per layer over the world: each rank's own counts where
     ``counts_here`` (its tokens are its own), summed per layer (a pipeline stage holds some layers)."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, local if counts_here else {})
+    comm.all_gather_object(every, local if counts_here else {}, None)
     out: dict[str, list[int]] = {}
     for d in every:
         for name, load in d.items():

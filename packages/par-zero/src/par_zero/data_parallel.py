@@ -96,10 +96,11 @@ class DataParallel:
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
         own_bucket: Iterable[nn.Parameter] = (),
         overlap_comm: bool | None = None,
+        fused_adamw: bool | None = None,
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
-                                            optimizer, dict(optimizer_args or {}), overlap_comm)
+                                            optimizer, dict(optimizer_args or {}), overlap_comm, fused_adamw)
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")

@@ -39,6 +39,12 @@ def test_parses_result_lines_and_writes_table_and_chart(tmp_path):
                         "`uv run python tools/bench/bench_cp.py --seq 1024` |")
     assert len(lines) == 4 + len(rows)
 
+    kept = f"{run_all.KEPT}\n\n## by hand\n\nRESULT trainer layout=dp2 ratio=1.0\n"
+    (tmp_path / "RESULTS.md").write_text("# old header\n\nold table\n\n" + kept)
+    run_all.write_table(rows, tmp_path / "RESULTS.md", "# header\n\n")
+    again = (tmp_path / "RESULTS.md").read_text()
+    assert again.startswith("# header\n") and "old table" not in again and again.endswith("\n" + kept)
+
     run_all.plot_ratios(rows, tmp_path / "ratios.png")
     assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md", "ratios.png"]  # no temporaries left

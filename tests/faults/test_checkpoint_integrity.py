@@ -42,14 +42,14 @@ def resume_and_train(root: str, fallback: bool, extra: tuple = ()) -> dict:
     from pretrain.errors import UsageError
     from pretrain.train_loop import Trainer
 
-    trainer, hashed, digest = Trainer(load_config(None, CONFIG + list(extra))), [], integrity.digest
-    integrity.digest = lambda file: hashed.append(str(file.relative_to(root))) or digest(file)
+    trainer, hashed, new_hash = Trainer(load_config(None, CONFIG + list(extra))), [], integrity.new_hash
+    integrity.new_hash = lambda file: hashed.append(str(file.relative_to(root))) or new_hash(file)
     try:
         path, step, note = resume_latest(trainer, __import__("pathlib").Path(root), fallback)
     except UsageError as e:
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
-        integrity.digest = digest
+        integrity.new_hash = new_hash
     return {"taken": path.name, "note": note, "hashed": hashed,
             "losses": [trainer.train_step(s).loss for s in range(step, 4)]}
 
@@ -82,7 +82,7 @@ def test_both_saves_list_every_file_and_an_intact_resume_hashes_only_what_the_ra
                          if p.is_file() and p.name != "checksums.json")
         assert sorted(files) == on_disk and "__1_0.distcp" in files and "rng/rank_1.pt" in files
     got = dist_run(2, resume_and_train, str(root), False)
-    assert [g["taken"] for g in got] == ["step_4", "step_4"] and got[0]["note"] == ""
+    assert [g.get("taken") for g in got] == ["step_4", "step_4"] and got[0]["note"] == "", got
     index = {"trainer_state.json", ".metadata"}  # every rank checks the small index files
     own = [index | {f"__{r}_0.distcp", f"rng/rank_{r}.pt"} for r in range(2)]
     assert [sorted(g["hashed"]) for g in got] == [sorted(f"step_4/{n}" for n in names) for names in own]  # each rank reads its own ZeRO shard only
@@ -90,6 +90,8 @@ def test_both_saves_list_every_file_and_an_intact_resume_hashes_only_what_the_ra
 
 DAMAGE = {  # what is done to step_4 -> what the one line says
     "bit flipped in a shard": (lambda d: _flip_bit(d / "__1_0.distcp"), "__1_0.distcp does not match its sha256"),
+    "bit flipped in a shard's first bytes (not deserialisable)": (lambda d: _flip_bit(d / "__1_0.distcp", 0.0),
+                                                                 "__1_0.distcp does not match its sha256"),
     "truncated shard": (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:-1]),
                         "__0_0.distcp has "),
     "missing RNG file": (lambda d: (d / "rng" / "rank_1.pt").unlink(), "rng/rank_1.pt is missing"),

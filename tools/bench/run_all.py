@@ -92,9 +92,15 @@ def markdown_table(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEPT = "<!-- kept by run_all.py: hand-run benches below -->"  # what follows it in RESULTS.md survives a rewrite
+
+
 def write_table(results: list[Result], path: Path, header: str = "") -> None:
+    """``header`` and the table into ``path``; whatever follows a KEPT line in the old file is kept after it."""
+    old = path.read_text() if path.is_file() else ""
+    kept = "\n" + KEPT + old.split(KEPT, 1)[1] if KEPT in old else ""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + markdown_table(results))
+    tmp.write_text(header + markdown_table(results) + kept)
     tmp.replace(path)
 
 

@@ -8,8 +8,17 @@
 # e.g. `pip download --no-deps tomli -d tools/gpu/vendor` on a machine with network (Python >= 3.11
 # needs none: tomllib is built in). Steps:
 #   1. pytest -m gpu: every package's CUDA tests against the CPU fp32 result (packages/*/tests/test_gpu.py)
-#   2. a ~1B Llama (16 layers, hidden 2048, seq 4096, bf16) for 50 steps with `pretrain` and with a
-#      plain-PyTorch baseline in the same process: RESULT gpu-1b tokens_per_s= mfu= step_time_par_over_baseline= (below 1: par faster)
+#   2. a ~1B Llama (16 layers, hidden 2048, seq 4096, bf16) for 50 steps with `pretrain`, a plain-PyTorch
+#      baseline and torchtitan (its Llama3 on the same shape, fused AdamW: tools/gpu/llama_1b.py) in the
+#      same process, one line to paste into tools/bench/results/RESULTS.md:
+#      RESULT gpu-1b tokens_per_s= (one GPU: per GPU) mfu= step_time_par_over_baseline= (below 1: par faster)
+#        host_syncs_per_step= peak_mem_gb= baseline_peak_mem_gb= torchtitan_tokens_per_s=
+#        step_time_par_over_torchtitan= torchtitan_peak_mem_gb=
+#      torchtitan is raced only where it imports. A bare machine (torch alone) lacks it: the run prints
+#      "torchtitan: not raced, it does not import ..." and step_time_par_over_torchtitan=n/a. Four
+#      pure-Python wheels make it import there (measured: torch's own dependencies plus these, each
+#      loaded from a zip on the path): `pip download --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro
+#      docstring_parser -d tools/gpu/vendor` on a machine with network.
 #   3. where Transformer Engine is installed: the same run with [model].backend=te, and with fp8.
 # Without a CUDA GPU it prints one line and exits 0. Exit status 1 if any step failed.
 # The whole check keeps to CHECK_BUDGET_S seconds (470: under 8 minutes): each step's limit is cut
@@ -59,12 +68,17 @@ PLUGIN=(-p par_groups.testing.plugin)
 
 "$PY" tools/gpu/env.py
 run "pytest -m gpu" 150 "$PY" -m pytest "${PLUGIN[@]}" -m gpu -q -rs packages/*/tests/test_gpu.py
-run "1B Llama, par vs plain PyTorch" 210 "$PY" tools/gpu/llama_1b.py --steps "$STEPS" "${MODEL[@]}"
+if "$PY" -c 'import torchtitan.models.llama3' 2>/dev/null; then
+  echo "== torchtitan imports on $PY: the 1B run races it on the same shape"
+else
+  echo "== torchtitan does not import on $PY: the 1B run is not raced against it (step_time_par_over_torchtitan=n/a)"
+fi
+run "1B Llama, par vs plain PyTorch" 270 "$PY" tools/gpu/llama_1b.py --steps "$STEPS" "${MODEL[@]}"
 if "$PY" -c 'import transformer_engine.pytorch' 2>/dev/null; then
-  run "1B Llama, Transformer Engine" 90 "$PY" tools/gpu/llama_1b.py --label gpu-1b-te --steps "$TE_STEPS" \
+  run "1B Llama, Transformer Engine" 90 "$PY" tools/gpu/llama_1b.py --label gpu-1b-te --steps "$TE_STEPS" --no-torchtitan \
     --no-baseline --set model.backend=te "${MODEL[@]}"
   run "1B Llama, Transformer Engine fp8 (delayed scaling)" 90 "$PY" tools/gpu/llama_1b.py --label gpu-1b-te-fp8 \
-    --steps "$TE_STEPS" --no-baseline --set model.backend=te --set train.fp8=delayed "${MODEL[@]}"
+    --steps "$TE_STEPS" --no-baseline --no-torchtitan --set model.backend=te --set train.fp8=delayed "${MODEL[@]}"
 else
   echo "== Transformer Engine is not installed: the backend=te and fp8 runs are skipped"
 fi

@@ -81,3 +81,29 @@ def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path)
         args = [a for kv in extra for a in ("--set", kv)]
         res = runner.invoke(app, ["train", "--nproc", "1", "--set", f"log.dir={tmp_path}", *args])
         assert res.exit_code == 2 and res.stderr.startswith(line) and res.stderr.count("\n") == 1, res.output
+
+
+def fused_job(mode):
+    """Three steps with [train].fused_adamw = ``mode``: (fused kernel calls, kernels' flag, losses)."""
+    import par_zero.adamw as adamw
+
+    calls, fused = [], adamw.fused_adamw_step_
+    adamw.fused_adamw_step_ = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    try:
+        t = _trainer(f"train.fused_adamw={mode}", "parallel.zero=optim_grads_params")
+        losses = [t.train_step(s).loss for s in range(3)]
+        return len(calls), t.kernels.fused_adamw, losses
+    finally:
+        adamw.fused_adamw_step_ = fused
+
+
+def test_fused_adamw_on_runs_torchs_fused_kernel_on_the_cpu_to_rounding_of_auto(dist_run):
+    """[train].fused_adamw = "on": par-zero's AdamW takes torch's fused kernel on the CPU (what the
+    torchtitan race runs ours with, tools/bench/bench_trainer.py); the losses agree with the explicit
+    update's (auto on the CPU) to rounding."""
+    import math
+
+    (auto_calls, auto_flag, auto), _ = dist_run(2, fused_job, "auto")
+    (on_calls, on_flag, on), _ = dist_run(2, fused_job, "on")
+    assert auto_calls == 0 and not auto_flag and on_calls > 0 and on_flag
+    assert auto[0] == on[0] and all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(auto, on)), (auto, on)

@@ -5,7 +5,8 @@
 - layers (``[model].backend``): PyTorch, or Transformer Engine (``te``, CUDA);
 - FP8 (``[train].fp8``): TE's delayed or current scaling recipe around each chunk's forward;
 - MoE experts: torch's bf16 grouped GEMM when the device and torch have it (par-moe decides per call);
-- AdamW: torch's fused kernel on CUDA (par-zero decides per bucket).
+- AdamW: torch's fused kernel on CUDA, and on the CPU with ``[train].fused_adamw = "on"`` (par-zero decides
+  per bucket).
 
 Only this module imports the optional libraries; the rest of the trainer asks it.
 """
@@ -81,8 +82,8 @@ def select_kernels(model_cfg, train_cfg, device: torch.device) -> Kernels:
     if backend == "te":
         kernel = "te"
     bf16 = train_cfg.resolved_dtype(device.type) == "bf16"
-    return Kernels(attention, kernel, backend, fp8, bf16 and grouped_mm_available(device),
-                   cuda and hasattr(torch, "_fused_adamw_"))
+    fused = {"auto": cuda, "on": True, "off": False}[train_cfg.fused_adamw] and hasattr(torch, "_fused_adamw_")
+    return Kernels(attention, kernel, backend, fp8, bf16 and grouped_mm_available(device), fused)
 
 
 def _need_cuda(device: torch.device, what: str) -> None:

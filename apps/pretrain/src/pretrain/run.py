@@ -96,10 +96,12 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 trainer.check_finite()
                 timing = trainer.timer.gathered()
                 last = result.loss
+                blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
                 if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
                     step_time = (time.time() - interval) / interval_steps
                     logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
-                               **result.moe, **timing, **trainer.sampler.shares(done))
+                               **result.moe, **timing, **trainer.sampler.shares(done),
+                               **({"time_checkpoint": blocked} if blocked is not None else {}))
                 interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
             profiler.after(done)  # after the log line: writing the trace is not the step's time
             if t.eval_every and (done % t.eval_every == 0 or done == last_step):
@@ -115,7 +117,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 path = saver.save(trainer, root, done, ck.keep)
                 saved_at = done
                 if logger is not None:
-                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
+                                   + f"; training thread blocked {saver.last_blocked_s:.2f} s")
                 interval_steps = -1
             if preempted:
                 saver.finish()  # published before we exit
@@ -132,10 +135,10 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             trainer.check_finite()
             path = saver.save(trainer, root, done, ck.keep)
             if logger is not None:
-                logger.message(f"checkpoint {path}")
-        finished = saver.finish()  # the last background save, published once every rank has written it
+                logger.message(f"checkpoint {path}; training thread blocked {saver.last_blocked_s:.2f} s")
+        finished = saver.close()  # the last background save, published once every rank has written it; pruning done
         if finished is not None and logger is not None:
-            logger.message(f"checkpoint {finished} complete")
+            logger.message(f"checkpoint {finished} complete; training thread waited {saver.last_blocked_s:.2f} s")
         if logger is not None:
             if first is not None:
                 logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "

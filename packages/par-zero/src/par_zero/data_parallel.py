@@ -102,10 +102,11 @@ class DataParallel:
         overlap_comm: bool | None = None,
         muon_params: Callable[[str, nn.Parameter], bool] = lambda name, p: p.dim() >= 2,
         matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None,
+        fused_adamw: bool | None = None,
     ):
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
-                                            optimizer, dict(optimizer_args or {}), overlap_comm)
+                                            optimizer, dict(optimizer_args or {}), overlap_comm, fused_adamw)
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")

@@ -87,8 +87,9 @@ class DistributedAdamW:
         m, v = self.state[b]["exp_avg"], self.state[b]["exp_avg_sq"]
         if c.weight_decay and self.decay_ranges[b]:
             torch._foreach_mul_([b.master[lo:hi] for lo, hi in self.decay_ranges[b]], 1 - lr * c.weight_decay)
-        kw = dict(step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0,
-                  step_tensor=self._step_tensor(g.device) if fused_adamw_available(b.master) else None)
+        fused = fused_adamw_available(b.master) if c.fused_adamw is None else c.fused_adamw
+        kw = dict(step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0, fused=fused,
+                  step_tensor=self._step_tensor(g.device) if fused else None)
         if g.dtype == torch.float32:
             adamw_step_(b.master, g, m, v, **kw)
             return

@@ -5,7 +5,10 @@ the names this run published, in the order it saved them. Retention keeps the la
 *by that order* (a re-run that saves step_10 after an older step_40 keeps step_10), and deletes
 only a ``step_<int>`` directory that is in the manifest and whose ``trainer_state.json`` carries the
 run's id: a user's ``step_5_backup/`` or ``step_best/`` is never touched. ``latest`` is replaced
-only after the new checkpoint is complete and before anything is deleted.
+only after the new checkpoint is complete and before anything is deleted. The deleting itself
+(:func:`prune_in_background`) runs on rank 0 in a thread started after the save's final barrier: no
+rank waits for it (on a parallel file system an ``rmtree`` can take minutes); the next save, and
+the end of the run, wait for it (:func:`wait_pruned`) before touching the manifest again.
 
 A new run (no resume) refuses a directory that holds another run's checkpoints unless forced.
 """
@@ -16,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -101,18 +105,58 @@ def run_id_of(root: Path) -> str:
     return manifest["run_id"]
 
 
-def publish(root: Path, final: Path, keep: int) -> None:
-    """Rank 0, once ``final`` is complete: record it, point ``latest`` at it, prune by save order."""
+def publish(root: Path, final: Path, keep: int) -> list[str]:
+    """Rank 0, once ``final`` is complete: record it, point ``latest`` at it; returns the saves to
+    prune, by save order (:func:`prune` deletes them, :func:`prune_in_background` off this thread)."""
+    wait_pruned()  # the previous save's pruning writes the manifest too
     manifest = read_manifest(root) or {"run_id": run_id_of(root), "saves": []}
     saves = [s for s in manifest["saves"] if s != final.name] + [final.name]
     manifest["saves"] = saves
     write_atomic(root / MANIFEST, json.dumps(manifest) + "\n")
     write_atomic(root / LATEST, final.name + "\n")
-    for name in saves[:-keep]:
-        if _owned(root / name, manifest["run_id"]):
+    return saves[:-keep]
+
+
+def prune(root: Path, names: list[str]) -> None:
+    """Delete the saves ``names`` this run owns (``publish``'s answer), then drop what is gone from the manifest."""
+    manifest = read_manifest(root)
+    if manifest is None or not names:
+        return
+    for name in names:
+        if name in manifest["saves"] and _owned(root / name, manifest["run_id"]):
             shutil.rmtree(root / name, ignore_errors=True)
-    manifest["saves"] = [s for s in saves if (root / s).is_dir()]
+    manifest["saves"] = [s for s in manifest["saves"] if (root / s).is_dir()]
     write_atomic(root / MANIFEST, json.dumps(manifest) + "\n")
+
+
+_pruning: dict = {"thread": None, "error": None}  # rank 0's one pruning in flight, and its failure
+
+
+def prune_in_background(root: Path, names: list[str]) -> None:
+    """:func:`prune` in a thread (rank 0, after the save's final barrier); one at a time."""
+    wait_pruned()
+    if not names:
+        return
+
+    def run() -> None:
+        try:
+            prune(root, names)
+        except BaseException as e:  # noqa: BLE001 -- raised by the next wait_pruned
+            _pruning["error"] = e
+
+    # not a daemon: an interpreter that exits mid-prune waits for it rather than leaving half a directory
+    _pruning["thread"] = threading.Thread(target=run, name="checkpoint-prune")
+    _pruning["thread"].start()
+
+
+def wait_pruned() -> None:
+    """Wait for the pruning in flight, if any; its error, if it failed, is raised here."""
+    thread, _pruning["thread"] = _pruning["thread"], None
+    if thread is not None:
+        thread.join()
+    error, _pruning["error"] = _pruning["error"], None
+    if error is not None:
+        raise error
 
 
 def _owned(path: Path, run_id: str) -> bool:

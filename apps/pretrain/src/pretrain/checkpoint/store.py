@@ -16,7 +16,10 @@ back with ``weights_only=True``) complete it, and ``checksums.json`` (size and S
 file, :mod:`.integrity`) is written last: a load checks the files it reads against it.
 
 Crash safety: everything is written to ``step_N.tmp``, renamed to ``step_N`` once all ranks have
-finished, and only then is the ``latest`` marker replaced (atomically); the last ``keep`` are kept.
+finished, and only then is the ``latest`` marker replaced (atomically); the last ``keep`` are kept,
+the older ones deleted by rank 0 in a thread after the final barrier (:mod:`.retention`).
+
+The data files are hashed as DCP writes them (:class:`.integrity.HashingWriter`), not read back.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ from ..errors import UsageError
 from ..model.shapes import full_shapes
 from ..safe_files import write_atomic
 from .faults import first_failure, removed_if_disk_full
-from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, digests, first_damage, rank_files,
+from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, HashingWriter, digests, first_damage,
                         read_checksums, verify_files, write_checksums)
-from .retention import FORMAT, LATEST, STATE_FILE, inside, publish, read_state, run_id_of  # noqa: F401 - read_state re-exported
+from .retention import (FORMAT, LATEST, STATE_FILE, inside, prune_in_background, publish,  # noqa: F401 - read_state
+                        read_state, run_id_of)
 from .safe_metadata import SafeReader
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
@@ -98,10 +102,15 @@ def unpadded(pieces: Pieces, shape: tuple[int, ...] | None) -> Pieces:
     return Pieces(tuple(shape), boxes)
 
 
-def checkpoint_tensors(trainer, with_optim: bool, copy: bool = False) -> dict[str, Pieces]:
-    """What this rank writes; ``copy``: private CPU copies, for a write that runs while training goes on."""
-    sd = _pieces(trainer, with_optim)
-    return {k: v.to_cpu_copy() for k, v in sd.items()} if copy else sd
+def checkpoint_tensors(trainer, with_optim: bool) -> dict[str, Pieces]:
+    """What this rank writes: views of its buffers (an async save stages them: background.Staging)."""
+    return _pieces(trainer, with_optim)
+
+
+def rank_entries(writer: HashingWriter, tmp: Path) -> dict[str, dict]:
+    """This rank's files' digests: its data files' (hashed as written) and its RNG file's (small)."""
+    rng = f"rng/rank_{_rank()}.pt"
+    return writer.written | digests(tmp, [rng] if (tmp / rng).is_file() else [])
 
 
 def _barrier() -> None:
@@ -153,14 +162,14 @@ def gather_digests(entries: dict[str, dict], group=None) -> dict[str, dict]:
     return {name: d for part in out for name, d in part.items()} if first else {}
 
 
-def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int, entries: dict[str, dict]) -> None:
+def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int, entries: dict[str, dict]) -> list[str]:
     """Rank 0, once every rank's files are in ``tmp`` (``entries``: their digests): state file (with the run's
-    id), ``checksums.json``, rename, ``latest``, prune."""
+    id), ``checksums.json``, rename, ``latest``; returns the saves to prune once every rank is past the save."""
     (tmp / STATE_FILE).write_text(json.dumps(state | {"run_id": run_id_of(root)}, indent=1))
     write_checksums(tmp, entries)
     _remove_entry(final)
     os.replace(tmp, final)
-    publish(root, final, keep)
+    return publish(root, final, keep)
 
 
 @_quiet
@@ -168,14 +177,16 @@ def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path
     """Write ``root/step_<step>`` (all ranks call it); returns its path."""
     root = Path(root)
     final, tmp = _prepare(root, step)
-    sd = checkpoint_tensors(trainer, with_optim=True)
+    sd, writer, pruned = checkpoint_tensors(trainer, with_optim=True), HashingWriter(tmp), []
     with removed_if_disk_full(tmp):
-        save_pieces(sd, str(tmp))
+        save_pieces(sd, str(tmp), storage_writer=writer)
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-        entries = gather_digests(digests(tmp, rank_files(tmp, _rank())))  # also: every rank has written
+        entries = gather_digests(rank_entries(writer, tmp))  # also: every rank has written
         if _rank() == 0:
-            _finalise(root, tmp, final, trainer_state(trainer, step), keep, entries)
+            pruned = _finalise(root, tmp, final, trainer_state(trainer, step), keep, entries)
     _barrier()
+    if _rank() == 0:
+        prune_in_background(root, pruned)  # after the barrier: no rank waits for the deleting
     return final
 
 

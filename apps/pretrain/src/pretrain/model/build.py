@@ -107,7 +107,8 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
                   no_decay=functools.partial(no_decay, tied=cfg.model.tie_embeddings),
                   own_bucket=[p for m in copies for p in m.parameters()],
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
+                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32,
+                  fused_adamw={"auto": None, "on": True, "off": False}[t.fused_adamw])
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules; the same mixed precision
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay,

@@ -40,13 +40,14 @@ class ShardContext:
     per_rank: int  # sequences per dp rank per step
     vocab: int
     zero_sharded: bool
+    device: torch.device = torch.device("cpu")  # the trainer's: where its outputs and collectives live
 
     @classmethod
     def of(cls, trainer) -> "ShardContext":
         g, layout, cfg = trainer.groups, trainer.layout, trainer.cfg
         return cls(layout.tp, g.rank_in("tp"), layout.cp, trainer.cp_rank, layout.dp, g.coords()["dp"], layout.pp,
                    layout.ep, layout.micro_batch, cfg.train.global_batch // layout.dp, cfg.model.vocab_size,
-                   cfg.parallel.zero not in ("no_shard",) and layout.dp * layout.cp > 1)
+                   cfg.parallel.zero not in ("no_shard",) and layout.dp * layout.cp > 1, trainer.device)
 
 
 def reference_block(ref: torch.Tensor, local: torch.Tensor, ctx: ShardContext, mb: int):
@@ -87,7 +88,8 @@ def reference_block(ref: torch.Tensor, local: torch.Tensor, ctx: ShardContext, m
 def output_errors(recorded: dict, reference: dict, names: list[str], ctx: ShardContext):
     """Per name of ``names``: the relative error of the gathered output over the world, and the dims
     that split it on some rank ({} where no rank compared it)."""
-    stats = torch.zeros(len(names), 4, dtype=torch.float64)  # sum diff^2, sum ref^2, compared, non-finite mismatch
+    # sum diff^2, sum ref^2, compared, non-finite mismatch: on the trainer's device, as its collectives
+    stats = torch.zeros(len(names), 4, dtype=torch.float64, device=ctx.device)
     dims_here: dict[str, set] = {}
     for i, name in enumerate(names):
         for mb, local in recorded.get(name, {}).items():
@@ -98,10 +100,10 @@ def output_errors(recorded: dict, reference: dict, names: list[str], ctx: ShardC
             dims_here.setdefault(name, set()).update(dims)
             r, a = r.double(), a.double()
             finite = torch.isfinite(r)
-            stats[i, 3] += float((a[~finite] != r[~finite]).sum())
+            stats[i, 3] += (a[~finite] != r[~finite]).sum()
             diff = torch.where(finite, a - r, torch.zeros_like(r))
-            stats[i, 0] += float(diff.pow(2).sum())
-            stats[i, 1] += float(torch.where(finite, r, torch.zeros_like(r)).pow(2).sum())
+            stats[i, 0] += diff.pow(2).sum()
+            stats[i, 1] += torch.where(finite, r, torch.zeros_like(r)).pow(2).sum()
             stats[i, 2] += 1
     comm.all_reduce(stats, None)
     every = [None] * dist.get_world_size()

@@ -49,12 +49,7 @@ def run_reference(config: str | None, overrides: list[str], steps: int, work: st
         trainer.save_checkpoint(Path(work) / CHECKPOINTS, step, keep=steps + 1)
         batch = trainer.microbatches(trainer._batch(step))
         loss64, norm64, outputs64, grads64 = fp64_step(trainer, batch, Recorder)
-        recorder = Recorder(trainer)
-        recorder.install()
-        try:
-            r = trainer.train_step(step)
-        finally:
-            recorder.close()
+        r, recorder = recorded_step(trainer, step)
         full32, full64 = _full_outputs(recorder.outputs), _full_outputs(outputs64)
         grads = sink.pop("grads")
         out.append({"loss": r.loss, "grad_norm": r.grad_norm, "loss64": loss64, "norm64": norm64,
@@ -67,13 +62,23 @@ def run_reference(config: str | None, overrides: list[str], steps: int, work: st
     return {"losses": [s["loss"] for s in out]}
 
 
+def recorded_step(trainer, step: int):
+    """``trainer.train_step(step)`` with every module's output and the routing recorded: (result, recorder)."""
+    recorder = Recorder(trainer)
+    recorder.install()
+    try:
+        return trainer.train_step(step), recorder
+    finally:
+        recorder.close()
+
+
 def run_layout(config: str | None, overrides: list[str], steps: int, work: str, margin: float) -> list[dict]:
     """On the layout's process group: each step from the reference's state, judged (every rank
     returns the same records)."""
     from ..train_loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
-    ref = torch.load(Path(work) / REFERENCE, weights_only=False)
+    ref = torch.load(Path(work) / REFERENCE, weights_only=True)  # a file in a directory the user names: no code
     shapes = full_shapes(trainer)
     sink: dict = {}
     capture_grads_at_clip(trainer, shapes, sink)
@@ -84,12 +89,7 @@ def run_layout(config: str | None, overrides: list[str], steps: int, work: str, 
         r_step = ref["steps"][step]
         loaded = trainer.load_checkpoint(Path(work) / CHECKPOINTS / f"step_{step}")
         assert loaded == step, (loaded, step)
-        recorder = Recorder(trainer)
-        recorder.install()
-        try:
-            r = trainer.train_step(step)
-        finally:
-            recorder.close()
+        r, recorder = recorded_step(trainer, step)
         out_err, dims = output_errors(recorder.outputs, r_step["outputs"], r_step["order"], ctx)
         grads = sink.pop("grads")
         grad_err = {}

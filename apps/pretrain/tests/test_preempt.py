@@ -137,16 +137,13 @@ def test_a_signal_saves_at_the_next_step_and_resuming_gives_the_uninterrupted_lo
 
 
 def test_a_second_ctrl_c_stops_the_ranks_at_once_without_saving(ranks_module, tmp_path):
-    second = []
-
     def ctrl_c_twice():  # the gate never opens: only the second Ctrl-C ends the run
         _send(tmp_path, "Ctrl-C", 2)
-        second.append(time.time())
         os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(Aborted) as e:
         _launch_signalled(ranks_module, tmp_path, BASE + [f"log.dir={tmp_path}"], 2, ctrl_c_twice)
-    assert time.time() - second[0] < 10
+    # "at once": this line, not the one a rank still running past preempt_timeout_s would end with (counted, not timed)
     assert str(e.value) == "interrupted again (SIGINT): stopped the ranks without saving" and e.value.exit_code == 130
     for pid in _rank_pids(tmp_path, 2):
         with pytest.raises(ProcessLookupError):

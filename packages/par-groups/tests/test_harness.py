@@ -40,21 +40,18 @@ def test_each_rank_returns_its_result_after_a_collective(dist_run, world):
 
 
 def test_raising_rank_fails_with_its_traceback_and_no_hang(dist_run):
-    start = time.monotonic()
     with pytest.raises(RankFailure) as info:
         dist_run(4, raise_on_rank, 2, timeout=60)
-    assert time.monotonic() - start < 30
     msg = str(info.value)
     assert "rank 2 raised" in msg and "ValueError: boom from rank 2" in msg
+    assert "did not finish" not in msg  # the others were stopped at the raise, not at the 60 s timeout
     # The pool restarts cleanly afterwards.
     assert dist_run(4, tiny_job, 10) == [10, 11, 12, 13]
 
 
 def test_hanging_rank_fails_after_the_timeout_and_leaves_no_process(dist_run):
-    start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"ranks \[1\] did not finish within 3 s"):
+    with pytest.raises(RankFailure, match=r"ranks \[1\] did not finish within 3 s"):  # the timeout ended it
         dist_run(2, hang_on_rank, 1, timeout=3)
-    assert time.monotonic() - start < 15
     pool = dist_run._pools[2]
     assert not pool._procs  # killed and joined
     assert dist_run(2, tiny_job, 0) == [0, 1]

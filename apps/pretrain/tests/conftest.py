@@ -1,8 +1,12 @@
-"""``fault_ranks``: the rank entries that inject faults, importable by name in the rank processes."""
+"""``fault_ranks``: the rank entries that inject faults, importable by name in the rank processes; this
+folder's shared helpers (``one_error_line``) importable by the tests, also under --import-mode=importlib."""
 
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

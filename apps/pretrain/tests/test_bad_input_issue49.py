@@ -4,8 +4,6 @@ directory changed (names and bytes; a secret file outside the run included)."""
 
 import hashlib
 import json
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +11,9 @@ from typer.testing import CliRunner
 
 from pretrain.cli import app
 
+from one_error_line import assert_one_error_line, invoke_within_limit, snapshot
+
 runner = CliRunner()
-LIMIT_S = 60
 TRAIN = ["train", "--nproc", "1", "--set", "model.layers=1", "--set", "train.steps=2", "--set", "train.warmup_steps=1",
          "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.dir=run"]
 HF = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8,
@@ -131,11 +130,6 @@ def _checkpoints(w: Path) -> None:
     (w / "ck_no_sums" / "checksums.json").unlink()
 
 
-def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 CASES = {  # name -> (arguments, words the one line must hold)
     # 2: a dataset header naming a file outside the run as its tokenizer
     "export copies a header's secret file": (["convert", "--to-hf", "out_hf", "--checkpoint", "ck_evil"],
@@ -208,28 +202,14 @@ CASES = {  # name -> (arguments, words the one line must hold)
 }
 
 
-def _hung(signum, frame):
-    raise TimeoutError(f"no answer within {LIMIT_S} s")
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(workspace, monkeypatch, name):
     args, words = CASES[name]
     monkeypatch.chdir(workspace)
-    before = _snapshot(workspace)
-    start = time.time()
-    signal.signal(signal.SIGALRM, _hung)
-    signal.alarm(LIMIT_S)  # a hang fails this case instead of the whole run
-    try:
-        res = runner.invoke(app, args)
-    finally:
-        signal.alarm(0)
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (name, res.stderr)
-    assert "Traceback" not in res.output, (name, res.output)
-    assert time.time() - start < LIMIT_S
-    assert _snapshot(workspace) == before, name
+    before = snapshot(workspace)
+    res = invoke_within_limit(runner, app, args)  # a hang fails this case instead of the whole run
+    assert_one_error_line(res, name, words)
+    assert snapshot(workspace) == before, name
 
 
 def test_export_copies_the_tokenizer_prepare_recorded(workspace, tmp_path):
@@ -292,12 +272,12 @@ def test_wandb_without_a_key_is_one_line_before_launch(workspace, tmp_path, monk
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.chdir(workspace)
-    before = _snapshot(workspace)
+    before = snapshot(workspace)
     res = runner.invoke(app, TRAIN[:-1] + ["log.dir=run_wandb", "--set", "log.wandb=true"])
     lines = res.stderr.splitlines()
     assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, (res.output, res.exception)
     assert "no W&B API key is configured" in lines[0] and "WANDB_MODE=offline" in lines[0]
-    assert _snapshot(workspace) == before
+    assert snapshot(workspace) == before
     (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
     (tmp_path / "no-netrc").chmod(0o600)
     from pretrain.preflight import _wandb_can_log

@@ -5,12 +5,9 @@ model directory, checkpoints with a crafted or truncated ``.metadata``, and file
 directories are expected. The directory's files (names and bytes) must be the same afterwards.
 """
 
-import hashlib
 import json
 import os
 import pickle
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,9 @@ from typer.testing import CliRunner
 from pretrain.checkpoint.retention import STATE_FILE
 from pretrain.cli import app
 
+from one_error_line import assert_one_error_line, invoke_within_limit, snapshot
+
 runner = CliRunner()
-LIMIT_S = 60
 SMALL = ["--set", "model.layers=2", "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set",
          "train.eval_every=0", "--set", "log.progress=false"]
 
@@ -136,11 +134,6 @@ def _damaged_files(w: Path, hf: dict) -> None:
     (w / "ck_latest_outside" / "latest").write_text("../ck_good\n")
 
 
-def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def _train(*args):
     return ["train", "--nproc", "1", *SMALL, *args]
 
@@ -249,26 +242,12 @@ CASES = {
 }
 
 
-def _hung(signum, frame):
-    raise TimeoutError(f"no answer within {LIMIT_S} s")
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_and_exit_2(workspace, monkeypatch, name):
     monkeypatch.chdir(workspace)
-    before = _snapshot(workspace)
-    start = time.time()
-    signal.signal(signal.SIGALRM, _hung)
-    signal.alarm(LIMIT_S)  # a hang fails this case instead of the whole run
-    try:
-        res = runner.invoke(app, CASES[name])
-    finally:
-        signal.alarm(0)
-    took = time.time() - start
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
-    assert len(lines) == 1 and lines[0].startswith("error: "), (name, res.stderr)
-    assert "Traceback" not in res.output and "weights_only" not in res.output, (name, res.output)
-    assert took < LIMIT_S, f"{name}: {took:.0f} s"
-    assert _snapshot(workspace) == before, name
+    before = snapshot(workspace)
+    res = invoke_within_limit(runner, app, CASES[name])  # a hang fails this case instead of the whole run
+    assert_one_error_line(res, name)
+    assert "weights_only" not in res.output, (name, res.output)
+    assert snapshot(workspace) == before, name
     assert not os.path.exists(workspace / "PWNED"), "a crafted .metadata ran code"

@@ -34,14 +34,16 @@ from .adamw import adamw_step_
 from .bucket import Bucket
 from .config import DataParallelConfig
 from .newton_schulz import adjusted_lr, zeropower_via_newtonschulz
-from .optimizer import MOMENTS, contiguous_runs
+from .optimizer import MOMENTS, RangeStateOptimizer, contiguous_runs
 from .optimizer_choice import NS_DTYPES, muon_args
 
 KINDS = MOMENTS + ("momentum_buffer",)
-class DistributedMuon:
+class DistributedMuon(RangeStateOptimizer):
     """Muon on the params ``is_matrix(param)`` says, AdamW (``cfg.betas``, ``cfg.eps``) on the others;
     weight decay on those ``decayed(param)`` says. ``matrix_group(param)``: the group whose ranks hold
     the other blocks of a matrix split by its placement (TP, expert TP)."""
+
+    KINDS, NAME = KINDS, "Muon"
 
     def __init__(self, buckets: list[Bucket], cfg: DataParallelConfig, decayed: Callable[[nn.Parameter], bool],
                  is_matrix: Callable[[nn.Parameter], bool],
@@ -73,30 +75,6 @@ class DistributedMuon:
                 comm.all_gather_object(offsets, [placement_of(p).offsets for p in split], next(iter(groups)))
             self.split[b] = (split, next(iter(groups)) if groups else None, offsets)
 
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
-
-    # ---- the checkpoint interface shared with DistributedAdamW and TorchOptimizer ----------------
-    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
-        if kind not in ("master",) + KINDS:
-            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(KINDS)}")
-        return bucket.master if kind == "master" else self.state[bucket][kind]
-
-    def state_kinds(self) -> tuple[str, ...]:
-        return KINDS
-
-    def scalar_state(self) -> dict[str, float]:
-        return {}
-
-    def prepare_load(self, kinds) -> None:
-        if tuple(kinds) != KINDS:
-            raise ValueError(f"Muon loads the state {', '.join(KINDS)}, not {', '.join(kinds) or 'none'}")
-
-    def finish_load(self, scalars: dict[str, float]) -> None:
-        pass
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return [t for kinds in self.state.values() for t in kinds.values()]
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:

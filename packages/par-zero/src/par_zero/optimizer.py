@@ -23,8 +23,44 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 GRAD_CHUNK = 1 << 22  # bf16 grads are stepped this many elements at a time through one fp32 scratch (16 MiB)
 
 
-class DistributedAdamW:
+class RangeStateOptimizer:
+    """The checkpoint interface of an optimizer whose state is a fixed set of tensors per bucket over its
+    optimizer range (``KINDS``, in ``self.state[bucket]``); its step count is the wrapper's."""
+
+    KINDS: tuple[str, ...] = ()
+    NAME = ""
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
+        """``bucket``'s ``kind`` ('master' or one of ``KINDS``) over its optimizer range."""
+        if kind not in ("master",) + self.KINDS:
+            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(self.KINDS)}")
+        return bucket.master if kind == "master" else self.state[bucket][kind]
+
+    def state_kinds(self) -> tuple[str, ...]:
+        return self.KINDS
+
+    def scalar_state(self) -> dict[str, float]:
+        return {}
+
+    def prepare_load(self, kinds) -> None:
+        if tuple(kinds) != self.KINDS:
+            raise ValueError(f"{self.NAME} loads the state {', '.join(self.KINDS)}, not {', '.join(kinds) or 'none'}")
+
+    def finish_load(self, scalars: dict[str, float]) -> None:
+        pass
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The state tensors (for measuring bytes; the masters are the buckets')."""
+        return [t for kinds in self.state.values() for t in kinds.values()]
+
+
+class DistributedAdamW(RangeStateOptimizer):
     """AdamW over the optimizer ranges of ``buckets``; ``lr`` may change every step (``set_lr``)."""
+
+    KINDS, NAME = MOMENTS, "AdamW"
 
     def __init__(self, buckets: list[Bucket], cfg: DataParallelConfig, decayed: Callable[[nn.Parameter], bool]):
         self.buckets = buckets
@@ -39,33 +75,6 @@ class DistributedAdamW:
         # made once on the device of the tensors they serve, refilled in place every step:
         self._steps: dict[torch.device, torch.Tensor] = {}  # the fused kernel's step count
         self._scratch: dict[torch.device, torch.Tensor] = {}  # fp32 copy of a chunk of bf16 grads
-
-    def set_lr(self, lr: float) -> None:
-        self.lr = lr
-
-    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
-        """``bucket``'s ``kind`` ('master', 'exp_avg' or 'exp_avg_sq') over its optimizer range."""
-        if kind not in ("master",) + MOMENTS:
-            raise ValueError(f"kind={kind!r} is not one of master, {', '.join(MOMENTS)}")
-        return bucket.master if kind == "master" else self.state[bucket][kind]
-
-    # the checkpoint interface shared with TorchOptimizer: the step count is the wrapper's
-    def state_kinds(self) -> tuple[str, ...]:
-        return MOMENTS
-
-    def scalar_state(self) -> dict[str, float]:
-        return {}
-
-    def prepare_load(self, kinds) -> None:
-        if tuple(kinds) != MOMENTS:
-            raise ValueError(f"AdamW loads the state {', '.join(MOMENTS)}, not {', '.join(kinds) or 'none'}")
-
-    def finish_load(self, scalars: dict[str, float]) -> None:
-        pass
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The moments (for measuring bytes; the masters are the buckets')."""
-        return [t for moments in self.state.values() for t in moments.values()]
 
     def step(self, each: Callable[[Bucket], None] | None = None) -> None:
         """One AdamW update of every bucket's master (the params are not re-assembled here);

@@ -98,11 +98,21 @@ def test_prefetcher_pins_every_tensor_for_a_cuda_device(monkeypatch):
     devices = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((threading.current_thread().name, d)))
-    p = Prefetcher(_batch, torch.device("cuda", 3))
+    gate = threading.Event()  # step 2 (read in the background during step 1) waits here: pinned is exact
+
+    def read(step):
+        if step >= 2:
+            gate.wait()
+        return _batch(step)
+
+    p = Prefetcher(read, torch.device("cuda", 3))
     p.get(0)
     b = p.get(1)
     assert torch.equal(b.tokens, _batch(1).tokens)
-    assert len(pinned) == 4 and all(name.startswith("prefetch") for name in pinned[2:])
+    # step 0 read (and pinned) now on the caller's thread, step 1 on the reader's: two tensors each
+    assert pinned[:2] == ["MainThread"] * 2 and len(pinned) == 4, pinned
+    assert all(name.startswith("prefetch") for name in pinned[2:]), pinned
     # the reader's thread works on this rank's GPU (the current device is per thread; default GPU 0)
     assert any(name.startswith("prefetch") and d == torch.device("cuda", 3) for name, d in devices), devices
+    gate.set()
     p.close()

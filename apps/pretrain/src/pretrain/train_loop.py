@@ -27,6 +27,7 @@ from .kernels import fp8_regions, select_kernels
 from .errors import UsageError
 from .model.build import RankModel, build_rank_model
 from .model.mtp import mtp_streams
+from .model.replace import ExpertReplacer
 from .schedule_lr import lr_at
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
@@ -105,6 +106,8 @@ class Trainer:
         self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
+        # expert_balance = "replicate+replace": experts re-placed by load every replace_every steps
+        self.expert_replacer = None if simulated else ExpertReplacer.of(self)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -247,11 +250,12 @@ class Trainer:
         dp.step()
         dp.zero_grad()
         moe = self._update_moe()
+        placement = None if self.expert_replacer is None else self.expert_replacer.after_step(step)
         if batch.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
             moe["cp_imbalance"] = torch.tensor(batch.cp_imbalance, device=self.device)
         timer.lap("optimizer")
         timer.finish()  # read at log steps (StepTimer.gathered)
-        return StepResult(step, loss, lr, norm, tokens, moe)
+        return StepResult(step, loss, lr, norm, tokens, moe, placement=placement)
 
     def check_finite(self) -> None:
         """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read)."""

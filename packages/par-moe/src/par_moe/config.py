@@ -9,7 +9,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 GROUP_SCORES = ("top2", "top_k_per_group")
-EXPERT_BALANCES = ("none", "replicate")
+EXPERT_BALANCES = ("none", "replicate", "replicate+replace")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ with one group per node this is DeepSeek-V3's
     ("position"). ``bias_update_rate`` > 0 enables aux-loss-free balancing (``update_bias``).
     ``expert_balance = "replicate"`` (all-to-all dispatcher) has every EP rank compute at most
     ``ceil(pairs / ep)`` (token, expert) pairs: hot experts' excess pairs go to replicas on other
-    ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``).
+    ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``);
+    ``"replicate+replace"`` also counts each expert's load so that the trainer can re-place experts
+    onto EP ranks by it (``placement.py``; the layer routes by the placement it is given).
     """
 
     hidden: int
@@ -72,8 +74,8 @@ with one group per node this is DeepSeek-V3's
             raise ValueError(f"dispatcher={self.dispatcher!r}; use one of {DISPATCHERS}")
         if self.expert_balance not in EXPERT_BALANCES:
             raise ValueError(f"expert_balance={self.expert_balance!r}; use one of {EXPERT_BALANCES}")
-        if self.expert_balance == "replicate" and self.dispatcher != "alltoall":
-            raise ValueError(f"expert_balance='replicate' balances the 'alltoall' dispatcher; dispatcher="
+        if self.expert_balance != "none" and self.dispatcher != "alltoall":
+            raise ValueError(f"expert_balance={self.expert_balance!r} balances the 'alltoall' dispatcher; dispatcher="
                              f"{self.dispatcher!r} is not supported with it")
         if not isinstance(self.max_replicas_per_rank, int) or self.max_replicas_per_rank < 1:
             raise ValueError(f"max_replicas_per_rank={self.max_replicas_per_rank} must be a positive integer")

@@ -1,0 +1,110 @@
+"""expert_balance = "replicate+replace" in a real trainer (ep2 x edp2, ZeRO-1, forced skew).
+
+A re-placement moves experts between EP ranks and changes nothing else: every tensor of the model
+and of the optimizer state, keyed by its global expert index as a checkpoint holds it, is bitwise
+the same just before and just after it. A move that left a parameter's optimizer state behind (the
+planted bug) leaves another expert's moments at the moved expert's global index, and fails. Every
+rank computes the same map.
+"""
+
+import pytest
+import torch
+
+OVERRIDES = ["model.layers=3", "model.top_k=4", "model.expert_balance=replicate+replace", "model.replace_every=2",
+             "parallel.ep=2", "parallel.zero=optim", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0",
+             "log.progress=false", "train.seq_len=32"]
+
+
+def skew(trainer) -> None:
+    """Experts 0 and 1 in every token's top 4 (both on EP rank 0 before any re-placement)."""
+    for chunk in trainer.model.chunks.values():
+        for layer in chunk.decoder_layers():
+            if layer.is_moe:
+                with torch.no_grad():
+                    layer.mlp.router.expert_bias[:2] += 1.0
+
+
+def global_state(trainer) -> dict[str, torch.Tensor]:
+    """Every trained tensor and its optimizer state as the checkpoint keys it (global expert index),
+    assembled from every rank's pieces."""
+    from par_groups import comm
+    from pretrain.checkpoint.store import _pieces
+
+    mine = {k: (p.full_shape, [(o, t.detach().cpu().clone()) for o, t in p.boxes])
+            for k, p in _pieces(trainer, with_optim=True).items()}
+    everyone = [None] * torch.distributed.get_world_size()
+    comm.all_gather_object(everyone, mine, None)
+    full_tensors = {}
+    for rank_pieces in everyone:
+        for key, (shape, boxes) in rank_pieces.items():
+            full = full_tensors.setdefault(key, torch.full(tuple(shape), float("nan")))
+            for offsets, t in boxes:
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+    return full_tensors
+
+
+def replace_run(overrides, bug: str | None = None):
+    """Per re-placement step: (its log record, the global tensors it changed, every rank's maps)."""
+    from par_groups import comm
+    from pretrain.config import load_config
+    from pretrain.train_loop import Trainer
+
+    cfg = load_config("tiny-moe", overrides)
+    trainer = Trainer(cfg)
+    skew(trainer)
+    replacer, opt, out = trainer.expert_replacer, trainer.model.dp.optimizer, []
+    after_step, seen = replacer.after_step, {}
+
+    def watched(step):  # the state after the optimizer step, just before the re-placement
+        seen["before"] = global_state(trainer) if (step + 1) % cfg.model.replace_every == 0 else None
+        if bug == "state_not_moved":  # the re-placement moves the params and masters only
+            opt.state_kinds = lambda: ()
+        try:
+            return after_step(step)
+        finally:
+            opt.__dict__.pop("state_kinds", None)
+
+    replacer.after_step = watched
+    for step in range(cfg.train.steps):
+        result = trainer.train_step(step)
+        if seen["before"] is None:
+            assert result.placement is None
+            continue
+        before, after = seen["before"], global_state(trainer)
+        assert before.keys() == after.keys()
+        changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+        maps = [None] * torch.distributed.get_world_size()
+        comm.all_gather_object(maps, [m.placement.expert_at for m in replacer.layers], None)
+        out.append((result.placement, changed, maps))
+    return out
+
+
+def test_replacement_moves_experts_with_their_optimizer_state(dist_run):
+    results = dist_run(4, replace_run, OVERRIDES, timeout=300)
+    for rank, steps in enumerate(results):
+        assert [record["step"] for record, *_ in steps] == [2, 4]
+        for record, changed, maps in steps:
+            assert not changed, f"rank {rank}: re-placement changed {changed[:4]}"
+            assert all(m == maps[0] for m in maps), f"the ranks computed different maps: {maps}"
+        first, _, maps = steps[0]
+        # the skew: experts 0 and 1 (both on EP rank 0) are split over the two ranks by the first re-placement
+        assert first["experts_moved"] > 0 and first["bytes_moved"] > 0, first
+        for expert_at in maps[0]:
+            assert {expert_at.index(0) // 4, expert_at.index(1) // 4} == {0, 1}, expert_at
+        print(f"rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
+
+
+def test_replacement_without_the_optimizer_state_is_caught(dist_run):
+    """The planted bug: the experts' params move, their AdamW moments stay in the old slots."""
+    results = dist_run(4, replace_run, OVERRIDES, bug="state_not_moved", timeout=300)
+    changed = results[0][0][1]
+    assert changed and all(k.startswith("optim/exp_avg") for k in changed), changed
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_replace_every_must_be_positive(value):
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=rf"^\[model\]\.replace_every={value} must be >= 1"):
+        load_config("tiny-moe", [f"model.replace_every={value}"])

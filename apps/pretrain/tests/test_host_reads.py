@@ -73,3 +73,19 @@ def test_the_static_shape_moe_dispatch_reads_nothing(monkeypatch, tmp_path, faul
     print("ep2 padded", reads)
     for rank, per_step in enumerate(reads):
         assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), (rank, per_step)
+
+
+def test_expert_replacement_reads_once_at_its_step_and_is_logged(monkeypatch, tmp_path, fault_ranks):
+    """expert_balance = "replicate+replace", replace_every=3: the load counted on the device is read once,
+    at the re-placement steps (3 and 6) only; log.jsonl has a record of each (experts moved, bytes moved)."""
+    config, nproc, overrides = MOE
+    sets = overrides + ["model.expert_balance=replicate+replace", "model.replace_every=3"]
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, sets)
+    print("ep2 replicate+replace", reads)
+    per_step = 2 * (8 // 2 // 2)  # as test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch
+    for rank, counts in enumerate(reads):
+        assert unlogged(counts) == [per_step + (s + 1 in (3, 6)) for s in range(STEPS) if (s + 1) % EVERY and s + 1 != STEPS], \
+            (rank, counts)
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    events = [e for e in events if e.get("event") == "expert_placement"]
+    assert [e["step"] for e in events] == [3, 6] and all({"experts_moved", "bytes_moved"} <= e.keys() for e in events)

@@ -1,4 +1,4 @@
-"""expert_balance = "replicate+replace" in a real trainer (ep2 x edp2, ZeRO-1, forced skew).
+"""expert_balance = "replicate+replace" in a real trainer (ep2 x edp2 ZeRO-1, ep4 ZeRO-2, tp2 x ep2, Muon; forced skew).
 
 A re-placement moves experts between EP ranks and changes nothing else: every tensor of the model
 and of the optimizer state, keyed by its global expert index as a checkpoint holds it, is bitwise
@@ -13,6 +13,13 @@ import torch
 OVERRIDES = ["model.layers=3", "model.top_k=4", "model.expert_balance=replicate+replace", "model.replace_every=2",
              "parallel.ep=2", "parallel.zero=optim", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0",
              "log.progress=false", "train.seq_len=32"]
+LAYOUTS = {  # on 4 ranks; "ep2-optim" (ep2 x edp2, ZeRO-1) is OVERRIDES itself
+    "ep2-optim": [],
+    "ep4-optim_grads": ["parallel.ep=4", "parallel.zero=optim_grads"],
+    "tp2-ep2-etp1-no_shard": ["parallel.tp=2", "parallel.etp=1", "parallel.zero=no_shard"],
+    "ep2-optim-muon": ["train.optimizer=muon"],
+    "ep2-no_shard-rmsprop": ["train.optimizer=rmsprop", "parallel.zero=no_shard"],  # a torch.optim class's state
+}
 
 
 def skew(trainer) -> None:
@@ -79,8 +86,10 @@ def replace_run(overrides, bug: str | None = None):
     return out
 
 
-def test_replacement_moves_experts_with_their_optimizer_state(dist_run):
-    results = dist_run(4, replace_run, OVERRIDES, timeout=300)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_replacement_moves_experts_with_their_optimizer_state(dist_run, name):
+    results = dist_run(4, replace_run, OVERRIDES + LAYOUTS[name], timeout=300)
+    per_rank = 8 // (4 if "ep4" in name else 2)
     for rank, steps in enumerate(results):
         assert [record["step"] for record, *_ in steps] == [2, 4]
         for record, changed, maps in steps:
@@ -90,8 +99,8 @@ def test_replacement_moves_experts_with_their_optimizer_state(dist_run):
         # the skew: experts 0 and 1 (both on EP rank 0) are split over the two ranks by the first re-placement
         assert first["experts_moved"] > 0 and first["bytes_moved"] > 0, first
         for expert_at in maps[0]:
-            assert {expert_at.index(0) // 4, expert_at.index(1) // 4} == {0, 1}, expert_at
-        print(f"rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
+            assert expert_at.index(0) // per_rank != expert_at.index(1) // per_rank, expert_at
+        print(f"{name} rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
 
 
 def test_replacement_without_the_optimizer_state_is_caught(dist_run):

@@ -82,7 +82,7 @@ def replace_run(overrides, bug: str | None = None):
         changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
         maps = [None] * torch.distributed.get_world_size()
         comm.all_gather_object(maps, [m.placement.expert_at for m in replacer.layers], None)
-        out.append((result.placement, changed, maps))
+        out.append((result.placement, changed, maps, replacer.domains))
     return out
 
 
@@ -92,15 +92,27 @@ def test_replacement_moves_experts_with_their_optimizer_state(dist_run, name):
     per_rank = 8 // (4 if "ep4" in name else 2)
     for rank, steps in enumerate(results):
         assert [record["step"] for record, *_ in steps] == [2, 4]
-        for record, changed, maps in steps:
+        for record, changed, maps, _ in steps:
             assert not changed, f"rank {rank}: re-placement changed {changed[:4]}"
             assert all(m == maps[0] for m in maps), f"the ranks computed different maps: {maps}"
-        first, _, maps = steps[0]
+        first, _, maps, _ = steps[0]
         # the skew: experts 0 and 1 (both on EP rank 0) are split over the two ranks by the first re-placement
         assert first["experts_moved"] > 0 and first["bytes_moved"] > 0, first
         for expert_at in maps[0]:
             assert expert_at.index(0) // per_rank != expert_at.index(1) // per_rank, expert_at
         print(f"{name} rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
+
+
+def test_replacement_keeps_experts_in_their_nvlink_domain_when_it_can(dist_run, tmp_path):
+    """ep4 on two nodes of two GPUs, one NVLink domain each ([topology].file): the re-placement packs with
+    the EP ranks' domains (two ranks in each) and still moves the state and all."""
+    topology = tmp_path / "pairs.toml"
+    topology.write_text('preset = "dgx-h100"\nnodes = 2\ngpus_per_node = 2\nnvlink_domain_gpus = 2\n')
+    overrides = OVERRIDES + LAYOUTS["ep4-optim_grads"] + [f"topology.file={topology}"]
+    for rank, steps in enumerate(dist_run(4, replace_run, overrides, timeout=300)):
+        for record, changed, maps, domains in steps:
+            assert sorted(domains) == [0, 0, 1, 1] and not changed and all(m == maps[0] for m in maps), (rank, record, changed)
+        print(f"rank {rank}: {[s[0] for s in steps]}; maps {steps[0][2][0]}")
 
 
 def test_replacement_without_the_optimizer_state_is_caught(dist_run):

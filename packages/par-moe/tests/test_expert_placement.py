@@ -41,3 +41,27 @@ def test_bad_placements_are_refused():
         ExpertPlacement((0, 0, 1, 2), 2)
     with pytest.raises(ValueError, match="load has 3 experts"):
         pack_experts([1, 2, 3], ExpertPlacement.contiguous(4, 2))
+
+
+def test_nvlink_domains_keep_moves_inside_them_when_their_loads_are_even():
+    """Ranks 0, 2 share a domain, ranks 1, 3 another; each domain holds 220 pairs. Without domains the
+    second hot expert of rank 0 crosses to rank 1; with them every move stays in its domain, as balanced."""
+    current = ExpertPlacement.contiguous(8, 4)
+    load = [100, 100, 10, 10, 10, 10, 100, 100]
+    domains = (0, 1, 0, 1)
+    rank_load = lambda p: max(sum(load[e] for e in p.slots(r)) for r in range(4))  # noqa: E731
+    flat, aware = pack_experts(load, current), pack_experts(load, current, domains)
+    assert pack_experts(load, current, (5, 5, 5, 5)) == flat  # one domain: the flat packing
+    assert any(domains[src] != domains[dst] for _, src, _, dst, _ in current.moves_to(flat))
+    assert aware.moves_to(aware) == [] and current.moves_to(aware)
+    assert all(domains[src] == domains[dst] for _, src, _, dst, _ in current.moves_to(aware))
+    assert rank_load(aware) == rank_load(flat) == 110
+
+
+def test_nvlink_domains_swap_experts_when_one_domain_is_hot():
+    current = ExpertPlacement.contiguous(8, 4)
+    load = [100, 100, 100, 100, 1, 1, 1, 1]  # domain 0 (ranks 0, 1) holds every hot expert
+    aware = pack_experts(load, current, (0, 0, 1, 1))
+    per_domain = [sum(load[e] for r in rs for e in aware.slots(r)) for rs in ((0, 1), (2, 3))]
+    assert per_domain == [202, 202]
+    assert max(sum(load[e] for e in aware.slots(r)) for r in range(4)) == 101

@@ -12,12 +12,15 @@ into the global load since the last re-placement, and the state file keeps it wi
 a resume under the same ep re-places its experts as saved and counts on from there, so it continues
 the uninterrupted run bitwise; under another ep it keeps the placement it loaded into.
 
-Node awareness (keeping moves inside an NVLink domain) is not done: the packing sees EP ranks only.
+Node awareness: where the topology (``[topology]`` or NVML) puts the EP ranks in NVLink domains,
+and every EP group of the stage sees the same pattern of them, the packing keeps experts in their
+domain unless a swap across domains lowers the most loaded one (``pack_experts(domains=...)``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from par_groups import comm
 from par_moe import ExpertPlacement, pack_experts
 from par_zero import RowMove, move_rows_
@@ -26,9 +29,10 @@ from par_zero import RowMove, move_rows_
 class ExpertReplacer:
     """The re-placement of a trainer's MoE layers (those with ``expert_balance = "replicate+replace"``)."""
 
-    def __init__(self, layers: list, dp, every: int, load_group) -> None:
-        """``load_group``: every rank of the stage whose tokens differ (the counts are summed over it)."""
-        self.layers, self.dp, self.every, self.load_group = layers, dp, every, load_group
+    def __init__(self, layers: list, dp, every: int, load_group, domains: tuple[int, ...] | None = None) -> None:
+        """``load_group``: every rank of the stage whose tokens differ (the counts are summed over it);
+        ``domains``: each EP rank's NVLink domain (None: one domain)."""
+        self.layers, self.dp, self.every, self.load_group, self.domains = layers, dp, every, load_group, domains
         self.carried = [[0] * layer.config.num_experts for layer in layers]  # global load folded at saves
         self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
 
@@ -37,7 +41,9 @@ class ExpertReplacer:
         layers = [moe for moe in trainer._moe_layers() if moe.replace]
         if not layers:
             return None
-        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, trainer.groups.tp_dp_cp)
+        group = trainer.groups.tp_dp_cp
+        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, group,
+                   ep_domains(trainer.assignment.topology, layers[0].ep_group, group))
 
     def _global_load(self) -> list[list[int]]:
         """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
@@ -55,7 +61,7 @@ class ExpertReplacer:
         if (step + 1) % self.every:
             return None
         totals = self._global_load()
-        new = [pack_experts(load, layer.placement) for load, layer in zip(totals, self.layers)]
+        new = [pack_experts(load, layer.placement, self.domains) for load, layer in zip(totals, self.layers)]
         record = self.place(new)
         self.carried = [[0] * len(row) for row in totals]
         return {"step": step + 1, **record}
@@ -91,3 +97,17 @@ class ExpertReplacer:
         if state["ep"] == self.layers[0].ep:  # the saved placement, so the next re-placements are the same
             self.place([ExpertPlacement(tuple(saved["expert_at"]), layer.num_local_experts)
                         for saved, layer in zip(state["layers"], self.layers)])
+
+
+def ep_domains(topology, ep_group, stage_group) -> tuple[int, ...] | None:
+    """Each EP rank's NVLink domain, numbered by first appearance, if every EP group of the stage has the
+    same pattern (expert-data-parallel replicas must re-place alike); else None. Collective over the stage."""
+    mine = None
+    if topology is not None:
+        found = [topology.gpus[r].domain for r in dist.get_process_group_ranks(ep_group)]
+        if None not in found:
+            order = list(dict.fromkeys(found))
+            mine = tuple(order.index(d) for d in found)
+    everyone = [None] * dist.get_world_size(stage_group)
+    comm.all_gather_object(everyone, mine, stage_group)
+    return mine if all(other == mine for other in everyone) else None

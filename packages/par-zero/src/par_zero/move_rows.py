@@ -83,10 +83,7 @@ def move_rows_(dp, moves: Sequence[RowMove], group: ProcessGroup | None) -> int:
         dtype = next(iter(state.values())).dtype
         payload = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=dp.buckets[0].device)
         if cfg.shard_optimizer and out_regions:  # the whole rows: the sharding group's parts summed
-            first = out_regions[0][0]
-            comm.all_reduce(payload, first.groups.inner)
-            if first.outer_optim:  # HSDP outer 'optim': the range is split over the replicas too
-                comm.all_reduce(payload, first.groups.outer)
+            comm.all_reduce(payload, out_regions[0][0].groups.inner)  # (outer 'optim' comes with ZeRO-3 only)
         received = payload.new_empty(sum(output_splits))
         comm.all_to_all_single(received, payload, group, output_splits, input_splits)
         at = 0

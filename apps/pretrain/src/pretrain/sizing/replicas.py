@@ -23,5 +23,5 @@ def replica_bytes(model, etp: int, replicas: int, param_bytes: int) -> int:
 
 def replica_buffer_bytes(model, etp: int, param_bytes: int) -> int:
     """The most one rank holds per MoE layer for its replicas: their weights and their gradients."""
-    replicas = model.max_replicas_per_rank if model.expert_balance == "replicate" else 0
+    replicas = model.max_replicas_per_rank if model.expert_balance != "none" else 0  # replicate, replicate+replace
     return 2 * replica_bytes(model, etp, replicas, param_bytes)

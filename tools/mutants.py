@@ -121,6 +121,8 @@ MUTANTS = [
            'for kind in ("master",) + tuple(dp.optimizer.state_kinds()):', 'for kind in ("master",):', (REPLACE,)),
     Mutant("replace-rows-undeclared", "packages/par-moe/src/par_moe/experts.py",
            "place_rows_(w, experts)", "place_rows_(w, tuple(sorted(experts)))", (REPLACE,)),
+    Mutant("replace-local-counts", "apps/pretrain/src/pretrain/model/replace.py",  # each rank packs by its own tokens (maps differ)
+           "comm.all_reduce(load, self.load_group)", "load = load.clone()", (REPLACE,)),
 ]
 
 

@@ -4,7 +4,7 @@ A re-placement moves experts between EP ranks and changes nothing else: every te
 and of the optimizer state, keyed by its global expert index as a checkpoint holds it, is bitwise
 the same just before and just after it. A move that left a parameter's optimizer state behind (the
 planted bug) leaves another expert's moments at the moved expert's global index, and fails. Every
-rank computes the same map.
+rank computes the same map, and the logged bytes moved are what the all-to-alls carry (CommRecorder).
 """
 
 import pytest
@@ -51,8 +51,9 @@ def global_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def replace_run(overrides, bug: str | None = None):
-    """Per re-placement step: (its log record, the global tensors it changed, every rank's maps)."""
-    from par_groups import comm
+    """Per re-placement step: (its log record, the global tensors it changed, every rank's maps, the EP ranks'
+    NVLink domains, the bytes this rank's all-to-alls sent to other ranks)."""
+    from par_groups import CommRecorder, comm
     from pretrain.config import load_config
     from pretrain.train_loop import Trainer
 
@@ -67,8 +68,10 @@ def replace_run(overrides, bug: str | None = None):
         if bug == "state_not_moved":  # the re-placement moves the params and masters only
             opt.state_kinds = lambda: ()
         try:
-            return after_step(step)
+            with CommRecorder() as recorder:
+                return after_step(step)
         finally:
+            seen["sent"] = sum(r.sent for r in recorder.records if r.op == "all_to_all")
             opt.__dict__.pop("state_kinds", None)
 
     replacer.after_step = watched
@@ -82,25 +85,29 @@ def replace_run(overrides, bug: str | None = None):
         changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
         maps = [None] * torch.distributed.get_world_size()
         comm.all_gather_object(maps, [m.placement.expert_at for m in replacer.layers], None)
-        out.append((result.placement, changed, maps, replacer.domains))
+        out.append((result.placement, changed, maps, replacer.domains, seen["sent"]))
     return out
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_replacement_moves_experts_with_their_optimizer_state(dist_run, name):
     results = dist_run(4, replace_run, OVERRIDES + LAYOUTS[name], timeout=300)
-    per_rank = 8 // (4 if "ep4" in name else 2)
+    ep = 4 if "ep4" in name else 2
+    per_rank = 8 // ep
     for rank, steps in enumerate(results):
         assert [record["step"] for record, *_ in steps] == [2, 4]
-        for record, changed, maps, _ in steps:
+        for record, changed, maps, *_ in steps:
             assert not changed, f"rank {rank}: re-placement changed {changed[:4]}"
             assert all(m == maps[0] for m in maps), f"the ranks computed different maps: {maps}"
-        first, _, maps, _ = steps[0]
+        first, _, maps, *_ = steps[0]
         # the skew: experts 0 and 1 (both on EP rank 0) are split over the two ranks by the first re-placement
         assert first["experts_moved"] > 0 and first["bytes_moved"] > 0, first
         for expert_at in maps[0]:
             assert expert_at.index(0) // per_rank != expert_at.index(1) // per_rank, expert_at
         print(f"{name} rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
+    # the logged bytes are what the EP group's all-to-alls carry between ranks (CommRecorder), every EP group alike
+    for i, (record, *_) in enumerate(results[0]):
+        assert sum(steps[i][-1] for steps in results) == record["bytes_moved"] * (4 // ep), (name, record)
 
 
 def test_replacement_keeps_experts_in_their_nvlink_domain_when_it_can(dist_run, tmp_path):
@@ -110,7 +117,7 @@ def test_replacement_keeps_experts_in_their_nvlink_domain_when_it_can(dist_run, 
     topology.write_text('preset = "dgx-h100"\nnodes = 2\ngpus_per_node = 2\nnvlink_domain_gpus = 2\n')
     overrides = OVERRIDES + LAYOUTS["ep4-optim_grads"] + [f"topology.file={topology}"]
     for rank, steps in enumerate(dist_run(4, replace_run, overrides, timeout=300)):
-        for record, changed, maps, domains in steps:
+        for record, changed, maps, domains, _ in steps:
             assert sorted(domains) == [0, 0, 1, 1] and not changed and all(m == maps[0] for m in maps), (rank, record, changed)
         print(f"rank {rank}: {[s[0] for s in steps]}; maps {steps[0][2][0]}")
 

@@ -107,7 +107,7 @@ def trainer_and_torch_muon(config, overrides, steps=STEPS):
     relative distance of each of plain PyTorch's fp32 params from its fp64 run (only when a param
     differs from the trainer's by more than TOLERANCE: the oracle's own rounding noise)."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(config, COMMON + [f"train.steps={steps}", "train.optimizer=muon"] + list(overrides))
     trainer = Trainer(cfg)

@@ -130,7 +130,7 @@ def main() -> None:
 
     from pretrain.checkpoint import CheckpointSaver
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     cfg = load_config(None, [f"model.hidden={args.hidden}", f"model.layers={args.layers}", "model.heads=16",

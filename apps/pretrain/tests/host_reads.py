@@ -15,8 +15,8 @@ def counting_host_reads(out_file: str, *run_args) -> dict:
     import json
 
 
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     count = [0]
     for name in READS:

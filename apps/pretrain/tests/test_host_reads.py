@@ -32,7 +32,7 @@ def reads_per_step(monkeypatch, tmp_path, config, nproc, overrides) -> list[list
     import host_reads
 
     out = tmp_path / "reads"
-    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(host_reads.counting_host_reads, str(out)))
+    monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(host_reads.counting_host_reads, str(out)))
     args = ["train"] + ([config] if config else []) + ["--nproc", str(nproc), *BASE, "--set", f"log.dir={tmp_path}"]
     for o in overrides:
         args += ["--set", o]

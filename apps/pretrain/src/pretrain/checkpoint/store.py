@@ -42,7 +42,7 @@ from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from ..model.shapes import full_shapes
-from ..safe_files import write_atomic
+from ..runtime.safe_files import write_atomic
 from .faults import first_failure, removed_if_disk_full
 from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, HashingWriter, digests, first_damage,
                         read_checksums, verify_files, write_checksums)

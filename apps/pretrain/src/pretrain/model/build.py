@@ -110,7 +110,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32,
                   fused_adamw={"auto": None, "on": True, "off": False}[t.fused_adamw])
     zero = cfg.parallel.zero
-    if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules; the same mixed precision
+    if zero == "torch_fsdp2":  # the layouts it runs with: config/checks.py data_parallel_rules; the same mixed precision
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay,
                       param_dtype=kwargs["param_dtype"], reduce_dtype=kwargs["reduce_dtype"])
     kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_kwargs)  # [train].optimizer

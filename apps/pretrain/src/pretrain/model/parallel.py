@@ -31,7 +31,7 @@ from par_tp import (
 )
 
 from ..data.packing import Documents
-from ..dynamic_cp import DynamicDocuments
+from ..training.dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss

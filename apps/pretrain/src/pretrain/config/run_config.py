@@ -5,10 +5,10 @@ default, so a file names only what differs. ``--set section.key=value`` override
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).
 
-The schema is the sections (``config_model``, ``config_sections``), each validating itself in
+The schema is the sections (``model_section``, ``sections``), each validating itself in
 ``__post_init__``; :class:`Config` checks each rule that spans sections once, and
 :meth:`Config.validate_world` what depends on the number of ranks, returning the resolved
-:class:`~pretrain.layout.Layout`. This module adds the loading: TOML, overrides, type checks.
+:class:`~pretrain.config.layout.Layout`. This module adds the loading: TOML, overrides, type checks.
 Every problem is a :class:`~pretrain.errors.UsageError` naming the key.
 """
 
@@ -30,12 +30,12 @@ except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
 from par_groups import LayoutError, RankGrid
-from .config_checks import CROSS_SECTION_RULES
-from .config_model import ModelConfig
-from .config_rules import _need
-from .config_sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, ProfileConfig,
+from .checks import CROSS_SECTION_RULES
+from .model_section import ModelConfig
+from .rules import _need
+from .sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, ProfileConfig,
                               TopologyConfig, TrainConfig)
-from .errors import UsageError
+from ..errors import UsageError
 from .layout import MAX_WORLD, Layout, micro_batching
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "Layout", "LogConfig", "ModelConfig", "ParallelConfig",
@@ -72,7 +72,7 @@ class Config:
         self.validate()
 
     def validate(self) -> None:
-        """Every rule that spans sections, once each (``config_checks``: one named function per concern)."""
+        """Every rule that spans sections, once each (``checks``: one named function per concern)."""
         for rule in CROSS_SECTION_RULES:
             rule(self)
 
@@ -94,7 +94,7 @@ class Config:
             _need((t.seq_len // p.cp) % p.tp == 0,
                   f"[train].seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for sequence parallelism")
         if p.dynamic_cp:
-            from .dynamic_cp import check_lengths
+            from ..training.dynamic_cp import check_lengths
 
             check_lengths(t.seq_len, p.max_seq_per_rank, dp * p.cp)
         if p.hsdp_replicas > 1:

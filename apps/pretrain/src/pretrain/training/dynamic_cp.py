@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from par_cp import attention_work, ring_attention, schedule_subsamples, segment_attention, shard_segments
 
-from .data.packing import IGNORE, mask_eod_labels
-from .errors import UsageError
+from ..data.packing import IGNORE, mask_eod_labels
+from ..errors import UsageError
 
 PAD = 0  # token id of a padding position (its prediction is ignored, so its id does not matter)
 

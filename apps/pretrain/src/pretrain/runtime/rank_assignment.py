@@ -39,7 +39,7 @@ from par_groups.topology import (
 from par_groups.topology.model import ceil_div
 from par_groups.topology.assignment import hungry_off_fast_links
 
-from .errors import UsageError
+from ..errors import UsageError
 
 UNKNOWN = ("topology unknown (no NVML here and no [topology] preset or file in the config): "
            "groups follow [parallel].order as given")

@@ -1,7 +1,7 @@
 """Checks made before any rank trains, so a user's mistake is one line and exit 2 at any ``--nproc``
 (not a rank's traceback, nor an error at the first save minutes later).
 
-The run lock (one run per ``[log].dir`` and per checkpoint directory) is :mod:`pretrain.run_lock`.
+The run lock (one run per ``[log].dir`` and per checkpoint directory) is :mod:`pretrain.runtime.run_lock`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 from .run_lock import PID_FILE, run_lock  # noqa: F401 - the launcher takes the lock from here
 
 
@@ -19,11 +19,11 @@ def checkpoint_root(cfg) -> Path:
 
 def check_run(cfg, layout, force: bool = False) -> None:
     """Data, checkpoints to start from, the checkpoint directory's owner, then writable directories."""
-    from .checkpoint.retention import check_unclaimed, read_manifest
-    from .checkpoint.safe_metadata import read_metadata
-    from .checkpoint.store import check_compatible, check_optimizer_matches, read_state, resolve_checkpoint
-    from .checkpoint.hf_data import check_data_matches_import
-    from .data import members, build_sampler, check_data_ids, load_dataset, load_eval
+    from ..checkpoint.retention import check_unclaimed, read_manifest
+    from ..checkpoint.safe_metadata import read_metadata
+    from ..checkpoint.store import check_compatible, check_optimizer_matches, read_state, resolve_checkpoint
+    from ..checkpoint.hf_data import check_data_matches_import
+    from ..data import members, build_sampler, check_data_ids, load_dataset, load_eval
 
     for key, path in (("[log].dir", Path(cfg.log.dir)), ("[checkpoint].dir", checkpoint_root(cfg))):
         if path.resolve() == Path(path.resolve().anchor):
@@ -39,8 +39,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
     latest = _latest_to_check(root, ck.fallback, ck.verify) if ck.resume else None
     start = latest or (resolve_checkpoint(ck.init_from) if ck.init_from else None)
     if latest is None and start is not None:  # init_from: its index files checked as a resume's are
-        from .checkpoint.integrity import METADATA, read_checksums, verify_files
-        from .checkpoint.retention import STATE_FILE
+        from ..checkpoint.integrity import METADATA, read_checksums, verify_files
+        from ..checkpoint.retention import STATE_FILE
 
         verify_files(start, [STATE_FILE, METADATA], read_checksums(start, ck.verify))
     if start is not None:
@@ -73,11 +73,11 @@ def _check_flight_dir(log_dir: Path) -> None:
 def _latest_to_check(root: Path, fallback: bool, verify: bool):
     """``latest``, its small index files checked (a damaged one: exit 2 here); None when it is damaged
     and ``fallback`` lets the ranks take an older one."""
-    from .checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
-    from .checkpoint.resume import with_fallback_hint
-    from .checkpoint.retention import STATE_FILE
-    from .checkpoint.safe_metadata import read_metadata
-    from .checkpoint.store import latest_checkpoint
+    from ..checkpoint.integrity import METADATA, DamagedCheckpoint, read_checksums, verify_files
+    from ..checkpoint.resume import with_fallback_hint
+    from ..checkpoint.retention import STATE_FILE
+    from ..checkpoint.safe_metadata import read_metadata
+    from ..checkpoint.store import latest_checkpoint
 
     try:
         latest = latest_checkpoint(root)
@@ -95,7 +95,7 @@ def _check_wandb() -> None:
     """[log] wandb needs the optional package: one line before any rank starts, not rank 0's error."""
     import importlib.util
 
-    from .metrics import WANDB_MISSING
+    from ..observe.metrics import WANDB_MISSING
 
     if importlib.util.find_spec("wandb") is None:
         raise UsageError(WANDB_MISSING)
@@ -125,7 +125,7 @@ def _wandb_can_log() -> bool:
 
 def check_writable(path: Path, what: str) -> None:
     """Create ``path`` if needed and prove a file (of a MiB: a full disk refuses it) can be written in it."""
-    from .checkpoint.faults import PROBE_BYTES, cannot_write_here
+    from ..checkpoint.faults import PROBE_BYTES, cannot_write_here
 
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """Starting the ranks: standalone (``pretrain train --nproc N``) or under ``torchrun`` / ``srun torchrun``.
 
-Standalone ranks (:mod:`pretrain.ranks`) see the same ``RANK / WORLD_SIZE / LOCAL_RANK /
+Standalone ranks (:mod:`pretrain.runtime.local_launcher`) see the same ``RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT`` environment as under torchrun, so :func:`init_distributed` is the same
 call in both cases. When a rank raises, the launcher stops the others at once and :func:`launch`
 raises :class:`RankFailed` carrying that rank's error; a signal stops the run as
-:mod:`pretrain.ranks` describes.
+:mod:`pretrain.runtime.local_launcher` describes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .errors import UsageError
+from ..errors import UsageError
 from .rank_env import LAUNCHER_ENV, Aborted, RankFailed, join_key  # noqa: F401 - Aborted, RankFailed: launch() raises them
 
 MAX_CPU_PROCS = 64  # gloo on one host: beyond this, start-up and memory make no sense
@@ -58,14 +58,14 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     ``nproc`` local ranks start (1 runs in this process). ``entry`` must be a module-level function
     (ranks import it); it calls :func:`init_distributed`. A rank that has not joined the group
     within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT, ranks get ``preempt_timeout_s``
-    to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.hang`); a
+    to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.runtime.hang`); a
     collective's timeout then ends the run naming the rank that has not arrived.
     """
     if under_torchrun():
         return [entry(*args)]
     check_nproc(nproc, device)
     if nproc > 1:
-        from .ranks import run_local_ranks
+        from .local_launcher import run_local_ranks
 
         return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir)
     env = _single_rank_env()

@@ -10,20 +10,20 @@ from par_groups import comm
 from par_groups.watch import CommWatch
 
 # imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
-from .checkpoint import CheckpointSaver, resolve_checkpoint
-from .checkpoint.resume import resume_latest, unverified_note
-from .checkpoint.retention import start_run
-from .config import load_config
-from .data import load_dataset
-from .sizing.flops import training_flops_per_step
-from .hang import flight_recorder, nccl_flight_env
-from .launch import device_type, init_distributed, shutdown
-from .metrics import MetricsLogger
-from .peak import matmul_dtype, peak_flops
-from .preempt import StopRequests
-from .preflight import checkpoint_root
-from .profile_window import ProfileWindow
-from .step_timing import StepTimer
+from ..checkpoint import CheckpointSaver, resolve_checkpoint
+from ..checkpoint.resume import resume_latest, unverified_note
+from ..checkpoint.retention import start_run
+from ..config import load_config
+from ..data import load_dataset
+from ..sizing.flops import training_flops_per_step
+from ..runtime.hang import flight_recorder, nccl_flight_env
+from ..runtime.launch import device_type, init_distributed, shutdown
+from ..observe.metrics import MetricsLogger
+from ..observe.peak import matmul_dtype, peak_flops
+from ..runtime.preempt import StopRequests
+from ..runtime.preflight import checkpoint_root
+from ..observe.profile_window import ProfileWindow
+from ..observe.step_timing import StepTimer
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
@@ -153,7 +153,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
 
 
 def _watch(cfg, rank: int):
-    """The watch over every collective: the flight recorder (pretrain.hang) and the step timing's waits."""
+    """The watch over every collective: the flight recorder (pretrain.runtime.hang) and the step timing's waits."""
     if cfg.log.flight_records:
         return flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
     return CommWatch(0) if cfg.log.timing else nullcontext()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from .errors import UsageError
-from .safe_files import write_atomic, write_via
+from ..errors import UsageError
+from ..runtime.safe_files import write_atomic, write_via
 
 MATPLOTLIB_MISSING = ("drawing needs matplotlib, which is not installed here: `uv sync` (the dev group has it), or "
                       "`uv pip install matplotlib` into this environment")

@@ -1,7 +1,7 @@
 """What a standalone rank and its launcher share: the environment variable naming the launcher, the
 rendezvous store's keys, and the two ways a run ends early (:class:`RankFailed`, :class:`Aborted`).
 
-Its own module so the launcher (``launch.py``, ``ranks.py``) and the ranks' side (``preempt.py``)
+Its own module so the launcher (``launch.py``, ``local_launcher.py``) and the ranks' side (``preempt.py``)
 read them from one place without importing each other.
 """
 

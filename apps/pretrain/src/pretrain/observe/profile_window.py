@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .safe_files import write_via
+from ..runtime.safe_files import write_via
 
 MEMORY_EVENTS = 100_000  # allocation events the CUDA history keeps
 # Kineto's notes on stderr at every start and stop, whatever KINETO_LOG_LEVEL says:

@@ -18,14 +18,14 @@ from par_zero import STRATEGIES as ZERO_STRATEGIES
 from par_zero import optimizer_classes
 from par_zero.newton_schulz import ADJUST_LR_FNS
 
-from .config_rules import _choice, _need, _positive, _seed, _timeout
-from .errors import UsageError
+from .rules import _choice, _need, _positive, _seed, _timeout
+from ..errors import UsageError
 
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
-RANK_ASSIGNMENTS = ("auto", "strict", "off")  # see pretrain.rank_assignment
+RANK_ASSIGNMENTS = ("auto", "strict", "off")  # see pretrain.runtime.rank_assignment
 OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
 
 
@@ -48,12 +48,12 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 0  # 0 = derived from train.global_batch / (dp * train.micro_batch)
     order: str = "tp-cp-ep-dp-pp"
-    # which process plays each grid position (pretrain.rank_assignment); was [parallel].placement
+    # which process plays each grid position (pretrain.runtime.rank_assignment); was [parallel].placement
     rank_assignment: str = "auto"  # auto: best order/permutation on the topology; strict: refuse slow tp/ep/a2a; off
     # Megatron's decoder_first/last_pipeline_num_layers: layers on pp rank 0 / pp-1 (0 = even split)
     first_stage_layers: int = 0
     last_stage_layers: int = 0
-    # Dynamic CP (Megatron's --hybrid-context-parallel, see pretrain.dynamic_cp): each document over
+    # Dynamic CP (Megatron's --hybrid-context-parallel, see pretrain.training.dynamic_cp): each document over
     # as many of the dp x cp ranks as its length needs, at most max_seq_per_rank tokens per rank.
     dynamic_cp: bool = False
     max_seq_per_rank: int = 0
@@ -206,7 +206,7 @@ class TrainConfig:
         _need(self.optimizer != "muon" or not self.optimizer_args,
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
-        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: config_checks.data_parallel_rules asks it
+        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
 
     @property
     def optimizer_class(self) -> str:
@@ -253,7 +253,7 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self) -> None:
-        from .data.blend import check_blend, check_held_out
+        from ..data.blend import check_blend, check_held_out
 
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
         _seed("[data].seed", self.seed)
@@ -323,8 +323,8 @@ class LogConfig:
     progress: bool = True
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
-    timing: bool = True  # where each step's time goes, every log line (pretrain.step_timing)
-    flight_records: int = 64  # each rank's last collectives kept for a hang's summary (pretrain.hang); 0 = off
+    timing: bool = True  # where each step's time goes, every log line (pretrain.observe.step_timing)
+    flight_records: int = 64  # each rank's last collectives kept for a hang's summary (pretrain.runtime.hang); 0 = off
     wandb: bool = False  # Weights & Biases on rank 0 (the optional `wandb` extra); run id = the run's id
     wandb_project: str = "pretrain"
     wandb_name: str = ""  # "" = W&B's own name

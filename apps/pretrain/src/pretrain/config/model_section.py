@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config_rules import MAX_SIZES, _at_most, _choice, _need, _positive
-from .model.rope_scaling import check_rope_scaling
+from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
+from ..model.rope_scaling import check_rope_scaling
 
 BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)

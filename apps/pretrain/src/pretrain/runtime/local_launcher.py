@@ -15,7 +15,7 @@ as SLURM and Kubernetes send it) is forwarded to every rank once, as SIGTERM; th
 the next step boundary and exit. Ranks that have not finished ``preempt_timeout_s`` later are
 killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. A
 handler of the caller's own (a test runner's) hears the signal once the ranks have stopped. Ranks ignore SIGINT and hold SIGTERM pending until the
-entry installs its handler (``pretrain.preempt``), so a signal during start-up is not lost.
+entry installs its handler (``pretrain.runtime.preempt``), so a signal during start-up is not lost.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from .errors import UsageError
+from ..errors import UsageError
 from .rank_env import LAUNCHER_ENV, Aborted, RankFailed, join_key
 
 MASTER_ADDR = "127.0.0.1"
@@ -106,7 +106,7 @@ class LocalRanks:
 
     def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None) -> None:
         self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
-        self.log_dir = log_dir  # where the ranks write flight records (pretrain.hang); None: no hang summary
+        self.log_dir = log_dir  # where the ranks write flight records (pretrain.runtime.hang); None: no hang summary
         self.stop_signal: int | None = None
         self.stop_at = self.started = 0.0
         self.procs: list = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def _need(ok: bool, message: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass

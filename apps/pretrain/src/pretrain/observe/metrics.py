@@ -7,8 +7,8 @@ object per step to ``<log.dir>/log.jsonl`` (``step``, ``loss``, ``lr``, ``grad_n
 terminal the display is a rich progress bar; otherwise (CI, pipes) a plain line every
 ``log.every`` steps. MFU = model FLOPs per step (``pretrain.sizing.flops``) / (step time x peak FLOP/s per
 device x devices); the peak is ``log.peak_tflops`` or looked up for known GPUs in the dtype the
-matmuls run in (``pretrain.peak``; none on the CPU). The step's time breakdown (``time_*_s``,
-``pp_bubble``, ``straggler_rank``: ``pretrain.step_timing``) comes in as extra keys; the console
+matmuls run in (``pretrain.observe.peak``; none on the CPU). The step's time breakdown (``time_*_s``,
+``pp_bubble``, ``straggler_rank``: ``pretrain.observe.step_timing``) comes in as extra keys; the console
 line shows it compactly. TensorBoard and W&B get every numeric key of a record.
 
 W&B (``wandb=`` the init arguments, ``[log] wandb = true``): one W&B run per our run id, so a
@@ -31,8 +31,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .errors import UsageError
-from .safe_files import replace_for_append
+from ..errors import UsageError
+from ..runtime.safe_files import replace_for_append
 from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MFU's denominator
 from .step_timing import format_timing
 

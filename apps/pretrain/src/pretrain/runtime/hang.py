@@ -24,8 +24,8 @@ from pathlib import Path
 from par_groups.flight import Hang, summarize
 from par_groups.watch import CommWatch
 
-from .errors import UsageError
-from .layout import MAX_WORLD
+from ..errors import UsageError
+from ..config.layout import MAX_WORLD
 
 FLIGHT_DIR = "flight"
 RECORD_WAIT_S = 3.0  # how long the launcher waits for the records of ranks it sent SIGUSR1

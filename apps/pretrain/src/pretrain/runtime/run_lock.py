@@ -26,7 +26,7 @@ import uuid
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 from .safe_files import create_new
 
 PID_FILE = "pretrain.pid"

@@ -22,7 +22,7 @@ import torch
 
 from par_moe import grouped_mm_available
 
-from .errors import UsageError
+from ..errors import UsageError
 
 INSTALL = {
     "flash_attn": "pip install flash-attn --no-build-isolation (CUDA only), or `uv sync --extra gpu`",

@@ -20,17 +20,17 @@ from par_groups import comm, create_groups
 from par_moe import DeclaredRouting
 from par_tp import vocab_parallel_cross_entropy
 
-from .data.prefetch import Prefetcher
-from .data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
+from ..data.prefetch import Prefetcher
+from ..data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
-from .kernels import fp8_regions, select_kernels
-from .errors import UsageError
-from .model.build import RankModel, build_rank_model
-from .model.mtp import mtp_streams
+from ..model.kernels import fp8_regions, select_kernels
+from ..errors import UsageError
+from ..model.build import RankModel, build_rank_model
+from ..model.mtp import mtp_streams
 from .schedule_lr import lr_at
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
-from .step_timing import NoTimer
+from ..observe.step_timing import NoTimer
 
 # the last micro-batch's figures of each replicating MoE layer (par_moe.replicate.balance_metrics)
 BALANCE_STATS = ("slots_max_over_mean_before", "slots_max_over_mean_after", "slots_per_rank", "replicated_experts",
@@ -66,11 +66,11 @@ class Trainer:
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
                  topology=None, shapes_only: ShapesOnly | None = None, timer=None) -> None:
-        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.rank_assignment).
+        """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.runtime.rank_assignment).
         ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`). ``timer``: where each step's
         time goes (a ``step_timing.StepTimer``; default none measured)."""
-        from .data import build_sampler
-        from .rank_assignment import assign_run_ranks
+        from ..data import build_sampler
+        from ..runtime.rank_assignment import assign_run_ranks
 
         simulated = shapes_only is not None
 
@@ -260,13 +260,13 @@ class Trainer:
     # ---- checkpoints and inference ---------------------------------------------------------
     def save_checkpoint(self, root, step: int, keep: int = 2):
         """Write ``root/step_<step>`` after ``step`` completed steps (every rank calls it)."""
-        from .checkpoint import save_checkpoint
+        from ..checkpoint import save_checkpoint
 
         return save_checkpoint(self, root, step, keep)
 
     def load_checkpoint(self, path, model_only: bool = False) -> int:
         """Load a checkpoint saved under any layout; returns the number of steps it had completed."""
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         return load_checkpoint(self, path, model_only)
 

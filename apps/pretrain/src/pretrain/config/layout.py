@@ -7,7 +7,7 @@ from functools import cached_property
 
 from par_groups import ParallelDims, RankGrid
 
-from .config_rules import _need
+from .rules import _need
 
 MAX_WORLD = 1 << 17  # 131072 ranks: above the largest clusters; beyond it building the rank grid alone takes minutes
 
@@ -19,7 +19,7 @@ class Layout(ParallelDims):
     :class:`RankGrid` (every group's ranks, in ``order``).
 
     The chain of a rank's position: this layout (what the user asked for) -> its grid (coordinates)
-    -> ``pretrain.rank_assignment`` (which process plays each grid position, possibly in another
+    -> ``pretrain.runtime.rank_assignment`` (which process plays each grid position, possibly in another
     order) -> ``par_groups.create_groups`` (the process groups). The planner's search sizes
     thousands of layouts and never builds their grids."""
 

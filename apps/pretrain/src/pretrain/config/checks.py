@@ -1,7 +1,7 @@
 """The rules that span config sections, one function per concern, each rule written once.
 
 ``Config.validate`` runs :data:`CROSS_SECTION_RULES` in order; a section's own rules live in its
-``__post_init__`` (``config_model``, ``config_sections``), and what depends on the number of ranks
+``__post_init__`` (``model_section``, ``sections``), and what depends on the number of ranks
 in ``Config.validate_world``. Every rule is one :class:`~pretrain.errors.UsageError` line naming
 the keys and what would be valid.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from par_zero import check_optimizer_choice
 
-from .config_rules import _divisors, _need
-from .errors import UsageError
+from .rules import _divisors, _need
+from ..errors import UsageError
 
 
 def moe_rules(cfg) -> None:

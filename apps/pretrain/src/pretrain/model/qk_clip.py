@@ -14,8 +14,10 @@ other layers: nothing to share) and every head with ``S_h > tau`` gets ``gamma_h
   rotary part): each head's logit falls by exactly its own gamma, and no other head's changes.
 
 The logits are computed again here, since the fused attention kernels never expose them: per
-layer and micro-batch one extra ``q k^T`` (a third of the attention forward's FLOPs; in query
-chunks of at most ``CHUNK`` logits), and under CP one all-gather of k over the cp group.
+layer and micro-batch one extra ``q k^T`` over the full square (2 S^2 B Hq D FLOPs: about 1/6 of the
+attention's forward and backward, counted without causal skipping; in query chunks of at most
+``CHUNK`` logits), and under CP one all-gather of k over the cp group (S B Hkv D elements).
+tools/bench/bench_muon.py measures the whole cost (``dp2-qkclip``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def head_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, q_index: torc
     k ``[Sk, B, Hkv, D]``; -inf where a head attends nothing."""
     sq, b, hq, d = q.shape
     hkv = k.shape[2]
-    q = q.detach().float().view(sq, b, hkv, hq // hkv, d)
+    q = q.detach().float().reshape(sq, b, hkv, hq // hkv, d)  # query head i reads key head i // group
     k = k.detach().float()
     rows = max(1, CHUNK // max(1, k.shape[0] * b * hq))
     out = torch.full((hkv, hq // hkv), -math.inf, device=q.device)
@@ -58,14 +60,18 @@ class HeadLogitMax:
     def __init__(self, attn, seq_len: int) -> None:
         self.attn, self.seq_len = attn, seq_len
         self.value: torch.Tensor | None = None  # [local query heads], on the device of q
+        self._q_index: torch.Tensor | None = None  # the global index of this rank's tokens
         self._k_index: torch.Tensor | None = None  # the global index of every gathered key (cp order)
 
+    @torch.compiler.disable  # eager under [train].compile: a running max held outside the graph
     def observe(self, q: torch.Tensor, k: torch.Tensor, docs) -> None:
         from par_cp import position_ids
 
         scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
         rank, cp = self.attn.cp_rank_and_size
-        q_index = position_ids(self.seq_len, rank, cp, layout=self.attn.layout).to(q.device)
+        if self._q_index is None or self._q_index.device != q.device:  # this shard's tokens: fixed
+            self._q_index = position_ids(self.seq_len, rank, cp, layout=self.attn.layout).to(q.device)
+        q_index = self._q_index
         if cp > 1:  # every key of the sequence: the ranks of the group hold the other shards
             group = self.attn.cp_group
             gathered = torch.empty((cp * k.shape[0], *k.shape[1:]), dtype=k.dtype, device=k.device)

@@ -2,7 +2,7 @@
 
 A head's max logit is over the whole batch and sequence: dp ranks hold other sequences, cp ranks
 other tokens (their keys too: an all-gather of k), so both share an all-reduce MAX; TP ranks hold
-other heads, their own W_q/W_k rows. ZeRO-3 scales the rows of its master ranges. tau = 0.05 sits
+other heads, their own W_q/W_k rows, pipeline stages their own layers. ZeRO-3 scales the rows of its master ranges. tau = 0.05 sits
 inside the tiny model's head maxes (0.01..0.14 over 20 steps), so most heads clip each
 step; the clip changes the run (checked against the single rank without it), so a max missing a
 rank's share, or a row on the wrong head, shows in the losses and grad norms.
@@ -24,6 +24,7 @@ LAYOUTS = {  # name: (world, the single rank's overrides, the layout's)
     "tp2-mha": (2, MHA, ["parallel.tp=2"]),
     "cp2": (2, MHA, ["parallel.cp=2"]),
     "cp2-a2a-packed": (2, "packed", ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
+    "pp2": (2, (), ["parallel.pp=2", "parallel.microbatches=4"]),
 }
 
 

@@ -38,7 +38,7 @@ def reshard_job(root):
     again = os.path.join(root, "again")
     t.save_checkpoint(again, out["start"])  # what dp4 ZeRO-3 holds after the load, in full
     for prefix in ("model/",) + STATE:
-        a, b = read_full_tensors(latest_checkpoint(root), prefix), read_full_tensors(latest_checkpoint(again), prefix)
+        a, b = (read_full_tensors(latest_checkpoint(r), prefix) for r in (root, again))
         out[prefix] = (sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a),
                        {k: float(v.abs().sum()) for k, v in a.items()})
     out["losses"] = [t.train_step(step).loss for step in range(out["start"], STEPS)]
@@ -50,7 +50,7 @@ def test_muon_save_tp2pp2_load_dp4_zero3_continues_like_the_uninterrupted_run(di
     ref = res["reference"]
     assert ref[-1] < ref[0] and res["start"] == SAVE_AT
     momentum = res["optim/momentum_buffer/"][1]  # |m| summed per param: Muon's matrices only
-    assert momentum["model.layers.3.self_attn.q_proj.weight"] > 0 and momentum["model.layers.0.mlp.down_proj.weight"] > 0
+    assert momentum["model.layers.3.self_attn.q_proj.weight"] > 0 < momentum["model.layers.0.mlp.down_proj.weight"]
     assert momentum["model.embed_tokens.weight"] == 0 == momentum["model.layers.0.input_layernorm.weight"]
     for prefix in ("model/",) + STATE:
         equal, mass = res[prefix]

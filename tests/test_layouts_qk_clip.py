@@ -2,10 +2,10 @@
 
 A head's max logit is over the whole batch and sequence: dp ranks hold other sequences, cp ranks
 other tokens (their keys too: an all-gather of k), so both share an all-reduce MAX; TP ranks hold
-other heads, their own W_q/W_k rows, pipeline stages their own layers. ZeRO-3 scales the rows of its master ranges. tau = 0.05 sits
-inside the tiny model's head maxes (0.01..0.14 over 20 steps), so most heads clip each
-step; the clip changes the run (checked against the single rank without it), so a max missing a
-rank's share, or a row on the wrong head, shows in the losses and grad norms.
+other heads, their own W_q/W_k rows, pipeline stages their own layers. ZeRO-3 scales the rows of
+its master ranges. tau = 0.05 sits inside the tiny model's head maxes (0.01..0.14 over 20 steps), so
+most heads clip each step; the clip changes the run (checked against the single rank without it),
+so a max missing a rank's share, or a row on the wrong head, shows in the losses and grad norms.
 """
 
 import pytest

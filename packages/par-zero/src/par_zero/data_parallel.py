@@ -191,7 +191,7 @@ class DataParallel:
     def step(self, after_update: Callable[[], None] | None = None) -> None:
         """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded).
         ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights)."""
-        if isinstance(self.optimizer, DistributedAdamW) and after_update is None:  # each bucket's gather overlaps the next one's update
+        if isinstance(self.optimizer, DistributedAdamW) and after_update is None:  # gathers overlap the next updates
             self.buffer.sync_params(self.optimizer.step)
         else:
             self.optimizer.step()

@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (config, nproc, overrides)
     "pp2-1f1b": (None, 2, ["parallel.pp=2"]),
     "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
     "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
+    "cp2-muon-qk_clip": (None, 2, ["parallel.cp=2", "train.optimizer=muon", "train.muon_qk_clip=0.05"]),
 }
 # MoE at ep2: the all-to-all's split sizes are read once per MoE layer per micro-batch (their
 # tensor sizes follow the routing); the static-shape dispatch reads none.

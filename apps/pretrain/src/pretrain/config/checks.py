@@ -126,6 +126,16 @@ def data_rules(cfg) -> None:
               f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
 
 
+def qk_clip_rules(cfg) -> None:
+    """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.train.muon_qk_clip > 0:
+        _need(m.attention == "gqa" and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
+              f"[train].muon_qk_clip runs with attention='gqa', qk_norm=false (its norms undo the rescale), "
+              f"backend='torch' and dynamic_cp=false (got attention={m.attention!r}, qk_norm={str(m.qk_norm).lower()}, "
+              f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
+
+
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
 CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules)
+                       data_parallel_rules, data_rules, qk_clip_rules)

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .bucket import Bucket, BucketGroups
+from .bucket import Bucket
+from .bucket_groups import BucketGroups
 from .checkpoint import gather_full_state, load_sharded_state_dict, owned_pieces, sharded_state_dict
 from .clipping import clip_grad_norm_
 from .config import DataParallelConfig, skip_decay

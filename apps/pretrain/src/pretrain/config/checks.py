@@ -1,8 +1,8 @@
 """The rules that span config sections, one function per concern, each rule written once.
 
 ``Config.validate`` runs :data:`CROSS_SECTION_RULES` in order; a section's own rules live in its
-``__post_init__`` (``model_section``, ``sections``), and what depends on the number of ranks
-in ``Config.validate_world``. Every rule is one :class:`~pretrain.errors.UsageError` line naming
+``__post_init__`` (``model_section``, ``parallel_section``, ``train_section``, ``sections``), and
+what depends on the number of ranks in ``Config.validate_world``. Every rule is one :class:`~pretrain.errors.UsageError` line naming
 the keys and what would be valid.
 """
 

@@ -5,9 +5,9 @@ default, so a file names only what differs. ``--set section.key=value`` override
 applied on top; the value is read as a TOML literal (``--set parallel.hcp=[2,2]``,
 ``--set train.lr=3e-4``) and taken as a plain string when it is not one (``--set log.dir=runs/a``).
 
-The schema is the sections (``model_section``, ``sections``), each validating itself in
-``__post_init__``; :class:`Config` checks each rule that spans sections once, and
-:meth:`Config.validate_world` what depends on the number of ranks, returning the resolved
+The schema is the sections (``model_section``, ``parallel_section``, ``train_section``, ``sections``),
+each validating itself in ``__post_init__``; :class:`Config` checks each rule that spans sections
+once, and :meth:`Config.validate_world` what depends on the number of ranks, returning the resolved
 :class:`~pretrain.config.layout.Layout`. This module adds the loading: TOML, overrides, type checks.
 Every problem is a :class:`~pretrain.errors.UsageError` naming the key.
 """
@@ -33,8 +33,9 @@ from par_groups import LayoutError, RankGrid
 from .checks import CROSS_SECTION_RULES
 from .model_section import ModelConfig
 from .rules import _need
-from .sections import (CheckpointConfig, DataConfig, LogConfig, ParallelConfig, ProfileConfig,
-                              TopologyConfig, TrainConfig)
+from .parallel_section import ParallelConfig
+from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
+from .train_section import TrainConfig
 from ..errors import UsageError
 from .layout import MAX_WORLD, Layout, micro_batching
 

@@ -21,7 +21,8 @@ def check_run(cfg, layout, force: bool = False) -> None:
     """Data, checkpoints to start from, the checkpoint directory's owner, then writable directories."""
     from ..checkpoint.retention import check_unclaimed, read_manifest
     from ..checkpoint.safe_metadata import read_metadata
-    from ..checkpoint.store import check_compatible, check_optimizer_matches, read_state, resolve_checkpoint
+    from ..checkpoint.compatible import check_compatible, check_optimizer_matches
+    from ..checkpoint.store import read_state, resolve_checkpoint
     from ..checkpoint.hf_data import check_data_matches_import
     from ..data import members, build_sampler, check_data_ids, load_dataset, load_eval
 

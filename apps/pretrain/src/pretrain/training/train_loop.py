@@ -1,3 +1,4 @@
+# Over 300 lines on purpose: the Trainer is the one step every layout shares; its parts read together.
 """One training run on an initialized process group: the loop every layout shares.
 
 Per optimizer step: this dp rank's micro-batches are split over CP (par-cp's zigzag layout), run
@@ -9,7 +10,7 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,7 @@ from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
 from ..model.qk_clip import clip_scales, reset_logit_max
 from .schedule_lr import lr_at
+from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
 from ..observe.step_timing import NoTimer
@@ -36,20 +38,6 @@ from ..observe.step_timing import NoTimer
 # the last micro-batch's figures of each replicating MoE layer (par_moe.replicate.balance_metrics)
 BALANCE_STATS = ("slots_max_over_mean_before", "slots_max_over_mean_after", "slots_per_rank", "replicated_experts",
                  "replica_fetch_bytes")
-
-
-@dataclass(frozen=True)
-class MicroBatches:
-    """One step's micro-batches on this rank, as the forward and the loss take them."""
-
-    inputs: list[torch.Tensor]  # token shards [S/cp, micro_batch] (dynamic CP: [T, 1])
-    labels: list[torch.Tensor]  # alike; with MTP [..., 1 + depth] token streams
-    docs: list = field(default_factory=list)  # packed data: each micro-batch's Documents; else empty
-    loss_tokens: torch.Tensor | float | None = None  # eod_mask_loss / dynamic CP: kept predictions per (rank, micro-batch)
-    cp_imbalance: float | None = None  # dynamic CP: this batch's attention-work imbalance
-
-
-NO_DOCUMENTS = MicroBatches([], [])  # whole sequences (logits, a pipeline's default callbacks)
 
 
 @dataclass(frozen=True)

@@ -100,3 +100,29 @@ def test_fake_cuda_tensors_through_the_comm_layer_are_timed_by_events():
     assert events.synchronized == 1
     assert parts[:4] == pytest.approx([mine[f"time_{p}_s"] for p in ("data", "fwd_bwd", "optimizer", "exposed_comm")],
                                       abs=1e-12, rel=0)
+
+
+def test_the_pipeline_bubble_on_cuda_is_the_schedules_point_to_point_waits_over_its_span():
+    """Events per step: start 1, data 2 (the schedule's start), a send/recv batch's two works 3-4 and
+    5-6, an all-reduce inside a chunk 7-8 (compute to the schedule), the schedule's end 9, 10, 11."""
+    events = FakeEvents()
+    with fake_world(0, 2), FakeTensorMode(), CommWatch(0) as watch, host_reads_counted() as count:
+        timer = StepTimer(watch, torch.device("cuda"), clock=CudaEventClock(events))
+        for _ in range(STEPS):
+            timer.start()
+            timer.lap("data")
+            x = torch.ones(4, device="cuda")
+            ops = [dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, torch.empty(4, device="cuda"), 1)]
+            for work in comm.batch_isend_irecv(ops):
+                work.wait()
+            comm.all_reduce(x, None)
+            timer.pipeline([], 0.0)
+            timer.lap("fwd_bwd")
+            timer.lap("optimizer")
+            timer.finish()
+        assert (count[0], events.reads) == (0, 0)
+        parts = timer.local()
+    b = (STEPS - 1) * 11
+    p2p = ms_between(1.0, [(b + 3, b + 4), (b + 5, b + 6)])
+    assert parts[3] == pytest.approx((p2p + ms_between(1.0, [(b + 7, b + 8)])) / 1e3, abs=1e-12, rel=0)
+    assert parts[4] == pytest.approx(p2p / ms_between(1.0, [(b + 2, b + 9)]), abs=1e-12, rel=0)

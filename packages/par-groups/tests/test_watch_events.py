@@ -29,7 +29,8 @@ def test_cuda_calls_are_event_pairs_around_the_wait_and_nothing_is_read():
         pairs = watch.take_events()
         host_wait = watch.take_wait()
     assert launched == 2, "an asynchronous call's events are recorded at its wait(), not at its launch"
-    assert [(a.index, b.index) for a, b in pairs] == [(2 * i + 1, 2 * i + 2) for i in range(6)]
+    assert [(a.index, b.index) for _, a, b in pairs] == [(2 * i + 1, 2 * i + 2) for i in range(6)]
+    assert [op for op, _, _ in pairs] == ["all_reduce", "all_gather", "send", "send", "reduce_scatter", "all_to_all"]
     assert events.reads == 0 and host_wait == 0.0
     assert watch.take_events() == []  # taken: the next step starts empty
 

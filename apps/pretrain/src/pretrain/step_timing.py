@@ -13,8 +13,9 @@ CUDA tensors the watch records an event pair on the compute stream around each c
 an asynchronous one's ``wait()``), kept unread in a per-step list, and this timer sums their
 elapsed times at log steps, after one ``event.synchronize()`` of the step's last mark: the time the
 compute stream stood in collectives (NCCL runs a blocking collective on its own stream and makes
-the compute stream wait for it). Calls on CPU tensors (gloo) are host-timed. The bubble is host
-timestamps on every device.
+the compute stream wait for it). Calls on CPU tensors (gloo) are host-timed. The bubble on the CPU
+is host timestamps of the schedule's actions; on CUDA it is the share of the schedule's time on the
+stream (events at its start and end) that the stream stood in its sends' and receives' waits.
 
 Across ranks (one small all-gather over all ranks, at log steps only): ``time_busy_s`` is a rank's
 step less its exposed communication; its median over ranks, its maximum and that rank
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from par_groups import comm
+from par_groups.watch import P2P
 
 PHASES = ("data", "fwd_bwd", "optimizer")
 
@@ -79,7 +81,7 @@ class StepTimer:
         watch.device_events = getattr(self.clock, "event_class", None)  # the watch's calls on CUDA tensors
         self.marks: list = []
         self.bubble = 0.0
-        self.last: tuple | None = None  # the last finished step: (marks, host wait, comm event pairs, bubble)
+        self.last: tuple | None = None  # the last finished step: (marks, host wait, comm events, bubble)
 
     def start(self) -> None:
         self.bubble = 0.0
@@ -92,6 +94,9 @@ class StepTimer:
 
     def pipeline(self, records, seconds: float) -> None:
         """The schedule ran ``seconds``; ``records`` are its actions (start once the inputs arrived)."""
+        if self.device.type == "cuda":  # read at log steps: from the data mark (the schedule's start) to now
+            self.bubble = (self.marks[-1], self.clock.mark())
+            return
         busy = sum(r.end - r.start for r in records)
         self.bubble = max(0.0, 1.0 - busy / seconds) if seconds > 0 else 0.0
 
@@ -105,7 +110,11 @@ class StepTimer:
         marks, wait, events, bubble = self.last
         self.clock.settle(marks[-1])  # the one wait for the device, at log steps only
         times = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
-        wait += sum(self.clock.seconds(a, b) for a, b in events)
+        wait += sum(self.clock.seconds(a, b) for _, a, b in events)
+        if isinstance(bubble, tuple):  # CUDA: the schedule's waits in sends and receives over its span
+            span = self.clock.seconds(*bubble)
+            p2p = sum(self.clock.seconds(a, b) for op, a, b in events if op in P2P)
+            bubble = min(1.0, p2p / span) if span > 0 else 0.0
         return times + [0.0] * (len(PHASES) - len(times)) + [wait, bubble]
 
     def gathered(self) -> dict:

@@ -88,7 +88,7 @@ class _TimedWork:
             watch.failed(entry, e)
             raise
         self._done = True
-        watch.waited(t0, first)
+        watch.waited(t0, first, entry.op)
         entry.pending -= 1
         if entry.pending <= 0:
             entry.end = time.time()
@@ -111,7 +111,7 @@ class CommWatch:
         self.dump_path = None if dump_path is None else Path(dump_path)
         self.wait_s = 0.0  # total wait since the last take_wait()
         self.device_events = None  # an event class (torch.cuda.Event): CUDA calls are timed on the stream
-        self.events: list[tuple] = []  # (start, end) event pairs since the last take_events()
+        self.events: list[tuple] = []  # (op, start event, end event) since the last take_events()
         self.ranges = False
         self._seq: dict[str, int] = {}
         self._groups: dict[str, tuple[str, tuple[int, ...]]] = {}  # torch group name -> (label, ranks)
@@ -135,7 +135,7 @@ class CommWatch:
         return out
 
     def take_events(self) -> list[tuple]:
-        """The (start, end) event pairs of the CUDA calls since the last take (none read here), and restart."""
+        """``(op, start, end)`` of each CUDA call's event pair since the last take (none read here), and restart."""
         out, self.events = self.events, []
         return out
 
@@ -148,12 +148,12 @@ class CommWatch:
         event.record()
         return event
 
-    def waited(self, t0: float, first) -> None:
+    def waited(self, t0: float, first, op: str) -> None:
         """A call's wait is over: an event pair kept (nothing read) after :meth:`stamp`'s event, else host time."""
         if first is None:
             self.wait_s += time.perf_counter() - t0
         else:
-            self.events.append((first, self.stamp(True)))
+            self.events.append((op, first, self.stamp(True)))
 
     # ---- called by par_groups.comm --------------------------------------------------------
     def _group(self, group) -> tuple[str, str, tuple[int, ...]]:
@@ -210,7 +210,7 @@ class CommWatch:
                 entry.pending = len(out)
                 return [_TimedWork(w, self, entry, cuda) for w in out]
             return _TimedWork(out, self, entry, cuda)
-        self.waited(t0, first)
+        self.waited(t0, first, entry.op)
         entry.end = time.time()
         return out
 

@@ -12,8 +12,11 @@ times, read at log steps only); on the CPU, host timestamps. So is the exposed c
 CUDA tensors the watch records an event pair on the compute stream around each collective (around
 an asynchronous one's ``wait()``), kept unread in a per-step list, and this timer sums their
 elapsed times at log steps, after one ``event.synchronize()`` of the step's last mark: the time the
-compute stream stood in collectives (NCCL runs a blocking collective on its own stream and makes
-the compute stream wait for it). Calls on CPU tensors (gloo) are host-timed. The bubble on the CPU
+compute stream stood in collectives (a blocking NCCL collective runs on the compute stream, or on
+NCCL's side stream that the compute stream waits for: the pair brackets it either way; an
+asynchronous one counts only from its ``wait()``, where the compute stream starts waiting for the
+side stream, so the part that overlapped compute is not exposed). Calls on CPU tensors (gloo) are
+host-timed. The bubble on the CPU
 is host timestamps of the schedule's actions; on CUDA it is the share of the schedule's time on the
 stream (events at its start and end) that the stream stood in its sends' and receives' waits.
 

@@ -8,9 +8,10 @@ call through :mod:`par_groups.comm` is
   for a collective or a receive, not the time the transfer took in the background
   (:meth:`CommWatch.take_wait`). A call on CUDA tensors while ``device_events`` is set (the step
   timer sets it) is timed on the device instead: a pair of CUDA events recorded on the current
-  (compute) stream around the call, or around an asynchronous call's ``wait()`` (where NCCL makes
-  that stream wait for its side stream), their elapsed time read at log steps only
-  (:meth:`CommWatch.take_events`): the time the compute stream stood in the collective. On CUDA
+  (compute) stream around the call (a blocking NCCL call runs on that stream or makes it wait for
+  NCCL's), or around an asynchronous call's ``wait()`` (where NCCL makes that stream wait for its
+  side stream), kept unread (:meth:`CommWatch.take_events`; the step timer reads them at log
+  steps): the time the compute stream stood in the collective. On CUDA
   the host returns from a NCCL launch at once, so a host clock there would time the launch;
 * recorded into a ring of the last ``capacity`` entries: op, group (name and global ranks), the
   group's sequence number of the call on this rank, bytes, peer (point-to-point), times. Ranks

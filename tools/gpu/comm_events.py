@@ -41,9 +41,9 @@ def main() -> int:
 
     from pretrain.config import load_config
     from pretrain.data import load_dataset
-    from pretrain.launch import init_distributed, shutdown
-    from pretrain.step_timing import StepTimer
-    from pretrain.train_loop import Trainer
+    from pretrain.runtime.launch import init_distributed, shutdown
+    from pretrain.observe.step_timing import StepTimer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(None, TINY + [f"train.steps={args.steps}", "train.warmup_steps=1", "train.eval_every=0",
                                     "log.progress=false", "train.nproc=1", f"train.device={args.device}"])

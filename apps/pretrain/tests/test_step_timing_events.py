@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from par_groups import comm, fake_world
 from par_groups.testing.fake_events import FakeEvents
 from par_groups.watch import CommWatch
-from pretrain.step_timing import CudaEventClock, StepTimer
+from pretrain.observe.step_timing import CudaEventClock, StepTimer
 
 from host_reads import host_reads_counted
 

@@ -2,7 +2,7 @@
 promptly with pytest's summary, wherever it is. pytest itself handles only SIGINT; here both raise
 KeyboardInterrupt and mark the session to stop after the current test, so code under test that
 catches the interrupt (a CLI invoked in-process) cannot keep the run going. A test that launches
-ranks in-process hands the signal back here once its ranks stop (``pretrain.ranks``). A process
+ranks in-process hands the signal back here once its ranks stop (``pretrain.runtime.local_launcher``). A process
 forked from pytest (a multiprocessing pool of a command under test) gets the default action back:
 it dies as it would outside the suite."""
 

@@ -17,7 +17,7 @@ COMMON = (f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", 
 def train_steps(config: str | None, overrides) -> tuple[list[float], list[float]]:
     """(loss, grad norm) of every step; runs on every rank of a process group."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(config, list(COMMON) + list(overrides))
     trainer = Trainer(cfg)
@@ -117,7 +117,7 @@ def assert_same(results, reference, tolerance: float, name: str, noise=None) -> 
 def one_rank_first_batch(cfg):
     """A one-rank Trainer, its chunk, a dict that its parameters' gradients land in (by chunk name,
     read before the DP wrapper moves them into buckets), and step 0's MicroBatches."""
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(cfg)
     chunk = trainer.model.chunks[0]

@@ -114,7 +114,7 @@ def reference_steps(config: str | None, overrides, root: str, skew: bool = False
     """The single rank's STEPS steps, saving ``root/step_s`` before step s; per step (loss, grad norm,
     per-layer loads, smallest top-k margin). ``skew``: :func:`skew_routing` first (the checkpoints carry it)."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
     name_moe_layers(trainer)
@@ -168,7 +168,7 @@ def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0,
     """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s. ``balance``: each
     step's MoE statistics too (the trainer's logged figures, and a re-placement's experts moved), as a fourth element."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
     name_moe_layers(trainer)

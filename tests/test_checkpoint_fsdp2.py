@@ -11,7 +11,7 @@ def job(root):
     from pretrain.checkpoint import latest_checkpoint
     from pretrain.checkpoint.store import read_full_tensors
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     def trainer(layout):
         return Trainer(load_config(None, COMMON + layout))

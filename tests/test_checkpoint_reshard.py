@@ -16,7 +16,7 @@ LAYOUTS = {
 
 def _trainer(layout):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     return Trainer(load_config(None, COMMON + LAYOUTS[layout]))
 

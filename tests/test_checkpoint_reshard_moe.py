@@ -16,7 +16,7 @@ LOADED = {
 
 def _trainer(overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     return Trainer(load_config("tiny-moe", COMMON + overrides))
 

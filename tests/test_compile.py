@@ -23,7 +23,7 @@ COMPILE = "train.compile=true"
 
 def compiled_train_steps(config, overrides, steps_fn=train_steps, *args):
     """``steps_fn`` (:func:`layout_runs.train_steps`) with ``[train].compile`` on, under the watch a
-    run has by default (flight records and timing: ``pretrain.run``), and dynamo's counters over the
+    run has by default (flight records and timing: ``pretrain.training.run``), and dynamo's counters over the
     run: graph breaks and graphs compiled; and the watch's compiled-region entries."""
     import torch._dynamo
     from torch._dynamo.utils import counters

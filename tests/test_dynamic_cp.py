@@ -21,7 +21,7 @@ TOLERANCE = 1e-6
 def steps_with_plan(path, overrides):
     """(losses, grad norms) of every step and the last step's attention-work imbalance (dynamic CP)."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     from layout_runs import COMMON
 
@@ -56,7 +56,7 @@ def skewed_plan():
     import torch
 
     from pretrain.data.sampler import Batch
-    from pretrain.dynamic_cp import SpanGroups, plan_step
+    from pretrain.training.dynamic_cp import SpanGroups, plan_step
 
     segments = torch.cat([torch.zeros(1, 33, dtype=torch.int32),
                           torch.arange(33, dtype=torch.int32).div(4, rounding_mode="floor").expand(7, 33)])

@@ -46,7 +46,7 @@ def train_job(hf_dir, overrides, tokens):
     """The trainer from the imported weights: logits of ``tokens``, then (losses, grad norms), the
     global batches it trained on and its dp size."""
     from pretrain.checkpoint.hf import read_hf
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     m, state = read_hf(hf_dir)
     trainer = Trainer(config_for(m, overrides), full_state=state)
@@ -70,7 +70,7 @@ def train_transformers(family, batches, dp, dtype=torch.float32):
     clip_grad_norm_: (losses, grad norms). ``dtype=torch.float64``: the same math with far less
     rounding, against which the fp32 run's own rounding noise is measured."""
     from pretrain.config import load_config
-    from pretrain.schedule_lr import lr_at
+    from pretrain.training.schedule_lr import lr_at
 
     t = load_config(None, COMMON).train
     model = tiny_model(family).to(dtype).train()

@@ -23,7 +23,7 @@ RTOL = 1e-6
 
 def train_losses(config, overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, COMMON + list(overrides)))
     results = [trainer.train_step(step) for step in range(STEPS)]
@@ -77,7 +77,7 @@ def test_mla_mtp_layout_matches_single_rank(dist_run, name):
 def mtp_pp_job(overrides):
     """Losses and grad norms of the run, and whether the embedding's two copies stayed bitwise equal."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(None, COMMON + list(overrides)))
     results = [trainer.train_step(step) for step in range(STEPS)]
@@ -103,7 +103,7 @@ def mtp_checkpoint_job(root, model):
     from pretrain.checkpoint import latest_checkpoint
     from pretrain.checkpoint.store import read_full_tensors
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     def trainer(layout):
         return Trainer(load_config(None, COMMON + MLA + model + layout))

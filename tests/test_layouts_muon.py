@@ -44,7 +44,7 @@ MOE = ("train.optimizer=muon", "train.muon_ns_dtype=fp32", "model.layers=2", "mo
 
 def _trainer(overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     return Trainer(load_config("tiny-moe", list(MOE) + list(overrides)))
 

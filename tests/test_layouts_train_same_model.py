@@ -247,7 +247,7 @@ PLACED = {  # name: (nodes of ranks 0..3, layout, what the placement must change
 
 def placed_train_steps(overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(None, list(COMMON) + list(overrides)))
     results = [trainer.train_step(step) for step in range(STEPS)]

@@ -10,7 +10,7 @@ OVERRIDES = ["train.steps=2", "train.warmup_steps=1", "train.eval_every=0", "log
 def logged_and_recorded_imbalance():
     from par_moe import MoELayer
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config("tiny-moe", OVERRIDES))
     counts: dict = {}  # layer -> [routed pairs per expert of each training forward]

@@ -59,7 +59,7 @@ def packed_run(path, overrides):
 
 def trainer_run(path, overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(None, [*COMMON, f"data.path={path}", *PACKED, *overrides]))
     return [(r.loss, r.grad_norm) for r in (trainer.train_step(step) for step in range(2))]

@@ -52,7 +52,7 @@ WORLD = {"cp4-a2a+p2p-hcp2x2": 4, "cp2-dp2-a2a": 4, "tp2-pp2-1f1b-no-sp-fp8-dela
 def train(config, overrides, backend: str):
     """(losses, grad norms, trainer) of STEPS steps with this backend; runs on every rank."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, COMMON + list(overrides) + [f"model.backend={backend}"]))
     results = [trainer.train_step(step) for step in range(STEPS)]

@@ -41,7 +41,7 @@ def train_imported(overrides):
     """The trainer, started from the imported HF weights: (losses, grad norms) and the global batches."""
     from pretrain.checkpoint.hf import model_config_from_hf
     from pretrain.config import Config, apply_overrides, config_from_dict
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     hf = tiny_llama()
     imported = Config(model=model_config_from_hf(hf.config.to_dict())).to_dict()["model"]

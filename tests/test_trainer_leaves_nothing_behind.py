@@ -19,7 +19,7 @@ def one_step_then_threads(overrides):
     import os
 
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     threads = len(os.listdir("/proc/self/task"))
     Trainer(load_config(None, list(COMMON) + ["model.layers=2"] + list(overrides))).train_step(0)

@@ -85,7 +85,7 @@ def trainer_and_plain_pytorch(config, overrides, plain_loss=mean_of_microbatches
     """[(loss, grad norm)] per step of the trainer and of plain PyTorch; ``plain64``: and, where a step
     differs by more than TOLERANCE, plain PyTorch again in fp64 (None where none does)."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(config, COMMON + list(overrides))
     trainer = Trainer(cfg)
@@ -186,11 +186,11 @@ def test_trainer_equals_plain_pytorch(dist_run, name):
 
 
 def test_lr_schedule_is_torchs_warmup_then_cosine():
-    """Every step's LR of `pretrain.schedule_lr.lr_at` against torch's schedulers (above), and past
+    """Every step's LR of `pretrain.training.schedule_lr.lr_at` against torch's schedulers (above), and past
     ``steps`` it stays at min_lr."""
     from types import SimpleNamespace
 
-    from pretrain.schedule_lr import lr_at
+    from pretrain.training.schedule_lr import lr_at
 
     t = SimpleNamespace(lr=3e-3, min_lr=3e-4, warmup_steps=5, steps=30)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.lr)

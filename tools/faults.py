@@ -52,8 +52,8 @@ class Row:
 
 
 def _prelude(phase: str, rank: int, step: int) -> str:
-    return (f"import sys, functools; sys.path.insert(0, {str(FAULTS)!r}); import fault_points, pretrain.run; "
-            f"pretrain.run.run_rank = functools.partial(fault_points.fault_at, {phase!r}, {rank}, {step})")
+    return (f"import sys, functools; sys.path.insert(0, {str(FAULTS)!r}); import fault_points, pretrain.training.run; "
+            f"pretrain.training.run.run_rank = functools.partial(fault_points.fault_at, {phase!r}, {rank}, {step})")
 
 
 def _run(row: Row, log: Path, *overrides: str, prelude: str = "", hurt=None) -> Row:
@@ -123,8 +123,8 @@ class Cases:
     def signal(self, name: str, signum: int, twice: bool, code: int) -> Row:
         row = Row(f"{name} to the run's process group" + (" twice" if twice else ""), expect={"code": code})
         log = self.work / name.lower()
-        slow = (f"import sys, functools; sys.path.insert(0, {str(FAULTS)!r}); import fault_points, pretrain.run; "
-                "pretrain.run.run_rank = functools.partial(fault_points.slow_steps, 1.0)")  # 1 s more per step
+        slow = (f"import sys, functools; sys.path.insert(0, {str(FAULTS)!r}); import fault_points, pretrain.training.run; "
+                "pretrain.training.run.run_rank = functools.partial(fault_points.slow_steps, 1.0)")  # 1 s more per step
         _run(row, log, prelude=slow, hurt=_signal_group(log, signum, twice))
         return _resume(row, log, self.reference)
 

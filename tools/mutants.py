@@ -43,13 +43,13 @@ class Mutant:
 
 
 MUTANTS = [
-    Mutant("lr-warmup", "apps/pretrain/src/pretrain/schedule_lr.py",
+    Mutant("lr-warmup", "apps/pretrain/src/pretrain/training/schedule_lr.py",
            "return lr * (step + 1) / warmup_steps", "return lr * step / warmup_steps",
            ("tests/test_trainer_matches_plain_pytorch.py::test_lr_schedule_is_torchs_warmup_then_cosine",)),
-    Mutant("lr-cosine", "apps/pretrain/src/pretrain/schedule_lr.py",
+    Mutant("lr-cosine", "apps/pretrain/src/pretrain/training/schedule_lr.py",
            "progress = min(1.0, (step - warmup_steps) / span)", "progress = min(1.0, (step - warmup_steps + 1) / span)",
            (f"{PLAIN}[dense]",)),
-    Mutant("accumulation", "apps/pretrain/src/pretrain/runners.py",
+    Mutant("accumulation", "apps/pretrain/src/pretrain/training/runners.py",
            "(loss / n).backward()", "(loss / max(1, n - 1)).backward()", (f"{PLAIN}[dense]",)),
     Mutant("clip", "packages/par-zero/src/par_zero/adamw.py",
            "return (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)",
@@ -109,7 +109,7 @@ MUTANTS = [
            "indices = select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]",
            "indices = select.topk(c.top_k, dim=-1).indices",
            ("packages/par-moe/tests/test_dispatch_and_balance.py::test_tied_scores_go_to_the_lower_expert_index",)),
-    Mutant("cp-balance", "apps/pretrain/src/pretrain/dynamic_cp.py",
+    Mutant("cp-balance", "apps/pretrain/src/pretrain/training/dynamic_cp.py",
            'max_seq_per_rank, width, balance="compute")', 'max_seq_per_rank, width, balance="tokens")',
            ("tests/test_dynamic_cp.py::test_dynamic_cp_balances_attention_work_not_tokens",)),
     Mutant("zero1-restore", "packages/par-zero/src/par_zero/bucket.py",

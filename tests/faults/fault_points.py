@@ -1,7 +1,7 @@
 """Rank entries that hurt one rank at one phase of one step; patched into the rank processes only.
 
 ``tools/faults.py`` (and the fault tests) put ``functools.partial(fault_at, phase, rank, step)`` in
-place of ``pretrain.run.run_rank`` in the launcher; the launcher sends it to each rank by reference
+place of ``pretrain.training.run.run_rank`` in the launcher; the launcher sends it to each rank by reference
 (this folder is on the launcher's ``sys.path``, which the forkserver's children inherit).
 """
 
@@ -22,8 +22,8 @@ def fault_at(phase: str, rank: int, step: int, *run_args) -> dict:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from pretrain.checkpoint import store
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     now = {"step": 0}
 
@@ -66,8 +66,8 @@ def slow_steps(seconds: float, *run_args) -> dict:
     """``run_rank(*run_args)`` with every step ``seconds`` longer (same math): time for a signal to land mid-run."""
     import time
 
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     train_step = Trainer.train_step
     Trainer.train_step = lambda self, s: (time.sleep(seconds), train_step(self, s))[1]

@@ -20,7 +20,7 @@ def train_and_save(root: str) -> list[float]:
     """4 steps at every rank; step_2 saved in the background, step_4 synchronously. The 4 losses."""
     from pretrain.checkpoint import CheckpointSaver
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer, background = Trainer(load_config(None, CONFIG)), CheckpointSaver(True)
     losses = []
@@ -40,7 +40,7 @@ def resume_and_train(root: str, fallback: bool, extra: tuple = ()) -> dict:
     from pretrain.checkpoint.resume import resume_latest
     from pretrain.config import load_config
     from pretrain.errors import UsageError
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer, hashed, new_hash = Trainer(load_config(None, CONFIG + list(extra))), [], integrity.new_hash
     integrity.new_hash = lambda file: hashed.append(str(file.relative_to(root))) or new_hash(file)

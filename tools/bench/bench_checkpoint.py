@@ -65,7 +65,7 @@ def legacy():
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from pretrain.checkpoint import background, integrity, retention, store
+    from pretrain.checkpoint import background, checked_reader, integrity, retention, store
     from pretrain.checkpoint.safe_metadata import SafeReader
 
     class PlainWriter(FileSystemWriter):  # DCP's writer: nothing hashed while writing
@@ -89,7 +89,7 @@ def legacy():
             stack.enter_context(mock.patch.object(module, "HashingWriter", PlainWriter))
             stack.enter_context(mock.patch.object(module, "rank_entries", reread))
             stack.enter_context(mock.patch.object(module, "prune_in_background", retention.prune))  # inline
-        stack.enter_context(mock.patch.object(integrity.CheckedReader, "read_data", read_twice))
+        stack.enter_context(mock.patch.object(checked_reader.CheckedReader, "read_data", read_twice))
         stack.enter_context(mock.patch.object(background.Staging, "stage", fresh_copies))
         yield
 
@@ -130,7 +130,7 @@ def main() -> None:
 
     from pretrain.checkpoint import CheckpointSaver
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     cfg = load_config(None, [f"model.hidden={args.hidden}", f"model.layers={args.layers}", "model.heads=16",

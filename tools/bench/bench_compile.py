@@ -62,7 +62,7 @@ def measure(args: dict) -> str:
     from par_groups.watch import CommWatch
 
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     torch.set_num_threads(args["threads"])
     steps = (args["warmup"] + args["repeats"]) * args["steps"]

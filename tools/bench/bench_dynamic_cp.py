@@ -60,7 +60,7 @@ def job(path: str, seq: int, layers: int, repeats: int):
     import torch.distributed as dist
 
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     common = [f"data.path={path}", "data.document_mask=true", "data.reset_position_ids=true",
               "data.eod_mask_loss=true", f"train.seq_len={seq}", "train.global_batch=4", f"model.layers={layers}",

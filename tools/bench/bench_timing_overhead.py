@@ -60,9 +60,9 @@ def rank(args) -> dict | None:
 
     from par_groups.watch import CommWatch
     from pretrain.config import load_config
-    from pretrain.launch import init_distributed, shutdown
-    from pretrain.step_timing import NoTimer, StepTimer
-    from pretrain.train_loop import Trainer
+    from pretrain.runtime.launch import init_distributed, shutdown
+    from pretrain.observe.step_timing import NoTimer, StepTimer
+    from pretrain.training.train_loop import Trainer
 
     modes = MODES + (ABLATIONS if args.ablate else ())
     cfg = load_config(None, [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "train.warmup_steps=1",
@@ -199,7 +199,7 @@ def main() -> None:
     p.add_argument("--cprofile-top", type=int, default=25)
     args = p.parse_args()
     print_commit()
-    from pretrain.launch import launch
+    from pretrain.runtime.launch import launch
 
     before = os.getloadavg()
     rows, use = launch(rank, (args,), nproc=args.tp * args.pp, device="cpu")[0]

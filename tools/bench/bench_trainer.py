@@ -22,7 +22,7 @@ before then flatter us. Three changes make it run on the CPU:
 ``ScaledDotProductAttention`` (causal: its language-model backends flex and varlen have no CPU
 backward and ``attn_backend="sdpa"`` is refused, so the flavor is built with flex and swapped);
 ``set_force_sum_reduction_for_comms(True)`` on its FSDP modules (its divide factor of 1 is a
-PREMUL_SUM, which gloo lacks; a plain SUM is the same sum). Ours: ``pretrain.train_loop.Trainer``'s
+PREMUL_SUM, which gloo lacks; a plain SUM is the same sum). Ours: ``pretrain.training.train_loop.Trainer``'s
 ``train_step`` with the same shape, at its fastest on the CPU: ``train.fused_adamw=on`` (torch's
 fused AdamW kernel on its flat shards instead of the explicit ops that match ``foreach=False``
 bitwise, ~4x faster on a 3.3 M-element shard), no step timing (the Trainer is built without a
@@ -69,7 +69,7 @@ WORLD = 2
 
 def our_trainer(args, layout: str, steps: int):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(None, [
         f"model.hidden={args.hidden}", f"model.layers={args.layers}", f"model.heads={args.heads}",
@@ -233,7 +233,7 @@ def rank(args):
     import torch
     import torch.distributed as dist
 
-    from pretrain.launch import init_distributed, shutdown
+    from pretrain.runtime.launch import init_distributed, shutdown
 
     me, _, _, _ = init_distributed(600, "cpu")
     torch.set_num_threads(args.threads)
@@ -306,7 +306,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = p.parse_args()
     print_commit()
-    from pretrain.launch import launch
+    from pretrain.runtime.launch import launch
 
     before = os.getloadavg()
     results = launch(rank, (args,), nproc=WORLD, device="cpu")[0]

@@ -6,8 +6,8 @@ import torch
 
 
 def describe() -> list[str]:
-    from pretrain.kernels import optional_module
-    from pretrain.peak import gpu_name, lookup_peak_tflops
+    from pretrain.model.kernels import optional_module
+    from pretrain.observe.peak import gpu_name, lookup_peak_tflops
 
     lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda})"]
     if torch.cuda.is_available():

@@ -78,7 +78,7 @@ def counted_syncs(device: torch.device):
 
 def run_par(cfg, device, warmup: int):
     from pretrain.data import load_dataset
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(cfg, dataset=load_dataset(cfg.data, cfg.model.vocab_size), device=device)
     print(f"par: kernels {trainer.kernels.describe()}", flush=True)
@@ -147,7 +147,7 @@ def run_baseline(cfg, sampler, device, bf16: bool, compile_model: bool, warmup: 
     from plain_llama import PlainLlama
 
     from pretrain.model.initial_state import init_full_state
-    from pretrain.schedule_lr import lr_at
+    from pretrain.training.schedule_lr import lr_at
 
     t = cfg.train
     with torch.device("meta"):  # no init of nn's own on the host (~1.2B values): the weights are par's initial ones
@@ -202,8 +202,8 @@ def main() -> int:
 
     from pretrain.config import load_config
     from pretrain.sizing.flops import training_flops_per_step
-    from pretrain.launch import init_distributed, shutdown
-    from pretrain.peak import matmul_dtype, peak_flops
+    from pretrain.runtime.launch import init_distributed, shutdown
+    from pretrain.observe.peak import matmul_dtype, peak_flops
 
     warmup_steps = max(1, min(5, args.steps // 10))
     common = (TINY if args.tiny else LLAMA_1B) + [f"train.steps={args.steps}", f"train.warmup_steps={warmup_steps}",

@@ -30,7 +30,7 @@ def _patches(bug: str):
     if bug == "mtp_target_shifted":  # MTP predicts one token too far
         import torch.nn.functional as F
 
-        import pretrain.train_loop as tl
+        import pretrain.training.train_loop as tl
         from pretrain.data.packing import IGNORE
 
         def shifted(labels, depth):

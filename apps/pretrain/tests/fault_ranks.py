@@ -1,7 +1,7 @@
 """Rank entries that inject a fault into pretrain's own ``run_rank``; the patches live in the rank
 processes only, so no production path reads a test switch.
 
-A CLI test puts one in place of ``pretrain.run.run_rank`` (``commands/train.py`` imports it at call
+A CLI test puts one in place of ``pretrain.training.run.run_rank`` (``commands/train.py`` imports it at call
 time) with ``functools.partial``; the launcher pickles it by reference, and each rank imports this
 module by name (the ``fault_ranks`` fixture puts the tests folder on ``sys.path``, which the
 forkserver's children inherit from the launcher).
@@ -20,8 +20,8 @@ def _rank() -> int:
 
 def fail_before_step(rank: int, step: int, *run_args) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` raises before its (1-based) ``step``."""
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     train_step = Trainer.train_step
 
@@ -57,7 +57,7 @@ def sigkill() -> None:
 
 def sigkill_in_save(rank: int, step: int, *run_args) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` SIGKILLs itself mid-save of ``step`` (after writing its part)."""
-    from pretrain.run import run_rank
+    from pretrain.training.run import run_rank
 
     die_after_writing(rank, step, sigkill)
     return run_rank(*run_args)
@@ -67,8 +67,8 @@ def slow_data(rank: int, seconds: float, *run_args) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` sleeps ``seconds`` in every step's data step."""
     import time
 
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     batch = Trainer._batch
 
@@ -83,8 +83,8 @@ def slow_data(rank: int, seconds: float, *run_args) -> dict:
 
 def stop_before_step(rank: int, step: int, *run_args) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` stops itself (SIGSTOP) before its (1-based) ``step``."""
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     train_step = Trainer.train_step
 
@@ -102,8 +102,8 @@ def inf_weight_before_step(step: int, *run_args) -> dict:
     that step's loss is not finite."""
     import torch
 
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     train_step = Trainer.train_step
 

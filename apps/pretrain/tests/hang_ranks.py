@@ -13,8 +13,8 @@ CALLS = 3
 def all_reduces(fault: str, bad_rank: int, log_dir: str, timeout_s: float) -> None:
     from par_groups import comm
 
-    from pretrain.hang import flight_recorder
-    from pretrain.launch import init_distributed, shutdown
+    from pretrain.runtime.hang import flight_recorder
+    from pretrain.runtime.launch import init_distributed, shutdown
 
     rank, world, _, _ = init_distributed(timeout_s, "cpu")
     try:

@@ -14,9 +14,9 @@ GATE_STEP = 2  # ranks wait after two steps
 
 
 def train(test_dir: str, overrides: list[str]) -> dict:
-    from pretrain.preempt import StopRequests
-    from pretrain.run import run_rank
-    from pretrain.train_loop import Trainer
+    from pretrain.runtime.preempt import StopRequests
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     folder = Path(test_dir)
     on_signal, train_step = StopRequests._on_signal, Trainer.train_step

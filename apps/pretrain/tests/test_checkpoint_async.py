@@ -100,7 +100,7 @@ def test_async_saves_resume_bitwise_like_sync_ones_and_keep_latest_and_pruning(t
 def test_a_run_dying_with_a_save_in_flight_keeps_the_previous_latest(monkeypatch, tmp_path, fault_ranks):
     ck = tmp_path / "ck"
     # rank 0 raises before step 3: step_2 was started in the background, never published
-    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.fail_before_step, 0, 3))
+    monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.fail_before_step, 0, 3))
     res = _train(*ASYNC, "--set", f"checkpoint.dir={ck}", "--set", f"log.dir={tmp_path / 'log'}")
     assert res.exit_code == 1 and "rank 0 failed" in res.stderr and "injected failure" in res.stderr, res.output
     assert (ck / "latest").read_text().strip() == "step_1"

@@ -171,12 +171,12 @@ def test_bad_input_names_the_key(sets, world, message):
 
 def test_a_world_the_batch_cannot_fill_is_refused_before_the_rank_grid_is_built(monkeypatch):
     """`plan --world 131072` used to build the 131072-rank grid (~16 s here, minutes beyond) to say dp is too big."""
-    import pretrain.config
+    import pretrain.config.run_config
 
     def no_grid(*args, **kwargs):
         raise AssertionError("the rank grid was built")
 
-    monkeypatch.setattr(pretrain.config, "RankGrid", no_grid)
+    monkeypatch.setattr(pretrain.config.run_config, "RankGrid", no_grid)
     with pytest.raises(UsageError, match=r"global_batch=8 is not divisible by dp=131072"):
         load_config(None).validate_world(1 << 17)
 
@@ -255,7 +255,7 @@ def test_the_former_timeout_key_sets_both_timeouts_and_says_so(capsys):
 
 def test_train_seed_owns_the_weights_and_data_seed_the_data_order():
     from pretrain.data import build_sampler, load_dataset
-    from pretrain.layout import Layout  # noqa: F401 - the sampler takes the resolved layout
+    from pretrain.config.layout import Layout  # noqa: F401 - the sampler takes the resolved layout
     from pretrain.model.initial_state import init_full_state
 
     def batch_and_weights(*overrides):

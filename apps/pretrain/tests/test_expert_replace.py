@@ -55,7 +55,7 @@ def replace_run(overrides, bug: str | None = None):
     NVLink domains, the bytes this rank's all-to-alls sent to other ranks)."""
     from par_groups import CommRecorder, comm
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config("tiny-moe", overrides)
     trainer = Trainer(cfg)

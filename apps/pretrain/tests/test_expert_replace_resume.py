@@ -20,7 +20,7 @@ def run(overrides, root: str, resume: bool):
     """Steps, from the start (saving after step SAVED) or resumed from that save: (loss, grad norm) per step,
     the re-placement records, and the global state at the save (uninterrupted) and at the end."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config("tiny-moe", overrides))
     start, at_save = 0, None
@@ -43,7 +43,7 @@ def run(overrides, root: str, resume: bool):
 def loaded(overrides, root: str):
     """The global state right after loading the step-SAVED checkpoint under ``overrides``."""
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config("tiny-moe", overrides))
     assert trainer.load_checkpoint(f"{root}/step_{SAVED}") == SAVED

@@ -13,7 +13,7 @@ runner = CliRunner()
 
 
 def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path, fault_ranks):
-    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.fail_before_step, 1, 3))
+    monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.fail_before_step, 1, 3))
     start = time.time()
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
                               "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
@@ -43,7 +43,7 @@ def test_a_users_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path):
 def nan_job(policy):
     from pretrain.config import load_config
     from pretrain.errors import UsageError
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(None, ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2",
                              f"train.nan_policy={policy}"])
@@ -74,7 +74,7 @@ def test_non_finite_loss_stops_or_skips(dist_run):
 def test_a_non_finite_step_stops_at_the_next_log_step_and_no_checkpoint_follows_it(monkeypatch, tmp_path, fault_ranks):
     """Step 3 is not finite; the run reads that at step 4 (its log step: log.every=4) and stops with one
     line naming step 3, exit 2. Checkpoints are written every 2 steps: step 2's is the last."""
-    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.inf_weight_before_step, 3))
+    monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.inf_weight_before_step, 3))
     ck = tmp_path / "ck"
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=8", "--set", "train.warmup_steps=1", "--set", "model.layers=2",
                               "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.every=4",

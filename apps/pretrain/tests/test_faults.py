@@ -68,7 +68,7 @@ def test_disk_full_then_sigkill_mid_save_resume_to_the_uninterrupted_losses(tmp_
     assert (ck / "latest").read_text().strip() == "step_2"
 
     with monkeypatch.context() as m:  # rank 2 dies after writing its part of step_4, before the rename
-        m.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.sigkill_in_save, 2, 4))
+        m.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.sigkill_in_save, 2, 4))
         res = _train(log, ck, "--set", "checkpoint.resume=true")
     assert res.exit_code == 1 and "rank 2 failed" in res.stderr and "SIGKILL" in res.stderr, res.output
     assert (ck / "latest").read_text().strip() == "step_2" and not (ck / "step_4").exists()

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from pretrain.launch import RankFailed, launch
+from pretrain.runtime.launch import RankFailed, launch
 
 TIMEOUT_S = 4.0
 

@@ -41,7 +41,7 @@ def hf_model(tmp_path_factory):
 
 def logits_job(ckpt, overrides, tokens):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     cfg = load_config(f"{ckpt}/config.toml", [f"train.seq_len={SEQ}", "train.eval_every=0"] + overrides)
     trainer = Trainer(cfg)

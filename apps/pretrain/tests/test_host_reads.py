@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (config, nproc, overrides)
     "pp2-1f1b": (None, 2, ["parallel.pp=2"]),
     "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
     "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
+    "cp2-muon-qk_clip": (None, 2, ["parallel.cp=2", "train.optimizer=muon", "train.muon_qk_clip=0.05"]),
 }
 # MoE at ep2: the all-to-all's split sizes are read once per MoE layer per micro-batch (their
 # tensor sizes follow the routing); the static-shape dispatch reads none.
@@ -32,7 +33,7 @@ def reads_per_step(monkeypatch, tmp_path, config, nproc, overrides) -> list[list
     import host_reads
 
     out = tmp_path / "reads"
-    monkeypatch.setattr("pretrain.run.run_rank", functools.partial(host_reads.counting_host_reads, str(out)))
+    monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(host_reads.counting_host_reads, str(out)))
     args = ["train"] + ([config] if config else []) + ["--nproc", str(nproc), *BASE, "--set", f"log.dir={tmp_path}"]
     for o in overrides:
         args += ["--set", o]

@@ -53,7 +53,7 @@ def _build_allocations(name: str, overrides: list[str], world: int, rank: int) -
     from pretrain.data import load_dataset
     from pretrain.simulate.memory import MemoryTracker
     from pretrain.simulate.report import simulated_config
-    from pretrain.train_loop import ShapesOnly, Trainer
+    from pretrain.training.train_loop import ShapesOnly, Trainer
 
     cfg = load_config(name, overrides)
     cfg, _, _ = simulated_config(cfg, cfg.validate_world(world), all_microbatches=False)

@@ -12,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pretrain.launch import RankFailed, check_nproc, launch
+from pretrain.runtime.launch import RankFailed, check_nproc, launch
 from pretrain.errors import UsageError
 
 ENTRIES = '''
 import os, threading, time
 import torch
 import torch.distributed as dist
-from pretrain.launch import init_distributed, shutdown
+from pretrain.runtime.launch import init_distributed, shutdown
 
 LOCK = threading.Lock()  # the test holds it in a thread of its own while ranks start
 

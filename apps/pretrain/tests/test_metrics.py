@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from pretrain.metrics import MetricsLogger, lookup_peak_tflops, mfu, peak_flops
+from pretrain.observe.metrics import MetricsLogger, lookup_peak_tflops, mfu, peak_flops
 
 
 def test_peak_lookup_and_given_value():

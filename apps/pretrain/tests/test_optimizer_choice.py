@@ -17,7 +17,7 @@ ADAGRAD = ["train.optimizer=adagrad", "train.optimizer_args={lr_decay=0.01}"]
 
 def _trainer(*overrides):
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     return Trainer(load_config(None, COMMON + list(overrides)))
 

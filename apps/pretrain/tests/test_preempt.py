@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.launch import LAUNCHER_ENV, Aborted, launch
-from pretrain.run import run_rank
+from pretrain.runtime.launch import LAUNCHER_ENV, Aborted, launch
+from pretrain.training.run import run_rank
 
 TESTS = Path(__file__).parent
 BASE = ["train.steps=5", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2", "log.progress=false"]
@@ -161,7 +161,7 @@ def test_ranks_still_running_after_preempt_timeout_are_stopped_with_one_line(ran
 
 
 def stop_requests_job():
-    from pretrain.preempt import StopRequests
+    from pretrain.runtime.preempt import StopRequests
 
     outcomes = {}
     for launcher in ("other", "self"):  # a rank started by a launcher, or its own launcher (--nproc 1)
@@ -209,7 +209,7 @@ def test_sigterm_to_the_process_group_of_pretrain_train_saves_and_exits_0(tmp_pa
 def test_the_callers_own_handler_hears_the_signal_once_the_ranks_stopped():
     """pytest's (the suite's conftest) ends the run on SIGTERM: a launcher inside a test must pass it on.
     The defaults are not called: a pre-empted `pretrain train` saved and ends normally."""
-    from pretrain.ranks import _pass_on
+    from pretrain.runtime.local_launcher import _pass_on
 
     heard = []
     _pass_on(signal.SIGTERM, lambda signum, frame: heard.append(signum))

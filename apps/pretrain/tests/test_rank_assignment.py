@@ -1,4 +1,4 @@
-"""The trainer places its groups on the topology it finds (pretrain.rank_assignment).
+"""The trainer places its groups on the topology it finds (pretrain.runtime.rank_assignment).
 
 16 ranks on 2 x DGX-H100 described by the stand-in NVML, one rank at a time in this process on
 torch's fake process group: with order pp-tp-cp-ep-dp (tp groups strided across both nodes)
@@ -26,7 +26,7 @@ def two_dgx_h100_views():
 
 
 def nvml_topology():
-    from pretrain.rank_assignment import gathered_topology
+    from pretrain.runtime.rank_assignment import gathered_topology
 
     return gathered_topology(two_dgx_h100_views())
 
@@ -35,7 +35,7 @@ def build_on_fake_group(cfg, rank, topology):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
     try:
@@ -76,7 +76,7 @@ def test_the_configured_order_strides_tp_across_nodes():
 
 
 def test_strict_refuses_naming_the_order_that_fixes_it():
-    from pretrain.rank_assignment import choose_assignment
+    from pretrain.runtime.rank_assignment import choose_assignment
 
     cfg = load_config(None, LAYOUT + ["parallel.rank_assignment=strict"])
     with pytest.raises(UsageError, match=r'tp groups of 4 ranks cross network.*Fix: set \[parallel\]\.order = "tp-'):
@@ -92,7 +92,7 @@ def test_strict_cli_exits_2_with_one_line_before_starting_ranks():
 
 
 def test_no_topology_keeps_the_configured_grid():
-    from pretrain.rank_assignment import UNKNOWN, choose_assignment
+    from pretrain.runtime.rank_assignment import UNKNOWN, choose_assignment
 
     cfg = load_config(None, LAYOUT)
     decision = choose_assignment(cfg, cfg.validate_world(WORLD), None)
@@ -115,7 +115,7 @@ def test_node_limited_routing_warns_when_an_expert_group_spans_nodes():
     from par_groups import RankGrid
     from par_groups.topology import preset
 
-    from pretrain.rank_assignment import route_node_spread
+    from pretrain.runtime.rank_assignment import route_node_spread
 
     topo = preset("pcie-8gpu", 2)  # ranks 0-7 on node 0, 8-15 on node 1
     grid = RankGrid(WORLD, ep=16)

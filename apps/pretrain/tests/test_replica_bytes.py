@@ -16,7 +16,7 @@ def one_step_traffic(overrides):
     import par_moe.replicate as rep
     from par_groups import CommRecorder
     from pretrain.config import load_config
-    from pretrain.train_loop import Trainer
+    from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config("tiny-moe", overrides))
     for chunk in trainer.model.chunks.values():  # the forced skew: experts 0 and 1 in every token's top 4

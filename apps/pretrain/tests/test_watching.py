@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from pretrain.metrics import MetricsLogger
+from pretrain.observe.metrics import MetricsLogger
 
 runner = CliRunner()
 SLOW_S = 0.4
@@ -29,7 +29,7 @@ def watched_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_SILENT", "true")
-    mp.setattr("pretrain.run.run_rank", functools.partial(fault_ranks.slow_data, 1, SLOW_S))
+    mp.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.slow_data, 1, SLOW_S))
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "parallel.pp=2", "--set", "model.layers=2",
                               "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=1",
                               "--set", "train.eval_every=0", "--set", "log.progress=false",
@@ -141,7 +141,7 @@ def test_a_profiled_step_prints_no_kineto_notes(tmp_path, capfd):  # issue 50: 1
     import torch
 
     from pretrain.config import load_config
-    from pretrain.profile_window import ProfileWindow, _without_kineto_notes
+    from pretrain.observe.profile_window import ProfileWindow, _without_kineto_notes
 
     cfg = load_config(None, ['profile.steps="1-2"', f"log.dir={tmp_path}"])
     window = ProfileWindow(cfg, 0, torch.device("cpu"))
@@ -156,7 +156,7 @@ def test_a_profiled_step_prints_no_kineto_notes(tmp_path, capfd):  # issue 50: 1
 
 
 def test_a_long_runs_breakdown_has_no_per_step_markers_over_its_bars():  # issue 50: red triangles hid the bars
-    from pretrain.plots import _breakdown, pyplot
+    from pretrain.observe.plots import _breakdown, pyplot
 
     keys = ("time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_exposed_comm_s", "time_busy_max_s")
     for steps, marked in ((200, False), (10, True)):

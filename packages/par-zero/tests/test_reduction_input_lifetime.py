@@ -15,7 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from par_zero import bucket as bucket_module
-from par_zero.bucket import Bucket, BucketGroups
+from par_zero.bucket import Bucket
+from par_zero.bucket_groups import BucketGroups
 from par_zero.config import DataParallelConfig
 
 

@@ -1,3 +1,4 @@
+# Over 300 lines on purpose: Bucket is one state machine over its flat buffers (layout, gather, reduce, step).
 """One bucket: a contiguous flat buffer of params (and grads), its shard, and its collectives.
 
 Layout. The bucket's params sit back to back in one flat buffer of ``N`` elements, padded so
@@ -25,36 +26,13 @@ Which buffers live where (``S = N/d``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
 from par_groups import comm
 
+from .bucket_groups import BucketGroups
 from .config import DataParallelConfig
-
-
-@dataclass(frozen=True)
-class BucketGroups:
-    """The groups one family of buckets (dense or expert) communicates over."""
-
-    inner: ProcessGroup | None  # the sharding group (the whole DP group without HSDP)
-    outer: ProcessGroup | None = None  # HSDP replicas
-    all_gather: ProcessGroup | None = None  # same ranks as inner; separate so gathers overlap reductions
-
-    @property
-    def d(self) -> int:
-        return dist.get_world_size(self.inner)
-
-    @property
-    def r(self) -> int:
-        return dist.get_world_size(self.outer) if self.outer is not None else 1
-
-    @property
-    def gather_group(self) -> ProcessGroup | None:
-        return self.all_gather if self.all_gather is not None else self.inner
 
 
 def _common_device(params: list[torch.nn.Parameter]) -> torch.device:

@@ -32,37 +32,12 @@ from torch import nn
 
 from par_groups.param_placement import placement_of, sum_partial_grads_
 
-from .bucket import Bucket, BucketGroups
+from .bucket import Bucket
+from .bucket_groups import BucketGroups
+from .bucketing import apart, size_buckets
 from .config import DataParallelConfig
 from .param_gather import CoalescedGathers
 from .units import GatherUnit, default_unit_modules
-
-
-
-
-def _size_buckets(params: list[nn.Parameter], bucket_bytes: int, alone=frozenset()) -> list[list[nn.Parameter]]:
-    """Split params, in grad-ready order (reverse of registration), into buckets of ~bucket_bytes;
-    each param in ``alone`` gets a bucket of its own."""
-    buckets, cur, size = [], [], 0
-    for p in reversed(params):
-        if p in alone:
-            buckets += ([cur] if cur else []) + [[p]]
-            cur, size = [], 0
-            continue
-        cur.append(p)
-        size += p.numel() * 4
-        if size >= bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def _apart(params: list[nn.Parameter], alone) -> list[list[nn.Parameter]]:
-    """``params`` as one bucket, less those in ``alone``, which get one each."""
-    rest = [p for p in params if p not in alone]
-    return [[p] for p in params if p in alone] + ([rest] if rest else [])
 
 
 class GradBuffer:
@@ -96,7 +71,7 @@ class GradBuffer:
         else:
             bucket_bytes = int(cfg.bucket_mb * 2**20)
             for ps, groups in family(trainable):
-                for chunk in _size_buckets(ps, bucket_bytes, alone):
+                for chunk in size_buckets(ps, bucket_bytes, alone):
                     self.buckets.append(Bucket(chunk, groups, cfg))
         self._where = {p: (b, k) for b in self.buckets for k, p in enumerate(b.params)}
         for p in self._where:
@@ -123,7 +98,7 @@ class GradBuffer:
                 plan.append((m, ps))
         rest = [p for p in trainable if p not in taken]
         for m, ps in plan + ([(module, rest)] if rest else []):
-            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in _apart(fam, alone)]
+            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in apart(fam, alone)]
             self.buckets.extend(bs)
             is_root = m is module
             unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root, self.overlap)

@@ -1,6 +1,6 @@
 """Which optimizer: par-zero's own AdamW or a ``torch.optim`` class, checked once on a small tensor.
 
-Imported by the configuration (config.py) and the optimizers alike; it imports only torch, so the
+Imported by the configuration (pretrain's config/checks.py) and the optimizers alike; it imports only torch, so the
 configuration does not import the optimizers (no import circle through bucket.py).
 """
 

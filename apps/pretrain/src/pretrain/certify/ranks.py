@@ -35,7 +35,7 @@ def _full_outputs(outputs: dict) -> dict:
 
 def run_reference(config: str | None, overrides: list[str], steps: int, work: str) -> dict:
     """On a one-rank group: the reference's ``steps`` steps (see the module doc); returns a summary."""
-    from ..train_loop import Trainer
+    from ..training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
     shapes = full_shapes(trainer)
@@ -75,7 +75,7 @@ def recorded_step(trainer, step: int):
 def run_layout(config: str | None, overrides: list[str], steps: int, work: str, margin: float) -> list[dict]:
     """On the layout's process group: each step from the reference's state, judged (every rank
     returns the same records)."""
-    from ..train_loop import Trainer
+    from ..training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
     ref = torch.load(Path(work) / REFERENCE, weights_only=True)  # a file in a directory the user names: no code

@@ -113,7 +113,7 @@ def verdict_line(steps: list[dict], layout: str) -> tuple[str, int]:
 
 
 def write_report(path: Path, layout: str, overrides: list[str], steps: list[dict], line: str, code: int) -> None:
-    from ..safe_files import write_atomic
+    from ..runtime.safe_files import write_atomic
 
     def clean(x):
         if isinstance(x, float) and not math.isfinite(x):

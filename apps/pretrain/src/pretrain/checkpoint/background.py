@@ -6,7 +6,7 @@ whose copies are queued on the current stream and waited for by the writer threa
 training thread) and writes its small RNG file. DCP then plans and writes the files in a
 background thread over a gloo group used only for checkpoints, so its collectives never run at the
 same time as training collectives on the same group; the data files are hashed as they are written
-(:class:`.integrity.HashingWriter`).
+(:class:`.hashing_writer.HashingWriter`).
 
 The save stays crash safe the same way as the synchronous one: the files go to ``step_N.tmp``, and
 the rename and the ``latest`` marker happen in :meth:`PendingSave.finish`, once every rank's write
@@ -33,9 +33,10 @@ from par_groups import comm
 from par_zero import Pieces, PiecesSavePlanner
 
 from .faults import removed_if_disk_full
-from .integrity import HashingWriter
+from .hashing_writer import HashingWriter
 from .retention import prune_in_background, wait_pruned
-from .store import (checkpoint_tensors, _finalise, _prepare, _quiet, _rank, gather_digests, rank_entries, rng_state,
+from .rng_state import rng_state
+from .store import (checkpoint_tensors, _finalise, _prepare, _quiet, _rank, gather_digests, rank_entries,
                     trainer_state)
 
 

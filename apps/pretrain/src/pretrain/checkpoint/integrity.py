@@ -1,14 +1,14 @@
 """What a checkpoint's bytes should be: ``checksums.json``, and the checks made against it.
 
 At save, each rank hashes the bytes of its DCP data files ``__R_<i>.distcp`` as DCP writes them
-(:class:`HashingWriter`: no second pass over the files; in the background thread for an async
+(:class:`.hashing_writer.HashingWriter`: no second pass over the files; in the background thread for an async
 save) and its small ``rng/rank_R.pt``; rank 0 adds ``.metadata`` and ``trainer_state.json`` and
 writes ``checksums.json`` into ``step_N.tmp`` last, before the rename: a directory named ``step_N``
 carries the size and SHA-256 of every other file in it.
 
 On load a rank checks only the files it is about to read (the data files its load plan touches,
 its RNG file, the two small index files), so a resharded load stays as cheap as the load itself.
-:class:`CheckedReader` reads each data file once, front to back, hashing every byte while the
+:class:`.checked_reader.CheckedReader` reads each data file once, front to back, hashing every byte while the
 items its plan needs are deserialised from what was read (the file is not read a second time to
 be checked); a mismatch is found when the file's last byte is hashed, before the load returns, and
 is a :class:`DamagedCheckpoint`, one line naming the file (so is bytes DCP cannot deserialise,
@@ -22,22 +22,12 @@ measured in the README); the name of the algorithm is stored, so another can fol
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import LoadItemType
-from torch.futures import Future
 
 from ..errors import DamagedCheckpoint, damaged
 from .retention import STATE_FILE, read_state, write_atomic
@@ -120,7 +110,7 @@ def check_listed(path: Path, name: str, checksums: dict[str, dict]) -> int:
     return size
 
 
-def _mismatch(path: Path, name: str) -> DamagedCheckpoint:
+def mismatch(path: Path, name: str) -> DamagedCheckpoint:
     return damaged(path, f"{name} does not match its {ALGORITHM} checksum")
 
 
@@ -133,7 +123,7 @@ def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
     for name in sorted(names):
         size = check_listed(path, name, checksums)
         if digest(path / name)[ALGORITHM] != checksums[name][ALGORITHM]:
-            raise _mismatch(path, name)
+            raise mismatch(path, name)
         total += size
     return total
 
@@ -166,207 +156,14 @@ def first_damage(error: BaseException) -> DamagedCheckpoint | None:
     return None
 
 
-class _HashingStream:
-    """A binary file being written whose bytes are hashed on their way to it (a large write's bytes
-    hashed in the helper thread while the file takes them: both release the GIL)."""
-
-    def __init__(self, raw, file: Path) -> None:
-        self.raw, self.hash, self.size = raw, new_hash(file), 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= _OVERLAP_BYTES:
-            hashed = _hasher().submit(self.hash.update, view)
-            try:
-                written = self.raw.write(view)
-            finally:
-                hashed.result()
-        else:
-            written = self.raw.write(view)
-            self.hash.update(view)
-        if written != view.nbytes:  # a buffered file writes all or raises: the hash must be of what is on disk
-            raise OSError(f"short write ({written} of {view.nbytes} bytes)")
-        self.size += written
-        return written
-
-    def digest(self) -> dict:
-        return {"size": self.size, ALGORITHM: self.hash.hexdigest()}
-
-    def __getattr__(self, name):  # tell, flush, fileno, close...
-        return getattr(self.raw, name)
-
-
-_OVERLAP_BYTES = 1 << 20
 _HASHER: list = []
 _HASHER_LOCK = threading.Lock()
 
 
-def _hasher():
+def hasher_thread():
     """The one helper thread that hashes a save's large writes while they are written, and a load's files
     while they are deserialised (started on first use)."""
     with _HASHER_LOCK:
         if not _HASHER:
             _HASHER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash"))
         return _HASHER[0]
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording the digest of every data file written through it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, dict] = {}
-        self._lock = threading.Lock()  # DCP may write files from several threads
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
-            if mode != "wb" or not str(path).endswith(DATA_SUFFIX):
-                yield stream
-                return
-            hashing = _HashingStream(stream, Path(path))
-            yield hashing
-        with self._lock:
-            self.written[Path(path).name] = hashing.digest()
-
-
-class HashingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter that hashes each data file's bytes as it writes them: ``written`` holds
-    ``{file name: {"size", "sha256"}}`` of this rank's data files once its ``write_data`` is done."""
-
-    def __init__(self, path, **kwargs) -> None:
-        super().__init__(path, **kwargs)
-        self.fs = _HashingFileSystem()
-
-    @property
-    def written(self) -> dict[str, dict]:
-        return dict(self.fs.written)
-
-
-class CheckedReader(SafeReader):
-    """A SafeReader that checks each file this rank's load plan reads (and ``also``) while reading it:
-    a resharded load checks the files it touches, no others, and reads each once (the whole file, to
-    hash it; the items the plan needs deserialised from those bytes). Presence and sizes are checked
-    before any read, the bytes by the time the file's last byte is read. The check runs inside DCP's
-    read step, so a damaged file on one rank reaches every rank (:func:`first_damage`) and all stop
-    alike. Without checksums (``verify = false``, an older checkpoint) it is DCP's own reader."""
-
-    def __init__(self, path: Path, checksums: dict[str, dict] | None, also: tuple[str, ...] = ()) -> None:
-        super().__init__(str(path))
-        self.root, self.checksums, self.also = Path(path), checksums, also
-
-    def read_data(self, plan, planner):
-        if self.checksums is None:
-            return super().read_data(plan, planner)
-        per_file: dict[str, dict] = {}  # file -> storage index -> the plan's reads of that stored item
-        for req in plan.items:
-            name = self.storage_data[req.storage_index].relative_path
-            per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
-        for name in sorted(per_file):
-            check_listed(self.root, name, self.checksums)  # listed, inside, present, of its size: before any read
-        verify_files(self.root, set(self.also) - set(per_file), self.checksums)  # the small RNG file
-        for name in sorted(per_file):
-            self._read_checked(name, per_file[name], planner)
-        done: Future = Future()  # torch's: what DCP waits on
-        done.set_result(None)
-        return done
-
-    def _read_checked(self, name: str, items: dict, planner) -> None:
-        """Read file ``name`` once through a read-only mapping: the helper thread hashes every byte, front to
-        back, while this one deserialises the stored ``items`` from the same pages; DamagedCheckpoint when
-        the hash (or size) does not match, found before returning."""
-        file, want = self.root / name, self.checksums[name]
-        hasher, failure = new_hash(self.root / name), None
-        with open(file, "rb") as f, _mapped(f) as view:
-            hashed = _hasher().submit(_hash_blocks, hasher, view)
-            try:
-                for index in sorted(items, key=lambda i: self.storage_data[i].offset):
-                    info = self.storage_data[index]
-                    end = info.offset + info.length
-                    try:
-                        if end > len(view):
-                            raise damaged(self.root, f"{name} has {len(view)} bytes, its index needs {end} (truncated)")
-                        self._deliver(items[index], info, view[info.offset:end], planner)
-                    except Exception as e:  # noqa: BLE001 -- damage, if the hash says so; else re-raised below
-                        failure = e
-                        break
-            finally:
-                hashed.result()
-            size = len(view)
-        if size != want["size"] or hasher.hexdigest() != want[ALGORITHM]:
-            raise _mismatch(self.root, name)
-        if failure is not None:
-            raise failure
-
-    def _deliver(self, reqs: list, info, data: memoryview, planner) -> None:
-        """The plan's reads ``reqs`` of one stored item, from its bytes ``data`` (DCP's own steps)."""
-        stream = self.transforms.transform_load_stream(reqs[0], info.transform_descriptors or (), _ViewReader(data))
-        if reqs[0].type == LoadItemType.BYTE_IO:
-            raw = stream.read(-1)
-            for req in reqs:
-                planner.load_bytes(req, io.BytesIO(raw))
-            return
-        if not stream.seekable():
-            stream = io.BytesIO(stream.read(-1))
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)  # once for all reads of the item
-        for req in reqs:
-            part = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != part.size():
-                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {part.size()}")
-            target.copy_(part)
-            planner.commit_tensor(req, target)
-
-
-@contextlib.contextmanager
-def _mapped(f):
-    """A read-only memoryview of open file ``f`` (empty for an empty file)."""
-    size = os.fstat(f.fileno()).st_size
-    if size == 0:
-        yield memoryview(b"")
-        return
-    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    mapping.madvise(mmap.MADV_SEQUENTIAL)
-    view = memoryview(mapping)
-    try:
-        yield view
-    finally:
-        view.release()
-        try:
-            mapping.close()
-        except BufferError:  # a slice still referenced (an exception's frame): the GC unmaps it
-            pass
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable binary file over a memoryview: torch.load's reader copies from it straight into the
-    tensor's storage (``readinto``), with no intermediate bytes object."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self.view, self.pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), len(self.view) - self.pos))
-        memoryview(buffer).cast("B")[:n] = self.view[self.pos:self.pos + n]
-        self.pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence] + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-def _hash_blocks(hasher, view: memoryview) -> None:
-    """Hash ``view`` in blocks (hashlib releases the GIL while it hashes each: the reads go on meanwhile)."""
-    for start in range(0, len(view), HASH_BLOCK):
-        hasher.update(view[start:start + HASH_BLOCK])

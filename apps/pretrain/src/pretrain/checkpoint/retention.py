@@ -23,7 +23,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from .. import safe_files
+from ..runtime import safe_files
 from ..errors import UsageError
 
 MANIFEST = "manifest.json"

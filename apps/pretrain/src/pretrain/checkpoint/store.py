@@ -19,7 +19,7 @@ Crash safety: everything is written to ``step_N.tmp``, renamed to ``step_N`` onc
 finished, and only then is the ``latest`` marker replaced (atomically); the last ``keep`` are kept,
 the older ones deleted by rank 0 in a thread after the final barrier (:mod:`.retention`).
 
-The data files are hashed as DCP writes them (:class:`.integrity.HashingWriter`), not read back.
+The data files are hashed as DCP writes them (:class:`.hashing_writer.HashingWriter`), not read back.
 """
 
 from __future__ import annotations
@@ -42,19 +42,19 @@ from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from ..model.shapes import full_shapes
-from ..safe_files import write_atomic
+from ..runtime.safe_files import write_atomic
 from .faults import first_failure, removed_if_disk_full
-from .integrity import (METADATA, CheckedReader, DamagedCheckpoint, HashingWriter, digests, first_damage,
-                        read_checksums, verify_files, write_checksums)
+from .checked_reader import CheckedReader
+from .compatible import check_compatible, check_optimizer_matches, check_stored_shapes
+from .hashing_writer import HashingWriter
+from .integrity import METADATA, DamagedCheckpoint, digests, first_damage, read_checksums, verify_files, write_checksums
 from .retention import (FORMAT, LATEST, STATE_FILE, inside, prune_in_background, publish,  # noqa: F401 - read_state
                         read_state, run_id_of)
+from .rng_state import load_rng_state, rng_state
 from .safe_metadata import SafeReader
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
-# [model] keys that change tensor shapes or their meaning: a checkpoint must agree on them
-SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "moe_layers_start", "num_experts",
-              "moe_ffn_hidden", "shared_experts", "tie_embeddings", "kv_channels", "qk_norm", "decoder_sparse_step")
 
 
 def _quiet(fn):
@@ -219,38 +219,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def check_compatible(path: Path, state: dict, cfg) -> None:
-    """UsageError naming every [model] key whose value differs between the checkpoint and ``cfg``."""
-    saved = state.get("config", {}).get("model", {})
-    diffs = [f"[model].{k}: checkpoint {saved.get(k)!r}, config {getattr(cfg.model, k)!r}"
-             for k in SHAPE_KEYS if k in saved and saved[k] != getattr(cfg.model, k)]
-    if diffs:
-        raise UsageError(f"checkpoint {path} does not match the model: " + "; ".join(diffs))
-
-
-def check_optimizer_matches(path: Path, state: dict, cfg) -> None:
-    """Resuming needs the optimizer whose state the checkpoint holds (one without the key holds AdamW's)."""
-    saved = state.get("optimizer_name", "adamw")
-    if saved != cfg.train.optimizer:
-        raise UsageError(f"checkpoint {path} holds the state of [train].optimizer={saved!r}, the config says "
-                         f"{cfg.train.optimizer!r}: set it back, or start from its weights with [checkpoint].init_from")
-
-
-def _check_metadata(path: Path, wanted: dict) -> set[str]:
-    """Compare the stored tensors' shapes with what we need; returns the stored keys."""
-    meta = SafeReader(str(path)).read_metadata()  # a missing, truncated or crafted .metadata: UsageError
-    stored = meta.state_dict_metadata
-    for key, st in wanted.items():
-        if key.startswith("optim/") and key not in stored:
-            continue  # a model-only checkpoint (e.g. converted from Hugging Face)
-        if key not in stored:
-            raise UsageError(f"checkpoint {path} lacks tensor {key}")
-        have = tuple(stored[key].size)
-        if have != tuple(st.full_shape):
-            raise UsageError(f"checkpoint {path}: {key} has shape {list(have)}, the model needs {list(st.full_shape)}")
-    return set(stored)
-
-
 @_quiet
 @torch.no_grad()
 def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
@@ -268,7 +236,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
         check_optimizer_matches(path, state, trainer.cfg)
         dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
     sd = _pieces(trainer, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
-    stored = _check_metadata(path, sd)
+    stored = check_stored_shapes(path, sd)
     with_optim = with_optim and all(k in stored for k in sd)
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
@@ -306,35 +274,6 @@ def _keep_traceback(log_dir: Path) -> str:
         except OSError:
             return ""
     return f" (traceback in {log_dir / ERROR_LOG})"
-
-
-def load_rng_state(file: Path) -> None:
-    """Restore this rank's RNG from ``file``; anything but the states we write is one line (torch's own
-    message would advise ``weights_only=False``, which is wrong for a file we did not check)."""
-    why = "it is not a tensor file"
-    try:
-        state = torch.load(file, weights_only=True)
-        why = "it does not hold the states pretrain writes"
-        if not (isinstance(state, dict) and set(state) <= {"cpu", "cuda"} and "cpu" in state
-                and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.values())):
-            raise TypeError(why)
-        set_rng_state(state)
-    except Exception as e:  # torch.load raises many types on garbage; set_rng_state a RuntimeError on a bad size
-        raise UsageError(f"checkpoint RNG file {file} is unreadable: {why} ({type(e).__name__}); remove it to "
-                         f"resume with a fresh random state") from None
-
-
-def rng_state() -> dict:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 @_quiet

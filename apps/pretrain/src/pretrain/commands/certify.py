@@ -17,7 +17,7 @@ from ..errors import UsageError, fail
 
 def _reference_entry(config, overrides, steps, work, device, timeout_s):
     from ..certify.ranks import run_reference
-    from ..launch import init_distributed, shutdown
+    from ..runtime.launch import init_distributed, shutdown
 
     init_distributed(timeout_s, device)
     try:
@@ -28,7 +28,7 @@ def _reference_entry(config, overrides, steps, work, device, timeout_s):
 
 def _layout_entry(config, overrides, steps, work, margin, device, timeout_s):
     from ..certify.ranks import run_layout
-    from ..launch import init_distributed, shutdown
+    from ..runtime.launch import init_distributed, shutdown
 
     init_distributed(timeout_s, device)
     try:
@@ -49,7 +49,7 @@ def certify(
     """Certify that this layout trains the same model as one rank: `certified: ...` (exit 0) or
     `NOT certified: ...` naming the first module that differs (exit 3); a JSON report beside it."""
     from ..config import load_config
-    from ..launch import RankFailed, check_nproc, launch, under_torchrun
+    from ..runtime.launch import RankFailed, check_nproc, launch, under_torchrun
     from ..certify.narrow import check_certifiable, narrowed_overrides, reference_overrides
     from ..certify.verdict import MARGIN, verdict_line, write_report
 

@@ -10,7 +10,7 @@ import typer
 from par_groups import LayoutError, RankGrid
 
 from ..errors import fail
-from ..layout import MAX_WORLD
+from ..config.layout import MAX_WORLD
 
 
 def parse_sizes(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:

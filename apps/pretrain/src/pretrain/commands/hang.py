@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ..errors import UsageError, fail
-from ..hang import FLIGHT_DIR, summary_of_dir
+from ..runtime.hang import FLIGHT_DIR, summary_of_dir
 
 
 def hang(log_dir: Path = typer.Argument(..., help="A run's [log].dir (holding flight/rank_R.json).")) -> None:

@@ -80,7 +80,7 @@ def report(
     html: bool = typer.Option(True, "--html/--no-html", help="Also write the page report.html beside the PNG."),
 ) -> None:
     """Draw a run's loss, tokens/s, MFU and where each step's time went, to one PNG (and HTML page)."""
-    from ..plots import report_html, report_png
+    from ..observe.plots import report_html, report_png
 
     try:
         train, evals = read_log(log_dir)

@@ -43,7 +43,7 @@ def schedule(
     result = simulate(plan, slot_costs)
     if png is not None:
         from ..errors import UsageError
-        from ..plots import schedule_png
+        from ..observe.plots import schedule_png
 
         if not png.parent.is_dir():
             raise fail(f"--png {str(png)!r}: the directory {str(png.parent)!r} does not exist")

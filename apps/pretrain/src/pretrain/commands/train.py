@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError, fail
-from ..safe_files import write_atomic
+from ..runtime.safe_files import write_atomic
 
 USAGE_PREFIX = "UsageError: "  # how a rank's UsageError reads in the launcher's failure record
 TRACEBACK_FILE = "error.log"
@@ -26,9 +26,9 @@ def train(
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
-    from ..launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
-    from ..preflight import check_run, checkpoint_root, run_lock
-    from ..run import run_rank
+    from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
+    from ..runtime.preflight import check_run, checkpoint_root, run_lock
+    from ..training.run import run_rank
 
     log_dir = None
     try:
@@ -39,7 +39,7 @@ def train(
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
         if not under_torchrun():
-            from ..rank_assignment import check_before_launch
+            from ..runtime.rank_assignment import check_before_launch
 
             check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
         leader = not under_torchrun() or os.environ.get("RANK") == "0"

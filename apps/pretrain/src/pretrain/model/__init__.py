@@ -1,1 +1,1 @@
-"""The Llama/DeepSeek-style model: single-device reference and its parallel composition."""
+"""The Llama/DeepSeek-style model: single-device reference, its parallel composition, and the GPU kernels it runs."""

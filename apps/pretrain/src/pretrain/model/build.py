@@ -74,7 +74,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     context = ChunkContext(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
-                    declared_routing=declared_routing)
+                    declared_routing=declared_routing, qk_clip=cfg.train.muon_qk_clip > 0)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)
@@ -110,7 +110,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
                   reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32,
                   fused_adamw={"auto": None, "on": True, "off": False}[t.fused_adamw])
     zero = cfg.parallel.zero
-    if zero == "torch_fsdp2":  # the layouts it runs with: config_checks.data_parallel_rules; the same mixed precision
+    if zero == "torch_fsdp2":  # the layouts it runs with: config/checks.py data_parallel_rules; the same mixed precision
         kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay, no_decay=no_decay,
                       param_dtype=kwargs["param_dtype"], reduce_dtype=kwargs["reduce_dtype"])
     kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_kwargs)  # [train].optimizer

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from ..kernels import require
+from .kernels import require
 
 TE_CP_COMM_TYPES = {"p2p": "p2p", "a2a": "a2a", "allgather": "all_gather", "a2a+p2p": "a2a+p2p"}
 

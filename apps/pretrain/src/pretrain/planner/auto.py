@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..config import TopologyConfig, apply_overrides, config_from_dict
 from ..errors import UsageError
-from ..metrics import lookup_peak_tflops
-from ..rank_assignment import described_topology
+from ..observe.metrics import lookup_peak_tflops
+from ..runtime.rank_assignment import described_topology
 from .estimate import ASSUMPTIONS, Cluster
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from .search import Choice, search, shape_config

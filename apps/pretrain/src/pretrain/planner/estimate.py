@@ -130,7 +130,7 @@ class Cluster:
 def pattern_bandwidth(stride: int, size: int, multi_rail: bool, cluster: Cluster) -> tuple[float, str]:
     """The slowest link and bandwidth of the pattern's groups on the smallest whole number of nodes
     and NVLink domains that repeats it (groups repeat with the pattern's block)."""
-    from ..rank_assignment import described_topology
+    from ..runtime.rank_assignment import described_topology
 
     world = math.lcm(stride * size, cluster.per_node, cluster.domain)
     topo = described_topology(SimpleNamespace(topology=replace(cluster.spec, nodes=world // cluster.per_node)), world)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import UsageError
-from ..layout import Layout
-from ..rank_assignment import workload
+from ..config.layout import Layout
+from ..runtime.rank_assignment import workload
 from ..sizing.activations import stage_peak_of
 from ..sizing.flops import training_flops_per_step
 from ..sizing.params import rank_params

@@ -78,7 +78,7 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
 
     from ..checkpoint.store import checkpoint_tensors
     from ..data import load_dataset
-    from ..train_loop import ShapesOnly, Trainer
+    from ..training.train_loop import ShapesOnly, Trainer
 
     layout = cfg.validate_world(world)
     check_rank(rank, world)

@@ -11,7 +11,8 @@
 from .cost import Workload, bytes_per_step
 from .describe import PRESETS, from_dict, load_toml, preset, preset_names, to_toml
 from .model import LINK_CLASSES, Gpu, Topology, TopologyError, uniform
-from .nvml import HOW_TO_DESCRIBE, NvmlUnavailable, detect, gather_topology, gather_views, local_view, merge_views, probe_host
+from .nvml import HOW_TO_DESCRIBE, NvmlUnavailable, local_view, probe_host
+from .gather import detect, gather_topology, gather_views, merge_views
 from .assignment import GroupCost, RankAssignment, evaluate, assign_ranks
 from .report import render_assignment, render_topology
 

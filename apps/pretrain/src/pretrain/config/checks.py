@@ -1,0 +1,147 @@
+"""The rules that span config sections, one function per concern, each rule written once.
+
+``Config.validate`` runs :data:`CROSS_SECTION_RULES` in order; a section's own rules live in its
+``__post_init__`` (``model_section``, ``parallel_section``, ``train_section``, ``sections``), and
+what depends on the number of ranks in ``Config.validate_world``. Every rule is one :class:`~pretrain.errors.UsageError` line naming
+the keys and what would be valid.
+"""
+
+from __future__ import annotations
+
+from par_zero import check_optimizer_choice
+
+from .rules import _divisors, _need
+from ..errors import UsageError
+
+
+def moe_rules(cfg) -> None:
+    """Expert parallelism needs MoE layers whose experts it divides (and whole node groups)."""
+    m, p = cfg.model, cfg.parallel
+    _need(m.is_moe or p.ep == 1, f"[parallel].ep={p.ep} needs MoE layers ([model].num_experts > 0 and "
+                                 f"moe_layers_start < layers)")
+    if m.is_moe:
+        _need(m.num_experts % p.ep == 0, f"[parallel].ep={p.ep} does not divide [model].num_experts={m.num_experts}")
+        _need(not m.max_route_nodes or p.ep % m.n_groups == 0 or m.n_groups % p.ep == 0,
+              f"[model].max_route_nodes needs each of the n_groups={m.n_groups} node groups of experts on whole "
+              f"EP ranks: n_groups must divide [parallel].ep={p.ep} or be a multiple of it")
+        expert_balance_rules(cfg)
+
+
+# What expert_balance = "replicate" (and "replicate+replace") is tested with (tests/test_layouts_train_same_model.py):
+# the all-to-all dispatcher, ep x dp, ep x tp with etp = 1, ZeRO-0/1/2. The rest is refused, each with why.
+def expert_balance_rules(cfg) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.expert_balance == "none":
+        return
+    refused = {f"[model].dispatcher={m.dispatcher!r}": m.dispatcher != "alltoall",
+               f"[parallel].etp={p.expert_tp}": p.expert_tp > 1, f"[parallel].pp={p.pp}": p.pp > 1,
+               f"[parallel].cp={p.cp}": p.cp > 1, f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
+    bad = [k for k, v in refused.items() if v]
+    _need(not bad, f"[model].expert_balance={m.expert_balance!r} is not supported with {', '.join(bad)}: it balances the "
+                   f"'alltoall' dispatcher and is tested only with etp=1, pp=1, cp=1 and zero no_shard/optim/optim_grads")
+    if m.expert_balance == "replicate+replace":  # its own limits, whatever "replicate" comes to support
+        refused = {f"[parallel].pp={p.pp}": p.pp > 1,
+                   f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
+        bad = [k for k, v in refused.items() if v]
+        _need(not bad, f"[model].expert_balance='replicate+replace' is not supported with {', '.join(bad)}: it moves "
+                       f"whole expert rows with their optimizer state (zero no_shard/optim/optim_grads) within one stage")
+
+
+def tensor_parallel_rules(cfg) -> None:
+    """TP splits the heads and the (padded) vocabulary."""
+    m, p = cfg.model, cfg.parallel
+    _need(m.heads % p.tp == 0, f"[parallel].tp={p.tp} does not divide [model].heads={m.heads}; "
+                               f"use one of {_divisors(m.heads)}")
+    _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
+          f"[parallel].tp={p.tp} and [model].kv_heads={m.kv_heads}: one must divide the other "
+          f"(kv heads are split over tp, or replicated when fewer than tp)")
+    padded = m.padded_vocab(p.tp)
+    _need(padded % p.tp == 0, f"[model].vocab_size={m.vocab_size} padded to a multiple of vocab_pad_to={m.vocab_pad_to} "
+          f"is {padded} rows, which [parallel].tp={p.tp} does not divide: use vocab_pad_to = 0 (Megatron's "
+          f"128 x tp) or a multiple of {p.tp}")
+    _need(not p.tp_comm_overlap or m.backend == "torch",
+          "[parallel].tp_comm_overlap=true runs par-tp's own ring matmuls: use [model].backend='torch' "
+          "(Transformer Engine overlaps with its own userbuffers)")
+
+
+def pipeline_rules(cfg) -> None:
+    """The layers split over pp x chunks per rank, evenly or as the uneven stages say."""
+    m, p = cfg.model, cfg.parallel
+    chunks = p.pp * p.chunks_per_rank
+    if p.uneven:
+        _need(p.pp > 1, f"[parallel].first_stage_layers/last_stage_layers need pp >= 2 (got pp={p.pp}); leave them at 0")
+        p.chunk_layers(m.layers)  # raises the one-line error when the sizes do not add up
+    else:
+        _need(m.layers % chunks == 0,
+              f"[model].layers={m.layers} is not divisible by pp*{'vpp' if p.vpp > 1 else 'chunks'}={p.pp}*"
+              f"{p.chunks_per_rank}={chunks}; or set [parallel].first_stage_layers/last_stage_layers")
+
+
+def context_parallel_rules(cfg) -> None:
+    """CP's all-to-all splits heads; load-balanced causal CP splits the sequence in 2 x cp chunks."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.cp_comm_type in ("a2a", "a2a+p2p") and p.cp > 1:
+        a2a = p.hcp[0] if p.hcp else p.cp
+        for name, heads in (("heads", m.heads), ("kv_heads", m.kv_heads)):
+            local = max(heads // p.tp, 1)
+            _need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits heads over {a2a} ranks, "
+                                    f"which does not divide the {local} [model].{name} per tp rank")
+    _need(t.seq_len % p.cp == 0 and (p.cp == 1 or t.seq_len % (2 * p.cp) == 0),
+          f"[train].seq_len={t.seq_len} must be divisible by 2*cp={2 * p.cp} (load-balanced causal CP)")
+
+
+def kernel_rules(cfg) -> None:
+    """FP8 runs in Transformer Engine; compile needs the torch blocks and fixed masks."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(t.fp8 == "off" or m.backend == "te",
+          f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
+    _need(not t.compile or (m.backend == "torch" and not cfg.data.packed and not p.dynamic_cp),
+          "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
+          "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "
+          "follow each batch's document boundaries, which breaks the graph and recompiles); turn one off")
+
+
+def data_parallel_rules(cfg) -> None:
+    """torch's FSDP2 wraps plain data-parallel blocks; par-zero decides which optimizers a strategy runs."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.zero == "torch_fsdp2":  # the one place this is checked
+        _need(p.tp == p.pp == p.ep == 1 and not m.tie_embeddings,
+              f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
+              f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
+              f"(ZeRO-3) with them")
+    try:  # the sharded strategies run par-zero's own AdamW only
+        check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_kwargs, t.weight_decay)
+    except ValueError as e:
+        raise UsageError(f"[train].optimizer={t.optimizer!r} with [parallel].zero={p.zero!r}: {e}") from None
+
+
+def data_rules(cfg) -> None:
+    """The embedded data's vocabulary; what packed documents and dynamic CP run with."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    embedded_vocab = 257 if d.packed else 256  # with EOS when documents matter
+    _need(d.train_sources or m.vocab_size >= embedded_vocab,
+          f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
+          f"{' (256 bytes and EOS: [data] document keys are set)' if d.packed else ''}")
+    if p.dynamic_cp:
+        _need(d.document_mask and not m.is_moe and m.attention != "mla",
+              "[parallel].dynamic_cp=true needs [data].document_mask=true and a dense GQA model "
+              "([model].num_experts=0, attention='gqa')")
+    if d.packed:
+        _need(not m.mtp_depth and m.backend != "te",
+              f"[data].document_mask/reset_position_ids/eod_mask_loss do not run with "
+              f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
+
+
+def qk_clip_rules(cfg) -> None:
+    """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.train.muon_qk_clip > 0:
+        _need(m.attention == "gqa" and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
+              f"[train].muon_qk_clip runs with attention='gqa', qk_norm=false (its norms undo the rescale), "
+              f"backend='torch' and dynamic_cp=false (got attention={m.attention!r}, qk_norm={str(m.qk_norm).lower()}, "
+              f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
+
+
+# Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
+CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
+                       data_parallel_rules, data_rules, qk_clip_rules)

@@ -1,0 +1,209 @@
+"""The ``[model]`` section: a Llama-3-style decoder, MoE (DeepSeek-style) and MLA options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
+from ..model.rope_scaling import check_rope_scaling
+
+BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
+RECOMPUTE = ("none", "selective", "full")
+SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
+EXPERT_BALANCES = ("none", "replicate", "replicate+replace")
+ATTENTIONS = ("gqa", "mla")
+GROUP_SCORES = ("top2", "top_k_per_group")
+
+
+def _validate_mla(m) -> None:
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _need(getattr(m, name) >= 1, f"[model].{name}={getattr(m, name)} must be >= 1 with attention='mla'")
+    _positive("model", m, "q_lora_rank", allow_zero=True)
+    _need(m.qk_rope_head_dim % 2 == 0, f"[model].qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+    _need(m.kv_heads == m.heads, f"[model].kv_heads={m.kv_heads} must equal heads={m.heads} with attention='mla' "
+                                 f"(every head has its own K and V, expanded from the latent)")
+
+
+def _validate_route_nodes(m) -> None:
+    M = m.max_route_nodes
+    _need(m.n_groups > 1, f"[model].max_route_nodes={M} needs n_groups > 1: the nodes the experts are spread over, "
+                          f"one expert group per node (DeepSeek-V3: n_groups = 8, max_route_nodes = 4)")
+    _need(M <= m.n_groups, f"[model].max_route_nodes={M} must be in 1..n_groups={m.n_groups}")
+    _need(m.group_score != "top_k_per_group" or m.top_k % M == 0,
+          f"[model].max_route_nodes={M} must divide top_k={m.top_k} (with group_score='top_k_per_group' a node is "
+          f"scored by the sum of its top top_k/max_route_nodes experts)")
+    _need(m.topk_groups in (1, M), f"[model].max_route_nodes={M} and topk_groups={m.topk_groups} set the same "
+                                   f"limit; set only max_route_nodes")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
+
+    vocab_size: int = 256
+    # Megatron's --make-vocab-size-divisible-by: the embedding and head get rows up to a multiple of
+    # 128 x tp (0, the default) or of this fixed number (a multiple of tp); the padded logits are
+    # masked out of the loss and checkpoints / exports hold vocab_size rows (see model/vocab.py)
+    vocab_pad_to: int = 0
+    hidden: int = 64
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    ffn_hidden: int = 128
+    kv_channels: int = 0  # the width of one attention head (Megatron's --kv-channels, HF head_dim); 0 = hidden/heads
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)
+    rope_theta: float = 10000.0
+    # RoPE scaling with transformers' keys, e.g. {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
+    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; {} = plain RoPE (model/rope_scaling.py)
+    rope_scaling: dict = field(default_factory=dict)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    recompute: str = "none"
+    moe_layers_start: int = 0
+    num_experts: int = 0
+    # Qwen3-MoE's layer pattern: layer i has experts iff (i + 1) % decoder_sparse_step == 0 and i is not in
+    # mlp_only_layers (and i >= moe_layers_start)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    top_k: int = 2
+    moe_ffn_hidden: int = 0  # 0 = ffn_hidden
+    shared_experts: int = 0
+    score_func: str = "softmax"
+    n_groups: int = 1
+    topk_groups: int = 1
+    # a group's score: the sum of its top 2 scores (DeepSeek-V3's code, transformers) or of its top
+    # top_k/topk_groups (top_k_per_group: the DeepSeek-V3 paper's node score)
+    group_score: str = "top2"
+    # Node-limited routing (DeepSeek-V3): the n_groups expert groups are nodes (one group per node of
+    # the EP group) and a token's experts span at most this many; sets topk_groups. 0 = off.
+    max_route_nodes: int = 0
+    routed_scaling: float = 1.0
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0  # sequence-wise balancing loss (DeepSeek-V3); layout-independent
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float = 0.0  # 0 = no token dropping
+    dispatcher: str = "alltoall"
+    # "replicate": every EP rank computes at most ceil(pairs / ep) (token, expert) pairs, hot experts'
+    # excess on replicas fetched from their home ranks (par_moe.balance); at most this many per rank
+    expert_balance: str = "none"
+    max_replicas_per_rank: int = 2
+    # "replicate+replace": also re-place experts onto EP ranks by their load every this many steps
+    # (pretrain.model.replace), moving their weights and optimizer state
+    replace_every: int = 100
+    # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
+    norm_topk_prob: bool | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # 0 = a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
+    backend: str = "torch"  # te = Transformer Engine layers and attention (CUDA, optional)
+    attention_backend: str = "auto"  # auto | flash | sdpa | torch: the attention kernel
+
+    def __hash__(self) -> int:  # the planner caches by config; rope_scaling is the one dict field
+        return hash(tuple(sorted(self.rope_scaling.items())) + tuple(
+            v for k, v in self.__dict__.items() if k != "rope_scaling"))
+
+    def __post_init__(self) -> None:
+        _choice("[model].backend", self.backend, BACKENDS)
+        _choice("[model].attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive("model", self, "vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn_hidden", "decoder_sparse_step")
+        _positive("model", self, "kv_channels", allow_zero=True)
+        _at_most("model", self, MAX_SIZES)
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # a list once read from JSON
+        _need(all(0 <= i < self.layers for i in self.mlp_only_layers),
+              f"[model].mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in 0..{self.layers - 1}")
+        check_rope_scaling(self.rope_scaling)
+        _choice("[model].group_score", self.group_score, GROUP_SCORES)
+        _positive("model", self, "vocab_pad_to", "moe_layers_start", "num_experts", "moe_ffn_hidden", "shared_experts", "mtp_depth",
+                  allow_zero=True)
+        _choice("[model].attention", self.attention, ATTENTIONS)
+        _need(self.heads % self.kv_heads == 0,
+              f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
+        if self.attention == "mla":
+            _validate_mla(self)
+            _need(not self.qk_norm and not self.kv_channels, "[model].qk_norm and kv_channels are for attention='gqa' "
+                                                             "(MLA sets its widths with qk_nope/rope_head_dim, v_head_dim)")
+        else:
+            _need(self.kv_channels or self.hidden % self.heads == 0,
+                  f"[model].heads={self.heads} does not divide hidden={self.hidden} (or set kv_channels)")
+            _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        for name in ("mtp_loss_weight", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            _need(getattr(self, name) >= 0, f"[model].{name}={getattr(self, name)} must be >= 0")
+        _need(self.routed_scaling > 0, f"[model].routed_scaling={self.routed_scaling} must be > 0")
+        _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
+              "[model].init_std, norm_eps and rope_theta must be > 0")
+        _choice("[model].recompute", self.recompute, RECOMPUTE)
+        _choice("[model].score_func", self.score_func, SCORE_FUNCS)
+        _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
+        _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)
+        _need(self.max_replicas_per_rank >= 1, f"[model].max_replicas_per_rank={self.max_replicas_per_rank} must be >= 1")
+        _need(self.replace_every >= 1, f"[model].replace_every={self.replace_every} must be >= 1 (steps between "
+                                       f"re-placements of expert_balance='replicate+replace')")
+        _positive("model", self, "max_route_nodes", allow_zero=True)
+        if self.num_experts and self.max_route_nodes:
+            _validate_route_nodes(self)
+            object.__setattr__(self, "topk_groups", self.max_route_nodes)  # the same rule, under its node name
+        if self.num_experts:
+            _need(1 <= self.top_k <= self.num_experts,
+                  f"[model].top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+            _need(self.n_groups >= 1 and self.num_experts % self.n_groups == 0,
+                  f"[model].n_groups={self.n_groups} does not divide num_experts={self.num_experts}")
+            _need(1 <= self.topk_groups <= self.n_groups,
+                  f"[model].topk_groups={self.topk_groups} must be in 1..n_groups={self.n_groups}")
+            per_group = self.num_experts // self.n_groups
+            _need(self.top_k <= self.topk_groups * per_group,
+                  f"[model].top_k={self.top_k} exceeds the {self.topk_groups * per_group} experts in topk_groups="
+                  f"{self.topk_groups} groups of {per_group}")
+            _need(self.n_groups == 1 or self.group_score != "top_k_per_group" or self.top_k % self.topk_groups == 0,
+                  f"[model].topk_groups={self.topk_groups} must divide top_k={self.top_k} (a group is scored by the "
+                  f"sum of its top top_k/topk_groups experts)")
+            _need(self.capacity_factor >= 0, f"[model].capacity_factor={self.capacity_factor} must be >= 0 (0 = no drop)")
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and output head under ``tp``: vocab_size rounded up to a multiple of
+        128 x tp (vocab_pad_to = 0, Megatron's default) or of vocab_pad_to."""
+        multiple = self.vocab_pad_to or 128 * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def normalize_topk(self) -> bool:
+        """Whether the chosen experts' weights are divided by their sum (``norm_topk_prob``, unset: sigmoid only)."""
+        return self.score_func == "sigmoid" if self.norm_topk_prob is None else self.norm_topk_prob
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: nope + rope parts under MLA, head_dim otherwise."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def expert_ffn_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer ``index`` (0-based) has routed experts: the first ``moe_layers_start`` layers stay dense, and
+        so do ``mlp_only_layers`` and those not on the ``decoder_sparse_step`` pattern (MTP layers: always)."""
+        if not self.num_experts or index < self.moe_layers_start:
+            return False
+        return index >= self.layers or (index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0)

@@ -1,0 +1,127 @@
+"""The ``[train]`` section: steps, batch, optimizer and its options, precision, device, timeouts."""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass, field
+
+from par_zero import optimizer_classes
+from par_zero.newton_schulz import ADJUST_LR_FNS
+
+from .rules import _choice, _need, _positive, _seed, _timeout
+
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
+NAN_POLICIES = ("skip", "stop")
+OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
+
+
+MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    stop_at: int = 0  # 0 = run to `steps`; else end after this step (as a pre-emption would)
+    seq_len: int = 64
+    global_batch: int = 8  # sequences per optimizer step, over all dp ranks
+    micro_batch: int = 0  # sequences per micro-batch per dp rank; 0 = derived
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    # adamw: par-zero's distributed AdamW (beta1, beta2; every [parallel].zero); or a torch.optim class by
+    # name, any case (sgd, adagrad, rmsprop, ...; zero = no_shard or torch_fsdp2) built with lr,
+    # weight_decay (norms, biases, embeddings excluded) and optimizer_args, e.g. {momentum = 0.9}
+    optimizer: str = "adamw"
+    optimizer_args: dict = field(default_factory=dict)
+    # muon: par-zero's Muon on the hidden matrices (model/muon_split.py), AdamW (beta1, beta2) on the rest,
+    # torch.optim.Muon's arithmetic and options; ns_dtype: Newton-Schulz in bf16 (torch's) or fp32
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr_fn: str = "original"  # original | match_rms_adamw | spectral_unclamped
+    muon_ns_dtype: str = "bf16"
+    # MuonClip's tau (Kimi K2: 100): a head's W_q, W_k rows scaled down after a step whose max logit
+    # passed it (model/qk_clip.py); 0 = off
+    muon_qk_clip: float = 0.0
+    # adamw's update: auto = torch's fused kernel on CUDA, the explicit ops (bitwise torch's foreach=False)
+    # on the CPU; on = the fused kernel on the CPU too (~4x faster there, rounding differs); off = never
+    fused_adamw: str = "auto"
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 1234  # the initial weights ([data].seed: the data order and the embedded corpus)
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
+    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te)
+    eval_every: int = 50  # 0 = never
+    eval_batches: int = 4
+    nproc: int = 2
+    collective_timeout_s: float = 300.0  # bounds every collective (a hang names its rank after it)
+    join_timeout_s: float = 300.0  # every rank must have joined the rendezvous within it ([train].timeout_s: both)
+    preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
+    nan_policy: str = "stop"
+    # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
+    grad_reduce_dtype: str = "fp32"
+    compile: bool = False  # each transformer block's forward compiled by torch.compile (inductor), as torchtitan
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
+        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", allow_zero=True)
+        _seed("[train].seed", self.seed)
+        _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
+              f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
+              f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
+        _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
+        _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
+        _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
+        _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
+        _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
+        _timeout("[train].collective_timeout_s", self.collective_timeout_s)
+        _timeout("[train].join_timeout_s", self.join_timeout_s)
+        _timeout("[train].preempt_timeout_s", self.preempt_timeout_s)
+        _choice("[train].dtype", self.dtype, DTYPES)
+        _choice("[train].device", self.device, DEVICES)
+        _choice("[train].fp8", self.fp8, FP8)
+        _choice("[train].nan_policy", self.nan_policy, NAN_POLICIES)
+        _choice("[train].grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16"))
+        _choice("[train].muon_adjust_lr_fn", self.muon_adjust_lr_fn, ADJUST_LR_FNS)
+        _choice("[train].muon_ns_dtype", self.muon_ns_dtype, ("bf16", "fp32"))
+        _need(0 <= self.muon_momentum < 1 and 1 <= self.muon_ns_steps < 100,
+              f"[train].muon_momentum={self.muon_momentum} must be in [0, 1), muon_ns_steps={self.muon_ns_steps} in 1..99")
+        _need(self.muon_qk_clip == 0 or (self.muon_qk_clip > 0 and math.isfinite(self.muon_qk_clip)
+                                         and self.optimizer == "muon"),
+              f"[train].muon_qk_clip={self.muon_qk_clip} must be a finite logit > 0 with optimizer='muon' "
+              f"(got optimizer={self.optimizer!r}), or 0 (off)")
+        _need(self.optimizer != "muon" or not self.optimizer_args,
+              "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
+        _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
+        _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
+
+    @property
+    def optimizer_class(self) -> str:
+        """What par-zero's ``optimizer`` argument takes: 'AdamW' (its own) or a torch.optim class name."""
+        if self.optimizer in ("adamw", "muon"):  # par-zero's own: 'AdamW', 'Muon'
+            return {"adamw": "AdamW", "muon": "Muon"}[self.optimizer]
+        return {n.lower(): n for n in optimizer_classes()}[self.optimizer]
+
+    @property
+    def optimizer_kwargs(self) -> dict:
+        """par-zero's ``optimizer_args``: the muon_* keys for 'muon', else ``optimizer_args``."""
+        if self.optimizer != "muon":
+            return self.optimizer_args
+        return {"momentum": self.muon_momentum, "nesterov": self.muon_nesterov, "ns_steps": self.muon_ns_steps,
+                "adjust_lr_fn": self.muon_adjust_lr_fn, "ns_dtype": self.muon_ns_dtype}
+
+    @property
+    def last_step(self) -> int:
+        return self.stop_at or self.steps
+
+    def resolved_dtype(self, device_type: str) -> str:
+        """'fp32' or 'bf16': ``auto`` is bf16 on CUDA and fp32 on the CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if device_type == "cuda" else "fp32"

@@ -1,0 +1,256 @@
+"""Standalone ranks on this host: started, watched, stopped and reported by :func:`run_local_ranks`.
+
+Start-up: ranks fork from a *forkserver*, a clean process that imported torch once. Forking the
+launcher itself is undefined once it has threads (OpenMP pools, gloo, a checkpoint writer, a
+caller's thread pool): ranks crashed in the garbage collector or hung on a lock held by a thread
+that did not exist in the child. The forkserver has none, and its children skip re-importing torch,
+which makes it cheaper than spawn (measured in the README). It is CUDA-safe as well.
+
+Rendezvous: the launcher hosts the ranks' TCPStore on a socket bound to the master address only.
+Each rank marks its arrival and its join in the store; a rank that has not joined within
+``join_timeout_s`` ends the run with one line naming it, whatever held it up.
+
+Signals: the first SIGTERM or SIGINT reaching the launcher (alone, or with its whole process group,
+as SLURM and Kubernetes send it) is forwarded to every rank once, as SIGTERM; the ranks save at
+the next step boundary and exit. Ranks that have not finished ``preempt_timeout_s`` later are
+killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. A
+handler of the caller's own (a test runner's) hears the signal once the ranks have stopped. Ranks ignore SIGINT and hold SIGTERM pending until the
+entry installs its handler (``pretrain.runtime.preempt``), so a signal during start-up is not lost.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..errors import UsageError
+from .rank_env import LAUNCHER_ENV, Aborted, RankFailed, join_key
+
+MASTER_ADDR = "127.0.0.1"
+FAILURE_GRACE_S = 1.0  # after a rank fails, how long to wait for a peer whose failure is the cause
+EXIT_GRACE_S = 10.0  # after every rank returned, how long it may take to exit before it is killed
+# What a healthy rank reports when a peer died under it: not the error to show the user.
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+
+
+def _exit_with_launcher(conn) -> None:
+    conn.poll(None)  # the launcher never writes: this returns when its end closes (it died)
+    os._exit(1)
+
+
+def _name_process(rank: str) -> None:
+    """``ps -o pid,comm``, ``top`` and ``pgrep`` show which process is which rank: ``pretrain-rank3``
+    (Linux's process name, 15 characters at most). A forked rank's /proc/PID/environ keeps the
+    forkserver's environment, so RANK is in ``os.environ`` but not there."""
+    name = f"pretrain-rank{rank}" if len(rank) <= 2 else f"pretrain-r{rank}"
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:  # not Linux: the name stays python's
+        pass
+
+
+def _rank_main(env: dict[str, str], entry: Callable, args: tuple, conn) -> None:
+    """Runs in each rank process: the torchrun environment, then ``entry(*args)``; reports the outcome."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher turns Ctrl-C into one SIGTERM
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until the entry handles it
+    os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
+    os.environ.update(env)
+    _name_process(env["RANK"])
+    threading.Thread(target=_exit_with_launcher, args=(conn,), daemon=True).start()
+    try:
+        reply = ("ok", entry(*args))
+    except BaseException as e:  # noqa: BLE001 -- everything a rank raises is reported to the launcher
+        usage = isinstance(e, UsageError)  # its subclasses too: the launcher reads "UsageError: <message>"
+        reply = ("err", f"{'UsageError' if usage else type(e).__name__}: {e}", traceback.format_exc(), usage)
+    try:
+        conn.send(reply)
+    except Exception as e:  # noqa: BLE001 -- a result that does not pickle
+        conn.send(("err", f"its result could not be sent: {type(e).__name__}: {e}", traceback.format_exc(), False))
+
+
+def _listening_socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
+
+
+class _Failure:
+    def __init__(self, rank: int, error: str, exitcode: int | None, tb: str = "", usage: bool = False) -> None:
+        self.rank, self.error, self.exitcode, self.traceback, self.usage = rank, error, exitcode, tb, usage
+
+    @property
+    def collateral(self) -> bool:
+        return any(c in self.error for c in _COLLATERAL)
+
+
+def _death_message(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"exited with code {exitcode} (signal {signal.Signals(-exitcode).name})"
+    return f"exited with code {exitcode} before reporting a result"
+
+
+class LocalRanks:
+    """``nproc`` rank processes of one run; :meth:`wait` returns their results or raises."""
+
+    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None) -> None:
+        self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
+        self.log_dir = log_dir  # where the ranks write flight records (pretrain.runtime.hang); None: no hang summary
+        self.stop_signal: int | None = None
+        self.stop_at = self.started = 0.0
+        self.procs: list = []
+        self.conns: list = []
+        self.store = None
+        self.returned = False
+
+    def start(self, entry: Callable, args: tuple) -> None:
+        sock = _listening_socket(MASTER_ADDR)
+        port = sock.getsockname()[1]
+        self.store = dist.TCPStore(MASTER_ADDR, port, None, True, timedelta(seconds=self.join_timeout_s),
+                                   wait_for_workers=False, master_listen_fd=sock.detach())
+        ctx = mp.get_context("forkserver")
+        # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
+        # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
+        ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, entry.__module__])
+        base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
+                "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
+        for rank in range(self.nproc):
+            parent, child = ctx.Pipe()
+            env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+            proc = ctx.Process(target=_rank_main, args=(env, entry, args, child), name=f"pretrain-rank{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+            if self.stop_signal is not None:  # a signal came while ranks were starting
+                os.kill(proc.pid, signal.SIGTERM)
+        self.started = time.monotonic()  # the join timeout counts from here (not the forkserver's start)
+        self.wall_started = time.time()  # flight records older than this are another run's
+
+    # ---- signals ---------------------------------------------------------------------------
+    def on_signal(self, signum: int, frame) -> None:
+        if self.stop_signal is not None:  # SIGTERM may come twice (the group's and a wrapper's): one request
+            if signum == signal.SIGINT:
+                raise Aborted("interrupted again (SIGINT): stopped the ranks without saving", 130)
+            return
+        self.stop_signal, self.stop_at = signum, time.monotonic()
+        for proc in self.procs:
+            if proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def _check_stop_deadline(self) -> None:
+        if self.stop_signal is not None and time.monotonic() - self.stop_at > self.preempt_timeout_s:
+            name = signal.Signals(self.stop_signal).name
+            raise Aborted(f"{name}: the ranks did not save and exit within [train].preempt_timeout_s="
+                          f"{self.preempt_timeout_s:g} s; stopped them", 1)
+
+    # ---- rendezvous ------------------------------------------------------------------------
+    def _check_joined(self, joined: set[int]) -> None:
+        """Add the ranks that have joined since; RankFailed naming the first missing one once the timeout passed."""
+        for rank in range(self.nproc):
+            if rank not in joined and self.store.check([join_key("joined", rank)]):
+                joined.add(rank)
+        if len(joined) == self.nproc or time.monotonic() - self.started <= self.join_timeout_s:
+            return
+        late = [r for r in range(self.nproc) if r not in joined]
+        absent = [r for r in late if not self.store.check([join_key("arrived", r)])]
+        culprits = absent or late  # the ranks that never arrived hold up the others
+        what = "reach" if absent else "complete"
+        others = f" (nor did ranks {', '.join(map(str, culprits[1:]))})" if len(culprits) > 1 else ""
+        raise RankFailed(culprits[0], f"did not {what} the rendezvous within {self.join_timeout_s:g} s "
+                                      f"([train].join_timeout_s){others}")
+
+    def _hang_named(self, root: _Failure) -> RankFailed | None:
+        """After a timeout: the error naming the rank that has not arrived, from the flight records."""
+        from .hang import hang_summary, is_timeout
+
+        if self.log_dir is None or not is_timeout(root.error):
+            return None
+        hang = hang_summary(self.log_dir, [p.pid for p in self.procs], self.wall_started)
+        if hang is None or hang.rank is None:
+            return None
+        return RankFailed(hang.rank, f"hang after [train].collective_timeout_s: {hang.line}",
+                          root.exitcode, root.traceback)
+
+    # ---- waiting ---------------------------------------------------------------------------
+    def wait(self) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: list[_Failure] = []
+        joined: set[int] = set()
+        pending = dict(enumerate(self.conns))
+        first_failure = None
+        while pending:
+            for conn in wait(list(pending.values()), timeout=0.2):
+                rank = self.conns.index(conn)
+                del pending[rank]
+                try:
+                    status, *body = conn.recv()
+                except (EOFError, OSError):
+                    self.procs[rank].join(timeout=1.0)
+                    exitcode = self.procs[rank].exitcode
+                    failures.append(_Failure(rank, _death_message(exitcode), exitcode))
+                    continue
+                if status == "ok":
+                    results[rank] = body[0]
+                else:
+                    failures.append(_Failure(rank, body[0], 1, body[1], body[2]))
+            if failures:
+                first_failure = first_failure or time.monotonic()
+                if not pending or time.monotonic() - first_failure > FAILURE_GRACE_S:
+                    root = next((f for f in failures if not f.collateral), failures[0])
+                    raise self._hang_named(root) or RankFailed(root.rank, root.error, root.exitcode, root.traceback,
+                                                               root.usage)
+                continue
+            self._check_joined(joined)
+            self._check_stop_deadline()
+        self.returned = True
+        return [results[r] for r in range(self.nproc)]
+
+    def close(self) -> None:
+        """Let ranks that returned exit; kill the rest (after a failure, a timeout or a second signal)."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()) if self.returned else 0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.store = None
+
+
+def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float,
+                    log_dir: str | None = None) -> list[Any]:
+    """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
+    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived."""
+    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir)
+    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
+    try:
+        ranks.start(entry, args)
+        return ranks.wait()
+    finally:
+        ranks.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _pass_on(ranks.stop_signal, previous.get(ranks.stop_signal))
+
+
+def _pass_on(signum: int | None, handler) -> None:
+    """Once the ranks have stopped, hand the signal to the handler the caller had installed, if it is
+    its own (a test runner's or an embedding program's: ``pytest`` ends its run on SIGTERM): the
+    launcher must not keep it. The defaults (terminate, KeyboardInterrupt) are not called: a
+    pre-empted ``pretrain train`` has saved and ends normally."""
+    if signum is not None and callable(handler) and handler is not signal.default_int_handler:
+        handler(signum, None)

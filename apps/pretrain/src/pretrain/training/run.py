@@ -1,0 +1,172 @@
+"""What every rank runs for `pretrain train`: join the group, train, evaluate, log, checkpoint, leave."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack, nullcontext
+
+from par_groups import comm
+from par_groups.watch import CommWatch
+
+# imported here, not in run_rank: the launcher's forkserver preloads this module once for all ranks
+from ..checkpoint import CheckpointSaver, resolve_checkpoint
+from ..checkpoint.resume import resume_latest, unverified_note
+from ..checkpoint.retention import start_run
+from ..config import load_config
+from ..data import load_dataset
+from ..sizing.flops import training_flops_per_step
+from ..runtime.hang import flight_recorder, nccl_flight_env
+from ..runtime.launch import device_type, init_distributed, shutdown
+from ..observe.metrics import MetricsLogger
+from ..observe.peak import matmul_dtype, peak_flops
+from ..runtime.preempt import StopRequests
+from ..runtime.preflight import checkpoint_root
+from ..observe.profile_window import ProfileWindow
+from ..observe.step_timing import StepTimer
+from .train_loop import Trainer
+
+# A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
+# with a small collective and a host read, not at every step (issue 47).
+PREEMPT_CHECK_STEPS = 10
+
+
+def run_rank(config: str | None, overrides: list[str], device: str | None = None, force: bool = False) -> dict:
+    """Train per the config on this rank; rank 0 logs. Returns first/last loss and timings.
+
+    ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
+    cfg = load_config(config, overrides)
+    if device_type(device or cfg.train.device) == "cuda":
+        os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
+    t = cfg.train
+    rank, world, _, dev = init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s)
+    stops = StopRequests(t.collective_timeout_s)  # from here a signal means: save after the next step
+    watching = ExitStack()
+    try:
+        watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
+        dataset = load_dataset(cfg.data, cfg.model.vocab_size)
+        trainer = Trainer(cfg, dataset=dataset, device=dev, timer=StepTimer(watch, dev) if cfg.log.timing else None)
+        if watch is not None:
+            watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
+        profiler = ProfileWindow(cfg, rank, dev, watch)
+        t, ck = cfg.train, cfg.checkpoint
+        root = checkpoint_root(cfg)
+        start_step, note = 0, ""
+        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume else (None, 0, "")
+        if latest is not None:
+            note = f"; resumed from {latest} at step {start_step}{why}"
+        elif ck.init_from:
+            trainer.load_checkpoint(ck.init_from, model_only=True)
+            note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
+        saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published later
+        last_step = t.stop_at or t.steps
+        logger = None
+        if rank == 0:
+            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
+            logger = MetricsLogger(
+                cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
+                flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
+                peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
+                tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
+                start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
+            )
+            logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
+                           f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
+                           f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
+                           f"{dataset.unigram_entropy():.3f} nats){note}")
+            logger.message(trainer.assignment.message)
+            if dev.type == "cuda":
+                logger.message(f"kernels: {trainer.kernels.describe()}")
+        first = last = None
+        saved_at = start_step if latest is not None else -1
+        done = start_step
+        start = interval = time.time()
+        interval_steps = 0
+        for step in range(start_step, last_step):
+            began = time.time()
+            profiler.before(step + 1)
+            interval += time.time() - began  # starting a profile is not the step's time
+            result = trainer.train_step(step)
+            done, interval_steps = step + 1, interval_steps + 1
+            first = result if first is None else first
+            if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
+                logger.log_event("expert_placement", **result.placement)
+            if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
+                logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+            # Values are read on the host at log steps only (and checked finite there): see step_result.py
+            if done % cfg.log.every == 0 or done == last_step:
+                trainer.check_finite()
+                timing = trainer.timer.gathered()
+                last = result.loss
+                blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
+                if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
+                    step_time = (time.time() - interval) / interval_steps
+                    logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
+                               **result.moe, **timing, **trainer.sampler.shares(done),
+                               **({"time_checkpoint": blocked} if blocked is not None else {}))
+                interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
+            profiler.after(done)  # after the log line: writing the trace is not the step's time
+            if t.eval_every and (done % t.eval_every == 0 or done == last_step):
+                eval_loss = trainer.evaluate(t.eval_batches)
+                if logger is not None:
+                    logger.log_eval(done, eval_loss)
+                interval_steps = -1
+            checkpoint_step = bool(ck.every and done % ck.every == 0)
+            # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
+            preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
+            if checkpoint_step or preempted:
+                trainer.check_finite()  # never a checkpoint after a non-finite step
+                path = saver.save(trainer, root, done, ck.keep)
+                saved_at = done
+                if logger is not None:
+                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
+                                   + f"; training thread blocked {saver.last_blocked_s:.2f} s")
+                interval_steps = -1
+            if preempted:
+                saver.finish()  # published before we exit
+                if logger is not None:
+                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                   f"checkpoint written")
+                break
+            if interval_steps < 0:
+                interval, interval_steps = time.time(), 0
+        first = None if first is None else first.loss
+        if last is None and done > start_step:  # stopped by a signal between log steps
+            last = result.loss
+        if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
+            trainer.check_finite()
+            path = saver.save(trainer, root, done, ck.keep)
+            if logger is not None:
+                logger.message(f"checkpoint {path}; training thread blocked {saver.last_blocked_s:.2f} s")
+        finished = saver.close()  # the last background save, published once every rank has written it; pruning done
+        if finished is not None and logger is not None:
+            logger.message(f"checkpoint {finished} complete; training thread waited {saver.last_blocked_s:.2f} s")
+        if logger is not None:
+            if first is not None:
+                logger.message(f"done: {done - start_step} steps in {time.time() - start:.1f} s, "
+                               f"loss {first:.4f} -> {last:.4f}")
+            logger.close()
+        comm.barrier(None)  # only on success: a failed rank must not wait here for peers stuck in a step's collective
+        return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
+    finally:
+        watching.close()
+        stops.close()
+        shutdown()
+
+
+def _watch(cfg, rank: int):
+    """The watch over every collective: the flight recorder (pretrain.runtime.hang) and the step timing's waits."""
+    if cfg.log.flight_records:
+        return flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+    return CommWatch(0) if cfg.log.timing else nullcontext()
+
+
+def _wandb_init(cfg, layout) -> dict | None:
+    """W&B's init arguments ([log] wandb): project, name, tags, and the config and layout as its config."""
+    if not cfg.log.wandb:
+        return None
+    config = cfg.to_dict() | {"layout": {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp,
+                                         "ep": layout.ep, "micro_batch": layout.micro_batch,
+                                         "microbatches": layout.microbatches}}
+    return {"project": cfg.log.wandb_project, "name": cfg.log.wandb_name or None, "tags": list(cfg.log.wandb_tags),
+            "config": config}

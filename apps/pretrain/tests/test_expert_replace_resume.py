@@ -1,4 +1,5 @@
-"""expert_balance = "replicate+replace" across checkpoints (ep2 x edp2, ZeRO-1, forced skew, replace_every=5).
+"""expert_balance = "replicate+replace" across checkpoints (ep2 x edp2, ZeRO-1, forced skew, replace_every=5;
+a synchronous and an asynchronous save).
 
 A resume from step 7 (saved between the re-placements of steps 5 and 10) continues the uninterrupted
 20-step run bitwise: every loss and grad norm, and every parameter and optimizer state at the end.
@@ -6,6 +7,7 @@ The checkpoint is keyed by the global expert index: loaded under ep4 (its own pl
 and on one rank, every tensor is the one the saving run held.
 """
 
+import pytest
 import torch
 
 from test_expert_replace import global_state, skew
@@ -16,14 +18,17 @@ OVERRIDES = ["model.layers=3", "model.top_k=4", "model.expert_balance=replicate+
              "train.eval_every=0", "log.progress=false", "train.seq_len=32"]
 
 
-def run(overrides, root: str, resume: bool):
+def run(overrides, root: str, resume: bool, background: bool = False):
     """Steps, from the start (saving after step SAVED) or resumed from that save: (loss, grad norm) per step,
-    the re-placement records, and the global state at the save (uninterrupted) and at the end."""
+    the re-placement records, and the global state at the save (uninterrupted) and at the end. ``background``:
+    the save is an async one (CheckpointSaver), finished at the end."""
+    from pretrain.checkpoint import CheckpointSaver
+
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
 
     trainer = Trainer(load_config("tiny-moe", overrides))
-    start, at_save = 0, None
+    start, at_save, saver = 0, None, CheckpointSaver(background)
     if resume:
         start = trainer.load_checkpoint(f"{root}/step_{SAVED}")
         assert start == SAVED
@@ -35,8 +40,9 @@ def run(overrides, root: str, resume: bool):
         steps.append((result.loss, result.grad_norm))
         records += [result.placement] if result.placement else []
         if step + 1 == SAVED and not resume:
-            trainer.save_checkpoint(root, SAVED, keep=1)
+            saver.save(trainer, root, SAVED, keep=1)
             at_save = global_state(trainer)
+    saver.close()
     return steps, records, at_save, global_state(trainer)
 
 
@@ -50,9 +56,10 @@ def loaded(overrides, root: str):
     return global_state(trainer)
 
 
-def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync-save", "async-save"])
+def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path, background):
     root = str(tmp_path)
-    steps, records, at_save, final = dist_run(4, run, OVERRIDES, root, False, timeout=600)[0]
+    steps, records, at_save, final = dist_run(4, run, OVERRIDES, root, False, background, timeout=600)[0]
     assert [r["step"] for r in records] == [5, 10, 15, 20] and records[0]["experts_moved"] > 0, records
     resumed_steps, resumed_records, _, resumed_final = dist_run(4, run, OVERRIDES, root, True, timeout=600)[0]
     assert resumed_steps == steps[SAVED:], "the resumed losses and grad norms differ from the uninterrupted run's"

@@ -44,6 +44,7 @@ from .declared import DeclaredRouting
 from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
 from .replicate import ReplicatingDispatcher, balance_metrics, expert_bytes, fetch_replicas
+from .replicate_gather import ReplicatingAllGatherDispatcher
 from .router import Router, tokens_per_expert
 
 STEP_SUMS = ("dropped_pairs", "pairs", "aux_loss", "seq_aux_loss", "z_loss")  # MoELayer.step_sums, in order
@@ -78,7 +79,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             declare_copies_(self.shared, copies, partial_grad)
         self.replicate = config.expert_balance == "replicate" and self.ep > 1
-        self.dispatcher = (ReplicatingDispatcher(config.num_experts, ep_group, config.max_replicas_per_rank)
+        balanced = ReplicatingAllGatherDispatcher if config.dispatcher == "allgather" else ReplicatingDispatcher
+        self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank)
                            if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)

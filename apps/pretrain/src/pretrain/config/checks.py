@@ -27,18 +27,15 @@ def moe_rules(cfg) -> None:
         expert_balance_rules(cfg)
 
 
-# What expert_balance = "replicate" is tested with (tests/test_layouts_train_same_model.py): the
-# all-to-all dispatcher, ep x dp, ep x tp with etp = 1, ZeRO-0/1/2. The rest is refused, each with why.
+# expert_balance = "replicate" is tested (tests/test_layouts_train_same_model.py) with the all-to-all
+# and all-gather dispatchers, ep x dp, ep x tp (etp 1 and 2), pp, cp and ZeRO-0/1/2/3; torch_fsdp2
+# runs with ep = 1 only (data_parallel_rules), where there is nothing to balance.
 def expert_balance_rules(cfg) -> None:
-    m, p = cfg.model, cfg.parallel
-    if m.expert_balance != "replicate":
-        return
-    refused = {f"[model].dispatcher={m.dispatcher!r}": m.dispatcher != "alltoall",
-               f"[parallel].etp={p.expert_tp}": p.expert_tp > 1, f"[parallel].pp={p.pp}": p.pp > 1,
-               f"[parallel].cp={p.cp}": p.cp > 1, f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
-    bad = [k for k, v in refused.items() if v]
-    _need(not bad, f"[model].expert_balance='replicate' is not supported with {', '.join(bad)}: it balances the "
-                   f"'alltoall' dispatcher and is tested only with etp=1, pp=1, cp=1 and zero no_shard/optim/optim_grads")
+    m = cfg.model
+    _need(m.expert_balance != "replicate" or m.dispatcher != "alltoall_padded",
+          "[model].expert_balance='replicate' is not supported with [model].dispatcher='alltoall_padded': the padded "
+          "dispatcher already computes the same padded slots on every EP rank, so there is nothing to balance; "
+          "use dispatcher='alltoall' or 'allgather'")
 
 
 def tensor_parallel_rules(cfg) -> None:

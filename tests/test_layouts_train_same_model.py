@@ -212,12 +212,20 @@ def test_replicated_experts_layout_matches_single_rank_under_skew(dist_run, moe_
             assert stats["imbalance"] == 2.0 and after <= min(before, 1 + 1 / mean), (name, rank, step, stats)
 
 
-@pytest.mark.parametrize("bug", ["replica_gradient_not_returned", "stale_replica_weights"])
-def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, bug):
+# ZeRO-3 (the fetch must read the gathered weights, the gradients land before the reduce-scatter), the
+# pipeline (micro-batches interleaved) and the all-gather dispatcher (its own dispatch, the same fetch).
+@pytest.mark.parametrize("name,bug", [("ep4-optim_grads-replicate", "replica_gradient_not_returned"),
+                                      ("ep4-optim_grads-replicate", "stale_replica_weights"),
+                                      ("ep2-optim_grads_params-replicate", "replica_gradient_not_returned"),
+                                      ("ep2-optim_grads_params-replicate", "stale_replica_weights"),
+                                      ("tp2-pp2-ep2-1f1b-replicate", "replica_gradient_not_returned"),
+                                      ("ep2-dp2-allgather-replicate", "stale_replica_weights")])
+def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, name, bug):
     """The same comparison fails with a replica's gradient dropped, or replicas computing with stale weights."""
-    name = "ep4-optim_grads-replicate"
-    root, reference = moe_reference(SKEWED, skew=True)
-    planted = dist_run(4, layout_steps, "tiny-moe", list(SKEWED) + MOE_SKEWED[name], root, bug=bug, timeout=900)
+    common = SKEWED_PIPELINE if name in MOE_SKEWED_PIPELINE else SKEWED
+    root, reference = moe_reference(common, skew=True)
+    layout = list(common) + (MOE_SKEWED | MOE_SKEWED_PIPELINE)[name]
+    planted = dist_run(4, layout_steps, "tiny-moe", layout, root, bug=bug, timeout=900)
     with pytest.raises(AssertionError) as caught:
         assert_moe_steps_same(planted, reference, TOLERANCE, f"{name} {bug}")
     print(f"{bug}: {str(caught.value).splitlines()[0]}")

@@ -1,9 +1,11 @@
 """`pretrain plan` and `--simulate` under [model].expert_balance = "replicate" (issue 51, item 4): the
 replica buffers and the weight-fetch / gradient-return bytes, by hand from tiny-moe's shapes, and in a
-simulated step the recorded all-to-all and all-gather bytes of the EP group equal sizing/replicas.py's."""
+simulated step the recorded all-to-all (and the all-to-all dispatcher's count all-gather) bytes of the
+EP group equal sizing/replicas.py's, under both dispatchers."""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
@@ -47,14 +49,15 @@ def test_plan_without_replicate_is_unchanged_and_replicate_adds_only_its_buffers
     assert r["held_per_microbatch"] <= grown <= r["held_per_microbatch"] + r["gradient_buffer"]
 
 
-def test_simulate_records_the_planned_replica_bytes():
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_simulate_records_the_planned_replica_bytes(dispatcher):
     from pretrain.config import load_config
     from pretrain.simulate.report import simulate
     from pretrain.sizing.activations import routed_sizes
     from pretrain.sizing.replicas import declared_plan
     from par_moe import DeclaredRouting
 
-    cfg = load_config("tiny-moe", ["parallel.ep=2", "model.expert_balance=replicate"])
+    cfg = load_config("tiny-moe", ["parallel.ep=2", "model.expert_balance=replicate", f"model.dispatcher={dispatcher}"])
     result = simulate(cfg, 4, [0, 1], imbalance=3.0)
     layout = cfg.validate_world(4)
     for rank in result["ranks"]:
@@ -65,7 +68,8 @@ def test_simulate_records_the_planned_replica_bytes():
         assert r["fetch_received_per_step"] == MOE_LAYERS * len(plan.replicas[ep_rank]) * ONE_REPLICA
         assert r["slots_max_over_mean_after"] < r["slots_max_over_mean_before"]  # expert 0's excess moved
         rows = {(c["op"], c["group"]): c for c in rank["collectives"]}
-        for key in (("all_to_all", "ep"), ("all_gather", "ep")):  # exact: the replicas' bytes are whole
+        keys = (("all_to_all", "ep"),) + ((("all_gather", "ep"),) if dispatcher == "alltoall" else ())
+        for key in keys:  # exact: the replicas' bytes are whole
             assert rows[key]["bytes"] == rows[key]["theory_bytes"], (rank["rank"], key, rows[key])
     sent, received = (sum(r["replicas"][k] for r in result["ranks"]) for k in ("fetch_sent_per_step", "fetch_received_per_step"))
     assert sent == received > 0  # what EP rank 0 sends, EP rank 1 receives

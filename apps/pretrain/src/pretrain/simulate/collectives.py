@@ -106,10 +106,11 @@ def _moe_all_to_all(cfg, layout, stage: int, routing, ep_rank: int) -> float:
 
 
 def _replicated_moe(cfg, layout, stage: int, routing, ep_rank: int) -> dict[tuple[str, str], float]:
-    """expert_balance = "replicate" (all-to-all dispatcher), one micro-batch's MoE layers on this stage,
-    from the declared plan (sizing.replicas): each forward all-gathers the pairs per expert (int64 [ep, E]),
-    sends one h-wide row per pair, fetches the replicas' weights and returns each pair's output row;
-    backward: the output rows' gradients, the replicas' gradients home, the rows' gradients."""
+    """expert_balance = "replicate", one micro-batch's MoE layers on this stage, from the declared plan
+    (sizing.replicas). All-to-all dispatcher: each forward all-gathers the pairs per expert (int64
+    [ep, E]), sends one h-wide row per pair, fetches the replicas' weights and returns each pair's
+    output row; backward: the output rows' gradients, the replicas' gradients home, the rows'
+    gradients. All-gather dispatcher: the replicas' weights and gradients are its only all-to-alls."""
     m, pb = cfg.model, state_dtypes(cfg.train)[0].itemsize
     plan = declared_plan(cfg, layout, routed_sizes(cfg, layout, routing, ep_rank).pairs)
     sent = sum(plan.sent(ep_rank, d) for d in range(plan.ep)) * m.hidden * pb
@@ -117,6 +118,8 @@ def _replicated_moe(cfg, layout, stage: int, routing, ep_rank: int) -> dict[tupl
     fetch = replica_bytes(m, layout.etp, plan.fetched(ep_rank), pb)
     back = replica_bytes(m, layout.etp, len(plan.replicas[ep_rank]), pb)
     forwards, layers = 2 if m.recompute == "full" else 1, stage_moe_layers(cfg, layout, stage)
+    if m.dispatcher == "allgather":  # the tokens travel by all-gather / reduce-scatter (not modelled here)
+        return {("all_to_all", "ep"): layers * (forwards * fetch + back)}
     return {("all_gather", "ep"): layers * forwards * layout.ep * m.num_experts * 8,
             ("all_to_all", "ep"): layers * (forwards * (sent + fetch + got) + sent + back + got)}
 

@@ -57,11 +57,14 @@ def test_no_host_read_outside_log_steps(monkeypatch, tmp_path, fault_ranks, name
         assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), f"{name} rank {rank}: reads per step {per_step}"
 
 
-@pytest.mark.parametrize("balance", ["none", "replicate"])
+@pytest.mark.parametrize("balance", ["none", "replicate", "replicate-allgather"])
 def test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch(monkeypatch, tmp_path, fault_ranks, balance):
-    """expert_balance = "replicate" too: its plan comes from the one read of the gathered counts."""
+    """expert_balance = "replicate" too: its plan comes from the one read of the gathered counts (under the
+    all-gather dispatcher, counted from the gathered routing)."""
     config, nproc, overrides = MOE
-    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides + [f"model.expert_balance={balance}"])
+    balanced = ["model.expert_balance=replicate", "model.dispatcher=allgather"] if balance == "replicate-allgather" \
+        else [f"model.expert_balance={balance}"]
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides + balanced)
     print("ep2", balance, reads)
     moe_layers, micro_batches = 2, 8 // 2 // 2  # layers 1-2 of 3; global batch 8 over dp 2 in micro-batches of 2
     for rank, per_step in enumerate(reads):

@@ -45,6 +45,7 @@ from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
 from .placement import ExpertPlacement
 from .replicate import ReplicatingDispatcher, balance_metrics, expert_bytes, fetch_replicas
+from .replicate_gather import ReplicatingAllGatherDispatcher
 from .router import Router, tokens_per_expert
 
 STEP_SUMS = ("dropped_pairs", "pairs", "aux_loss", "seq_aux_loss", "z_loss")  # MoELayer.step_sums, in order
@@ -85,7 +86,8 @@ class MoELayer(nn.Module):
         self.register_buffer("position_of", torch.arange(config.num_experts), persistent=False)
         # routed pairs per expert since the last re-placement (this rank's tokens; the trainer sums them)
         self.register_buffer("load_since_replace", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
-        self.dispatcher = (ReplicatingDispatcher(config.num_experts, ep_group, config.max_replicas_per_rank)
+        balanced = ReplicatingAllGatherDispatcher if config.dispatcher == "allgather" else ReplicatingDispatcher
+        self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank)
                            if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)

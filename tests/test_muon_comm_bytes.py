@@ -2,8 +2,8 @@
 
 The trainer's own rank model on gloo ranks; one optimizer step recorded. Per layout: the formula of
 the buckets holding Muon matrices (their padded ``N``) equals what was recorded, op by op and group by
-group; and the planner's estimate (simulate/collectives.py, from the rank's parameter counts) is that
-formula of the rank's elements: the same when every bucket holds a Muon matrix and needs no padding.
+group. The planner's estimate (simulate/collectives.py) is that formula of the rank's Muon matrices'
+elements (sizing/params.py): a bucket also moves the other params it holds, so it is a lower bound.
 """
 
 import pytest
@@ -56,9 +56,6 @@ def test_muon_step_bytes_are_the_formula(dist_run, name):
     world, overrides = LAYOUTS[name]
     for got, want, planned in dist_run(world, recorded, overrides, timeout=600):
         assert got == want, (got, want)  # the implementation is the formula
-        if name.startswith("dp2-optim_grads_params"):  # its embedding and head buckets hold no Muon matrix
-            assert set(planned) == set(want) and all(want[k] < planned[k] for k in want), (planned, want)
-        elif name.startswith("tp2"):  # the tp gathers planned at the mean owned share; the rest exact
-            assert {k: v for k, v in planned.items() if k[1] != "tp"} == {k: v for k, v in want.items() if k[1] != "tp"}
-        else:  # every bucket holds a Muon matrix, unpadded: the planner's estimate is exact
-            assert planned == want, (planned, want)
+        # the planner's estimate (simulate/collectives.py) takes the Muon matrices' elements: below what the
+        # buckets move here, where norms and the embedding share the matrices' buckets
+        assert set(planned) == set(want) and all(planned[k] <= want[k] for k in want), (planned, want)

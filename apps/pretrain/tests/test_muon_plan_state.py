@@ -55,3 +55,20 @@ def test_auto_search_sizes_muon_state():
     stages = [rank_params(cfg, cfg.validate_world(64), s).muon_dense for s in range(layout["pp"])]
     lighter = (best["adamw"]["memory_gb"] - best["muon"]["memory_gb"]) * 1e9
     assert any(lighter == pytest.approx((MOMENTS - MOMENTUM) * s / (layout["dp"] * layout["cp"])) for s in stages), (lighter, stages)
+
+
+def test_simulate_measures_muon_state_and_collectives_as_planned():
+    """`plan --simulate` (the trainer's real Muon on fake tensors): the optimizer bytes it holds are the
+    plan's, within 1 %, and so are the data-parallel gathers and reduce-scatters (grads, params and the
+    Muon owners' exchange together). Llama-3-8B's 2 layers, pp 2 x dp 32, ZeRO-1 (tp 1: the TP split's
+    construction-time object gather does not run on fake tensors)."""
+    from pretrain.config import load_config
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=1", "parallel.pp=2",
+                                    "parallel.zero=optim", "train.optimizer=muon"])
+    for rank in simulate(cfg, 64, [0, 32])["ranks"]:
+        assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.01)
+        rows = {(c["op"], c["group"]): c for c in rank["collectives"]}
+        for key in (("reduce_scatter", "dp"), ("all_gather", "dp")):
+            assert rows[key]["bytes"] == pytest.approx(rows[key]["theory_bytes"], rel=0.01), key

@@ -90,3 +90,35 @@ def test_owners_match_one_device_and_run_each_matrix_once(dist_run, strategy):
     # one step's Newton-Schulz calls over the ranks: a, b, c and the E experts, each once
     assert sum(r[1] for r in results) == 3 + E, [r[1] for r in results]
     assert all(r[1] > 0 for r in results)  # every rank owns some
+
+
+def test_state_is_one_momentum_per_muon_param_and_loads_back_packed(dist_run):
+    assert dist_run(1, packed_state)[0]
+
+
+def packed_state():
+    from par_zero import DataParallel
+    from par_zero.muon import KINDS
+
+    kw = dict(optimizer="Muon", lr=0.02, bucket_mb=0.001)
+    dp, fresh = DataParallel(Model(), None, "no_shard", **kw), DataParallel(Model(), None, "no_shard", **kw)
+    for _ in range(2):
+        dp(torch.randn(4, 12)).square().mean().backward()
+        dp.step()
+        dp.zero_grad()
+    matrices = sum(p.numel() for p in dp.module.parameters() if p.dim() >= 2)
+    others = sum(p.numel() for p in dp.module.parameters() if p.dim() < 2)
+    assert sum(t.numel() for t in dp.optimizer.state_tensors()) == matrices + 2 * others  # not 3 per param
+    opt, new = dp.optimizer, fresh.optimizer
+    new.prepare_load(KINDS)  # as a checkpoint load: fill the unpacked ranges, then pack them
+    stepped = dict.fromkeys(KINDS, False)
+    for b, nb in zip(dp.buckets, fresh.buckets):
+        for kind in KINDS:
+            full = opt.range_state(b, kind)
+            assert full.numel() == b.opt_hi - b.opt_lo
+            stepped[kind] |= bool(full.any())
+            new.range_state(nb, kind).copy_(full)
+    new.finish_load({})
+    assert all(stepped.values())
+    return all(torch.equal(new.state[nb][k], opt.state[b][k]) for b, nb in zip(dp.buckets, fresh.buckets)
+               for k in KINDS)

@@ -1,7 +1,8 @@
 """Muon for the hidden matrices, AdamW for the rest, over each rank's optimizer range of every bucket.
 
 The momentum (``momentum_buffer``, torch.optim.Muon's state) is elementwise, so it lives over the
-optimizer range like AdamW's moments and is saved as pieces like them. Newton-Schulz needs the
+optimizer range like AdamW's moments and is saved as pieces like them; only over the Muon params'
+runs of it (AdamW's moments only over the others'), packed, so a Muon param costs 4 bytes of state. Newton-Schulz needs the
 whole matrix, and each whole matrix (an expert's counting as one) has ONE owner rank in the bucket's
 sharding group, balanced by Newton-Schulz FLOPs (muon_owners.py). Each step, per bucket:
 
@@ -43,6 +44,17 @@ from .optimizer import MOMENTS, RangeStateOptimizer, contiguous_runs
 from .optimizer_choice import NS_DTYPES, muon_args
 
 KINDS = MOMENTS + ("momentum_buffer",)
+
+
+def _packed(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(lo, hi, at): each run of the optimizer range and where it starts in the packed state."""
+    out, at = [], 0
+    for lo, hi in runs:
+        out.append((lo, hi, at))
+        at += hi - lo
+    return out
+
+
 class DistributedMuon(RangeStateOptimizer):
     """Muon on the params ``is_matrix(param)`` says, AdamW (``cfg.betas``, ``cfg.eps``) on the others;
     weight decay on those ``decayed(param)`` says. ``matrix_group(param)``: the group whose ranks hold
@@ -55,7 +67,6 @@ class DistributedMuon(RangeStateOptimizer):
                  matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None):
         self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
         self.args = muon_args(cfg.optimizer_args)
-        self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in KINDS} for b in buckets}
         self.matrices = {b: [p for p in b.params if is_matrix(p)] for b in buckets}
         for b, ps in self.matrices.items():
             for p in ps:
@@ -67,6 +78,13 @@ class DistributedMuon(RangeStateOptimizer):
         self.adam_decay_runs = runs(lambda p: not is_matrix(p) and decayed(p))
         self.muon_runs = runs(is_matrix)
         self.decayed = decayed
+        # the state, packed: AdamW's moments over the AdamW runs, the momentum over the Muon runs, back to
+        # back (4 bytes per Muon param, 8 per AdamW param); range_state unpacks it over the optimizer range
+        self.packed = {b: {k: _packed(self.muon_runs[b] if k == "momentum_buffer" else self.adam_runs[b]) for k in KINDS}
+                       for b in buckets}
+        self.state = {b: {k: torch.zeros(sum(hi - lo for lo, hi, _ in self.packed[b][k]), dtype=torch.float32,
+                                         device=b.master.device) for k in KINDS} for b in buckets}
+        self._unpacked: dict[tuple[Bucket, str], torch.Tensor] | None = None  # during a load: what it fills
         self.owners = assign_buckets(buckets, self.matrices, self.args["ns_steps"])
         owned = {b: mine for o in self.owners for b, mine in o.owned.items()}
         self.owned = {b: owned[b] for b in buckets}
@@ -97,8 +115,33 @@ class DistributedMuon(RangeStateOptimizer):
         """max / mean Newton-Schulz FLOPs per rank of the worst sharding group (1.0: even)."""
         return max((o.imbalance for o in self.owners), default=1.0)
 
+    # ---- the checkpoint: the state over the optimizer range ------------------------------------
+    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
+        """``kind`` over ``bucket``'s optimizer range, unpacked (zeros where the kind does not apply): a copy;
+        during a load (:meth:`prepare_load` to :meth:`finish_load`) kept, filled, then packed back."""
+        if kind == "master" or kind not in self.KINDS:
+            return super().range_state(bucket, kind)
+        full = torch.zeros_like(bucket.master, dtype=torch.float32)
+        for lo, hi, at in self.packed[bucket][kind]:
+            full[lo:hi] = self.state[bucket][kind][at:at + hi - lo]
+        if self._unpacked is not None:
+            self._unpacked[(bucket, kind)] = full
+        return full
+
+    def prepare_load(self, kinds) -> None:
+        super().prepare_load(kinds)
+        self._unpacked = {}
+
+    @torch.no_grad()
+    def finish_load(self, scalars: dict[str, float]) -> None:
+        for (b, kind), full in (self._unpacked or {}).items():
+            for lo, hi, at in self.packed[b][kind]:
+                self.state[b][kind][at:at + hi - lo] = full[lo:hi]
+        self._unpacked = None
+
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
+        self._unpacked = None  # a load that never finished (a model-only resume) keeps the fresh state
         self.step_count += 1
         for b in self.buckets:
             self._step_bucket(b)
@@ -109,18 +152,20 @@ class DistributedMuon(RangeStateOptimizer):
         g = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
         if c.weight_decay and self.adam_decay_runs[b]:
             torch._foreach_mul_([b.master[lo:hi] for lo, hi in self.adam_decay_runs[b]], 1 - lr * c.weight_decay)
-        for lo, hi in self.adam_runs[b]:
-            adamw_step_(b.master[lo:hi], g[lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi], step=self.step_count,
-                        lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
+        for lo, hi, at in self.packed[b]["exp_avg"]:
+            n = hi - lo
+            adamw_step_(b.master[lo:hi], g[lo:hi], st["exp_avg"][at:at + n], st["exp_avg_sq"][at:at + n],
+                        step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
         if self.matrices[b]:
             self._muon_bucket(b, g)
 
     def _muon_bucket(self, b: Bucket, g: torch.Tensor) -> None:
         a, buf = self.args, self.state[b]["momentum_buffer"]
-        update = torch.zeros_like(buf)
-        for lo, hi in self.muon_runs[b]:
-            buf[lo:hi].lerp_(g[lo:hi], 1 - a["momentum"])
-            update[lo:hi] = g[lo:hi].lerp(buf[lo:hi], a["momentum"]) if a["nesterov"] else buf[lo:hi]
+        update = torch.zeros_like(b.master, dtype=torch.float32)  # over the optimizer range
+        for lo, hi, at in self.packed[b]["momentum_buffer"]:
+            m = buf[at:at + hi - lo]
+            m.lerp_(g[lo:hi], 1 - a["momentum"])
+            update[lo:hi] = g[lo:hi].lerp(m, a["momentum"]) if a["nesterov"] else m
         whole = update  # the update of the whole bucket
         sharded = (b.opt_lo, b.opt_hi) != (0, b.N)
         if sharded:

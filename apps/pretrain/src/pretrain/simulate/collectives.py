@@ -88,13 +88,14 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
 
 def muon_collectives(cfg, layout, params) -> dict[tuple[str, str], float]:
     """{(op, group): bytes} of a Muon step's owner exchange (sizing/muon_comm.py) on a rank holding
-    ``params``: every bucket taken to hold a Muon matrix, unpadded (exact when so: ZeRO-3's embedding
-    and head buckets hold none), the model-parallel gathers at the mean owned share."""
+    ``params``: the buckets holding Muon matrices taken as those matrices (a bucket also holding norms,
+    biases or a small embedding moves them too; a bucket of the embedding or head alone moves nothing),
+    the model-parallel gathers at the mean owned share."""
     out: dict[tuple[str, str], float] = defaultdict(float)
     if cfg.train.optimizer != "muon":
         return out
     ns, zero, dp = cfg.train.muon_ns_dtype, cfg.parallel.zero, "dp" if layout.cp == 1 else "dp_cp"
-    for n, d, group in ((params.dense, layout.dp * layout.cp, dp), (params.experts, layout.edp, "edp")):
+    for n, d, group in ((params.muon_dense, layout.dp * layout.cp, dp), (params.experts, layout.edp, "edp")):
         for op, nbytes in muon_step_bytes(n, d, zero, ns).items():
             out[(op, group)] += nbytes
     if layout.tp > 1:

@@ -55,6 +55,10 @@ def test_auto_search_sizes_muon_state():
     stages = [rank_params(cfg, cfg.validate_world(64), s).muon_dense for s in range(layout["pp"])]
     lighter = (best["adamw"]["memory_gb"] - best["muon"]["memory_gb"]) * 1e9
     assert any(lighter == pytest.approx((MOMENTS - MOMENTUM) * s / (layout["dp"] * layout["cp"])) for s in stages), (lighter, stages)
+    # its cost model adds the owners' exchange to ZeRO-1's dp traffic: fp32 update gathered (4 bytes) and bf16
+    # results reduce-scattered (2) per param, as much again as the fp32 grads' reduce-scatter (4) + bf16 params' gather (2)
+    dp = "dp_cp" if layout["cp"] > 1 else "dp"
+    assert best["muon"]["comm_s"][dp] == pytest.approx(2 * best["adamw"]["comm_s"][dp])
 
 
 def test_simulate_measures_muon_state_and_collectives_as_planned():

@@ -137,7 +137,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
                 memory = peaks[zero]
                 if memory > budget:
                     continue
-                est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth)
+                est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth,
+                               t.muon_ns_dtype if t.optimizer == "muon" else None)
                 choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
                                 {n: link for n, (_, link) in bandwidth.items()})
                 if best is None or _key(choice) < _key(best):

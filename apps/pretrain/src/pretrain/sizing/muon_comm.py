@@ -30,3 +30,9 @@ def muon_step_bytes(elements: float, d: int, zero: str, ns_dtype: str) -> dict[s
 def muon_split_gather_bytes(owned_elements: float, mp: int) -> float:
     """All-gather bytes over a model-parallel group of ``mp`` ranks for ``owned_elements`` of own blocks."""
     return UPDATE_BYTES * mp * owned_elements if mp > 1 else 0.0
+
+
+def muon_wire_per_element(zero: str, ns_dtype: str) -> float:
+    """A Muon step's sharding-group bytes per element in the cost model's units (an all-reduce moves
+    twice its tensor, a gather or scatter once): the planner's --auto search adds it to ZeRO's traffic."""
+    return sum((2 if op == "all_reduce" else 1) * b for op, b in muon_step_bytes(1, 2, zero, ns_dtype).items())

@@ -6,7 +6,6 @@ of that layout computes. Per sharding group: max / mean Newton-Schulz FLOPs per 
 FLOPs of all ranks add up to every Muon matrix of the model once (an expert's matrix counting as one).
 """
 
-import math
 import warnings
 
 import pytest
@@ -33,15 +32,12 @@ def owners_of(preset: str, world: int, overrides: list[str]):
 
 
 def model_ns_flops(cfg) -> int:
-    """Newton-Schulz FLOPs of every Muon matrix of the full model (model/muon_split.py's split)."""
-    from par_zero.newton_schulz import ns_flops
-    from pretrain.model.muon_split import muon_split, uses_muon
-    from pretrain.model.shapes import full_shapes
+    """Newton-Schulz FLOPs of every Muon matrix of the full model (model/muon_split.py's split), also
+    what `pretrain plan` reports."""
+    from pretrain.model.muon_split import muon_ns_flops
 
-    shapes = full_shapes(cfg.model)
-    total = sum(ns_flops(s, NS_STEPS) * (s[0] if len(s) == 3 else 1) for n, s in shapes.items() if uses_muon(n, s))
-    assert muon_split(cfg.model)["muon_params"] == sum(math.prod(s) for n, s in shapes.items() if uses_muon(n, s))
-    return total
+    assert cfg.train.muon_ns_steps == NS_STEPS
+    return muon_ns_flops(cfg.model, NS_STEPS)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -64,9 +64,9 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
                           "experts_per_rank_per_layer": m.num_experts // layout.ep, "ep": layout.ep,
                           "bytes_per_rank_per_layer_bf16": 2 * c.expert * (m.num_experts // layout.ep) / layout.etp}
     if t.optimizer == "muon":  # which params Muon steps, which AdamW (model/muon_split.py)
-        from ..model.muon_split import muon_split
+        from ..model.muon_split import muon_ns_flops, muon_split
 
-        out["optimizer"] = muon_split(m)
+        out["optimizer"] = muon_split(m) | {"ns_flops_per_step": muon_ns_flops(m, t.muon_ns_steps)}
     return out
 
 

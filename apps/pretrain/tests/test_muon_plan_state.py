@@ -64,12 +64,12 @@ def test_auto_search_sizes_muon_state():
 def test_simulate_measures_muon_state_and_collectives_as_planned():
     """`plan --simulate` (the trainer's real Muon on fake tensors): the optimizer bytes it holds are the
     plan's, within 1 %, and so are the data-parallel gathers and reduce-scatters (grads, params and the
-    Muon owners' exchange together). Llama-3-8B's 2 layers, pp 2 x dp 32, ZeRO-1 (tp 1: the TP split's
-    construction-time object gather does not run on fake tensors)."""
+    Muon owners' exchange together). Llama-3-8B's 2 layers, tp 2 x pp 2 x dp 16, ZeRO-1 (the TP split's
+    blocks located without an object gather, which has no values on fake tensors)."""
     from pretrain.config import load_config
     from pretrain.simulate.report import simulate
 
-    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=1", "parallel.pp=2",
+    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=2", "parallel.pp=2",
                                     "parallel.zero=optim", "train.optimizer=muon"])
     for rank in simulate(cfg, 64, [0, 32])["ranks"]:
         assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.01)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from par_groups import comm
@@ -53,6 +54,14 @@ def _packed(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         out.append((lo, hi, at))
         at += hi - lo
     return out
+
+
+def _block_offsets(p: nn.Parameter, r: int) -> tuple[int, ...]:
+    """The offsets of rank ``r``'s block of ``p`` (in its matrix group) in the last two dims."""
+    pl = placement_of(p)
+    block = r // (pl.copy_count() if pl.copies is not None else 1)
+    last = tuple(s * block if f != s else 0 for s, f in zip(p.shape[-2:], pl.full_shape[-2:]))
+    return tuple(pl.offsets[:-2]) + last
 
 
 class DistributedMuon(RangeStateOptimizer):
@@ -101,11 +110,15 @@ class DistributedMuon(RangeStateOptimizer):
                 every: list = [None] * dist.get_world_size(group)
                 index = {p: k for k, p in enumerate(split)}  # by identity (a tensor's == is elementwise)
                 mine = [(index[p], experts) for p, experts in self.owned[b] if p in index]
-                comm.all_gather_object(every, ([placement_of(p).offsets for p in split], mine), group)
-                if any(theirs != mine for _, theirs in every):  # they gather these matrices together
-                    raise ValueError(f"a TP group's ranks own different split Muon matrices ({[t for _, t in every]}): "
-                                     "their buckets must hold the same params")
-                offsets = [offs for offs, _ in every]
+                # rank r's blocks: r // span along the split dim (declare_'s equal blocks, copies in runs)
+                offsets = [[_block_offsets(p, r) for p in split] for r in range(len(every))]
+                if not is_fake(b.master):  # on fake tensors (`plan --simulate`) an object gather has no values
+                    comm.all_gather_object(every, ([placement_of(p).offsets for p in split], mine), group)
+                    if any(theirs != mine for _, theirs in every):  # they gather these matrices together
+                        raise ValueError(f"a TP group's ranks own different split Muon matrices "
+                                         f"({[t for _, t in every]}): their buckets must hold the same params")
+                    if [[o[-2:] for o in offs] for offs, _ in every] != [[o[-2:] for o in offs] for offs in offsets]:
+                        raise ValueError("a split Muon matrix's blocks are not r // span along its split dim")
             self.split[b] = ({p: k for k, p in enumerate(split)}, next(iter(groups)) if groups else None, offsets)
         self.offset = {b: dict(zip(b.params, b.offsets)) for b in buckets}
         self.matrix_set = {b: set(ps) for b, ps in self.matrices.items()}

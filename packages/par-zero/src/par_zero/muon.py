@@ -185,7 +185,8 @@ class DistributedMuon(RangeStateOptimizer):
             whole = torch.empty(b.N, dtype=update.dtype, device=update.device)
             comm.all_gather_into_tensor(whole, update, b.groups.gather_group)
         local = {p: whole[o:o + p.numel()].view(-1, *p.shape[-2:]) for p, o in zip(b.params, b.offsets)}
-        full = {p: local[p][experts] for p, experts in self.owned[b]} | self._gather_split(b, local)
+        split = self.split[b][0]
+        full = {p: local[p][experts] for p, experts in self.owned[b] if p not in split} | self._gather_split(b, local)
         dtype = NS_DTYPES[a["ns_dtype"]]
         ortho = torch.zeros(b.N, dtype=dtype, device=update.device)  # the owners' results, zeros elsewhere
         for p, experts in self.owned[b]:

@@ -23,6 +23,7 @@ DENSE = {  # name: (world, overrides)
     "dp2-no_shard": (2, ["parallel.zero=no_shard"]),
     "dp4-optim": (4, ["parallel.zero=optim"]),
     "dp4-optim_grads_params": (4, ["parallel.zero=optim_grads_params"]),
+    "dp4-hsdp2": (4, ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"]),  # owners per replica
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
 }

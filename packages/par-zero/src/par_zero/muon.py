@@ -1,21 +1,26 @@
 """Muon for the hidden matrices, AdamW for the rest, over each rank's optimizer range of every bucket.
 
 The momentum (``momentum_buffer``, torch.optim.Muon's state) is elementwise, so it lives over the
-optimizer range like AdamW's moments and is saved as pieces like them. Newton-Schulz needs the
-whole matrix, so each step, per bucket:
+optimizer range like AdamW's moments and is saved as pieces like them; only over the Muon params'
+runs of it (AdamW's moments only over the others'), packed, so a Muon param costs 4 bytes of state. Newton-Schulz needs the
+whole matrix, and each whole matrix (an expert's counting as one) has ONE owner rank in the bucket's
+sharding group, balanced by Newton-Schulz FLOPs (muon_owners.py). Each step, per bucket:
 
 1. the Nesterov update ``u = lerp(g, m, mu)`` (torch's arithmetic) over this rank's range;
 2. sharded strategies (ZeRO-1/2/3): one all-gather of ``u`` over the bucket's sharding group gives
    every rank of it the update of the whole bucket (what re-assembling the params does with the masters);
-3. matrices split over a model-parallel group (TP columns/rows, expert TP) are all-gathered over
-   ``matrix_group(param)`` (one collective per bucket) and put together by their placement's offsets;
-   an expert tensor ``[E, F, H]`` is E matrices, each orthogonalized on its own;
-4. Newton-Schulz on each whole matrix that meets this rank's range (every rank holding a piece runs it:
-   the same input gives the same output, so the pieces agree with one device); the rank keeps its piece.
+3. the owned matrices split over a model-parallel group (TP columns/rows, expert TP) are all-gathered
+   over ``matrix_group(param)`` (one collective per bucket; the group's ranks own the same matrices)
+   and put together by their placement's offsets;
+4. the owner runs Newton-Schulz on each of its whole matrices (a tensor's owned experts together) and
+   writes its block of the result into a zero-filled bucket-sized buffer (in the Newton-Schulz dtype);
+5. a reduce-scatter (sharded) or all-reduce (no_shard) of that buffer, a sum over the sharding group,
+   gives each rank its range: every element is one owner's value plus zeros, so it is that value exactly.
 
 Exact: every step's input to Newton-Schulz is the single-device update, put together from copies
-of it (no arithmetic but the elementwise momentum, which is the same on a range as on the whole).
-The Newton-Schulz FLOPs are repeated on the ranks sharing a matrix (not split among them).
+of it (no arithmetic but the elementwise momentum, which is the same on a range as on the whole),
+and its output reaches the ranks unchanged. The FLOPs are split among the sharding group's ranks;
+the ranks of a TP group (and HSDP's replicas) still repeat their owner's Newton-Schulz.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from par_groups import comm
@@ -33,11 +39,31 @@ from par_groups.param_placement import placement_of
 from .adamw import adamw_step_
 from .bucket import Bucket
 from .config import DataParallelConfig
+from .muon_owners import assign_buckets
 from .newton_schulz import adjusted_lr, zeropower_via_newtonschulz
 from .optimizer import MOMENTS, RangeStateOptimizer, contiguous_runs
 from .optimizer_choice import NS_DTYPES, muon_args
 
 KINDS = MOMENTS + ("momentum_buffer",)
+
+
+def _packed(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(lo, hi, at): each run of the optimizer range and where it starts in the packed state."""
+    out, at = [], 0
+    for lo, hi in runs:
+        out.append((lo, hi, at))
+        at += hi - lo
+    return out
+
+
+def _block_offsets(p: nn.Parameter, r: int) -> tuple[int, ...]:
+    """The offsets of rank ``r``'s block of ``p`` (in its matrix group) in the last two dims."""
+    pl = placement_of(p)
+    block = r // (pl.copy_count() if pl.copies is not None else 1)
+    last = tuple(s * block if f != s else 0 for s, f in zip(p.shape[-2:], pl.full_shape[-2:]))
+    return tuple(pl.offsets[:-2]) + last
+
+
 class DistributedMuon(RangeStateOptimizer):
     """Muon on the params ``is_matrix(param)`` says, AdamW (``cfg.betas``, ``cfg.eps``) on the others;
     weight decay on those ``decayed(param)`` says. ``matrix_group(param)``: the group whose ranks hold
@@ -50,7 +76,6 @@ class DistributedMuon(RangeStateOptimizer):
                  matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None):
         self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
         self.args = muon_args(cfg.optimizer_args)
-        self.state = {b: {k: torch.zeros_like(b.master, dtype=torch.float32) for k in KINDS} for b in buckets}
         self.matrices = {b: [p for p in b.params if is_matrix(p)] for b in buckets}
         for b, ps in self.matrices.items():
             for p in ps:
@@ -62,8 +87,18 @@ class DistributedMuon(RangeStateOptimizer):
         self.adam_decay_runs = runs(lambda p: not is_matrix(p) and decayed(p))
         self.muon_runs = runs(is_matrix)
         self.decayed = decayed
+        # the state, packed: AdamW's moments over the AdamW runs, the momentum over the Muon runs, back to
+        # back (4 bytes per Muon param, 8 per AdamW param); range_state unpacks it over the optimizer range
+        self.packed = {b: {k: _packed(self.muon_runs[b] if k == "momentum_buffer" else self.adam_runs[b]) for k in KINDS}
+                       for b in buckets}
+        self.state = {b: {k: torch.zeros(sum(hi - lo for lo, hi, _ in self.packed[b][k]), dtype=torch.float32,
+                                         device=b.master.device) for k in KINDS} for b in buckets}
+        self._unpacked: dict[tuple[Bucket, str], torch.Tensor] | None = None  # during a load: what it fills
+        self.owners = assign_buckets(buckets, self.matrices, self.args["ns_steps"])
+        owned = {b: mine for o in self.owners for b, mine in o.owned.items()}
+        self.owned = {b: owned[b] for b in buckets}
         # per bucket: its matrices split over a model-parallel group, that group, every rank's offsets
-        self.split: dict[Bucket, tuple[list[nn.Parameter], ProcessGroup | None, list]] = {}
+        self.split: dict[Bucket, tuple[dict[nn.Parameter, int], ProcessGroup | None, list]] = {}
         for b, ps in self.matrices.items():
             split = [p for p in ps if placement_of(p).full_shape[-2:] != tuple(p.shape[-2:])]
             groups = {matrix_group(p) for p in split}
@@ -71,13 +106,55 @@ class DistributedMuon(RangeStateOptimizer):
                 raise ValueError("a bucket's split matrices must share one matrix_group (not None)")
             offsets: list = []
             if split:
-                offsets = [None] * dist.get_world_size(next(iter(groups)))
-                comm.all_gather_object(offsets, [placement_of(p).offsets for p in split], next(iter(groups)))
-            self.split[b] = (split, next(iter(groups)) if groups else None, offsets)
+                group = next(iter(groups))
+                every: list = [None] * dist.get_world_size(group)
+                index = {p: k for k, p in enumerate(split)}  # by identity (a tensor's == is elementwise)
+                mine = [(index[p], experts) for p, experts in self.owned[b] if p in index]
+                # rank r's blocks: r // span along the split dim (declare_'s equal blocks, copies in runs)
+                offsets = [[_block_offsets(p, r) for p in split] for r in range(len(every))]
+                if not is_fake(b.master):  # on fake tensors (`plan --simulate`) an object gather has no values
+                    comm.all_gather_object(every, ([placement_of(p).offsets for p in split], mine), group)
+                    if any(theirs != mine for _, theirs in every):  # they gather these matrices together
+                        raise ValueError(f"a TP group's ranks own different split Muon matrices "
+                                         f"({[t for _, t in every]}): their buckets must hold the same params")
+                    if [[o[-2:] for o in offs] for offs, _ in every] != [[o[-2:] for o in offs] for offs in offsets]:
+                        raise ValueError("a split Muon matrix's blocks are not r // span along its split dim")
+            self.split[b] = ({p: k for k, p in enumerate(split)}, next(iter(groups)) if groups else None, offsets)
+        self.offset = {b: dict(zip(b.params, b.offsets)) for b in buckets}
+        self.matrix_set = {b: set(ps) for b, ps in self.matrices.items()}
 
+    @property
+    def ns_imbalance(self) -> float:
+        """max / mean Newton-Schulz FLOPs per rank of the worst sharding group (1.0: even)."""
+        return max((o.imbalance for o in self.owners), default=1.0)
+
+    # ---- the checkpoint: the state over the optimizer range ------------------------------------
+    def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
+        """``kind`` over ``bucket``'s optimizer range, unpacked (zeros where the kind does not apply): a copy;
+        during a load (:meth:`prepare_load` to :meth:`finish_load`) kept, filled, then packed back."""
+        if kind == "master" or kind not in self.KINDS:
+            return super().range_state(bucket, kind)
+        full = torch.zeros_like(bucket.master, dtype=torch.float32)
+        for lo, hi, at in self.packed[bucket][kind]:
+            full[lo:hi] = self.state[bucket][kind][at:at + hi - lo]
+        if self._unpacked is not None:
+            self._unpacked[(bucket, kind)] = full
+        return full
+
+    def prepare_load(self, kinds) -> None:
+        super().prepare_load(kinds)
+        self._unpacked = {}
+
+    @torch.no_grad()
+    def finish_load(self, scalars: dict[str, float]) -> None:
+        for (b, kind), full in (self._unpacked or {}).items():
+            for lo, hi, at in self.packed[b][kind]:
+                self.state[b][kind][at:at + hi - lo] = full[lo:hi]
+        self._unpacked = None
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
+        self._unpacked = None  # a load that never finished (a model-only resume) keeps the fresh state
         self.step_count += 1
         for b in self.buckets:
             self._step_bucket(b)
@@ -88,53 +165,67 @@ class DistributedMuon(RangeStateOptimizer):
         g = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
         if c.weight_decay and self.adam_decay_runs[b]:
             torch._foreach_mul_([b.master[lo:hi] for lo, hi in self.adam_decay_runs[b]], 1 - lr * c.weight_decay)
-        for lo, hi in self.adam_runs[b]:
-            adamw_step_(b.master[lo:hi], g[lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi], step=self.step_count,
-                        lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
+        for lo, hi, at in self.packed[b]["exp_avg"]:
+            n = hi - lo
+            adamw_step_(b.master[lo:hi], g[lo:hi], st["exp_avg"][at:at + n], st["exp_avg_sq"][at:at + n],
+                        step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
         if self.matrices[b]:
             self._muon_bucket(b, g)
 
     def _muon_bucket(self, b: Bucket, g: torch.Tensor) -> None:
         a, buf = self.args, self.state[b]["momentum_buffer"]
-        update = torch.zeros_like(buf)
-        for lo, hi in self.muon_runs[b]:
-            buf[lo:hi].lerp_(g[lo:hi], 1 - a["momentum"])
-            update[lo:hi] = g[lo:hi].lerp(buf[lo:hi], a["momentum"]) if a["nesterov"] else buf[lo:hi]
+        update = torch.zeros_like(b.master, dtype=torch.float32)  # over the optimizer range
+        for lo, hi, at in self.packed[b]["momentum_buffer"]:
+            m = buf[at:at + hi - lo]
+            m.lerp_(g[lo:hi], 1 - a["momentum"])
+            update[lo:hi] = g[lo:hi].lerp(m, a["momentum"]) if a["nesterov"] else m
         whole = update  # the update of the whole bucket
-        if (b.opt_lo, b.opt_hi) != (0, b.N):
+        sharded = (b.opt_lo, b.opt_hi) != (0, b.N)
+        if sharded:
             whole = torch.empty(b.N, dtype=update.dtype, device=update.device)
             comm.all_gather_into_tensor(whole, update, b.groups.gather_group)
-        local = {p: whole[o:o + p.numel()].view(p.shape) for p, o in zip(b.params, b.offsets)}
-        matrices = {p: local[p] for p in self.matrices[b]} | self._gather_split(b, local)
-        for p, _, lo, hi, p_lo in b.opt_segments():
-            if p not in matrices:
+        local = {p: whole[o:o + p.numel()].view(-1, *p.shape[-2:]) for p, o in zip(b.params, b.offsets)}
+        split = self.split[b][0]
+        full = {p: local[p][experts] for p, experts in self.owned[b] if p not in split} | self._gather_split(b, local)
+        dtype = NS_DTYPES[a["ns_dtype"]]
+        ortho = torch.zeros(b.N, dtype=dtype, device=update.device)  # the owners' results, zeros elsewhere
+        for p, experts in self.owned[b]:
+            pl, o = placement_of(p), self.offset[b][p]
+            out = torch.stack([zeropower_via_newtonschulz(m, a["ns_steps"], dtype) for m in full[p]])
+            rows, cols = (slice(q, q + s) for q, s in zip(pl.offsets[-2:], p.shape[-2:]))
+            ortho[o:o + p.numel()].view(-1, *p.shape[-2:])[experts] = out[..., rows, cols]
+        mine = ortho
+        if dist.get_world_size(b.groups.inner) > 1:  # x + 0 = x: the sum is each element's owner's value
+            if sharded:
+                mine = ortho.new_empty(b.S)
+                comm.reduce_scatter_tensor(mine, ortho, b.groups.inner)
+            else:
+                comm.all_reduce(ortho, b.groups.inner)
+        for p, _, lo, hi, _ in b.opt_segments():
+            if p not in self.matrix_set[b]:
                 continue
-            pl = placement_of(p)
-            full = matrices[p]
-            out = torch.stack([zeropower_via_newtonschulz(m, a["ns_steps"], NS_DTYPES[a["ns_dtype"]])
-                               for m in full.reshape(-1, *full.shape[-2:])]).view(full.shape)
-            rows, cols = (slice(o, o + s) for o, s in zip(pl.offsets[-2:], p.shape[-2:]))
-            mine = out[..., rows, cols].reshape(-1)[p_lo:p_lo + hi - lo]
             if self.cfg.weight_decay and self.decayed(p):
                 b.master[lo:hi].mul_(1 - self.lr * self.cfg.weight_decay)
-            b.master[lo:hi].add_(mine, alpha=-adjusted_lr(self.lr, a["adjust_lr_fn"], pl.full_shape[-2:]))
+            b.master[lo:hi].add_(mine[lo:hi], alpha=-adjusted_lr(self.lr, a["adjust_lr_fn"], placement_of(p).full_shape[-2:]))
 
     def _gather_split(self, b: Bucket, local: dict) -> dict[nn.Parameter, torch.Tensor]:
-        """Each matrix of ``b`` split over its matrix group, whole (its leading dims: this rank's experts)."""
+        """This rank's owned matrices of ``b`` split over their matrix group, whole: param -> [experts, F, H]."""
         split, group, offsets = self.split[b]
-        if not split:
+        owned = [(split[p], p, experts) for p, experts in self.owned[b] if p in split]
+        if not owned:  # the group's ranks own the same split matrices (checked at construction): all skip
             return {}
-        mine = torch.cat([local[p].reshape(-1) for p in split])
+        mine = torch.cat([local[p][experts].reshape(-1) for _, p, experts in owned])
         every = torch.empty(len(offsets) * mine.numel(), dtype=mine.dtype, device=mine.device)
         comm.all_gather_into_tensor(every, mine, group)
         every = every.view(len(offsets), -1)
         out, at = {}, 0
-        for k, p in enumerate(split):
-            pl = placement_of(p)
-            full = torch.empty(*p.shape[:-2], *pl.full_shape[-2:], dtype=mine.dtype, device=mine.device)
+        for k, p, experts in owned:
+            pl, shape = placement_of(p), (len(experts), *p.shape[-2:])
+            n = len(experts) * p.shape[-2] * p.shape[-1]
+            full = torch.empty(len(experts), *pl.full_shape[-2:], dtype=mine.dtype, device=mine.device)
             for r, offs in enumerate(offsets):
                 rows, cols = (slice(o, o + s) for o, s in zip(offs[k][-2:], p.shape[-2:]))
-                full[..., rows, cols] = every[r, at:at + p.numel()].view(p.shape)
+                full[:, rows, cols] = every[r, at:at + n].view(shape)
             out[p] = full
-            at += p.numel()
+            at += n
         return out

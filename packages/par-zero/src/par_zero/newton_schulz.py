@@ -36,6 +36,15 @@ def zeropower_via_newtonschulz(grad: torch.Tensor, ns_steps: int, ns_dtype: torc
     return x.T if tall else x
 
 
+def ns_flops(shape: tuple[int, ...], ns_steps: int) -> int:
+    """Newton-Schulz FLOPs of one ``shape[-2:]`` matrix (m = the short side, n = the long side): per
+    iteration the three matmuls of :func:`zeropower_via_newtonschulz`, ``X X^T`` (2 m^2 n),
+    ``gram gram`` (2 m^3) and ``gram_update X`` (2 m^2 n), so ``ns_steps * (4 m^2 n + 2 m^3)``
+    (the elementwise terms and the normalization, O(m n), are left out)."""
+    m, n = sorted(shape[-2:])
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
     """torch.optim.Muon's learning rate for a ``shape`` (fan-out, fan-in) matrix."""
     a, b = shape

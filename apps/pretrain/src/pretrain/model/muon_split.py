@@ -42,6 +42,17 @@ def muon_split(model_config) -> dict[str, list[str]]:
     return out
 
 
+def muon_ns_flops(model_config, ns_steps: int) -> int:
+    """Newton-Schulz FLOPs of one Muon step on the whole model (par_zero.newton_schulz.ns_flops per matrix,
+    each routed expert's matrix one): what the owners of the data-parallel group share."""
+    from par_zero.newton_schulz import ns_flops
+
+    shapes = full_shapes(model_config)
+    return sum(ns_flops(s, ns_steps) * (s[0] if len(s) == 3 else 1) for n, s in shapes.items() if uses_muon(n, s))
+
+
 def render_split(split: dict) -> str:
+    ns = split.get("ns_flops_per_step")
     return (f"optimizer: Muon on {split['muon_params']:,} params ({', '.join(split['muon'])}); "
-            f"AdamW on {split['adamw_params']:,} ({', '.join(split['adamw'])})")
+            f"AdamW on {split['adamw_params']:,} ({', '.join(split['adamw'])})"
+            + (f"; Newton-Schulz {ns:.3g} FLOP per step, each matrix on one data-parallel rank" if ns else ""))

@@ -18,6 +18,8 @@ from par_groups.topology.assignment import MULTI_RAIL
 from par_groups import ParallelDims
 from par_pp import Costs, build_schedule, chunks_per_rank, simulate
 
+from ..sizing.muon_comm import muon_wire_per_element
+
 GRADIENT_GROUPS = ("dp", "dp_cp", "edp")
 ASSUMPTIONS = (
     "compute: the model FLOPs of a step plus what recomputation repeats (full: every layer's forward again; "
@@ -145,36 +147,38 @@ def sizes(shape: Shape) -> SimpleNamespace:
                            edp=shape.edp, hcp=None)
 
 
-def comm_seconds(shape: Shape, work: Workload, zero: str, bandwidth: dict) -> dict:
-    """Exposed seconds per group type for one step."""
+def comm_seconds(shape: Shape, work: Workload, zero: str, bandwidth: dict, muon_ns: str | None = None) -> dict:
+    """Exposed seconds per group type for one step (``muon_ns``: Muon's Newton-Schulz dtype, None: AdamW)."""
     grid = sizes(shape)
     out = {}
     for name, nbytes in bytes_per_step(grid, work).items():
         gbps, _ = bandwidth[name]
         if name in GRADIENT_GROUPS:
-            nbytes *= zero_traffic(zero, work)
+            nbytes *= zero_traffic(zero, work, muon_ns)
         out[name] = nbytes / (gbps * 1e9) * exposed_share(name, grid, work)
     return out
 
 
-def zero_traffic(zero: str, work: Workload) -> float:
-    """Gradient-group bytes relative to an fp32 all-reduce (2 x grad_bytes per parameter)."""
+def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None) -> float:
+    """Gradient-group bytes relative to an fp32 all-reduce (2 x grad_bytes per parameter); with Muon
+    (``muon_ns``) plus its owners' exchange (sizing/muon_comm.py), every parameter taken as a matrix."""
     allreduce = 2.0 * work.grad_bytes
+    muon = muon_wire_per_element(zero, muon_ns) / allreduce if muon_ns else 0.0
     if zero == "no_shard":
-        return 1.0
+        return 1.0 + muon
     if zero in ("optim", "optim_grads"):  # reduce-scatter grads, all-gather bf16 params once
-        return (work.grad_bytes + 2.0) / allreduce
-    return (work.grad_bytes + 2.0 * 2 * work.microbatches) / allreduce  # ZeRO-3: gathers per micro-batch
+        return (work.grad_bytes + 2.0) / allreduce + muon
+    return (work.grad_bytes + 2.0 * 2 * work.microbatches) / allreduce + muon  # ZeRO-3: gathers per micro-batch
 
 
 def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, model_flops: float,
-             peak_flops: float, efficiency: float, bandwidth: dict) -> Estimate:
+             peak_flops: float, efficiency: float, bandwidth: dict, muon_ns: str | None = None) -> Estimate:
     """Step time and MFU of one layout."""
     compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute))
     compute *= shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
     compute /= peak_flops * efficiency
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches, recompute == "full")
     bubble = compute * idle / busy if shape.pp > 1 else 0.0
-    comm = comm_seconds(shape, work, zero, bandwidth)
+    comm = comm_seconds(shape, work, zero, bandwidth, muon_ns)
     step = compute + bubble + sum(comm.values())
     return Estimate(compute, bubble, comm, step, model_flops / (shape.world_size * peak_flops * step))

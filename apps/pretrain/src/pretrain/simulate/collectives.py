@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..sizing.activations import routed_sizes
+from ..sizing.muon_comm import muon_split_gather_bytes, muon_step_bytes
 from ..sizing.params import chunks_of, rank_params
 from ..sizing.replicas import declared_plan, replica_bytes, stage_moe_layers
 from ..sizing.state import state_dtypes
@@ -51,6 +52,8 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
             out[key] += microbatches * n
     elif routing is not None and layout.ep > 1:
         out[("all_to_all", "ep")] += microbatches * _moe_all_to_all(cfg, layout, stage, routing, ep_rank)
+    for key, nbytes in muon_collectives(cfg, layout, params).items():
+        out[key] += nbytes
 
     # tensor parallel: per layer and micro-batch, two regions (attention, MLP) forward and backward
     if layout.tp > 1:
@@ -85,6 +88,25 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         message = act // (layout.tp if layout.sequence_parallel else 1)
         out[("send", "pp")] += len(schedule.sends(stage)) * message
     return dict(out)
+
+
+def muon_collectives(cfg, layout, params) -> dict[tuple[str, str], float]:
+    """{(op, group): bytes} of a Muon step's owner exchange (sizing/muon_comm.py) on a rank holding
+    ``params``: the buckets holding Muon matrices taken as those matrices (a bucket also holding norms,
+    biases or a small embedding moves them too; a bucket of the embedding or head alone moves nothing),
+    the model-parallel gathers at the mean owned share."""
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    if cfg.train.optimizer != "muon":
+        return out
+    ns, zero, dp = cfg.train.muon_ns_dtype, cfg.parallel.zero, "dp" if layout.cp == 1 else "dp_cp"
+    for n, d, group in ((params.muon_dense, layout.dp * layout.cp, dp), (params.experts, layout.edp, "edp")):
+        for op, nbytes in muon_step_bytes(n, d, zero, ns).items():
+            out[(op, group)] += nbytes
+    if layout.tp > 1:
+        out[("all_gather", "tp")] += muon_split_gather_bytes(params.muon_dense / (layout.dp * layout.cp), layout.tp)
+    if layout.etp > 1 and params.experts:
+        out[("all_gather", "etp")] += muon_split_gather_bytes(params.experts / layout.edp, layout.etp)
+    return out
 
 
 def _moe_all_to_all(cfg, layout, stage: int, routing, ep_rank: int) -> float:

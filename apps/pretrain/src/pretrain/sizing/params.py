@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..model.muon_split import uses_muon
 from ..model.shapes import layer_shapes
 
 
@@ -20,6 +21,8 @@ from ..model.shapes import layer_shapes
 class RankParams:
     dense: int  # elements of this rank's non-expert parameters (TP shards; norms and routers whole)
     experts: int  # elements of its routed-expert parameters
+    muon_dense: int = 0  # of ``dense``, the hidden matrices ``[train].optimizer = "muon"`` steps with Muon
+    # (model/muon_split.py; every routed expert's matrix is Muon's too)
 
 
 def rank_params(cfg, layout, stage: int) -> RankParams:
@@ -29,16 +32,17 @@ def rank_params(cfg, layout, stage: int) -> RankParams:
     has_first, has_last = 0 in chunks, _num_chunks(layout) - 1 in chunks
     mtp = range(m.layers, m.layers + m.mtp_depth) if has_last else range(0)  # multi-token prediction layers
     dense = len(mtp) * (2 * h * h + 3 * h)  # each MTP layer's eh_proj and 3 norms (copies over tp)
+    muon = len(mtp) * 2 * h * h  # eh_proj
     experts = 0
     for i, count in by_kind(m, [*stage_layers(cfg.parallel, m.layers)[stage], *mtp]):
-        d, e = _layer_params(m, layout, i)
-        dense, experts = dense + count * d, experts + count * e
+        d, e, mu = _layer_params(m, layout, i)
+        dense, experts, muon = dense + count * d, experts + count * e, muon + count * mu
     # the input embedding; the head (tied: the embedding itself, or its copy on the last stage);
     # MTP's embedding copy on the last stage (tied: the head is that copy)
     mtp_copy = has_last and m.mtp_depth > 0 and not has_first and not m.tie_embeddings
     embeddings = int(has_first) + int(has_last and not (m.tie_embeddings and has_first)) + int(mtp_copy)
     dense += embeddings * m.padded_vocab(tp) * h // tp + (h if has_last else 0)  # + the final norm
-    return RankParams(dense, experts)
+    return RankParams(dense, experts, muon)
 
 
 @lru_cache(maxsize=4096)
@@ -66,16 +70,17 @@ def _by_kind(m, layers: tuple[int, ...]) -> list[tuple[int, int]]:
     return [(i, n) for i, n in kinds.values()]
 
 
-def _layer_params(m, layout, i: int) -> tuple[int, int]:
-    """(dense, routed-expert) elements of decoder layer ``i`` on one rank, from its full shapes."""
-    dense = experts = 0
+def _layer_params(m, layout, i: int) -> tuple[int, int, int]:
+    """(dense, routed-expert, Muon's dense) elements of decoder layer ``i`` on one rank, from its full shapes."""
+    dense = experts = muon = 0
     for name, shape in layer_shapes(m, i).items():
         part, n = layer_part(name), _on_rank(m, layout, name, math.prod(shape))
         if part == "experts":
             experts += n
         elif part != "buffer":
             dense += n
-    return dense, experts
+            muon += n if uses_muon(name, shape) else 0
+    return dense, experts, muon
 
 
 # Split over tp as the trainer builds them: column-parallel (heads, ffn) and row-parallel weights.

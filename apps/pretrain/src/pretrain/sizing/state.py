@@ -4,7 +4,8 @@ The trainer's mixed precision (Megatron's): bf16 parameters for compute (fp32 ru
 gradients accumulated and reduced in ``[train].grad_reduce_dtype`` and, in the optimizer, fp32
 main weights (bf16 runs only) and two fp32 Adam moments: :func:`par_zero.bytes_per_param`. They are
 sharded as the ZeRO strategy says (:func:`par_zero.model_state`): dense parameters over dp x cp,
-routed experts over expert dp; with HSDP, ZeRO-3 inside each replica.
+routed experts over expert dp; with HSDP, ZeRO-3 inside each replica. ``[train].optimizer = "muon"``
+keeps one fp32 momentum (:data:`MUON_STATE_BYTES`) for the two Adam moments of the params Muon steps.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 
 from par_zero import ModelState, bytes_per_param, model_state
 
-from .params import rank_params
+from .params import RankParams, rank_params
 
+MUON_STATE_BYTES = 4  # Muon's state per param it steps: one fp32 momentum (AdamW's: two fp32 moments, 8)
 STRATEGIES = (("DDP", "no_shard"), ("ZeRO-1", "optim"), ("ZeRO-2", "optim_grads"), ("ZeRO-3", "optim_grads_params"))
 
 
@@ -29,20 +31,31 @@ def convention(train, device_type: str = "cuda") -> str:
     """The bytes per parameter in words, for the plan's output."""
     p, g, o = bytes_per_param(*state_dtypes(train, device_type))
     main = " + fp32 main weights" if o > 8 else ""
-    return f"{8 * p}-bit params, {8 * g}-bit grads, fp32 Adam moments{main}: {p} + {g} + {o} bytes per parameter"
+    muon = (f" (Muon's matrices: one fp32 momentum, {p} + {g} + {o - 8 + MUON_STATE_BYTES})"
+            if train.optimizer == "muon" else "")
+    return f"{8 * p}-bit params, {8 * g}-bit grads, fp32 Adam moments{main}: {p} + {g} + {o} bytes per parameter{muon}"
 
 
-def params_state(dense: float, experts: float, d: int, ed: int, zero: str, dtypes, replicas: int = 1) -> ModelState:
+def muon_elements(train, params: RankParams) -> tuple[int, int]:
+    """(dense, routed-expert) elements of ``params`` whose optimizer state is Muon's: none unless
+    ``[train].optimizer = "muon"``, then the hidden matrices and every routed expert."""
+    return (params.muon_dense, params.experts) if train.optimizer == "muon" else (0, 0)
+
+
+def params_state(dense: float, experts: float, d: int, ed: int, zero: str, dtypes, replicas: int = 1,
+                 muon: tuple[float, float] = (0, 0)) -> ModelState:
     """Bytes of ``dense`` elements sharded over ``d`` ranks and ``experts`` over ``ed``; ``replicas`` > 1:
-    HSDP (ZeRO-3 inside ``d / replicas`` ranks, replicated across the replicas)."""
+    HSDP (ZeRO-3 inside ``d / replicas`` ranks, replicated across the replicas). ``muon``: how many of
+    the dense and of the expert elements Muon steps (:func:`muon_elements`)."""
     p, g, o = bytes_per_param(*dtypes)
     zero = "optim_grads_params" if zero == "torch_fsdp2" else zero  # torch's FSDP2 shards as ZeRO-3
     parts = []
-    for n, size in ((dense, d), (experts, ed)):
+    for n, size, mu in ((dense, d, muon[0]), (experts, ed, muon[1])):
+        optim = n * o - mu * (8 - MUON_STATE_BYTES)
         if replicas > 1:
-            parts.append(model_state(n * p, n * g, n * o, "optim_grads_params", max(size // replicas, 1), outer=replicas))
+            parts.append(model_state(n * p, n * g, optim, "optim_grads_params", max(size // replicas, 1), outer=replicas))
         else:
-            parts.append(model_state(n * p, n * g, n * o, zero, size))
+            parts.append(model_state(n * p, n * g, optim, zero, size))
     return ModelState(*(sum(getattr(s, k) for s in parts) for k in ("params", "grads", "optim")))
 
 
@@ -52,7 +65,7 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
     p = rank_params(cfg, layout, stage)
     replicas = cfg.parallel.hsdp_replicas if replicas is None else replicas
     return params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero or cfg.parallel.zero,
-                        state_dtypes(cfg.train, device_type), replicas)
+                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p))
 
 
 def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:

@@ -118,7 +118,7 @@ MUTANTS = [
            "self._opt_grad.add_(out)", "self._opt_grad.copy_(out)", (ZERO,)),
     # expert re-placement (issue 51): a moved expert leaves its AdamW moments behind; its slots' global rows undeclared
     Mutant("replace-state-left-behind", "packages/par-zero/src/par_zero/move_rows.py",
-           'for kind in ("master",) + tuple(dp.optimizer.state_kinds()):', 'for kind in ("master",):', (REPLACE,)),
+           "moved, kinds = 0, tuple(dp.optimizer.state_kinds())", "moved, kinds = 0, ()", (REPLACE,)),
     Mutant("replace-rows-undeclared", "packages/par-moe/src/par_moe/experts.py",
            "place_rows_(w, experts)", "place_rows_(w, tuple(sorted(experts)))", (REPLACE,)),
     Mutant("replace-local-counts", "apps/pretrain/src/pretrain/model/replace.py",  # each rank packs by its own tokens (maps differ)

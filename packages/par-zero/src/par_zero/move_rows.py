@@ -70,8 +70,12 @@ def move_rows_(dp, moves: Sequence[RowMove], group: ProcessGroup | None) -> int:
     row = lambda m: sum(p[0].numel() for p in m.params)  # noqa: E731
     input_splits = [sum(row(m) for m in send if m.dest == d) for d in range(size)]
     output_splits = [sum(row(m) for m in recv if m.source == s) for s in range(size)]
-    moved = 0
-    for kind in ("master",) + tuple(dp.optimizer.state_kinds()):
+    moved, kinds = 0, tuple(dp.optimizer.state_kinds())
+    # written as a load writes the state: an optimizer that keeps it packed (Muon) hands out unpacked
+    # copies between prepare_load and finish_load, and packs them back at the end
+    if kinds:
+        dp.optimizer.prepare_load(kinds)
+    for kind in ("master",) + kinds:
         state = {b: dp.optimizer.range_state(b, kind) for b in dp.buckets}
         parts = []
         for b, start, n in out_regions:  # this rank's part of each row sent, zeros elsewhere
@@ -93,5 +97,7 @@ def move_rows_(dp, moves: Sequence[RowMove], group: ProcessGroup | None) -> int:
                 state[b][lo - b.opt_lo:hi - b.opt_lo] = received[at + lo - start:at + hi - start]
             at += n
         moved += sum(row(m) for m in moves if m.source != m.dest) * payload.element_size()
+    if kinds:
+        dp.optimizer.finish_load(dp.optimizer.scalar_state())
     dp.sync_params()
     return moved

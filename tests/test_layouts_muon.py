@@ -26,6 +26,7 @@ DENSE = {  # name: (world, overrides)
     "dp4-hsdp2": (4, ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"]),  # owners per replica
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=4"]),
+    "cp2-dp2": (4, ["parallel.cp=2"]),  # the update is the same whichever ranks held which tokens
 }
 
 
@@ -80,7 +81,9 @@ def moe_layout_updates(overrides, root: str, mine: str) -> dict:
     return out
 
 
-MOE_LAYOUTS = {"ep2": (2, ["parallel.ep=2"]), "tp2-etp2-ep2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"])}
+MOE_LAYOUTS = {"ep2": (2, ["parallel.ep=2"]), "tp2-etp2-ep2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"]),
+               "cp2-ep2": (2, ["parallel.cp=2", "parallel.ep=2"]),
+               "ep2-optim_grads_params": (4, ["parallel.ep=2", "parallel.zero=optim_grads_params"])}
 
 
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))

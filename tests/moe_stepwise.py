@@ -166,7 +166,7 @@ def planted(bug: str | None):
 def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0, bug: str | None = None,
                  balance: bool = False):
     """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s. ``balance``: each
-    step's MoE statistics too (the trainer's logged figures), as a fourth element."""
+    step's MoE statistics too (the trainer's logged figures, and a re-placement's experts moved), as a fourth element."""
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
 
@@ -178,7 +178,8 @@ def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0,
             assert trainer.load_checkpoint(f"{root}/step_{step}") == step
             with recorded_routing(perturb=perturb) as log:
                 r = trainer.train_step(step)
-            out.append((r.loss, r.grad_norm, dict(log)) + ((r.moe,) if balance else ()))
+            moved = {"experts_moved": r.placement["experts_moved"]} if r.placement else {}  # a re-placement step
+            out.append((r.loss, r.grad_norm, dict(log)) + ((r.moe | moved,) if balance else ()))
     return out
 
 

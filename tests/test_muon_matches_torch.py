@@ -40,8 +40,9 @@ class _TorchWithBfloat16As(types.ModuleType):
         return self.ns_dtype if name == "bfloat16" else getattr(torch, name)
 
 
-def plain_muon(cfg, sampler, steps: int, dtype=torch.float32):
-    """[(loss, pre-clip grad norm)] per step and the final {HF name: param} of plain PyTorch with torch's Muon."""
+def plain_muon(cfg, sampler, steps: int, dtype=torch.float32, after_step=None):
+    """[(loss, pre-clip grad norm)] per step and the final {HF name: param} of plain PyTorch with torch's Muon;
+    ``after_step(model)`` runs after each update (test_muon_qk_clip's hand QK-clip)."""
     from plain_llama import build_plain
 
     t = cfg.train
@@ -77,6 +78,8 @@ def plain_muon(cfg, sampler, steps: int, dtype=torch.float32):
                 v.grad = p.grad[e]
         muon.step()
         adamw.step()
+        if after_step is not None:
+            after_step(model)
         model.zero_grad(set_to_none=True)
         for o in (muon, adamw):
             o.zero_grad()
@@ -90,14 +93,14 @@ def plain_muon(cfg, sampler, steps: int, dtype=torch.float32):
     return out, {n: p.detach().clone() for n, p in named.items()}
 
 
-def plain_run(cfg, sampler, steps: int, dtype=torch.float32):
+def plain_run(cfg, sampler, steps: int, dtype=torch.float32, after_step=None):
     """:func:`plain_muon` with torch's Newton-Schulz in ``dtype`` when ``[train].muon_ns_dtype`` is fp32."""
     if cfg.train.muon_ns_dtype != "fp32":
-        return plain_muon(cfg, sampler, steps, dtype)
+        return plain_muon(cfg, sampler, steps, dtype, after_step)
     muon_module = torch.optim._muon
     real, muon_module.torch = muon_module.torch, _TorchWithBfloat16As(dtype)
     try:
-        return plain_muon(cfg, sampler, steps, dtype)
+        return plain_muon(cfg, sampler, steps, dtype, after_step)
     finally:
         muon_module.torch = real
 

@@ -30,6 +30,7 @@ ZERO = "packages/par-zero/tests/test_matches_single_process.py::test_every_strat
 MOE_REF = "packages/par-moe/tests/test_layer_matches_reference.py::test_single_device_layer_matches_reference"
 CAPACITY = "packages/par-moe/tests/test_dispatch_and_balance.py::test_capacity_matches_reference_policy"
 MEGATRON = "packages/par-moe/tests/test_matches_megatron_moe.py"  # the outside oracle: megatron-core's moe_utils
+REPLACE = "apps/pretrain/tests/test_expert_replace.py::test_replacement_moves_experts_with_their_optimizer_state"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,13 @@ MUTANTS = [
            "keep = self.opt_grad * self.dp_size", "keep = self.opt_grad", (ZERO,)),
     Mutant("zero2-second-reduce", "packages/par-zero/src/par_zero/bucket.py",
            "self._opt_grad.add_(out)", "self._opt_grad.copy_(out)", (ZERO,)),
+    # expert re-placement (issue 51): a moved expert leaves its AdamW moments behind; its slots' global rows undeclared
+    Mutant("replace-state-left-behind", "packages/par-zero/src/par_zero/move_rows.py",
+           'for kind in ("master",) + tuple(dp.optimizer.state_kinds()):', 'for kind in ("master",):', (REPLACE,)),
+    Mutant("replace-rows-undeclared", "packages/par-moe/src/par_moe/experts.py",
+           "place_rows_(w, experts)", "place_rows_(w, tuple(sorted(experts)))", (REPLACE,)),
+    Mutant("replace-local-counts", "apps/pretrain/src/pretrain/model/replace.py",  # each rank packs by its own tokens (maps differ)
+           "comm.all_reduce(load, self.load_group)", "load = load.clone()", (REPLACE,)),
 ]
 
 

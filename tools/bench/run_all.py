@@ -35,6 +35,7 @@ BENCHES = [
     ("bench_tp.py", ["--repeats", "7"]),
     ("bench_tp_overlap.py", ["--repeats", "7", "--tp", "2"]),
     ("bench_moe.py", ["--repeats", "7", "--tokens", "128"]),
+    ("bench_expert_balance.py", ["--repeats", "9"]),  # expert_balance=replicate vs standard / torchtitan, ep4 skewed
     ("bench_timing_overhead.py", ["--repeats", "15"]),  # step timing + flight recorder on / off (tp2 x pp2)
     ("bench_compile.py", ["--repeats", "11"]),  # [train].compile vs eager tokens/s, tiny model, one process
 ]

@@ -19,7 +19,11 @@
 #      pure-Python wheels make it import there (measured: torch's own dependencies plus these, each
 #      loaded from a zip on the path): `pip download --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro
 #      docstring_parser -d tools/gpu/vendor` on a machine with network.
-#   3. where Transformer Engine is installed: the same run with [model].backend=te, and with fp8.
+#   3. the step timing's exposed communication read from the collectives' own CUDA events
+#      (tools/gpu/comm_events.py: a tiny model, NCCL on one rank, [log].timing on): each step's event
+#      pairs and host syncs, each log step's parts, and one line
+#      RESULT gpu-comm-events exposed_comm_ms= event_pairs_per_step= syncs_outside_log_steps= syncs_per_log_read=
+#   4. where Transformer Engine is installed: the same run with [model].backend=te, and with fp8.
 # Without a CUDA GPU it prints one line and exits 0. Exit status 1 if any step failed.
 # The whole check keeps to CHECK_BUDGET_S seconds (470: under 8 minutes): each step's limit is cut
 # to what is left, and a step with under 20 s left is not run (and counts as a failure).
@@ -35,9 +39,10 @@ for dir in packages/*/src apps/pretrain/src; do SRC="$SRC:$ROOT/$dir"; done
 for wheel in tools/gpu/vendor/*.whl; do [ -e "$wheel" ] && SRC="$SRC:$ROOT/$wheel"; done
 export PYTHONPATH="${SRC#:}${PYTHONPATH:+:$PYTHONPATH}"
 
-MODEL=(); STEPS=50; TE_STEPS=30
+MODEL=(); STEPS=50; TE_STEPS=30; EVENTS=(--steps 12 --every 4)
 if [ "${PAR_GPU_CHECK_ON_CPU:-0}" = 1 ]; then
   export PAR_GPU_TEST_DEVICE=cpu; MODEL=(--device cpu --tiny --warmup 1); STEPS=2; TE_STEPS=2
+  EVENTS=(--steps 2 --every 2 --device cpu)
 elif ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "tools/gpu/check.sh: no CUDA GPU visible to $PY (or no torch); nothing to check"
   exit 0
@@ -74,6 +79,7 @@ else
   echo "== torchtitan does not import on $PY: the 1B run is not raced against it (step_time_par_over_torchtitan=n/a)"
 fi
 run "1B Llama, par vs plain PyTorch" 270 "$PY" tools/gpu/llama_1b.py --steps "$STEPS" "${MODEL[@]}"
+run "exposed communication from CUDA events" 45 "$PY" tools/gpu/comm_events.py "${EVENTS[@]}"
 if "$PY" -c 'import transformer_engine.pytorch' 2>/dev/null; then
   run "1B Llama, Transformer Engine" 90 "$PY" tools/gpu/llama_1b.py --label gpu-1b-te --steps "$TE_STEPS" --no-torchtitan \
     --no-baseline --set model.backend=te "${MODEL[@]}"

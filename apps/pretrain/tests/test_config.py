@@ -145,15 +145,19 @@ def test_round_trip_through_toml(tmp_path):
     (["model.routed_scaling=0"], 1, "[model].routed_scaling=0.0 must be > 0"),
     ([], 1000000, "world size 1000000 must be in 1..131072"),
     # issue 51: expert_balance = "replicate" refuses what it is not tested with, saying which
-    (["model.expert_balance=spread"], 1, "[model].expert_balance='spread' is not one of none, replicate"),
-    (["model.max_replicas_per_rank=0"], 1, "[model].max_replicas_per_rank=0 must be >= 1"),
-    *(([f"model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate", *extra], 4,
-       f"[model].expert_balance='replicate' is not supported with {refused}")
+    (["model.expert_balance=spread"], 1, "[model].expert_balance='spread' is not one of none, replicate, replicate+replace"),
+    (["model.replace_every=0"], 1, "[model].replace_every=0 must be >= 1"),
+    *(([f"model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate+replace", *extra], 4,
+       f"[model].expert_balance='replicate+replace' is not supported with {refused}")
       for extra, refused in ((["model.dispatcher=allgather"], "[model].dispatcher='allgather'"),
-                             (["model.dispatcher=alltoall_padded"], "[model].dispatcher='alltoall_padded'"),
-                             (["parallel.tp=2", "parallel.etp=2"], "[parallel].etp=2"),
-                             (["parallel.pp=2"], "[parallel].pp=2"), (["parallel.cp=2"], "[parallel].cp=2"),
+                             (["parallel.pp=2"], "[parallel].pp=2"),
                              (["parallel.zero=optim_grads_params"], "[parallel].zero='optim_grads_params'"))),
+    (["model.max_replicas_per_rank=0"], 1, "[model].max_replicas_per_rank=0 must be >= 1"),
+    (["model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate", "model.dispatcher=alltoall_padded"], 4,
+     "[model].expert_balance='replicate' is not supported with [model].dispatcher='alltoall_padded': the padded "
+     "dispatcher already computes the same padded slots on every EP rank"),
+    (["model.num_experts=8", "model.expert_balance=replicate", "parallel.zero=torch_fsdp2", "parallel.ep=2"], 4,
+     "[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1"),
     (["train.compile=true", "data.document_mask=true"], 1, "[train].compile=true compiles the torch backend's blocks: "
                                                           "not with [model].backend='te' nor packed documents"),
 ])

@@ -21,6 +21,7 @@ LAYOUTS = {  # name: (config, nproc, overrides)
     "pp2-1f1b": (None, 2, ["parallel.pp=2"]),
     "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
     "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
+    "cp2-muon-qk_clip": (None, 2, ["parallel.cp=2", "train.optimizer=muon", "train.muon_qk_clip=0.05"]),
 }
 # MoE at ep2: the all-to-all's split sizes are read once per MoE layer per micro-batch (their
 # tensor sizes follow the routing); the static-shape dispatch reads none.
@@ -56,11 +57,14 @@ def test_no_host_read_outside_log_steps(monkeypatch, tmp_path, fault_ranks, name
         assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), f"{name} rank {rank}: reads per step {per_step}"
 
 
-@pytest.mark.parametrize("balance", ["none", "replicate"])
+@pytest.mark.parametrize("balance", ["none", "replicate", "replicate-allgather"])
 def test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch(monkeypatch, tmp_path, fault_ranks, balance):
-    """expert_balance = "replicate" too: its plan comes from the one read of the gathered counts."""
+    """expert_balance = "replicate" too: its plan comes from the one read of the gathered counts (under the
+    all-gather dispatcher, counted from the gathered routing)."""
     config, nproc, overrides = MOE
-    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides + [f"model.expert_balance={balance}"])
+    balanced = ["model.expert_balance=replicate", "model.dispatcher=allgather"] if balance == "replicate-allgather" \
+        else [f"model.expert_balance={balance}"]
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides + balanced)
     print("ep2", balance, reads)
     moe_layers, micro_batches = 2, 8 // 2 // 2  # layers 1-2 of 3; global batch 8 over dp 2 in micro-batches of 2
     for rank, per_step in enumerate(reads):
@@ -73,3 +77,19 @@ def test_the_static_shape_moe_dispatch_reads_nothing(monkeypatch, tmp_path, faul
     print("ep2 padded", reads)
     for rank, per_step in enumerate(reads):
         assert unlogged(per_step) == [0] * (STEPS - STEPS // EVERY), (rank, per_step)
+
+
+def test_expert_replacement_reads_once_at_its_step_and_is_logged(monkeypatch, tmp_path, fault_ranks):
+    """expert_balance = "replicate+replace", replace_every=3: the load counted on the device is read once,
+    at the re-placement steps (3 and 6) only; log.jsonl has a record of each (experts moved, bytes moved)."""
+    config, nproc, overrides = MOE
+    sets = overrides + ["model.expert_balance=replicate+replace", "model.replace_every=3"]
+    reads = reads_per_step(monkeypatch, tmp_path, config, nproc, sets)
+    print("ep2 replicate+replace", reads)
+    per_step = 2 * (8 // 2 // 2)  # as test_moe_reads_its_split_sizes_once_per_layer_and_micro_batch
+    for rank, counts in enumerate(reads):
+        assert unlogged(counts) == [per_step + (s + 1 in (3, 6)) for s in range(STEPS) if (s + 1) % EVERY and s + 1 != STEPS], \
+            (rank, counts)
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    events = [e for e in events if e.get("event") == "expert_placement"]
+    assert [e["step"] for e in events] == [3, 6] and all({"experts_moved", "bytes_moved"} <= e.keys() for e in events)

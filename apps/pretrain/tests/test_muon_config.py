@@ -30,7 +30,12 @@ def test_muon_refuses_in_one_error_line():
     for overrides, words in ((["parallel.zero=torch_fsdp2"], "not 'torch_fsdp2'"),
                              (["train.muon_adjust_lr_fn=foo"], "muon_adjust_lr_fn"),
                              (["train.muon_ns_dtype=fp16"], "muon_ns_dtype"),
-                             (["train.optimizer_args={momentum=0.9}"], "muon_* keys")):
+                             (["train.optimizer_args={momentum=0.9}"], "muon_* keys"),
+                             (["train.muon_qk_clip=-1"], "muon_qk_clip=-1.0 must be a finite logit > 0"),
+                             (["train.muon_qk_clip=inf"], "muon_qk_clip=inf must be"),
+                             (["train.muon_qk_clip=30", "train.optimizer=adamw"], "with optimizer='muon' (got optimizer='adamw')"),
+                             (["train.muon_qk_clip=30", "model.qk_norm=true"], "qk_norm=false (its norms undo"),
+                             (["train.muon_qk_clip=30", "model.backend=te"], "got attention='gqa'")):
         sets = [a for o in ["train.optimizer=muon"] + overrides for a in ("--set", o)]
         res = CliRunner().invoke(app, ["plan", *sets])
         lines = [line for line in res.output.splitlines() if line.strip()]

@@ -26,8 +26,9 @@ CONFIGS = {
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
-def config(name, balance="replicate"):
-    return MoEConfig(hidden=H, ffn_hidden=F, num_experts=E, top_k=TOP_K, expert_balance=balance, **CONFIGS[name])
+def config(name, balance="replicate", dispatcher="alltoall"):
+    return MoEConfig(hidden=H, ffn_hidden=F, num_experts=E, top_k=TOP_K, expert_balance=balance, dispatcher=dispatcher,
+                     **CONFIGS[name])
 
 
 def skewed_reference(cfg):
@@ -46,6 +47,7 @@ def planted(bug):
     """Test-only bugs in the replica path; None: none."""
     import par_moe.layer as layer_mod
     import par_moe.replicate as rep
+    import par_moe.replicate_gather as gather
 
     fetch, backward, plan = layer_mod.fetch_replicas, rep._FetchReplicas.backward, rep.plan_replicas
     if bug == "gradient_not_returned":  # the return all-to-all runs, its gradients are dropped
@@ -61,20 +63,24 @@ def planted(bug):
 
         layer_mod.fetch_replicas = stale_fetch
     elif bug == "different_plans":  # each rank plans from its own counts, as if every rank routed alike
-        rep.plan_replicas = lambda counts, *a: plan([counts[dist.get_rank()]] * len(counts), *a)
+        rep.plan_replicas = gather.plan_replicas = lambda counts, *a: plan([counts[dist.get_rank()]] * len(counts), *a)
     elif bug is not None:
         raise ValueError(bug)
     try:
         yield
     finally:
         layer_mod.fetch_replicas, rep._FetchReplicas.backward, rep.plan_replicas = fetch, backward, plan
+        gather.plan_replicas = plan
 
 
-def run_replicated(name, steps=2, bug=None):
+def run_replicated(name, steps=2, bug=None, dispatcher="alltoall"):
     """Per step: this rank's output, input grad, aux, router and expert grads, the plan's loads and the
-    replica bytes recorded (fetch and return); SGD on the expert weights between steps."""
+    replica bytes recorded (fetch and return); SGD on the expert weights between steps. Under the
+    all-gather dispatcher the tokens travel by all-gather and reduce-scatter: its all-to-alls are the
+    replica weights' alone."""
     ep_group = dist.new_group(list(range(dist.get_world_size())))
-    layer = MoELayer.from_reference(skewed_reference(config(name)), ep_group, aux_group=ep_group)
+    layer = MoELayer.from_reference(skewed_reference(config(name, dispatcher=dispatcher)), ep_group, aux_group=ep_group)
+    tokens = 0 if dispatcher == "allgather" else 1  # the all-to-alls of the token rows (sent, received) or none
     rank, out = dist.get_rank(), []
     with planted(bug):
         for step in range(steps):
@@ -96,7 +102,8 @@ def run_replicated(name, steps=2, bug=None):
                         # backward: output grads, replica grads home, token grads
                         "a2a": ([r.bytes for r in forward.records if r.op == "all_to_all"],
                                 [r.bytes for r in backward.records if r.op == "all_to_all"]),
-                        "formula": ([sent * H * 4, *fetch, got * H * 4], [sent * H * 4, *back, got * H * 4])})
+                        "formula": ([sent * H * 4] * tokens + fetch + [got * H * 4] * tokens,
+                                    [sent * H * 4] * tokens + back + [got * H * 4] * tokens)})
             with torch.no_grad():
                 for n in EXPERT_WEIGHTS:
                     getattr(ex, n).sub_(LR * getattr(ex, n).grad)
@@ -143,15 +150,15 @@ def check(name, per_rank):
             close(torch.cat([r[n] for r in steps]), ref[n], f"{at} expert {n} grad")
 
 
-@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("ep,dispatcher", [(2, "alltoall"), (4, "alltoall"), (2, "allgather"), (4, "allgather")])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_replicated_layer_matches_reference_and_balances(dist_run, name, ep):
-    per_rank = dist_run(ep, run_replicated, name, timeout=300)
+def test_replicated_layer_matches_reference_and_balances(dist_run, name, ep, dispatcher):
+    per_rank = dist_run(ep, run_replicated, name, dispatcher=dispatcher, timeout=300)
     check(name, per_rank)
     for step in range(2):
         before, after = per_rank[0][step]["before"], per_rank[0][step]["after"]
         cap = math.ceil(sum(before) / ep)
-        print(f"{name} ep={ep} step {step}: pairs per EP rank {list(before)} -> {list(after)} (cap {cap}); "
+        print(f"{name} {dispatcher} ep={ep} step {step}: pairs per EP rank {list(before)} -> {list(after)} (cap {cap}); "
               f"max/mean {max(before) * ep / sum(before):.3f} -> {max(after) * ep / sum(after):.3f}; "
               f"rank 0 all-to-all bytes {per_rank[0][step]['a2a']}")
         assert max(before) > cap and max(after) <= cap
@@ -160,12 +167,13 @@ def test_replicated_layer_matches_reference_and_balances(dist_run, name, ep):
             assert res["a2a"] == res["formula"], f"rank {rank} step {step}: recorded {res['a2a']}, plan {res['formula']}"
 
 
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 @pytest.mark.parametrize("bug", ["gradient_not_returned", "stale_weights", "different_plans"])
-def test_planted_replica_bug_fails(dist_run, bug):
+def test_planted_replica_bug_fails(dist_run, bug, dispatcher):
     """Each bug fails the comparison with the reference (or the run itself, where ranks disagree on sizes)."""
     name, ep = "softmax-shared-aux", 4
     try:
-        per_rank = dist_run(ep, run_replicated, name, bug=bug, timeout=120)
+        per_rank = dist_run(ep, run_replicated, name, bug=bug, dispatcher=dispatcher, timeout=120)
     except Exception as failure:  # ranks that disagree on the split sizes fail inside the all-to-all
         errors = [line.strip() for line in str(failure).splitlines() if "Error" in line]
         print(f"{bug}: the run failed: {errors[-1:]}")

@@ -20,6 +20,6 @@ from .autograd import all_gather_along_dim0, all_gather_dim0, reduce_scatter_alo
 __all__ += ["all_gather_along_dim0", "all_gather_dim0", "reduce_scatter_along_dim0", "reduce_scatter_dim0"]
 
 # Each parameter's declared placement (its block of the full tensor, copies, grad ownership).
-from .param_placement import ParamPlacement, declare_, declare_copies_, placement_of, sum_partial_grads_  # noqa: E402
+from .param_placement import ParamPlacement, declare_, declare_copies_, place_rows_, placement_of, sum_partial_grads_  # noqa: E402
 
-__all__ += ["ParamPlacement", "declare_", "declare_copies_", "placement_of", "sum_partial_grads_"]
+__all__ += ["ParamPlacement", "declare_", "declare_copies_", "place_rows_", "placement_of", "sum_partial_grads_"]

@@ -88,12 +88,15 @@ def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None =
             r.records.append(rec)
 
 
-def _call(op: str, group: ProcessGroup | None, nbytes: int, call, async_op: bool, peer: int | None = None):
-    """``call()`` (the torch collective), timed and recorded by the active watch if there is one."""
+def _call(op: str, group: ProcessGroup | None, nbytes: int, call, async_op: bool, peer: int | None = None,
+          tensor: torch.Tensor | None = None):
+    """``call()`` (the torch collective), timed and recorded by the active watch if there is one.
+    ``tensor``: one of its tensors (a CUDA one is timed on the stream; see ``CommWatch.stamp``)."""
     watch = active_watch()
     if watch is None or torch.compiler.is_compiling():  # traced into the graph; the watch records the
         return call()  # compiled region around it as one entry (CommWatch.region), outside the trace
-    return watch.run(watch.begin(op, group, nbytes, peer), call, async_op)
+    cuda = tensor is not None and tensor.device.type == "cuda"
+    return watch.run(watch.begin(op, group, nbytes, peer), call, async_op, cuda)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -103,13 +106,14 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
     _record("all_reduce", group, _nbytes(tensor))
     return _call("all_reduce", group, _nbytes(tensor),
-                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tensor=tensor)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
     _record("all_gather", group, _nbytes(output))
     return _call("all_gather", group, _nbytes(output),
-                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op,
+                 tensor=input)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM,
@@ -125,7 +129,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
     if op == ReduceOp.SUM and not spare_memory and _is_gloo(group):
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _call("reduce_scatter", group, _nbytes(input),
-                 lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op)
+                 lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op,
+                 tensor=input)
 
 
 def _is_gloo(group: ProcessGroup | None) -> bool:
@@ -163,7 +168,7 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
                          f"{output.numel()}")
     received = torch.empty_like(input, memory_format=torch.contiguous_format)
     work = _call("reduce_scatter", group, _nbytes(input), lambda: dist.all_to_all_single(
-        received, input.contiguous(), group=group, async_op=async_op), async_op)
+        received, input.contiguous(), group=group, async_op=async_op), async_op, tensor=input)
 
     def sum_blocks() -> None:
         torch.sum(received.view(n, -1), dim=0, out=output.view(-1))
@@ -192,13 +197,13 @@ def all_to_all_single(
 ):
     _record("all_to_all", group, _nbytes(input), _sent_off_rank(input, group, input_split_sizes))
     return _call("all_to_all", group, _nbytes(input), lambda: dist.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op), async_op)
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op), async_op, tensor=input)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
     _record("broadcast", group, _nbytes(tensor))
     return _call("broadcast", group, _nbytes(tensor),
-                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, tensor=tensor)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]):
@@ -210,7 +215,7 @@ def batch_isend_irecv(ops: list[dist.P2POp]):
     first = ops[0]
     kind = "send" if first.op is dist.isend else "recv"
     return _call(kind, first.group, sum(_nbytes(p.tensor) for p in ops), lambda: dist.batch_isend_irecv(ops), True,
-                 first.peer)  # P2POp's peer is a global rank
+                 first.peer, first.tensor)  # P2POp's peer is a global rank
 
 
 def barrier(group: ProcessGroup | None) -> None:

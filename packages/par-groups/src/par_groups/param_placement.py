@@ -13,6 +13,8 @@ re-derives a layout from attribute conventions.
 - ``partial_grad``: each copy's gradient is a share (it saw other tokens or other query heads);
   the true gradient is their sum over the copies (:func:`sum_partial_grads_`).
 - ``expert``: data-parallel over the expert DP group (the expert family) instead of the dense one.
+- ``rows``: dim 0 of the local block holds these rows of the full tensor, in order (a permuted block:
+  re-placed experts, see par_moe.placement); None: rows ``offsets[0] ...`` (a contiguous block).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ParamPlacement:
     span: int = 0
     partial_grad: bool = False
     expert: bool = False
+    rows: tuple[int, ...] | None = None
 
     def copy_count(self) -> int:
         """How many model-parallel ranks hold this very block (1: only this one)."""
@@ -55,8 +58,28 @@ class ParamPlacement:
     def boxes(self, lo: int = 0, hi: int | None = None) -> list[Box]:
         """Elements ``[lo, hi)`` of the flattened local block as boxes of the full tensor."""
         hi = prod(self.shape) if hi is None else hi
-        return [(tuple(o + a for o, a in zip(self.offsets, off)), size)
-                for off, size in flat_range_boxes(self.shape, lo, hi)]
+        boxes = [(tuple(o + a for o, a in zip(self.offsets, off)), size)
+                 for off, size in flat_range_boxes(self.shape, lo, hi)]
+        if self.rows is None:
+            return boxes
+        out: list[Box] = []  # each box cut into runs of local rows that are consecutive full rows too
+        for offsets, size in boxes:
+            first = offsets[0] - self.offsets[0]
+            start = first
+            for row in range(first + 1, first + size[0] + 1):
+                if row == first + size[0] or self.rows[row] != self.rows[row - 1] + 1:
+                    out.append(((self.rows[start],) + offsets[1:], (row - start,) + size[1:]))
+                    start = row
+        return out
+
+
+def place_rows_(tensor: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """Say which rows of the full tensor dim 0 of ``tensor``'s declared block holds now (they moved)."""
+    pl = placement_of(tensor)
+    if len(rows) != pl.shape[0] or not all(0 <= r < pl.full_shape[0] for r in rows):
+        raise ValueError(f"rows={list(rows)}: {pl.shape[0]} indices in 0..{pl.full_shape[0] - 1} wanted")
+    tensor.placement = replace(pl, rows=tuple(rows))
+    return tensor
 
 
 def declare_(tensor: torch.Tensor, split: dict[int, tuple[int, int]] | None = None, *,

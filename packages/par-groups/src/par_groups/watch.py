@@ -6,8 +6,13 @@ call through :mod:`par_groups.comm` is
 * timed: a blocking call from entry to return, an asynchronous one (``async_op=True``, the
   point-to-point batches) inside its work's ``wait()``: the time this rank stood still waiting
   for a collective or a receive, not the time the transfer took in the background
-  (:meth:`CommWatch.take_wait`). On CUDA that is the host's wait; NCCL kernels queued on the
-  stream are not waited for here;
+  (:meth:`CommWatch.take_wait`). A call on CUDA tensors while ``device_events`` is set (the step
+  timer sets it) is timed on the device instead: a pair of CUDA events recorded on the current
+  (compute) stream around the call (a blocking NCCL call runs on that stream or makes it wait for
+  NCCL's), or around an asynchronous call's ``wait()`` (where NCCL makes that stream wait for its
+  side stream), kept unread (:meth:`CommWatch.take_events`; the step timer reads them at log
+  steps): the time the compute stream stood in the collective. On CUDA
+  the host returns from a NCCL launch at once, so a host clock there would time the launch;
 * recorded into a ring of the last ``capacity`` entries: op, group (name and global ranks), the
   group's sequence number of the call on this rank, bytes, peer (point-to-point), times. Ranks
   that call the same collectives give one group's calls the same sequence numbers, so comparing
@@ -65,14 +70,15 @@ class Entry:
 class _TimedWork:
     """A ``Work`` whose ``wait()`` is timed and closes its entry once its batch's last work is waited."""
 
-    def __init__(self, work, watch: "CommWatch", entry: Entry) -> None:
-        self._work, self._watch, self._entry, self._done = work, watch, entry, False
+    def __init__(self, work, watch: "CommWatch", entry: Entry, cuda: bool = False) -> None:
+        self._work, self._watch, self._entry, self._done, self._cuda = work, watch, entry, False, cuda
 
     def wait(self, *args, **kwargs):
         if self._done:
             return self._work.wait(*args, **kwargs)
         entry, watch, t0 = self._entry, self._watch, time.perf_counter()
         entry.waiting_since = entry.waiting_since or time.time()
+        first = watch.stamp(self._cuda)
         try:
             if watch.ranges:
                 with watch.range(entry):
@@ -83,7 +89,7 @@ class _TimedWork:
             watch.failed(entry, e)
             raise
         self._done = True
-        watch.wait_s += time.perf_counter() - t0
+        watch.waited(t0, first, entry.op)
         entry.pending -= 1
         if entry.pending <= 0:
             entry.end = time.time()
@@ -105,6 +111,8 @@ class CommWatch:
         self.names = dict(names or {})
         self.dump_path = None if dump_path is None else Path(dump_path)
         self.wait_s = 0.0  # total wait since the last take_wait()
+        self.device_events = None  # an event class (torch.cuda.Event): CUDA calls are timed on the stream
+        self.events: list[tuple] = []  # (op, start event, end event) since the last take_events()
         self.ranges = False
         self._seq: dict[str, int] = {}
         self._groups: dict[str, tuple[str, tuple[int, ...]]] = {}  # torch group name -> (label, ranks)
@@ -126,6 +134,27 @@ class CommWatch:
         """Seconds waited in calls since the last take, and restart the count."""
         out, self.wait_s = self.wait_s, 0.0
         return out
+
+    def take_events(self) -> list[tuple]:
+        """``(op, start, end)`` of each CUDA call's event pair since the last take (none read here), and restart."""
+        out, self.events = self.events, []
+        return out
+
+    def stamp(self, cuda: bool):
+        """An event recorded on the current stream for a call on CUDA tensors while ``device_events`` is
+        set; None otherwise (no event is made for CPU tensors: the tensors choose, never the watch)."""
+        if not cuda or self.device_events is None:
+            return None
+        event = self.device_events(enable_timing=True)
+        event.record()
+        return event
+
+    def waited(self, t0: float, first, op: str) -> None:
+        """A call's wait is over: an event pair kept (nothing read) after :meth:`stamp`'s event, else host time."""
+        if first is None:
+            self.wait_s += time.perf_counter() - t0
+        else:
+            self.events.append((op, first, self.stamp(True)))
 
     # ---- called by par_groups.comm --------------------------------------------------------
     def _group(self, group) -> tuple[str, str, tuple[int, ...]]:
@@ -163,9 +192,11 @@ class CommWatch:
         peer = "" if entry.peer is None else f"->{entry.peer}" if entry.op == "send" else f"<-{entry.peer}"
         return torch.profiler.record_function(f"comm.{entry.op}[{entry.group}]{peer}")
 
-    def run(self, entry: Entry, call: Callable, async_op: bool):
-        """Run ``call`` (the torch collective) as ``entry``; wrap the work(s) it returns when asynchronous."""
+    def run(self, entry: Entry, call: Callable, async_op: bool, cuda: bool = False):
+        """Run ``call`` (the torch collective) as ``entry``; wrap the work(s) it returns when asynchronous.
+        ``cuda``: its tensors are CUDA tensors (timed by events while ``device_events`` is set)."""
         t0 = time.perf_counter()
+        first = None if async_op else self.stamp(cuda)  # asynchronous: timed in its wait()
         try:
             if self.ranges:
                 with self.range(entry):
@@ -178,9 +209,9 @@ class CommWatch:
         if async_op:
             if isinstance(out, list):
                 entry.pending = len(out)
-                return [_TimedWork(w, self, entry) for w in out]
-            return _TimedWork(out, self, entry)
-        self.wait_s += time.perf_counter() - t0
+                return [_TimedWork(w, self, entry, cuda) for w in out]
+            return _TimedWork(out, self, entry, cuda)
+        self.waited(t0, first, entry.op)
         entry.end = time.time()
         return out
 

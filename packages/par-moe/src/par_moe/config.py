@@ -9,7 +9,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 GROUP_SCORES = ("top2", "top_k_per_group")
-EXPERT_BALANCES = ("none", "replicate")
+EXPERT_BALANCES = ("none", "replicate", "replicate+replace")
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,11 @@ with one group per node this is DeepSeek-V3's
     otherwise each expert takes at most ``ceil(capacity_factor * tokens * top_k / num_experts)``
     of a rank's tokens, dropping the rest by lowest routing weight ("probs") or latest position
     ("position"). ``bias_update_rate`` > 0 enables aux-loss-free balancing (``update_bias``).
-    ``expert_balance = "replicate"`` (all-to-all dispatcher) has every EP rank compute at most
+    ``expert_balance = "replicate"`` (all-to-all or all-gather dispatcher) has every EP rank compute at most
     ``ceil(pairs / ep)`` (token, expert) pairs: hot experts' excess pairs go to replicas on other
-    ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``).
+    ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``, ``replicate_gather.py``);
+    ``"replicate+replace"`` (all-to-all dispatcher) also counts each expert's load so that the trainer can re-place experts
+    onto EP ranks by it (``placement.py``; the layer routes by the placement it is given).
     """
 
     hidden: int
@@ -72,9 +74,12 @@ with one group per node this is DeepSeek-V3's
             raise ValueError(f"dispatcher={self.dispatcher!r}; use one of {DISPATCHERS}")
         if self.expert_balance not in EXPERT_BALANCES:
             raise ValueError(f"expert_balance={self.expert_balance!r}; use one of {EXPERT_BALANCES}")
-        if self.expert_balance == "replicate" and self.dispatcher != "alltoall":
-            raise ValueError(f"expert_balance='replicate' balances the 'alltoall' dispatcher; dispatcher="
-                             f"{self.dispatcher!r} is not supported with it")
+        if self.expert_balance != "none" and self.dispatcher == "alltoall_padded":
+            raise ValueError(f"expert_balance={self.expert_balance!r} with dispatcher='alltoall_padded': the padded "
+                             "dispatcher already computes the same padded slots on every EP rank (nothing to balance)")
+        if self.expert_balance == "replicate+replace" and self.dispatcher != "alltoall":
+            raise ValueError(f"expert_balance='replicate+replace' re-places experts for the 'alltoall' dispatcher; "
+                             f"dispatcher={self.dispatcher!r} is not supported with it")
         if not isinstance(self.max_replicas_per_rank, int) or self.max_replicas_per_rank < 1:
             raise ValueError(f"max_replicas_per_rank={self.max_replicas_per_rank} must be a positive integer")
         if self.num_experts % self.n_groups:

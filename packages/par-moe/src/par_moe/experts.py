@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from par_groups.param_placement import declare_
+from par_groups.param_placement import declare_, place_rows_
 
 
 # torch >= 2.10 names it F.grouped_mm; 2.8/2.9 have the same kernel as torch._grouped_mm
@@ -97,6 +97,11 @@ class GroupedSwiGLU(nn.Module):
         nn.init.normal_(self.w_gate, std=hidden ** -0.5)
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
+
+    def place_(self, experts: tuple[int, ...]) -> None:
+        """Local slot ``i`` holds global expert ``experts[i]`` now (re-placement moved the values)."""
+        for w in (self.w_gate, self.w_up, self.w_down):
+            place_rows_(w, experts)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, max_count: int | None = None,
                 replicas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -43,7 +43,9 @@ from .config import MoEConfig
 from .declared import DeclaredRouting
 from .dispatch import make_dispatcher
 from .experts import GroupedSwiGLU, SwiGLU
+from .placement import ExpertPlacement
 from .replicate import ReplicatingDispatcher, balance_metrics, expert_bytes, fetch_replicas
+from .replicate_gather import ReplicatingAllGatherDispatcher
 from .router import Router, tokens_per_expert
 
 STEP_SUMS = ("dropped_pairs", "pairs", "aux_loss", "seq_aux_loss", "z_loss")  # MoELayer.step_sums, in order
@@ -77,8 +79,15 @@ class MoELayer(nn.Module):
         self.shared = SwiGLU(config.hidden, config.shared_hidden) if config.shared_hidden else None
         if self.shared is not None:
             declare_copies_(self.shared, copies, partial_grad)
-        self.replicate = config.expert_balance == "replicate" and self.ep > 1
-        self.dispatcher = (ReplicatingDispatcher(config.num_experts, ep_group, config.max_replicas_per_rank)
+        self.replicate = config.expert_balance != "none" and self.ep > 1
+        # "replicate+replace": experts may sit anywhere (placement.py); dispatch routes by their positions
+        self.replace = config.expert_balance == "replicate+replace" and self.ep > 1
+        self.placement = ExpertPlacement.contiguous(config.num_experts, self.ep)
+        self.register_buffer("position_of", torch.arange(config.num_experts), persistent=False)
+        # routed pairs per expert since the last re-placement (this rank's tokens; the trainer sums them)
+        self.register_buffer("load_since_replace", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+        balanced = ReplicatingAllGatherDispatcher if config.dispatcher == "allgather" else ReplicatingDispatcher
+        self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank)
                            if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
@@ -92,6 +101,8 @@ class MoELayer(nn.Module):
     def init_buffers_(self, device: torch.device) -> None:
         """Reset the computed (unsaved) buffers once they have storage on ``device`` (built on meta)."""
         self.routed_since_update.zero_()
+        self.load_since_replace.zero_()
+        self.position_of.copy_(torch.tensor(self.placement.position_of))
         self.step_load.zero_()
         self.step_sums.zero_()
 
@@ -108,12 +119,16 @@ class MoELayer(nn.Module):
         aux_loss, parts = self._balance_losses(routing, counts, shape)
         if c.bias_update_rate > 0 and self.training:
             self.routed_since_update += counts.to(self.routed_since_update.dtype)
+        if self.replace and self.training:
+            self.load_since_replace += counts
 
         xs, indices, weights, kept = tokens, routing.indices, routing.weights, keep
         if self.etp > 1:  # every etp rank computes its F shard for the tokens of the whole etp group
             xs, weights = gather_tokens(xs, self.etp_group), gather_tokens(weights, self.etp_group)
             indices = gather_no_grad(indices, self.etp_group)
             kept = None if keep is None else gather_no_grad(keep, self.etp_group)
+        if self.replace:  # the dispatchers route to positions: rank * L + slot
+            indices = self.position_of[indices]
         sizes = None  # the declared routing of xs (with etp > 1, each etp rank's tokens alike: capacity x etp)
         if declared is not None:
             sizes = declared.sizes(xs.shape[0], c.top_k, c.num_experts, self.ep, group_rank(self.ep_group),
@@ -235,10 +250,19 @@ class MoELayer(nn.Module):
         return load
 
     @torch.no_grad()
+    def place_(self, placement: ExpertPlacement) -> None:
+        """Route by ``placement`` from now on (the caller moved the experts' values and optimizer state)."""
+        if placement.num_local != self.num_local_experts or placement.ep != self.ep:
+            raise ValueError(f"a placement of {placement.ep} x {placement.num_local} experts for ep={self.ep}")
+        self.placement = placement
+        self.position_of.copy_(torch.tensor(placement.position_of, device=self.position_of.device))
+        self.experts.place_(placement.slots(group_rank(self.ep_group)))
+
+    @torch.no_grad()
     def load_full_(self, router_weight, expert_w_gate, expert_w_up, expert_w_down, shared_w_gate=None, shared_w_up=None,
                    shared_w_down=None, expert_bias=None) -> "MoELayer":
         """Load FULL single-device weights (experts ``[E, F, H]`` / ``[E, H, F]``); keep this rank's slice."""
-        experts = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        experts = list(self.placement.slots(group_rank(self.ep_group)))
         ffn = slice(self.ffn_first, self.ffn_first + self.ffn_shard)
         self.router.weight.copy_(router_weight)
         if expert_bias is not None:

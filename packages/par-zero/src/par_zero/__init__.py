@@ -11,6 +11,7 @@ from .torch_optimizer import TorchOptimizer
 from .clipping import clip_grad_norm_
 from .checkpoint import owned_pieces, whole_pieces
 from .pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, load_pieces, save_pieces
+from .move_rows import RowMove, move_rows_
 from .memory import ModelState, bytes_per_param, model_state, model_state_for_params
 from .units import default_unit_modules
 
@@ -30,9 +31,11 @@ __all__ = [
     "DataParallelConfig",
     "ModelState",
     "Pieces",
+    "RowMove",
     "PiecesLoadPlanner",
     "PiecesSavePlanner",
     "load_pieces",
+    "move_rows_",
     "owned_pieces",
     "whole_pieces",
     "save_pieces",

@@ -189,13 +189,26 @@ class DataParallel:
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
 
-    def step(self) -> None:
-        """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded)."""
-        if isinstance(self.optimizer, DistributedAdamW):  # each bucket's gather overlaps the next one's update
+    def step(self, after_update: Callable[[], None] | None = None) -> None:
+        """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded).
+        ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights)."""
+        if isinstance(self.optimizer, DistributedAdamW) and after_update is None:  # gathers overlap the next updates
             self.buffer.sync_params(self.optimizer.step)
         else:
             self.optimizer.step()
+            if after_update is not None:
+                after_update()
             self.buffer.sync_params()
+
+    @torch.no_grad()
+    def scale_rows_(self, scales: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Multiply each row ``i`` (dim 0 of the local param) of ``p`` by ``scales[p][i]``, on this rank's
+        optimizer range of its fp32 master; the params follow at the next re-assembly (:meth:`step`)."""
+        for b in self.buckets:
+            for p, _, lo, hi, p_lo in b.opt_segments():
+                if p in scales:
+                    row = torch.arange(p_lo, p_lo + hi - lo, device=b.master.device) // (p.numel() // p.shape[0])
+                    b.master[lo:hi].mul_(scales[p].to(b.master.dtype)[row])
 
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""

@@ -104,6 +104,8 @@ def unpadded(pieces: Pieces, shape: tuple[int, ...] | None) -> Pieces:
 
 def checkpoint_tensors(trainer, with_optim: bool) -> dict[str, Pieces]:
     """What this rank writes: views of its buffers (an async save stages them: background.Staging)."""
+    if getattr(trainer, "expert_replacer", None) is not None:  # every rank: the expert load, for the state file
+        trainer.expert_replacer.note_for_save()
     return _pieces(trainer, with_optim)
 
 
@@ -128,7 +130,8 @@ def trainer_state(trainer, step: int) -> dict:
             "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "etp", "vpp")},
             "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count,
             "optimizer_name": trainer.cfg.train.optimizer, "optimizer_kinds": list(opt.state_kinds()),
-            "optimizer_scalars": opt.scalar_state()}
+            "optimizer_scalars": opt.scalar_state(),
+            **({"expert_placement": trainer.expert_replacer.noted} if getattr(trainer, "expert_replacer", None) else {})}
 
 
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:
@@ -258,6 +261,8 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
     if read_rng:
         load_rng_state(path / rng)
+    if getattr(trainer, "expert_replacer", None) is not None:  # re-placed experts: the saved map and load
+        trainer.expert_replacer.load(state.get("expert_placement"))
     return step
 
 

@@ -20,6 +20,7 @@ from ..config import load_config
 from ..errors import UsageError, fail
 from ..planner.costs import config_plan
 from ..planner.state_only import TRAINER_BYTES, params_only_plan
+from .plan_replicas import human_bytes, render_replicas
 
 GB, MB = 1e9, 1e6
 
@@ -27,13 +28,6 @@ GB, MB = 1e9, 1e6
 def num(x: float) -> str:
     """84.0 -> '84', 22.75 -> '22.75', 10.5 -> '10.5'."""
     return f"{round(x, 2):g}"
-
-
-def human_bytes(b: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", GB), ("MB", MB), ("KB", 1e3)):
-        if b >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{b:.0f} B"
 
 
 def gb(b: float) -> str:
@@ -90,6 +84,8 @@ def render_config(plan: dict) -> str:
                      f"{human_bytes(e['routed_bytes_all_layers_bf16'])} over {e['moe_layers']} layers; ep={e['ep']}: "
                      f"{e['experts_per_rank_per_layer']} experts per rank per layer "
                      f"({human_bytes(e['bytes_per_rank_per_layer_bf16'])})")
+    if "replicas" in plan:
+        lines.append(render_replicas(plan["replicas"]))
     if "optimizer" in plan:
         from ..model.muon_split import render_split
 

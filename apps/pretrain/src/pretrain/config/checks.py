@@ -27,18 +27,25 @@ def moe_rules(cfg) -> None:
         expert_balance_rules(cfg)
 
 
-# What expert_balance = "replicate" is tested with (tests/test_layouts_train_same_model.py): the
-# all-to-all dispatcher, ep x dp, ep x tp with etp = 1, ZeRO-0/1/2. The rest is refused, each with why.
+# expert_balance = "replicate" is tested (tests/test_layouts_train_same_model.py) with the all-to-all
+# and all-gather dispatchers, ep x dp, ep x tp (etp 1 and 2), pp, cp and ZeRO-0/1/2/3; torch_fsdp2
+# runs with ep = 1 only (data_parallel_rules), where there is nothing to balance. "replicate+replace"
+# (re-placement) is tested with the all-to-all dispatcher, etp = 1, pp = 1, cp = 1 and ZeRO-0/1/2.
 def expert_balance_rules(cfg) -> None:
     m, p = cfg.model, cfg.parallel
-    if m.expert_balance != "replicate":
-        return
-    refused = {f"[model].dispatcher={m.dispatcher!r}": m.dispatcher != "alltoall",
-               f"[parallel].etp={p.expert_tp}": p.expert_tp > 1, f"[parallel].pp={p.pp}": p.pp > 1,
-               f"[parallel].cp={p.cp}": p.cp > 1, f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
-    bad = [k for k, v in refused.items() if v]
-    _need(not bad, f"[model].expert_balance='replicate' is not supported with {', '.join(bad)}: it balances the "
-                   f"'alltoall' dispatcher and is tested only with etp=1, pp=1, cp=1 and zero no_shard/optim/optim_grads")
+    _need(m.expert_balance == "none" or m.dispatcher != "alltoall_padded",
+          f"[model].expert_balance={m.expert_balance!r} is not supported with [model].dispatcher='alltoall_padded': "
+          "the padded dispatcher already computes the same padded slots on every EP rank, so there is nothing to "
+          "balance; use dispatcher='alltoall' or 'allgather'")
+    if m.expert_balance == "replicate+replace":  # its own limits: it moves whole expert rows with their state
+        refused = {f"[model].dispatcher={m.dispatcher!r}": m.dispatcher != "alltoall",
+                   f"[parallel].etp={p.expert_tp}": p.expert_tp > 1, f"[parallel].pp={p.pp}": p.pp > 1,
+                   f"[parallel].cp={p.cp}": p.cp > 1,
+                   f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
+        bad = [k for k, v in refused.items() if v]
+        _need(not bad, f"[model].expert_balance='replicate+replace' is not supported with {', '.join(bad)}: it moves "
+                       f"whole expert rows with their optimizer state, tested with the 'alltoall' dispatcher, etp=1, "
+                       f"pp=1, cp=1 and zero no_shard/optim/optim_grads")
 
 
 def tensor_parallel_rules(cfg) -> None:
@@ -126,6 +133,16 @@ def data_rules(cfg) -> None:
               f"{'[model].mtp_depth > 0' if m.mtp_depth else '[model].backend=te'} yet; turn them off")
 
 
+def qk_clip_rules(cfg) -> None:
+    """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.train.muon_qk_clip > 0:
+        _need(m.attention == "gqa" and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
+              f"[train].muon_qk_clip runs with attention='gqa', qk_norm=false (its norms undo the rescale), "
+              f"backend='torch' and dynamic_cp=false (got attention={m.attention!r}, qk_norm={str(m.qk_norm).lower()}, "
+              f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
+
+
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
 CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules)
+                       data_parallel_rules, data_rules, qk_clip_rules)

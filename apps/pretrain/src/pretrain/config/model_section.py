@@ -12,7 +12,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel 
 RECOMPUTE = ("none", "selective", "full")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
-EXPERT_BALANCES = ("none", "replicate")
+EXPERT_BALANCES = ("none", "replicate", "replicate+replace")
 ATTENTIONS = ("gqa", "mla")
 GROUP_SCORES = ("top2", "top_k_per_group")
 
@@ -91,6 +91,9 @@ class ModelConfig:
     # excess on replicas fetched from their home ranks (par_moe.balance); at most this many per rank
     expert_balance: str = "none"
     max_replicas_per_rank: int = 2
+    # "replicate+replace": also re-place experts onto EP ranks by their load every this many steps
+    # (pretrain.model.replace), moving their weights and optimizer state
+    replace_every: int = 100
     # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
     norm_topk_prob: bool | None = None
     # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
@@ -144,6 +147,8 @@ class ModelConfig:
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
         _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)
         _need(self.max_replicas_per_rank >= 1, f"[model].max_replicas_per_rank={self.max_replicas_per_rank} must be >= 1")
+        _need(self.replace_every >= 1, f"[model].replace_every={self.replace_every} must be >= 1 (steps between "
+                                       f"re-placements of expert_balance='replicate+replace')")
         _positive("model", self, "max_route_nodes", allow_zero=True)
         if self.num_experts and self.max_route_nodes:
             _validate_route_nodes(self)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from par_zero import optimizer_classes
@@ -44,6 +46,9 @@ class TrainConfig:
     muon_ns_steps: int = 5
     muon_adjust_lr_fn: str = "original"  # original | match_rms_adamw | spectral_unclamped
     muon_ns_dtype: str = "bf16"
+    # MuonClip's tau (Kimi K2: 100): a head's W_q, W_k rows scaled down after a step whose max logit
+    # passed it (model/qk_clip.py); 0 = off
+    muon_qk_clip: float = 0.0
     # adamw's update: auto = torch's fused kernel on CUDA, the explicit ops (bitwise torch's foreach=False)
     # on the CPU; on = the fused kernel on the CPU too (~4x faster there, rounding differs); off = never
     fused_adamw: str = "auto"
@@ -87,6 +92,10 @@ class TrainConfig:
         _choice("[train].muon_ns_dtype", self.muon_ns_dtype, ("bf16", "fp32"))
         _need(0 <= self.muon_momentum < 1 and 1 <= self.muon_ns_steps < 100,
               f"[train].muon_momentum={self.muon_momentum} must be in [0, 1), muon_ns_steps={self.muon_ns_steps} in 1..99")
+        _need(self.muon_qk_clip == 0 or (self.muon_qk_clip > 0 and math.isfinite(self.muon_qk_clip)
+                                         and self.optimizer == "muon"),
+              f"[train].muon_qk_clip={self.muon_qk_clip} must be a finite logit > 0 with optimizer='muon' "
+              f"(got optimizer={self.optimizer!r}), or 0 (off)")
         _need(self.optimizer != "muon" or not self.optimizer_args,
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))

@@ -34,6 +34,7 @@ from ..data.packing import Documents
 from ..training.dynamic_cp import DynamicDocuments
 from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
+from .qk_clip import HeadLogitMax
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import mtp_layer_ids
 from .moe import moe_config
@@ -56,6 +57,7 @@ class ChunkContext:
     # A run on fake tensors (plan --simulate; see train_loop.ShapesOnly): MoE layers route as declared
     # (par_moe.DeclaredRouting).
     declared_routing: object | None = None
+    qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:
@@ -94,6 +96,7 @@ class RopeThenContextAttention(nn.Module):
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
         self.selective, self.backend = context.recompute == "selective", context.backend
+        self.logit_max = HeadLogitMax(self.attn, context.seq_len) if context.qk_clip else None
 
     def init_buffers_(self, device: torch.device) -> None:
         set_shard_rope_tables_(self, device, self.seq_len, self.config.head_dim)
@@ -103,6 +106,8 @@ class RopeThenContextAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_for(self, docs, q.dtype, self.config.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.logit_max is not None and self.training:  # the step's batch only (not eval's)
+            self.logit_max.observe(q, k, docs)
         if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
             scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
             return docs.attend(q, k, v, scale, self.attn.backend)

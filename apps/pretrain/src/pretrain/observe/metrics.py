@@ -168,6 +168,12 @@ class MetricsLogger:
             self.message(f"step {step}: eval loss {loss:.4f}")
         return record
 
+    def log_event(self, event: str, *, step: int, **fields: Any) -> dict:
+        """A record of something that happened at ``step`` (e.g. a re-placement of experts), not a step's metrics."""
+        record = {"step": step, "event": event, **fields, "time": time.time(), **self._run()}
+        self.jsonl.write(json.dumps(record) + "\n")
+        return record
+
     def _run(self) -> dict:
         return {} if self.run_id is None else {"run_id": self.run_id}
 

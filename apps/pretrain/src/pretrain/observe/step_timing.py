@@ -8,8 +8,17 @@ step. ``time_exposed_comm_s`` is the part of them this rank stood waiting in a c
 receive, measured by ``par_groups.watch`` around each call; ``pp_bubble`` is the share of the
 pipeline schedule's time in which this rank ran no forward/backward (waiting for its inputs).
 On CUDA the phases are CUDA events recorded on the stream (no synchronize per phase: the GPU's
-times, read at log steps only); on the CPU, host timestamps. The exposed communication and the
-bubble are host timestamps on every device.
+times, read at log steps only); on the CPU, host timestamps. So is the exposed communication: on
+CUDA tensors the watch records an event pair on the compute stream around each collective (around
+an asynchronous one's ``wait()``), kept unread in a per-step list, and this timer sums their
+elapsed times at log steps, after one ``event.synchronize()`` of the step's last mark: the time the
+compute stream stood in collectives (a blocking NCCL collective runs on the compute stream, or on
+NCCL's side stream that the compute stream waits for: the pair brackets it either way; an
+asynchronous one counts only from its ``wait()``, where the compute stream starts waiting for the
+side stream, so the part that overlapped compute is not exposed). Calls on CPU tensors (gloo) are
+host-timed. The bubble on the CPU
+is host timestamps of the schedule's actions; on CUDA it is the share of the schedule's time on the
+stream (events at its start and end) that the stream stood in its sends' and receives' waits.
 
 Across ranks (one small all-gather over all ranks, at log steps only): ``time_busy_s`` is a rank's
 step less its exposed communication; its median over ranks, its maximum and that rank
@@ -24,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from par_groups import comm
+from par_groups.watch import P2P
 
 PHASES = ("data", "fwd_bwd", "optimizer")
 
@@ -35,12 +45,17 @@ class HostClock:
         return time.perf_counter()
 
     @staticmethod
+    def settle(last: float) -> None:
+        pass
+
+    @staticmethod
     def seconds(start: float, end: float) -> float:
         return end - start
 
 
 class CudaEventClock:
-    """Marks are CUDA events recorded on the current stream; reading one waits for that event only."""
+    """Marks are CUDA events recorded on the current stream, read once :meth:`settle` waited for the
+    step's last one (``event_class``: the seam a test fills with a fake event)."""
 
     def __init__(self, event_class=None) -> None:
         self.event_class = event_class or torch.cuda.Event
@@ -51,8 +66,11 @@ class CudaEventClock:
         return event
 
     @staticmethod
+    def settle(last) -> None:
+        last.synchronize()  # every event recorded on the stream before it is complete too
+
+    @staticmethod
     def seconds(start, end) -> float:
-        end.synchronize()
         return start.elapsed_time(end) / 1e3  # ms
 
 
@@ -63,13 +81,15 @@ class StepTimer:
     def __init__(self, watch, device: torch.device, clock=None) -> None:
         self.watch, self.device = watch, device
         self.clock = clock or (CudaEventClock() if device.type == "cuda" else HostClock())
+        watch.device_events = getattr(self.clock, "event_class", None)  # the watch's calls on CUDA tensors
         self.marks: list = []
         self.bubble = 0.0
-        self.last: tuple | None = None  # the last finished step: (marks, exposed wait, bubble)
+        self.last: tuple | None = None  # the last finished step: (marks, host wait, comm events, bubble)
 
     def start(self) -> None:
         self.bubble = 0.0
         self.watch.take_wait()
+        self.watch.take_events()  # calls between steps (eval, the log step's gather) are no step's
         self.marks = [self.clock.mark()]
 
     def lap(self, phase: str) -> None:
@@ -77,19 +97,33 @@ class StepTimer:
 
     def pipeline(self, records, seconds: float) -> None:
         """The schedule ran ``seconds``; ``records`` are its actions (start once the inputs arrived)."""
+        if self.device.type == "cuda":  # read at log steps: from the data mark (the schedule's start) to now
+            self.bubble = (self.marks[-1], self.clock.mark())
+            return
         busy = sum(r.end - r.start for r in records)
         self.bubble = max(0.0, 1.0 - busy / seconds) if seconds > 0 else 0.0
 
     def finish(self) -> dict:
         """Keep this step's marks; nothing is read or gathered here (see :meth:`gathered`)."""
-        self.last = (self.marks, self.watch.take_wait(), self.bubble)
+        self.last = (self.marks, self.watch.take_wait(), self.watch.take_events(), self.bubble)
         return {}
+
+    def local(self) -> list[float]:
+        """The last step's parts on this rank, read now: the phases' seconds, the exposed comm, the bubble."""
+        marks, wait, events, bubble = self.last
+        self.clock.settle(marks[-1])  # the one wait for the device, at log steps only
+        times = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+        wait += sum(self.clock.seconds(a, b) for _, a, b in events)
+        if isinstance(bubble, tuple):  # CUDA: the schedule's waits in sends and receives over its span
+            span = self.clock.seconds(*bubble)
+            p2p = sum(self.clock.seconds(a, b) for op, a, b in events if op in P2P)
+            bubble = min(1.0, p2p / span) if span > 0 else 0.0
+        return times + [0.0] * (len(PHASES) - len(times)) + [wait, bubble]
 
     def gathered(self) -> dict:
         """The last step's parts on this rank and the cross-rank median / slowest (every rank calls it)."""
-        marks, wait, bubble = self.last
-        times = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
-        mine = times + [0.0] * (len(PHASES) - len(times)) + [wait, bubble]
+        mine = self.local()
+        wait, bubble = mine[-2:]
         local = torch.tensor(mine, dtype=torch.float64, device=self.device)
         every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, local, None)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
-from ..sizing.state import STRATEGIES, convention
+from ..sizing.replicas import replica_figures, stage_moe_layers
+from ..sizing.state import STRATEGIES, convention, state_dtypes
 
 
 def _row(label: str, state) -> dict:
@@ -63,6 +64,9 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
                           "routed_bytes_all_layers_bf16": 2 * c.routed_per_layer * c.moe_layers,
                           "experts_per_rank_per_layer": m.num_experts // layout.ep, "ep": layout.ep,
                           "bytes_per_rank_per_layer_bf16": 2 * c.expert * (m.num_experts // layout.ep) / layout.etp}
+    if m.is_moe and m.expert_balance == "replicate":  # the heaviest stage's replica buffers and bytes
+        out["replicas"] = replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
+                                          state_dtypes(t)[0].itemsize)
     if t.optimizer == "muon":  # which params Muon steps, which AdamW (model/muon_split.py)
         from ..model.muon_split import muon_split
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from ..sizing.activations import routed_sizes
 from ..sizing.params import chunks_of, rank_params
+from ..sizing.replicas import declared_plan, replica_bytes, stage_moe_layers
 from ..sizing.state import state_dtypes
 
 
@@ -45,7 +46,10 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         else:
             out[("reduce_scatter", "edp")] += n * gb
             out[("all_gather", "edp")] += (2 * microbatches if p.zero == "optim_grads_params" else 1) * n * pb
-    if routing is not None and layout.ep > 1:
+    if routing is not None and layout.ep > 1 and m.expert_balance != "none":  # replicate+replace: as placed at the start
+        for key, n in _replicated_moe(cfg, layout, stage, routing, ep_rank).items():
+            out[key] += microbatches * n
+    elif routing is not None and layout.ep > 1:
         out[("all_to_all", "ep")] += microbatches * _moe_all_to_all(cfg, layout, stage, routing, ep_rank)
 
     # tensor parallel: per layer and micro-batch, two regions (attention, MLP) forward and backward
@@ -99,6 +103,25 @@ def _moe_all_to_all(cfg, layout, stage: int, routing, ep_rank: int) -> float:
         layers += range(m.layers, m.layers + m.mtp_depth)
     moe_layers = sum(m.is_moe_layer(i) for i in layers)
     return moe_layers * (forwards * (layout.ep * 8 + dispatch + combine) + backward)
+
+
+def _replicated_moe(cfg, layout, stage: int, routing, ep_rank: int) -> dict[tuple[str, str], float]:
+    """expert_balance = "replicate", one micro-batch's MoE layers on this stage, from the declared plan
+    (sizing.replicas). All-to-all dispatcher: each forward all-gathers the pairs per expert (int64
+    [ep, E]), sends one h-wide row per pair, fetches the replicas' weights and returns each pair's
+    output row; backward: the output rows' gradients, the replicas' gradients home, the rows'
+    gradients. All-gather dispatcher: the replicas' weights and gradients are its only all-to-alls."""
+    m, pb = cfg.model, state_dtypes(cfg.train)[0].itemsize
+    plan = declared_plan(cfg, layout, routed_sizes(cfg, layout, routing, ep_rank).pairs)
+    sent = sum(plan.sent(ep_rank, d) for d in range(plan.ep)) * m.hidden * pb
+    got = sum(plan.sent(s, ep_rank) for s in range(plan.ep)) * m.hidden * pb
+    fetch = replica_bytes(m, layout.etp, plan.fetched(ep_rank), pb)
+    back = replica_bytes(m, layout.etp, len(plan.replicas[ep_rank]), pb)
+    forwards, layers = 2 if m.recompute == "full" else 1, stage_moe_layers(cfg, layout, stage)
+    if m.dispatcher == "allgather":  # the tokens travel by all-gather / reduce-scatter (not modelled here)
+        return {("all_to_all", "ep"): layers * (forwards * fetch + back)}
+    return {("all_gather", "ep"): layers * forwards * layout.ep * m.num_experts * 8,
+            ("all_to_all", "ep"): layers * (forwards * (sent + fetch + got) + sent + back + got)}
 
 
 def compare(measured: list[dict], theory: dict[tuple[str, str], float]) -> list[dict]:

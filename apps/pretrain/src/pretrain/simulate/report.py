@@ -7,6 +7,7 @@ import time
 
 from par_moe import DeclaredRouting
 
+from ..commands.plan_replicas import render_replicas
 from ..errors import UsageError
 from ..sizing.memory import budget_bytes
 from .collectives import compare, step_collectives
@@ -104,6 +105,8 @@ def render(result: dict) -> str:
             lines.append(f"  {k:12} {r['measured'][k] / GB:9.2f} GB measured  {r['planned'][k] / GB:9.2f} GB planned  "
                          f"{_pct(r['measured'][k], r['planned'][k])}")
         lines.append(f"  {'other':12} {r['measured']['other'] / GB:9.2f} GB measured (RoPE tables, buffers; not planned)")
+        if "replicas" in r:
+            lines.append("  " + render_replicas(r["replicas"]))
         for c in r["collectives"]:
             want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
             lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}")

@@ -18,7 +18,10 @@ import torch
 from par_moe import DeclaredRouting
 
 from ..errors import UsageError
+from ..sizing.activations import routed_sizes
 from ..sizing.memory import rank_memory
+from ..sizing.replicas import replica_figures, stage_moe_layers
+from ..sizing.state import state_dtypes
 from .memory import MemoryTracker
 
 
@@ -114,8 +117,14 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
         g = trainer.groups
         stage = g.rank_in("pp")
         names = _group_names(g)
-        planned = rank_memory(cfg, layout, stage, routing=DeclaredRouting(imbalance), ep_rank=g.grid.coords(rank).get("ep", 0))
-        return {
+        ep_rank = g.grid.coords(rank).get("ep", 0)
+        planned = rank_memory(cfg, layout, stage, routing=DeclaredRouting(imbalance), ep_rank=ep_rank)
+        replicas = {}
+        if cfg.model.is_moe and cfg.model.expert_balance != "none":  # sizing.replicas, under the declared routing
+            replicas = {"replicas": replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
+                                                    state_dtypes(cfg.train)[0].itemsize,
+                                                    routed_sizes(cfg, layout, DeclaredRouting(imbalance), ep_rank).pairs, ep_rank)}
+        return {**replicas,
             "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
             "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],
             "measured": {k: v for k, v in step["by_category"].items() if k != "save"},

@@ -9,7 +9,9 @@ Per micro-batch of a chunk (:func:`_chunk_bytes`):
   copy; each MTP depth its logits, fp32 copy, norms and projections);
 * junctions: what a split backward (ZB-H1, ZB-V) records for its W (:func:`_junctions`);
 * backward: one layer's working set beyond the saved set (under full recomputation its
-  recomputed saved set, plus the MLP backward's working set).
+  recomputed saved set, plus the MLP backward's working set);
+* under ``expert_balance = "replicate"`` each MoE layer's fetched replica weights saved, and
+  their gradients in its backward (:mod:`.replicas`).
 
 :mod:`.schedule_peak` walks the stage's schedule with these, plus one activation-sized receive
 buffer per neighbouring stage, and ZeRO-2/3's full gradient buffer from the first backward on.
@@ -19,6 +21,7 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 from __future__ import annotations
 
 from .params import by_kind, chunk_layers, chunks_of
+from .replicas import declared_plan, held_replicas, replica_bytes
 from .schedule_peak import ChunkBytes, StagePeak, stage_peak
 
 
@@ -129,7 +132,10 @@ def routed_pairs(cfg, layout, routing, ep_rank: int) -> float | None:
     if routing is None or not cfg.model.is_moe:
         return None
     share = layout.tp if layout.sequence_parallel else 1
-    return sum(routed_sizes(cfg, layout, routing, ep_rank).local) / (cfg.train.seq_len // layout.cp * layout.micro_batch // share)
+    pairs = sum(routed_sizes(cfg, layout, routing, ep_rank).local)
+    if cfg.model.expert_balance != "none" and layout.ep > 1:  # what the rank computes once balanced
+        pairs = declared_plan(cfg, layout, routed_sizes(cfg, layout, routing, ep_rank).pairs).load_after[ep_rank]
+    return pairs / (cfg.train.seq_len // layout.cp * layout.micro_batch // share)
 
 
 def _junctions(m, layout, i: int, pb: int, pairs: float) -> float:
@@ -154,8 +160,9 @@ def _junctions(m, layout, i: int, pb: int, pairs: float) -> float:
     return norms + attention + (routed + m.num_experts * 4 + (2 * f * m.shared_experts + h) * pb) / share
 
 
-def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | None) -> ChunkBytes:
-    """What one micro-batch of ``chunk`` (holding ``layers``) keeps, in bytes."""
+def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | None, replicas: int = 0) -> ChunkBytes:
+    """What one micro-batch of ``chunk`` (holding ``layers``) keeps, in bytes; ``replicas``: replica
+    weight sets each MoE layer fetches (expert_balance = "replicate")."""
     m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
     message = m.hidden / share * pb * tokens
@@ -168,10 +175,16 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient
         saved += message
     recomputed = "selective" if m.recompute == "full" else None
+    # expert_balance = "replicate": each MoE layer keeps its fetched replica weights for backward
+    # (refetched when recomputed), whose backward adds their gradients (sizing.replicas)
+    replica = replica_bytes(m, layout.etp, replicas, pb)
+    if not recomputed:
+        saved += sum(n * replica for i, n in kinds if m.is_moe_layer(i))
 
     def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
         again = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
-        return again + _backward_work(cfg, layout, i, tokens, moe_pairs)
+        replicas = (2 if recomputed else 1) * replica if m.is_moe_layer(i) else 0.0
+        return again + _backward_work(cfg, layout, i, tokens, moe_pairs) + replicas
 
     work, forward = max((backward(i) for i, _ in kinds), default=0.0), 0.0
     if last:  # the loss's logits are saved with the chunk; the head's output gradient is a junction
@@ -195,7 +208,9 @@ def stage_peak_of(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> St
     share = layout.tp if layout.sequence_parallel else 1
     pairs = routed_pairs(cfg, layout, routing, ep_rank)
     ranges = chunk_layers(p, m.layers)
-    chunks = {c: _chunk_bytes(cfg, layout, c, ranges[c], tokens, pairs) for c in chunks_of(cfg, layout, stage)}
+    declared = None if routing is None or not m.is_moe else routed_sizes(cfg, layout, routing, ep_rank).pairs
+    replicas = held_replicas(cfg, layout, declared, ep_rank) if m.is_moe else 0
+    chunks = {c: _chunk_bytes(cfg, layout, c, ranges[c], tokens, pairs, replicas) for c in chunks_of(cfg, layout, stage)}
     neighbours = (stage > 0) + (stage < layout.pp - 1) if layout.pp > 1 else 0
     receive = neighbours * m.hidden / share * _pb(cfg) * tokens  # one receive buffer per neighbour
     return stage_peak(p.schedule, layout.pp, layout.vpp, layout.microbatches, stage, chunks, receive)

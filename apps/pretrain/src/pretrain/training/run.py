@@ -89,6 +89,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             result = trainer.train_step(step)
             done, interval_steps = step + 1, interval_steps + 1
             first = result if first is None else first
+            if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
+                logger.log_event("expert_placement", **result.placement)
             if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
                 logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
             # Values are read on the host at log steps only (and checked finite there): see step_result.py

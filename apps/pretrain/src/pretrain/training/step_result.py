@@ -24,6 +24,7 @@ class StepResult:
     tokens: int
     moe_t: dict = field(default_factory=dict)  # device scalars (MoE imbalance ...)
     skipped: bool = False  # non-finite loss under [train].nan_policy=skip: no update was applied
+    placement: dict | None = None  # a re-placement step's change (step, experts moved, bytes moved): host values
 
     @property
     def loss(self) -> float:  # a host read

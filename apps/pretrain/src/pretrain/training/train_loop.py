@@ -28,6 +28,8 @@ from ..model.kernels import fp8_regions, select_kernels
 from ..errors import UsageError
 from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
+from ..model.qk_clip import clip_scales, reset_logit_max
+from ..model.replace import ExpertReplacer
 from .schedule_lr import lr_at
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
@@ -93,6 +95,8 @@ class Trainer:
         self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
+        # expert_balance = "replicate+replace": experts re-placed by load every replace_every steps
+        self.expert_replacer = None if simulated else ExpertReplacer.of(self)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,6 +229,7 @@ class Trainer:
         finite = self.non_finite.note(step, loss, norm)  # read at the next log or checkpoint step
         if cfg.train.nan_policy == "skip" and not bool(finite):  # dropping an update: one host read per step
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
+            reset_logit_max(self.model.module)
             for moe in self._moe_layers():
                 moe.step_metrics()  # the dropped step's statistics are not the next step's
             timer.lap("optimizer")
@@ -232,14 +237,19 @@ class Trainer:
             self.non_finite = NonFinite(self.device)  # a skipped step does not stop the run
             return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
         dp.set_lr(lr)
-        dp.step()
+        dp.step(self._qk_clip if cfg.train.muon_qk_clip > 0 else None)
         dp.zero_grad()
         moe = self._update_moe()
+        placement = None if self.expert_replacer is None else self.expert_replacer.after_step(step)
         if batch.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
             moe["cp_imbalance"] = torch.tensor(batch.cp_imbalance, device=self.device)
         timer.lap("optimizer")
         timer.finish()  # read at log steps (StepTimer.gathered)
-        return StepResult(step, loss, lr, norm, tokens, moe)
+        return StepResult(step, loss, lr, norm, tokens, moe, placement=placement)
+
+    def _qk_clip(self) -> None:
+        """MuonClip: the heads whose max logit passed tau this step, scaled down (model/qk_clip.py)."""
+        self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
 
     def check_finite(self) -> None:
         """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read)."""

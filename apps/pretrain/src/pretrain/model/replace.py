@@ -1,0 +1,113 @@
+"""``[model].expert_balance = "replicate+replace"``: every ``replace_every`` steps, experts re-placed by load.
+
+Each MoE layer counts its routed pairs per expert on the device (``MoELayer.load_since_replace``).
+At a re-placement step (after the optimizer step) the counts are summed over every rank of the
+stage, read once, and every rank computes the same new map from them (``par_moe.pack_experts``);
+the moved experts' rows of w_gate / w_up / w_down travel over the EP group with their fp32 masters
+and optimizer state (``par_zero.move_rows_``), and the layer routes by the new map.
+
+Checkpoints are keyed by the global expert index (each expert param's placement names the global
+expert of every local slot), so any placement loads under any other. A save also folds the counts
+into the global load since the last re-placement, and the state file keeps it with each layer's map:
+a resume under the same ep re-places its experts as saved and counts on from there, so it continues
+the uninterrupted run bitwise; under another ep it keeps the placement it loaded into.
+
+Node awareness: where the topology (``[topology]`` or NVML) puts the EP ranks in NVLink domains,
+and every EP group of the stage sees the same pattern of them, the packing keeps experts in their
+domain unless a swap across domains lowers the most loaded one (``pack_experts(domains=...)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from par_groups import comm
+from par_moe import ExpertPlacement, pack_experts
+from par_zero import RowMove, move_rows_
+
+
+class ExpertReplacer:
+    """The re-placement of a trainer's MoE layers (those with ``expert_balance = "replicate+replace"``)."""
+
+    def __init__(self, layers: list, dp, every: int, load_group, domains: tuple[int, ...] | None = None) -> None:
+        """``load_group``: every rank of the stage whose tokens differ (the counts are summed over it);
+        ``domains``: each EP rank's NVLink domain (None: one domain)."""
+        self.layers, self.dp, self.every, self.load_group, self.domains = layers, dp, every, load_group, domains
+        self.carried = [[0] * layer.config.num_experts for layer in layers]  # global load folded at saves
+        self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
+
+    @classmethod
+    def of(cls, trainer) -> "ExpertReplacer | None":
+        layers = [moe for moe in trainer._moe_layers() if moe.replace]
+        if not layers:
+            return None
+        group = trainer.groups.tp_dp_cp
+        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, group,
+                   ep_domains(trainer.assignment.topology, layers[0].ep_group, group))
+
+    def _global_load(self) -> list[list[int]]:
+        """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
+        and one host read; the device counts restart from zero."""
+        load = torch.stack([layer.load_since_replace for layer in self.layers])
+        comm.all_reduce(load, self.load_group)
+        for layer in self.layers:
+            layer.load_since_replace.zero_()
+        totals = [[a + b for a, b in zip(row, carried)] for row, carried in zip(load.tolist(), self.carried)]
+        self.carried = totals
+        return totals
+
+    def after_step(self, step: int) -> dict | None:
+        """After step ``step`` (0-based): re-place if it is a re-placement step; the log record, else None."""
+        if (step + 1) % self.every:
+            return None
+        totals = self._global_load()
+        new = [pack_experts(load, layer.placement, self.domains) for load, layer in zip(totals, self.layers)]
+        record = self.place(new)
+        self.carried = [[0] * len(row) for row in totals]
+        return {"step": step + 1, **record}
+
+    def place(self, placements: list[ExpertPlacement]) -> dict:
+        """Move every layer's experts to ``placements`` (values and optimizer state) and route by them."""
+        moves, moved = [], 0
+        for layer, new in zip(self.layers, placements):
+            ex = layer.experts
+            params = (ex.w_gate, ex.w_up, ex.w_down)
+            for _, src, src_slot, dst, dst_slot in layer.placement.moves_to(new):
+                moves.append(RowMove(params, src, src_slot, dst, dst_slot))
+                moved += src != dst
+        sent = move_rows_(self.dp, moves, self.layers[0].ep_group)
+        for layer, new in zip(self.layers, placements):
+            layer.place_(new)
+        return {"experts_moved": moved, "bytes_moved": sent}
+
+    def note_for_save(self) -> None:
+        """At a save (every rank): fold the counts into the global load; the state file keeps it and the maps."""
+        self.noted = {"ep": self.layers[0].ep, "layers": [
+            {"expert_at": list(layer.placement.expert_at), "load": load}
+            for layer, load in zip(self.layers, self._global_load())]}
+
+    def load(self, state: dict | None) -> None:
+        """After a checkpoint's tensors loaded (into the current placement): continue its re-placement
+        state. A checkpoint without one (another balance, an older save) leaves the run's own as it is."""
+        if not state or len(state["layers"]) != len(self.layers):
+            return
+        for layer in self.layers:
+            layer.load_since_replace.zero_()
+        self.carried = [list(saved["load"]) for saved in state["layers"]]
+        if state["ep"] == self.layers[0].ep:  # the saved placement, so the next re-placements are the same
+            self.place([ExpertPlacement(tuple(saved["expert_at"]), layer.num_local_experts)
+                        for saved, layer in zip(state["layers"], self.layers)])
+
+
+def ep_domains(topology, ep_group, stage_group) -> tuple[int, ...] | None:
+    """Each EP rank's NVLink domain, numbered by first appearance, if every EP group of the stage has the
+    same pattern (expert-data-parallel replicas must re-place alike); else None. Collective over the stage."""
+    mine = None
+    if topology is not None:
+        found = [topology.gpus[r].domain for r in dist.get_process_group_ranks(ep_group)]
+        if None not in found:
+            order = list(dict.fromkeys(found))
+            mine = tuple(order.index(d) for d in found)
+    everyone = [None] * dist.get_world_size(stage_group)
+    comm.all_gather_object(everyone, mine, stage_group)
+    return mine if all(other == mine for other in everyone) else None

@@ -132,7 +132,7 @@ def worst_grad_error(grads: dict, ref_grads: dict) -> float:
     """The largest gradient error relative to its tensor's largest entry, one rank's ``grads`` (chunk
     names) against the reference model's (HF names). The embedding and head carry vocabulary padding:
     their rows past the reference's must have exactly zero gradient (the padded logits are -inf)."""
-    from pretrain.model.parallel import hf_name
+    from pretrain.model.shapes import hf_name
 
     worst = 0.0
     for name, g in grads.items():

@@ -9,7 +9,7 @@ FSDP2, ZERO3 = ["parallel.zero=torch_fsdp2"], ["parallel.zero=optim_grads_params
 
 def job(root):
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
 

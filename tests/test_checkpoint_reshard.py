@@ -25,7 +25,7 @@ def reshard_job(root):
     import torch.distributed as dist
 
     from pretrain.checkpoint import latest_checkpoint, save_checkpoint, store
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
 
     out = {}
     t = _trainer("tp2xpp2")

@@ -25,7 +25,7 @@ def reshard_job(root):
     import os
 
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
 
     t = _trainer(SAVED)
     out = {"reference": []}

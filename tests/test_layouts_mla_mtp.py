@@ -101,7 +101,7 @@ def mtp_checkpoint_job(root, model):
     """Train 2 steps under pp2-1f1b, save; load under pp1 and save again; load that under pp2.
     ``model``: extra [model] overrides (tied embeddings)."""
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
 

@@ -63,7 +63,7 @@ def moe_reference(root: str) -> None:
 def moe_layout_updates(overrides, root: str, mine: str) -> dict:
     """Each step from the reference's checkpoint, once, saved to ``mine``; per step the largest
     relative error (norm) of the params and of the Muon momentum against the reference's next checkpoint."""
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
 
     trainer = _trainer(overrides)
     out = {}

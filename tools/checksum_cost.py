@@ -44,15 +44,15 @@ def hash_speeds(mib: int = 512) -> dict[str, float]:
 def verify_costs(gib: float, repeats: int = 3) -> dict[str, list[float]]:
     import torch
 
-    from pretrain.checkpoint import integrity, store
+    from pretrain.checkpoint import full_model, integrity, store
 
     path = Path(tempfile.mkdtemp(prefix="checksum-cost-")) / "ckpt"
     g = torch.Generator().manual_seed(0)
     n = max(1, round(gib * 16))
-    store.save_full_model(path, {f"layer{i}.weight": torch.randn(4096, 4096, generator=g) for i in range(n)},
-                          {"format": store.FORMAT, "step": 0})
+    full_model.save_full_model(path, {f"layer{i}.weight": torch.randn(4096, 4096, generator=g) for i in range(n)},
+                               {"format": store.FORMAT, "step": 0})
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**30
-    checked = store.read_checksums
+    checked = full_model.read_checksums
     rows: dict[str, list[float]] = {"verify_checkpoint (every file)": [], "DCP read, files checked": [],
                                     "DCP read, unchecked (no checksums.json)": []}
     try:
@@ -61,15 +61,15 @@ def verify_costs(gib: float, repeats: int = 3) -> dict[str, list[float]]:
             integrity.verify_checkpoint(path)
             rows["verify_checkpoint (every file)"].append((time.perf_counter() - t) / size)
             t = time.perf_counter()
-            store.read_full_tensors(path)
+            full_model.read_full_tensors(path)
             rows["DCP read, files checked"].append((time.perf_counter() - t) / size)
-            store.read_checksums = lambda p: None  # as a checkpoint written before checksums
+            full_model.read_checksums = lambda p: None  # as a checkpoint written before checksums
             t = time.perf_counter()
-            store.read_full_tensors(path)
+            full_model.read_full_tensors(path)
             rows["DCP read, unchecked (no checksums.json)"].append((time.perf_counter() - t) / size)
-            store.read_checksums = checked
+            full_model.read_checksums = checked
     finally:
-        store.read_checksums = checked
+        full_model.read_checksums = checked
         shutil.rmtree(path.parent)
     return rows
 

@@ -10,7 +10,7 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from pretrain.checkpoint.store import read_full_tensors
+from pretrain.checkpoint.full_model import read_full_tensors
 from pretrain.cli import app
 
 runner = CliRunner()

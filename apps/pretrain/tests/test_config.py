@@ -169,12 +169,12 @@ def test_bad_input_names_the_key(sets, world, message):
 
 def test_a_world_the_batch_cannot_fill_is_refused_before_the_rank_grid_is_built(monkeypatch):
     """`plan --world 131072` used to build the 131072-rank grid (~16 s here, minutes beyond) to say dp is too big."""
-    import pretrain.config.run_config
+    import pretrain.config.layout
 
     def no_grid(*args, **kwargs):
         raise AssertionError("the rank grid was built")
 
-    monkeypatch.setattr(pretrain.config.run_config, "RankGrid", no_grid)
+    monkeypatch.setattr(pretrain.config.layout, "RankGrid", no_grid)  # where Layout.grid builds it
     with pytest.raises(UsageError, match=r"global_batch=8 is not divisible by dp=131072"):
         load_config(None).validate_world(1 << 17)
 

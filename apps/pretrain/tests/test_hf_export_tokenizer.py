@@ -35,7 +35,8 @@ def _tokenizer_json(root: Path) -> Path:
 
 def _checkpoint_trained_on(tmp_path: Path, tokenizer: str, *extra: str) -> Path:
     """Data prepared with ``tokenizer``, and a model-only checkpoint whose config trains on it."""
-    from pretrain.checkpoint.store import FORMAT, save_full_model
+    from pretrain.checkpoint.full_model import save_full_model
+    from pretrain.checkpoint.store import FORMAT
     from pretrain.config import CheckpointConfig, Config, DataConfig, ModelConfig
     from pretrain.model.shapes import full_shapes
 

@@ -24,7 +24,7 @@ def _trainer(*overrides):
 
 def resume_job(root):
     from pretrain.checkpoint import latest_checkpoint
-    from pretrain.checkpoint.store import read_full_tensors
+    from pretrain.checkpoint.full_model import read_full_tensors
     from pretrain.errors import UsageError
 
     out = {}

@@ -21,7 +21,8 @@ from .hf_data import source_tokenizer
 from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
 from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .hf_tokenizer import check_tokenizer, write_tokenizer
-from .store import FORMAT, STATE_FILE, read_full_tensors, read_state, resolve_checkpoint, save_full_model
+from .full_model import read_full_tensors, save_full_model
+from .store import FORMAT, STATE_FILE, read_state, resolve_checkpoint
 
 SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from par_groups import comm
@@ -51,7 +50,6 @@ from .integrity import METADATA, DamagedCheckpoint, digests, first_damage, read_
 from .retention import (FORMAT, LATEST, STATE_FILE, inside, prune_in_background, publish,  # noqa: F401 - read_state
                         read_state, run_id_of)
 from .rng_state import load_rng_state, rng_state
-from .safe_metadata import SafeReader
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
@@ -274,29 +272,3 @@ def _keep_traceback(log_dir: Path) -> str:
         except OSError:
             return ""
     return f" (traceback in {log_dir / ERROR_LOG})"
-
-
-@_quiet
-def read_full_tensors(path: str | Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
-    """Every stored tensor under ``prefix`` as a full tensor (names without the prefix); any process count."""
-    path = resolve_checkpoint(path)
-    meta = SafeReader(str(path)).read_metadata()
-    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-          if k.startswith(prefix) and hasattr(m, "size")}
-    try:
-        dcp.load(sd, storage_reader=CheckedReader(path, read_checksums(path)))
-    except (Exception, CheckpointException) as e:
-        raise first_damage(e) or UsageError(f"checkpoint {path} is corrupt: reading it failed with "
-                                            f"{first_failure(e)}") from None
-    return {k[len(prefix):]: v for k, v in sd.items()}
-
-
-@_quiet
-def save_full_model(path: str | Path, tensors: dict[str, torch.Tensor], state: dict) -> None:
-    """Write a model-only checkpoint from full tensors in one process (Hugging Face import)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save({f"model/{k}": v.detach().float().contiguous() for k, v in tensors.items()}, checkpoint_id=str(path),
-             no_dist=True)
-    (path / STATE_FILE).write_text(json.dumps(state, indent=1))
-    write_checksums(path, digests(path, sorted(p.name for p in path.glob("*.distcp"))))

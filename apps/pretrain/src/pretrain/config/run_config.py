@@ -29,7 +29,7 @@ try:  # Python >= 3.11 ships the TOML reader; tomli is the same module for older
 except ModuleNotFoundError:  # pragma: no cover
     import tomli
 
-from par_groups import LayoutError, RankGrid
+from par_groups import LayoutError
 from .checks import CROSS_SECTION_RULES
 from .model_section import ModelConfig
 from .rules import _need

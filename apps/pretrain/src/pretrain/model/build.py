@@ -18,7 +18,8 @@ from par_zero import DataParallel, TorchFSDP2, data_parallel
 from .compile import compile_blocks_
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
-from .parallel import ModelChunk, ChunkContext, hf_name
+from .parallel import ModelChunk, ChunkContext
+from .shapes import hf_name
 from .initial_state import init_full_state
 
 

@@ -36,7 +36,7 @@ from .aux_loss import attach_aux_loss
 from .mla import ContextMLACore, TPMLAttention, softmax_scale
 from .qk_clip import HeadLogitMax
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
-from .shapes import mtp_layer_ids
+from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
 from .te import fuse_norm_, recompute
@@ -283,20 +283,3 @@ def block_of(full: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...
     out = block.new_zeros(shape)
     out[tuple(slice(0, n) for n in inside)] = block
     return out
-
-
-# chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."
-HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
-    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {
-    f"self_attn.core.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"}
-
-
-def hf_name(name: str, tied: bool = False) -> str:
-    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``).
-    ``tied``: the head's weight is the input embedding (one tensor, saved once, under that name)."""
-    if name == "shared_embedding.weight" or (tied and name == "lm_head.weight"):  # copies of chunk 0's embedding
-        return "model.embed_tokens.weight"
-    if name.startswith(("layers.", "mtp.")):
-        _, i, rest = name.split(".", 2)
-        return f"model.layers.{i}." + HF_RENAMES.get(rest, rest)
-    return name if name == "lm_head.weight" else "model." + name

@@ -3,6 +3,7 @@
 One place for shapes: decoder layers (GQA or MLA attention, dense or MoE MLP), the embedding and
 head, and the multi-token-prediction modules. Initialisation (``initial_state.py``), checkpoints,
 HF import/export and the sizing (``pretrain.sizing.params``) all read them from here.
+:func:`hf_name` maps a chunk's state-dict name to the full model's.
 """
 
 from __future__ import annotations
@@ -69,3 +70,20 @@ def mtp_shapes(config) -> dict[str, tuple[int, ...]]:
         out |= {p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
                 p + "shared_head.norm.weight": (h,)} | layer_shapes(config, j)
     return out
+
+
+# chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."
+HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
+    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {
+    f"self_attn.core.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"}
+
+
+def hf_name(name: str, tied: bool = False) -> str:
+    """The full model's (Hugging Face) name of a chunk's state-dict entry (MTP layer j is ``model.layers.j``).
+    ``tied``: the head's weight is the input embedding (one tensor, saved once, under that name)."""
+    if name == "shared_embedding.weight" or (tied and name == "lm_head.weight"):  # copies of chunk 0's embedding
+        return "model.embed_tokens.weight"
+    if name.startswith(("layers.", "mtp.")):
+        _, i, rest = name.split(".", 2)
+        return f"model.layers.{i}." + HF_RENAMES.get(rest, rest)
+    return name if name == "lm_head.weight" else "model." + name

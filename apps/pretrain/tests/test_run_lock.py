@@ -72,24 +72,38 @@ from pathlib import Path
 from pretrain.errors import UsageError
 from pretrain.runtime.preflight import run_lock
 go = Path(sys.argv[2])
+go.with_name(f"ready.{{os.getpid()}}").touch()  # imported: the test starts the race once all are
 while not go.exists():
     time.sleep(0.001)
 try:
     with run_lock(sys.argv[1]):
         print("won", flush=True)
-        time.sleep(float(sys.argv[3]))
+        deadline = time.monotonic() + float(sys.argv[3])  # held until the test releases it (the losers are out)
+        while not go.with_name("release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
 except UsageError as e:
     print("lost", e, flush=True)
 """
 
 
-def _racers(tmp_path, n, patch, hold_s=1.0):
+def _wait_until(condition, bound_s: float = 120.0) -> None:
+    """Polls ``condition``; the bound only keeps a broken run from hanging the suite (no timing is asserted)."""
+    deadline = time.monotonic() + bound_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _racers(tmp_path, n, patch):
+    """``n`` processes take the lock at once (all imported first); the winner holds it until the
+    others have given up, so a slow loser on a busy machine cannot arrive after the winner let go."""
     go = tmp_path / "go"
     script = textwrap.dedent(RACER.format(patch=patch))
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "dir"), str(go), str(hold_s)],
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "dir"), str(go), "600"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(n)]
-    time.sleep(3.0)  # every racer imported and waiting
+    _wait_until(lambda: len(list(tmp_path.glob("ready.*"))) == n)
     go.touch()
+    _wait_until(lambda: sum(p.poll() is not None for p in procs) >= n - 1)  # two winners: none waits here
+    (tmp_path / "release").touch()
     return [p.communicate(timeout=60) for p in procs]
 
 
@@ -105,8 +119,9 @@ def test_racing_runs_one_wins(tmp_path, flock):
 
 @pytest.mark.parametrize("flock", ["flock", "no flock"])
 def test_a_holder_killed_with_sigkill_leaves_a_lock_the_next_run_takes_over(tmp_path, monkeypatch, flock):
+    (tmp_path / "go").touch()  # no race: it takes the lock at once, and holds it
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RACER.format(
-        patch="" if flock == "flock" else NO_FLOCK)), str(tmp_path / "dir"), str(tmp_path), "600"],
+        patch="" if flock == "flock" else NO_FLOCK)), str(tmp_path / "dir"), str(tmp_path / "go"), "600"],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "won"
     if flock == "no flock":  # the file system has none: for every process on it

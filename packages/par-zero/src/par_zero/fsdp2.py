@@ -112,9 +112,12 @@ class TorchFSDP2:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
-    def step(self) -> None:
+    def step(self, after_update=None) -> None:
+        """The optimizer step; ``after_update`` (as :meth:`DataParallel.step` takes it) runs after it."""
         self.step_count += 1
         self.optimizer.step()
+        if after_update is not None:
+            after_update()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

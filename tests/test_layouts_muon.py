@@ -11,6 +11,8 @@ from the single rank's checkpoint of that step (resharded), steps once, and save
 Muon momentum after the step must equal the single rank's checkpoint of the next step at 1e-6.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -36,6 +38,26 @@ def test_muon_layout_matches_single_rank(dist_run, name):
     results = dist_run(world, train_steps, None, list(MUON) + overrides, timeout=900)
     assert_same(results, single_rank(dist_run, None, MUON), TOLERANCE, name, noise(dist_run, None, MUON))
     assert results[0][0][-1] < results[0][0][0]
+
+
+# The whole dense layout matrix (tests/test_layouts_train_same_model.py's DENSE and PIPELINE, as it runs
+# them, torch_fsdp2 aside: Muon is par-zero's own, over its buckets) under Muon: about 4 minutes on 2
+# cores, so outside the default suite, which keeps the layouts above. PAR_FULL_MATRIX=1 runs it.
+def _whole_matrix():
+    from test_layouts_train_same_model import DENSE as MATRIX, FOUR_LAYER_PIPELINES, PIPELINE
+
+    return {name: (["model.layers=4"] if name in FOUR_LAYER_PIPELINES else []) + overrides
+            for name, overrides in (MATRIX | PIPELINE).items() if "torch_fsdp2" not in name}
+
+
+@pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="the whole dense matrix under Muon: PAR_FULL_MATRIX=1")
+@pytest.mark.parametrize("name", list(_whole_matrix()))
+def test_muon_whole_dense_matrix_matches_single_rank(dist_run, name):
+    overrides = _whole_matrix()[name]
+    depth = [o for o in overrides if o.startswith("model.layers")]
+    common = [o for o in MUON if not (depth and o.startswith("model.layers"))] + depth
+    results = dist_run(4, train_steps, None, common + overrides, timeout=900)
+    assert_same(results, single_rank(dist_run, None, tuple(common)), TOLERANCE, name, noise(dist_run, None, tuple(common)))
 
 
 MOE_STEPS = 6

@@ -146,3 +146,8 @@ def test_zipf_routing_is_balanced_within_each_domain():
             print(f"Zipf(1.2) ep8 domain {d} micro-batch {micro_batch}: max/mean {max(before) / mean:.3f} today, "
                   f"{max(after) / mean:.6f} balanced (bound {1 + 1 / mean:.6f})")
             assert max(after) / mean <= 1 + 1 / mean
+
+
+def test_domains_must_name_one_per_rank():
+    with pytest.raises(ValueError, match=r"^domains=\[0, 1\] must name one NVLink domain per EP rank \(4\)$"):
+        plan_replicas([[1] * 8] * 4, 2, 2, (0, 1))

@@ -153,6 +153,7 @@ def test_round_trip_through_toml(tmp_path):
                              (["parallel.pp=2"], "[parallel].pp=2"),
                              (["parallel.zero=optim_grads_params"], "[parallel].zero='optim_grads_params'"))),
     (["model.max_replicas_per_rank=0"], 1, "[model].max_replicas_per_rank=0 must be >= 1"),
+    (["model.replicate_across_domains=maybe"], 1, "[model].replicate_across_domains must be true or false, got 'maybe'"),
     (["model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate", "model.dispatcher=alltoall_padded"], 4,
      "[model].expert_balance='replicate' is not supported with [model].dispatcher='alltoall_padded': the padded "
      "dispatcher already computes the same padded slots on every EP rank"),

@@ -2,6 +2,7 @@
 of 8 experts includes experts 0 and 1, both on EP rank 0: half of all pairs on two experts), gives the
 single-device reference's outputs and gradients for two SGD steps, while every EP rank computes at
 most ceil(pairs / ep) pairs. The bytes the replica weights fetch and return are the plan's formula.
+At ep 4 in two NVLink domains the replicas stay in domain 0, which balances alone: the same checks.
 Planted bugs each fail: a replica's gradient not returned, a replica computing with stale weights
 (the second step), ranks computing different plans.
 """
@@ -73,13 +74,14 @@ def planted(bug):
         gather.plan_replicas = plan
 
 
-def run_replicated(name, steps=2, bug=None, dispatcher="alltoall"):
+def run_replicated(name, steps=2, bug=None, dispatcher="alltoall", domains=None):
     """Per step: this rank's output, input grad, aux, router and expert grads, the plan's loads and the
     replica bytes recorded (fetch and return); SGD on the expert weights between steps. Under the
     all-gather dispatcher the tokens travel by all-gather and reduce-scatter: its all-to-alls are the
     replica weights' alone."""
     ep_group = dist.new_group(list(range(dist.get_world_size())))
     layer = MoELayer.from_reference(skewed_reference(config(name, dispatcher=dispatcher)), ep_group, aux_group=ep_group)
+    layer.set_domains(domains)
     tokens = 0 if dispatcher == "allgather" else 1  # the all-to-alls of the token rows (sent, received) or none
     rank, out = dist.get_rank(), []
     with planted(bug):
@@ -182,3 +184,23 @@ def test_planted_replica_bug_fails(dist_run, bug, dispatcher):
     with pytest.raises(AssertionError) as caught:
         check(name, per_rank)
     print(f"{bug}: {str(caught.value).splitlines()[0]}")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_replicas_stay_in_their_nvlink_domain_and_match_the_reference(dist_run, dispatcher):
+    """ep4 in two domains of two ranks (replicate_across_domains off): experts 0 and 1 (rank 0) replicate onto
+    rank 1 only, domain 0 balances to ceil(its pairs / 2), domain 1 computes what it did; the reference's
+    outputs and gradients, and the recorded replica bytes are the domain-restricted plan's formula."""
+    name, domains = "softmax-shared-aux", (0, 0, 1, 1)
+    per_rank = dist_run(4, run_replicated, name, dispatcher=dispatcher, domains=domains, timeout=300)
+    check(name, per_rank)
+    for step in range(2):
+        before, after = per_rank[0][step]["before"], per_rank[0][step]["after"]
+        cap = math.ceil(sum(before[:2]) / 2)
+        print(f"{dispatcher} step {step}: pairs per EP rank {list(before)} -> {list(after)} (domain 0 cap {cap}); "
+              f"rank 0 all-to-all bytes {per_rank[0][step]['a2a']}")
+        assert max(before[:2]) > cap and max(after[:2]) <= cap and after[2:] == before[2:]
+        assert after[1] > before[1] and max(after) > math.ceil(sum(before) / 4)  # no replica left the domain
+        for rank, res in enumerate(r[step] for r in per_rank):
+            assert (res["before"], res["after"]) == (before, after), f"rank {rank} planned otherwise"
+            assert res["a2a"] == res["formula"], f"rank {rank} step {step}: recorded {res['a2a']}, plan {res['formula']}"

@@ -7,7 +7,9 @@ experts per rank). Today a rank computes every pair of its experts; with the pla
 pairs exceed ``cap = ceil(total / ep)`` keeps ``cap`` and sends the rest of its hottest experts' pairs
 to replica slots on ranks below ``cap`` (each receiving at most ``max_replicas`` replicas), which
 then compute those pairs with the home expert's weights. So every rank computes at most ``cap``
-pairs, unless the replica bound stops it (then the rest stays home).
+pairs, unless the replica bound stops it (then the rest stays home). Given the EP ranks' NVLink
+domains, replicas stay in their home rank's domain, each domain balanced to its own ``cap``, unless
+``across_domains`` allows the rest to cross (after the home domain's ranks).
 
 An expert's pairs are ordered by source rank, then as the source sorted them (by token); the home
 rank takes the first of them and its replicas the next, in plan order (:attr:`ReplicaPlan.segments`).
@@ -112,7 +114,7 @@ class ReplicaPlan:
         return sum(len(segs) - 1 for segs in self.segments[home * self.num_local:(home + 1) * self.num_local])
 
 
-def plan_replicas(counts, num_local: int, max_replicas: int) -> ReplicaPlan:
+def plan_replicas(counts, num_local: int, max_replicas: int, domains=None, across_domains: bool = False) -> ReplicaPlan:
     """The plan for ``counts [ep][E]`` (nested sequences of ints), at most ``max_replicas`` replicas per rank.
 
     A donor (a rank over ``cap``) gives its excess; each receiver (a rank under ``cap``, the largest
@@ -121,40 +123,61 @@ def plan_replicas(counts, num_local: int, max_replicas: int) -> ReplicaPlan:
     taken whole (so small leftovers do not pile up); else the smallest chunk that fills it, cut;
     else the largest chunk. A donor's chunk of expert ``e`` is what it may still shed through
     ``e``: ``min(its excess, e's pairs left home)``; ties go to the lower expert.
+
+    ``domains`` (per EP rank, its NVLink domain; None: one domain): replicas stay in their home rank's
+    domain. Without ``across_domains`` each domain balances alone, to ``cap = ceil(its pairs / its
+    ranks)`` (max / mean over a domain's ranks <= 1 + 1 / its mean, replica bound permitting); with it,
+    to the global ``cap``, the home domain's ranks first, then any rank still under ``cap``.
     """
     counts = tuple(tuple(int(n) for n in row) for row in counts)
     ep, experts = len(counts), len(counts[0])
     if experts != ep * num_local or any(len(row) != experts for row in counts):
         raise ValueError(f"counts must be [ep={ep}][{ep} x {num_local} experts], got rows of {[len(r) for r in counts]}")
+    domains = tuple(domains) if domains is not None else (0,) * ep
+    if len(domains) != ep:
+        raise ValueError(f"domains={list(domains)} must name one NVLink domain per EP rank ({ep})")
     per_expert = [sum(col) for col in zip(*counts)]
     load = [sum(per_expert[r * num_local:(r + 1) * num_local]) for r in range(ep)]
-    cap = math.ceil(sum(load) / ep)
+    if across_domains:
+        cap = [math.ceil(sum(load) / ep)] * ep
+    else:  # each domain's own
+        cap = [math.ceil(sum(n for n, d in zip(load, domains) if d == mine) / domains.count(mine)) for mine in domains]
     home = list(per_expert)  # pairs left at home
     moved: list[list[tuple[int, int]]] = [[] for _ in range(experts)]
-    def chunks():  # (pairs expert e's donor may still shed through e, e), largest first, ties: the lower e
-        out = [(min(load[e // num_local] - cap, home[e]), e) for e in range(experts)]
+    used = [0] * ep  # replicas per rank
+
+    def chunks(donors):  # (pairs expert e's donor may still shed through e, e), largest first, ties: the lower e
+        out = [(min(load[e // num_local] - cap[e // num_local], home[e]), e) for e in range(experts)
+               if e // num_local in donors]
         return sorted(((n, e) for n, e in out if n > 0), key=lambda c: (-c[0], c[1]))
 
     def move(e: int, r: int, n: int) -> None:
         moved[e].append((r, n))
+        used[r] += 1
         load[r] += n
         load[e // num_local] -= n
         home[e] -= n
 
-    for r in sorted((r for r in range(ep) if load[r] < cap), key=lambda r: (load[r] - cap, r)):
-        for slot in range(max_replicas):
-            room, available = cap - load[r], chunks()
-            if room <= 0 or not available:
-                break
-            whole = None  # a small chunk taken whole, if another donor's chunk can then fill the rest in one cut
-            if slot < max_replicas - 1:
-                for n, e in reversed(available):
-                    if n < room and any(m >= room - n and f // num_local != e // num_local for m, f in available):
-                        whole = (n, e)
-                        break
-            if whole is None:
-                fits = [c for c in available if c[0] >= room]
-                whole = (room, fits[-1][1]) if fits else available[0]
-            move(whole[1], r, whole[0])
+    def fill(same_domain: bool) -> None:
+        for r in sorted((r for r in range(ep) if load[r] < cap[r]), key=lambda r: (load[r] - cap[r], r)):
+            donors = {d for d in range(ep) if domains[d] == domains[r] or not same_domain}
+            while used[r] < max_replicas:
+                room, available = cap[r] - load[r], chunks(donors)
+                if room <= 0 or not available:
+                    break
+                whole = None  # a small chunk taken whole, if another donor's chunk can then fill the rest in one cut
+                if used[r] < max_replicas - 1:
+                    for n, e in reversed(available):
+                        if n < room and any(m >= room - n and f // num_local != e // num_local for m, f in available):
+                            whole = (n, e)
+                            break
+                if whole is None:
+                    fits = [c for c in available if c[0] >= room]
+                    whole = (room, fits[-1][1]) if fits else available[0]
+                move(whole[1], r, whole[0])
+
+    fill(same_domain=True)
+    if across_domains and len(set(domains)) > 1:  # what the domains could not take
+        fill(same_domain=False)
     segments = tuple(((e // num_local, home[e]),) + tuple(moved[e]) for e in range(experts))
     return ReplicaPlan(counts, num_local, segments)

@@ -32,6 +32,8 @@ with one group per node this is DeepSeek-V3's
     ``expert_balance = "replicate"`` (all-to-all or all-gather dispatcher) has every EP rank compute at most
     ``ceil(pairs / ep)`` (token, expert) pairs: hot experts' excess pairs go to replicas on other
     ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``, ``replicate_gather.py``);
+    given the EP ranks' NVLink domains (``MoELayer.set_domains``) replicas stay in their home domain unless
+    ``replicate_across_domains``;
     ``"replicate+replace"`` (all-to-all dispatcher) also counts each expert's load so that the trainer can re-place experts
     onto EP ranks by it (``placement.py``; the layer routes by the placement it is given).
     """
@@ -57,6 +59,7 @@ with one group per node this is DeepSeek-V3's
     dispatcher: str = "alltoall"
     expert_balance: str = "none"
     max_replicas_per_rank: int = 2
+    replicate_across_domains: bool = False
 
     def __post_init__(self) -> None:
         sizes = {"hidden": self.hidden, "ffn_hidden": self.ffn_hidden, "num_experts": self.num_experts, "top_k": self.top_k,
@@ -82,6 +85,8 @@ with one group per node this is DeepSeek-V3's
                              f"dispatcher={self.dispatcher!r} is not supported with it")
         if not isinstance(self.max_replicas_per_rank, int) or self.max_replicas_per_rank < 1:
             raise ValueError(f"max_replicas_per_rank={self.max_replicas_per_rank} must be a positive integer")
+        if not isinstance(self.replicate_across_domains, bool):
+            raise ValueError(f"replicate_across_domains={self.replicate_across_domains!r} must be True or False")
         if self.num_experts % self.n_groups:
             raise ValueError(f"n_groups={self.n_groups} does not divide num_experts={self.num_experts}")
         if self.topk_groups > self.n_groups:

@@ -87,7 +87,7 @@ class MoELayer(nn.Module):
         # routed pairs per expert since the last re-placement (this rank's tokens; the trainer sums them)
         self.register_buffer("load_since_replace", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
         balanced = ReplicatingAllGatherDispatcher if config.dispatcher == "allgather" else ReplicatingDispatcher
-        self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank)
+        self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank, config.replicate_across_domains)
                            if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
         # Routed pairs per expert since the last update_bias (this rank's tokens only).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
@@ -248,6 +248,14 @@ class MoELayer(nn.Module):
         self.router.expert_bias += delta.to(self.router.expert_bias.dtype)
         self.routed_since_update.zero_()
         return load
+
+    def set_domains(self, domains: tuple[int, ...] | None) -> None:
+        """The EP ranks' NVLink domains (None: one), every rank alike: replicas stay in their home rank's
+        domain unless ``replicate_across_domains`` (``balance.plan_replicas``)."""
+        if domains is not None and len(domains) != self.ep:
+            raise ValueError(f"domains={list(domains)} must name one NVLink domain per EP rank ({self.ep})")
+        if self.replicate:
+            self.dispatcher.domains = None if domains is None else tuple(domains)
 
     @torch.no_grad()
     def place_(self, placement: ExpertPlacement) -> None:

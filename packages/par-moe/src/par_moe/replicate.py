@@ -53,9 +53,10 @@ def _runs(values: list[int], lengths: list[int], device: torch.device) -> torch.
 class ReplicatingDispatcher:
     """All-to-all dispatch over ``ep_group`` balanced by replicas (at most ``max_replicas`` per rank)."""
 
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, max_replicas: int):
+    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, max_replicas: int, across_domains: bool = False):
         self.group, self.ep, self.rank = ep_group, group_size(ep_group), group_rank(ep_group)
         self.num_experts, self.num_local, self.max_replicas = num_experts, num_experts // self.ep, max_replicas
+        self.domains, self.across_domains = None, across_domains  # the EP ranks' NVLink domains (None: one)
         self.last_plan: ReplicaPlan | None = None  # the latest dispatch's plan (tests, logging)
 
     def plan(self, indices: torch.Tensor, kept: torch.Tensor, declared: list[int] | None = None) -> ReplicaPlan:
@@ -65,7 +66,7 @@ class ReplicatingDispatcher:
         pairs = pairs.scatter_add_(0, indices.reshape(-1), kept.reshape(-1).to(torch.int64))
         gathered = gather_no_grad(pairs.unsqueeze(0), self.group)  # [ep, E]
         counts = [declared] * self.ep if declared is not None else gathered.tolist()  # the one host read
-        return plan_replicas(counts, self.num_local, self.max_replicas)
+        return plan_replicas(counts, self.num_local, self.max_replicas, self.domains, self.across_domains)
 
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
         """Rows for this rank's slots sorted by slot, their counts per slot, the handle."""

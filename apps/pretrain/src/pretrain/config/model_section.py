@@ -91,6 +91,11 @@ class ModelConfig:
     # excess on replicas fetched from their home ranks (par_moe.balance); at most this many per rank
     expert_balance: str = "none"
     max_replicas_per_rank: int = 2
+    # replicas stay in their home rank's NVLink domain ([topology] / NVML), each domain balanced alone;
+    # true lets the rest cross to other domains. Off by default as MoonEP (one NVLink domain) and
+    # DeepSeek's node-limited routing keep expert traffic off the slower inter-node network; with one
+    # domain (one node, a CPU run) it changes nothing
+    replicate_across_domains: bool = False
     # "replicate+replace": also re-place experts onto EP ranks by their load every this many steps
     # (pretrain.model.replace), moving their weights and optimizer state
     replace_every: int = 100

@@ -26,4 +26,5 @@ def moe_config(config) -> MoEConfig:
         dispatcher=config.dispatcher,
         expert_balance=config.expert_balance,
         max_replicas_per_rank=config.max_replicas_per_rank,
+        replicate_across_domains=config.replicate_across_domains,
     )

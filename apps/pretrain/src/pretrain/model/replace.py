@@ -15,6 +15,7 @@ the uninterrupted run bitwise; under another ep it keeps the placement it loaded
 Node awareness: where the topology (``[topology]`` or NVML) puts the EP ranks in NVLink domains,
 and every EP group of the stage sees the same pattern of them, the packing keeps experts in their
 domain unless a swap across domains lowers the most loaded one (``pack_experts(domains=...)``).
+The same domains keep every balanced layer's replicas in their home domain (``set_replica_domains``).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ class ExpertReplacer:
 
     @classmethod
     def of(cls, trainer) -> "ExpertReplacer | None":
+        """The trainer's re-placement (None: no layer re-places); gives every balanced layer the EP ranks'
+        NVLink domains first, for its replica plan too."""
+        domains = set_replica_domains(trainer)
         layers = [moe for moe in trainer._moe_layers() if moe.replace]
         if not layers:
             return None
-        group = trainer.groups.tp_dp_cp
-        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, group,
-                   ep_domains(trainer.assignment.topology, layers[0].ep_group, group))
+        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, trainer.groups.tp_dp_cp, domains)
 
     def _global_load(self) -> list[list[int]]:
         """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
@@ -97,6 +99,18 @@ class ExpertReplacer:
         if state["ep"] == self.layers[0].ep:  # the saved placement, so the next re-placements are the same
             self.place([ExpertPlacement(tuple(saved["expert_at"]), layer.num_local_experts)
                         for saved, layer in zip(state["layers"], self.layers)])
+
+
+def set_replica_domains(trainer) -> tuple[int, ...] | None:
+    """The EP ranks' NVLink domains (:func:`ep_domains`), given to every balanced MoE layer of the trainer's
+    stage (``MoELayer.set_domains``); None where no layer balances. Collective over the stage."""
+    layers = [moe for moe in trainer._moe_layers() if moe.replicate]
+    if not layers:
+        return None
+    domains = ep_domains(trainer.assignment.topology, layers[0].ep_group, trainer.groups.tp_dp_cp)
+    for layer in layers:
+        layer.set_domains(domains)
+    return domains
 
 
 def ep_domains(topology, ep_group, stage_group) -> tuple[int, ...] | None:

@@ -95,7 +95,8 @@ class Trainer:
         self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
-        # expert_balance = "replicate+replace": experts re-placed by load every replace_every steps
+        # expert_balance != "none": the replica plans get the EP ranks' NVLink domains; "replicate+replace":
+        # experts re-placed by load every replace_every steps
         self.expert_replacer = None if simulated else ExpertReplacer.of(self)
 
     # ---- data ------------------------------------------------------------------------------

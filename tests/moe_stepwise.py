@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pytest
+
 from layout_runs import COMMON, STEPS
 
 # A near-tie flip moves one (token, expert) pair, or a few: a routing change that moves more is no
@@ -233,3 +235,18 @@ def assert_moe_steps_same(results, reference, tolerance: float, name: str) -> li
           f"flipped steps {sorted(flipped)}")
     assert len(flipped) <= MAX_FLIPPED_STEPS, f"{name}: routing flipped at steps {sorted(flipped)}"
     return sorted(flipped)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(dist_run, tmp_path_factory):
+    """The single rank's steps (and its checkpoint before each step) for a MoE config, once per module."""
+    cache = {}
+
+    def reference(common, skew=False):
+        if (common, skew) not in cache:
+            root = str(tmp_path_factory.mktemp("moe-reference"))
+            cache[common, skew] = root, dist_run(1, reference_steps, "tiny-moe", list(common), root, skew=skew,
+                                                 timeout=600)[0]
+        return cache[common, skew]
+
+    return reference

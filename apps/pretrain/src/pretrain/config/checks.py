@@ -27,7 +27,7 @@ def moe_rules(cfg) -> None:
         expert_balance_rules(cfg)
 
 
-# expert_balance = "replicate" is tested (tests/test_layouts_train_same_model.py) with the all-to-all
+# expert_balance = "replicate" is tested (tests/test_layouts_expert_balance.py) with the all-to-all
 # and all-gather dispatchers, ep x dp, ep x tp (etp 1 and 2), pp, cp and ZeRO-0/1/2/3; torch_fsdp2
 # runs with ep = 1 only (data_parallel_rules), where there is nothing to balance. "replicate+replace"
 # (re-placement) is tested with the all-to-all dispatcher, etp = 1, pp = 1, cp = 1 and ZeRO-0/1/2.

@@ -26,13 +26,10 @@ and ``RESULT allgather-fwd-vs-torch-flex ratio= ratio_min= ratio_max= repeats= b
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from bench_ranks import run_spawned
 from commit import print_commit
 from paired_timing import Summary, paired_times
 
@@ -109,9 +106,7 @@ def _bytes(step, recorder) -> int:
     return sum(r.wire_bytes for r in rec.records)
 
 
-def _worker(rank, world, init_file, args, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _measure(rank, world, args):
     from par_groups import CommRecorder, RankGrid, create_groups, device_mesh
 
     grid = RankGrid(world, cp=world, hcp=(2, world // 2))
@@ -134,10 +129,7 @@ def _worker(rank, world, init_file, args, queue):
             except Exception as e:  # report, still print our numbers
                 if rank == 0:
                     print(f"torch context parallel failed: {type(e).__name__}: {e}", flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -152,11 +144,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="discarded repeats before them")
     args = p.parse_args()
     print_commit()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(args.world, os.path.join(tmp, "init"), args, queue), nprocs=args.world, start_method="spawn")
-        results = queue.get()
+    results = run_spawned(_measure, args.world, args)
     print(f"cp={args.world} S={args.seq} B={args.batch} Hq={args.heads} Hkv={args.kv_heads} D={args.dim} causal zigzag, fp32, "
           f"CPU gloo; {args.repeats} paired repeats after {args.warmup} warm-up, slowest rank. fwd+bwd peer: single-device "
           f"SDPA fwd+bwd on the full sequence / cp (torch CP has no CPU backward); fwd peer: torch CP (flex).")

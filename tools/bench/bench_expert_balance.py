@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from bench_moe import torchtitan_dispatcher, torchtitan_moe
+from bench_ranks import run_spawned
 from commit import print_commit
 from paired_timing import Summary, paired_times
 
@@ -64,9 +63,7 @@ def cpu_timed(step, out: list):
     return run
 
 
-def _worker(rank, world, init_file, args, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def _measure(rank, world, args):
     from par_groups import RankGrid, create_groups
     from par_moe import AllToAllDispatcher, GroupedSwiGLU
     from par_moe.replicate import ReplicatingDispatcher, fetch_replicas
@@ -109,10 +106,7 @@ def _worker(rank, world, init_file, args, queue):
         busiest = torch.tensor([ours_cpu, peer_cpu], dtype=torch.float64).t().contiguous()  # [repeat, side]
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX)  # the busiest rank's
         results[f"{name}-cpu"] = Summary.of([tuple(row) for row in busiest[args.warmup:].tolist()])
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -126,11 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     print_commit()
     world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), args, queue), nprocs=world, start_method="spawn")
-        r = queue.get()
+    r = run_spawned(_measure, world, args)
     assert r["hot_over_mean"] >= 2.0, f"the skew gives the hottest rank {r['hot_over_mean']:.2f}x the mean, not >= 2x"
     print(f"tokens/rank={args.tokens} hidden={args.hidden} ffn={args.ffn} experts={EXPERTS} top_k={TOP_K} ep={EP} "
           f"world={world} cpus={os.cpu_count()} (fwd+bwd, interleaved, {args.repeats} repeats after {args.warmup} warm-up, "

@@ -39,12 +39,10 @@ bytes_ratio=<moved/minimum> peer_bytes_ratio=``.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from bench_ranks import run_spawned
 from commit import print_commit
 from paired_timing import Summary, paired_times
 from torch_comm import TorchCommBytes
@@ -146,9 +144,7 @@ def run_case(results, case, args, pg, x, indices, weights, experts, local, me):
         results[f"{kind}-{case}"] = (summary, moved, peer_moved, minimum)
 
 
-def _worker(rank, world, init_file, args, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def _measure(rank, world, args):
     from par_groups import RankGrid, create_groups
     from par_moe import GroupedSwiGLU
 
@@ -167,10 +163,7 @@ def _worker(rank, world, init_file, args, queue):
         for routing in ("topk", "one-per-rank"):
             indices, weights = route(logits, K, ep, routing)
             run_case(results, f"{routing}-ep{ep}", args, pg, x, indices, weights, experts, local, me)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -185,11 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     print_commit()
     world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), args, queue), nprocs=world, start_method="spawn")
-        results = queue.get()
+    results = run_spawned(_measure, world, args)
     print(f"tokens/rank={args.tokens} hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k} "
           f"world={world} (fwd+bwd, ours and torchtitan's all-to-all interleaved, {args.repeats} repeats after {args.warmup} warm-up, "
           f"slowest rank)")

@@ -33,6 +33,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_ranks import add_model_arguments, launch_with_load  # noqa: E402
 from commit import print_commit  # noqa: E402
 from paired_timing import median_ci, paired_times  # noqa: E402
 
@@ -125,28 +126,12 @@ def report(args, results: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", default=["dp2", "tp2"], choices=list(LAYOUTS))
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    add_model_arguments(p, layers=4, heads=8, repeats=15)
     p.add_argument("--ns-dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--qk-clip", type=float, default=0.05, help="tau of dp2-qkclip (low: the clip runs every step)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = p.parse_args()
     print_commit()
-    from pretrain.runtime.launch import launch
-
-    before = os.getloadavg()
-    results = launch(rank, (args,), nproc=WORLD, device="cpu")[0]
-    after = os.getloadavg()
-    print(f"load average (1, 5 min) before {before[0]:.2f} {before[1]:.2f}, after {after[0]:.2f} {after[1]:.2f}")
-    report(args, results)
+    report(args, launch_with_load(rank, args, WORLD))
 
 
 if __name__ == "__main__":

@@ -75,32 +75,25 @@ def state_bytes(t) -> tuple[int, int]:
     return held, 8 * sum(b.opt_hi - b.opt_lo for b in opt.buckets)
 
 
-def rank(args):
+def measure(args):
     import torch
     import torch.distributed as dist
 
-    from pretrain.runtime.launch import init_distributed, shutdown
-
-    me, _, _, _ = init_distributed(600, "cpu")
-    torch.set_num_threads(args.threads)
     out = {}
-    try:
-        for layout in args.layouts:
-            common, mine, peer = LAYOUTS[layout]
-            steps = 2 * (args.warmup + args.repeats) + 4
-            ours, theirs = trainer(args, common + mine, steps), trainer(args, common + peer, steps)
-            losses, step_ours, step_theirs = ([], []), iter(range(steps)), iter(range(steps))
-            pairs = paired_times(lambda: losses[0].append(ours.train_step(next(step_ours)).loss),
-                                 lambda: losses[1].append(theirs.train_step(next(step_theirs)).loss),
-                                 repeats=args.repeats, warmup=args.warmup)
-            mem = torch.tensor([*state_bytes(ours), *state_bytes(theirs)], dtype=torch.float64)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            out[layout] = {"pairs": pairs, "losses": losses, "mem": [int(x) for x in mem.tolist()]}
-            del ours, theirs
-            dist.barrier()
-        return out if me == 0 else None
-    finally:
-        shutdown()
+    for layout in args.layouts:
+        common, mine, peer = LAYOUTS[layout]
+        steps = 2 * (args.warmup + args.repeats) + 4
+        ours, theirs = trainer(args, common + mine, steps), trainer(args, common + peer, steps)
+        losses, step_ours, step_theirs = ([], []), iter(range(steps)), iter(range(steps))
+        pairs = paired_times(lambda: losses[0].append(ours.train_step(next(step_ours)).loss),
+                             lambda: losses[1].append(theirs.train_step(next(step_theirs)).loss),
+                             repeats=args.repeats, warmup=args.warmup)
+        mem = torch.tensor([*state_bytes(ours), *state_bytes(theirs)], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        out[layout] = {"pairs": pairs, "losses": losses, "mem": [int(x) for x in mem.tolist()]}
+        del ours, theirs
+        dist.barrier()
+    return out
 
 
 def report(args, results: dict) -> None:
@@ -131,7 +124,7 @@ def main() -> None:
     p.add_argument("--qk-clip", type=float, default=0.05, help="tau of dp2-qkclip (low: the clip runs every step)")
     args = p.parse_args()
     print_commit()
-    report(args, launch_with_load(rank, args, WORLD))
+    report(args, launch_with_load(measure, args, WORLD))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 :func:`run_spawned` spawns ``world`` gloo ranks that each run ``measure(rank, world, args)`` (a
 module-level function: spawn pickles it by name) and returns rank 0's result. :func:`launch_with_load`
-runs ``rank(args)`` on pretrain's launcher and prints the load average around it (a busy machine is
+runs ``measure(args)`` on pretrain's launcher and prints the load average around it (a busy machine is
 part of the figure).
 """
 
@@ -49,12 +49,27 @@ def add_model_arguments(p, *, layers: int, heads: int, repeats: int) -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
 
 
-def launch_with_load(rank, args, world: int):
-    """Rank 0's result of ``rank(args)`` on ``world`` CPU ranks, the load average printed around the run."""
+def _ranked(measure, args):
+    import torch
+
+    from pretrain.runtime.launch import init_distributed, shutdown
+
+    me, _, _, _ = init_distributed(600, "cpu")
+    torch.set_num_threads(args.threads)
+    try:
+        out = measure(args)
+        return out if me == 0 else None
+    finally:
+        shutdown()
+
+
+def launch_with_load(measure, args, world: int):
+    """Rank 0's ``measure(args)`` on ``world`` CPU ranks (each with ``args.threads`` intra-op threads), the
+    load average printed around the run."""
     from pretrain.runtime.launch import launch
 
     before = os.getloadavg()
-    results = launch(rank, (args,), nproc=world, device="cpu")[0]
+    results = launch(_ranked, (measure, args), nproc=world, device="cpu")[0]
     after = os.getloadavg()
     print(f"load average (1, 5 min) before {before[0]:.2f} {before[1]:.2f}, after {after[0]:.2f} {after[1]:.2f}")
     return results

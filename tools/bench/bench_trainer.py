@@ -230,40 +230,33 @@ class TitanStep:
         self.losses.append(loss.detach())
 
 
-def rank(args):
+def measure(args):
     import torch
     import torch.distributed as dist
 
-    from pretrain.runtime.launch import init_distributed, shutdown
-
-    me, _, _, _ = init_distributed(600, "cpu")
-    torch.set_num_threads(args.threads)
     out = {}
-    try:
-        for layout in args.layouts:
-            steps = 2 * (args.warmup + args.repeats) + 4
-            ours, cfg = our_trainer(args, layout, steps)
-            try:
-                theirs = TitanStep(args, layout, cfg)
-            except Exception as e:  # noqa: BLE001 - reported, the other layouts still run
-                out[layout] = {"error": f"{type(e).__name__}: {e}"}
-                dist.barrier()
-                continue
-            our_losses, step = [], iter(range(steps))
-            pairs = paired_times(lambda: our_losses.append(ours.train_step(next(step)).loss), theirs,
-                                 repeats=args.repeats, warmup=args.warmup)
-            their_losses = [float(x) for x in theirs.losses]
-            if dp_of(layout) > 1 or layout in PP:  # each dp rank's share (pp: the last stage's, 0 elsewhere) of the global mean: sum them
-                t = torch.tensor(their_losses, dtype=torch.float64)
-                dist.all_reduce(t)
-                their_losses = t.tolist()
-            out[layout] = {"pairs": pairs, "ours": our_losses, "theirs": their_losses, "fused": theirs.fused,
-                           "ours_fused": ours.kernels.fused_adamw}
-            del ours, theirs
+    for layout in args.layouts:
+        steps = 2 * (args.warmup + args.repeats) + 4
+        ours, cfg = our_trainer(args, layout, steps)
+        try:
+            theirs = TitanStep(args, layout, cfg)
+        except Exception as e:  # noqa: BLE001 - reported, the other layouts still run
+            out[layout] = {"error": f"{type(e).__name__}: {e}"}
             dist.barrier()
-        return out if me == 0 else None
-    finally:
-        shutdown()
+            continue
+        our_losses, step = [], iter(range(steps))
+        pairs = paired_times(lambda: our_losses.append(ours.train_step(next(step)).loss), theirs,
+                             repeats=args.repeats, warmup=args.warmup)
+        their_losses = [float(x) for x in theirs.losses]
+        if dp_of(layout) > 1 or layout in PP:  # each dp rank's share (pp: the last stage's, 0 elsewhere) of the global mean: sum them
+            t = torch.tensor(their_losses, dtype=torch.float64)
+            dist.all_reduce(t)
+            their_losses = t.tolist()
+        out[layout] = {"pairs": pairs, "ours": our_losses, "theirs": their_losses, "fused": theirs.fused,
+                       "ours_fused": ours.kernels.fused_adamw}
+        del ours, theirs
+        dist.barrier()
+    return out
 
 
 def report(args, results: dict) -> None:
@@ -297,7 +290,7 @@ def main() -> None:
     p.add_argument("--rope-theta", type=float, default=500000.0)
     args = p.parse_args()
     print_commit()
-    report(args, launch_with_load(rank, args, WORLD))
+    report(args, launch_with_load(measure, args, WORLD))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ def snapshot(root: Path) -> dict:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _hung(signum, frame):
-    raise TimeoutError(f"no answer within {LIMIT_S} s")
+def invoke_within_limit(runner, app, args, limit_s: int = LIMIT_S):
+    """``runner.invoke(app, args)``, a hang raising TimeoutError after ``limit_s``."""
+    def hung(signum, frame):
+        raise TimeoutError(f"no answer within {limit_s} s")
 
-
-def invoke_within_limit(runner, app, args):
-    """``runner.invoke(app, args)``, a hang raising TimeoutError after LIMIT_S."""
-    signal.signal(signal.SIGALRM, _hung)
-    signal.alarm(LIMIT_S)
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(limit_s)
     try:
         return runner.invoke(app, args)
     finally:

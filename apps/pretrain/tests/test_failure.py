@@ -2,11 +2,11 @@
 loss stops with the step named ([train].nan_policy=stop) or drops that step's update (skip)."""
 
 import functools
-import time
 
 import torch
 from typer.testing import CliRunner
 
+from one_error_line import invoke_within_limit
 from pretrain.cli import app
 
 runner = CliRunner()
@@ -14,15 +14,14 @@ runner = CliRunner()
 
 def test_a_rank_that_raises_ends_the_run_with_its_error(monkeypatch, tmp_path, fault_ranks):
     monkeypatch.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.fail_before_step, 1, 3))
-    start = time.time()
-    res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
-                              "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.dir={tmp_path}",
-                              "--set", "train.collective_timeout_s=600"])
-    took = time.time() - start
+    # rank 0 waits in a collective whose timeout is a week: only the launcher ending it on rank 1's error
+    # ends the run (the alarm only keeps a broken launcher from hanging the suite; no clock is asserted)
+    res = invoke_within_limit(runner, app, ["train", "--nproc", "2", "--set", "train.steps=50", "--set", "model.layers=2",
+                                            "--set", "train.eval_every=0", "--set", "log.progress=false",
+                                            "--set", f"log.dir={tmp_path}", "--set", "train.collective_timeout_s=604800"],
+                              limit_s=900)
     assert res.exit_code == 1, res.output
     assert "rank 1 failed" in res.stderr and "injected failure" in res.stderr, res.stderr
-    # ranks import the trainer after they start (forkserver): minutes on a loaded machine, still far from 600 s
-    assert took < 300, f"{took:.0f} s: a collective timeout (600 s) would be much longer"
     # an internal error: one short line; the traceback is in a file under log.dir
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert f"traceback in {tmp_path / 'error.log'}" in res.stderr

@@ -102,7 +102,7 @@ class MoELayer(nn.Module):
         """Reset the computed (unsaved) buffers once they have storage on ``device`` (built on meta)."""
         self.routed_since_update.zero_()
         self.load_since_replace.zero_()
-        self.position_of.copy_(torch.tensor(self.placement.position_of))
+        self.position_of.copy_(torch.tensor(self.placement.position_of, device=device))
         self.step_load.zero_()
         self.step_sums.zero_()
 

@@ -50,14 +50,23 @@ def _runs(values: list[int], lengths: list[int], device: torch.device) -> torch.
     return v.repeat_interleave(torch.tensor(lengths, dtype=torch.int64, device=device), output_size=sum(lengths))
 
 
-class ReplicatingDispatcher:
-    """All-to-all dispatch over ``ep_group`` balanced by replicas (at most ``max_replicas`` per rank)."""
+class BalancedDispatcher:
+    """What the balanced dispatchers (all-to-all here, all-gather in ``replicate_gather``) share: the EP
+    group, the replica bound and the NVLink domains they plan with."""
 
     def __init__(self, num_experts: int, ep_group: ProcessGroup | None, max_replicas: int, across_domains: bool = False):
         self.group, self.ep, self.rank = ep_group, group_size(ep_group), group_rank(ep_group)
         self.num_experts, self.num_local, self.max_replicas = num_experts, num_experts // self.ep, max_replicas
         self.domains, self.across_domains = None, across_domains  # the EP ranks' NVLink domains (None: one)
         self.last_plan: ReplicaPlan | None = None  # the latest dispatch's plan (tests, logging)
+
+    def plan_from(self, counts: list[list[int]]) -> ReplicaPlan:
+        """The plan of every EP rank's pairs per expert (``counts[rank][expert]``), the same on every rank."""
+        return plan_replicas(counts, self.num_local, self.max_replicas, self.domains, self.across_domains)
+
+
+class ReplicatingDispatcher(BalancedDispatcher):
+    """All-to-all dispatch over ``ep_group`` balanced by replicas (at most ``max_replicas`` per rank)."""
 
     def plan(self, indices: torch.Tensor, kept: torch.Tensor, declared: list[int] | None = None) -> ReplicaPlan:
         """Every rank's pairs per expert, gathered and read once; the plan from them (the same on every rank).
@@ -66,7 +75,7 @@ class ReplicatingDispatcher:
         pairs = pairs.scatter_add_(0, indices.reshape(-1), kept.reshape(-1).to(torch.int64))
         gathered = gather_no_grad(pairs.unsqueeze(0), self.group)  # [ep, E]
         counts = [declared] * self.ep if declared is not None else gathered.tolist()  # the one host read
-        return plan_replicas(counts, self.num_local, self.max_replicas, self.domains, self.across_domains)
+        return self.plan_from(counts)
 
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
         """Rows for this rank's slots sorted by slot, their counts per slot, the handle."""

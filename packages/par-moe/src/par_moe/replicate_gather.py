@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import ProcessGroup
 
-from .balance import ReplicaPlan, plan_replicas
-from .comm import gather_no_grad, gather_tokens, group_rank, group_size, reduce_scatter_tokens
+from .balance import ReplicaPlan
+from .comm import gather_no_grad, gather_tokens, reduce_scatter_tokens
 from .declared import RoutedSizes
 from .dispatch import DispatchHandle, sort_pairs, weighted_sum
+from .replicate import BalancedDispatcher
 
 
 @dataclass
@@ -27,25 +27,18 @@ class GatheredReplicaHandle(DispatchHandle):
     plan: ReplicaPlan | None = None
 
 
-class ReplicatingAllGatherDispatcher:
+class ReplicatingAllGatherDispatcher(BalancedDispatcher):
     """All-gather dispatch over ``ep_group`` balanced by replicas (at most ``max_replicas`` per rank)."""
-
-    def __init__(self, num_experts: int, ep_group: ProcessGroup | None, max_replicas: int, across_domains: bool = False):
-        self.group, self.ep, self.rank = ep_group, group_size(ep_group), group_rank(ep_group)
-        self.num_experts, self.num_local, self.max_replicas = num_experts, num_experts // self.ep, max_replicas
-        self.domains, self.across_domains = None, across_domains  # the EP ranks' NVLink domains (None: one)
-        self.last_plan: ReplicaPlan | None = None  # the latest dispatch's plan (tests, logging)
 
     def plan(self, indices: torch.Tensor, kept: torch.Tensor, declared: list[int] | None) -> ReplicaPlan:
         """The pairs each source rank routes to each expert, from the gathered routing (every rank alike)."""
         if declared is not None:  # a declared routing: every rank's pairs alike, nothing to read
-            return plan_replicas([declared] * self.ep, self.num_local, self.max_replicas, self.domains, self.across_domains)
+            return self.plan_from([declared] * self.ep)
         source = torch.arange(self.ep, device=indices.device).repeat_interleave(indices.numel() // self.ep)
         key = source * self.num_experts + indices.reshape(-1)
         counts = torch.zeros(self.ep * self.num_experts, dtype=torch.int64, device=indices.device)
         counts = counts.scatter_add_(0, key, kept.reshape(-1).to(torch.int64)).view(self.ep, self.num_experts)
-        return plan_replicas(counts.tolist(), self.num_local, self.max_replicas, self.domains,  # the one host read
-                             self.across_domains)
+        return self.plan_from(counts.tolist())  # the one host read
 
     def dispatch(self, x, indices, weights, keep=None, sizes: RoutedSizes | None = None):
         """Rows for this rank's slots sorted by slot, their counts per slot, the handle."""

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ranks import add_model_arguments, launch_with_load  # noqa: E402
 from commit import print_commit  # noqa: E402
-from paired_timing import median_ci, paired_times  # noqa: E402
+from paired_timing import Summary, paired_times  # noqa: E402
 
 LAYOUTS = {  # name: (overrides of both sides, ours extra, peer extra)
     "dp2": (["parallel.zero=optim_grads_params"], ["train.optimizer=muon"], ["train.optimizer=adamw"]),
@@ -101,17 +100,14 @@ def report(args, results: dict) -> None:
           f"vocab {args.vocab}, seq {args.seq}, global batch {args.batch}, fp32, Newton-Schulz in {args.ns_dtype}, "
           f"{WORLD} CPU gloo ranks, {args.threads} intra-op thread(s) each")
     for layout, r in results.items():
-        ratios = [a / b for a, b in r["pairs"]]
-        ci = median_ci(ratios)
+        summary = Summary.of(r["pairs"])
         held_m, need_m, held_a, need_a = r["mem"]
         fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         peer = "muon" if layout.endswith("qkclip") else "adamw"
         print(f"layout {layout}: losses {'muon+qkclip' if peer == 'muon' else 'muon'} {fmt(r['losses'][0])}")
         print(f"layout {layout}: losses {peer} {fmt(r['losses'][1])}")
-        print(f"RESULT muon layout={layout} ratio={statistics.median(ratios):.3f} ratio_min={min(ratios):.3f} "
-              f"ratio_max={max(ratios):.3f} ci95={ci[0]:.3f}-{ci[1]:.3f} repeats={len(ratios)} "
-              f"ours_ms={1e3 * statistics.median(p[0] for p in r['pairs']):.1f} "
-              f"{peer}_ms={1e3 * statistics.median(p[1] for p in r['pairs']):.1f} "
+        print(f"RESULT muon layout={layout} {summary.spread(3)} "
+              f"ours_ms={1e3 * summary.ours_s:.1f} {peer}_ms={1e3 * summary.peer_s:.1f} "
               f"state_bytes_ours={held_m} state_bytes_{peer}={held_a} state_ratio={held_m / held_a:.3f} "
               f"needed_bytes_ours={need_m} needed_ratio={need_m / need_a:.3f} metric=step_time_ratio_lower_is_better")
 

@@ -49,13 +49,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ranks import add_model_arguments, launch_with_load  # noqa: E402
 from commit import print_commit  # noqa: E402
-from paired_timing import median_ci, paired_times  # noqa: E402
+from paired_timing import Summary, paired_times  # noqa: E402
 
 LAYOUTS = {  # name: (our overrides, torchtitan's (dp_shard, tp, sequence parallel))
     "dp2": (["parallel.zero=optim_grads_params"], (2, 1, False)),
@@ -269,15 +268,12 @@ def report(args, results: dict) -> None:
         if "error" in r:
             print(f"layout {layout}: torchtitan cannot run it on the CPU here: {r['error']}")
             continue
-        speed = [t_peer / t_ours for t_ours, t_peer in r["pairs"]]  # tokens/s ours / theirs
-        ours_tps = tokens / statistics.median(p[0] for p in r["pairs"])
-        theirs_tps = tokens / statistics.median(p[1] for p in r["pairs"])
+        speed = Summary.of([(t_peer, t_ours) for t_ours, t_peer in r["pairs"]])  # tokens/s ours / theirs
+        ours_tps, theirs_tps = tokens / speed.peer_s, tokens / speed.ours_s
         fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         print(f"layout {layout}: losses ours   {fmt(r['ours'])}")
         print(f"layout {layout}: losses theirs {fmt(r['theirs'])}")
-        ci = median_ci(speed)
-        print(f"RESULT trainer layout={layout} ratio={statistics.median(speed):.3f} ratio_min={min(speed):.3f} "
-              f"ratio_max={max(speed):.3f} ci95={ci[0]:.3f}-{ci[1]:.3f} repeats={len(speed)} ours_tok_s={ours_tps:.0f} "
+        print(f"RESULT trainer layout={layout} {speed.spread(3)} ours_tok_s={ours_tps:.0f} "
               f"torchtitan_tok_s={theirs_tps:.0f} first_loss_ours={r['ours'][0]:.3f} "
               f"first_loss_torchtitan={r['theirs'][0]:.3f} torchtitan_adamw={'fused' if r['fused'] else 'not-fused'} "
               f"ours_adamw={'fused' if r['ours_fused'] else 'explicit'} metric=tokens_per_s_higher_is_better")

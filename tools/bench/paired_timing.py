@@ -64,9 +64,10 @@ class Summary:
         return cls(statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
                    statistics.median(ratios), min(ratios), max(ratios), len(pairs), *median_ci(ratios))
 
-    def spread(self) -> str:
-        return (f"ratio={self.ratio:.2f} ratio_min={self.ratio_min:.2f} ratio_max={self.ratio_max:.2f} "
-                f"ci95={self.ci_low:.2f}-{self.ci_high:.2f} repeats={self.repeats}")
+    def spread(self, digits: int = 2) -> str:
+        f = lambda x: f"{x:.{digits}f}"  # noqa: E731
+        return (f"ratio={f(self.ratio)} ratio_min={f(self.ratio_min)} ratio_max={f(self.ratio_max)} "
+                f"ci95={f(self.ci_low)}-{f(self.ci_high)} repeats={self.repeats}")
 
 
 def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:

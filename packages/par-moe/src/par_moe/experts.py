@@ -33,8 +33,10 @@ def grouped_mm_available(device: torch.device) -> bool:
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM kernel takes these operands (bf16, 16-byte aligned rows)."""
-    if _GROUPED_MM is None or x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+    """Whether torch's grouped GEMM kernel takes these operands (bf16, or fp32 on the CPU; 16-byte
+    aligned rows)."""
+    dtypes = (torch.bfloat16, torch.float32) if x.device.type == "cpu" else (torch.bfloat16,)
+    if _GROUPED_MM is None or x.dtype not in dtypes or any(w.dtype != x.dtype for w in weights):
         return False
     if any(w.shape[-1] % 8 or w.shape[-2] % 8 for w in weights):
         return False
@@ -72,11 +74,24 @@ class GroupLayout:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, layout: GroupLayout, use_grouped_mm: bool) -> torch.Tensor:
     """Row block g of ``x [N, I]`` times ``weight[g].T`` (weight ``[G, O, I]``) -> ``[N, O]``."""
     if use_grouped_mm:
-        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=layout.offsets.to(torch.int32))
+        return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(-2, -1), offs=layout.offsets.to(torch.int32)))
     padded = x.new_zeros(layout.num_groups, layout.max_count, x.shape[-1])
     padded = padded.index_put((layout.group_of_row, layout.pos_in_group), x)
     out = torch.bmm(padded, weight.transpose(1, 2))
     return out[layout.group_of_row, layout.pos_in_group]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: the grouped GEMM's backward refuses an
+    expanded one (strides 0, as ``y.sum().backward()`` gives)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class GroupedSwiGLU(nn.Module):

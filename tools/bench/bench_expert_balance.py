@@ -2,8 +2,8 @@
 against torchtitan's all-to-all MoE dispatcher, on the same skewed routing.
 
 CPU, gloo, 4 ranks, ep = 4. A fixed routing where every token's top-k (k = 4 of 16 experts) holds
-experts 0 and 1, both on EP rank 0: the hottest rank holds ``--skew`` pairs of every 4 (2x the mean
-for the default's half of all pairs; asserted >= 2x). The same experts (our GroupedSwiGLU, the same
+experts 0 .. ``--hot`` - 1, all on EP rank 0: the hottest rank holds about ``--hot`` of every 4
+pairs (2.28x the mean for the default ``--hot 2``, 3.07x for ``--hot 3``; asserted >= 2x). The same experts (our GroupedSwiGLU, the same
 weights) on every side; one step is dispatch, experts, combine, forward and backward:
 
 * ``balanced``: :class:`par_moe.replicate.ReplicatingDispatcher` with its replica weight fetch
@@ -19,12 +19,13 @@ ratios balanced / peer with its spread and 95 % CI.
 
 Balancing moves compute from the hot rank to idle ones: it can only shorten a step where the ranks
 run in parallel. With fewer cores than ranks (``os.cpu_count()`` is printed) the ranks share the
-cores and the total work, not the hottest rank's, sets the wall time. So each step's CPU time is
+cores and the total work, not the hottest rank's, sets the wall time: on 2 cores the best wall
+ratio is about (total / 2) / hottest = 2 / 2.28 = 0.88 for ``--hot 2``, 2 / 3.07 = 0.65 for ``--hot 3``. So each step's CPU time is
 taken too (``time.process_time``, every thread of the rank; a rank blocked in a gloo wait spends
 none): the ``-cpu`` rows compare the busiest rank's, what sets the step when every rank has its
 own core, communication waits aside.
 
-    uv run python tools/bench/bench_expert_balance.py [--tokens 1024 --hidden 128 --ffn 256 --repeats 15]
+    uv run python tools/bench/bench_expert_balance.py [--hot 2 --tokens 1024 --hidden 128 --ffn 256 --repeats 15]
 
 Ends with ``RESULT balanced-vs-<peer>-ep4 ratio= ratio_min= ratio_max= ci95= repeats= hot_over_mean=``.
 """
@@ -75,7 +76,7 @@ def _measure(rank, world, args):
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.tokens, args.hidden, generator=gen).requires_grad_()
     dy = torch.randn(args.tokens, args.hidden, generator=gen)
-    indices, weights = skewed_routing(args.tokens, 2, gen)
+    indices, weights = skewed_routing(args.tokens, args.hot, gen)
     balanced, standard = ReplicatingDispatcher(EXPERTS, pg.ep, args.max_replicas), AllToAllDispatcher(EXPERTS, pg.ep)
     titan = torchtitan_dispatcher(EXPERTS, TOP_K, pg.ep)
 
@@ -114,7 +115,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--max-replicas", type=int, default=2, help="replica slots per rank (the config default)")
+    parser.add_argument("--hot", type=int, default=2, choices=(2, 3, 4),
+                        help="experts of EP rank 0 in every token's top 4 (the skew)")
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats (pairs of steps)")
     parser.add_argument("--warmup", type=int, default=3, help="discarded repeats before them")
     args = parser.parse_args()

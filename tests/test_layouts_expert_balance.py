@@ -31,10 +31,11 @@ MOE_SKEWED_PIPELINE = {
     "tp2-pp2-ep2-1f1b-replicate": MOE_PIPELINE["tp2-pp2-ep2-1f1b"] + list(REPLICATE),
     "tp2-pp2-ep2-zb-h1-replicate": MOE_PIPELINE["tp2-pp2-ep2-1f1b"] + ["parallel.schedule=zb-h1", *REPLICATE],
 }
-# Four layers, as MOE_PIPELINE. Seed 7: under seed 1234 step 7's grad norm differs from the single
-# rank's by 1.3e-6 on this layout with expert_balance = "none" and "replicate" alike (measured: the
-# layout's own rounding); seed 7 holds both within 2e-7.
-SKEWED_PIPELINE = MOE_BALANCING + ("train.micro_batch=2", "model.top_k=4", "train.seed=7")
+# Four layers, as MOE_PIPELINE; the config's own seed. (Under it step 7's grad norm once differed
+# from the single rank's by 1.3e-6, with expert_balance = "none" too: the experts' zero-padded bmm,
+# whose blocking follows the padded length. Since the experts take torch's grouped GEMM on the CPU
+# the largest error is 3.8e-7.)
+SKEWED_PIPELINE = MOE_BALANCING + ("train.micro_batch=2", "model.top_k=4")
 
 
 def balance_figures(results, name):

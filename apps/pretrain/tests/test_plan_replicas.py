@@ -73,3 +73,39 @@ def test_simulate_records_the_planned_replica_bytes(dispatcher):
             assert rows[key]["bytes"] == rows[key]["theory_bytes"], (rank["rank"], key, rows[key])
     sent, received = (sum(r["replicas"][k] for r in result["ranks"]) for k in ("fetch_sent_per_step", "fetch_received_per_step"))
     assert sent == received > 0  # what EP rank 0 sends, EP rank 1 receives
+
+
+# ep4 on two nodes of two GPUs, one NVLink domain each (as tests/test_layouts_expert_balance.py)
+DOMAIN_PAIRS = 'preset = "dgx-h100"\nnodes = 2\ngpus_per_node = 2\nnvlink_domain_gpus = 2\n'
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_simulate_plans_the_replicas_in_the_described_nvlink_domains(tmp_path, across):
+    """The simulated step plans as a run on the described cluster does: expert 0's replicas stay in its
+    home rank's NVLink domain unless replicate_across_domains; the recorded all-to-all bytes are the
+    domain-aware plan's (sizing.replicas.declared_plan), rank by rank."""
+    from par_moe import DeclaredRouting
+    from pretrain.config import load_config
+    from pretrain.simulate.report import simulate
+    from pretrain.sizing.activations import routed_sizes
+    from pretrain.sizing.replicas import declared_domains, declared_plan
+
+    topology = tmp_path / "pairs.toml"
+    topology.write_text(DOMAIN_PAIRS)
+    cfg = load_config("tiny-moe", ["parallel.ep=4", "model.expert_balance=replicate", f"topology.file={topology}",
+                                   f"model.replicate_across_domains={str(across).lower()}"])
+    layout = cfg.validate_world(4)
+    domains = declared_domains(cfg, layout)
+    assert domains is not None and sorted(domains) == [0, 0, 1, 1], domains
+    plan = declared_plan(cfg, layout, routed_sizes(cfg, layout, DeclaredRouting(3.0), 0).pairs)
+    crossing = [(e, r) for e, segs in enumerate(plan.segments) for r, _ in segs[1:] if domains[r] != domains[segs[0][0]]]
+    assert len(plan.segments[0]) > 1 and bool(crossing) == across, plan.segments  # expert 0 replicated
+    result = simulate(cfg, 4, [0, 1, 2, 3], imbalance=3.0)
+    print(f"across={across}: EP ranks' domains {domains}, replicas {plan.replicas}, crossing domains {crossing}")
+    for rank in result["ranks"]:
+        ep_rank = rank["coords"]["ep"]
+        assert rank["replicas"]["fetch_received_per_step"] == MOE_LAYERS * len(plan.replicas[ep_rank]) * ONE_REPLICA
+        # ep = world: the report names the one group of all four ranks "dp" when it records, "ep" in theory
+        a2a = [c for c in rank["collectives"] if c["op"] == "all_to_all"]
+        recorded, theory = sum(c["bytes"] for c in a2a), sum(c.get("theory_bytes") or 0 for c in a2a)
+        assert recorded == theory > 0, (rank["rank"], a2a)

@@ -116,12 +116,19 @@ def set_replica_domains(trainer) -> tuple[int, ...] | None:
 def ep_domains(topology, ep_group, stage_group) -> tuple[int, ...] | None:
     """Each EP rank's NVLink domain, numbered by first appearance, if every EP group of the stage has the
     same pattern (expert-data-parallel replicas must re-place alike); else None. Collective over the stage."""
-    mine = None
-    if topology is not None:
-        found = [topology.gpus[r].domain for r in dist.get_process_group_ranks(ep_group)]
-        if None not in found:
-            order = list(dict.fromkeys(found))
-            mine = tuple(order.index(d) for d in found)
+    mine = group_domains(topology, dist.get_process_group_ranks(ep_group))
     everyone = [None] * dist.get_world_size(stage_group)
     comm.all_gather_object(everyone, mine, stage_group)
     return mine if all(other == mine for other in everyone) else None
+
+
+def group_domains(topology, ranks: list[int]) -> tuple[int, ...] | None:
+    """The NVLink domain of each of ``ranks`` (global ranks, in group order), numbered by first
+    appearance; None without a topology or where a GPU has no domain."""
+    if topology is None:
+        return None
+    found = [topology.gpus[r].domain for r in ranks]
+    if None in found:
+        return None
+    order = list(dict.fromkeys(found))
+    return tuple(order.index(d) for d in found)

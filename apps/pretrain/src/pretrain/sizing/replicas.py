@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from par_moe.balance import plan_replicas
 
+from ..model.replace import group_domains
+from ..runtime.rank_assignment import choose_assignment, described_topology
 from .params import chunks_of
 
 
@@ -50,8 +52,29 @@ def stage_moe_layers(cfg, layout, stage: int) -> int:
 
 def declared_plan(cfg, layout, pairs: list[int]):
     """The replica plan of one MoE layer and micro-batch when every EP rank routes ``pairs`` per expert
-    (a declared routing: ``sizing.activations.routed_sizes(...).pairs``)."""
-    return plan_replicas([pairs] * layout.ep, cfg.model.num_experts // layout.ep, cfg.model.max_replicas_per_rank)
+    (a declared routing: ``sizing.activations.routed_sizes(...).pairs``), in the described cluster's
+    NVLink domains (:func:`declared_domains`)."""
+    m = cfg.model
+    return plan_replicas([pairs] * layout.ep, m.num_experts // layout.ep, m.max_replicas_per_rank,
+                         declared_domains(cfg, layout), m.replicate_across_domains)
+
+
+def declared_domains(cfg, layout) -> tuple[int, ...] | None:
+    """The EP ranks' NVLink domains on the cluster ``[topology]`` describes, placed as a run places its
+    ranks there (``runtime.rank_assignment``), as a run finds them (``model.replace.ep_domains``): the
+    pattern every EP group shares; None without a described topology, or where the groups differ."""
+    if cfg.model.expert_balance == "none" or layout.ep == 1:
+        return None
+    return _domains_on(cfg, layout, described_topology(cfg, layout.world_size))
+
+
+def _domains_on(cfg, layout, topology) -> tuple[int, ...] | None:
+    if topology is None:
+        return None
+    chosen = choose_assignment(cfg, layout, topology)
+    place = chosen.permutation or range(layout.world_size)
+    patterns = {group_domains(topology, [place[i] for i in group]) for group in chosen.grid.expert_ranks("ep")}
+    return patterns.pop() if len(patterns) == 1 else None
 
 
 def replica_figures(cfg, layout, moe_layers: int, param_bytes: int, pairs: list[int] | None = None,

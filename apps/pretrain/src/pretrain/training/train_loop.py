@@ -30,6 +30,7 @@ from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
 from ..model.qk_clip import clip_scales, reset_logit_max
 from ..model.replace import ExpertReplacer
+from ..sizing.replicas import declared_domains
 from .schedule_lr import lr_at
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
@@ -95,9 +96,12 @@ class Trainer:
         self.timer = timer or NoTimer()
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
-        # expert_balance != "none": the replica plans get the EP ranks' NVLink domains; "replicate+replace":
-        # experts re-placed by load every replace_every steps
+        # expert_balance != "none": the replica plans get the EP ranks' NVLink domains (simulated: those of
+        # the described cluster, as sizing plans them); "replicate+replace": experts re-placed by load
         self.expert_replacer = None if simulated else ExpertReplacer.of(self)
+        domains = declared_domains(cfg, layout) if simulated else None
+        for moe in self._moe_layers() if simulated else ():
+            moe.set_domains(domains)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:

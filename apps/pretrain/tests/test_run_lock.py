@@ -65,6 +65,35 @@ def test_a_lock_left_by_another_nodes_job_is_refused_and_the_same_job_takes_it_o
     assert res.exit_code == 0 and not (log / PID_FILE).exists(), res.output
 
 
+def test_a_run_arriving_while_the_lock_file_is_written_cannot_take_it(tmp_path, monkeypatch):
+    """Without flock, a run that arrives between the lock file's creation and its contents must not
+    read it empty, judge its holder gone and remove it: the file appears whole (test_racing_runs_one_wins
+    once found two winners under load). Here the second run arrives at exactly that moment."""
+    import pretrain.runtime.run_lock as module
+
+    _no_flock(monkeypatch)
+    arrivals = []
+
+    def create_while_another_arrives(path, text):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # created, not yet written
+        if not arrivals:  # once: the second run's own file is written at once
+            arrivals.append("a second run arrives")
+            try:
+                with run_lock(tmp_path / "dir"):
+                    arrivals.append("second run won")
+            except UsageError:
+                arrivals.append("second run refused")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    monkeypatch.setattr(module, "create_new", create_while_another_arrives)
+    with run_lock(tmp_path / "dir"):
+        # the first run holds the lock, so its file is there and names it (a removed one: two holders)
+        assert (tmp_path / "dir" / PID_FILE).exists(), arrivals
+        assert json.loads((tmp_path / "dir" / PID_FILE).read_text())["pid"] == os.getpid()
+    assert arrivals and not list((tmp_path / "dir").iterdir()), arrivals
+
+
 RACER = """
 import os, sys, time
 from pathlib import Path

@@ -6,8 +6,8 @@ Each directory gets two locks, taken by the launcher (under torchrun: global ran
   SIGKILLed run never leaves it behind. It covers the processes of one host (and of every host on a
   file system whose locks are cluster-wide: NFSv4, Lustre mounted ``-o flock``). Where ``flock`` is
   not available at all (Lustre ``noflock``, some NFS mounts) only the lock file below is used.
-- ``pretrain.pid``, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (atomic on a shared file system,
-  never through a symlink): the holder's PID, host and job id (``SLURM_JOB_ID``, or torchrun's
+- ``pretrain.pid``, written whole under a temporary name and hard-linked into place (atomic on a
+  shared file system, never through a symlink, never seen empty): the holder's PID, host and job id (``SLURM_JOB_ID``, or torchrun's
   ``TORCHELASTIC_RUN_ID``). A job on another node finds it and refuses. A lock file left behind
   by a run that died without removing it is taken over when its holder is known to be gone: on this
   host, when this process got the ``flock`` (the holder would hold it) or, without ``flock``, when
@@ -86,7 +86,7 @@ def _take_file(file: Path, me: dict, flocked: bool) -> None:
     text = json.dumps(me) + "\n"
     for _ in range(TAKEOVER_TRIES):
         try:
-            create_new(file, text)
+            _publish(file, text)
             return
         except FileExistsError:
             pass
@@ -99,6 +99,18 @@ def _take_file(file: Path, me: dict, flocked: bool) -> None:
         _remove_if_unchanged(file, holder)
     raise UsageError(f"{file} keeps changing: another run is starting on {file.parent}; wait for it, or choose "
                      f"another --set log.dir / checkpoint.dir")
+
+
+def _publish(file: Path, text: str) -> None:
+    """Create ``file`` holding ``text``, whole from the moment it exists: a hard link to a written
+    temporary file (FileExistsError if the name is taken; atomic on NFS and Lustre too). Created and
+    then written, a racer could read it empty, judge its holder gone and remove it: two winners."""
+    temporary = file.with_name(f".{file.name}.{uuid.uuid4().hex}.new")
+    create_new(temporary, text)
+    try:
+        os.link(temporary, file)
+    finally:
+        os.unlink(temporary)
 
 
 def _gone(holder: dict, me: dict, flocked: bool) -> bool:

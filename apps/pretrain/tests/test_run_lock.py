@@ -94,6 +94,20 @@ def test_a_run_arriving_while_the_lock_file_is_written_cannot_take_it(tmp_path, 
     assert arrivals and not list((tmp_path / "dir").iterdir()), arrivals
 
 
+def test_a_file_system_without_hard_links_still_locks(tmp_path, monkeypatch):
+    """Some FUSE mounts refuse link(2): the lock file is then created and written in place."""
+    def refuse(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with run_lock(tmp_path / "dir"):
+        assert json.loads((tmp_path / "dir" / PID_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(UsageError, match="in use by another run"):
+            with run_lock(tmp_path / "dir"):
+                pass
+    assert not list((tmp_path / "dir").iterdir())
+
+
 RACER = """
 import os, sys, time
 from pathlib import Path

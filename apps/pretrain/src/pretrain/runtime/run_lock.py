@@ -31,6 +31,7 @@ from .safe_files import create_new
 
 PID_FILE = "pretrain.pid"
 TAKEOVER_TRIES = 5
+NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
 
 
 def job_id() -> str | None:
@@ -109,6 +110,10 @@ def _publish(file: Path, text: str) -> None:
     create_new(temporary, text)
     try:
         os.link(temporary, file)
+    except OSError as e:
+        if e.errno not in NO_HARD_LINKS:
+            raise
+        create_new(file, text)  # a file system without hard links: created, then written, as before
     finally:
         os.unlink(temporary)
 

@@ -23,6 +23,12 @@ MOE_SKEWED = {
     # re-placement every 5 steps (pretrain.model.replace): experts 0 and 1 leave their shared rank at step 5
     "ep4-optim-replicate+replace": ["parallel.ep=4", "parallel.zero=optim", "model.expert_balance=replicate+replace",
                                     "model.replace_every=5"],
+    "cp2-dp2-ep2-replicate+replace": ["parallel.cp=2", "parallel.ep=2", "model.expert_balance=replicate+replace",
+                                      "model.replace_every=5"],
+    "tp2-etp2-ep2-replicate+replace": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2",
+                                       "model.expert_balance=replicate+replace", "model.replace_every=5"],
+    "ep2-dp2-allgather-replicate+replace": ["parallel.ep=2", "model.dispatcher=allgather",
+                                            "model.expert_balance=replicate+replace", "model.replace_every=5"],
 }
 SKEWED = MOE_BALANCING + TWO_LAYERS + ("model.top_k=4",)
 # The pipeline's 1F1B runs micro-batch 2's forward before micro-batch 1's backward: each keeps its own

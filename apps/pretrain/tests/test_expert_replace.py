@@ -1,4 +1,5 @@
-"""expert_balance = "replicate+replace" in a real trainer (ep2 x edp2 ZeRO-1, ep4 ZeRO-2, tp2 x ep2, Muon; forced skew).
+"""expert_balance = "replicate+replace" in a real trainer (ep2 x edp2 ZeRO-1, ep4 ZeRO-2, tp2 x ep2 with etp 1 and 2,
+cp2 x ep2, the all-gather dispatcher, Muon, RMSprop; forced skew).
 
 A re-placement moves experts between EP ranks and changes nothing else: every tensor of the model
 and of the optimizer state, keyed by its global expert index as a checkpoint holds it, is bitwise
@@ -19,6 +20,9 @@ LAYOUTS = {  # on 4 ranks; "ep2-optim" (ep2 x edp2, ZeRO-1) is OVERRIDES itself
     "tp2-ep2-etp1-no_shard": ["parallel.tp=2", "parallel.etp=1", "parallel.zero=no_shard"],
     "ep2-optim-muon": ["train.optimizer=muon"],
     "ep2-no_shard-rmsprop": ["train.optimizer=rmsprop", "parallel.zero=no_shard"],  # a torch.optim class's state
+    "cp2-ep2-optim": ["parallel.cp=2"],
+    "tp2-etp2-ep2-optim": ["parallel.tp=2", "parallel.etp=2"],
+    "ep2-optim-allgather": ["model.dispatcher=allgather"],
 }
 
 

@@ -1,5 +1,5 @@
-"""expert_balance = "replicate+replace" across checkpoints (ep2 x edp2, ZeRO-1, forced skew, replace_every=5;
-a synchronous and an asynchronous save).
+"""expert_balance = "replicate+replace" across checkpoints (ep2 x edp2 ZeRO-1 with a synchronous and an
+asynchronous save, cp2 x ep2, tp2 x ep2 with etp2, the all-gather dispatcher; forced skew, replace_every=5).
 
 A resume from step 7 (saved between the re-placements of steps 5 and 10) continues the uninterrupted
 20-step run bitwise: every loss and grad norm, and every parameter and optimizer state at the end.
@@ -56,12 +56,19 @@ def loaded(overrides, root: str):
     return global_state(trainer)
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["sync-save", "async-save"])
-def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path, background):
-    root = str(tmp_path)
-    steps, records, at_save, final = dist_run(4, run, OVERRIDES, root, False, background, timeout=600)[0]
+# the layout saved and resumed under (on 4 ranks; ep2 x edp2 ZeRO-1 is OVERRIDES itself), and the save's kind
+LAYOUTS = {"ep2-sync-save": ([], False), "ep2-async-save": ([], True),
+           "cp2-ep2-sync-save": (["parallel.cp=2"], False),
+           "tp2-etp2-ep2-sync-save": (["parallel.tp=2", "parallel.etp=2"], False),
+           "ep2-allgather-sync-save": (["model.dispatcher=allgather"], False)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path, name):
+    root, (extra, background) = str(tmp_path), LAYOUTS[name]
+    steps, records, at_save, final = dist_run(4, run, OVERRIDES + extra, root, False, background, timeout=600)[0]
     assert [r["step"] for r in records] == [5, 10, 15, 20] and records[0]["experts_moved"] > 0, records
-    resumed_steps, resumed_records, _, resumed_final = dist_run(4, run, OVERRIDES, root, True, timeout=600)[0]
+    resumed_steps, resumed_records, _, resumed_final = dist_run(4, run, OVERRIDES + extra, root, True, timeout=600)[0]
     assert resumed_steps == steps[SAVED:], "the resumed losses and grad norms differ from the uninterrupted run's"
     assert resumed_records == records[1:], (resumed_records, records)
     assert final.keys() == resumed_final.keys()

@@ -34,7 +34,7 @@ with one group per node this is DeepSeek-V3's
     ranks, at most ``max_replicas_per_rank`` per rank (``balance.py``, ``replicate.py``, ``replicate_gather.py``);
     given the EP ranks' NVLink domains (``MoELayer.set_domains``) replicas stay in their home domain unless
     ``replicate_across_domains``;
-    ``"replicate+replace"`` (all-to-all dispatcher) also counts each expert's load so that the trainer can re-place experts
+    ``"replicate+replace"`` (either dispatcher) also counts each expert's load so that the trainer can re-place experts
     onto EP ranks by it (``placement.py``; the layer routes by the placement it is given).
     """
 
@@ -80,9 +80,6 @@ with one group per node this is DeepSeek-V3's
         if self.expert_balance != "none" and self.dispatcher == "alltoall_padded":
             raise ValueError(f"expert_balance={self.expert_balance!r} with dispatcher='alltoall_padded': the padded "
                              "dispatcher already computes the same padded slots on every EP rank (nothing to balance)")
-        if self.expert_balance == "replicate+replace" and self.dispatcher != "alltoall":
-            raise ValueError(f"expert_balance='replicate+replace' re-places experts for the 'alltoall' dispatcher; "
-                             f"dispatcher={self.dispatcher!r} is not supported with it")
         if not isinstance(self.max_replicas_per_rank, int) or self.max_replicas_per_rank < 1:
             raise ValueError(f"max_replicas_per_rank={self.max_replicas_per_rank} must be a positive integer")
         if not isinstance(self.replicate_across_domains, bool):

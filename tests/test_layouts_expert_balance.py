@@ -36,6 +36,9 @@ SKEWED = MOE_BALANCING + TWO_LAYERS + ("model.top_k=4",)
 MOE_SKEWED_PIPELINE = {
     "tp2-pp2-ep2-1f1b-replicate": MOE_PIPELINE["tp2-pp2-ep2-1f1b"] + list(REPLICATE),
     "tp2-pp2-ep2-zb-h1-replicate": MOE_PIPELINE["tp2-pp2-ep2-1f1b"] + ["parallel.schedule=zb-h1", *REPLICATE],
+    # each stage re-places its own MoE layers every 5 steps
+    "tp2-pp2-ep2-1f1b-replicate+replace": MOE_PIPELINE["tp2-pp2-ep2-1f1b"] + [
+        "model.expert_balance=replicate+replace", "model.replace_every=5"],
 }
 # Four layers, as MOE_PIPELINE; the config's own seed. (Under it step 7's grad norm once differed
 # from the single rank's by 1.3e-6, with expert_balance = "none" too: the experts' zero-padded bmm,

@@ -149,8 +149,7 @@ def test_round_trip_through_toml(tmp_path):
     (["model.replace_every=0"], 1, "[model].replace_every=0 must be >= 1"),
     *(([f"model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate+replace", *extra], 4,
        f"[model].expert_balance='replicate+replace' is not supported with {refused}")
-      for extra, refused in ((["parallel.pp=2"], "[parallel].pp=2"),
-                             (["parallel.zero=optim_grads_params"], "[parallel].zero='optim_grads_params'"))),
+      for extra, refused in ((["parallel.zero=optim_grads_params"], "[parallel].zero='optim_grads_params'"),)),
     (["model.max_replicas_per_rank=0"], 1, "[model].max_replicas_per_rank=0 must be >= 1"),
     (["model.replicate_across_domains=maybe"], 1, "[model].replicate_across_domains must be true or false, got 'maybe'"),
     (["model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate", "model.dispatcher=alltoall_padded"], 4,

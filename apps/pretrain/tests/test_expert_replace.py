@@ -1,5 +1,5 @@
 """expert_balance = "replicate+replace" in a real trainer (ep2 x edp2 ZeRO-1, ep4 ZeRO-2, tp2 x ep2 with etp 1 and 2,
-cp2 x ep2, the all-gather dispatcher, Muon, RMSprop; forced skew).
+cp2 x ep2, the all-gather dispatcher, pp2 x ep2, Muon, RMSprop; forced skew).
 
 A re-placement moves experts between EP ranks and changes nothing else: every tensor of the model
 and of the optimizer state, keyed by its global expert index as a checkpoint holds it, is bitwise
@@ -23,6 +23,7 @@ LAYOUTS = {  # on 4 ranks; "ep2-optim" (ep2 x edp2, ZeRO-1) is OVERRIDES itself
     "cp2-ep2-optim": ["parallel.cp=2"],
     "tp2-etp2-ep2-optim": ["parallel.tp=2", "parallel.etp=2"],
     "ep2-optim-allgather": ["model.dispatcher=allgather"],
+    "pp2-ep2-optim": ["parallel.pp=2", "model.layers=4"],  # each stage re-places its own MoE layers
 }
 
 
@@ -87,8 +88,8 @@ def replace_run(overrides, bug: str | None = None):
         before, after = seen["before"], global_state(trainer)
         assert before.keys() == after.keys()
         changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
-        maps = [None] * torch.distributed.get_world_size()
-        comm.all_gather_object(maps, [m.placement.expert_at for m in replacer.layers], None)
+        maps = [None] * torch.distributed.get_world_size()  # every rank's, by layer name
+        comm.all_gather_object(maps, {n: m.placement.expert_at for n, m in zip(replacer.names, replacer.layers)}, None)
         out.append((result.placement, changed, maps, replacer.domains, seen["sent"]))
     return out
 
@@ -96,22 +97,23 @@ def replace_run(overrides, bug: str | None = None):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_replacement_moves_experts_with_their_optimizer_state(dist_run, name):
     results = dist_run(4, replace_run, OVERRIDES + LAYOUTS[name], timeout=300)
-    ep = 4 if "ep4" in name else 2
+    ep, pp = 4 if "ep4" in name else 2, 2 if "pp2" in name else 1
     per_rank = 8 // ep
     for rank, steps in enumerate(results):
         assert [record["step"] for record, *_ in steps] == [2, 4]
         for record, changed, maps, *_ in steps:
             assert not changed, f"rank {rank}: re-placement changed {changed[:4]}"
-            assert all(m == maps[0] for m in maps), f"the ranks computed different maps: {maps}"
+            for layer in {n for m in maps for n in m}:  # every rank holding a layer computed its same map
+                assert len({m[layer] for m in maps if layer in m}) == 1, f"{layer}: the ranks computed different maps"
         first, _, maps, *_ = steps[0]
         # the skew: experts 0 and 1 (both on EP rank 0) are split over the two ranks by the first re-placement
         assert first["experts_moved"] > 0 and first["bytes_moved"] > 0, first
-        for expert_at in maps[0]:
+        for expert_at in maps[rank].values():
             assert expert_at.index(0) // per_rank != expert_at.index(1) // per_rank, expert_at
-        print(f"{name} rank {rank}: {[record for record, *_ in steps]}; maps {maps[0]}")
-    # the logged bytes are what the EP group's all-to-alls carry between ranks (CommRecorder), every EP group alike
+        print(f"{name} rank {rank}: {[record for record, *_ in steps]}; maps {maps[rank]}")
+    # the logged bytes (every stage's) are what the EP groups' all-to-alls carry between ranks (CommRecorder)
     for i, (record, *_) in enumerate(results[0]):
-        assert sum(steps[i][-1] for steps in results) == record["bytes_moved"] * (4 // ep), (name, record)
+        assert sum(steps[i][-1] for steps in results) == record["bytes_moved"] * (4 // (ep * pp)), (name, record)
 
 
 def test_replacement_keeps_experts_in_their_nvlink_domain_when_it_can(dist_run, tmp_path):

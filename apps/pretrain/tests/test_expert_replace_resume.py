@@ -1,5 +1,6 @@
 """expert_balance = "replicate+replace" across checkpoints (ep2 x edp2 ZeRO-1 with a synchronous and an
-asynchronous save, cp2 x ep2, tp2 x ep2 with etp2, the all-gather dispatcher; forced skew, replace_every=5).
+asynchronous save, cp2 x ep2, tp2 x ep2 with etp2, the all-gather dispatcher, pp2 x ep2; forced skew,
+replace_every=5).
 
 A resume from step 7 (saved between the re-placements of steps 5 and 10) continues the uninterrupted
 20-step run bitwise: every loss and grad norm, and every parameter and optimizer state at the end.
@@ -60,7 +61,8 @@ def loaded(overrides, root: str):
 LAYOUTS = {"ep2-sync-save": ([], False), "ep2-async-save": ([], True),
            "cp2-ep2-sync-save": (["parallel.cp=2"], False),
            "tp2-etp2-ep2-sync-save": (["parallel.tp=2", "parallel.etp=2"], False),
-           "ep2-allgather-sync-save": (["model.dispatcher=allgather"], False)}
+           "ep2-allgather-sync-save": (["model.dispatcher=allgather"], False),
+           "pp2-ep2-sync-save": (["parallel.pp=2", "model.layers=4"], False)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -77,8 +79,9 @@ def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, 
     print(f"re-placements {records}; resumed from step {SAVED}: {len(resumed_steps)} steps bitwise equal")
 
     # any placement loads under any other layout: ep4 (contiguous placement) and one rank
-    ep4 = [o.replace("parallel.ep=2", "parallel.ep=4") for o in OVERRIDES]
-    single = [o for o in OVERRIDES if not o.startswith(("parallel.", "model.expert_balance"))]
+    model = OVERRIDES + [o for o in extra if o.startswith("model.")]  # the same model, on other layouts
+    ep4 = [o.replace("parallel.ep=2", "parallel.ep=4") for o in model]
+    single = [o for o in model if not o.startswith(("parallel.", "model.expert_balance"))]
     for name, overrides, world in (("ep4", ep4, 4), ("one rank", single, 1)):
         state = dist_run(world, loaded, overrides, root, timeout=600)[0]
         differ = [k for k in at_save if not torch.equal(at_save[k], state[k])]

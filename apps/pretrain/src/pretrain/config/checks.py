@@ -30,9 +30,8 @@ def moe_rules(cfg) -> None:
 # expert_balance = "replicate" is tested (tests/test_layouts_expert_balance.py) with the all-to-all
 # and all-gather dispatchers, ep x dp, ep x tp (etp 1 and 2), pp, cp and ZeRO-0/1/2/3; torch_fsdp2
 # runs with ep = 1 only (data_parallel_rules), where there is nothing to balance. "replicate+replace"
-# (re-placement) is tested with both dispatchers, tp x ep with etp 1 and 2, cp, pp = 1 and ZeRO-0/1/2.
-# Refused: pp > 1 (each stage re-places its own layers, and the state file holds the first stage's maps
-# only) and ZeRO-3 / FSDP2 (the rows to move are sharded flat over the data-parallel ranks).
+# (re-placement) is tested with both dispatchers, tp x ep with etp 1 and 2, cp, pp (1F1B) and ZeRO-0/1/2.
+# Refused: ZeRO-3 / FSDP2 (the rows to move are sharded flat over the data-parallel ranks).
 def expert_balance_rules(cfg) -> None:
     m, p = cfg.model, cfg.parallel
     _need(m.expert_balance == "none" or m.dispatcher != "alltoall_padded",
@@ -40,11 +39,10 @@ def expert_balance_rules(cfg) -> None:
           "the padded dispatcher already computes the same padded slots on every EP rank, so there is nothing to "
           "balance; use dispatcher='alltoall' or 'allgather'")
     if m.expert_balance == "replicate+replace":  # its own limits: it moves whole expert rows with their state
-        refused = {f"[parallel].pp={p.pp}": p.pp > 1,
-                   f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
+        refused = {f"[parallel].zero={p.zero!r}": p.zero in ("optim_grads_params", "torch_fsdp2")}
         bad = [k for k, v in refused.items() if v]
         _need(not bad, f"[model].expert_balance='replicate+replace' is not supported with {', '.join(bad)}: it moves "
-                       f"whole expert rows with their optimizer state, tested with pp=1 and zero no_shard/optim/optim_grads")
+                       f"whole expert rows with their optimizer state, tested with zero no_shard/optim/optim_grads")
 
 
 def tensor_parallel_rules(cfg) -> None:

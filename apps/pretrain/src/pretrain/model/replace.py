@@ -10,7 +10,8 @@ Checkpoints are keyed by the global expert index (each expert param's placement 
 expert of every local slot), so any placement loads under any other. A save also folds the counts
 into the global load since the last re-placement, and the state file keeps it with each layer's map:
 a resume under the same ep re-places its experts as saved and counts on from there, so it continues
-the uninterrupted run bitwise; under another ep it keeps the placement it loaded into.
+the uninterrupted run bitwise; under another ep it keeps the placement it loaded into. Under pp each
+stage re-places its own layers; the state file keeps every stage's maps, keyed by layer name.
 
 Node awareness: where the topology (``[topology]`` or NVML) puts the EP ranks in NVLink domains,
 and every EP group of the stage sees the same pattern of them, the packing keeps experts in their
@@ -30,26 +31,37 @@ from par_zero import RowMove, move_rows_
 class ExpertReplacer:
     """The re-placement of a trainer's MoE layers (those with ``expert_balance = "replicate+replace"``)."""
 
-    def __init__(self, layers: list, dp, every: int, load_group, domains: tuple[int, ...] | None = None) -> None:
-        """``load_group``: every rank of the stage whose tokens differ (the counts are summed over it);
-        ``domains``: each EP rank's NVLink domain (None: one domain)."""
-        self.layers, self.dp, self.every, self.load_group, self.domains = layers, dp, every, load_group, domains
+    def __init__(self, layers: list, names: list[str], dp, every: int, groups,
+                 domains: tuple[int, ...] | None = None) -> None:
+        """``layers``: this stage's re-placed MoE layers (under pp a stage may hold none), ``names`` their
+        keys in the state file; ``groups``: the trainer's (the counts are summed over the stage's tp_dp_cp
+        ranks, the experts move over ep, the stages' maps meet over pp); ``domains``: each EP rank's NVLink
+        domain (None: one domain)."""
+        self.layers, self.names, self.dp, self.every, self.domains = layers, names, dp, every, domains
+        self.load_group, self.ep_group, self.ep = groups.tp_dp_cp, groups.ep, groups.size("ep")
+        self.pp_group = groups.pp if groups.size("pp") > 1 else None
         self.carried = [[0] * layer.config.num_experts for layer in layers]  # global load folded at saves
         self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
 
     @classmethod
     def of(cls, trainer) -> "ExpertReplacer | None":
         """The trainer's re-placement (None: no layer re-places); gives every balanced layer the EP ranks'
-        NVLink domains first, for its replica plan too."""
+        NVLink domains first, for its replica plan too. Under pp every stage has one, its layers or none."""
         domains = set_replica_domains(trainer)
-        layers = [moe for moe in trainer._moe_layers() if moe.replace]
-        if not layers:
+        m = trainer.cfg.model
+        if not m.is_moe or m.expert_balance != "replicate+replace":
             return None
-        return cls(layers, trainer.model.dp, trainer.cfg.model.replace_every, trainer.groups.tp_dp_cp, domains)
+        named = [(f"{kind}.{key}", layer.mlp) for chunk in trainer.model.chunks.values()
+                 for kind, modules in (("layers", chunk.layers), ("mtp", chunk.mtp))
+                 for key, layer in modules.items() if layer.is_moe and layer.mlp.replace]
+        return cls([layer for _, layer in named], [name for name, _ in named], trainer.model.dp, m.replace_every,
+                   trainer.groups, domains)
 
     def _global_load(self) -> list[list[int]]:
         """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
         and one host read; the device counts restart from zero."""
+        if not self.layers:
+            return []
         load = torch.stack([layer.load_since_replace for layer in self.layers])
         comm.all_reduce(load, self.load_group)
         for layer in self.layers:
@@ -59,17 +71,24 @@ class ExpertReplacer:
         return totals
 
     def after_step(self, step: int) -> dict | None:
-        """After step ``step`` (0-based): re-place if it is a re-placement step; the log record, else None."""
+        """After step ``step`` (0-based): re-place if it is a re-placement step; the log record (every
+        stage's moves summed), else None."""
         if (step + 1) % self.every:
             return None
         totals = self._global_load()
         new = [pack_experts(load, layer.placement, self.domains) for load, layer in zip(totals, self.layers)]
         record = self.place(new)
         self.carried = [[0] * len(row) for row in totals]
+        if self.pp_group is not None:
+            stages = [None] * dist.get_world_size(self.pp_group)
+            comm.all_gather_object(stages, record, self.pp_group)
+            record = {k: sum(r[k] for r in stages) for k in record}
         return {"step": step + 1, **record}
 
     def place(self, placements: list[ExpertPlacement]) -> dict:
         """Move every layer's experts to ``placements`` (values and optimizer state) and route by them."""
+        if not self.layers:
+            return {"experts_moved": 0, "bytes_moved": 0}
         moves, moved = [], 0
         for layer, new in zip(self.layers, placements):
             ex = layer.experts
@@ -77,28 +96,38 @@ class ExpertReplacer:
             for _, src, src_slot, dst, dst_slot in layer.placement.moves_to(new):
                 moves.append(RowMove(params, src, src_slot, dst, dst_slot))
                 moved += src != dst
-        sent = move_rows_(self.dp, moves, self.layers[0].ep_group)
+        sent = move_rows_(self.dp, moves, self.ep_group)
         for layer, new in zip(self.layers, placements):
             layer.place_(new)
         return {"experts_moved": moved, "bytes_moved": sent}
 
     def note_for_save(self) -> None:
-        """At a save (every rank): fold the counts into the global load; the state file keeps it and the maps."""
-        self.noted = {"ep": self.layers[0].ep, "layers": [
-            {"expert_at": list(layer.placement.expert_at), "load": load}
-            for layer, load in zip(self.layers, self._global_load())]}
+        """At a save (every rank): fold the counts into the global load; the state file keeps it and the
+        maps of every stage's layers, by layer name."""
+        mine = {name: {"expert_at": list(layer.placement.expert_at), "load": load}
+                for name, layer, load in zip(self.names, self.layers, self._global_load())}
+        if self.pp_group is not None:
+            stages = [None] * dist.get_world_size(self.pp_group)
+            comm.all_gather_object(stages, mine, self.pp_group)
+            mine = {name: saved for stage in stages for name, saved in stage.items()}
+        self.noted = {"ep": self.ep, "layers": mine}
 
     def load(self, state: dict | None) -> None:
         """After a checkpoint's tensors loaded (into the current placement): continue its re-placement
-        state. A checkpoint without one (another balance, an older save) leaves the run's own as it is."""
-        if not state or len(state["layers"]) != len(self.layers):
+        state. A checkpoint without one for every layer of this stage (another balance or model, an older
+        save) leaves the run's own as it is."""
+        saved = (state or {}).get("layers")
+        if isinstance(saved, list):  # saved before the maps were keyed by layer name (pp = 1)
+            saved = dict(zip(self.names, saved)) if len(saved) == len(self.layers) else None
+        if not saved or any(name not in saved for name in self.names) or not self.layers:
             return
+        mine = [saved[name] for name in self.names]
         for layer in self.layers:
             layer.load_since_replace.zero_()
-        self.carried = [list(saved["load"]) for saved in state["layers"]]
-        if state["ep"] == self.layers[0].ep:  # the saved placement, so the next re-placements are the same
-            self.place([ExpertPlacement(tuple(saved["expert_at"]), layer.num_local_experts)
-                        for saved, layer in zip(state["layers"], self.layers)])
+        self.carried = [list(s["load"]) for s in mine]
+        if state["ep"] == self.ep:  # the saved placement, so the next re-placements are the same
+            self.place([ExpertPlacement(tuple(s["expert_at"]), layer.num_local_experts)
+                        for s, layer in zip(mine, self.layers)])
 
 
 def set_replica_domains(trainer) -> tuple[int, ...] | None:

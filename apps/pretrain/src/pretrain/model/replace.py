@@ -79,11 +79,16 @@ class ExpertReplacer:
         new = [pack_experts(load, layer.placement, self.domains) for load, layer in zip(totals, self.layers)]
         record = self.place(new)
         self.carried = [[0] * len(row) for row in totals]
-        if self.pp_group is not None:
-            stages = [None] * dist.get_world_size(self.pp_group)
-            comm.all_gather_object(stages, record, self.pp_group)
-            record = {k: sum(r[k] for r in stages) for k in record}
-        return {"step": step + 1, **record}
+        stages = self._every_stage(record)
+        return {"step": step + 1, **{k: sum(r[k] for r in stages) for k in record}}
+
+    def _every_stage(self, mine) -> list:
+        """``mine`` from every pipeline stage (in stage order); just ``[mine]`` without pp."""
+        if self.pp_group is None:
+            return [mine]
+        stages = [None] * dist.get_world_size(self.pp_group)
+        comm.all_gather_object(stages, mine, self.pp_group)
+        return stages
 
     def place(self, placements: list[ExpertPlacement]) -> dict:
         """Move every layer's experts to ``placements`` (values and optimizer state) and route by them."""
@@ -106,11 +111,8 @@ class ExpertReplacer:
         maps of every stage's layers, by layer name."""
         mine = {name: {"expert_at": list(layer.placement.expert_at), "load": load}
                 for name, layer, load in zip(self.names, self.layers, self._global_load())}
-        if self.pp_group is not None:
-            stages = [None] * dist.get_world_size(self.pp_group)
-            comm.all_gather_object(stages, mine, self.pp_group)
-            mine = {name: saved for stage in stages for name, saved in stage.items()}
-        self.noted = {"ep": self.ep, "layers": mine}
+        self.noted = {"ep": self.ep, "layers": {name: saved for stage in self._every_stage(mine)
+                                                for name, saved in stage.items()}}
 
     def load(self, state: dict | None) -> None:
         """After a checkpoint's tensors loaded (into the current placement): continue its re-placement
@@ -119,7 +121,7 @@ class ExpertReplacer:
         saved = (state or {}).get("layers")
         if isinstance(saved, list):  # saved before the maps were keyed by layer name (pp = 1)
             saved = dict(zip(self.names, saved)) if len(saved) == len(self.layers) else None
-        if not saved or any(name not in saved for name in self.names) or not self.layers:
+        if not self.layers or not saved or any(name not in saved for name in self.names):
             return
         mine = [saved[name] for name in self.names]
         for layer in self.layers:

@@ -7,8 +7,8 @@ Each directory gets two locks, taken by the launcher (under torchrun: global ran
   file system whose locks are cluster-wide: NFSv4, Lustre mounted ``-o flock``). Where ``flock`` is
   not available at all (Lustre ``noflock``, some NFS mounts) only the lock file below is used.
 - ``pretrain.pid``, written whole under a temporary name and hard-linked into place (atomic on a
-  shared file system, never through a symlink, never seen empty): the holder's PID, host and job id (``SLURM_JOB_ID``, or torchrun's
-  ``TORCHELASTIC_RUN_ID``). A job on another node finds it and refuses. A lock file left behind
+  shared file system, never through a symlink, never seen empty): the holder's PID, host and job id
+  (``SLURM_JOB_ID``, or torchrun's ``TORCHELASTIC_RUN_ID``). A job on another node finds it and refuses. A lock file left behind
   by a run that died without removing it is taken over when its holder is known to be gone: on this
   host, when this process got the ``flock`` (the holder would hold it) or, without ``flock``, when
   its PID is not alive; on another host only by the same job id (a requeued or restarted job).

@@ -65,10 +65,7 @@ def declared_domains(cfg, layout) -> tuple[int, ...] | None:
     pattern every EP group shares; None without a described topology, or where the groups differ."""
     if cfg.model.expert_balance == "none" or layout.ep == 1:
         return None
-    return _domains_on(cfg, layout, described_topology(cfg, layout.world_size))
-
-
-def _domains_on(cfg, layout, topology) -> tuple[int, ...] | None:
+    topology = described_topology(cfg, layout.world_size)
     if topology is None:
         return None
     chosen = choose_assignment(cfg, layout, topology)

@@ -99,9 +99,10 @@ class Trainer:
         # expert_balance != "none": the replica plans get the EP ranks' NVLink domains (simulated: those of
         # the described cluster, as sizing plans them); "replicate+replace": experts re-placed by load
         self.expert_replacer = None if simulated else ExpertReplacer.of(self)
-        domains = declared_domains(cfg, layout) if simulated else None
-        for moe in self._moe_layers() if simulated else ():
-            moe.set_domains(domains)
+        if simulated:
+            domains = declared_domains(cfg, layout)
+            for moe in self._moe_layers():
+                moe.set_domains(domains)
 
     # ---- data ------------------------------------------------------------------------------
     def _shard(self, x: torch.Tensor) -> torch.Tensor:

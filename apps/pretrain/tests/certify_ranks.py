@@ -134,8 +134,8 @@ def planted(bug: str | None):
             setattr(obj, name, old)
 
 
-def layout_with_bug(bug, config, overrides, steps, work, margin):
+def layout_with_bug(bug, config, overrides, steps, work, margin, ids):
     from pretrain.certify.ranks import run_layout
 
     with planted(bug):
-        return run_layout(config, overrides, steps, work, margin)
+        return run_layout(config, overrides, steps, work, margin, ids)

@@ -29,6 +29,7 @@ CONFIGS = {
 
 
 def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
+    from pretrain.certify.coverage import edge_ids
     from pretrain.certify.narrow import narrowed_overrides, reference_overrides
     from pretrain.certify.ranks import run_reference
     from pretrain.certify.verdict import MARGIN, verdict_line
@@ -40,9 +41,10 @@ def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
     ov = narrowed_overrides(config, overrides, world)
     cfg = load_config(config, ov)
     layout = cfg.validate_world(world)
-    dist_run(1, run_reference, config, ov + reference_overrides(cfg, layout), steps, str(tmp_path), timeout=600)
+    ids = edge_ids(cfg.model, layout.tp)
+    dist_run(1, run_reference, config, ov + reference_overrides(cfg, layout), steps, str(tmp_path), ids, timeout=600)
     t_ref = time.time() - start
-    records = dist_run(world, certify_ranks.layout_with_bug, bug, config, ov, steps, str(tmp_path), MARGIN,
+    records = dist_run(world, certify_ranks.layout_with_bug, bug, config, ov, steps, str(tmp_path), MARGIN, ids,
                        timeout=600)[0]
     line, code = verdict_line(records, "layout")
     print(f"{line} [reference {t_ref:.1f} s, total {time.time() - start:.1f} s]")

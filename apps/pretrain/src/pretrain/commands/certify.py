@@ -52,7 +52,7 @@ def certify(
     """Certify that this layout trains the same model as one rank: `certified: ...` (exit 0) or
     `NOT certified: ...` naming the first module that differs (exit 3); a JSON report beside it."""
     from ..config import load_config
-    from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
+    from ..runtime.launch import Aborted, RankFailed, check_nproc, under_torchrun
     from ..certify.narrow import check_certifiable, narrowed_overrides
     from ..certify.stopping import stopped_by_signals
 

@@ -1,13 +1,16 @@
 """`pretrain certify --out DIR` owns DIR as `train` owns a run directory: pointed at a run's log.dir
-(or its checkpoint directory), live or stopped, it refuses in one line, exit 2, and every file of the
-run is byte-identical afterwards (it used to save its narrowed reference there under the run's id,
-replace ``step_2``, prune the run's other saves and point ``latest`` at its own model). Its own
-earlier output is reused; a path that is no writable directory is one line too."""
+(or its checkpoint directory), live (a real `train`, frozen by SIGSTOP while certify runs) or
+stopped, it refuses in one line, exit 2, and every file of the run is byte-identical afterwards (it
+used to save its narrowed reference there under the run's id, replace ``step_2``, prune the run's
+other saves and point ``latest`` at its own model). Its own earlier output is reused."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
-import textwrap
+import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -17,6 +20,7 @@ from pretrain.cli import app
 from one_error_line import assert_one_error_line, snapshot
 
 runner = CliRunner()
+LIMIT_S = 300  # a bound on waiting for the live run's checkpoints, not a measurement
 CERTIFY = ["certify", "--nproc", "2", "--steps", "1", "--set", "parallel.tp=2", "--set", "model.layers=2"]
 
 
@@ -41,27 +45,36 @@ def test_certify_refuses_a_stopped_runs_directory(run_dir, where):
     assert snapshot(run_dir) == before
 
 
-@pytest.mark.parametrize("where", ["log.dir", "checkpoint dir"])
-def test_certify_refuses_a_live_runs_directory(run_dir, where):
-    """A live run's launcher holds the run lock of its log.dir and checkpoint directory (here a
-    process of its own holds it, as `train`'s launcher does)."""
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys
-        from pretrain.runtime.preflight import run_lock
-        with run_lock({str(run_dir)!r}, {str(run_dir / 'checkpoints')!r}):
-            print("locked", flush=True)
-            sys.stdin.read()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A live `pretrain train` that has saved checkpoints, frozen (SIGSTOP: alive, its lock held, its
+    files still) while certify is pointed at it; killed afterwards."""
+    log = tmp_path_factory.mktemp("certify_live") / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain", "train", "--nproc", "1", "--set", "model.layers=1",
+                             "--set", "train.steps=100000", "--set", "train.eval_every=0", "--set", "log.progress=false",
+                             "--set", "checkpoint.every=1", "--set", "checkpoint.keep=3", "--set", f"log.dir={log}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert holder.stdout.readline().strip() == "locked"
-        before = snapshot(run_dir)
-        out = run_dir if where == "log.dir" else run_dir / "checkpoints"
-        res = runner.invoke(app, CERTIFY + ["--out", str(out)])
-        assert_one_error_line(res, where, f"in use by another run (PID {holder.pid}")
-        assert snapshot(run_dir) == before
+        deadline = time.monotonic() + LIMIT_S
+        while not (log / "checkpoints" / "step_2").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None and (log / "checkpoints" / "step_2").is_dir()
+        os.kill(proc.pid, signal.SIGSTOP)  # a save or prune in flight is frozen too: its files stay as they are
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.05)
+        yield log, proc.pid
     finally:
-        holder.stdin.close()
-        holder.wait()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("where", ["log.dir", "checkpoint dir"])
+def test_certify_refuses_a_live_runs_directory(live_run, where):
+    log, pid = live_run
+    before = snapshot(log)
+    res = runner.invoke(app, CERTIFY + ["--out", str(log if where == "log.dir" else log / "checkpoints")])
+    assert_one_error_line(res, where, f"in use by another run (PID {pid}")
+    assert snapshot(log) == before
 
 
 def test_certify_reuses_its_own_output_and_refuses_a_run_that_has_not_saved_yet(tmp_path):

@@ -113,6 +113,7 @@ def test_cli_certifies_writes_the_report_and_torchrun_agrees(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
 def test_a_bug_at_a_vocabulary_shard_edge_is_not_certified(dist_run, tmp_path, monkeypatch):
     """Every TP vocabulary shard's first and last id is in certify's batches: the last id of each shard
     (255 at tp=2: a byte the embedded text never holds) looked up wrong is found, at the embedding, tp."""

@@ -36,6 +36,7 @@ def run_dir(tmp_path_factory):
     return log
 
 
+@pytest.mark.timeout(LIMIT_S)  # the first one trains the run
 @pytest.mark.parametrize("where", ["log.dir", "checkpoint dir"])
 def test_certify_refuses_a_stopped_runs_directory(run_dir, where):
     out = run_dir if where == "log.dir" else run_dir / "checkpoints"
@@ -68,6 +69,7 @@ def live_run(tmp_path_factory):
         proc.wait()
 
 
+@pytest.mark.timeout(LIMIT_S)  # the first one starts the live run
 @pytest.mark.parametrize("where", ["log.dir", "checkpoint dir"])
 def test_certify_refuses_a_live_runs_directory(live_run, where):
     log, pid = live_run

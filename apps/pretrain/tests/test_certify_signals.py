@@ -1,9 +1,9 @@
 """`pretrain certify` and signals, as `train`: SIGTERM or Ctrl-C stops its ranks, one `error:` line,
 exit 143 / 130, no process of it left (it used to ignore SIGTERM and run on to `certified`, exit 0,
 and end two Ctrl-C with a traceback, exit 1). A real signal to a real certify process: SIGTERM while
-the layout's ranks run (pretrain's launcher forwards it to them; Ctrl-C twice there is a parameter
-left out for its cost: it passes), and Ctrl-C twice while the one-rank reference runs (in the
-launcher's own process: it used to end with no line)."""
+the layout's ranks run (pretrain's launcher forwards it to them; Ctrl-C twice there too, in the
+extended tier for its cost), and Ctrl-C twice while the one-rank reference runs (in the launcher's
+own process: it used to end with no line)."""
 
 import os
 import signal
@@ -69,7 +69,9 @@ def _one_error_line(proc, code: int, name: str) -> None:
     assert "Traceback" not in out + err and "certified" not in out, (out, err)
 
 
-@pytest.mark.parametrize("sig, times, code", [(signal.SIGTERM, 1, 143)])  # or (signal.SIGINT, 2, 130)
+@pytest.mark.timeout(LIMIT_S)  # a whole certify run up to its layout's ranks
+@pytest.mark.parametrize("sig, times, code", [(signal.SIGTERM, 1, 143),
+                                              pytest.param(signal.SIGINT, 2, 130, marks=pytest.mark.extended)])
 def test_a_signal_while_the_layouts_ranks_run_stops_them(tmp_path, sig, times, code):
     proc = subprocess.Popen(CERTIFY + ["--out", str(tmp_path / "c")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -89,6 +91,7 @@ def test_a_signal_while_the_layouts_ranks_run_stops_them(tmp_path, sig, times, c
         proc.wait()
 
 
+@pytest.mark.timeout(LIMIT_S)
 def test_ctrl_c_twice_while_the_reference_runs_exit_130(tmp_path):
     proc = subprocess.Popen(CERTIFY + ["--out", str(tmp_path / "c")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

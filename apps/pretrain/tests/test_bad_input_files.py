@@ -263,3 +263,18 @@ def test_a_lock_file_of_any_kind_is_refused_in_one_line_or_taken_over(tmp_path, 
     else:
         assert res.exit_code == 0 and started, (kind, res.output[-3000:])
         assert not os.path.lexists(log / PID_FILE)  # taken over, and released at the end
+
+
+def test_a_metrics_log_edited_by_hand_keeps_its_lines_up_to_the_checkpoint_on_resume(workspace, tmp_path):
+    """``log.jsonl`` is read back on resume (the steps up to the checkpoint are kept): lines that are not a
+    step's record (wrong types, nested 10000 deep, not UTF-8) are dropped, never a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(workspace / "trained", run)
+    good = (run / "log.jsonl").read_bytes()
+    garbage = [b'{"step": "x"}', b"[" * DEEP, b"[1, 2]", b'{"step": [1]}', b'{"step": 9, "loss": NaN}', b"\xff\xfe"]
+    (run / "log.jsonl").write_bytes(good + b"\n".join(garbage) + b"\n")
+    res = invoke_within_limit(runner, app, TRAIN + ["--set", "checkpoint.resume=true", "--set", f"log.dir={run}"])
+    assert res.exit_code == 0, res.output[-3000:]
+    log = (run / "log.jsonl").read_bytes()
+    assert log.startswith(good) and not any(g in log for g in garbage), log[-2000:]
+    assert b'"step": 2' in log[len(good):]

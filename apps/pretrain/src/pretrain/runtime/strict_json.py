@@ -11,9 +11,10 @@ def _not_a_number(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def loads(text: str | bytes) -> object:
-    """``json.loads``, but ValueError (never RecursionError) for input nested too deeply, and no NaN/Infinity."""
+def loads(text: str | bytes, nan: bool = False) -> object:
+    """``json.loads``, but ValueError (never RecursionError) for input nested too deeply, and for NaN or
+    Infinity unless ``nan`` (a metrics log records a NaN loss as such)."""
     try:
-        return json.loads(text, parse_constant=_not_a_number)
+        return json.loads(text, parse_constant=None if nan else _not_a_number)
     except RecursionError:
         raise ValueError("nested too deeply to read") from None

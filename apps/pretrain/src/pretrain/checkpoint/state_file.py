@@ -48,7 +48,7 @@ FIELDS = {
     "config": (_table_of(_of_type(dict)), "a table of config sections"),
     "optimizer_steps": (_int(0, MAX_COUNT), "an integer from 0 to 2**62"),
     "world_size": (_int(1, MAX_SIZE), "a positive integer"),
-    "layout": (_table_of(_int(1, MAX_SIZE)), "a table of positive integers"),
+    "layout": (_table_of(_int(0, MAX_SIZE)), "a table of sizes (integers >= 0)"),
     "zero": (_of_type(str), "a string"),
     "optimizer": (_of_type(bool), "true or false"),
     "optimizer_name": (_of_type(str), "a string"),

@@ -218,6 +218,7 @@ def _lock_cases():
         "nested 4096 deep": (lambda p: p.write_text("[" * 4096), "taken"),
         "a PID beyond any process": (lambda p: p.write_text(json.dumps({"pid": 10**30})), "taken"),
         "a bare PID beyond any process": (lambda p: p.write_text("9" * 40), "taken"),
+        "a bare PID in non-ASCII digits": (lambda p: p.write_text("\u00b2\u0663"), "taken"),
         "a PID of nested garbage": (lambda p: p.write_text(json.dumps({"pid": [{"a": None}], "host": {"x": 1}})),
                                     "taken"),
     }

@@ -174,7 +174,7 @@ def _holder(file: Path) -> dict:
     try:
         data = loads(raw)
     except ValueError:
-        data = int(raw) if raw.isdigit() else None
+        data = int(raw) if raw.isascii() and raw.isdigit() else None  # a legacy bare PID
     if isinstance(data, int) and not isinstance(data, bool):
         data = {"pid": data}
     if not isinstance(data, dict):

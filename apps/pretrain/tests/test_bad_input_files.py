@@ -279,3 +279,45 @@ def test_a_metrics_log_edited_by_hand_keeps_its_lines_up_to_the_checkpoint_on_re
     log = (run / "log.jsonl").read_bytes()
     assert log.startswith(good) and not any(g in log for g in garbage), log[-2000:]
     assert b'"step": 2' in log[len(good):]
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock", "flock held"])
+def test_a_lock_file_we_cannot_read_is_taken_over_only_under_flock(tmp_path, monkeypatch, flock):
+    """Another user's lock file (mode 000; simulated: this test runs as root). Its holder cannot be told:
+    the directory's flock says whether it is gone; without flock the run refuses in one line."""
+    import errno
+
+    import pretrain.runtime.launch as launch
+
+    real_open, started = os.open, []
+
+    def unreadable(path, flags, *args):  # the planted file (by its token), wherever it is renamed to
+        fd = real_open(path, flags, *args)
+        if PID_FILE in os.fspath(path) and not flags & os.O_CREAT and b'"token": "theirs"' in os.pread(fd, 4096, 0):
+            os.close(fd)
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return fd
+
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: started.append(1))
+    log = tmp_path / "run"
+    log.mkdir()
+    (log / PID_FILE).write_text(json.dumps({"pid": 1, "host": "here", "job": None, "token": "theirs"}))
+    held = None
+    if flock == "no flock":
+        monkeypatch.setattr(fcntl, "flock", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks")))
+    elif flock == "flock held":
+        held = os.open(log, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    monkeypatch.setattr(os, "open", unreadable)
+    try:
+        before = snapshot(tmp_path)
+        res = invoke_within_limit(runner, app, TRAIN + ["--set", f"log.dir={log}"], limit_s=30)
+    finally:
+        monkeypatch.setattr(os, "open", real_open)
+        if held is not None:
+            os.close(held)
+    if flock == "flock":
+        assert res.exit_code == 0 and started and not (log / PID_FILE).exists(), res.output[-3000:]
+    else:
+        assert_one_error_line(res, flock, "pretrain.pid is not readable by us")
+        assert not started and snapshot(tmp_path) == before

@@ -129,6 +129,8 @@ def _gone(holder: dict, me: dict, flocked: bool) -> bool:
         return False  # another node: its PID cannot be checked from here
     if flocked:
         return True  # the holder would still hold the directory's flock
+    if holder.get("unreadable"):
+        return False  # without flock, a lock file we cannot read may be a live run's
     pid = holder.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return True
@@ -161,6 +163,8 @@ def _holder(file: Path) -> dict:
     on a FIFO); legacy files hold only a PID. Each field is kept only when it is what a run writes."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except PermissionError:
+        return {"pid": None, "unreadable": True}  # another user's: who holds it cannot be told
     except OSError:
         return {}
     try:
@@ -185,12 +189,12 @@ def _holder(file: Path) -> dict:
 
 
 def _in_use(path: Path, holder: dict) -> UsageError:
-    who = f"PID {holder.get('pid', '?')}"
+    who = f"PID {holder.get('pid', '?')}" if not holder.get("unreadable") else f"{PID_FILE} is not readable by us"
     if holder.get("host"):
         who += f" on {holder['host']}"
     if holder.get("job"):
         who += f", job {holder['job']}"
     hint = (f"; if that run has ended (killed without cleanup), delete {path / PID_FILE}"
-            if holder.get("host") not in (None, socket.gethostname()) else "")
+            if holder.get("host") not in (None, socket.gethostname()) or holder.get("unreadable") else "")
     return UsageError(f"{path} is in use by another run ({who}); wait for it to end, or choose another "
                       f"--set log.dir / checkpoint.dir{hint}")

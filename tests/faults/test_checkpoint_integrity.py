@@ -2,7 +2,8 @@
 ``checksums.json``; a load checks the files each rank reads (only those) and refuses a mismatch on
 every rank alike, in one line naming the file; ``[checkpoint].fallback`` resumes from the newest
 intact checkpoint instead, and the resumed losses are bitwise the uninterrupted run's; a checkpoint
-from before checksums still loads; ``pretrain verify`` checks offline (exit 0, or one line and 2)."""
+from before checksums still loads; ``pretrain verify`` checks offline (exit 0, or one line and 2; 3
+for a checkpoint without checksums)."""
 
 import json
 import shutil
@@ -150,6 +151,7 @@ def test_verify_checks_offline_exit_0_or_one_line_and_2(saved, tmp_path):
                          f"checksum\n"
     (root / "step_2" / "checksums.json").unlink()
     res = runner.invoke(app, ["verify", str(root / "step_2")])
-    assert res.exit_code == 0 and "no checksums.json" in res.stdout and "not verified" in res.stdout
+    assert res.exit_code == 3 and res.stdout == "" and res.stderr.count("\n") == 1, res.output  # never "ok:"
+    assert res.stderr.startswith("error: ") and "no checksums.json" in res.stderr and "not verified" in res.stderr
     res = runner.invoke(app, ["verify", str(tmp_path)])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "not a checkpoint" in res.stderr

@@ -16,9 +16,9 @@ def invoke_within_limit(runner, app, args):
     return runner.invoke(app, args)
 
 
-def assert_one_error_line(res, name: str, words: str = "") -> None:
-    """Exit 2, exactly one ``error:`` line holding ``words``, no traceback."""
+def assert_one_error_line(res, name: str, words: str = "", code: int = 2) -> None:
+    """Exit ``code`` (2: bad input), exactly one ``error:`` line holding ``words``, no traceback."""
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, (name, res.exit_code, res.output, res.exception)
+    assert res.exit_code == code, (name, res.exit_code, res.output[-3000:], res.exception)
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], (name, res.stderr)
     assert "Traceback" not in res.output, (name, res.output)

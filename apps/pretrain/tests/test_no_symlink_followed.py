@@ -76,3 +76,22 @@ def test_error_log_and_flight_records_replace_a_symlink(tmp_path):
     assert _hashes(mine) == before
     assert (log / "error.log").read_text() == "Traceback: the trace\n" and not (log / "error.log").is_symlink()
     assert '"reason": "a test"' in (log / "flight" / "rank_0.json").read_text()
+
+
+@pytest.mark.parametrize("fmt", ["par", "megatron"])
+def test_prepare_writes_no_file_through_a_symlink_at_a_temporary_name(tmp_path, fmt):
+    from pretrain.data import open_dataset
+
+    mine, out = _victims(tmp_path), tmp_path / "out"
+    out.mkdir()
+    for ext in ("bin", "idx", "json"):  # the fixed names the writer used to open with open(..., "wb")
+        (out / f".c.{ext}.tmp").symlink_to(mine / "notes.txt")
+    (tmp_path / "in.txt").write_text("hello world\n")
+    before = _hashes(mine)
+    res = runner.invoke(app, ["prepare", str(tmp_path / "in.txt"), "--out", str(out / "c"), "--format", fmt,
+                              "--no-progress", "--workers", "1"])
+    assert res.exit_code == 0, res.output
+    assert _hashes(mine) == before
+    ds = open_dataset(out / "c")
+    assert ds.num_docs == 1 and ds.num_tokens == len("hello world\n") + 1
+    assert sorted(p.name for p in out.iterdir() if not p.is_symlink()) == ["c.bin", "c.idx", "c.json"]

@@ -29,7 +29,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import DamagedCheckpoint, damaged
+from ..errors import DamagedCheckpoint, damaged, shown
+from ..runtime.strict_json import loads
 from .retention import STATE_FILE, read_state, write_atomic
 from .safe_metadata import SafeReader
 
@@ -68,7 +69,7 @@ def read_checksums(path: Path, required: bool = False) -> dict[str, dict] | None
     """The recorded ``{file: {"size", "sha256"}}`` of checkpoint ``path``; None if it has none (written
     before checksums existed), which is damage when ``required`` (``[checkpoint].verify``, on by default)."""
     try:
-        data = json.loads((path / CHECKSUMS).read_text())
+        data = loads((path / CHECKSUMS).read_text())
     except FileNotFoundError:
         if required:
             raise damaged(path, f"{CHECKSUMS} is missing, so its files cannot be verified (a checkpoint written "
@@ -77,14 +78,18 @@ def read_checksums(path: Path, required: bool = False) -> dict[str, dict] | None
     except (OSError, ValueError) as e:
         raise damaged(path, f"{CHECKSUMS} is unreadable ({e})") from None
     files = data.get("files") if isinstance(data, dict) else None
-    if data.get("algorithm") != ALGORITHM or not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(ALGORITHM), str)
+    if not isinstance(files, dict) or data.get("algorithm") != ALGORITHM or not all(
+            isinstance(v, dict) and _is_size(v.get("size")) and isinstance(v.get(ALGORITHM), str)
             for v in files.values()):
         raise damaged(path, f"{CHECKSUMS} is not a {ALGORITHM} file list")
     for name in files:
         if not _is_inside(name):
-            raise damaged(path, f"{CHECKSUMS} names {name!r}, which is not a file inside the checkpoint")
+            raise damaged(path, f"{CHECKSUMS} names {shown(name)}, which is not a file inside the checkpoint")
     return files
+
+
+def _is_size(size) -> bool:
+    return isinstance(size, int) and not isinstance(size, bool) and size >= 0
 
 
 def _is_inside(name: str) -> bool:
@@ -128,23 +133,25 @@ def verify_files(path: Path, names, checksums: dict[str, dict] | None) -> int:
     return total
 
 
-def verify_checkpoint(path: Path) -> str:
-    """Check every file of checkpoint ``path`` (``pretrain verify``): a one-line summary, or DamagedCheckpoint.
+def verify_checkpoint(path: Path) -> tuple[bool, str]:
+    """Check every file of checkpoint ``path`` (``pretrain verify``): (whether its bytes were verified, a
+    one-line summary), or DamagedCheckpoint.
 
     Without checksums (an older checkpoint) only what can be: its index reads and its data files
-    hold the extents it records."""
+    hold the extents it records; its bytes are not verified (False)."""
     checksums = read_checksums(path)
     checked = verify_files(path, checksums or [STATE_FILE, METADATA], checksums)
     read_state(path)  # a pretrain checkpoint at all
     storage = SafeReader(str(path)).read_metadata().storage_data
     data = {info.relative_path for info in storage.values()}
     if checksums is None:  # SafeReader checked the data files' extents
-        return (f"{path}: no {CHECKSUMS} (written before checkpoints carried checksums): its {len(data)} data "
-                f"files are present and long enough, their bytes are not verified")
+        return False, (f"checkpoint {path} is not verified: it has no {CHECKSUMS} (deleted, or written before "
+                       f"checkpoints carried checksums); its {len(data)} data files are present and long enough, "
+                       f"their bytes cannot be checked")
     unlisted = sorted(data - checksums.keys())
     if unlisted:
         raise damaged(path, f"{unlisted[0]} is not in its {CHECKSUMS}")
-    return f"{path}: {len(checksums)} files, {checked / 1e6:.1f} MB match their {ALGORITHM} checksums"
+    return True, f"{path}: {len(checksums)} files, {checked / 1e6:.1f} MB match their {ALGORITHM} checksums"
 
 
 def first_damage(error: BaseException) -> DamagedCheckpoint | None:

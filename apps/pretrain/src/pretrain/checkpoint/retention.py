@@ -24,7 +24,9 @@ import uuid
 from pathlib import Path
 
 from ..runtime import safe_files
-from ..errors import UsageError
+from ..runtime.strict_json import loads
+from ..errors import UsageError, shown
+from .state_file import check_state
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -40,7 +42,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def read_manifest(root: Path) -> dict | None:
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
+        manifest = loads((root / MANIFEST).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -50,14 +52,15 @@ def read_manifest(root: Path) -> dict | None:
         raise UsageError(f"{root / MANIFEST} is not a pretrain checkpoint manifest; move it away")
     for name in manifest["saves"]:  # names we delete: each must be a step_N directly inside root
         if not (isinstance(name, str) and STEP_DIR.fullmatch(name)):
-            raise UsageError(f"{root / MANIFEST} lists {name!r}, not a step_<N> checkpoint inside {root}; move it away")
+            raise UsageError(f"{root / MANIFEST} lists {shown(name)}, not a step_<N> checkpoint inside {root}; "
+                             f"move it away")
     return manifest
 
 
 def inside(root: Path, name: str, what: str) -> Path:
     """``root / name`` for a name read from a file, refused unless it is one entry inside ``root``."""
     if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise UsageError(f"{what} names {name!r}, which is not a checkpoint inside {root}; move it away")
+        raise UsageError(f"{what} names {shown(name)}, which is not a checkpoint inside {root}; move it away")
     return root / name
 
 
@@ -163,17 +166,18 @@ def _owned(path: Path, run_id: str) -> bool:
     if not STEP_DIR.fullmatch(path.name) or not path.is_dir():
         return False
     try:
-        return json.loads((path / STATE_FILE).read_text()).get("run_id") == run_id
+        return loads((path / STATE_FILE).read_text()).get("run_id") == run_id
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def read_state(path: Path) -> dict:
+    """The checkpoint's ``trainer_state.json``, every field it may hold checked (:mod:`.state_file`)."""
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        state = loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
         raise UsageError(f"checkpoint {path}: cannot read {STATE_FILE}: {e}") from None
     found = state.get("format") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
     if found != FORMAT:
-        raise UsageError(f"checkpoint {path}: format {found!r} is not {FORMAT!r}")
-    return state
+        raise UsageError(f"checkpoint {path}: {STATE_FILE} has format {shown(found)}, not {FORMAT!r}")
+    return check_state(f"checkpoint {path}: {STATE_FILE}", state)

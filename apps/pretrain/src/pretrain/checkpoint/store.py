@@ -52,6 +52,7 @@ from .retention import (FORMAT, LATEST, STATE_FILE, inside, prune_in_background,
 from .rng_state import load_rng_state, rng_state
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
+MAX_MARKER_BYTES = 4096  # ``latest`` holds one step_N name
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
 
 
@@ -197,8 +198,12 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not marker.is_file():
         return None
     try:
-        name = marker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
+        with open(marker, "rb") as f:
+            raw = f.read(MAX_MARKER_BYTES + 1)
+        if len(raw) > MAX_MARKER_BYTES:
+            raise ValueError(f"more than {MAX_MARKER_BYTES} bytes, not a checkpoint's name")
+        name = raw.decode().strip()
+    except (OSError, ValueError) as e:
         raise UsageError(f"checkpoint marker {marker} is unreadable ({e}); move it away") from None
     path = inside(Path(root), name, f"checkpoint marker {marker}")
     if not (path / STATE_FILE).is_file():

@@ -15,7 +15,8 @@ from par_pp import SCHEDULE_NAMES as SCHEDULES
 from par_pp import chunk_ranks, chunks_per_rank, split_stages
 from par_zero import STRATEGIES as ZERO_STRATEGIES
 
-from .rules import _choice, _need, _positive
+from .layout import MAX_WORLD
+from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
 from ..errors import UsageError
 
 RANK_ASSIGNMENTS = ("auto", "strict", "off")  # see pretrain.runtime.rank_assignment
@@ -56,6 +57,9 @@ class ParallelConfig:
         _positive("parallel", self, "tp", "pp", "vpp", "cp", "ep", "hsdp_replicas")
         _positive("parallel", self, "etp", "microbatches", "first_stage_layers", "last_stage_layers", "max_seq_per_rank",
                   allow_zero=True)
+        # no grid is larger than the largest world, nor has more chunks than layers: beyond them the checks below loop
+        _at_most("parallel", self, dict.fromkeys(("tp", "pp", "cp", "ep", "etp", "hsdp_replicas"), MAX_WORLD)
+                 | {"vpp": MAX_SIZES["layers"]})
         if self.dynamic_cp:
             _need(self.cp > 1, "[parallel].dynamic_cp=true needs cp > 1 (it spreads documents over dp x cp ranks); "
                                "got cp=1")

@@ -36,7 +36,7 @@ from .rules import _need
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
 from .train_section import TrainConfig
-from ..errors import UsageError
+from ..errors import UsageError, shown
 from .layout import MAX_WORLD, Layout, micro_batching
 
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "Layout", "LogConfig", "ModelConfig", "ParallelConfig",
@@ -144,36 +144,37 @@ def _coerce(section: str, key: str, value, hint):
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if hint is bool or (origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and bool in args):
-        _need(isinstance(value, bool), f"{where} must be true or false, got {value!r}")
+        _need(isinstance(value, bool), f"{where} must be true or false, got {shown(value)}")
         return value
     if hint is int:
-        _need(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {value!r}")
+        _need(isinstance(value, int) and not isinstance(value, bool), f"{where} must be an integer, got {shown(value)}")
         _need(abs(value) < 2**63, f"{where}={value} is out of range (TOML integers are 64-bit: |value| < 2**63)")
         return value
     if hint is float:
-        _need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{where} must be a number, got {value!r}")
+        _need(isinstance(value, (int, float)) and not isinstance(value, bool),
+              f"{where} must be a number, got {shown(value)}")
         _need(math.isfinite(value), f"{where}={value} must be a finite number")
         return float(value)
     if hint is list:
-        _need(isinstance(value, list), f"{where} must be a list, got {value!r}")
+        _need(isinstance(value, list), f"{where} must be a list, got {shown(value)}")
         return value
     if hint in (str, dict):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
-        _need(isinstance(value, hint), f"{where} must be {what}, got {value!r}")
+        _need(isinstance(value, hint), f"{where} must be {what}, got {shown(value)}")
         return value
     if origin is tuple and args[0] is str:
         _need(isinstance(value, list) and all(isinstance(v, str) for v in value),
-              f"{where} must be a list of strings, e.g. [\"a\", \"b\"], got {value!r}")
+              f"{where} must be a list of strings, e.g. [\"a\", \"b\"], got {shown(value)}")
         return tuple(value)
     if origin is tuple:
         _need(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
-              f"{where} must be a list of integers, e.g. [2, 2], got {value!r}")
+              f"{where} must be a list of integers, e.g. [2, 2], got {shown(value)}")
         return tuple(value)
     raise TypeError(f"no reader for {where} of type {hint}")  # a bug here, not bad input
 
 
 def _suggest(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=1)
+    close = difflib.get_close_matches(name, valid, n=1) if len(name) <= 100 else []
     return f" (did you mean {close[0]}?)" if close else ""
 
 
@@ -188,7 +189,7 @@ def config_from_dict(data: dict, source: str = "") -> Config:
     sections = {}
     for section, values in data.items():
         if section not in SECTIONS:
-            raise UsageError(f"unknown section [{section}]{_suggest(section, list(SECTIONS))}; "
+            raise UsageError(f"unknown section [{shown(section)[1:-1]}]{_suggest(section, list(SECTIONS))}; "
                              f"valid sections: {', '.join(SECTIONS)}")
         _need(isinstance(values, dict), f"[{section}] must be a table of keys")
         cls = SECTIONS[section]
@@ -208,7 +209,8 @@ def config_from_dict(data: dict, source: str = "") -> Config:
                 key = RENAMED[section, key]
                 print(f"note: [{section}].{RENAMED_FROM[section, key]} is now [{section}].{key}", file=sys.stderr)
             if key not in valid:
-                raise UsageError(f"unknown key [{section}].{key}{_suggest(key, valid)}; valid keys: {', '.join(valid)}")
+                raise UsageError(f"unknown key [{section}].{shown(key)[1:-1]}{_suggest(key, valid)}; valid keys: "
+                                 f"{', '.join(valid)}")
             kwargs[key] = _coerce(section, key, value, hints[key])
         sections[section] = cls(**kwargs)
     return Config(**sections, source=source)
@@ -219,12 +221,14 @@ def parse_override(text: str) -> tuple[str, str, object]:
     key, sep, raw = text.partition("=")
     section, dot, name = key.strip().partition(".")
     if not sep or not dot or not section or not name:
-        raise UsageError(f"--set {text!r} must look like section.key=value, e.g. --set parallel.tp=2")
+        raise UsageError(f"--set {shown(text)} must look like section.key=value, e.g. --set parallel.tp=2")
     raw = raw.strip()
     try:
         value = tomli.loads(f"v = {raw}")["v"]
     except tomli.TOMLDecodeError:
         value = raw
+    except RecursionError:
+        raise UsageError(f"--set {shown(text)}: the value is nested too deeply to read") from None
     return section, name.strip(), value
 
 
@@ -247,6 +251,9 @@ def builtin_configs() -> list[str]:
     return sorted(p.name for p in (resources.files("pretrain") / "configs").iterdir() if p.name.endswith(".toml"))
 
 
+MAX_CONFIG_BYTES = 4 << 20  # far above any real config; a larger file is not one (and would take long to parse)
+
+
 def read_toml(path: str | None) -> tuple[dict, str]:
     """The parsed TOML of ``path`` (None = the embedded default; a bare shipped name also works)."""
     if path is None:
@@ -258,10 +265,15 @@ def read_toml(path: str | None) -> tuple[dict, str]:
         ref, source = Path(path), path
         if not ref.is_file():
             raise UsageError(f"config file {path!r} does not exist; shipped configs: {', '.join(builtin_configs())}")
+        if ref.stat().st_size > MAX_CONFIG_BYTES:
+            raise UsageError(f"config {source} is {ref.stat().st_size:,} bytes, more than a config's "
+                             f"{MAX_CONFIG_BYTES:,}: give the run's TOML config")
     try:
         return tomli.loads(ref.read_text()), source
     except tomli.TOMLDecodeError as e:
         raise UsageError(f"config {source} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise UsageError(f"config {source} is nested too deeply to read") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read config {source}: {e}") from None
 

@@ -1,7 +1,7 @@
 """Writing a token dataset, ours (``format.py``) or Megatron's (``megatron_format.py``), a batch at a time.
 
 Token ids stream to ``PREFIX.bin`` as they come (memory: one batch, plus 8 bytes per document for
-the index). Everything is written under temporary names and renamed once the last document is in,
+the index). Everything is written under fresh temporary names (created exclusively) and renamed once the last document is in,
 the header last, so a failing input leaves an existing dataset at ``PREFIX`` untouched.
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
+from ..runtime.safe_files import fresh_temp
 from . import megatron_format
 from .format import FORMAT, VERSION, TokenDataset, open_dataset, token_dtype
 
@@ -33,8 +34,14 @@ class DatasetWriter:
         self.tokenizer_sha256 = tokenizer_sha256
         self.dtype = token_dtype(vocab_size) if format == "par" else megatron_format.megatron_dtype(vocab_size)
         self.final = {ext: Path(f"{prefix}.{ext}") for ext in ("bin", "idx", "json")}
-        self.tmp = {ext: p.with_name(f".{p.name}.tmp") for ext, p in self.final.items()}
-        self._bin = open(self.tmp["bin"], "wb")
+        self.tmp: dict[str, Path] = {}
+        try:  # fresh names, never a fixed one: a symlink planted there is not written through
+            for ext, p in self.final.items():
+                self.tmp[ext] = fresh_temp(p)
+            self._bin = open(self.tmp["bin"], "wb")
+        except BaseException:
+            self._remove_temporaries()
+            raise
         self._lengths: list[np.ndarray] = []
         self.num_tokens = 0
         self.counts = np.zeros(1, dtype=np.int64)  # of each id, for the unigram entropy without re-reading
@@ -83,6 +90,9 @@ class DatasetWriter:
     def abort(self) -> None:
         """Remove the temporary files (an existing dataset at the prefix stays as it was)."""
         self._bin.close()
+        self._remove_temporaries()
+
+    def _remove_temporaries(self) -> None:
         for p in self.tmp.values():
             p.unlink(missing_ok=True)
 

@@ -33,6 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import UsageError
 from ..runtime.safe_files import replace_for_append
+from ..runtime.strict_json import loads
 from .peak import lookup_peak_tflops, peak_flops  # noqa: F401 - re-exported: MFU's denominator
 from .step_timing import format_timing
 
@@ -59,8 +60,8 @@ def _set_aside(path: Path) -> Path | None:
     if path.is_symlink() or not path.is_file() or path.stat().st_size == 0:
         return None
     try:
-        run_id = str(json.loads(path.open().readline()).get("run_id", "previous"))
-    except (ValueError, AttributeError, UnicodeDecodeError):
+        run_id = str(loads(path.open().readline(), nan=True).get("run_id", "previous"))
+    except (ValueError, AttributeError):  # UnicodeDecodeError is a ValueError
         run_id = "previous"
     run_id = "".join(c for c in run_id if c.isalnum() or c in "-_") or "previous"  # a file name, whatever the line says
     target, n = path.with_name(f"log.{run_id}.jsonl"), 1
@@ -76,12 +77,13 @@ def _open_log(path: Path, start_step: int):
     by :func:`_set_aside`). Rewritten via a rename."""
     kept = []
     if start_step > 0 and path.is_file() and not path.is_symlink():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                if json.loads(line).get("step", 0) <= start_step:
-                    kept.append(line + "\n")
+                step = loads(line, nan=True).get("step", 0)
             except (ValueError, AttributeError):
                 continue
+            if isinstance(step, (int, float)) and not isinstance(step, bool) and step <= start_step:
+                kept.append(line + "\n")  # a line edited into something else is dropped with the later steps
     return replace_for_append(path, "".join(kept))  # never opened by name: a symlink there is replaced
 
 

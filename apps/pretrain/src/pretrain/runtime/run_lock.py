@@ -22,15 +22,18 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import uuid
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from ..errors import UsageError
 from .safe_files import create_new
+from .strict_json import loads
 
 PID_FILE = "pretrain.pid"
 TAKEOVER_TRIES = 5
+MAX_PID = 2**31  # a PID at or above it names no process (and os.kill could not take it)
 NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
 
 
@@ -126,6 +129,8 @@ def _gone(holder: dict, me: dict, flocked: bool) -> bool:
         return False  # another node: its PID cannot be checked from here
     if flocked:
         return True  # the holder would still hold the directory's flock
+    if holder.get("unreadable"):
+        return False  # without flock, a lock file we cannot read may be a live run's
     pid = holder.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return True
@@ -154,29 +159,42 @@ def _remove_if_unchanged(file: Path, holder: dict) -> None:
 
 
 def _holder(file: Path) -> dict:
-    """What a lock file says (never read through a symlink); legacy files hold only a PID."""
+    """What a lock file says: {} unless it is a regular file (never read through a symlink, never waiting
+    on a FIFO); legacy files hold only a PID. Each field is kept only when it is what a run writes."""
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except PermissionError:
+        return {"pid": None, "unreadable": True}  # another user's: who holds it cannot be told
     except OSError:
         return {}
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(4096).decode("utf-8", "replace").strip()
     try:
-        data = json.loads(raw)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return {}
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return {}
+    try:
+        data = loads(raw)
     except ValueError:
-        data = int(raw) if raw.isdigit() else None
-    if isinstance(data, int):
-        return {"pid": data}
-    return data if isinstance(data, dict) else {"pid": None}
+        data = int(raw) if raw.isascii() and raw.isdigit() else None  # a legacy bare PID
+    if isinstance(data, int) and not isinstance(data, bool):
+        data = {"pid": data}
+    if not isinstance(data, dict):
+        return {"pid": None}
+    pid = data.get("pid")
+    holder = {"pid": pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < MAX_PID else None}
+    return holder | {k: data[k] for k in ("host", "job", "token") if isinstance(data.get(k), str)}
 
 
 def _in_use(path: Path, holder: dict) -> UsageError:
-    who = f"PID {holder.get('pid', '?')}"
+    who = f"PID {holder.get('pid', '?')}" if not holder.get("unreadable") else f"{PID_FILE} is not readable by us"
     if holder.get("host"):
         who += f" on {holder['host']}"
     if holder.get("job"):
         who += f", job {holder['job']}"
     hint = (f"; if that run has ended (killed without cleanup), delete {path / PID_FILE}"
-            if holder.get("host") not in (None, socket.gethostname()) else "")
+            if holder.get("host") not in (None, socket.gethostname()) or holder.get("unreadable") else "")
     return UsageError(f"{path} is in use by another run ({who}); wait for it to end, or choose another "
                       f"--set log.dir / checkpoint.dir{hint}")

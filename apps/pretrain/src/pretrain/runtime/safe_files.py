@@ -20,6 +20,19 @@ def _temp(path: Path) -> tuple[int, str]:
     return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
 
 
+def fresh_temp(path: str | Path) -> Path:
+    """A new empty file next to ``path`` (created exclusively, so never through a symlink), for a writer that
+    renames several files into place together; it gets the permissions a plain ``open`` would give."""
+    fd, tmp = _temp(Path(path))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
 def write_atomic(path: str | Path, data: str | bytes, fsync: bool = True) -> None:
     """``data`` under a temporary sibling name (fsync'd), then renamed over ``path``."""
     path = Path(path)

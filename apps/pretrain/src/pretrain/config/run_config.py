@@ -35,7 +35,7 @@ from .model_section import ModelConfig
 from .rules import _need
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
-from .train_section import TrainConfig
+from .train_section import TrainConfig, shorten_warmup
 from ..errors import UsageError
 from .layout import MAX_WORLD, Layout, micro_batching
 
@@ -273,5 +273,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, then those of
     ``$PRETRAIN_SET`` (e.g. ``PRETRAIN_SET="train.steps=2"`` shortens every run), validate."""
     data, source = read_toml(path)
-    extra = os.environ.get(ENV_OVERRIDES, "").split()
-    return config_from_dict(apply_overrides(data, list(overrides or []) + extra), source=source)
+    overrides = list(overrides or []) + os.environ.get(ENV_OVERRIDES, "").split()
+    merged = apply_overrides(data, overrides)
+    shorten_warmup(merged, {parse_override(o)[:2] for o in overrides})
+    return config_from_dict(merged, source=source)

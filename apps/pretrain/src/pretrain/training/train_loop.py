@@ -31,7 +31,7 @@ from ..model.mtp import mtp_streams
 from ..model.qk_clip import clip_scales, reset_logit_max
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
-from .schedule_lr import lr_at
+from .schedule_lr import lr_for
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
@@ -218,8 +218,7 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         cfg, dp, g = self.cfg, self.model.dp, self.groups
-        lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
-                   steps=cfg.train.steps)
+        lr = lr_for(step, cfg.train)
         self.model.module.train()
         timer = self.timer
         timer.start()

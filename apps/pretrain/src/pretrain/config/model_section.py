@@ -42,6 +42,7 @@ def _validate_route_nodes(m) -> None:
 class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
 
+    flavor: str = ""  # a shipped config's [model] to start from (config/flavors.py), e.g. "llama3-8b", torchtitan's "8B"
     vocab_size: int = 256
     # Megatron's --make-vocab-size-divisible-by: the embedding and head get rows up to a multiple of
     # 128 x tp (0, the default) or of this fixed number (a multiple of tp); the padded logits are

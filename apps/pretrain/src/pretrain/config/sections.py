@@ -118,9 +118,16 @@ class LogConfig:
 class ProfileConfig:
     steps: str = ""  # "20-22" or "5": torch.profiler traces of these (1-based) steps; "" = none
     memory: bool = True  # CUDA: a memory snapshot of the window; CPU: the profiler's memory columns
+    every: int = 0  # also trace every this-many-th step (torchtitan's profile_freq): N, 2N, ...; 0 = off
 
     def __post_init__(self) -> None:
         self.window()  # the one-line error for a malformed range
+        _positive("profile", self, "every", allow_zero=True)
+
+    def traces(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is traced: in the window of ``steps`` or a multiple of ``every``."""
+        window = self.window()
+        return (window is not None and window[0] <= step <= window[1]) or (self.every > 0 and step % self.every == 0)
 
     def window(self) -> tuple[int, int] | None:
         """The first and last profiled step (1-based, inclusive); None when profiling is off."""

@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..config import load_config
 from ..errors import UsageError, fail
-from ..planner.costs import config_plan
+from ..planner.costs import choice_cost, config_plan
 from ..planner.state_only import TRAINER_BYTES, params_only_plan
 from .plan_replicas import human_bytes, render_replicas
 
@@ -105,6 +105,9 @@ def render_config(plan: dict) -> str:
     choice = "none fits" if d["zero"] is None else f"zero={d['zero']}" + (
         f", hsdp_replicas={d['hsdp_replicas']}" if d["hsdp_replicas"] > 1 else "")
     lines.append(f"decision: {choice}: {d['why']}")
+    cost = choice_cost(plan)
+    if cost:
+        lines.append(cost)
     return "\n".join(lines)
 
 

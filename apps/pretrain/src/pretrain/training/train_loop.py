@@ -146,18 +146,19 @@ class Trainer:
             loss_tokens = (kept / (self.groups.size("dp_cp") * n)).float().reshape(())  # on the device: no host read
         return MicroBatches(inputs, labels, docs, loss_tokens)
 
-    def _batch(self, step: int, eval: bool = False):
+    def _batch(self, step: int, eval: bool | str = False):
         """This rank's batch ``step``; a training step's was read during the previous one (time_data waits for it)."""
         if eval or self.prefetch is None:
             return self._read_batch(step, eval)
         return self.prefetch.get(step)
 
-    def _read_batch(self, step: int, eval: bool = False):
-        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it)."""
-        s = self.sampler
+    def _read_batch(self, step: int, eval: bool | str = False):
+        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it).
+        ``eval``: True (or "valid") a held-out batch, "test" one of [data].split's test part."""
+        s, split = self.sampler, "test" if eval == "test" else "valid"
         if self.span_groups is not None:
-            return s.global_eval_batch(step) if eval else s.global_train_batch(step)
-        return s.eval_batch(step) if eval else s.train_batch(step)
+            return s.global_eval_batch(step, split) if eval else s.global_train_batch(step)
+        return s.eval_batch(step, split) if eval else s.train_batch(step)
 
     def _dynamic_microbatches(self, batch) -> MicroBatches:
         """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
@@ -297,13 +298,13 @@ class Trainer:
         return full
 
     @torch.no_grad()
-    def evaluate(self, batches: int) -> float:
-        """Mean loss over ``batches`` held-out batches (forward only)."""
+    def evaluate(self, batches: int, split: str = "valid") -> float:
+        """Mean loss over ``batches`` held-out (``split="test"``: test) batches (forward only)."""
         self.model.module.eval()
         losses = []
         with self._compute_context():
             for index in range(batches):
-                losses += self.runner.eval_losses(self.microbatches(self._batch(index, eval=True)))
+                losses += self.runner.eval_losses(self.microbatches(self._batch(index, eval=split)))
         self.model.module.train()
         return float(self._mean_loss(losses))
 

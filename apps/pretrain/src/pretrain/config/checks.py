@@ -140,6 +140,19 @@ def qk_clip_rules(cfg) -> None:
               f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
 
 
+def dropout_rules(cfg) -> None:
+    """Hidden dropout's masks are drawn per global sample, token and channel (model/dropout.py): the layouts that
+    keep a block's [S, B, H] activation whole on a rank (no tp, cp, ep), without MTP, compile or dynamic CP."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.hidden_dropout > 0:
+        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
+        bad += [k for k, on in (("[model].mtp_depth > 0", m.mtp_depth), ("[train].compile", t.compile),
+                                ("[parallel].dynamic_cp", p.dynamic_cp)) if on]
+        _need(not bad, f"[model].hidden_dropout={m.hidden_dropout} runs with data and pipeline parallelism only (tp, cp, "
+                       f"ep = 1, no MTP, compile or dynamic CP), where its masks stay those of one rank; got "
+                       f"{', '.join(bad)}: set hidden_dropout = 0 or drop them")
+
+
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
 CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules, qk_clip_rules)
+                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules)

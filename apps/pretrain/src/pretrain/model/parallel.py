@@ -39,6 +39,7 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
+from .dropout import hidden_dropout, position as dropout_position
 from .te import fuse_norm_, recompute
 
 
@@ -133,6 +134,7 @@ class ParallelDecoderLayer(nn.Module):
         g, sp = context.groups, context.sequence_parallel
         self.full_recompute, self.backend = context.recompute == "full", context.backend
         self.is_moe = config.is_moe_layer(index)
+        self.index, self.hidden_dropout = index, config.hidden_dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         self.attention_norm_inside = context.backend == "te" and config.attention != "mla"
         self.mlp_norm_inside = context.backend == "te" and not self.is_moe
@@ -170,9 +172,10 @@ class ParallelDecoderLayer(nn.Module):
         if self.mlp_norm_inside:
             fuse_norm_(self.mlp, self.post_attention_layernorm)
 
-    def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, docs: Documents | None = None, where=None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        x = x + self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        attn = self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        x = x + (attn if where is None else hidden_dropout(attn, self.hidden_dropout, where, self.index, 0))
         h = x if self.mlp_norm_inside else self.post_attention_layernorm(x)
         if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
             h = scatter_to_sequence_parallel(h, self.moe_tp_group)
@@ -182,12 +185,14 @@ class ParallelDecoderLayer(nn.Module):
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
         if self.moe_splits_tokens:  # the consumers are replicated: backward keeps this rank's rows
             out = gather_from_sequence_parallel(out, self.moe_tp_group, output_grad_is_partial=False)
-        return x + out
+        return x + (out if where is None else hidden_dropout(out, self.hidden_dropout, where, self.index, 1))
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
+        where = dropout_position() if self.hidden_dropout > 0 and self.training else None
         if self.full_recompute and torch.is_grad_enabled():
-            return recompute(self._forward, x, docs, backend=self.backend)
-        return self._forward(x, docs)
+            return recompute(self._forward, x, docs, where, backend=self.backend)
+        return self._forward(x, docs, where)
 
 
 def _mtp_layer(config, j: int, context: ChunkContext) -> ParallelDecoderLayer:

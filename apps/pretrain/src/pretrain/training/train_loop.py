@@ -32,6 +32,7 @@ from ..model.qk_clip import clip_scales, reset_logit_max
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
 from .schedule_lr import lr_for
+from ..model.dropout import set_position as set_dropout_position
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
@@ -78,6 +79,7 @@ class Trainer:
         self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,
                                                  shapes_only.routing if simulated else None)
         self.fp8_region = fp8_regions(self.kernels, g.tp_dp_cp)  # TE's FP8 autocast for one forward, or a no-op
+        self._step = 0  # the step being trained (hidden dropout draws its masks per step)
         self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
@@ -172,6 +174,10 @@ class Trainer:
     def forward_chunk(self, batch: MicroBatches, chunk_id: int, module, x: torch.Tensor, microbatch: int):
         """One chunk's forward of micro-batch ``microbatch`` of ``batch``, with its packed documents when
         there are any, in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
+        if self.cfg.model.hidden_dropout > 0:  # which global samples this is: the dropout masks are theirs
+            s = self.sampler
+            first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
+            set_dropout_position(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
@@ -220,6 +226,7 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         cfg, dp, g = self.cfg, self.model.dp, self.groups
         lr = lr_for(step, cfg.train)
+        self._step = step
         self.model.module.train()
         timer = self.timer
         timer.start()

@@ -1,6 +1,7 @@
 """`pretrain plan`: ZeRO numbers in the trainer's convention, DeepSeek-V3 expert sizes, formulas checked independently."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -148,7 +149,10 @@ def test_a_zero_other_than_the_decisions_says_what_it_costs_in_memory_and_traffi
     assert decision.startswith("decision: zero=no_shard"), decision
     assert cost == ("your zero=optim: peak 44.43 GB per rank (fits) vs 67.02 GB with zero=no_shard (22.59 GB less); "
                     "data-parallel traffic 11.29 GB vs 15.06 GB per rank per step (0.75x: no slower); "
-                    "`plan --auto --topology PRESET` times both"), cost
+                    "add --topology PRESET for the exposed time"), cost
+    timed = runner.invoke(app, base + ["--set", "parallel.zero=optim", "--topology", "dgx-h100"]).stdout
+    mine, theirs = map(int, re.search(r"exposed on dgx-h100: (\d+) ms vs (\d+) ms per step$", timed.strip()).groups())
+    assert 0 < mine < theirs, timed  # the estimator's exposed data-parallel time: ZeRO-1 moves 0.75x the bytes
     zero3 = runner.invoke(app, base + ["--set", "parallel.zero=optim_grads_params"]).stdout.strip().splitlines()[-1]
     assert "(16.50x: slower where the data-parallel reductions are not hidden)" in zero3, zero3
     agreeing = runner.invoke(app, base + ["--set", "parallel.zero=no_shard"]).stdout.strip().splitlines()[-1]

@@ -65,7 +65,9 @@ class ModelConfig:
     # Megatron's --hidden-dropout on each block's attention and MLP outputs, its mask a hash of the element's
     # global sample, token and channel (model/dropout.py), so it trains as one rank would; 0 = off
     hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0  # Megatron's --attention-dropout: only 0 (the attention kernels draw their own masks)
+    # Megatron's --attention-dropout on the attention probabilities, masks drawn the same way; it writes the
+    # attention out (S x S probabilities per head), not the fused kernels; 0 = off
+    attention_dropout: float = 0.0
     recompute: str = "none"
     moe_layers_start: int = 0
     num_experts: int = 0
@@ -153,9 +155,7 @@ class ModelConfig:
         _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _need(0 <= self.hidden_dropout < 1, f"[model].hidden_dropout={self.hidden_dropout} must be in [0, 1)")
-        _need(self.attention_dropout == 0, f"[model].attention_dropout={self.attention_dropout} is not supported: the "
-                                           f"attention kernels would draw masks that differ between layouts; use 0 "
-                                           f"(what Llama-3 pretraining uses), or [model].hidden_dropout")
+        _need(0 <= self.attention_dropout < 1, f"[model].attention_dropout={self.attention_dropout} must be in [0, 1)")
         _choice("[model].recompute", self.recompute, RECOMPUTE)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)

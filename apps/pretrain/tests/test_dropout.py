@@ -26,12 +26,15 @@ def _losses(runs):
 
 
 def test_hidden_dropout_trains_as_one_rank_under_dp_pp_micro_batches_and_recompute(dist_run):
-    one, plain, accumulated = dist_run(1, _losses, [[], ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"],
-                                                    ["train.micro_batch=1", "model.recompute=full"]])[0]
-    assert one != plain  # the masks are applied
+    attention_only = ["model.hidden_dropout=0.0"]
+    one, plain, accumulated, attention = dist_run(1, _losses, [
+        [], ["model.hidden_dropout=0.0", "model.attention_dropout=0.0"], ["train.micro_batch=1", "model.recompute=full"],
+        attention_only])[0]
+    assert len({str(one), str(plain), str(attention)}) == 3  # each kind of mask is applied
     assert accumulated == pytest.approx(one, rel=1e-5)
-    dp2, pp2 = dist_run(2, _losses, [["model.recompute=selective"], ["parallel.pp=2"]])[0]
+    dp2, pp2, attention_dp2 = dist_run(2, _losses, [["model.recompute=selective"], ["parallel.pp=2"], attention_only])[0]
     assert dp2 == pytest.approx(one, rel=1e-5) and pp2 == pytest.approx(one, rel=1e-5)
+    assert attention_dp2 == pytest.approx(attention, rel=1e-5)
 
 
 def test_the_mask_keeps_1_minus_p_and_depends_on_place_not_on_the_caller():

@@ -174,7 +174,8 @@ class Trainer:
     def forward_chunk(self, batch: MicroBatches, chunk_id: int, module, x: torch.Tensor, microbatch: int):
         """One chunk's forward of micro-batch ``microbatch`` of ``batch``, with its packed documents when
         there are any, in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
-        if self.cfg.model.hidden_dropout > 0:  # which global samples this is: the dropout masks are theirs
+        m = self.cfg.model
+        if m.hidden_dropout > 0 or m.attention_dropout > 0:  # which global samples: the dropout masks are theirs
             s = self.sampler
             first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
             set_dropout_position(self.cfg.train.seed, self._step, first)

@@ -37,6 +37,7 @@ def test_malformed_data_file_is_a_clear_error(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.output
 
 
+@pytest.mark.timeout(300)  # a whole run on two ranks
 def test_short_run_on_two_ranks_learns_and_writes_log_jsonl(tmp_path):
     """With Megatron's train/valid/test split: the test part's loss once, at the end."""
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=12", "--set", "train.warmup_steps=2",

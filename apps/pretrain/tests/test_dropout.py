@@ -25,6 +25,7 @@ def _losses(runs):
     return out
 
 
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
 def test_hidden_dropout_trains_as_one_rank_under_dp_pp_micro_batches_and_recompute(dist_run):
     attention_only = ["model.hidden_dropout=0.0"]
     one, plain, accumulated, attention = dist_run(1, _losses, [

@@ -111,6 +111,7 @@ def _train_job(overrides):
     return {"eps": t.model.dp.cfg.eps, "lrs": [t.train_step(s).lr for s in range(4)]}
 
 
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
 def test_new_keys_train_eps_reaches_the_optimizer_and_steps_follow_the_schedule(dist_run):
     sets = ["model.layers=2", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "parallel.tp=1",
             "train.nproc=1", "train.adam_eps=1e-6", "train.lr_decay_style='wsd'", "train.lr_wsd_decay_steps=2",

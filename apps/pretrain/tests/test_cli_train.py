@@ -37,12 +37,16 @@ def test_malformed_data_file_is_a_clear_error(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith("error: ") and "Traceback" not in res.output
 
 
+@pytest.mark.timeout(300)  # a whole run on two ranks
 def test_short_run_on_two_ranks_learns_and_writes_log_jsonl(tmp_path):
+    """With Megatron's train/valid/test split: the test part's loss once, at the end."""
     res = runner.invoke(app, ["train", "--nproc", "2", "--set", "train.steps=12", "--set", "train.warmup_steps=2",
-                              "--set", "train.eval_every=6", "--set", f"log.dir={tmp_path}"])
+                              "--set", "train.eval_every=6", "--set", f"log.dir={tmp_path}",
+                              "--set", "data.split=[90, 5, 5]"])
     assert res.exit_code == 0, res.output
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
+    assert [r["step"] for r in records if "test_loss" in r] == [12]

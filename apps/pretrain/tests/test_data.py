@@ -143,3 +143,30 @@ def test_document_keys_need_a_dataset_with_eos(tmp_path):
     with pytest.raises(UsageError, match="smaller than the embedded byte-level data's 257"):
         load_config(None, ["data.document_mask=true", "model.vocab_size=256"])
     assert load_dataset(load_config(None, ["data.document_mask=true", "model.vocab_size=257"]).data, 257).eos == 256
+
+
+def test_megatron_split_cuts_train_valid_and_test_parts_in_order(tmp_path):
+    """[data].split = [949, 50, 1] as Megatron's --split: each source's first 94.9 % trains, the next 5 %
+    validates, the last 0.1 % tests; the test part is read only by test batches."""
+    ds = write_dataset(tmp_path / "d", [list(range(1, 200))] * 50, vocab_size=256)  # 9950 tokens
+    cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "data.split=[900, 80, 20]", "train.seq_len=8"])
+    assert cfg.data.held_out == (0.08, 0.02)
+    s = build_sampler(cfg, cfg.validate_world(1), 0, ds)
+    n = ds.num_tokens
+    train_end, valid_end = round(n * 0.9), n - round(n * 0.02)
+    assert s.split_at == train_end
+    starts = lambda stream, k: {int(x) for x in stream.windows[0].starts(np.arange(k))}  # noqa: E731
+    assert max(starts(s.train, s.train_windows)) + 9 <= train_end
+    valid, test = starts(s.valid, s.valid_windows), starts(s.test, s.test.windows[0].count)
+    assert min(valid) == train_end and max(valid) + 9 <= valid_end and min(test) == valid_end and max(test) + 9 <= n
+    assert torch.equal(s.eval_batch(0, "test").tokens[0, 0], torch.from_numpy(ds.tokens[valid_end:valid_end + 9].astype(np.int64)))
+    plain = build_sampler(load_config(None, [f"data.path={tmp_path / 'd'}", "train.seq_len=8"]),
+                          cfg.validate_world(1), 0, ds)
+    assert plain.test is None and plain.split_at == round(n * 0.95)  # without split: as before
+
+
+@pytest.mark.parametrize("split, words", [("[1, 1]", "must be three weights"), ("[1, 0, 1]", "train and valid > 0"),
+                                          ("[-1, 5, 1]", "must be three weights")])
+def test_a_bad_split_is_one_line(split, words):
+    with pytest.raises(UsageError, match=r"\[data\].split=.*" + words):
+        load_config(None, [f"data.split={split}"])

@@ -1,6 +1,7 @@
 """`pretrain plan`: ZeRO numbers in the trainer's convention, DeepSeek-V3 expert sizes, formulas checked independently."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -135,3 +136,24 @@ def test_the_model_state_rows_are_all_in_gb():  # issue 50: "params 501.91 MB" a
     assert len(rows) == 5 and not any(" MB" in r or " KB" in r for r in rows), rows  # DDP, ZeRO-1/2/3, HSDP
     zero3 = next(r for r in rows if "(optim_grads_params)" in r)
     assert "params 0.50 GB + grads 1.00 GB + optimizer 3.01 GB" in zero3, zero3
+
+
+def test_a_zero_other_than_the_decisions_says_what_it_costs_in_memory_and_traffic():
+    """Megatron's Llama-3-8B script (tp 2, pp 2, --use-distributed-optimizer) on 64 H100s: DDP fits, so the
+    decision is no_shard; the plan says what the user's ZeRO-1 costs against it (by hand: 2.01B params per
+    rank, fp32 grads 8.03 GB, bf16 params 4.02 GB, dp 16: all-reduce 2 x 15/16 x 8.03, ZeRO-1 15/16 x 12.05)."""
+    base = ["plan", "llama3-8b", "--world", "64", "--set", "parallel.tp=2", "--set", "parallel.pp=2"]
+    res = runner.invoke(app, base + ["--set", "parallel.zero=optim"])
+    assert res.exit_code == 0, res.output
+    *_, decision, cost = res.stdout.strip().splitlines()
+    assert decision.startswith("decision: zero=no_shard"), decision
+    assert cost == ("your zero=optim: peak 44.43 GB per rank (fits) vs 67.02 GB with zero=no_shard (22.59 GB less); "
+                    "data-parallel traffic 11.29 GB vs 15.06 GB per rank per step (0.75x: no slower); "
+                    "add --topology PRESET for the exposed time"), cost
+    timed = runner.invoke(app, base + ["--set", "parallel.zero=optim", "--topology", "dgx-h100"]).stdout
+    mine, theirs = map(int, re.search(r"exposed on dgx-h100: (\d+) ms vs (\d+) ms per step$", timed.strip()).groups())
+    assert 0 < mine < theirs, timed  # the estimator's exposed data-parallel time: ZeRO-1 moves 0.75x the bytes
+    zero3 = runner.invoke(app, base + ["--set", "parallel.zero=optim_grads_params"]).stdout.strip().splitlines()[-1]
+    assert "(16.50x: slower where the data-parallel reductions are not hidden)" in zero3, zero3
+    agreeing = runner.invoke(app, base + ["--set", "parallel.zero=no_shard"]).stdout.strip().splitlines()[-1]
+    assert agreeing.startswith("decision: "), agreeing  # the same choice: no line

@@ -165,3 +165,20 @@ def test_a_long_runs_breakdown_has_no_per_step_markers_over_its_bars():  # issue
         _breakdown(ax, train, [r["step"] for r in train])
         assert any(line.get_marker() not in (None, "None", "") for line in ax.get_lines()) == marked, steps
         pyplot().close(fig)
+
+
+def test_profile_every_traces_each_nth_step_beside_the_window(tmp_path):
+    """[profile].every = N (torchtitan's profile_freq): steps N, 2N, ... traced, with the steps window too."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.observe.profile_window import ProfileWindow
+
+    cfg = load_config(None, ["profile.every=3", 'profile.steps="5"', "profile.memory=false", f"log.dir={tmp_path}"])
+    window = ProfileWindow(cfg, 0, torch.device("cpu"))
+    for step in range(1, 8):
+        window.before(step)
+        torch.ones(4).sum()
+        window.after(step)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_3", "step_5", "step_6"]
+    assert [s for s in range(1, 10) if load_config(None, ["profile.every=4"]).profile.traces(s)] == [4, 8]

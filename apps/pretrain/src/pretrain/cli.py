@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from .commands import certify, convert, groups, hang, plan, prepare, report, schedule, topo, train, verify
+from .commands import certify, convert, groups, hang, keys, plan, prepare, report, schedule, topo, train, verify
 
 
 # typer vendors click; its ClickException is public only as the base of typer.BadParameter
@@ -56,6 +56,7 @@ app.command("verify")(verify.verify)
 app.command("report")(report.report)
 app.command("hang")(hang.hang)
 app.command("certify")(certify.certify)
+app.command("keys")(keys.keys)
 
 
 def main() -> None:

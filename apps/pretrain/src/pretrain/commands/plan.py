@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..config import load_config
 from ..errors import UsageError, fail
-from ..planner.costs import config_plan
+from ..planner.costs import choice_cost, config_plan
 from ..planner.state_only import TRAINER_BYTES, params_only_plan
 from .plan_replicas import human_bytes, render_replicas
 
@@ -67,7 +67,7 @@ def state_only_plan(params: float, dp: int, bytes_pgo: tuple, hsdp_replicas: Opt
     return params_only_plan(params, dp, bytes_pgo, hsdp_replicas)
 
 
-def render_config(plan: dict) -> str:
+def render_config(plan: dict, seconds: dict | None = None) -> str:
     lay, prm, act, fl = plan["layout"], plan["params"], plan["activations"], plan["flops"]
     lines = [
         f"{plan['config']} on {plan['world']} ranks ({plan['gpus_per_node']} per node, {num(plan['gpu_memory_gb'])} GB each)",
@@ -105,6 +105,9 @@ def render_config(plan: dict) -> str:
     choice = "none fits" if d["zero"] is None else f"zero={d['zero']}" + (
         f", hsdp_replicas={d['hsdp_replicas']}" if d["hsdp_replicas"] > 1 else "")
     lines.append(f"decision: {choice}: {d['why']}")
+    cost = choice_cost(plan, seconds)
+    if cost:
+        lines.append(cost)
     return "\n".join(lines)
 
 
@@ -159,7 +162,8 @@ def plan(
                                                 "inside h = dp / N ranks, N replicas (1/h of DDP)."),
     auto: bool = typer.Option(False, "--auto", help="Search the layouts for --world GPUs of --topology; print the best 5 "
                               "(with --simulate: measure the first choice's heaviest stage before calling it a fit)."),
-    topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description."),
+    topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description; without: "
+                                          "the exposed time of a [parallel].zero other than the decision's."),
     efficiency: float = typer.Option(0.6, "--efficiency", help="With --auto: achieved / peak FLOP/s of the compute."),
     peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
     simulate: bool = typer.Option(False, "--simulate", help="Run the real training step of one rank on fake tensors "
@@ -215,6 +219,13 @@ def plan(
             typer.echo(json.dumps(sim) if as_json else render_simulation(sim))
             return
         result = config_plan(cfg, world if world is not None else cfg.train.nproc, gpus_per_node, gpu_memory)
+        seconds = None
+        zeros = [result["current"], result["decision"]["zero"]]
+        if topology is not None and not as_json and zeros[1] is not None and zeros[0] != zeros[1]:
+            from ..planner.choice_time import exposed_dp_seconds
+
+            zeros[0] = "optim_grads_params" if zeros[0] == "torch_fsdp2" else zeros[0]
+            seconds = exposed_dp_seconds(cfg, result["world"], topology, zeros) | {"topology": topology}
     except UsageError as e:
         raise fail(str(e))
-    typer.echo(json.dumps(result) if as_json else render_config(result))
+    typer.echo(json.dumps(result) if as_json else render_config(result, seconds))

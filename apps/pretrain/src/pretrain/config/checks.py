@@ -140,6 +140,25 @@ def qk_clip_rules(cfg) -> None:
               f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
 
 
+def dropout_rules(cfg) -> None:
+    """Dropout's masks are drawn per global sample, token and channel (model/dropout.py): the layouts that keep a
+    block's [S, B, H] activation (and attention's whole sequence) on one rank (no tp, cp, ep), without MTP, compile
+    or dynamic CP; attention dropout also with plain GQA on the torch backend and no packed documents."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    for key in ("hidden_dropout", "attention_dropout"):
+        if getattr(m, key) > 0:
+            bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
+            bad += [k for k, on in (("[model].mtp_depth > 0", m.mtp_depth), ("[train].compile", t.compile),
+                                    ("[parallel].dynamic_cp", p.dynamic_cp)) if on]
+            if key == "attention_dropout":
+                bad += [k for k, on in (("[model].attention='mla'", m.attention == "mla"),
+                                        ("[model].backend='te'", m.backend == "te"),
+                                        ("[data].document_mask", d.document_mask)) if on]
+            _need(not bad, f"[model].{key}={getattr(m, key)} runs with data and pipeline parallelism only (tp, cp, ep = "
+                           f"1, no MTP, compile or dynamic CP{'; GQA on the torch backend, no document_mask' if key == 'attention_dropout' else ''}), "
+                           f"where its masks stay those of one rank; got {', '.join(bad)}: set {key} = 0 or drop them")
+
+
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
 CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules, qk_clip_rules)
+                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules)

@@ -42,6 +42,7 @@ def _validate_route_nodes(m) -> None:
 class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
 
+    flavor: str = ""  # a shipped config's [model] to start from (config/flavors.py), e.g. "llama3-8b", torchtitan's "8B"
     vocab_size: int = 256
     # Megatron's --make-vocab-size-divisible-by: the embedding and head get rows up to a multiple of
     # 128 x tp (0, the default) or of this fixed number (a multiple of tp); the padded logits are
@@ -61,6 +62,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Megatron's --hidden-dropout on each block's attention and MLP outputs, its mask a hash of the element's
+    # global sample, token and channel (model/dropout.py), so it trains as one rank would; 0 = off
+    hidden_dropout: float = 0.0
+    # Megatron's --attention-dropout on the attention probabilities, masks drawn the same way; it writes the
+    # attention out (S x S probabilities per head), not the fused kernels; 0 = off
+    attention_dropout: float = 0.0
     recompute: str = "none"
     moe_layers_start: int = 0
     num_experts: int = 0
@@ -147,6 +154,8 @@ class ModelConfig:
         _need(self.routed_scaling > 0, f"[model].routed_scaling={self.routed_scaling} must be > 0")
         _need(self.init_std > 0 and self.norm_eps > 0 and self.rope_theta > 0,
               "[model].init_std, norm_eps and rope_theta must be > 0")
+        _need(0 <= self.hidden_dropout < 1, f"[model].hidden_dropout={self.hidden_dropout} must be in [0, 1)")
+        _need(0 <= self.attention_dropout < 1, f"[model].attention_dropout={self.attention_dropout} must be in [0, 1)")
         _choice("[model].recompute", self.recompute, RECOMPUTE)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)

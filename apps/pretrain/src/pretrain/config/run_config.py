@@ -35,7 +35,8 @@ from .model_section import ModelConfig
 from .rules import _need
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
-from .train_section import TrainConfig
+from .train_section import TrainConfig, shorten_warmup
+from .flavors import flavor_model
 from ..errors import UsageError, shown
 from .layout import MAX_WORLD, Layout, micro_batching
 
@@ -82,6 +83,8 @@ class Config:
         p, t = self.parallel, self.train
         _need(1 <= world_size <= MAX_WORLD, f"world size {world_size} must be in 1..{MAX_WORLD} (2**17 ranks)")
         dp, rest = divmod(world_size, p.tp * p.cp * p.pp)
+        if t.local_batch and not rest:  # torchtitan's per-rank batch: the global one follows the layout's dp
+            object.__setattr__(t, "global_batch", t.local_batch * dp)
         if not rest:  # before the grid is built: a dp the batch cannot fill fails at once (else the grid says why)
             micro_batch, microbatches = micro_batching(t.global_batch, t.micro_batch, p.microbatches, dp, p.pp)
         sp = p.tp > 1 if p.sequence_parallel is None else (p.sequence_parallel and p.tp > 1)
@@ -179,6 +182,9 @@ def _suggest(name: str, valid: list[str]) -> str:
 
 
 RENAMED = {("parallel", "placement"): "rank_assignment"}  # (section, old key) -> new key
+# (section, another trainer's key) -> par's key, with the note saying so
+ALIASES = {("train", "local_batch_size"): ("local_batch", "torchtitan's per-data-parallel-rank batch; par's "
+                                                          "global_batch is over all ranks")}
 RENAMED_FROM = {(section, new): old for (section, old), new in RENAMED.items()}
 # (section, old key) -> the keys it now sets, all to its value ([train].timeout_s meant both timeouts)
 SPLIT = {("train", "timeout_s"): ("collective_timeout_s", "join_timeout_s")}
@@ -193,6 +199,8 @@ def config_from_dict(data: dict, source: str = "") -> Config:
                              f"valid sections: {', '.join(SECTIONS)}")
         _need(isinstance(values, dict), f"[{section}] must be a table of keys")
         cls = SECTIONS[section]
+        if section == "model" and values.get("flavor"):  # its keys first, the section's own on top
+            values = {**flavor_model(values["flavor"]), **values}
         hints = typing.get_type_hints(cls)
         valid = [f.name for f in dataclasses.fields(cls)]
         kwargs = {}
@@ -205,6 +213,9 @@ def config_from_dict(data: dict, source: str = "") -> Config:
                     if name not in values:  # a new key given beside it wins
                         kwargs[name] = _coerce(section, name, value, hints[name])
                 continue
+            if (section, key) in ALIASES:
+                alias, (key, why) = key, ALIASES[section, key]
+                print(f"note: [{section}].{alias} is [{section}].{key} here ({why})", file=sys.stderr)
             if (section, key) in RENAMED:  # the old name still works, and says the new one
                 key = RENAMED[section, key]
                 print(f"note: [{section}].{RENAMED_FROM[section, key]} is now [{section}].{key}", file=sys.stderr)
@@ -234,6 +245,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     merged = {s: dict(v) if isinstance(v, dict) else v for s, v in data.items()}
+    if any(parse_override(t)[:2] == ("model", "flavor") for t in overrides):
+        merged["model"] = {}  # --set model.flavor replaces the file's model section
     for text in overrides:
         section, name, value = parse_override(text)
         table = merged.setdefault(section, {})
@@ -285,5 +298,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     """Read a TOML config (None = the embedded ``tiny.toml``), apply ``--set`` overrides, then those of
     ``$PRETRAIN_SET`` (e.g. ``PRETRAIN_SET="train.steps=2"`` shortens every run), validate."""
     data, source = read_toml(path)
-    extra = os.environ.get(ENV_OVERRIDES, "").split()
-    return config_from_dict(apply_overrides(data, list(overrides or []) + extra), source=source)
+    overrides = list(overrides or []) + os.environ.get(ENV_OVERRIDES, "").split()
+    merged = apply_overrides(data, overrides)
+    shorten_warmup(merged, {parse_override(o)[:2] for o in overrides})
+    return config_from_dict(merged, source=source)

@@ -22,6 +22,9 @@ class DataConfig:
     eos: int = -1  # the EOS id of a dataset whose files do not say it (Megatron's own); -1 = the header's
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json (for `prepare`)
     valid_fraction: float = 0.05
+    # Megatron's --split 949,50,1: train / validation / test weights of each source's tokens, in that order
+    # (normalised; replaces valid_fraction); the test part is evaluated once, at the end of the run
+    split: list = field(default_factory=list)
     seed: int = 1234  # the data order (which window each step reads) and the embedded corpus
     # Packed documents, as Megatron's --reset-attention-mask / --reset-position-ids / --eod-mask-loss:
     # attention stays inside each document, RoPE positions restart at each document, and the loss
@@ -34,6 +37,14 @@ class DataConfig:
         from ..data.blend import check_blend, check_held_out
 
         _need(0 < self.valid_fraction < 1, f"[data].valid_fraction={self.valid_fraction} must be in (0, 1)")
+        if self.split:
+            ok = len(self.split) == 3 and all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 1e18
+                                              for w in self.split)
+            _need(ok and self.split[0] > 0 and self.split[1] > 0,
+                  f"[data].split={self.split!r} must be three weights [train, valid, test], e.g. [949, 50, 1] "
+                  f"(Megatron's --split 949,50,1), train and valid > 0")
+            _need(not self.eval_sources, "[data].split cuts each source's validation part: not with eval_path / "
+                                         "eval_blend (a separate held-out set); drop one")
         _seed("[data].seed", self.seed)
         _need(not (self.path and self.blend), "[data] takes path or blend, not both")
         _need(not (self.eval_path and self.eval_blend), "[data] takes eval_path or eval_blend, not both")
@@ -54,6 +65,14 @@ class DataConfig:
     def eval_sources(self) -> list:
         """The separate held-out set as ``[[weight, prefix], ...]``; [] = the training sources' tails."""
         return self.eval_blend or ([[1.0, self.eval_path]] if self.eval_path else [])
+
+    @property
+    def held_out(self) -> tuple[float, float]:
+        """The validation and test fractions of each source: ``split``'s, else (valid_fraction, 0)."""
+        if not self.split:
+            return self.valid_fraction, 0.0
+        total = float(sum(self.split))
+        return self.split[1] / total, self.split[2] / total
 
     @property
     def packed(self) -> bool:
@@ -118,9 +137,16 @@ class LogConfig:
 class ProfileConfig:
     steps: str = ""  # "20-22" or "5": torch.profiler traces of these (1-based) steps; "" = none
     memory: bool = True  # CUDA: a memory snapshot of the window; CPU: the profiler's memory columns
+    every: int = 0  # also trace every this-many-th step (torchtitan's profile_freq): N, 2N, ...; 0 = off
 
     def __post_init__(self) -> None:
         self.window()  # the one-line error for a malformed range
+        _positive("profile", self, "every", allow_zero=True)
+
+    def traces(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is traced: in the window of ``steps`` or a multiple of ``every``."""
+        window = self.window()
+        return (window is not None and window[0] <= step <= window[1]) or (self.every > 0 and step % self.every == 0)
 
     def window(self) -> tuple[int, int] | None:
         """The first and last profiled step (1-based, inclusive); None when profiling is off."""

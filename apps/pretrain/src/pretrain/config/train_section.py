@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 from dataclasses import dataclass, field
 
@@ -15,6 +17,8 @@ DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
+DECAY_STYLES = ("cosine", "linear", "wsd", "inverse-square-root", "constant")  # Megatron's --lr-decay-style
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
 OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
 
 
@@ -27,13 +31,31 @@ class TrainConfig:
     stop_at: int = 0  # 0 = run to `steps`; else end after this step (as a pre-emption would)
     seq_len: int = 64
     global_batch: int = 8  # sequences per optimizer step, over all dp ranks
+    # sequences per step per data-parallel rank (torchtitan's local_batch_size); > 0: global_batch = this x dp
+    local_batch: int = 0
     micro_batch: int = 0  # sequences per micro-batch per dp rank; 0 = derived
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warm-up; more than a shortened `steps` (--set train.steps=2) is clamped, with a note
+    # the decay after the warm-up (training/schedule_lr.py: Megatron's formulas): cosine | linear | wsd
+    # (warmup-stable-decay) | inverse-square-root | constant
+    lr_decay_style: str = "cosine"
+    lr_decay_steps: int = 0  # the LR reaches min_lr here (Megatron's --lr-decay-iters); 0 = steps
+    # wsd: the decay phase is the last lr_wsd_decay_steps of lr_decay_steps (Megatron's --lr-wsd-decay-iters),
+    # or that fraction of them (torchtitan's decay_ratio), shaped linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_steps: int = 0
+    lr_wsd_decay_ratio: float = 0.0
+    lr_wsd_decay_style: str = "linear"
+    # Megatron's sample-based run: train_samples > 0 sets steps = train_samples // global_batch; these and
+    # lr_*_samples > 0 put the schedule in samples (each replacing its *_steps key)
+    train_samples: int = 0
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int = 0
+    lr_wsd_decay_samples: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8  # AdamW's eps (Megatron's --adam-eps, torchtitan's optimizer.eps)
     # adamw: par-zero's distributed AdamW (beta1, beta2; every [parallel].zero); or a torch.optim class by
     # name, any case (sgd, adagrad, rmsprop, ...; zero = no_shard or torch_fsdp2) built with lr,
     # weight_decay (norms, biases, embeddings excluded) and optimizer_args, e.g. {momentum = 0.9}
@@ -70,15 +92,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
-        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", allow_zero=True)
+        _positive("train", self, "stop_at", "micro_batch", "warmup_steps", "eval_every", "local_batch", allow_zero=True)
+        self._schedule_rules()
         _seed("[train].seed", self.seed)
         _need(self.global_batch * self.seq_len <= MAX_TOKENS_PER_STEP,
               f"[train].global_batch x seq_len = {self.global_batch} x {self.seq_len} tokens per step is more than "
               f"{MAX_TOKENS_PER_STEP:,} (2**30); lower global_batch or seq_len")
         _need(self.stop_at <= self.steps, f"[train].stop_at={self.stop_at} is after the last step steps={self.steps}")
-        _need(self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}")
+        _need(self.lr_warmup_samples or self.warmup_steps <= self.steps, f"[train].warmup_steps={self.warmup_steps} exceeds steps={self.steps}; "
+                                               f"set [train].warmup_steps to at most {self.steps} (or 0)")
         _need(0 <= self.min_lr <= self.lr, f"[train].min_lr={self.min_lr} must be in 0..lr={self.lr}")
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"[train].beta1={self.beta1}, beta2={self.beta2} must be in [0, 1)")
+        _need(self.adam_eps > 0, f"[train].adam_eps={self.adam_eps} must be > 0")
         _need(self.weight_decay >= 0 and self.grad_clip >= 0, "[train].weight_decay and grad_clip must be >= 0")
         _timeout("[train].collective_timeout_s", self.collective_timeout_s)
         _timeout("[train].join_timeout_s", self.join_timeout_s)
@@ -100,6 +125,28 @@ class TrainConfig:
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
+
+    def _schedule_rules(self) -> None:
+        """The LR schedule's keys (training/schedule_lr.py); train_samples sets steps."""
+        _positive("train", self, "lr_decay_steps", "lr_wsd_decay_steps", "train_samples", "lr_warmup_samples",
+                  "lr_decay_samples", "lr_wsd_decay_samples", allow_zero=True)
+        _choice("[train].lr_decay_style", self.lr_decay_style, DECAY_STYLES)
+        _choice("[train].lr_wsd_decay_style", self.lr_wsd_decay_style, WSD_DECAY_STYLES)
+        _need(0 <= self.lr_wsd_decay_ratio <= 1, f"[train].lr_wsd_decay_ratio={self.lr_wsd_decay_ratio} must be in [0, 1]")
+        if self.train_samples:
+            steps = self.train_samples // self.global_batch
+            _need(steps >= 1, f"[train].train_samples={self.train_samples} is less than one step of global_batch="
+                              f"{self.global_batch} samples")
+            object.__setattr__(self, "steps", steps)
+        _need(not self.lr_decay_steps or self.warmup_steps <= self.lr_decay_steps,
+              f"[train].warmup_steps={self.warmup_steps} exceeds lr_decay_steps={self.lr_decay_steps}; lower one")
+        from ..training.schedule_lr import schedule_bounds
+
+        _unit, warmup, decay, wsd = schedule_bounds(self)
+        if self.lr_decay_style == "wsd":
+            _need(0 < wsd <= decay - warmup,
+                  f"[train].lr_decay_style='wsd' needs a decay phase in 1..{decay - warmup} (the steps after the "
+                  f"warm-up): set [train].lr_wsd_decay_steps, lr_wsd_decay_ratio or lr_wsd_decay_samples (got {wsd})")
 
     @property
     def optimizer_class(self) -> str:
@@ -125,3 +172,25 @@ class TrainConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bf16" if device_type == "cuda" else "fp32"
+
+
+def shorten_warmup(data: dict, overridden: set[tuple[str, str]]) -> None:
+    """Clamp ``[train].warmup_steps`` to a run shortened by ``--set train.steps=N`` (or PRETRAIN_SET), with a
+    note, as torchtitan does; it stays an error (naming the key) when the user set warm-up and length both."""
+    train = data.get("train")
+    if not isinstance(train, dict):
+        return
+    chosen = ("train", "warmup_steps") in overridden or ("warmup_steps" in train and not (
+        {("train", "steps"), ("train", "train_samples")} & overridden))
+    steps, warmup = train.get("steps", TrainConfig.steps), train.get("warmup_steps", TrainConfig.warmup_steps)
+    batch, samples = train.get("global_batch", TrainConfig.global_batch), train.get("train_samples", 0)
+    if chosen or not all(isinstance(v, int) and not isinstance(v, bool) for v in (steps, warmup, batch, samples)):
+        return  # the section's own checks say what is wrong
+    if samples > 0 and batch > 0:
+        steps = samples // batch
+    if 0 < steps < warmup:
+        # once per run: the launching process, or torchrun's rank 0 (the local launcher's ranks stay quiet)
+        if "RANK" not in os.environ or (os.environ["RANK"] == "0" and "TORCHELASTIC_RUN_ID" in os.environ):
+            print(f"note: [train].warmup_steps={warmup} is more than the run's steps={steps}: warm-up clamped to "
+                  f"{steps} steps (set [train].warmup_steps to choose)", file=sys.stderr)
+        train["warmup_steps"] = steps

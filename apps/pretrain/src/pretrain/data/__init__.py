@@ -98,6 +98,7 @@ def build_sampler(cfg, layout, dp_rank: int, dataset=None) -> TokenSampler:
     weights = ds.weights if isinstance(ds, Blend) else None
     return TokenSampler(members(ds), seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                         micro_batch=layout.micro_batch, dp_rank=dp_rank, dp_size=layout.dp,
-                        seed=cfg.data.seed, valid_fraction=cfg.data.valid_fraction, weights=weights,
+                        seed=cfg.data.seed, valid_fraction=cfg.data.held_out[0], weights=weights,
+                        test_fraction=cfg.data.held_out[1],
                         eval_datasets=members(held_out) or None,
                         eval_weights=held_out.weights if isinstance(held_out, Blend) else None)

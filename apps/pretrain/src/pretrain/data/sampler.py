@@ -10,7 +10,9 @@ so consecutive windows overlap by the one token that is both a label and the nex
   only those (``global_*_batch`` read all of a step, for dynamic CP and tests). The
   batch is a pure function of the step: resuming at step s needs only s, and every tp/pp/cp rank
   of one dp rank gets the same tokens.
-* Evaluation: held-out windows in order, batch i starting at window ``i * global_batch``.
+* Evaluation: held-out windows in order, batch i starting at window ``i * global_batch``. With a
+  ``test_fraction`` (Megatron's ``--split``), each source's last ``test_fraction`` is a test part
+  after the held-out one, read the same way.
 * A blend (several datasets with weights, see ``blend.py``): global sample n comes from the source
   Megatron's blending rule picks, as that source's next sample; each source is split, shuffled
   (by seed, epoch and its place in the blend) and held out on its own. A separate eval set
@@ -130,7 +132,7 @@ class TokenSampler:
     def __init__(self, dataset, *, seq_len: int, global_batch: int, micro_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, valid_fraction: float = 0.05,
                  weights: list[float] | None = None, eval_datasets: list[TokenDataset] | None = None,
-                 eval_weights: list[float] | None = None):
+                 eval_weights: list[float] | None = None, test_fraction: float = 0.0):
         if global_batch % dp_size or (global_batch // dp_size) % micro_batch:
             raise UsageError(f"global_batch={global_batch} must split into dp={dp_size} x micro-batches of {micro_batch}")
         if not 0 <= dp_rank < dp_size:
@@ -140,15 +142,22 @@ class TokenSampler:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         blended = len(datasets) > 1
-        # each source's first 1 - valid_fraction trains; all of it when the held-out set is separate
-        splits = [ds.num_tokens if eval_datasets else int(round(ds.num_tokens * (1 - valid_fraction)))
+        # each source's first 1 - valid_fraction (- test_fraction) trains; all of it when the held-out set is separate
+        splits = [ds.num_tokens if eval_datasets else int(round(ds.num_tokens * (1 - valid_fraction - test_fraction)))
                   for ds in datasets]
         train = [Windows(ds, 0, split, seq_len, (seed, k) if blended else (seed,))
                  for k, (ds, split) in enumerate(zip(datasets, splits))]
+        # the test part: each source's last test_fraction, after the held-out part
+        ends = [ds.num_tokens - int(round(ds.num_tokens * test_fraction)) for ds in datasets]
         if eval_datasets:
             valid = [Windows(ds, 0, ds.num_tokens, seq_len, None) for ds in eval_datasets]
         else:
-            valid = [Windows(ds, split, ds.num_tokens, seq_len, None) for ds, split in zip(datasets, splits)]
+            valid = [Windows(ds, split, end, seq_len, None) for ds, split, end in zip(datasets, splits, ends)]
+        test = [Windows(ds, end, ds.num_tokens, seq_len, None) for ds, end in zip(datasets, ends)]
+        for ds, w in zip(datasets, test if test_fraction else []):
+            if w.count < 1:
+                raise UsageError(f"dataset {ds.source} has {ds.num_tokens} tokens: too few for a test window "
+                                 f"([data].split) of seq_len+1={seq_len + 1} tokens")
         held = "" if eval_datasets else f" and held-out (valid_fraction={valid_fraction})"
         for ds, t, v in zip(datasets, train, valid if not eval_datasets else train):
             if t.count < 1 or v.count < 1:
@@ -160,6 +169,7 @@ class TokenSampler:
         self.split_at, self.train_windows, self.valid_windows = splits[0], train[0].count, valid[0].count
         self.train = Stream(train, weights)
         self.valid = Stream(valid, eval_weights if eval_datasets else weights)
+        self.test = Stream(test, weights) if test_fraction else None
 
     @property
     def eos(self) -> int | None:
@@ -197,13 +207,15 @@ class TokenSampler:
         """All ``global_batch`` sequences of optimizer step ``step`` (0-based): ``[global_batch, seq_len + 1]``."""
         return self.train.gather(step * self.global_batch, (step + 1) * self.global_batch)
 
-    def global_eval_batch(self, index: int) -> Batch:
-        return self.valid.gather(index * self.global_batch, (index + 1) * self.global_batch)
+    def global_eval_batch(self, index: int, split: str = "valid") -> Batch:
+        stream = self.test if split == "test" else self.valid
+        return stream.gather(index * self.global_batch, (index + 1) * self.global_batch)
 
     def train_batch(self, step: int) -> Batch:
         """This dp rank's part of step ``step``: ``[microbatches, micro_batch, seq_len + 1]``."""
         return self._rank_part(self.train, step)
 
-    def eval_batch(self, index: int) -> Batch:
-        """This dp rank's part of held-out batch ``index``: ``[microbatches, micro_batch, seq_len + 1]``."""
-        return self._rank_part(self.valid, index)
+    def eval_batch(self, index: int, split: str = "valid") -> Batch:
+        """This dp rank's part of held-out (``split="test"``: test) batch ``index``: ``[microbatches, micro_batch,
+        seq_len + 1]``."""
+        return self._rank_part(self.test if split == "test" else self.valid, index)

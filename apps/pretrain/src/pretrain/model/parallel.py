@@ -39,6 +39,7 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
 from .rope import apply_rope, rope_for, set_shard_rope_tables_
+from .dropout import attention_with_dropout, hidden_dropout, position as dropout_position
 from .te import fuse_norm_, recompute
 
 
@@ -84,9 +85,9 @@ class RopeThenContextAttention(nn.Module):
     With ``qk_norm`` (Qwen3) each head's query and key first go through its RMSNorm: copies on every
     TP rank, each seeing only its own heads, so their grads are partial sums over TP."""
 
-    def __init__(self, config, context: ChunkContext) -> None:
+    def __init__(self, config, context: ChunkContext, layer: int = 0) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.layer = config, layer  # the layer index: attention dropout's masks differ per layer
         if config.qk_norm:
             self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), context.groups.tp, True)
                                         for _ in range(2))
@@ -101,7 +102,7 @@ class RopeThenContextAttention(nn.Module):
     def init_buffers_(self, device: torch.device) -> None:
         set_shard_rope_tables_(self, device, self.seq_len, self.config.head_dim)
 
-    def _core(self, q, k, v, docs):
+    def _core(self, q, k, v, docs, where=None):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_for(self, docs, q.dtype, self.config.head_dim)
@@ -111,12 +112,17 @@ class RopeThenContextAttention(nn.Module):
         if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
             scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
             return docs.attend(q, k, v, scale, self.attn.backend)
+        if where is not None:  # [model].attention_dropout (config/checks.py: one rank's whole sequence, no documents)
+            scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+            return attention_with_dropout(q, k, v, scale, self.config.attention_dropout, where, self.layer)
         return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
 
     def forward(self, q, k, v, docs: Documents | None = None):
+        # [model].attention_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
+        where = dropout_position() if self.config.attention_dropout > 0 and self.training else None
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return recompute(self._core, q, k, v, docs, backend=self.backend)
-        return self._core(q, k, v, docs)
+            return recompute(self._core, q, k, v, docs, where, backend=self.backend)
+        return self._core(q, k, v, docs, where)
 
 
 def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
@@ -133,6 +139,7 @@ class ParallelDecoderLayer(nn.Module):
         g, sp = context.groups, context.sequence_parallel
         self.full_recompute, self.backend = context.recompute == "full", context.backend
         self.is_moe = config.is_moe_layer(index)
+        self.index, self.hidden_dropout = index, config.hidden_dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         self.attention_norm_inside = context.backend == "te" and config.attention != "mla"
         self.mlp_norm_inside = context.backend == "te" and not self.is_moe
@@ -142,7 +149,7 @@ class ParallelDecoderLayer(nn.Module):
                                   context.recompute == "selective", context.backend)
             self.self_attn = TPMLAttention(config, g.tp, sp, core, comm_overlap=context.tp_comm_overlap)
         else:
-            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, context),
+            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, context, index),
                                          head_dim=config.head_dim, comm_overlap=context.tp_comm_overlap)
         self.post_attention_layernorm = _norm(config, context, self.mlp_norm_inside)
         # Without SP the tp ranks hold the same tokens: a MoE layer takes this rank's 1/tp of the
@@ -170,9 +177,10 @@ class ParallelDecoderLayer(nn.Module):
         if self.mlp_norm_inside:
             fuse_norm_(self.mlp, self.post_attention_layernorm)
 
-    def _forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, docs: Documents | None = None, where=None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        x = x + self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        attn = self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        x = x + (attn if where is None else hidden_dropout(attn, self.hidden_dropout, where, self.index, 0))
         h = x if self.mlp_norm_inside else self.post_attention_layernorm(x)
         if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
             h = scatter_to_sequence_parallel(h, self.moe_tp_group)
@@ -182,12 +190,14 @@ class ParallelDecoderLayer(nn.Module):
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
         if self.moe_splits_tokens:  # the consumers are replicated: backward keeps this rank's rows
             out = gather_from_sequence_parallel(out, self.moe_tp_group, output_grad_is_partial=False)
-        return x + out
+        return x + (out if where is None else hidden_dropout(out, self.hidden_dropout, where, self.index, 1))
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
+        where = dropout_position() if self.hidden_dropout > 0 and self.training else None
         if self.full_recompute and torch.is_grad_enabled():
-            return recompute(self._forward, x, docs, backend=self.backend)
-        return self._forward(x, docs)
+            return recompute(self._forward, x, docs, where, backend=self.backend)
+        return self._forward(x, docs, where)
 
 
 def _mtp_layer(config, j: int, context: ChunkContext) -> ParallelDecoderLayer:

@@ -163,12 +163,13 @@ class MetricsLogger:
             self.message(f"step {step}/{self.total_steps} {stats}")
         return record
 
-    def log_eval(self, step: int, loss: float) -> dict:
-        record = {"step": step, "eval_loss": float(loss), "time": time.time(), **self._run()}
+    def log_eval(self, step: int, loss: float, split: str = "eval") -> dict:
+        """A held-out loss; ``split="test"``: [data].split's test part, at the end of the run."""
+        record = {"step": step, f"{split}_loss": float(loss), "time": time.time(), **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
-        self._scalars({"loss": float(loss)}, "eval", step)
+        self._scalars({"loss": float(loss)}, split, step)
         if self.show:
-            self.message(f"step {step}: eval loss {loss:.4f}")
+            self.message(f"step {step}: {split} loss {loss:.4f}")
         return record
 
     def log_event(self, event: str, *, step: int, **fields: Any) -> dict:

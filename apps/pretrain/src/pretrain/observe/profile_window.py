@@ -1,4 +1,5 @@
-"""``[profile] steps = "20-22"``: a torch.profiler Chrome trace of each of those steps, on every rank.
+"""``[profile] steps = "20-22"``: a torch.profiler Chrome trace of each of those steps, on every rank
+(``every = N``: also of steps N, 2N, ..., as torchtitan's ``profile_freq``).
 
 Each step of the window writes ``<log.dir>/profile/step_N/rank_R.json`` (open it in Perfetto or
 chrome://tracing). The trace names what ran: par-pp's executor wraps each pipeline action in a
@@ -33,19 +34,22 @@ class ProfileWindow:
     """Call :meth:`before` and :meth:`after` around each step (1-based numbers)."""
 
     def __init__(self, cfg, rank: int, device: torch.device, watch=None) -> None:
-        self.window = cfg.profile.window()
+        self.window, self.profile = cfg.profile.window(), cfg.profile
         self.memory, self.rank, self.device, self.watch = cfg.profile.memory, rank, device, watch
         self.dir = Path(cfg.log.dir) / "profile"
         self._prof = None
 
     def _in_window(self, step: int) -> bool:
-        return self.window is not None and self.window[0] <= step <= self.window[1]
+        return self.profile.traces(step)
+
+    def _first_of_window(self, step: int) -> bool:
+        return self.window is not None and step == self.window[0]
 
     def before(self, step: int) -> None:
         if not self._in_window(step):
             return
         cuda = self.device.type == "cuda"
-        if cuda and self.memory and step == self.window[0]:
+        if cuda and self.memory and self._first_of_window(step):
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no "gpuGetDeviceCount failed" line per rank on a CPU host
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -65,7 +69,7 @@ class ProfileWindow:
             table = self._prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=25)
             _write(out / f"rank_{self.rank}_memory.txt", lambda p: Path(p).write_text(table))
         self._prof = None
-        if step == self.window[1]:
+        if self.window is not None and step == self.window[1]:
             if self.watch is not None:
                 self.watch.ranges = False
             if self.memory and self.device.type == "cuda":

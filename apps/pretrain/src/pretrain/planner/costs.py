@@ -90,3 +90,40 @@ def choose_zero(fits: dict, dp_nodes: int, d: int) -> dict:
         return {"zero": strategy, "hsdp_replicas": 1, "why": why}
     return {"zero": None, "hsdp_replicas": 1,
             "why": "does not fit even with ZeRO-3: raise tp, pp or ep, recompute activations, or use more ranks"}
+
+
+def _strategy(zero: str) -> str:
+    return "optim_grads_params" if zero == "torch_fsdp2" else zero
+
+
+def choice_cost(plan: dict, seconds: dict | None = None) -> str | None:
+    """What the config's ``[parallel].zero`` costs against the decision's, in memory and in the data-parallel
+    traffic of a step (planner/estimate.py's ``zero_traffic`` model), and with ``seconds`` ({zero: exposed
+    seconds per step}, from a topology) in time; None when they agree."""
+    current = _strategy(plan["current"])
+    suggested = plan["decision"]["zero"]
+    if suggested is None or current == suggested or current not in plan["model_state"]:
+        return None
+    d, micro = plan["layout"]["dp"] * plan["layout"]["cp"], plan["layout"]["microbatches"]
+    grads, params = plan["model_state"]["no_shard"]["grads"], plan["model_state"]["no_shard"]["params"]
+
+    def traffic(zero: str) -> float:  # bytes one rank sends per step in its gradient groups (ring collectives)
+        share = (d - 1) / d
+        if zero == "no_shard":
+            return 2 * share * grads  # all-reduce
+        gathers = 1 if zero in ("optim", "optim_grads") else 2 * micro  # ZeRO-3: forward and backward, each micro-batch
+        return share * (grads + gathers * params)  # reduce-scatter, then all-gather the bf16 params
+
+    mine, theirs = plan["peak_gb"][current], plan["peak_gb"][suggested]
+    sent, base = traffic(current) / 1e9, traffic(suggested) / 1e9
+    ratio = sent / base if base else 1.0
+    fits = "fits" if mine <= plan["budget_gb"] else "does not fit"
+    speed = "no slower" if ratio <= 1 else "slower where the data-parallel reductions are not hidden"
+    if seconds:
+        when = (f"; exposed on {seconds['topology']}: {seconds[current] * 1e3:.0f} ms vs {seconds[suggested] * 1e3:.0f} ms "
+                f"per step")
+    else:
+        when = "; add --topology PRESET for the exposed time"
+    return (f"your zero={plan['current']}: peak {mine:.2f} GB per rank ({fits}) vs {theirs:.2f} GB with zero={suggested} "
+            f"({abs(theirs - mine):.2f} GB {'less' if mine <= theirs else 'more'}); data-parallel traffic {sent:.2f} GB vs "
+            f"{base:.2f} GB per rank per step ({ratio:.2f}x: {speed}){when}")

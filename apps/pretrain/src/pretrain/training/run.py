@@ -131,6 +131,10 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             if interval_steps < 0:
                 interval, interval_steps = time.time(), 0
         first = None if first is None else first.loss
+        if getattr(trainer.sampler, "test", None) is not None and done == last_step:  # [data].split's test part: once, at the end
+            test_loss = trainer.evaluate(t.eval_batches, split="test")
+            if logger is not None:
+                logger.log_eval(done, test_loss, split="test")
         if last is None and done > start_step:  # stopped by a signal between log steps
             last = result.loss
         if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run

@@ -31,7 +31,8 @@ from ..model.mtp import mtp_streams
 from ..model.qk_clip import clip_scales, reset_logit_max
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
-from .schedule_lr import lr_at
+from .schedule_lr import lr_for
+from ..model.dropout import set_position as set_dropout_position
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
@@ -78,6 +79,7 @@ class Trainer:
         self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,
                                                  shapes_only.routing if simulated else None)
         self.fp8_region = fp8_regions(self.kernels, g.tp_dp_cp)  # TE's FP8 autocast for one forward, or a no-op
+        self._step = 0  # the step being trained (hidden dropout draws its masks per step)
         self.sampler = build_sampler(cfg, layout, g.coords()["dp"], dataset)  # logical coordinates
         # This rank's place in the CP sequence split (for a2a+p2p, outer * inner + inner rank, which
         # is its index in the cp group too), used to shard tokens like the attention expects.
@@ -146,18 +148,19 @@ class Trainer:
             loss_tokens = (kept / (self.groups.size("dp_cp") * n)).float().reshape(())  # on the device: no host read
         return MicroBatches(inputs, labels, docs, loss_tokens)
 
-    def _batch(self, step: int, eval: bool = False):
+    def _batch(self, step: int, eval: bool | str = False):
         """This rank's batch ``step``; a training step's was read during the previous one (time_data waits for it)."""
         if eval or self.prefetch is None:
             return self._read_batch(step, eval)
         return self.prefetch.get(step)
 
-    def _read_batch(self, step: int, eval: bool = False):
-        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it)."""
-        s = self.sampler
+    def _read_batch(self, step: int, eval: bool | str = False):
+        """This rank's share of batch ``step``; under dynamic CP the global one (every rank plans all of it).
+        ``eval``: True (or "valid") a held-out batch, "test" one of [data].split's test part."""
+        s, split = self.sampler, "test" if eval == "test" else "valid"
         if self.span_groups is not None:
-            return s.global_eval_batch(step) if eval else s.global_train_batch(step)
-        return s.eval_batch(step) if eval else s.train_batch(step)
+            return s.global_eval_batch(step, split) if eval else s.global_train_batch(step)
+        return s.eval_batch(step, split) if eval else s.train_batch(step)
 
     def _dynamic_microbatches(self, batch) -> MicroBatches:
         """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
@@ -171,6 +174,11 @@ class Trainer:
     def forward_chunk(self, batch: MicroBatches, chunk_id: int, module, x: torch.Tensor, microbatch: int):
         """One chunk's forward of micro-batch ``microbatch`` of ``batch``, with its packed documents when
         there are any, in TE's FP8 autocast when [train].fp8 is on (one region per forward: see kernels.fp8_regions)."""
+        m = self.cfg.model
+        if m.hidden_dropout > 0 or m.attention_dropout > 0:  # which global samples: the dropout masks are theirs
+            s = self.sampler
+            first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
+            set_dropout_position(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
@@ -218,8 +226,8 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         cfg, dp, g = self.cfg, self.model.dp, self.groups
-        lr = lr_at(step, lr=cfg.train.lr, min_lr=cfg.train.min_lr, warmup_steps=cfg.train.warmup_steps,
-                   steps=cfg.train.steps)
+        lr = lr_for(step, cfg.train)
+        self._step = step
         self.model.module.train()
         timer = self.timer
         timer.start()
@@ -298,13 +306,13 @@ class Trainer:
         return full
 
     @torch.no_grad()
-    def evaluate(self, batches: int) -> float:
-        """Mean loss over ``batches`` held-out batches (forward only)."""
+    def evaluate(self, batches: int, split: str = "valid") -> float:
+        """Mean loss over ``batches`` held-out (``split="test"``: test) batches (forward only)."""
         self.model.module.eval()
         losses = []
         with self._compute_context():
             for index in range(batches):
-                losses += self.runner.eval_losses(self.microbatches(self._batch(index, eval=True)))
+                losses += self.runner.eval_losses(self.microbatches(self._batch(index, eval=split)))
         self.model.module.train()
         return float(self._mean_loss(losses))
 

@@ -1,0 +1,36 @@
+"""`plan CONFIG --world N --topology PRESET`: the data-parallel communication a step leaves exposed under two
+ZeRO strategies, in the estimator's model (planner/estimate.py), for the line comparing the config's
+``[parallel].zero`` with the decision's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config import TopologyConfig
+from ..errors import UsageError
+from .estimate import GRADIENT_GROUPS, Cluster, Shape, comm_seconds, group_bandwidth
+
+
+def exposed_dp_seconds(cfg, world: int, topology: str, zeros: list[str]) -> dict[str, float]:
+    """``{zero: seconds}`` of exposed gradient-group communication per step on ``topology``."""
+    from par_groups.topology import PRESETS
+
+    from ..runtime.rank_assignment import described_topology, workload
+
+    if topology in PRESETS:
+        spec = TopologyConfig(preset=topology)
+    elif Path(topology).is_file():
+        spec = TopologyConfig(file=topology)
+    else:
+        raise UsageError(f"--topology {topology!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a TOML file")
+    layout, p, t = cfg.validate_world(world), cfg.parallel, cfg.train
+    topo = described_topology(dataclasses.replace(cfg, topology=spec), world)
+    cluster = Cluster(spec, len(topo.node_ranks()[0]), topo.largest_domain())
+    shape = Shape(world, layout.tp, layout.cp, layout.pp, layout.ep, layout.etp, p.schedule, layout.vpp,
+                  p.first_stage_layers, p.last_stage_layers)
+    bandwidth = group_bandwidth(shape, cluster)
+    work = workload(cfg, layout)
+    muon = t.muon_ns_dtype if t.optimizer == "muon" else None
+    return {z: sum(s for name, s in comm_seconds(shape, work, z, bandwidth, muon).items() if name in GRADIENT_GROUPS)
+            for z in zeros}

@@ -233,9 +233,9 @@ def test_closing_the_terminal_of_pretrain_train_saves_at_the_next_step_exits_0_a
             shown = ""
         os.close(terminal)  # the terminal goes: the kernel's SIGHUP to the launcher
         os.killpg(proc.pid, signal.SIGHUP)  # and a shell's to its job
-        _wait_for(lambda: _seen(tmp_path, pids, [HUP, TERM]), "the SIGHUP and the launcher's SIGTERM in every rank")
+        _wait_for(lambda: _seen(tmp_path, pids, [HUP, TERM]) or proc.poll() is not None, "the signals in every rank")
         (tmp_path / "open").touch()
-        assert proc.wait(timeout=300) == 0, shown
+        assert proc.wait(timeout=300) == 0, shown  # not -SIGHUP: the signal ended no process of the run
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -23,3 +23,5 @@ def pytest_sessionstart(session):
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, interrupted)
+
+pytest_plugins = ("pytester",)  # a test runs a planted-hang session of its own (test_suite_time_bound.py)

@@ -51,6 +51,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.timeout(600)  # gcc builds the graph's kernels
 def test_compiled_layout_matches_single_rank(dist_run, name):
     config, common, layout, graphs = LAYOUTS[name]
     out = dist_run(4, compiled_train_steps, config, list(common) + layout, timeout=900)
@@ -61,6 +62,8 @@ def test_compiled_layout_matches_single_rank(dist_run, name):
     assert_same(results, reference, TOLERANCE, name, noise(dist_run, config, common))
 
 
+@pytest.mark.extended  # the dense layout above proves no graph break with TP's collectives; the MoE block's
+@pytest.mark.timeout(600)  # compiled attention alone is the unit test below
 def test_compiled_moe_ep2_under_the_watch_has_no_graph_break_and_trains_the_single_rank(dist_run, tmp_path):
     """tiny-moe at tp2 x ep2, compiled (MoE blocks compile their attention), each step from the single
     eager rank's state (moe_stepwise: routing is a discrete top-k)."""

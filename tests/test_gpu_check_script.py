@@ -26,6 +26,8 @@ def test_check_script_without_cuda_prints_one_line_and_exits_0():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU they run on it (tools/gpu/check.sh)")
+@pytest.mark.extended  # the script's steps are the default tier's own tests and scripts, run once more through it
+@pytest.mark.timeout(900)
 def test_the_check_script_runs_every_step_on_the_cpu():
     """check.sh itself with PAR_GPU_CHECK_ON_CPU=1: the environment report, each package's `-m gpu`
     tests with the CPU standing in for CUDA (so the checks are right before a GPU runs them: their
@@ -44,6 +46,7 @@ def test_the_check_script_runs_every_step_on_the_cpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.timeout(300)  # the script's environment report imports torch and the GPU libraries
 def test_the_check_script_keeps_to_its_budget():
     """With under 20 s of CHECK_BUDGET_S left a step is not run, and that is a failure (exit 1)."""
     res = run("bash", "tools/gpu/check.sh", env={"PYTHON": sys.executable, "PAR_GPU_CHECK_ON_CPU": "1",

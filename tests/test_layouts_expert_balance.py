@@ -104,12 +104,18 @@ def test_replicated_experts_in_two_nvlink_domains_match_single_rank(dist_run, mo
 
 # ZeRO-3 (the fetch must read the gathered weights, the gradients land before the reduce-scatter), the
 # pipeline (micro-batches interleaved) and the all-gather dispatcher (its own dispatch, the same fetch).
+# Each bug is caught on ep4 in the default tier; the same bugs on the other layouts repeat that proof.
+AGAIN = pytest.mark.extended
+
+
 @pytest.mark.parametrize("name,bug", [("ep4-optim_grads-replicate", "replica_gradient_not_returned"),
                                       ("ep4-optim_grads-replicate", "stale_replica_weights"),
-                                      ("ep2-optim_grads_params-replicate", "replica_gradient_not_returned"),
-                                      ("ep2-optim_grads_params-replicate", "stale_replica_weights"),
-                                      ("tp2-pp2-ep2-1f1b-replicate", "replica_gradient_not_returned"),
-                                      ("ep2-dp2-allgather-replicate", "stale_replica_weights")])
+                                      pytest.param("ep2-optim_grads_params-replicate", "replica_gradient_not_returned",
+                                                   marks=AGAIN),
+                                      pytest.param("ep2-optim_grads_params-replicate", "stale_replica_weights", marks=AGAIN),
+                                      pytest.param("tp2-pp2-ep2-1f1b-replicate", "replica_gradient_not_returned",
+                                                   marks=AGAIN),
+                                      pytest.param("ep2-dp2-allgather-replicate", "stale_replica_weights", marks=AGAIN)])
 def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, name, bug):
     """The same comparison fails with a replica's gradient dropped, or replicas computing with stale weights."""
     common = SKEWED_PIPELINE if name in MOE_SKEWED_PIPELINE else SKEWED

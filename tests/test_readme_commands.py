@@ -12,6 +12,7 @@ raw text ``shards/`` (JSONL and text), ``a.jsonl.gz`` and ``b.parquet`` (a ``con
 ``my-tokenizer`` (a ``save_pretrained`` tokenizer directory).
 """
 
+import os
 import re
 import shlex
 import subprocess
@@ -26,7 +27,7 @@ SHORT = "train.steps=2 train.warmup_steps=1 train.eval_every=0 log.progress=fals
 SKIP = (  # (pattern, why)
     (r"^uv sync", "sets up the environment this test runs in (network)"),
     (r"^uv run pytest", "the test suite itself"),
-    (r"\bsrun\b|\btorchrun\b", "needs a SLURM cluster"),
+    (r"\bsrun\b", "needs a SLURM cluster"),
     (r"tools/gpu/check\.sh", "GPU check: needs a CUDA GPU; its CPU form runs in tests/test_gpu_check_script.py"),
     (r"--simulate", "minutes of simulation at 70B-671B shapes on a 2-core machine; tests/test_simulate.py runs "
                     "the same path on narrowed shapes"),
@@ -92,11 +93,17 @@ def run_line(line: str, runner: CliRunner) -> tuple[int, str]:
     if words[:3] == ["uv", "run", "pretrain"]:
         res = runner.invoke(app, words[3:])
         return res.exit_code, res.output
-    res = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300)
+    # the directory is a clone by its links, not by a pyproject.toml of its own: uv finds the project it links to
+    res = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"UV_PROJECT": str(ROOT)})
     return res.returncode, res.stdout + res.stderr
 
 
-def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys):
+# The default tier runs every line but torchrun's (each a fresh interpreter per rank, importing torch: minutes on
+# 2 cores); the extended tier runs them all, torchrun's included, in the same order.
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.timeout(900)  # every README line, trainings included
+def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys, torchrun):
     for name in ("apps", "packages", "tools", "README.md"):
         (tmp_path / name).symlink_to(ROOT / name)
     hf_llama(tmp_path / "path" / "to" / "llama")
@@ -107,7 +114,8 @@ def test_readme_bash_blocks_run_as_written(tmp_path, monkeypatch, capsys):
     commands = readme_commands()
     assert len(commands) >= 15, commands  # the parser found the README's blocks
     for line in commands:
-        why = skip_reason(line)
+        why = skip_reason(line) or (None if torchrun or not re.search(r"\btorchrun\b", line) else
+                                    "torchrun starts an interpreter per rank: run as written by `pytest -m extended`")
         if why:
             report.append(f"skip  {line}\n      ({why})")
             continue

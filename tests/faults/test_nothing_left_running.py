@@ -6,12 +6,15 @@ user's error, SIGTERM, SIGINT twice, a SIGSTOPped rank) are checked the same way
 import os
 import signal
 
+import pytest
+
 from run_group import finish, kill_group, members, rank_pids, start, wait_for_steps
 
 RUN = ("model.layers=2", "train.steps=100000", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
        "train.collective_timeout_s=600")
 
 
+@pytest.mark.timeout(300)  # a whole `pretrain train` in its own process
 def test_a_rank_killed_mid_step_leaves_no_process_of_the_run(tmp_path):
     proc = start(tmp_path, *RUN)
     try:

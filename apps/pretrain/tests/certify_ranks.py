@@ -118,6 +118,18 @@ def _patches(bug: str):
             for r in last:
                 r._certify_last = r is last[-1]
         return [(router.Router, "forward", next_expert), (router.Router, "__init__", init)]
+    if bug == "embedding_shard_edge":  # the last id of each TP vocabulary shard looks up twice its row
+        import torch.nn.functional as F
+
+        import par_tp.embedding as emb
+
+        def edge_doubled(self, ids):
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            partial = partial * (1 + (ids == self.vocab_end - 1).unsqueeze(-1).to(partial.dtype))
+            return emb.exit_tensor_parallel_region(partial, self.tp_group, self.sequence_parallel)
+        return [(emb.VocabParallelEmbedding, "forward", edge_doubled)]
     raise ValueError(bug)
 
 
@@ -134,8 +146,8 @@ def planted(bug: str | None):
             setattr(obj, name, old)
 
 
-def layout_with_bug(bug, config, overrides, steps, work, margin):
+def layout_with_bug(bug, config, overrides, steps, work, margin, ids):
     from pretrain.certify.ranks import run_layout
 
     with planted(bug):
-        return run_layout(config, overrides, steps, work, margin)
+        return run_layout(config, overrides, steps, work, margin, ids)

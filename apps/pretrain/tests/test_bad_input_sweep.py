@@ -66,6 +66,7 @@ def workspace(tmp_path_factory):
     (w / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
     (w / "notext.jsonl").write_text('{"body": "a"}\n')
     (w / "a_file").write_text("a file where a directory is expected\n")
+    (w / "dangling").symlink_to(w / "nowhere")  # a symlink to a path that does not exist
     (w / "bad.toml").write_text("[model\n")
     hf = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
           "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128}
@@ -237,6 +238,14 @@ CASES = {
                                        "--set", "checkpoint.every=1", "--set", "checkpoint.keep=1", "--set", "log.dir=run"),
     "train latest names ../": _train("--set", "checkpoint.resume=true", "--set", "checkpoint.dir=ck_latest_outside",
                                      "--set", "log.dir=run"),
+    # issue 58: output paths that are no writable directory, and a run's directory given to certify
+    "certify out is a file": ["certify", "--nproc", "1", "--out", "a_file"],
+    "certify out under a file": ["certify", "--nproc", "1", "--out", "a_file/sub"],
+    "certify out read-only": ["certify", "--nproc", "1", "--out", "/sys/kernel"],  # sysfs: read-only even to root
+    "certify out is a run's log.dir": ["certify", "--nproc", "1", "--out", "trained"],
+    "convert to-hf dangling symlink": ["convert", "--to-hf", "dangling", "--checkpoint", "ck_good"],
+    "convert to-hf under a file": ["convert", "--to-hf", "a_file/sub", "--checkpoint", "ck_good"],
+    "convert from-hf out dangling symlink": ["convert", "--from-hf", "hf_good", "--out", "dangling"],
 
     "unknown verb": ["fly"],
 }

@@ -29,6 +29,7 @@ CONFIGS = {
 
 
 def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
+    from pretrain.certify.coverage import edge_ids
     from pretrain.certify.narrow import narrowed_overrides, reference_overrides
     from pretrain.certify.ranks import run_reference
     from pretrain.certify.verdict import MARGIN, verdict_line
@@ -40,9 +41,10 @@ def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
     ov = narrowed_overrides(config, overrides, world)
     cfg = load_config(config, ov)
     layout = cfg.validate_world(world)
-    dist_run(1, run_reference, config, ov + reference_overrides(cfg, layout), steps, str(tmp_path), timeout=600)
+    ids = edge_ids(cfg.model, layout.tp)
+    dist_run(1, run_reference, config, ov + reference_overrides(cfg, layout), steps, str(tmp_path), ids, timeout=600)
     t_ref = time.time() - start
-    records = dist_run(world, certify_ranks.layout_with_bug, bug, config, ov, steps, str(tmp_path), MARGIN,
+    records = dist_run(world, certify_ranks.layout_with_bug, bug, config, ov, steps, str(tmp_path), MARGIN, ids,
                        timeout=600)[0]
     line, code = verdict_line(records, "layout")
     print(f"{line} [reference {t_ref:.1f} s, total {time.time() - start:.1f} s]")
@@ -85,27 +87,64 @@ def test_planted_bug_is_not_certified_and_named(dist_run, tmp_path, monkeypatch,
     assert module in first["module"] and first["dimension"].startswith(dimension), line
 
 
-def test_cli_certifies_writes_the_report_and_torchrun_agrees(tmp_path):
-    """The command itself: one verdict line, exit 0, the JSON report per step; bad input is one error line, exit 2."""
-    import json
+def _certify(*args):
     import subprocess
     import sys
 
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pretrain", "certify", *a], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "pretrain", "certify", *args], capture_output=True, text=True)
+
+
+CLI_CERTIFY = ("--steps", "2", "--set", "parallel.tp=2", "--set", "model.layers=2")
+
+
+@pytest.mark.timeout(300)  # a whole certify in its own process
+def test_cli_certifies_and_writes_the_report(tmp_path):
+    """The command itself: one verdict line, exit 0, the JSON report per step; bad input is one error line, exit 2."""
+    import json
+
     out = tmp_path / "c"
-    p = run("--nproc", "4", "--steps", "2", "--set", "parallel.tp=2", "--set", "model.layers=2", "--out", str(out))
+    p = _certify("--nproc", "4", *CLI_CERTIFY, "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("certified: tp=2 cp=1 pp=1 dp=2"), p.stdout
     report = json.loads((out / "report.json").read_text())
     assert report["certified"] and len(report["steps"]) == 2
     for key in ("loss", "grad_norm", "loss_difference", "loss_band", "grad_norm_difference", "grad_norm_band"):
         assert key in report["steps"][0]
-    # the same under torchrun: the same verdict and report
-    args = ["--steps", "2", "--set", "parallel.tp=2", "--set", "model.layers=2", "--out", str(tmp_path / "t")]
+    bad = _certify("--nproc", "4", "--set", "parallel.tp=3", "--out", str(out))
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.extended  # the launcher's own certify above makes the proof; this is the same under torchrun
+@pytest.mark.timeout(600)
+def test_torchrun_certifies_as_the_launcher_does(tmp_path):
+    """Under torchrun: the same verdict line and the same report as `certify --nproc 4`."""
+    import json
+    import subprocess
+    import sys
+
+    p = _certify("--nproc", "4", *CLI_CERTIFY, "--out", str(tmp_path / "c"))
+    assert p.returncode == 0, p.stderr
     t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "pretrain", "certify",
-                        *args], capture_output=True, text=True)
+                        *CLI_CERTIFY, "--out", str(tmp_path / "t")], capture_output=True, text=True)
     assert t.returncode == 0, t.stderr[-2000:]
     assert t.stdout.split(" [report")[0] == p.stdout.split(" [report")[0]
-    assert json.loads((tmp_path / "t" / "report.json").read_text()) == report
-    bad = run("--nproc", "4", "--set", "parallel.tp=3", "--out", str(out))
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert json.loads((tmp_path / "t" / "report.json").read_text()) == json.loads((tmp_path / "c" / "report.json").read_text())
+
+
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
+def test_a_bug_at_a_vocabulary_shard_edge_is_not_certified(dist_run, tmp_path, monkeypatch):
+    """Every TP vocabulary shard's first and last id is in certify's batches: the last id of each shard
+    (255 at tp=2: a byte the embedded text never holds) looked up wrong is found, at the embedding, tp."""
+    from pretrain.certify.coverage import edge_ids
+    from pretrain.config import load_config
+    from pretrain.data import build_sampler, load_dataset
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    overrides = ["parallel.tp=2", "model.layers=2"]
+    cfg = load_config(None, ["model.layers=2"])  # one rank: its batch is the whole step's
+    natural = build_sampler(cfg, cfg.validate_world(1), 0, load_dataset(cfg.data, cfg.model.vocab_size)).train_batch(0)
+    assert 255 in edge_ids(cfg.model, 2) and not (natural.tokens == 255).any()  # the data alone never shows the bug
+    records, line, code = certify(dist_run, tmp_path, None, overrides, world=2, steps=1, bug="embedding_shard_edge")
+    assert code == 3, line
+    first = records[0]["first_divergence"]
+    assert "embed" in first["module"] and first["dimension"] == "tp", line

@@ -148,3 +148,16 @@ def test_a_raising_rank_ends_every_rank_within_seconds_with_its_error(entries, t
 def test_nproc_limits(nproc, message):
     with pytest.raises(UsageError, match=message):
         check_nproc(nproc, device="cpu")
+
+
+def test_cpu_threads_honour_omp_num_threads_else_share_this_process_cores(monkeypatch):
+    """A CPU rank's torch threads: OMP_NUM_THREADS as set (torchrun sets 1 beside other ranks; a user may
+    set more), else the cores this process may use (its affinity) over the host's local ranks."""
+    from pretrain.runtime.launch import cpu_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert cpu_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}) == 1
+    assert cpu_threads({"OMP_NUM_THREADS": "5", "LOCAL_WORLD_SIZE": "2"}) == 5
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "2"}) == 3  # 6 usable cores, not os.cpu_count()
+    assert cpu_threads({"LOCAL_WORLD_SIZE": "8"}) == 1
+    assert cpu_threads({"OMP_NUM_THREADS": "", "LOCAL_WORLD_SIZE": "3"}) == 2

@@ -38,6 +38,20 @@ def test_jsonl_has_one_object_per_step_and_plain_lines_off_terminal(tmp_path):
     assert printed[1].startswith("step 4/4 loss 1.0000") and printed[2] == "step 4: eval loss 0.5000"
 
 
+def test_a_record_is_one_line_in_a_file_at_any_length(tmp_path, capsys):
+    """The console a run makes by default, writing to a file (`pretrain train > out.log`, a SLURM log):
+    a step line longer than 80 columns stays one line (rich cuts at 80 off a terminal unless told not to)."""
+    with MetricsLogger(tmp_path, total_steps=2, tokens_per_step=10) as log:  # progress on: off a terminal, plain lines
+        log.log(1, 5.0, step_time=0.25, lr=1e-3, grad_norm=1.5, time_data_s=0.189, time_fwd_bwd_s=0.102,
+                time_exposed_comm_s=0.006, time_optimizer_s=0.015, time_busy_max_s=0.329, time_busy_median_s=0.299,
+                straggler_rank=1)
+        log.message("pretrain: 2 ranks: tp=1 cp=1 pp=1 dp=2 ep=1, zero=no_shard; data <embedded seed=1234> "
+                    "(unigram entropy 3.122 nats)")
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and printed[0].startswith("step 1/2 loss 5.0000") and len(printed[0]) > 80, printed
+    assert printed[1].endswith("(unigram entropy 3.122 nats)"), printed
+
+
 def test_live_progress_on_a_terminal(tmp_path):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=160)

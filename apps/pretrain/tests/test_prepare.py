@@ -196,3 +196,21 @@ def test_a_bad_jsonl_line_is_named_as_before_from_any_worker(tmp_path):
         res = runner.invoke(app, ["prepare", str(tmp_path / "a.jsonl"), "--workers", workers, "--buffer-mb", "0.0005",
                                   "--out", str(tmp_path / "d")])
         assert res.exit_code == 2 and f"{tmp_path / 'a.jsonl'}:301 is not a JSON object" in res.stderr, res.output
+
+
+def test_tokenizing_workers_start_clean_not_as_forks_of_the_caller(monkeypatch):
+    """A fork of the caller inherits its threads' held locks (a hung worker then ignores the pool's
+    SIGTERM and the caller waits forever): the workers come from a clean server instead. Shown by
+    state only a fork would carry: the caller's patched ``encode``, which raises."""
+    from pretrain.data import encode as encode_module
+    from pretrain.data.tokenizer import get_tokenizer
+
+    batches = [["hello world\n", "again\n"], ["more text\n"]]
+    want = [encode_module.encode(get_tokenizer(None), texts, None) for texts in batches]
+
+    def forked_state(*args):
+        raise RuntimeError("a worker ran the caller's patched encode: it was forked from the caller")
+
+    monkeypatch.setattr(encode_module, "encode", forked_state)
+    got = list(encode_module.encoded_batches(batches, None, None, None, workers=2))
+    assert all((g[0] == w[0]).all() and (g[1] == w[1]).all() and g[2] == w[2] for g, w in zip(got, want))

@@ -129,6 +129,7 @@ DEEPSEEK_DEPTH = ["model.layers=13", "parallel.tp=8", "parallel.cp=2", "parallel
                   "parallel.sequence_parallel=true", "train.micro_batch=1", "model.recompute=none"]
 
 
+@pytest.mark.timeout(240)  # every stage of a 70B layout on fake tensors
 def test_default_ranks_include_the_heaviest_stages_and_every_stage_matches_the_plan():
     # the first, middle and last stage, and the plan's heaviest by memory (stage 1: 4 MoE layers, 3
     # micro-batches in flight) and by time (the most layers); the last stage holds the head, the

@@ -50,8 +50,10 @@ def test_raising_rank_fails_with_its_traceback_and_no_hang(dist_run):
 
 
 def test_hanging_rank_fails_after_the_timeout_and_leaves_no_process(dist_run):
-    with pytest.raises(RankFailure, match=r"ranks \[1\] did not finish within 3 s"):  # the timeout ended it
+    with pytest.raises(RankFailure, match=r"ranks \[1\] did not finish within 3 s") as info:  # the timeout ended it
         dist_run(2, hang_on_rank, 1, timeout=3)
+    # where the hung rank waits: its stack, written by faulthandler on the harness's SIGUSR1
+    assert "--- rank 1 stacks ---" in str(info.value) and "in hang_on_rank" in str(info.value), str(info.value)
     pool = dist_run._pools[2]
     assert not pool._procs  # killed and joined
     assert dist_run(2, tiny_job, 0) == [0, 1]

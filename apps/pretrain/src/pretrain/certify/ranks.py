@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import load_config
+from . import coverage
 from .fp64 import fp64_step, relative
 from .localise import ShardContext, module_owners, output_errors
 from .record import Recorder, capture_grads_at_clip, full_shapes
@@ -33,11 +34,13 @@ def _full_outputs(outputs: dict) -> dict:
             for name, per_mb in outputs.items() if 0 in per_mb}
 
 
-def run_reference(config: str | None, overrides: list[str], steps: int, work: str) -> dict:
-    """On a one-rank group: the reference's ``steps`` steps (see the module doc); returns a summary."""
+def run_reference(config: str | None, overrides: list[str], steps: int, work: str, ids: list[int]) -> dict:
+    """On a one-rank group: the reference's ``steps`` steps (see the module doc), its batches holding
+    the vocabulary ``ids`` (:mod:`.coverage`); returns a summary."""
     from ..training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
+    coverage.install(trainer.sampler, ids)
     shapes = full_shapes(trainer)
     sink: dict = {}
     capture_grads_at_clip(trainer, shapes, sink)
@@ -72,12 +75,14 @@ def recorded_step(trainer, step: int):
         recorder.close()
 
 
-def run_layout(config: str | None, overrides: list[str], steps: int, work: str, margin: float) -> list[dict]:
-    """On the layout's process group: each step from the reference's state, judged (every rank
-    returns the same records)."""
+def run_layout(config: str | None, overrides: list[str], steps: int, work: str, margin: float,
+               ids: list[int]) -> list[dict]:
+    """On the layout's process group: each step from the reference's state, with the reference's
+    batches (the same vocabulary ``ids`` written in), judged (every rank returns the same records)."""
     from ..training.train_loop import Trainer
 
     trainer = Trainer(load_config(config, overrides))
+    coverage.install(trainer.sampler, ids)
     ref = torch.load(Path(work) / REFERENCE, weights_only=True)  # a file in a directory the user names: no code
     shapes = full_shapes(trainer)
     sink: dict = {}

@@ -112,7 +112,9 @@ def verdict_line(steps: list[dict], layout: str) -> tuple[str, int]:
     return f"NOT certified: {layout} at step {s['step']}: {where}", 3
 
 
-def write_report(path: Path, layout: str, overrides: list[str], steps: list[dict], line: str, code: int) -> None:
+def write_report(path: Path, layout: str, overrides: list[str], steps: list[dict], line: str, code: int,
+                 vocabulary: dict | None = None) -> None:
+    """``vocabulary``: the ids written into every step's batch (:mod:`.coverage`)."""
     from ..runtime.safe_files import write_atomic
 
     def clean(x):
@@ -125,5 +127,5 @@ def write_report(path: Path, layout: str, overrides: list[str], steps: list[dict
         return x
 
     report = {"verdict": line, "certified": code == 0, "layout": layout, "margin": MARGIN, "floor": FLOOR,
-              "overrides": overrides, "steps": steps}
+              "overrides": overrides, "vocabulary_ids": vocabulary, "steps": steps}
     write_atomic(path, json.dumps(clean(report), indent=1) + "\n", fsync=False)

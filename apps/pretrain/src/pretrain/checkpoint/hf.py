@@ -8,6 +8,7 @@ stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,15 +84,28 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _refuse_existing(path: Path, option: str) -> None:
+    """Before anything is read: ``path`` is new (under a directory) or an empty directory, not a symlink."""
+    if path.is_symlink():
+        raise UsageError(f"{option} {path} is a symlink; choose a new directory (nothing is written through a symlink)")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UsageError(f"{option} {path} already exists and is not empty; choose a new directory "
                          f"(nothing is overwritten)")
+    above = next((p for p in Path(os.path.abspath(path)).parents if os.path.lexists(p)), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"{option} {path}: {above} is not a directory; choose a new directory")
+
+
+def _make_dir(path: Path, option: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only mount, no permission, a name taken since the check
+        raise UsageError(f"{option} {path} cannot be created ({e.strerror or e}); choose a writable directory") from None
 
 
 def import_hf(src: str | Path, out: str | Path) -> Path:
     """Write a model-only checkpoint at ``out`` and ``out/config.toml`` (training starts from it)."""
+    _refuse_existing(Path(out), "--out")  # a symlink there would be followed by resolve()
     out = Path(out).resolve()
-    _refuse_existing(out, "--out")
     m, state = read_hf(src)
     from ..config import CheckpointConfig, DataConfig, LogConfig
 
@@ -126,7 +140,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -
     state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
-    dst.mkdir(parents=True, exist_ok=True)
+    _make_dir(dst, "--to-hf")
     (dst / "config.json").write_text(json.dumps(hf, indent=1))
     save_file({k: v.contiguous() for k, v in sorted(state.items())}, str(dst / "model.safetensors"),
               metadata={"format": "pt"})

@@ -8,7 +8,6 @@ import dataclasses
 from .blend import Blend, check_same_vocabulary
 from .format import TokenDataset, check_token_ids, open_dataset
 from .writer import write_dataset
-from .sampler import Batch, TokenSampler
 from .synthetic import embedded_dataset
 from .tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 
@@ -79,8 +78,20 @@ def check_data_ids(data, vocab_size: int) -> None:
         check_token_ids(ds, vocab_size)
 
 
+def __getattr__(name: str):
+    # The sampler needs torch: imported on first use, so what tokenizes (`pretrain prepare`'s workers,
+    # started clean) loads in a fraction of a second without it.
+    if name in ("Batch", "TokenSampler"):
+        from . import sampler
+
+        return getattr(sampler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def build_sampler(cfg, layout, dp_rank: int, dataset=None) -> TokenSampler:
     """The sampler for dp rank ``dp_rank`` of a resolved layout (``cfg.validate_world(world)``)."""
+    from .sampler import TokenSampler
+
     ds = dataset if dataset is not None else load_dataset(cfg.data, cfg.model.vocab_size)
     # the embedded data (also what `plan --simulate` runs on) has its own held-out tail
     held_out = None if str(ds.source).startswith("<embedded") else load_eval(cfg.data, cfg.model.vocab_size, ds)

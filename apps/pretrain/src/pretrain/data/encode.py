@@ -77,7 +77,9 @@ def encoded_batches(batches: Iterable[list[str]], tok, spec: str | None, eos: in
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     else:
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    # Never a fork of this process: its other threads (a tokenizer's, pyarrow's, a caller's) may hold a
+    # lock at that moment, and a child stuck on it neither answers nor dies of the pool's SIGTERM.
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(spec,))
     try:
         pending: deque = deque()

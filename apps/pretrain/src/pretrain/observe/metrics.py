@@ -99,7 +99,8 @@ class MetricsLogger:
         self.total_steps, self.flops_per_step = total_steps, flops_per_step
         self.peak, self.devices, self.tokens_per_step = peak_flops_per_device, devices, tokens_per_step
         self.device, self.every, self.show = device, every, progress
-        self.console = console or Console(stderr=False)
+        # soft_wrap: one line per record at any width; off a terminal (a file, a SLURM log) rich would cut at 80 columns
+        self.console = console or Console(stderr=False, soft_wrap=True)
         self.last: dict[str, Any] = {}
         self.tb = self._tensorboard() if tensorboard else None
         self.wandb = self._wandb(wandb) if wandb is not None else None

@@ -106,6 +106,17 @@ def _rendezvous_store(rank: int, world: int, timeout_s: float) -> dist.Store | N
     return store
 
 
+def cpu_threads(environ) -> int:
+    """Torch threads per CPU rank: ``OMP_NUM_THREADS`` where the user or the launcher set it (torchrun sets
+    1 beside other ranks), else this process's usable cores (its affinity: a cgroup or taskset may grant
+    fewer than the host has) shared by the host's local ranks."""
+    if environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    from ..data.encode import cores
+
+    return max(1, cores() // int(environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 def init_distributed(timeout_s: float = 300.0, device: str = "auto",
                      join_timeout_s: float | None = None) -> tuple[int, int, int, torch.device]:
     """Join the default process group; returns (rank, world_size, local_rank, device).
@@ -125,8 +136,7 @@ def init_distributed(timeout_s: float = 300.0, device: str = "auto",
                 raise UsageError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
             torch.cuda.set_device(local_rank)
         else:
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(cpu_threads(os.environ))
         store = _rendezvous_store(rank, world, timeout_s if join_timeout_s is None else join_timeout_s)
         dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))  # no store: env://

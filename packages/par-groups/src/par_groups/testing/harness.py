@@ -9,7 +9,8 @@ fresh gloo process group (a prefix of one TCPStore the parent hosts), run the fu
 destroy every group, so no state leaks from one test to the next.
 
 A raising rank fails the job with that rank's traceback; a job that does not finish within its
-timeout fails naming the ranks still running. Either way the pool is killed (ranks may be
+timeout fails naming the ranks still running, with the stack of every thread of each (faulthandler,
+asked for by SIGUSR1); so does a job the caller interrupts (a test's time bound). Either way the pool is killed (ranks may be
 stuck in a collective) and restarted on next use, so nothing is left behind.
 
 The function must be defined at module level (it is sent by reference): the worker imports its
@@ -19,14 +20,17 @@ module, by name or, for test files pytest imported by path, from the file.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import importlib
 import importlib.util
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -66,8 +70,11 @@ def _load_function(module: str, file: str | None, qualname: str) -> Callable:
     return obj
 
 
-def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connection) -> None:
+def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connection, stacks: str) -> None:
     _die_with_parent()
+    # SIGUSR1 writes every thread's stack to this rank's file: the parent reads it when a job hangs
+    stack_file = open(stacks, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -137,11 +144,12 @@ class RankPool:
         ctx.set_forkserver_preload([*TORCH_PRELOAD, "par_groups.testing.harness", *preload])
         self._conns: list[Connection] = []
         self._procs = []
+        self._stack_dir = tempfile.mkdtemp(prefix="par-rank-stacks-")
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, "127.0.0.1", self._store.port, child),
+                args=(rank, world_size, "127.0.0.1", self._store.port, child, self._stack_file(rank)),
                 daemon=True,
                 name=f"par-rank{rank}",
             )
@@ -150,6 +158,21 @@ class RankPool:
             self._conns.append(parent)
             self._procs.append(p)
         self._jobs = 0
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def stacks(self, ranks) -> str:
+        """Every thread's stack in each of ``ranks`` (still running: a hang shows where it waits)."""
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from the signal handler, at once
+        parts = []
+        for rank in ranks:
+            with open(self._stack_file(rank), errors="replace") as f:
+                parts.append(f"--- rank {rank} stacks ---\n{f.read().strip() or '(none written)'}")
+        return "\n".join(parts)
 
     @property
     def alive(self) -> bool:
@@ -164,6 +187,16 @@ class RankPool:
         msg = pickle.dumps((self._jobs, module, file, fn.__qualname__, pickle.dumps((args, kwargs)), timeout))
         for conn in self._conns:
             conn.send_bytes(msg)
+        try:
+            return self._collect(fn, timeout)
+        except BaseException:  # interrupted (the test's time bound, Ctrl-C): the ranks' stacks, and no job left in flight
+            if self._procs:
+                print(f"{fn.__qualname__} interrupted on {self.world_size} ranks:\n"
+                      + self.stacks(range(self.world_size)), file=sys.stderr)
+                self.close()
+            raise
+
+    def _collect(self, fn: Callable, timeout: float) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
@@ -189,12 +222,14 @@ class RankPool:
                     errors[rank] = body
                     first_error = first_error or time.monotonic()
         if errors or pending:
-            self.close()
             parts = [f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(errors.items())]
             if pending and not errors:
                 parts.insert(0, f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (hang?)")
             elif pending:
                 parts.append(f"ranks {sorted(pending)} were still running (likely waiting on the failed rank)")
+            if pending:
+                parts.append(self.stacks(sorted(pending)))
+            self.close()
             raise RankFailure(f"{fn.__qualname__} failed on {self.world_size} ranks:\n" + "\n".join(parts))
         return [results[r] for r in range(self.world_size)]
 
@@ -207,6 +242,7 @@ class RankPool:
         for c in self._conns:
             c.close()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
 
 class Harness:

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -135,7 +136,7 @@ def _killed_when(ready, folder: Path, before_step, write, *args) -> str:
     proc = subprocess.Popen([sys.executable, "-c", code, "train", "--nproc", "2", *BASE, *EVERY_2, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300  # a bound on a hang, not a timing: the tiny run is there in seconds
+        deadline = time.monotonic() + 150  # a bound on a hang, not a timing: the tiny run is there in seconds
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         if proc.poll() is None:
@@ -158,6 +159,7 @@ def _latest(ck) -> str | None:
     return marker.read_text().strip() if marker.is_file() else None
 
 
+@pytest.mark.timeout(600)  # three whole `pretrain train` in their own processes, two more in this one
 def test_sigkill_between_or_during_async_saves_resumes_from_the_newest_written_one_bitwise(tmp_path):
     """A run of 6 steps saving every 2, killed three times, each resume continuing the killed run:
     (1) after step 2, the save of step_2 just started; (2) after step 5, just before the save of

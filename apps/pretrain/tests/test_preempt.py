@@ -209,6 +209,7 @@ def test_sigterm_to_the_process_group_of_pretrain_train_saves_and_exits_0(tmp_pa
     assert "Traceback" not in out and "error" not in out, out
 
 
+@pytest.mark.timeout(300)  # a whole `pretrain train` in its own process
 def test_closing_the_terminal_of_pretrain_train_saves_at_the_next_step_exits_0_and_resumes_bitwise(
         uninterrupted, ranks_module, tmp_path):
     """The run's terminal (a pty the launcher holds as its controlling terminal) is closed while the ranks wait

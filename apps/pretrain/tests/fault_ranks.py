@@ -18,10 +18,14 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-def fail_before_step(rank: int, step: int, *run_args) -> dict:
-    """``run_rank(*run_args)``, except that ``rank`` raises before its (1-based) ``step``."""
+def fail_before_step(rank: int, step: int, *run_args, held_write: tuple[str, int, int] | None = None) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` raises before its (1-based) ``step``; ``held_write``:
+    (folder, rank, step) of a background write held for good (:func:`hold_write`)."""
     from pretrain.training.run import run_rank
     from pretrain.training.train_loop import Trainer
+
+    if held_write is not None:
+        hold_write(*held_write)
 
     train_step = Trainer.train_step
 
@@ -116,4 +120,50 @@ def inf_weight_before_step(step: int, *run_args) -> dict:
         return train_step(self, s)
 
     Trainer.train_step = poisoned
+    return run_rank(*run_args)
+
+
+def _held_for_good(folder: str, marker: str) -> None:
+    """Touch ``folder/marker`` and wait there until the test kills the process."""
+    import time
+
+    (Path(folder) / marker).touch()
+    while True:
+        time.sleep(0.05)
+
+
+def hold_write(folder: str, rank: int, step: int) -> None:
+    """Make ``rank``'s background write of ``step`` stop for good once its files are written, before
+    DCP hears of it (after touching ``folder/writing_<rank>``). Patches ``HashingWriter`` in this process."""
+    from pretrain.checkpoint.hashing_writer import HashingWriter
+
+    write_data = HashingWriter.write_data
+
+    def holding(self, plan, planner):
+        written = write_data(self, plan, planner)
+        if (_rank(), Path(self.path).name) == (rank, f"step_{step}.tmp"):
+            written.wait()
+            _held_for_good(folder, f"writing_{rank}")
+        return written
+
+    HashingWriter.write_data = holding
+
+
+def hold(folder: str, before_step: int | None, write: tuple[int, int] | None, *run_args) -> dict:
+    """``run_rank(*run_args)``, except that every rank's training thread stops for good before its
+    (1-based) step ``before_step`` (after touching ``held_<rank>`` in ``folder``), and ``write`` =
+    (rank, step) is held as :func:`hold_write` holds it: where a test kills the launcher."""
+    from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
+
+    train_step = Trainer.train_step
+
+    def holding_step(self, s):
+        if s + 1 == before_step:
+            _held_for_good(folder, f"held_{_rank()}")
+        return train_step(self, s)
+
+    if write is not None:
+        hold_write(folder, *write)
+    Trainer.train_step = holding_step
     return run_rank(*run_args)

@@ -4,6 +4,7 @@ drain), per step. Patched in the rank processes only (as fault_ranks.py)."""
 
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -12,13 +13,16 @@ READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 @contextlib.contextmanager
 def host_reads_counted():
-    """``with host_reads_counted() as count:`` ``count[0]`` = the host reads of tensor values inside."""
+    """``with host_reads_counted() as count:`` ``count[0]`` = the host reads of tensor values this thread
+    makes inside: another thread's (an async checkpoint's publisher reading the CPU tensors of its gloo
+    collectives) do not hold up this one's kernel launches."""
     count, originals = [0], {name: getattr(torch.Tensor, name) for name in READS}
+    counting = threading.get_ident()
     for name, original in originals.items():
 
         @functools.wraps(original)
         def counted(self, *a, _original=original, **kw):
-            count[0] += 1
+            count[0] += threading.get_ident() == counting
             return _original(self, *a, **kw)
 
         setattr(torch.Tensor, name, counted)

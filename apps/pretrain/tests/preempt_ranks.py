@@ -35,3 +35,8 @@ def train(test_dir: str, overrides: list[str]) -> dict:
 
     StopRequests._on_signal, Trainer.train_step = noted, gated
     return run_rank(None, overrides, "cpu")
+
+
+def train_cli(test_dir: str, config, overrides, device=None, force=False) -> dict:
+    """:func:`train` in place of ``run_rank`` under `pretrain train` (which passes the CLI's arguments)."""
+    return train(test_dir, list(overrides))

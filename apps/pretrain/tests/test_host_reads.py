@@ -16,6 +16,8 @@ BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "tr
         "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", f"log.every={EVERY}"]
 LAYOUTS = {  # name: (config, nproc, overrides)
     "dp2": (None, 2, []),
+    # saved at a log step, written and published in the background during the steps that follow
+    "dp2-async-save": (None, 2, ["checkpoint.async_save=true", f"checkpoint.every={EVERY}"]),
     "tp2-sp": (None, 2, ["parallel.tp=2"]),
     "cp2": (None, 2, ["parallel.cp=2"]),
     "pp2-1f1b": (None, 2, ["parallel.pp=2"]),

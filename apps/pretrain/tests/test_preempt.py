@@ -2,7 +2,8 @@
 terminal) or to the launcher alone, saves at the next step boundary and exits 0, and resuming gives
 bitwise the uninterrupted run's losses (fp32, same layout), with checkpoint.async_save off and on.
 A second Ctrl-C, or ranks still running [train].preempt_timeout_s after the signal, end the run at
-once with one line.
+once with one line. SIGHUP (a closed terminal, a dropped ssh session) is a SIGTERM: closing the
+terminal of a real `pretrain train` saves at the next step, exits 0 and resumes bitwise.
 
 The launcher is this process (signals to it are caught around each launch, so none reaches
 pytest); the ranks wait at a gate (``preempt_ranks``) until the test has signalled them, so where
@@ -11,6 +12,7 @@ the run stops does not depend on timing.
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from pretrain.training.run import run_rank
 
 TESTS = Path(__file__).parent
 BASE = ["train.steps=5", "train.warmup_steps=1", "train.eval_every=0", "model.layers=2", "log.progress=false"]
-TERM, INT = str(int(signal.SIGTERM)), str(int(signal.SIGINT))
+TERM, INT, HUP = str(int(signal.SIGTERM)), str(int(signal.SIGINT)), str(int(signal.SIGHUP))
 # what the test sends: (signal, also to every rank as a process-group signal does)
 SENDS = {"group SIGTERM": (signal.SIGTERM, True), "launcher SIGTERM": (signal.SIGTERM, False),
          "Ctrl-C": (signal.SIGINT, True)}
@@ -167,8 +169,8 @@ def stop_requests_job():
     for launcher in ("other", "self"):  # a rank started by a launcher, or its own launcher (--nproc 1)
         os.environ[LAUNCHER_ENV] = str(os.getpid()) if launcher == "self" else "1"
         stops, seen = StopRequests(30), []
-        try:
-            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):  # a repeated SIGTERM, then Ctrl-C
+        try:  # a SIGHUP (as torchrun forwards it), a SIGTERM, a repeated SIGTERM, then Ctrl-C
+            for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
                 os.kill(os.getpid(), sig)
                 seen.append(stops.signal)
             outcomes[launcher] = (seen, stops.agreed())
@@ -182,8 +184,8 @@ def stop_requests_job():
 
 def test_a_ctrl_c_after_the_first_signal_aborts_only_a_rank_that_is_its_own_launcher(dist_run):
     assert dist_run(1, stop_requests_job)[0] == {
-        "other": (["SIGTERM"] * 3, True),
-        "self": (["SIGTERM"] * 2, "interrupted again (SIGINT): stopped without saving", 130)}
+        "other": (["SIGHUP"] * 4, True),
+        "self": (["SIGHUP"] * 3, "interrupted again (SIGINT): stopped without saving", 130)}
 
 
 @pytest.mark.timeout(300)  # a whole `pretrain train` in its own process
@@ -205,6 +207,46 @@ def test_sigterm_to_the_process_group_of_pretrain_train_saves_and_exits_0(tmp_pa
     step = int((ck / "latest").read_text().strip().split("_")[1])
     assert 2 <= step < 300 and f"SIGTERM: stopped after step {step}, checkpoint written" in out, out
     assert "Traceback" not in out and "error" not in out, out
+
+
+@pytest.mark.timeout(300)  # a whole `pretrain train` in its own process
+def test_closing_the_terminal_of_pretrain_train_saves_at_the_next_step_exits_0_and_resumes_bitwise(
+        uninterrupted, ranks_module, tmp_path):
+    """The run's terminal (a pty the launcher holds as its controlling terminal) is closed while the ranks wait
+    at the gate: the kernel sends SIGHUP to the launcher (the session's leader), a shell sends it to its job's
+    process group (launcher, forkserver, ranks), and writing to the terminal fails from then on."""
+    ck = [f"checkpoint.dir={tmp_path / 'ck'}"]
+    sets = [a for o in BASE + ck + [f"log.dir={tmp_path / 'a'}"] for a in ("--set", o)]
+    code = ("import fcntl, functools, termios, preempt_ranks, pretrain.training.run as run; "
+            "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "  # stdin, the pty, becomes this new session's terminal
+            f"run.run_rank = functools.partial(preempt_ranks.train_cli, {str(tmp_path)!r}); "
+            "from pretrain.cli import main; main()")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", code, "train", "--nproc", "4", *sets], stdin=tty, stdout=tty,
+                            stderr=tty, start_new_session=True, env=env)
+    os.close(tty)
+    try:
+        pids = _rank_pids(tmp_path, 4)
+        os.set_blocking(terminal, False)
+        try:
+            shown = os.read(terminal, 1 << 16).decode(errors="replace")  # what the terminal showed so far
+        except BlockingIOError:
+            shown = ""
+        os.close(terminal)  # the terminal goes: the kernel's SIGHUP to the launcher
+        os.killpg(proc.pid, signal.SIGHUP)  # and a shell's to its job
+        _wait_for(lambda: _seen(tmp_path, pids, [HUP, TERM]) or proc.poll() is not None, "the signals in every rank")
+        (tmp_path / "open").touch()
+        assert proc.wait(timeout=300) == 0, shown  # not -SIGHUP: the signal ended no process of the run
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stop = ranks_module.GATE_STEP + 1
+    assert (tmp_path / "ck" / "latest").read_text().strip() == f"step_{stop}"
+    a = _losses(tmp_path / "a")
+    assert a == {s: uninterrupted[s] for s in range(1, stop + 1)}
+    launch(run_rank, (None, BASE + ck + ["checkpoint.resume=true", f"log.dir={tmp_path / 'b'}"]), nproc=4)
+    assert a | _losses(tmp_path / "b") == uninterrupted  # bitwise equal floats, steps 1..5
 
 
 def test_the_callers_own_handler_hears_the_signal_once_the_ranks_stopped():

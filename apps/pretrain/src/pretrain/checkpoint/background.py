@@ -9,11 +9,12 @@ same time as training collectives on the same group; the data files are hashed a
 (:class:`.hashing_writer.HashingWriter`).
 
 The save stays crash safe the same way as the synchronous one: the files go to ``step_N.tmp``, and
-the rename and the ``latest`` marker happen in :meth:`PendingSave.finish`, once every rank's write
-has completed; the pruning after its final barrier, in a thread of rank 0. The trainer finishes a
-pending save before starting the next one (so the staging buffers are free again), before a
-pre-emption save and before the run ends; a crash before that leaves the previous ``latest``
-untouched.
+the rename and the ``latest`` marker happen as soon as every rank's write has completed, in a
+publishing thread of each rank (:class:`PendingSave`), not at the next save: a crash between two
+saves loses nothing that was written. The pruning follows the publish's final barrier, in a thread
+of rank 0. The trainer waits for a pending save (its publish included) before starting the next
+one (so the staging buffers are free again), before a pre-emption exit and before the run ends; a
+crash before the publish leaves the previous ``latest`` untouched.
 """
 
 from __future__ import annotations
@@ -107,22 +108,44 @@ class _Staged(AsyncStager):
 
 
 class PendingSave:
-    """A checkpoint whose files are being written; :meth:`finish` (all ranks) publishes it."""
+    """A checkpoint whose files are being written; a thread on every rank publishes it once they are.
+
+    How the ranks agree that every rank's files are written and hashed: over the checkpoint-only
+    gloo group, from this thread (gather the digests on rank 0, which writes ``checksums.json``,
+    renames and replaces ``latest``; then a barrier). That group's collectives never meet the
+    training thread's: they run only in DCP's writer thread and in this one, one after the other on
+    each rank (the publisher starts once DCP's save has returned here, and the next save starts only
+    after :meth:`finish` has joined it), so each rank issues them in the same order. No file markers
+    to poll, no timeout of our own (the group's is ``[train].collective_timeout_s``), and the
+    training thread reads nothing on the host for it."""
 
     def __init__(self, future: Future, root: Path, tmp: Path, final: Path, state: dict, keep: int, group) -> None:
         self.future, self.root, self.tmp, self.final = future, root, tmp, final  # future: this rank's digests
         self.state, self.keep, self.group = state, keep, group
+        self.error: BaseException | None = None
+        # a daemon: a rank that fails mid-save exits without waiting for a peer that will never gather
+        self.thread = threading.Thread(target=self._publish, name="checkpoint-publish", daemon=True)
+        self.thread.start()
+
+    def _publish(self) -> None:
+        try:
+            pruned = []
+            with removed_if_disk_full(self.tmp):
+                entries = self.future.result()  # this rank's files are written and hashed (or the writer's error)
+                entries = gather_digests(entries, self.group)  # ... and every rank's
+                if _rank() == 0:
+                    pruned = _finalise(self.root, self.tmp, self.final, self.state, self.keep, entries)
+            comm.barrier(self.group)
+            if _rank() == 0:
+                prune_in_background(self.root, pruned)  # only published saves older than the last ``keep``
+        except BaseException as e:  # noqa: BLE001 -- raised on the training thread by finish()
+            self.error = e
 
     def finish(self) -> Path:
-        pruned = []
-        with removed_if_disk_full(self.tmp):
-            entries = self.future.result()  # this rank's files are written and hashed (or the writer's error)
-            entries = gather_digests(entries, self.group)  # ... and every rank's
-            if _rank() == 0:
-                pruned = _finalise(self.root, self.tmp, self.final, self.state, self.keep, entries)
-        comm.barrier(self.group)
-        if _rank() == 0:
-            prune_in_background(self.root, pruned)
+        """Wait until the checkpoint is published (all ranks); its error, if it failed, is raised here."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
         return self.final
 
 
@@ -186,7 +209,7 @@ class CheckpointSaver:
             self._blocked(began)
 
     def finish(self) -> Path | None:
-        """Wait for the save in flight, if any, and publish it; returns its path."""
+        """Wait until the save in flight, if any, is published; returns its path."""
         began = time.perf_counter()
         try:
             return self._finish()

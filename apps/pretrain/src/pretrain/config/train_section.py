@@ -84,7 +84,7 @@ class TrainConfig:
     nproc: int = 2
     collective_timeout_s: float = 300.0  # bounds every collective (a hang names its rank after it)
     join_timeout_s: float = 300.0  # every rank must have joined the rendezvous within it ([train].timeout_s: both)
-    preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT, ranks have this long to save and exit
+    preempt_timeout_s: float = 120.0  # after SIGTERM/SIGINT/SIGHUP, ranks have this long to save and exit
     nan_policy: str = "stop"
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
     grad_reduce_dtype: str = "fp32"

@@ -57,7 +57,7 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
     ``nproc`` local ranks start (1 runs in this process). ``entry`` must be a module-level function
     (ranks import it); it calls :func:`init_distributed`. A rank that has not joined the group
-    within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT, ranks get ``preempt_timeout_s``
+    within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT/SIGHUP, ranks get ``preempt_timeout_s``
     to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.runtime.hang`); a
     collective's timeout then ends the run naming the rank that has not arrived.
     """

@@ -10,11 +10,12 @@ Rendezvous: the launcher hosts the ranks' TCPStore on a socket bound to the mast
 Each rank marks its arrival and its join in the store; a rank that has not joined within
 ``join_timeout_s`` ends the run with one line naming it, whatever held it up.
 
-Signals: the first SIGTERM or SIGINT reaching the launcher (alone, or with its whole process group,
-as SLURM and Kubernetes send it) is forwarded to every rank once, as SIGTERM; the ranks save at
+Signals: the first SIGTERM, SIGINT or SIGHUP reaching the launcher (alone, or with its whole process
+group, as SLURM and Kubernetes send it, and a closed terminal or a dropped ssh session sends SIGHUP)
+is forwarded to every rank once, as SIGTERM; the ranks save at
 the next step boundary and exit. Ranks that have not finished ``preempt_timeout_s`` later are
-killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM changes nothing. A
-handler of the caller's own (a test runner's) hears the signal once the ranks have stopped. Ranks ignore SIGINT and hold SIGTERM pending until the
+killed; a second Ctrl-C (SIGINT) kills them at once, a repeated SIGTERM or SIGHUP changes nothing. A
+handler of the caller's own (a test runner's) hears the signal once the ranks have stopped. Ranks ignore SIGINT and hold SIGTERM and SIGHUP pending until the
 entry installs its handler (``pretrain.runtime.preempt``), so a signal during start-up is not lost.
 """
 
@@ -34,7 +35,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import UsageError
-from .rank_env import LAUNCHER_ENV, Aborted, RankFailed, join_key
+from .rank_env import LAUNCHER_ENV, STOP_SIGNALS, Aborted, RankFailed, join_key, off_a_closed_terminal
 
 MASTER_ADDR = "127.0.0.1"
 FAILURE_GRACE_S = 1.0  # after a rank fails, how long to wait for a peer whose failure is the cause
@@ -63,7 +64,7 @@ def _name_process(rank: str) -> None:
 def _rank_main(env: dict[str, str], entry: Callable, args: tuple, conn) -> None:
     """Runs in each rank process: the torchrun environment, then ``entry(*args)``; reports the outcome."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher turns Ctrl-C into one SIGTERM
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pending until the entry handles it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})  # pending until the entry handles them
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
     _name_process(env["RANK"])
@@ -140,6 +141,8 @@ class LocalRanks:
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            off_a_closed_terminal()
         if self.stop_signal is not None:  # SIGTERM may come twice (the group's and a wrapper's): one request
             if signum == signal.SIGINT:
                 raise Aborted("interrupted again (SIGINT): stopped the ranks without saving", 130)
@@ -235,7 +238,7 @@ def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: fl
     """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
     ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived."""
     ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir)
-    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    handled = STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
     try:
         ranks.start(entry, args)

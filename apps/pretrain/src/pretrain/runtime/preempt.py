@@ -1,5 +1,6 @@
-"""Pre-emption inside a rank: SIGTERM or SIGINT asks for a checkpoint and a clean exit at the next
-step boundary, agreed by every rank.
+"""Pre-emption inside a rank: SIGTERM, SIGINT or SIGHUP asks for a checkpoint and a clean exit at the
+next step boundary, agreed by every rank. After a SIGHUP a stdout or stderr on the closed terminal
+is pointed at /dev/null (:func:`~.rank_env.off_a_closed_terminal`): the log files still say everything.
 
 Repeated signals are one request: under SLURM or Kubernetes a rank gets SIGTERM from the process
 group and again from its launcher. Escalation is the launcher's (pretrain's kills the ranks on a
@@ -17,9 +18,9 @@ import torch
 import torch.distributed as dist
 from par_groups import comm
 
-from .rank_env import LAUNCHER_ENV, Aborted
+from .rank_env import LAUNCHER_ENV, STOP_SIGNALS, Aborted, off_a_closed_terminal
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = STOP_SIGNALS
 
 
 class StopRequests:
@@ -37,11 +38,13 @@ class StopRequests:
             self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         except ValueError:  # not the main thread: no handler, no pre-emption checkpoint
             return
-        # pretrain's launcher starts ranks with SIGTERM held pending until now: one sent during
-        # start-up is delivered here and stops the run after its first step
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # pretrain's launcher starts ranks with SIGTERM and SIGHUP held pending until now: one sent
+        # during start-up is delivered here and stops the run after its first step
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP})
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            off_a_closed_terminal()
         if self.signal is not None and self.own_launcher and signum == signal.SIGINT:
             raise Aborted("interrupted again (SIGINT): stopped without saving", 130)
         self.signal = self.signal or signal.Signals(signum).name

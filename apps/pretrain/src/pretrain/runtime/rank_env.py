@@ -1,5 +1,6 @@
 """What a standalone rank and its launcher share: the environment variable naming the launcher, the
-rendezvous store's keys, and the two ways a run ends early (:class:`RankFailed`, :class:`Aborted`).
+rendezvous store's keys, the signals that stop a run (and what a closed terminal leaves to fix), and
+the two ways a run ends early (:class:`RankFailed`, :class:`Aborted`).
 
 Its own module so the launcher (``launch.py``, ``local_launcher.py``) and the ranks' side (``preempt.py``)
 read them from one place without importing each other.
@@ -7,7 +8,30 @@ read them from one place without importing each other.
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+
 LAUNCHER_ENV = "PRETRAIN_LAUNCHER"  # the pid of the process that started this rank (set by pretrain's launcher)
+# Each asks for a checkpoint at the next step boundary, then a clean exit. SIGHUP: the terminal was
+# closed or the ssh session dropped (the kernel sends it to every process of the run; torchrun
+# forwards it to its ranks as it is).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def off_a_closed_terminal() -> None:
+    """Point stdout and stderr at /dev/null where writing to them fails with EIO (the terminal they were
+    is gone, as after a SIGHUP), so no print between the signal and the exit ends the run without its
+    checkpoint. Anything else (a live terminal, a pipe, a file) is left as it is."""
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError as e:
+            if e.errno != errno.EIO:
+                continue
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
 
 
 class RankFailed(RuntimeError):

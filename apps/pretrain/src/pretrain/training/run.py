@@ -58,7 +58,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
-        saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published later
+        saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published once written
         last_step = t.stop_at or t.steps
         logger = None
         if rank == 0:

@@ -135,3 +135,14 @@ def test_the_model_state_rows_are_all_in_gb():  # issue 50: "params 501.91 MB" a
     assert len(rows) == 5 and not any(" MB" in r or " KB" in r for r in rows), rows  # DDP, ZeRO-1/2/3, HSDP
     zero3 = next(r for r in rows if "(optim_grads_params)" in r)
     assert "params 0.50 GB + grads 1.00 GB + optimizer 3.01 GB" in zero3, zero3
+
+
+def test_a_dense_plan_prints_no_expert_figures_and_counts_agree_in_number():
+    dense = runner.invoke(app, ["plan", "llama3-8b", "--world", "32"]).stdout
+    assert "etp=" not in dense and "edp=" not in dense and " ep=" not in dense and "active per token" not in dense
+    assert "experts" not in dense and "layout: tp=" in dense and "params: 8.03B total; per rank" in dense, dense
+    moe = runner.invoke(app, ["plan", "tiny-moe", "--world", "1", "--set", "model.layers=2",
+                              "--set", "model.expert_balance=replicate"]).stdout
+    assert "ep=1 etp=1 edp=1" in moe and "active per token" in moe, moe
+    assert "on 1 rank (" in moe and "; 1 micro-batch of 8 per dp rank" in moe and " over 1 layer;" in moe, moe
+    assert " over 1 MoE layer (" in moe and "(1 micro-batch)" in moe, moe

@@ -70,7 +70,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                 start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
             )
-            logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
+            logger.message(f"pretrain: {world} rank{'s' * (world != 1)}: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")

@@ -74,3 +74,21 @@ def test_tensorboard_is_optional(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path, total_steps=1, tensorboard=True, console=Console(file=out)) as log:
         log.log(1, 2.0, step_time=1.0)
     assert "tensorboard package is not installed" in out.getvalue()
+
+
+
+def test_wandb_is_quiet_so_it_names_its_run_folder_once(tmp_path, monkeypatch):
+    """W&B's own output is a setting: quiet keeps the start lines (mode, folder) and drops the end's
+    repeat of the folder and of the last values. Faked here: a real wandb.init starts a service for
+    the process's life and patches its console."""
+    wandb = pytest.importorskip("wandb")
+    seen = {}
+
+    class Run:
+        def log(self, *a, **k): ...
+        def finish(self): seen["finished"] = True
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or Run())
+    with MetricsLogger(tmp_path, total_steps=1, progress=False, run_id="once", wandb={"project": "p"}) as log:
+        log.log(1, 2.0, step_time=0.1)
+    assert seen["settings"].quiet is True and seen["id"] == "once" and seen["finished"], seen

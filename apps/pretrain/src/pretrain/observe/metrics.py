@@ -127,7 +127,9 @@ class MetricsLogger:
             import wandb
         except ImportError:
             raise UsageError(WANDB_MISSING) from None
-        return wandb.init(dir=str(self.dir), id=self.run_id, resume="allow", **init)
+        # quiet: W&B names its mode and folder once, at the start, and does not repeat the folder and the
+        # last values (our own console's last line) when the run ends
+        return wandb.init(dir=str(self.dir), id=self.run_id, resume="allow", settings=wandb.Settings(quiet=True), **init)
 
     def _scalars(self, record: dict, prefix: str, step: int) -> None:
         """Every numeric value of ``record`` to TensorBoard and W&B."""

@@ -163,12 +163,13 @@ class MetricsLogger:
             self.message(f"step {step}/{self.total_steps} {stats}")
         return record
 
-    def log_eval(self, step: int, loss: float) -> dict:
+    def log_eval(self, step: int, loss: float, held_out: str = "") -> dict:
+        """``held_out``: what the loss was measured on, in words, for the console line."""
         record = {"step": step, "eval_loss": float(loss), "time": time.time(), **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
         self._scalars({"loss": float(loss)}, "eval", step)
         if self.show:
-            self.message(f"step {step}: eval loss {loss:.4f}")
+            self.message(f"step {step}: eval loss {loss:.4f}" + (f" on {held_out}" if held_out else ""))
         return record
 
     def log_event(self, event: str, *, step: int, **fields: Any) -> dict:

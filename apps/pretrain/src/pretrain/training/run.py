@@ -109,7 +109,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             if t.eval_every and (done % t.eval_every == 0 or done == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
-                    logger.log_eval(done, eval_loss)
+                    logger.log_eval(done, eval_loss, trainer.sampler.held_out)
                 interval_steps = -1
             checkpoint_step = bool(ck.every and done % ck.every == 0)
             # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)

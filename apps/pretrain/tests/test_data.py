@@ -113,6 +113,9 @@ def test_eval_batches_come_from_the_held_out_tail(embedded):
     whole = s.global_eval_batch(0).tokens
     tail = torch.from_numpy(embedded.tokens[s.split_at:s.split_at + 65].astype(np.int64))
     assert torch.equal(whole[0], tail) and torch.equal(e.tokens.reshape(-1, 65), whole[4:])
+    assert s.held_out == "the last 5 % of each source's tokens ([data].valid_fraction)"  # the eval line says so
+    separate = TokenSampler(embedded, seq_len=64, global_batch=8, micro_batch=2, eval_datasets=[embedded])
+    assert separate.held_out == "the separate eval set ([data].eval_path / eval_blend)"
 
 
 def test_build_sampler_from_config_and_too_small_data(tmp_path):

@@ -29,13 +29,15 @@ def test_jsonl_has_one_object_per_step_and_plain_lines_off_terminal(tmp_path):
         for step in range(1, 5):
             log.log(step, 5.0 - step, step_time=0.25, lr=1e-3, grad_norm=1.5)
         log.log_eval(4, 0.5)
+        log.log_eval(4, 0.5, "the last 5 % of each source's tokens")
     lines = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3, 4, 4] and [r.get("loss") for r in lines[:4]] == [4.0, 3.0, 2.0, 1.0]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 4, 4] and [r.get("loss") for r in lines[:4]] == [4.0, 3.0, 2.0, 1.0]
     assert lines[0]["tokens_per_s"] == 2048 and lines[0]["mfu"] == pytest.approx(2.0) and lines[0]["memory_gb"] > 0
-    assert lines[-1]["eval_loss"] == 0.5 and "loss" not in lines[-1]
+    assert lines[-1]["eval_loss"] == 0.5 and "loss" not in lines[-1] and lines[-1].keys() == lines[-2].keys()
     printed = out.getvalue().splitlines()
     assert printed[0].startswith("step 2/4 loss 3.0000 | 2,048 tok/s | MFU 200.0% | mem ")
     assert printed[1].startswith("step 4/4 loss 1.0000") and printed[2] == "step 4: eval loss 0.5000"
+    assert printed[3] == "step 4: eval loss 0.5000 on the last 5 % of each source's tokens"  # what was held out
 
 
 def test_a_record_is_one_line_in_a_file_at_any_length(tmp_path, capsys):
@@ -74,3 +76,32 @@ def test_tensorboard_is_optional(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path, total_steps=1, tensorboard=True, console=Console(file=out)) as log:
         log.log(1, 2.0, step_time=1.0)
     assert "tensorboard package is not installed" in out.getvalue()
+
+
+
+def test_wandb_is_quiet_so_it_names_its_run_folder_once(tmp_path, monkeypatch):
+    """W&B's own output is a setting: quiet keeps the start lines (mode, folder) and drops the end's
+    repeat of the folder and of the last values. Faked here: a real wandb.init starts a service for
+    the process's life and patches its console."""
+    wandb = pytest.importorskip("wandb")
+    seen = {}
+
+    class Run:
+        def log(self, *a, **k): ...
+        def finish(self): seen["finished"] = True
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or Run())
+    with MetricsLogger(tmp_path, total_steps=1, progress=False, run_id="once", wandb={"project": "p"}) as log:
+        log.log(1, 2.0, step_time=0.1)
+    assert seen["settings"].quiet is True and seen["id"] == "once" and seen["finished"], seen
+
+
+def test_tensorboard_writes_where_the_readme_says(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")
+    from pathlib import Path
+
+    with MetricsLogger(tmp_path, total_steps=1, tensorboard=True, progress=False) as log:
+        log.log(1, 2.0, step_time=0.1)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    assert "TensorBoard (`[log] tensorboard = true`) gets the same keys, in `<log.dir>/tensorboard`" in readme

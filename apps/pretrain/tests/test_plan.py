@@ -157,3 +157,14 @@ def test_a_zero_other_than_the_decisions_says_what_it_costs_in_memory_and_traffi
     assert "(16.50x: slower where the data-parallel reductions are not hidden)" in zero3, zero3
     agreeing = runner.invoke(app, base + ["--set", "parallel.zero=no_shard"]).stdout.strip().splitlines()[-1]
     assert agreeing.startswith("decision: "), agreeing  # the same choice: no line
+
+
+def test_a_dense_plan_prints_no_expert_figures_and_counts_agree_in_number():
+    dense = runner.invoke(app, ["plan", "llama3-8b", "--world", "32"]).stdout
+    assert "etp=" not in dense and "edp=" not in dense and " ep=" not in dense and "active per token" not in dense
+    assert "experts" not in dense and "layout: tp=" in dense and "params: 8.03B total; per rank" in dense, dense
+    moe = runner.invoke(app, ["plan", "tiny-moe", "--world", "1", "--set", "model.layers=2",
+                              "--set", "model.expert_balance=replicate"]).stdout
+    assert "ep=1 etp=1 edp=1" in moe and "active per token" in moe, moe
+    assert "on 1 rank (" in moe and "; 1 micro-batch of 8 per dp rank" in moe and " over 1 layer;" in moe, moe
+    assert " over 1 MoE layer (" in moe and "(1 micro-batch)" in moe, moe

@@ -214,3 +214,13 @@ def test_tokenizing_workers_start_clean_not_as_forks_of_the_caller(monkeypatch):
     monkeypatch.setattr(encode_module, "encode", forked_state)
     got = list(encode_module.encoded_batches(batches, None, None, None, workers=2))
     assert all((g[0] == w[0]).all() and (g[1] == w[1]).all() and g[2] == w[2] for g, w in zip(got, want))
+
+
+def test_the_readme_leaves_workers_at_their_default():
+    """More workers than usable cores only compete for them: the README's lines keep the default."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) for line in block.splitlines()]
+    assert not [line for line in lines if "pretrain prepare" in line and "--workers" in line], lines

@@ -167,7 +167,9 @@ def test_uneven_end_stages_in_every_chunk_layout():
     for bad, match in [((10, "1f1b", 2, 3, 4), "must add up to num_layers at pp=2, they add up to 7"),
                        ((10, "1f1b", 4, 3, 0), "the other 3 stages get 7 layers"),
                        ((12, "zb-v", 3, 3, 5), "3 layers on stage 0 do not split evenly into its 2 chunks"),
-                       ((4, "1f1b", 4, 0, 2), "must split evenly into 3 stages x 1 chunks of at least one layer")]:
+                       ((4, "1f1b", 4, 0, 2), "must split evenly into 3 stages x 1 chunks of at least one layer"),
+                       ((5, "zb-v", 3, 1, 0), "1 layer on stage 0 does not split evenly"),  # counts in the singular
+                       ((7, "zb-v", 2, 2, 0), "the other 1 stage gets 5 layers")]:
         layers, name, pp, first, last = bad
         with pytest.raises(ValueError, match=match):
             split_stages(layers, chunk_ranks(name, pp), first, last)

@@ -198,3 +198,29 @@ def test_clear_errors(layer_results):
     assert "requires input_is_parallel=True" in msgs["row_sp"]
     assert "sequence length 6 is not divisible by the tensor-parallel size 4" in msgs["seq"]
     assert "reduction='avg'" in msgs["reduction"]
+
+
+def embedding_under_fully_shard():
+    """One rank (tp 1): the embedding as its own FSDP2 unit, as zero="torch_fsdp2" wraps it."""
+    import warnings
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding(V, H, dist.group.WORLD)
+    full = emb.weight.detach().clone().requires_grad_(True)
+    ids = torch.randint(0, V, (S, B))
+    fully_shard(emb, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = emb(ids)
+    (out * torch.arange(H)).sum().backward()
+    (F.embedding(ids, full) * torch.arange(H)).sum().backward()
+    return [str(w.message) for w in caught], relative_error(emb.weight.grad.full_tensor(), full.grad)
+
+
+def test_fsdp2_sees_no_view_from_the_embedding_and_its_gradient_is_plain_torchs(dist_run):
+    [(warned, err)] = dist_run(1, embedding_under_fully_shard)
+    assert not [w for w in warned if "view" in w], warned
+    assert err == 0

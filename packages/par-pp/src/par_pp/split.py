@@ -40,11 +40,11 @@ def stage_layer_counts(num_layers: int, pp: int, chunks_per_rank: int = 1,
     what = f"num_layers={num_layers} with first_stage_layers={first_stage_layers}, last_stage_layers={last_stage_layers}"
     for r, n in fixed.items():
         if n % chunks_per_rank:
-            raise ValueError(f"{what}: {n} layers on stage {r} do not split evenly into its {chunks_per_rank} chunks")
+            raise ValueError(f"{what}: {n} {'layer' if n == 1 else 'layers'} on stage {r} {'does' if n == 1 else 'do'} not split evenly into its {chunks_per_rank} chunks")
     if free == 0 and rest != 0:
         raise ValueError(f"{what}: the two stages must add up to num_layers at pp={pp}, they add up to {num_layers - rest}")
     if free and (rest < free * chunks_per_rank or rest % (free * chunks_per_rank)):
-        raise ValueError(f"{what}: the other {free} stages get {rest} layers, which must split evenly into "
+        raise ValueError(f"{what}: the other {free} {'stage gets' if free == 1 else 'stages get'} {rest} layers, which must split evenly into "
                          f"{free} stages x {chunks_per_rank} chunks of at least one layer")
     even = rest // free if free else 0
     return [fixed.get(r, even) for r in range(pp)]

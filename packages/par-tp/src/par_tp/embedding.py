@@ -46,6 +46,11 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.tp_size == 1:
+            # The exit would be the identity, whose autograd output is a view; FSDP2 warns about a
+            # unit returning a view (an in-place op on it would skip its pre-backward hook), so the
+            # embedding, a gather unit of its own, returns the fresh tensor instead.
+            return partial
         return exit_tensor_parallel_region(partial, self.tp_group, self.sequence_parallel)
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from ..config import load_config
 from ..errors import UsageError, fail
 from ..planner.costs import choice_cost, config_plan
 from ..planner.state_only import TRAINER_BYTES, params_only_plan
-from .plan_replicas import human_bytes, render_replicas
+from .plan_replicas import human_bytes, plural, render_replicas
 
 GB, MB = 1e9, 1e6
 
@@ -69,19 +69,24 @@ def state_only_plan(params: float, dp: int, bytes_pgo: tuple, hsdp_replicas: Opt
 
 def render_config(plan: dict, seconds: dict | None = None) -> str:
     lay, prm, act, fl = plan["layout"], plan["params"], plan["activations"], plan["flops"]
+    moe = "experts" in plan  # expert dims, active params and expert bytes mean nothing for a dense model
+    dims = ("tp", "cp", "pp", "vpp", "dp") + (("ep", "etp", "edp") if moe else ())
+    mtp = f" (+ {human_count(prm['mtp'])} in the MTP modules)" if prm["mtp"] else ""
+    per_rank = f"per rank (stage {prm['heaviest_stage']}): {human_count(prm['per_rank_dense'])}"
     lines = [
-        f"{plan['config']} on {plan['world']} ranks ({plan['gpus_per_node']} per node, {num(plan['gpu_memory_gb'])} GB each)",
-        "layout: " + " ".join(f"{k}={lay[k]}" for k in ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "edp"))
-        + f" sp={'on' if lay['sequence_parallel'] else 'off'}; {lay['microbatches']} micro-batch(es) of {lay['micro_batch']} per dp rank",
-        f"params: {human_count(prm['total'])} total, {human_count(prm['active'])} active per token"
-        + (f" (+ {human_count(prm['mtp'])} in the MTP modules)" if prm["mtp"] else "") + "; per rank (stage "
-        f"{prm['heaviest_stage']}): {human_count(prm['per_rank_dense'])} dense + {human_count(prm['per_rank_experts'])} experts",
+        f"{plan['config']} on {plural(plan['world'], 'rank')} ({plan['gpus_per_node']} per node, {num(plan['gpu_memory_gb'])} GB each)",
+        "layout: " + " ".join(f"{k}={lay[k]}" for k in dims)
+        + f" sp={'on' if lay['sequence_parallel'] else 'off'}; "
+        f"{plural(lay['microbatches'], 'micro-batch', 'micro-batches')} of {lay['micro_batch']} per dp rank",
+        f"params: {human_count(prm['total'])} total, {human_count(prm['active'])} active per token{mtp}; {per_rank} dense + "
+        f"{human_count(prm['per_rank_experts'])} experts" if moe else
+        f"params: {human_count(prm['total'])} total{mtp}; {per_rank}",
     ]
     if "experts" in plan:
         e = plan["experts"]
         lines.append(f"experts: {human_count(e['params_per_expert'])} params = {human_bytes(e['bytes_per_expert_bf16'])} (bf16) "
                      f"each; {human_bytes(e['routed_bytes_per_layer_bf16'])} routed per MoE layer, "
-                     f"{human_bytes(e['routed_bytes_all_layers_bf16'])} over {e['moe_layers']} layers; ep={e['ep']}: "
+                     f"{human_bytes(e['routed_bytes_all_layers_bf16'])} over {plural(e['moe_layers'], 'layer')}; ep={e['ep']}: "
                      f"{e['experts_per_rank_per_layer']} experts per rank per layer "
                      f"({human_bytes(e['bytes_per_rank_per_layer_bf16'])})")
     if "replicas" in plan:

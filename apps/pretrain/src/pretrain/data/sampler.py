@@ -167,6 +167,11 @@ class TokenSampler:
             if v.count < 1:
                 raise UsageError(f"eval dataset {ds.source} is too small for one window of seq_len+1={seq_len + 1} tokens")
         self.split_at, self.train_windows, self.valid_windows = splits[0], train[0].count, valid[0].count
+        # what the eval loss is measured on, in words for the eval log line (a tail is not a random sample)
+        self.held_out = ("the separate eval set ([data].eval_path / eval_blend)" if eval_datasets else
+                         f"{100 * valid_fraction:g} % of each source's tokens, before its test part ([data].split)"
+                         if test_fraction else
+                         f"the last {100 * valid_fraction:g} % of each source's tokens ([data].valid_fraction)")
         self.train = Stream(train, weights)
         self.valid = Stream(valid, eval_weights if eval_datasets else weights)
         self.test = Stream(test, weights) if test_fraction else None

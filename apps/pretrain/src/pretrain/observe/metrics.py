@@ -129,7 +129,9 @@ class MetricsLogger:
             import wandb
         except ImportError:
             raise UsageError(WANDB_MISSING) from None
-        return wandb.init(dir=str(self.dir), id=self.run_id, resume="allow", **init)
+        # quiet: W&B names its mode and folder once, at the start, and does not repeat the folder and the
+        # last values (our own console's last line) when the run ends
+        return wandb.init(dir=str(self.dir), id=self.run_id, resume="allow", settings=wandb.Settings(quiet=True), **init)
 
     def _scalars(self, record: dict, prefix: str, step: int) -> None:
         """Every numeric value of ``record`` to TensorBoard and W&B."""
@@ -163,13 +165,14 @@ class MetricsLogger:
             self.message(f"step {step}/{self.total_steps} {stats}")
         return record
 
-    def log_eval(self, step: int, loss: float, split: str = "eval") -> dict:
-        """A held-out loss; ``split="test"``: [data].split's test part, at the end of the run."""
+    def log_eval(self, step: int, loss: float, split: str = "eval", held_out: str = "") -> dict:
+        """A held-out loss; ``split="test"``: [data].split's test part, at the end of the run. ``held_out``:
+        what the loss was measured on, in words, for the console line."""
         record = {"step": step, f"{split}_loss": float(loss), "time": time.time(), **self._run()}
         self.jsonl.write(json.dumps(record) + "\n")
         self._scalars({"loss": float(loss)}, split, step)
         if self.show:
-            self.message(f"step {step}: {split} loss {loss:.4f}")
+            self.message(f"step {step}: {split} loss {loss:.4f}" + (f" on {held_out}" if held_out else ""))
         return record
 
     def log_event(self, event: str, *, step: int, **fields: Any) -> dict:

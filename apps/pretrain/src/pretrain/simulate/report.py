@@ -7,7 +7,7 @@ import time
 
 from par_moe import DeclaredRouting
 
-from ..commands.plan_replicas import render_replicas
+from ..commands.plan_replicas import plural, render_replicas
 from ..errors import UsageError
 from ..sizing.memory import budget_bytes
 from .collectives import compare, step_collectives
@@ -91,13 +91,13 @@ def _pct(measured: float, planned: float) -> str:
 
 def render(result: dict) -> str:
     mb = result["microbatches"]
-    lines = [f"simulated {len(result['ranks'])} rank(s) of world {result['world']} on fake tensors "
+    lines = [f"simulated {plural(len(result['ranks']), 'rank')} of world {result['world']} on fake tensors "
              f"({result['routing']}); {mb['simulated']} of {mb['per_step']} micro-batches per step"
              + (" (the schedule's peak is reached; --all-microbatches runs them all)" if mb["simulated"] < mb["per_step"] else "")]
     for r in result["ranks"]:
         layers = r["layers"]
         roles = "" if r.get("roles", ["chosen"]) == ["chosen"] else f" [{', '.join(r['roles'])}]"
-        lines.append(f"rank {r['rank']} (pp stage {r['stage']}{roles}, layers {layer_ranges(layers)}, {len(layers)} layers): "
+        lines.append(f"rank {r['rank']} (pp stage {r['stage']}{roles}, layers {layer_ranges(layers)}, {plural(len(layers), 'layer')}): "
                      f"peak {r['measured_peak'] / GB:.2f} GB measured, {r['planned_peak'] / GB:.2f} GB planned; "
                      f"build peak {r['build_peak'] / GB:.2f} GB; checkpoint save peak {r['save_peak'] / GB:.2f} GB; "
                      f"{r['timings_s']['total_s']:.0f} s")

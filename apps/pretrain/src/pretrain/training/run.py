@@ -70,7 +70,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
                 start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
             )
-            logger.message(f"pretrain: {world} ranks: tp={trainer.layout.tp} "
+            logger.message(f"pretrain: {world} rank{'s' * (world != 1)}: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
                            f"{dataset.unigram_entropy():.3f} nats){note}")
@@ -109,7 +109,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             if t.eval_every and (done % t.eval_every == 0 or done == last_step):
                 eval_loss = trainer.evaluate(t.eval_batches)
                 if logger is not None:
-                    logger.log_eval(done, eval_loss)
+                    logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
                 interval_steps = -1
             checkpoint_step = bool(ck.every and done % ck.every == 0)
             # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)

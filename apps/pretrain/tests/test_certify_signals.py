@@ -71,7 +71,8 @@ def _one_error_line(proc, code: int, name: str) -> None:
 
 @pytest.mark.timeout(LIMIT_S)  # a whole certify run up to its layout's ranks
 @pytest.mark.parametrize("sig, times, code", [(signal.SIGTERM, 1, 143),
-                                              pytest.param(signal.SIGINT, 2, 130, marks=pytest.mark.extended)])
+                                              pytest.param(signal.SIGINT, 2, 130, marks=pytest.mark.extended),
+                                              pytest.param(signal.SIGHUP, 1, 129, marks=pytest.mark.extended)])
 def test_a_signal_while_the_layouts_ranks_run_stops_them(tmp_path, sig, times, code):
     proc = subprocess.Popen(CERTIFY + ["--out", str(tmp_path / "c")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -1,5 +1,6 @@
-"""certify and signals: SIGTERM or SIGINT stops it at once (it has nothing to save): the ranks are
-stopped, one line, exit 143 (SIGTERM) or 130 (SIGINT), as a shell reports a process the signal ended.
+"""certify and signals: SIGTERM, SIGINT or SIGHUP (a closed terminal) stops it at once (it has nothing
+to save): the ranks are stopped, one line, exit 143 (SIGTERM), 130 (SIGINT) or 129 (SIGHUP), as a shell
+reports a process the signal ended.
 
 The launcher's side reuses ``pretrain train``'s: while ranks run, pretrain's launcher
 (:mod:`pretrain.runtime.local_launcher`) forwards the first signal to every rank as SIGTERM, kills
@@ -17,14 +18,14 @@ import signal
 import threading
 from contextlib import contextmanager
 
-from ..runtime.rank_env import LAUNCHER_ENV, Aborted
+from ..runtime.rank_env import LAUNCHER_ENV, STOP_SIGNALS, Aborted
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = STOP_SIGNALS  # the signals that stop a training run stop a certify run too
 
 
 @contextmanager
 def stopped_by_signals():
-    """While inside: the first SIGTERM / SIGINT raises :class:`Aborted` (exit 128 + the signal's
+    """While inside: the first SIGTERM / SIGINT / SIGHUP raises :class:`Aborted` (exit 128 + the signal's
     number); later ones change nothing. Only the main thread can hold handlers: elsewhere, none."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -47,10 +48,11 @@ def stopped_by_signals():
 
 
 def end_rank_on_sigterm() -> None:
-    """In a rank process that pretrain's launcher started (it holds SIGTERM pending until its entry
-    handles it): SIGTERM now ends it. Not in the launcher's own process (one rank runs there)."""
+    """In a rank process that pretrain's launcher started (it holds the stop signals pending until its
+    entry handles them): SIGTERM or SIGHUP now ends it. Not in the launcher's own process (one rank runs there)."""
     launcher = os.environ.get(LAUNCHER_ENV)
     if launcher is None or launcher == str(os.getpid()):
         return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP})

@@ -2,6 +2,7 @@
 continues with the uninterrupted run's losses; the same layout resumes bitwise; a save that dies
 before its rename leaves the previous checkpoint as `latest` and loadable."""
 
+import pytest
 import os
 from unittest import mock
 
@@ -67,6 +68,7 @@ def reshard_job(root):
     return out
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_save_tp2pp2_load_dp4_and_tp4_continue_like_the_uninterrupted_run(dist_run, tmp_path):
     root = str(tmp_path / "ckpt")
     res = dist_run(4, reshard_job, root, timeout=600)[0]

@@ -3,6 +3,8 @@ pipeline (pp2, vpp2), loaded under cp2 x dp2 ZeRO-3 and under HSDP (2 replicas x
 every stored tensor comes back bitwise, and training continues with the uninterrupted run's losses
 (to rounding: the layouts sum in different orders)."""
 
+import pytest
+
 STEPS, SAVE_AT = 3, 2
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
           "model.layers=4", "model.aux_loss_coeff=0.0", "model.seq_aux_loss_coeff=0.01"]
@@ -46,6 +48,7 @@ def reshard_job(root):
     return out
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_save_ep2_tp2_vpp2_load_cp2_dp2_zero3_and_hsdp(dist_run, tmp_path):
     res = dist_run(4, reshard_job, str(tmp_path / "ckpt"), timeout=600)[0]
     ref = res["reference"][SAVE_AT:]

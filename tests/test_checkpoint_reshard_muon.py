@@ -5,6 +5,8 @@ The momentum is saved as pieces of each param (``optim/momentum_buffer/<name>``,
 whatever the layout), so the load reshards it; a momentum lost or misplaced on the load changes the
 next update of every matrix, and the first resumed loss after it."""
 
+import pytest
+
 STEPS, SAVE_AT = 6, 3
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=2", "train.eval_every=0", "log.progress=false", "model.layers=4",
           "train.optimizer=muon", "train.muon_ns_dtype=fp32"]
@@ -45,6 +47,7 @@ def reshard_job(root):
     return out
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_muon_save_tp2pp2_load_dp4_zero3_continues_like_the_uninterrupted_run(dist_run, tmp_path):
     res = dist_run(4, reshard_job, str(tmp_path / "ckpt"), timeout=600)[0]
     ref = res["reference"]

@@ -65,6 +65,7 @@ LAYOUTS = {"ep2-sync-save": ([], False), "ep2-async-save": ([], True),
            "pp2-ep2-sync-save": (["parallel.pp=2", "model.layers=4"], False)}
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path, name):
     root, (extra, background) = str(tmp_path), LAYOUTS[name]

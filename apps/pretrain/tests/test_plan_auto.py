@@ -48,6 +48,7 @@ def test_1b_model_trains_with_plain_data_parallelism():
     assert first["zero"] in ("no_shard", "optim")
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_deepseek_v3_keeps_ep_inside_the_nvlink_domain_where_the_experts_fit():
     best = plan("deepseek-v3", 2048, "dgx-h100")["best"]
     # 61 layers: pp 16 with uneven first / last stages leaves few enough experts per rank for one node

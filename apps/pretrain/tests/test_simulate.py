@@ -109,6 +109,7 @@ def test_bad_simulate_input_is_one_line_exit_2(args, message):
     assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
+@pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_cli_shows_progress_on_stderr_a_verdict_per_rank_and_no_warnings():
     # ZB-V on 4 layers, pp 2: rank 0 holds chunks 0 and 3 (layers 0 and 3)
     res = runner.invoke(app, ["plan", "llama3-8b", "--world", "64", "--simulate", "--rank", "0", "--set",

@@ -254,7 +254,7 @@ def test_a_lock_file_of_any_kind_is_refused_in_one_line_or_taken_over(tmp_path, 
         outcome = "refused"
     try:
         before = snapshot(tmp_path)
-        res = invoke_within_limit(runner, app, TRAIN + ["--set", f"log.dir={log}"], limit_s=30)
+        res = invoke_within_limit(runner, app, TRAIN + ["--set", f"log.dir={log}"])
     finally:
         if held is not None:
             os.close(held)
@@ -311,7 +311,7 @@ def test_a_lock_file_we_cannot_read_is_taken_over_only_under_flock(tmp_path, mon
     monkeypatch.setattr(os, "open", unreadable)
     try:
         before = snapshot(tmp_path)
-        res = invoke_within_limit(runner, app, TRAIN + ["--set", f"log.dir={log}"], limit_s=30)
+        res = invoke_within_limit(runner, app, TRAIN + ["--set", f"log.dir={log}"])
     finally:
         monkeypatch.setattr(os, "open", real_open)
         if held is not None:

@@ -29,7 +29,7 @@ def test_jsonl_has_one_object_per_step_and_plain_lines_off_terminal(tmp_path):
         for step in range(1, 5):
             log.log(step, 5.0 - step, step_time=0.25, lr=1e-3, grad_norm=1.5)
         log.log_eval(4, 0.5)
-        log.log_eval(4, 0.5, "the last 5 % of each source's tokens")
+        log.log_eval(4, 0.5, held_out="the last 5 % of each source's tokens")
     lines = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 4, 4] and [r.get("loss") for r in lines[:4]] == [4.0, 3.0, 2.0, 1.0]
     assert lines[0]["tokens_per_s"] == 2048 and lines[0]["mfu"] == pytest.approx(2.0) and lines[0]["memory_gb"] > 0

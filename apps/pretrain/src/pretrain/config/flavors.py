@@ -7,6 +7,7 @@ it replaces the config file's model section (later ``--set model.*`` still apply
 
 from __future__ import annotations
 
+from .config_files import builtin_configs, read_toml
 from .rules import _need
 
 # torchtitan's llama3 / deepseek_v3 flavour names -> the shipped config of the same model
@@ -15,15 +16,11 @@ TORCHTITAN_FLAVORS = {"debugmodel": "tiny", "debugmodel_moe": "tiny-moe", "1B": 
 
 
 def flavor_names() -> list[str]:
-    from .run_config import builtin_configs
-
     return [n[:-5] for n in builtin_configs()] + list(TORCHTITAN_FLAVORS)
 
 
 def flavor_model(name) -> dict:
     """The ``[model]`` keys of flavour ``name``; one error line for an unknown one."""
-    from .run_config import read_toml
-
     _need(isinstance(name, str) and name in flavor_names(),
           f"[model].flavor={name!r} is not one of {', '.join(flavor_names())}")
     data, _source = read_toml(TORCHTITAN_FLAVORS.get(name, name))

@@ -21,8 +21,6 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 try:  # Python >= 3.11 ships the TOML reader; tomli is the same module for older ones
     import tomllib as tomli
@@ -36,6 +34,7 @@ from .rules import _need
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
 from .train_section import TrainConfig, shorten_warmup
+from .config_files import builtin_configs, read_toml  # builtin_configs: part of this module's surface
 from .flavors import flavor_model
 from ..errors import UsageError, shown
 from .layout import MAX_WORLD, Layout, micro_batching
@@ -43,7 +42,6 @@ from .layout import MAX_WORLD, Layout, micro_batching
 __all__ = ["CheckpointConfig", "Config", "DataConfig", "Layout", "LogConfig", "ModelConfig", "ParallelConfig",
            "TopologyConfig", "TrainConfig", "builtin_configs", "load_config", "parse_override"]
 
-DEFAULT_CONFIG = "tiny.toml"
 
 
 SECTIONS: dict[str, type] = {
@@ -253,42 +251,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         _need(isinstance(table, dict), f"[{section}] must be a table of keys")
         table[name] = value
     return merged
-
-
-def builtin_config_path(name: str):
-    """A config shipped inside the package (``tiny.toml``, ``tiny-moe.toml``, ``llama3-8b.toml`` ...)."""
-    return resources.files("pretrain") / "configs" / name
-
-
-def builtin_configs() -> list[str]:
-    return sorted(p.name for p in (resources.files("pretrain") / "configs").iterdir() if p.name.endswith(".toml"))
-
-
-MAX_CONFIG_BYTES = 4 << 20  # far above any real config; a larger file is not one (and would take long to parse)
-
-
-def read_toml(path: str | None) -> tuple[dict, str]:
-    """The parsed TOML of ``path`` (None = the embedded default; a bare shipped name also works)."""
-    if path is None:
-        ref, source = builtin_config_path(DEFAULT_CONFIG), f"<builtin>/{DEFAULT_CONFIG}"
-    elif not Path(path).exists() and path in builtin_configs() + [n[:-5] for n in builtin_configs()]:
-        name = path if path.endswith(".toml") else path + ".toml"
-        ref, source = builtin_config_path(name), f"<builtin>/{name}"
-    else:
-        ref, source = Path(path), path
-        if not ref.is_file():
-            raise UsageError(f"config file {path!r} does not exist; shipped configs: {', '.join(builtin_configs())}")
-        if ref.stat().st_size > MAX_CONFIG_BYTES:
-            raise UsageError(f"config {source} is {ref.stat().st_size:,} bytes, more than a config's "
-                             f"{MAX_CONFIG_BYTES:,}: give the run's TOML config")
-    try:
-        return tomli.loads(ref.read_text()), source
-    except tomli.TOMLDecodeError as e:
-        raise UsageError(f"config {source} is not valid TOML: {e}") from None
-    except RecursionError:
-        raise UsageError(f"config {source} is nested too deeply to read") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read config {source}: {e}") from None
 
 
 ENV_OVERRIDES = "PRETRAIN_SET"  # space-separated overrides applied after --set (CI and smoke tests)

@@ -151,6 +151,7 @@ def test_moe_layout_matches_single_rank(dist_run, moe_reference, name):
     assert reference[-1][0] < reference[0][0]  # and it learns
 
 
+@pytest.mark.extended  # checks the stepwise comparison itself (robust to noise, not blind to a bug), not a layout
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_moe_layouts_hold_under_last_bit_router_noise_and_catch_a_wrong_expert_order(dist_run, moe_reference):
     """Router logits x (1 + 2**-23) on the layout's ranks (another CPU's rounding, exaggerated to

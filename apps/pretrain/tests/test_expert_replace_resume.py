@@ -65,8 +65,13 @@ LAYOUTS = {"ep2-sync-save": ([], False), "ep2-async-save": ([], True),
            "pp2-ep2-sync-save": (["parallel.pp=2", "model.layers=4"], False)}
 
 
+# ep2 (sync and async saves) and pp2 (each stage's maps) make the proof; cp, etp and the all-gather
+# dispatcher repeat it through other groups of the same re-placement
+AGAIN = ("cp2-ep2-sync-save", "tp2-etp2-ep2-sync-save", "ep2-allgather-sync-save")
+
+
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in AGAIN else n for n in LAYOUTS])
 def test_resume_across_a_replacement_is_bitwise_the_uninterrupted_run(dist_run, tmp_path, name):
     root, (extra, background) = str(tmp_path), LAYOUTS[name]
     steps, records, at_save, final = dist_run(4, run, OVERRIDES + extra, root, False, background, timeout=600)[0]

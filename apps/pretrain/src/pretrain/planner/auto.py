@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
-from ..config import TopologyConfig, apply_overrides, config_from_dict
+from ..config import apply_overrides, config_from_dict
 from ..errors import UsageError
 from ..observe.metrics import lookup_peak_tflops
 from ..runtime.rank_assignment import described_topology
+from .choice_time import topology_spec
 from .estimate import ASSUMPTIONS, Cluster
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from .search import Choice, search, shape_config
@@ -32,14 +32,7 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
     """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts). ``simulate``: run
     the heaviest stage of the top choices on fake tensors (:func:`check_by_simulation`) before
     calling one a fit; those measured over the budget leave the list."""
-    from par_groups.topology import PRESETS
-
-    if topology in PRESETS:
-        spec = TopologyConfig(preset=topology)
-    elif Path(topology).is_file():
-        spec = TopologyConfig(file=topology)
-    else:
-        raise UsageError(f"--topology {topology!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a TOML file")
+    spec = topology_spec(topology)
     if not 0 < efficiency <= 1:
         raise UsageError(f"--efficiency {efficiency:g} must be in (0, 1]: achieved / peak FLOP/s of the compute")
     topo = described_topology(dataclasses.replace(cfg, topology=spec), world)

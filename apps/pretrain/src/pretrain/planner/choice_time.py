@@ -12,18 +12,23 @@ from ..errors import UsageError
 from .estimate import GRADIENT_GROUPS, Cluster, Shape, comm_seconds, group_bandwidth
 
 
-def exposed_dp_seconds(cfg, world: int, topology: str, zeros: list[str]) -> dict[str, float]:
-    """``{zero: seconds}`` of exposed gradient-group communication per step on ``topology``."""
+def topology_spec(topology: str) -> TopologyConfig:
+    """``--topology``: a preset's name or a cluster TOML file, as a ``[topology]`` section."""
     from par_groups.topology import PRESETS
 
-    from ..runtime.rank_assignment import described_topology, workload
-
     if topology in PRESETS:
-        spec = TopologyConfig(preset=topology)
+        return TopologyConfig(preset=topology)
     elif Path(topology).is_file():
-        spec = TopologyConfig(file=topology)
+        return TopologyConfig(file=topology)
     else:
         raise UsageError(f"--topology {topology!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a TOML file")
+
+
+def exposed_dp_seconds(cfg, world: int, topology: str, zeros: list[str]) -> dict[str, float]:
+    """``{zero: seconds}`` of exposed gradient-group communication per step on ``topology``."""
+    from ..runtime.rank_assignment import described_topology, workload
+
+    spec = topology_spec(topology)
     layout, p, t = cfg.validate_world(world), cfg.parallel, cfg.train
     topo = described_topology(dataclasses.replace(cfg, topology=spec), world)
     cluster = Cluster(spec, len(topo.node_ranks()[0]), topo.largest_domain())

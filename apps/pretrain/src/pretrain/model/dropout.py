@@ -26,8 +26,9 @@ def position() -> tuple[int, int, int]:
     return getattr(_where, "position", (0, 0, 0))
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser on a Python int or int64 tensor holding values in [0, 2**32) (each
+    product is masked at once, so a tensor's int64 wrap never reaches the bits kept)."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & MASK32
     h = h ^ (h >> 13)
@@ -41,7 +42,7 @@ def _keep(coords: list[torch.Tensor], p: float, where: tuple[int, int, int], lay
     seed, step, _first = where
     key = 0
     for part in (seed, step, layer, site):  # the run, step, layer and site in one 32-bit key
-        key = int(_fmix32(torch.tensor((key * 31 + part) & MASK32)).item())
+        key = _fmix32((key * 31 + part) & MASK32)  # plain ints: no tensor, no host read
     sample = coords[0]
     acc = torch.full((), key, dtype=torch.int64, device=device)
     for c in [sample & MASK32, (sample >> 32) & MASK32, *coords[1:]]:

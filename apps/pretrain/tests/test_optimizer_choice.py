@@ -67,9 +67,10 @@ def test_a_torch_optimizer_resumes_bitwise_loads_under_another_layout_and_must_m
 def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path):
     runner = CliRunner()
     for extra, line in [
-        (["train.optimizer=sgd", "parallel.zero=optim"],
-         "error: [train].optimizer='sgd' with [parallel].zero='optim': optimizer='SGD' needs strategy 'no_shard' or "
-         "'torch_fsdp2'; strategy='optim' shards the optimizer, which only optimizer='AdamW' does"),
+        (["train.optimizer=adagrad", "parallel.zero=optim"],
+         "error: [train].optimizer='adagrad' with [parallel].zero='optim': optimizer='Adagrad' needs strategy "
+         "'no_shard' or 'torch_fsdp2'; strategy='optim' shards the optimizer, which par-zero's own optimizers do "
+         "(AdamW, Muon, SGD, Lion)"),
         (["train.optimizer=sgdd"], "error: [train].optimizer='sgdd' is not one of adamw, asgd,"),
         (["train.optimizer=sgd", "train.optimizer_args={momentum=-1}"],
          "error: [train].optimizer='sgd' with [parallel].zero='no_shard': optimizer SGD with {'momentum': -1}: "

@@ -64,6 +64,41 @@ def test_a_torch_optimizer_resumes_bitwise_loads_under_another_layout_and_must_m
                                     "back, or start from its weights with [checkpoint].init_from"), res["mismatch"]
 
 
+DECLARED = {"sgd": ["train.optimizer=sgd", "train.optimizer_args={momentum=0.9}"],
+            "lion": ["train.optimizer=lion", "train.optimizer_args={betas=[0.9, 0.95]}", "train.lr=3e-4"]}
+
+
+def declared_resume_job(root):
+    """Per declared optimizer under ZeRO-3 (dp2): losses of the uninterrupted run and of a resume from step
+    SAVE_AT, and what its checkpoint says it holds."""
+    from pretrain.checkpoint import latest_checkpoint
+
+    out = {}
+    for name, sets in DECLARED.items():
+        t = _trainer(*sets, "parallel.zero=optim_grads_params")
+        losses = []
+        for step in range(STEPS):
+            losses.append(t.train_step(step).loss)
+            if step + 1 == SAVE_AT:
+                t.save_checkpoint(f"{root}/{name}", SAVE_AT)
+        latest = latest_checkpoint(f"{root}/{name}")
+        r = _trainer(*sets, "parallel.zero=optim_grads_params")
+        start = r.load_checkpoint(latest)
+        state = json.loads((latest / "trainer_state.json").read_text())
+        out[name] = (losses[SAVE_AT:], [r.train_step(step).loss for step in range(start, STEPS)],
+                     state["optimizer_name"], state["optimizer_kinds"])
+    return out
+
+
+def test_declared_sgd_and_lion_resume_bitwise_under_zero3(dist_run, tmp_path):
+    """par-zero's SGD and Lion through the trainer's checkpoints: their state (``optim/<kind>/...``, the
+    kinds their declarations name) saved under ZeRO-3 and resumed gives bitwise the uninterrupted losses."""
+    res = dist_run(2, declared_resume_job, str(tmp_path / "ck"), timeout=600)[0]
+    for name, kinds in (("sgd", ["momentum_buffer"]), ("lion", ["exp_avg"])):
+        uninterrupted, resumed, saved_name, saved_kinds = res[name]
+        assert resumed == uninterrupted and (saved_name, saved_kinds) == (name, kinds), res[name]
+
+
 def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path):
     runner = CliRunner()
     for extra, line in [

@@ -1,10 +1,12 @@
 """[train].optimizer: a torch.optim class on unsharded layouts. Its state (Adagrad's ``sum`` tensor, its
 ``step`` scalar) checkpoints as pieces and resumes bitwise under tp2, loads under dp2; resuming
-with another optimizer, or a sharded zero with one, is one error line (exit 2 in the CLI).
+with another optimizer, or a sharded zero with one, is one error line (exit 2 in the CLI). par-zero's
+declared SGD and Lion resume bitwise under ZeRO-3.
 The equivalence with plain torch.optim training is tests/test_trainer_matches_plain_pytorch.py ("sgd-tp2")."""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
@@ -90,6 +92,7 @@ def declared_resume_job(root):
     return out
 
 
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
 def test_declared_sgd_and_lion_resume_bitwise_under_zero3(dist_run, tmp_path):
     """par-zero's SGD and Lion through the trainer's checkpoints: their state (``optim/<kind>/...``, the
     kinds their declarations name) saved under ZeRO-3 and resumed gives bitwise the uninterrupted losses."""

@@ -83,6 +83,7 @@ def results(dist_run, tmp_path_factory):
     return dist_run(2, train_and_resume, 2, str(tmp_path_factory.mktemp("ck")), timeout=600)[0]
 
 
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
 @pytest.mark.parametrize("name", list(CASES))
 def test_declared_elementwise_optimizer_trains_like_torch_under_every_zero_stage(results, name):
     decl = CASES[name][0]

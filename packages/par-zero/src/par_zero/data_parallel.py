@@ -1,7 +1,8 @@
 """The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with its optimizer.
 
 It composes the gradient/parameter buffer (grad_buffer.py: buckets, hooks, collectives), the
-distributed optimizer (optimizer.py: AdamW over each rank's range; torch_optimizer.py: any
+optimizer its declaration builds (declaration.py; optimizer.py: AdamW over each rank's range;
+elementwise.py: any element-wise declaration, SGD, Lion; muon.py; torch_optimizer.py: any
 torch.optim class when each rank holds whole params) and the clipping function
 (clipping.py). :func:`data_parallel` picks the implementation for a strategy ('torch_fsdp2' is
 torch's fully_shard, fsdp2.py).
@@ -243,7 +244,7 @@ class DataParallel:
     # ---- introspection -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The persistent tensors this rank holds, by kind: 'params', 'grads', 'optim' (fp32 masters
-        and AdamW moments)."""
+        and the optimizer's declared state)."""
         held = {kind: [t for b in self.buckets for t in b.state_tensors()[kind]]
                 for kind in ("params", "grads", "optim")}
         held["optim"] += self.optimizer.state_tensors()

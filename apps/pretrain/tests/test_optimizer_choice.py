@@ -116,6 +116,12 @@ def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path)
         (["train.optimizer_args={momentum=0.9}"],
          "error: [train].optimizer='adamw' with [parallel].zero='no_shard': optimizer_args={'momentum': 0.9} is for "
          "a torch.optim class"),
+        (["train.optimizer=lion", "train.optimizer_args={betas=[0.9, 1.5]}"],
+         "error: [train].optimizer='lion' with [parallel].zero='no_shard': Lion betas=[0.9, 1.5] must be two numbers "
+         "in [0, 1)"),
+        (["train.optimizer=sgd", "train.optimizer_args={foreach=true}"],
+         "error: [train].optimizer='sgd' with [parallel].zero='no_shard': SGD takes momentum, dampening, nesterov; "
+         "not foreach"),
     ]:
         args = [a for kv in extra for a in ("--set", kv)]
         res = runner.invoke(app, ["train", "--nproc", "1", "--set", f"log.dir={tmp_path}", *args])

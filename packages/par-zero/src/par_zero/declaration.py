@@ -275,11 +275,6 @@ class Muon(Declaration):
     def matrix_dtype(self):
         return self.ns_dtype
 
-    def check(self, strategy, weight_decay):
-        if strategy == "torch_fsdp2":
-            raise ValueError(f"optimizer='Muon' is par-zero's own, over its buckets: strategy {OWN_STRATEGIES}, "
-                             f"not 'torch_fsdp2'")
-
     def build(self, buckets, cfg, decayed, name_of):
         from .muon import DistributedMuon
 

@@ -1,10 +1,12 @@
 """[train].optimizer: a torch.optim class on unsharded layouts. Its state (Adagrad's ``sum`` tensor, its
 ``step`` scalar) checkpoints as pieces and resumes bitwise under tp2, loads under dp2; resuming
-with another optimizer, or a sharded zero with one, is one error line (exit 2 in the CLI).
+with another optimizer, or a sharded zero with one, is one error line (exit 2 in the CLI). par-zero's
+declared SGD and Lion resume bitwise under ZeRO-3.
 The equivalence with plain torch.optim training is tests/test_trainer_matches_plain_pytorch.py ("sgd-tp2")."""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
@@ -64,12 +66,49 @@ def test_a_torch_optimizer_resumes_bitwise_loads_under_another_layout_and_must_m
                                     "back, or start from its weights with [checkpoint].init_from"), res["mismatch"]
 
 
+DECLARED = {"sgd": ["train.optimizer=sgd", "train.optimizer_args={momentum=0.9}"],
+            "lion": ["train.optimizer=lion", "train.optimizer_args={betas=[0.9, 0.95]}", "train.lr=3e-4"]}
+
+
+def declared_resume_job(root):
+    """Per declared optimizer under ZeRO-3 (dp2): losses of the uninterrupted run and of a resume from step
+    SAVE_AT, and what its checkpoint says it holds."""
+    from pretrain.checkpoint import latest_checkpoint
+
+    out = {}
+    for name, sets in DECLARED.items():
+        t = _trainer(*sets, "parallel.zero=optim_grads_params")
+        losses = []
+        for step in range(STEPS):
+            losses.append(t.train_step(step).loss)
+            if step + 1 == SAVE_AT:
+                t.save_checkpoint(f"{root}/{name}", SAVE_AT)
+        latest = latest_checkpoint(f"{root}/{name}")
+        r = _trainer(*sets, "parallel.zero=optim_grads_params")
+        start = r.load_checkpoint(latest)
+        state = json.loads((latest / "trainer_state.json").read_text())
+        out[name] = (losses[SAVE_AT:], [r.train_step(step).loss for step in range(start, STEPS)],
+                     state["optimizer_name"], state["optimizer_kinds"])
+    return out
+
+
+@pytest.mark.timeout(300)  # alone, it starts the harness's ranks
+def test_declared_sgd_and_lion_resume_bitwise_under_zero3(dist_run, tmp_path):
+    """par-zero's SGD and Lion through the trainer's checkpoints: their state (``optim/<kind>/...``, the
+    kinds their declarations name) saved under ZeRO-3 and resumed gives bitwise the uninterrupted losses."""
+    res = dist_run(2, declared_resume_job, str(tmp_path / "ck"), timeout=600)[0]
+    for name, kinds in (("sgd", ["momentum_buffer"]), ("lion", ["exp_avg"])):
+        uninterrupted, resumed, saved_name, saved_kinds = res[name]
+        assert resumed == uninterrupted and (saved_name, saved_kinds) == (name, kinds), res[name]
+
+
 def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path):
     runner = CliRunner()
     for extra, line in [
-        (["train.optimizer=sgd", "parallel.zero=optim"],
-         "error: [train].optimizer='sgd' with [parallel].zero='optim': optimizer='SGD' needs strategy 'no_shard' or "
-         "'torch_fsdp2'; strategy='optim' shards the optimizer, which only optimizer='AdamW' does"),
+        (["train.optimizer=adagrad", "parallel.zero=optim"],
+         "error: [train].optimizer='adagrad' with [parallel].zero='optim': optimizer='Adagrad' needs strategy "
+         "'no_shard' or 'torch_fsdp2'; strategy='optim' shards the optimizer, which par-zero's own optimizers do "
+         "(AdamW, Muon, SGD, Lion)"),
         (["train.optimizer=sgdd"], "error: [train].optimizer='sgdd' is not one of adamw, asgd,"),
         (["train.optimizer=sgd", "train.optimizer_args={momentum=-1}"],
          "error: [train].optimizer='sgd' with [parallel].zero='no_shard': optimizer SGD with {'momentum': -1}: "
@@ -77,6 +116,12 @@ def test_a_sharded_zero_or_an_unknown_optimizer_is_one_line_and_exit_2(tmp_path)
         (["train.optimizer_args={momentum=0.9}"],
          "error: [train].optimizer='adamw' with [parallel].zero='no_shard': optimizer_args={'momentum': 0.9} is for "
          "a torch.optim class"),
+        (["train.optimizer=lion", "train.optimizer_args={betas=[0.9, 1.5]}"],
+         "error: [train].optimizer='lion' with [parallel].zero='no_shard': Lion betas=[0.9, 1.5] must be two numbers "
+         "in [0, 1)"),
+        (["train.optimizer=sgd", "train.optimizer_args={foreach=true}"],
+         "error: [train].optimizer='sgd' with [parallel].zero='no_shard': SGD takes momentum, dampening, nesterov; "
+         "not foreach"),
     ]:
         args = [a for kv in extra for a in ("--set", kv)]
         res = runner.invoke(app, ["train", "--nproc", "1", "--set", f"log.dir={tmp_path}", *args])

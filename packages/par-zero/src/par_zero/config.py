@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optimizer_choice import ADAMW, MUON, check_optimizer, muon_args
+from .declaration import AdamW, Declaration, declare_optimizer
 
 # Megatron's --data-parallel-sharding-strategy names, plus torch's own FSDP2 as an alternative.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
@@ -33,9 +33,11 @@ class DataParallelConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    # 'AdamW' (par-zero's distributed AdamW, every strategy) or a torch.optim class or its name
-    # (unsharded strategies), built with lr, weight_decay and these keyword arguments
-    optimizer: str | type = "AdamW"
+    # a declaration (declaration.py: AdamW, Muon, SGD, Lion; every strategy), or what declare_optimizer
+    # reads as one: par-zero's own by name ('AdamW' with betas, eps, fused_adamw; 'Muon' with these
+    # keyword arguments), or a torch.optim class or its name (unsharded strategies), built with lr,
+    # weight_decay and these keyword arguments
+    optimizer: str | type | Declaration = "AdamW"
     optimizer_args: dict = field(default_factory=dict)
     # Overlap communication with compute at the cost of holding its buffers (grad_buffer.py);
     # None: on, except when the params are on the CPU (gloo: little overlap, staged gathers)
@@ -49,6 +51,7 @@ class DataParallelConfig:
     shard_params: bool = field(init=False)  # ZeRO-3: params at rest are a shard, gathered per unit
     outer_shard_optimizer: bool = field(init=False)  # HSDP outer 'optim': the range split over replicas too
     torch_native: bool = field(init=False)  # 'torch_fsdp2': torch's fully_shard does all of it
+    declaration: Declaration = field(init=False)  # the optimizer, declared (betas, eps, fused_adamw: its AdamW's)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -73,7 +76,13 @@ class DataParallelConfig:
             object.__setattr__(self, name, value)
 
     def _check_optimizer(self) -> None:
-        check_optimizer_choice(self.strategy, self.optimizer, self.optimizer_args, self.weight_decay)
+        decl = check_optimizer_choice(self.strategy, self.optimizer, self.optimizer_args, self.weight_decay,
+                                      AdamW(self.betas, self.eps, self.fused_adamw))
+        object.__setattr__(self, "declaration", decl)
+        adamw = decl if isinstance(decl, AdamW) else getattr(decl, "adamw", None)
+        if adamw is not None:  # a declared AdamW's hyper-parameters are the ones in force
+            for name, value in (("betas", adamw.betas), ("eps", adamw.eps), ("fused_adamw", adamw.fused)):
+                object.__setattr__(self, name, value)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -88,31 +97,19 @@ class DataParallelConfig:
                 f"an outer (HSDP replica) group needs a sharded inner strategy, got strategy={self.strategy!r}; "
                 f"use one of {SHARDED + ('torch_fsdp2',)}, or pass one dp group for plain DDP"
             )
-        if self.outer_shard_optimizer and self.optimizer == MUON:
-            raise ValueError("optimizer='Muon' gathers each matrix over the inner sharding group: not with "
-                             "outer_strategy='optim' (use outer_strategy='no_shard')")
+        if self.outer_shard_optimizer and self.declaration.gathers == "matrix":
+            raise ValueError(f"optimizer={self.declaration.label!r} gathers each matrix over the inner sharding group: "
+                             f"not with outer_strategy='optim' (use outer_strategy='no_shard')")
         if self.outer_shard_optimizer and not (self.shard_params and not self.torch_native):
             raise ValueError(
                 f"outer_strategy='optim' is only valid with strategy='optim_grads_params', got {self.strategy!r}"
             )
 
 
-def check_optimizer_choice(strategy: str, optimizer: str | type, optimizer_args: dict, weight_decay: float) -> None:
-    """One ValueError line when ``optimizer`` (``'AdamW'``, par-zero's own, or a torch.optim class or
-    its name) cannot run under ``strategy`` with these arguments; the one place these rules live."""
-    if optimizer == ADAMW:
-        if optimizer_args:
-            raise ValueError(f"optimizer_args={optimizer_args} is for a torch.optim class; AdamW takes "
-                             f"betas, eps and weight_decay")
-        return
-    if optimizer == MUON:
-        if strategy == "torch_fsdp2":
-            raise ValueError("optimizer='Muon' is par-zero's own, over its buckets: strategy 'no_shard', 'optim', "
-                             "'optim_grads' or 'optim_grads_params', not 'torch_fsdp2'")
-        muon_args(optimizer_args)
-        return
-    if strategy in SHARDED:
-        raise ValueError(f"optimizer={getattr(optimizer, '__name__', optimizer)!r} needs strategy "
-                         f"'no_shard' or 'torch_fsdp2'; strategy={strategy!r} shards the optimizer, "
-                         f"which only optimizer='AdamW' does")
-    check_optimizer(optimizer, optimizer_args, weight_decay)
+def check_optimizer_choice(strategy: str, optimizer, optimizer_args: dict, weight_decay: float,
+                           adamw: AdamW | None = None) -> Declaration:
+    """The declaration of ``optimizer`` (see :func:`declare_optimizer`), after one ValueError line when it
+    cannot run under ``strategy`` with these arguments: the declaration's own check."""
+    decl = declare_optimizer(optimizer, optimizer_args, adamw)
+    decl.check(strategy, weight_decay)
+    return decl

@@ -1,7 +1,8 @@
 """The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with its optimizer.
 
 It composes the gradient/parameter buffer (grad_buffer.py: buckets, hooks, collectives), the
-distributed optimizer (optimizer.py: AdamW over each rank's range; torch_optimizer.py: any
+optimizer its declaration builds (declaration.py; optimizer.py: AdamW over each rank's range;
+elementwise.py: any element-wise declaration, SGD, Lion; muon.py; torch_optimizer.py: any
 torch.optim class when each rank holds whole params) and the clipping function
 (clipping.py). :func:`data_parallel` picks the implementation for a strategy ('torch_fsdp2' is
 torch's fully_shard, fsdp2.py).
@@ -34,12 +35,9 @@ from .bucket_groups import BucketGroups
 from .checkpoint import gather_full_state, load_sharded_state_dict, owned_pieces, sharded_state_dict
 from .clipping import clip_grad_norm_
 from .config import DataParallelConfig, skip_decay
+from .declaration import AdamW, Declaration, declare_optimizer
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
-from .optimizer import DistributedAdamW
-from .muon import DistributedMuon
-from .optimizer_choice import ADAMW, MUON
-from .torch_optimizer import TorchOptimizer
 
 
 def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard",
@@ -69,12 +67,14 @@ class DataParallel:
     leave room). None (default): True, except for params on the CPU, where gloo runs collectives
     on the compute's cores and stages each gathered output in a second buffer of its size.
 
-    ``optimizer``: 'AdamW' (par-zero's distributed AdamW, with ``betas``, ``eps``; every strategy),
-    'Muon' (par-zero's: Muon on the params ``muon_params(name, param)`` names, each matrix gathered
-    whole over the sharding group and ``matrix_group(param)`` (the group splitting it, TP); AdamW on
-    the rest; ``optimizer_args``: momentum, nesterov, ns_steps, adjust_lr_fn, ns_dtype; see muon.py),
-    or, for 'no_shard' only, a ``torch.optim`` class or its name (e.g. 'SGD'), built with ``lr``,
-    ``weight_decay`` (on the decayed group) and ``optimizer_args`` (e.g. ``{"momentum": 0.9}``).
+    ``optimizer``: one declaration (declaration.py), which says its state, how it steps and what it
+    gathers: ``AdamW(betas, eps, fused)``, ``SGD(momentum, dampening, nesterov)``, ``Lion(betas)`` (element-
+    wise: every strategy steps its shard), ``Muon(..., adamw=AdamW(...), matrices=, matrix_group=)`` (each
+    matrix gathered whole over the sharding group and ``matrix_group(param)``, the group splitting it;
+    see muon.py), or ``TorchClass(cls, args)``: a ``torch.optim`` class on whole params, 'no_shard' only,
+    built with ``lr``, ``weight_decay`` (on the decayed group) and ``args``. The names before
+    declarations still work: 'AdamW' (``betas``, ``eps``, ``fused_adamw``), 'Muon' (``optimizer_args``,
+    ``muon_params``, ``matrix_group``), a torch.optim class or its name (``optimizer_args``).
     """
 
     def __init__(
@@ -95,16 +95,24 @@ class DataParallel:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        optimizer: str | type = "AdamW",
+        optimizer: Declaration | str | type = "AdamW",
         optimizer_args: dict | None = None,
         units: Iterable[nn.Module] | None = None,
         no_decay: Callable[[str, nn.Parameter], bool] = skip_decay,
         own_bucket: Iterable[nn.Parameter] = (),
         overlap_comm: bool | None = None,
-        muon_params: Callable[[str, nn.Parameter], bool] = lambda name, p: p.dim() >= 2,
-        matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None,
+        muon_params: Callable[[str, nn.Parameter], bool] | None = None,
+        matrix_group: Callable[[nn.Parameter], ProcessGroup | None] | None = None,
         fused_adamw: bool | None = None,
     ):
+        if optimizer == "Muon":  # the name before declarations, with its callbacks as keywords
+            callbacks = {"matrices": muon_params, "matrix_group": matrix_group}
+            optimizer = declare_optimizer("Muon", optimizer_args, AdamW(betas, eps, fused_adamw),
+                                          **{k: f for k, f in callbacks.items() if f is not None})
+            optimizer_args = None
+        elif muon_params is not None or matrix_group is not None:
+            raise ValueError("muon_params and matrix_group go with optimizer='Muon'; a Muon declaration holds "
+                             "them as matrices= and matrix_group=")
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
                                             optimizer, dict(optimizer_args or {}), overlap_comm, fused_adamw)
@@ -122,12 +130,7 @@ class DataParallel:
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
         self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
         decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
-        if cfg.optimizer == MUON:
-            self.optimizer = DistributedMuon(self.buffer.buckets, cfg, decayed,
-                                             lambda p: muon_params(self.param_names[p], p), matrix_group)
-        else:
-            opt = DistributedAdamW if cfg.optimizer == ADAMW else TorchOptimizer
-            self.optimizer = opt(self.buffer.buckets, cfg, decayed)
+        self.optimizer = cfg.declaration.build(self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -192,7 +195,7 @@ class DataParallel:
     def step(self, after_update: Callable[[], None] | None = None) -> None:
         """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded).
         ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights)."""
-        if isinstance(self.optimizer, DistributedAdamW) and after_update is None:  # gathers overlap the next updates
+        if self.cfg.declaration.elementwise and after_update is None:  # gathers overlap the next updates
             self.buffer.sync_params(self.optimizer.step)
         else:
             self.optimizer.step()
@@ -241,7 +244,7 @@ class DataParallel:
     # ---- introspection -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The persistent tensors this rank holds, by kind: 'params', 'grads', 'optim' (fp32 masters
-        and AdamW moments)."""
+        and the optimizer's declared state)."""
         held = {kind: [t for b in self.buckets for t in b.state_tensors()[kind]]
                 for kind in ("params", "grads", "optim")}
         held["optim"] += self.optimizer.state_tensors()

@@ -23,7 +23,7 @@ from par_groups.param_placement import placement_of
 from .adamw import clip_coefficient
 from .config import DataParallelConfig, skip_decay
 from .fsdp2_state import FSDP2OptimizerState, owned_local_pieces
-from .optimizer_choice import ADAMW, fastest_implementation, optimizer_class, takes_weight_decay
+from .optimizer_choice import fastest_implementation, takes_weight_decay
 from .units import default_unit_modules
 
 
@@ -46,8 +46,9 @@ def _device_type(module: nn.Module) -> str:
 
 
 class TorchFSDP2:
-    """fully_shard on every layer and the root, torch.optim.AdamW (or ``optimizer``: any torch.optim
-    class or its name, with ``optimizer_args``), same methods as DataParallel."""
+    """fully_shard on every layer and the root, torch.optim.AdamW (or ``optimizer``: a declaration whose
+    ``torch_optimizer()`` is a torch.optim class, e.g. SGD, or any torch.optim class or its name, with
+    ``optimizer_args``), same methods as DataParallel."""
 
     def __init__(self, module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "torch_fsdp2", *,
                  outer_group: ProcessGroup | None = None, outer_strategy: str = "no_shard",
@@ -55,7 +56,7 @@ class TorchFSDP2:
                  bucket_mb: float = 25.0, param_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 optimizer: str | type = "AdamW", optimizer_args: dict | None = None,
+                 optimizer="AdamW", optimizer_args: dict | None = None,
                  units: Iterable[nn.Module] | None = None, no_decay: Callable[[str, nn.Parameter], bool] = skip_decay):
         self.cfg = DataParallelConfig("torch_fsdp2", outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                       reshard_after_forward, lr, tuple(betas), eps, weight_decay, optimizer,
@@ -80,16 +81,12 @@ class TorchFSDP2:
         groups = [{"params": [p for n, p in named if not no_decay(n, p)]},
                   {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
         device = self.params[0].device if self.params else torch.device("cpu")
-        if optimizer == ADAMW:
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                               **fastest_implementation(torch.optim.AdamW, device))
-        else:  # any torch.optim class (validated by the config), the mask as its two groups
-            cls = optimizer_class(optimizer)
-            decay = {"weight_decay": weight_decay} if takes_weight_decay(cls) else {}
-            if not decay:
-                groups = [{"params": groups[0]["params"] + groups[1]["params"]}]
-            fast = fastest_implementation(cls, device, self.cfg.optimizer_args)
-            self.optimizer = cls(groups, lr=lr, **decay, **fast, **self.cfg.optimizer_args)
+        # the declaration's torch.optim equivalent (AdamW, SGD, any torch.optim class), the mask as its two groups
+        cls, args = self.cfg.declaration.torch_optimizer()
+        decay = {"weight_decay": weight_decay} if takes_weight_decay(cls) else {}
+        if not decay:
+            groups = [{"params": groups[0]["params"] + groups[1]["params"]}]
+        self.optimizer = cls(groups, lr=lr, **decay, **fastest_implementation(cls, device, args), **args)
         self.optimizer_state = FSDP2OptimizerState(self.optimizer, self.params, lambda: self.step_count)
         self.step_count = 0
 

@@ -47,12 +47,14 @@ def model_state(P: float, G: float, O: float, strategy: str, d: int, *, outer: i
                       O / split if cfg.shard_optimizer else O)
 
 
-def bytes_per_param(param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
-    """(P, G, O) bytes per parameter in this package: grads in reduce_dtype or param_dtype, AdamW
-    moments in fp32, plus an fp32 master copy when params are not fp32."""
+def bytes_per_param(param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype | None = None,
+                    state_bytes: int = 8) -> tuple[int, int, int]:
+    """(P, G, O) bytes per parameter in this package: grads in reduce_dtype or param_dtype, the optimizer's
+    ``state_bytes`` (its declaration's :meth:`~par_zero.Declaration.state_bytes`; AdamW's two fp32 moments: 8),
+    plus an fp32 master copy when params are not fp32."""
     p = torch.finfo(param_dtype).bits // 8
     g = torch.finfo(reduce_dtype or param_dtype).bits // 8
-    o = 8 + (0 if param_dtype == torch.float32 else 4)
+    o = state_bytes + (0 if param_dtype == torch.float32 else 4)
     return p, g, o
 
 

@@ -42,7 +42,7 @@ from .config import DataParallelConfig
 from .muon_owners import assign_buckets
 from .newton_schulz import adjusted_lr, zeropower_via_newtonschulz
 from .optimizer import MOMENTS, RangeStateOptimizer, contiguous_runs
-from .optimizer_choice import NS_DTYPES, muon_args
+from .optimizer_choice import NS_DTYPES
 
 KINDS = MOMENTS + ("momentum_buffer",)
 
@@ -75,7 +75,7 @@ class DistributedMuon(RangeStateOptimizer):
                  is_matrix: Callable[[nn.Parameter], bool],
                  matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None):
         self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
-        self.args = muon_args(cfg.optimizer_args)
+        self.args = cfg.declaration.args()  # a Muon declaration (declaration.py)
         self.matrices = {b: [p for p in b.params if is_matrix(p)] for b in buckets}
         for b, ps in self.matrices.items():
             for p in ps:

@@ -1,7 +1,7 @@
-"""Which optimizer: par-zero's own AdamW or a ``torch.optim`` class, checked once on a small tensor.
+"""A ``torch.optim`` class checked once on a small tensor, and the options of par-zero's Muon.
 
-Imported by the configuration (pretrain's config/checks.py) and the optimizers alike; it imports only torch, so the
-configuration does not import the optimizers (no import circle through bucket.py).
+Imported by the declarations (declaration.py), hence the configuration, and the optimizers alike; it imports only
+torch, so the configuration does not import the optimizers (no import circle through bucket.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import inspect
 import torch
 
 from .newton_schulz import adjusted_lr
-
-ADAMW = "AdamW"  # par-zero's own distributed AdamW: every strategy
-MUON = "Muon"  # par-zero's own Muon (hidden matrices) + AdamW (the rest): every strategy of par-zero's buckets
 
 
 def optimizer_classes() -> list[str]:

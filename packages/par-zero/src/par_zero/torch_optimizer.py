@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-# ADAMW, check_optimizer and optimizer_classes are re-exported: they lived here before optimizer_choice.py
-from .optimizer_choice import (ADAMW, check_optimizer, fastest_implementation, optimizer_class,  # noqa: F401
-                               optimizer_classes, takes_weight_decay)
+# check_optimizer and optimizer_classes are re-exported: they lived here before optimizer_choice.py
+from .optimizer_choice import (check_optimizer, fastest_implementation, optimizer_classes,  # noqa: F401
+                               takes_weight_decay)
 
 if TYPE_CHECKING:
     from .bucket import Bucket
@@ -36,8 +36,8 @@ def scalar_state_of(optimizer: torch.optim.Optimizer | None) -> dict[str, float]
 class TorchOptimizer:
     """A ``torch.optim`` class stepping the masters of ``buckets`` (each rank holds whole params)."""
 
-    def __init__(self, buckets: list[Bucket], cfg, decayed: Callable[[nn.Parameter], bool]):
-        cls = optimizer_class(cfg.optimizer)
+    def __init__(self, buckets: list[Bucket], cfg, decayed: Callable[[nn.Parameter], bool], decl=None):
+        cls, args = (decl or cfg.declaration).torch_optimizer()  # a TorchClass declaration (declaration.py)
         self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
         self.views: dict[Bucket, list[tuple[torch.Tensor, int, int]]] = {}  # master view, its range in the bucket
         decay, keep = [], []
@@ -54,8 +54,8 @@ class TorchOptimizer:
         else:
             groups = [{"params": decay + keep}]
         groups = [g for g in groups if g["params"]]
-        fast = fastest_implementation(cls, buckets[0].master.device, cfg.optimizer_args) if groups else {}
-        self.inner = cls(groups, lr=cfg.lr, **fast, **cfg.optimizer_args) if groups else None
+        fast = fastest_implementation(cls, buckets[0].master.device, args) if groups else {}
+        self.inner = cls(groups, lr=cfg.lr, **fast, **args) if groups else None
         self.flat: dict[Bucket, dict[str, torch.Tensor]] = {b: {} for b in buckets}  # per state name, over the range
         self._bind()
 

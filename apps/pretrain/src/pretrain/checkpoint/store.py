@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from par_groups import comm
-from par_zero import Pieces, load_pieces, save_pieces, whole_pieces
+from par_zero import AdamW, Pieces, load_pieces, save_pieces, whole_pieces
 
 from ..errors import UsageError
 from ..model.shapes import full_shapes
@@ -53,7 +53,7 @@ from .rng_state import load_rng_state, rng_state
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 MAX_MARKER_BYTES = 4096  # ``latest`` holds one step_N name
-ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # what a checkpoint without "optimizer_kinds" holds (AdamW's)
+ADAMW_STATE = AdamW().kinds()  # what a checkpoint without "optimizer_kinds" holds (AdamW's declared state)
 
 
 def _quiet(fn):

@@ -107,8 +107,8 @@ def data_parallel_rules(cfg) -> None:
               f"[parallel].zero='torch_fsdp2' runs with tp=1, pp=1, ep=1 and untied embeddings only (got tp={p.tp}, "
               f"pp={p.pp}, ep={p.ep}, tie_embeddings={str(m.tie_embeddings).lower()}); use optim_grads_params "
               f"(ZeRO-3) with them")
-    try:  # the sharded strategies run par-zero's own AdamW only
-        check_optimizer_choice(p.zero, t.optimizer_class, t.optimizer_kwargs, t.weight_decay)
+    try:  # the optimizer's declaration says which strategies it runs under
+        check_optimizer_choice(p.zero, t.optimizer_declaration, {}, t.weight_decay)
     except ValueError as e:
         raise UsageError(f"[train].optimizer={t.optimizer!r} with [parallel].zero={p.zero!r}: {e}") from None
 

@@ -76,7 +76,8 @@ MEANINGS = {
         "weight_decay": "AdamW's decoupled weight decay (not on norms, biases, embeddings)",
         "beta1": "Adam's beta1 (--adam-beta1)",
         "beta2": "Adam's beta2 (--adam-beta2)",
-        "optimizer_args": "a torch.optim optimizer's extra arguments, e.g. {momentum = 0.9}",
+        "optimizer_args": "the optimizer's options: sgd's momentum, dampening, nesterov (e.g. {momentum = 0.9}), lion's "
+                          "betas, a torch.optim class's keywords",
         "muon_nesterov": "muon: Nesterov momentum",
         "muon_ns_steps": "muon: Newton-Schulz iterations",
         "muon_ns_dtype": "muon: Newton-Schulz in bf16 | fp32",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 
 from dataclasses import dataclass, field
 
-from par_zero import optimizer_classes
+from par_zero import DECLARED, optimizer_classes
 from par_zero.newton_schulz import ADJUST_LR_FNS
 
 from .rules import _choice, _need, _positive, _seed, _timeout
@@ -19,7 +20,9 @@ FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
 NAN_POLICIES = ("skip", "stop")
 DECAY_STYLES = ("cosine", "linear", "wsd", "inverse-square-root", "constant")  # Megatron's --lr-decay-style
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
-OPTIMIZERS = ("adamw",) + tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
+TORCH_OPTIMIZERS = tuple(n.lower() for n in optimizer_classes() if n != "AdamW")  # torch.optim's, by name
+# par-zero's declared optimizers (adamw, muon, sgd, lion: every zero) and the other torch.optim classes
+OPTIMIZERS = ("adamw",) + TORCH_OPTIMIZERS + tuple(n for n in DECLARED if n != "adamw" and n not in TORCH_OPTIMIZERS)
 
 
 MAX_TOKENS_PER_STEP = 1 << 30  # far above any real global batch; beyond it a step would not fit in memory
@@ -56,9 +59,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8  # AdamW's eps (Megatron's --adam-eps, torchtitan's optimizer.eps)
-    # adamw: par-zero's distributed AdamW (beta1, beta2; every [parallel].zero); or a torch.optim class by
-    # name, any case (sgd, adagrad, rmsprop, ...; zero = no_shard or torch_fsdp2) built with lr,
-    # weight_decay (norms, biases, embeddings excluded) and optimizer_args, e.g. {momentum = 0.9}
+    # par-zero's declared optimizers, every [parallel].zero: adamw (beta1, beta2), sgd (optimizer_args
+    # momentum, dampening, nesterov, e.g. {momentum = 0.9}), lion (optimizer_args betas, default
+    # [0.9, 0.99]); or another torch.optim class by name, any case (adagrad, rmsprop, ...; zero = no_shard
+    # or torch_fsdp2) built with lr, weight_decay (norms, biases, embeddings excluded) and optimizer_args
     optimizer: str = "adamw"
     optimizer_args: dict = field(default_factory=dict)
     # muon: par-zero's Muon on the hidden matrices (model/muon_split.py), AdamW (beta1, beta2) on the rest,
@@ -150,10 +154,21 @@ class TrainConfig:
 
     @property
     def optimizer_class(self) -> str:
-        """What par-zero's ``optimizer`` argument takes: 'AdamW' (its own) or a torch.optim class name."""
-        if self.optimizer in ("adamw", "muon"):  # par-zero's own: 'AdamW', 'Muon'
-            return {"adamw": "AdamW", "muon": "Muon"}[self.optimizer]
+        """The optimizer's class name: par-zero's declared one's ('AdamW', 'SGD', ...) or a torch.optim class's."""
+        if self.optimizer in DECLARED:
+            return DECLARED[self.optimizer].label
         return {n.lower(): n for n in optimizer_classes()}[self.optimizer]
+
+    @functools.cached_property
+    def optimizer_declaration(self):
+        """par-zero's declaration of ``optimizer`` (its state per parameter, its step, the strategies it runs
+        under) with this section's options: beta1, beta2, adam_eps and fused_adamw for AdamW (Muon's other
+        params too), the muon_* keys, or optimizer_args. ValueError for bad options."""
+        from par_zero import AdamW, declare_optimizer
+
+        adamw = AdamW((self.beta1, self.beta2), self.adam_eps, {"auto": None, "on": True, "off": False}[self.fused_adamw])
+        return declare_optimizer(self.optimizer if self.optimizer in DECLARED else self.optimizer_class,
+                                 self.optimizer_kwargs, adamw)
 
     @property
     def optimizer_kwargs(self) -> dict:

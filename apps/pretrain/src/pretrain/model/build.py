@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -103,21 +103,21 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     # Megatron's mixed precision: bf16 params for compute; fp32 main weights and Adam moments in the
     # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
     bf16 = t.resolved_dtype(device.type) == "bf16"
-    kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+    kwargs = dict(expert_dp_group=groups.edp, lr=t.lr, weight_decay=t.weight_decay,
                   units=list(dict.fromkeys(u for c in mine for u in chunks[c].gather_units())),  # MTP's embedding: once
                   no_decay=functools.partial(no_decay, tied=cfg.model.tie_embeddings),
                   own_bucket=[p for m in copies for p in m.parameters()],
                   param_dtype=torch.bfloat16 if bf16 else torch.float32,
-                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32,
-                  fused_adamw={"auto": None, "on": True, "off": False}[t.fused_adamw])
+                  reduce_dtype=torch.bfloat16 if bf16 and t.grad_reduce_dtype == "bf16" else torch.float32)
     zero = cfg.parallel.zero
     if zero == "torch_fsdp2":  # the layouts it runs with: config/checks.py data_parallel_rules; the same mixed precision
-        kwargs = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, weight_decay=t.weight_decay, no_decay=no_decay,
+        kwargs = dict(lr=t.lr, weight_decay=t.weight_decay, no_decay=no_decay,
                       param_dtype=kwargs["param_dtype"], reduce_dtype=kwargs["reduce_dtype"])
-    kwargs |= dict(optimizer=t.optimizer_class, optimizer_args=t.optimizer_kwargs)  # [train].optimizer
-    if t.optimizer == "muon":  # the split: model/muon_split.py; a matrix split by TP is gathered over tp / etp
-        kwargs |= dict(muon_params=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
-                       matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
+    optimizer = t.optimizer_declaration  # [train].optimizer, declared (par_zero.declaration)
+    if optimizer.gathers == "matrix":  # Muon's split: model/muon_split.py; a matrix split by TP is gathered over tp / etp
+        optimizer = replace(optimizer, matrices=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
+                            matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
+    kwargs["optimizer"] = optimizer
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)

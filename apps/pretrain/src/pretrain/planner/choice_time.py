@@ -36,6 +36,6 @@ def exposed_dp_seconds(cfg, world: int, topology: str, zeros: list[str]) -> dict
                   p.first_stage_layers, p.last_stage_layers)
     bandwidth = group_bandwidth(shape, cluster)
     work = workload(cfg, layout)
-    muon = t.muon_ns_dtype if t.optimizer == "muon" else None
+    muon = t.optimizer_declaration.matrix_dtype  # a matrix-wise optimizer's own step (Muon's Newton-Schulz)
     return {z: sum(s for name, s in comm_seconds(shape, work, z, bandwidth, muon).items() if name in GRADIENT_GROUPS)
             for z in zeros}

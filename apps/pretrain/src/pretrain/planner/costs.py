@@ -67,7 +67,7 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
     if m.is_moe and m.expert_balance == "replicate":  # the heaviest stage's replica buffers and bytes
         out["replicas"] = replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
                                           state_dtypes(t)[0].itemsize)
-    if t.optimizer == "muon":  # which params Muon steps, which AdamW (model/muon_split.py)
+    if t.optimizer_declaration.gathers == "matrix":  # which params Muon steps, which AdamW (model/muon_split.py)
         from ..model.muon_split import muon_ns_flops, muon_split
 
         out["optimizer"] = muon_split(m) | {"ns_flops_per_step": muon_ns_flops(m, t.muon_ns_steps)}

@@ -25,7 +25,7 @@ from ..runtime.rank_assignment import workload
 from ..sizing.activations import stage_peak_of
 from ..sizing.flops import training_flops_per_step
 from ..sizing.params import rank_params
-from ..sizing.state import grad_buffer, muon_elements, params_state, state_dtypes
+from ..sizing.state import grad_buffer, muon_elements, optim_bytes, params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
 
 TP = (1, 2, 4, 8, 16, 32, 64)
@@ -111,7 +111,7 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
     shaped = shape_config(cfg, s)
     dtypes, d = state_dtypes(shaped.train), s.dp * s.cp
     params = [rank_params(shaped, light_layout(s), stage) for stage in range(s.pp)]
-    state = {z: [params_state(p.dense, p.experts, d, s.edp, z, dtypes, muon=muon_elements(t, p)).total
+    state = {z: [params_state(p.dense, p.experts, d, s.edp, z, dtypes, muon=muon_elements(t, p), optim=optim_bytes(t)).total
                  for p in params] for z in ZERO}
     if min(state[ZERO[-1]]) > budget:
         return None
@@ -138,7 +138,7 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
                 if memory > budget:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth,
-                               t.muon_ns_dtype if t.optimizer == "muon" else None)
+                               t.optimizer_declaration.matrix_dtype)
                 choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
                                 {n: link for n, (_, link) in bandwidth.items()})
                 if best is None or _key(choice) < _key(best):

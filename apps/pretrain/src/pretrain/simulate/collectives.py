@@ -96,7 +96,7 @@ def muon_collectives(cfg, layout, params) -> dict[tuple[str, str], float]:
     biases or a small embedding moves them too; a bucket of the embedding or head alone moves nothing),
     the model-parallel gathers at the mean owned share."""
     out: dict[tuple[str, str], float] = defaultdict(float)
-    if cfg.train.optimizer != "muon":
+    if cfg.train.optimizer_declaration.gathers != "matrix":  # an element-wise step gathers nothing
         return out
     ns, zero, dp = cfg.train.muon_ns_dtype, cfg.parallel.zero, "dp" if layout.cp == 1 else "dp_cp"
     for n, d, group in ((params.muon_dense, layout.dp * layout.cp, dp), (params.experts, layout.edp, "edp")):

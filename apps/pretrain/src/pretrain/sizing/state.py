@@ -2,10 +2,12 @@
 
 The trainer's mixed precision (Megatron's): bf16 parameters for compute (fp32 runs: fp32),
 gradients accumulated and reduced in ``[train].grad_reduce_dtype`` and, in the optimizer, fp32
-main weights (bf16 runs only) and two fp32 Adam moments: :func:`par_zero.bytes_per_param`. They are
-sharded as the ZeRO strategy says (:func:`par_zero.model_state`): dense parameters over dp x cp,
-routed experts over expert dp; with HSDP, ZeRO-3 inside each replica. ``[train].optimizer = "muon"``
-keeps one fp32 momentum (:data:`MUON_STATE_BYTES`) for the two Adam moments of the params Muon steps.
+main weights (bf16 runs only) and the state ``[train].optimizer``'s declaration names per parameter
+(``par_zero.Declaration.state_bytes``: AdamW's two fp32 moments, SGD's or Lion's one momentum, what a
+torch.optim class keeps): :func:`par_zero.bytes_per_param`. They are sharded as the ZeRO strategy says
+(:func:`par_zero.model_state`): dense parameters over dp x cp, routed experts over expert dp; with HSDP,
+ZeRO-3 inside each replica. A matrix-wise optimizer (Muon) keeps its matrix state (one fp32 momentum)
+for the params it steps as matrices, its other state (AdamW's moments) for the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from par_zero import ModelState, bytes_per_param, model_state
 from .params import RankParams, rank_params
 
 MUON_STATE_BYTES = 4  # Muon's state per param it steps: one fp32 momentum (AdamW's: two fp32 moments, 8)
+ADAMW_BYTES = (8, MUON_STATE_BYTES)  # optim_bytes of the default AdamW (and Muon): see optim_bytes
 STRATEGIES = (("DDP", "no_shard"), ("ZeRO-1", "optim"), ("ZeRO-2", "optim_grads"), ("ZeRO-3", "optim_grads_params"))
 
 
@@ -27,35 +30,44 @@ def state_dtypes(train, device_type: str = "cuda") -> tuple[torch.dtype, torch.d
     return param, torch.bfloat16 if bf16 and train.grad_reduce_dtype == "bf16" else torch.float32
 
 
+def optim_bytes(train) -> tuple[int, int]:
+    """(state bytes per element, of an element stepped as a matrix) that ``[train].optimizer`` declares."""
+    decl = train.optimizer_declaration
+    return decl.state_bytes(), decl.state_bytes(matrix=True)
+
+
 def convention(train, device_type: str = "cuda") -> str:
     """The bytes per parameter in words, for the plan's output."""
-    p, g, o = bytes_per_param(*state_dtypes(train, device_type))
-    main = " + fp32 main weights" if o > 8 else ""
-    muon = (f" (Muon's matrices: one fp32 momentum, {p} + {g} + {o - 8 + MUON_STATE_BYTES})"
-            if train.optimizer == "muon" else "")
-    return f"{8 * p}-bit params, {8 * g}-bit grads, fp32 Adam moments{main}: {p} + {g} + {o} bytes per parameter{muon}"
+    decl, (state, matrix) = train.optimizer_declaration, optim_bytes(train)
+    p, g, o = bytes_per_param(*state_dtypes(train, device_type), state)
+    main = " + fp32 main weights" if o > state else ""
+    matrices = (f" ({decl.label}'s matrices: {decl.describe(matrix=True)}, {p} + {g} + {o - state + matrix})"
+                if decl.gathers == "matrix" else "")
+    return f"{8 * p}-bit params, {8 * g}-bit grads, {decl.describe()}{main}: {p} + {g} + {o} bytes per parameter{matrices}"
 
 
 def muon_elements(train, params: RankParams) -> tuple[int, int]:
-    """(dense, routed-expert) elements of ``params`` whose optimizer state is Muon's: none unless
-    ``[train].optimizer = "muon"``, then the hidden matrices and every routed expert."""
-    return (params.muon_dense, params.experts) if train.optimizer == "muon" else (0, 0)
+    """(dense, routed-expert) elements of ``params`` a matrix-wise optimizer (Muon) steps as matrices: none
+    for an element-wise one, else the hidden matrices and every routed expert (model/muon_split.py)."""
+    return (params.muon_dense, params.experts) if train.optimizer_declaration.gathers == "matrix" else (0, 0)
 
 
 def params_state(dense: float, experts: float, d: int, ed: int, zero: str, dtypes, replicas: int = 1,
-                 muon: tuple[float, float] = (0, 0)) -> ModelState:
+                 muon: tuple[float, float] = (0, 0), optim: tuple[int, int] = ADAMW_BYTES) -> ModelState:
     """Bytes of ``dense`` elements sharded over ``d`` ranks and ``experts`` over ``ed``; ``replicas`` > 1:
     HSDP (ZeRO-3 inside ``d / replicas`` ranks, replicated across the replicas). ``muon``: how many of
-    the dense and of the expert elements Muon steps (:func:`muon_elements`)."""
-    p, g, o = bytes_per_param(*dtypes)
+    the dense and of the expert elements are stepped as matrices (:func:`muon_elements`); ``optim``: the
+    optimizer's state bytes per element and per such element (:func:`optim_bytes`)."""
+    p, g, o = bytes_per_param(*dtypes, optim[0])
     zero = "optim_grads_params" if zero == "torch_fsdp2" else zero  # torch's FSDP2 shards as ZeRO-3
     parts = []
     for n, size, mu in ((dense, d, muon[0]), (experts, ed, muon[1])):
-        optim = n * o - mu * (8 - MUON_STATE_BYTES)
+        optim_total = n * o - mu * (optim[0] - optim[1])
         if replicas > 1:
-            parts.append(model_state(n * p, n * g, optim, "optim_grads_params", max(size // replicas, 1), outer=replicas))
+            parts.append(model_state(n * p, n * g, optim_total, "optim_grads_params", max(size // replicas, 1),
+                                     outer=replicas))
         else:
-            parts.append(model_state(n * p, n * g, optim, zero, size))
+            parts.append(model_state(n * p, n * g, optim_total, zero, size))
     return ModelState(*(sum(getattr(s, k) for s in parts) for k in ("params", "grads", "optim")))
 
 
@@ -65,7 +77,8 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
     p = rank_params(cfg, layout, stage)
     replicas = cfg.parallel.hsdp_replicas if replicas is None else replicas
     return params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero or cfg.parallel.zero,
-                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p))
+                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p),
+                        optim_bytes(cfg.train))
 
 
 def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:

@@ -1,0 +1,53 @@
+"""`pretrain plan` sizes the optimizer state its par-zero declaration names: SGD's momentum (none without
+one), Lion's momentum, a torch.optim class's tensors (Adagrad's ``sum``), beside the fp32 main weights of a
+bf16 run; `plan --simulate` (the trainer's real optimizer on fake tensors) holds what the plan says."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+
+MAIN = 4  # fp32 main weights (bf16 params)
+# id: (overrides, state bytes per parameter)
+CASES = {
+    "sgd-momentum": (["train.optimizer=sgd", "train.optimizer_args={momentum=0.9, nesterov=true}"], 4),
+    "sgd": (["train.optimizer=sgd"], 0),
+    "lion": (["train.optimizer=lion", "train.optimizer_args={betas=[0.9, 0.95]}"], 4),
+    "adagrad": (["train.optimizer=adagrad", "parallel.zero=no_shard"], 4),
+}
+
+
+def plan(overrides, world=8):
+    sets = [a for o in ["parallel.tp=1"] + overrides for a in ("--set", o)]
+    res = CliRunner().invoke(app, ["plan", "llama3-8b", "--world", str(world), "--json", *sets])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_plan_counts_the_declared_state_per_parameter():
+    """One rank per pipeline (every rank holds the whole model, dp = 8): the optimizer bytes are N x
+    (main weights + the declared state) under DDP, a dp-th of it under ZeRO-1; params and grads alike."""
+    out = {name: plan(overrides) for name, (overrides, _) in CASES.items()}
+    n = out["sgd"]["params"]["per_rank_dense"] + out["sgd"]["params"]["per_rank_experts"]
+    for name, (_, state) in CASES.items():
+        table = out[name]["model_state"]
+        assert table["no_shard"]["optim"] == n * (MAIN + state), name
+        assert table["optim"]["optim"] == n * (MAIN + state) / 8, name
+        for kind in ("params", "grads"):
+            assert table["optim"][kind] == out["sgd"]["model_state"]["optim"][kind], (name, kind)
+    assert "2 + 4 + 8 bytes per parameter" in out["lion"]["convention"]
+    assert "no optimizer state + fp32 main weights: 2 + 4 + 4" in out["sgd"]["convention"]
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "lion"])
+def test_simulate_measures_the_declared_state_as_planned(name):
+    """The bytes the trainer's SGD / Lion hold (fake tensors; ZeRO-3 over dp 16 of tp 2 x pp 2) are the plan's, within 2 %."""
+    from pretrain.config import load_config
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=2", "parallel.pp=2",
+                                    "parallel.zero=optim_grads_params"] + CASES[name][0])
+    rank = simulate(cfg, 64, [0])["ranks"][0]
+    assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.02)

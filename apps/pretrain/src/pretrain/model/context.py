@@ -29,7 +29,7 @@ class ChunkContext:
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:
     """par-cp's attention for this chunk. At cp=1 without document boundaries it is one torch SDPA
     call on the CPU too (``dense_on_cpu``), as on a GPU: torch's own autograd instead of the block
-    kernels' (the same CPU flash kernels; a step 1-2 % faster, tools/bench/bench_trainer.py), and
+    kernels' (the same CPU flash kernels, less bookkeeping), and
     the single-rank runs every layout is tested against then check par-cp's kernels against SDPA."""
     g = context.groups
     if context.backend == "te":

@@ -62,7 +62,7 @@ class ParallelDecoderLayer(nn.Module):
         # Without SP the tp ranks hold the same tokens: a MoE layer takes this rank's 1/tp of the
         # sequence (as under SP) and gathers its output back, so each token reaches its experts once.
         # (Routing every tp rank's copy sent each token to every expert of the EP group tp times:
-        # their gradients and the aux-free load were tp x the single rank's, issue 53.)
+        # their gradients and the aux-free load were tp x the single rank's.)
         self.moe_splits_tokens = self.is_moe and not sp and g.size("tp") > 1
         self.moe_tp_group = g.tp
         if self.is_moe:

@@ -67,7 +67,7 @@ def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = N
 def _ring_backward_work(m, layout, pb: int) -> float:
     """Per local token: a context-parallel attention's backward working set (par-cp's ring): fp32
     dq and two steps' dk, dv, the fp32 dK|dV stack it sends home; in bf16 K|V and its spare, the
-    casts of the gradients out and the blocks' temporaries (measured: 5.5 q-widths at cp 2)."""
+    casts of the gradients out and the blocks' temporaries (5.5 q-widths: fitted to ``plan --simulate``)."""
     if layout.cp == 1:
         return 0.0  # one fused SDPA call, as on a GPU
     q, kv = family_of(m).ring_widths(m, layout)
@@ -79,7 +79,7 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
     moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
     the returned rows, 2 h, are freed) and the experts' first grouped GEMM's (w_down's) gradients
     in the compute dtype, the weight's for this rank's experts ([E/ep, h, F/etp] before it is added
-    into the gradient buffer: 0.94 GB for DeepSeek-V3 at ep 8) and the rows' (F/etp per pair),
+    into the gradient buffer) and the rows' (F/etp per pair),
     once those two and the experts' output (3 h per pair) are freed."""
     share = layout.tp if layout.sequence_parallel else 1
     rows, h, f = pairs * tokens / share, m.hidden, m.expert_ffn_hidden / layout.etp

@@ -33,8 +33,13 @@ class Sharding:
 def fp8_gemm(a: Quantized, b_t: Quantized, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` from the quantized ``a`` and ``b^T [N, K]``."""
     if recipe.scaled_mm:
-        scale_b = b_t.scale.t() if b_t.scale.dim() else b_t.scale
-        return torch._scaled_mm(a.data, b_t.data.t(), scale_a=a.scale, scale_b=scale_b, out_dtype=out_dtype)
+        scale_a, scale_b = a.scale, b_t.scale.t() if b_t.scale.dim() else b_t.scale
+        if a.data.device.type == "cpu" and scale_a.dim() == 0:
+            # the CPU's tensorwise _scaled_mm is a slow reference loop; its rowwise kernel takes the same
+            # per-tensor scale repeated per row and column (the same products, the same fp32 sums)
+            scale_a, scale_b = scale_a.expand(a.data.shape[0], 1), scale_b.expand(1, b_t.data.shape[0])
+        return torch._scaled_mm(a.data, b_t.data.t(), scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
+                                out_dtype=out_dtype)
     return (a.dequantize() @ b_t.dequantize().t()).to(out_dtype)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from par_zero import check_optimizer_choice
 
 from .rules import _divisors, _need
+from .train_section import PAR_FP8, TE_FP8
 from ..errors import UsageError
 from ..models import family_of
 
@@ -101,8 +102,14 @@ def context_parallel_rules(cfg) -> None:
 def kernel_rules(cfg) -> None:
     """FP8 runs in Transformer Engine; compile needs the torch blocks and fixed masks."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _need(t.fp8 == "off" or m.backend == "te",
-          f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
+    _need(t.fp8 not in TE_FP8 or m.backend == "te",
+          f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off'); "
+          f"par's own FP8 on the torch layers is one of {', '.join(PAR_FP8)}, scaled from each tensor's current "
+          f"amax only (delayed scaling's amax history would mix ranks and micro-batches)")
+    _need(t.fp8 not in PAR_FP8 or (m.backend == "torch" and not p.tp_comm_overlap and not t.compile),
+          f"[train].fp8={t.fp8!r} is par's own FP8 in the torch layers' local matmuls: not with [model].backend='te' "
+          f"(use fp8='delayed' or 'current' there), [parallel].tp_comm_overlap (its overlapped matmuls) or "
+          f"[train].compile; turn those off")
     _need(not t.compile or (m.backend == "torch" and not cfg.data.packed and not p.dynamic_cp),
           "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
           "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "

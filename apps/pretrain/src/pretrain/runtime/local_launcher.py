@@ -105,8 +105,11 @@ def _death_message(exitcode: int | None) -> str:
 class LocalRanks:
     """``nproc`` rank processes of one run; :meth:`wait` returns their results or raises."""
 
-    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None) -> None:
+    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None,
+                 fault_tolerance: bool = False) -> None:
         self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
+        self.fault_tolerance = fault_tolerance  # a dead rank's replica is fenced and the others go on (replica_membership)
+        self.fencer = None
         self.log_dir = log_dir  # where the ranks write flight records (pretrain.runtime.hang); None: no hang summary
         self.stop_signal: int | None = None
         self.stop_at = self.started = 0.0
@@ -120,6 +123,10 @@ class LocalRanks:
         port = sock.getsockname()[1]
         self.store = dist.TCPStore(MASTER_ADDR, port, None, True, timedelta(seconds=self.join_timeout_s),
                                    wait_for_workers=False, master_listen_fd=sock.detach())
+        if self.fault_tolerance:
+            from .replica_membership import ReplicaFencer
+
+            self.fencer = ReplicaFencer(self.store, self.nproc)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
@@ -196,10 +203,17 @@ class LocalRanks:
         while pending:
             for conn in wait(list(pending.values()), timeout=0.2):
                 rank = self.conns.index(conn)
+                if rank not in pending:  # a fenced rank of a replica lost in this same wait
+                    continue
                 del pending[rank]
                 try:
                     status, *body = conn.recv()
                 except (EOFError, OSError):
+                    gone = self.fencer.lost(rank, self.procs) if self.fencer is not None else None
+                    if gone is not None:  # its replica fenced, the others regroup without it
+                        for r in gone:
+                            pending.pop(r, None)
+                        continue
                     self.procs[rank].join(timeout=1.0)
                     exitcode = self.procs[rank].exitcode
                     failures.append(_Failure(rank, _death_message(exitcode), exitcode))
@@ -218,7 +232,7 @@ class LocalRanks:
             self._check_joined(joined)
             self._check_stop_deadline()
         self.returned = True
-        return [results[r] for r in range(self.nproc)]
+        return [results.get(r) for r in range(self.nproc)]  # None: a rank of a lost replica
 
     def close(self) -> None:
         """Let ranks that returned exit; kill the rest (after a failure, a timeout or a second signal)."""
@@ -234,10 +248,12 @@ class LocalRanks:
 
 
 def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float,
-                    log_dir: str | None = None) -> list[Any]:
+                    log_dir: str | None = None, fault_tolerance: bool = False) -> list[Any]:
     """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
-    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived."""
-    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir)
+    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived.
+    ``fault_tolerance``: a rank's death fences its data-parallel replica and the others go on (see
+    :mod:`.replica_membership`)."""
+    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance)
     handled = STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
     try:

@@ -24,6 +24,7 @@ from ..runtime.preempt import StopRequests
 from ..runtime.preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
+from .fault_replica import attempt, replica_run
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
@@ -45,7 +46,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     try:
         watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-        trainer = Trainer(cfg, dataset=dataset, device=dev, timer=StepTimer(watch, dev) if cfg.log.timing else None)
+        replica = replica_run(cfg, stops, dev)  # [train].fault_tolerance: a lost replica's steps go on without it
+        trainer = (replica.trainer if replica else Trainer)(cfg, dataset=dataset, device=dev,
+                                                            timer=StepTimer(watch, dev) if cfg.log.timing else None)
         if watch is not None:
             watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
         profiler = ProfileWindow(cfg, rank, dev, watch)
@@ -82,54 +85,56 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         done = start_step
         start = interval = time.time()
         interval_steps = 0
-        for step in range(start_step, last_step):
-            began = time.time()
-            profiler.before(step + 1)
-            interval += time.time() - began  # starting a profile is not the step's time
-            result = trainer.train_step(step)
-            done, interval_steps = step + 1, interval_steps + 1
-            first = result if first is None else first
-            if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
-                logger.log_event("expert_placement", **result.placement)
-            if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
-                logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
-            # Values are read on the host at log steps only (and checked finite there): see step_result.py
-            if done % cfg.log.every == 0 or done == last_step:
-                trainer.check_finite()
-                timing = trainer.timer.gathered()
-                last = result.loss
-                blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
-                if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
-                    step_time = (time.time() - interval) / interval_steps
-                    logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
-                               **result.moe, **timing, **trainer.sampler.shares(done),
-                               **({"time_checkpoint": blocked} if blocked is not None else {}))
-                interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
-            profiler.after(done)  # after the log line: writing the trace is not the step's time
-            if t.eval_every and (done % t.eval_every == 0 or done == last_step):
-                eval_loss = trainer.evaluate(t.eval_batches)
-                if logger is not None:
-                    logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
-                interval_steps = -1
-            checkpoint_step = bool(ck.every and done % ck.every == 0)
-            # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
-            preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
-            if checkpoint_step or preempted:
-                trainer.check_finite()  # never a checkpoint after a non-finite step
-                path = saver.save(trainer, root, done, ck.keep)
-                saved_at = done
-                if logger is not None:
-                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
-                                   + f"; training thread blocked {saver.last_blocked_s:.2f} s")
-                interval_steps = -1
-            if preempted:
-                saver.finish()  # published before we exit
-                if logger is not None:
-                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
-                                   f"checkpoint written")
-                break
-            if interval_steps < 0:
-                interval, interval_steps = time.time(), 0
+        steps = replica.steps(start_step, last_step, logger) if replica else range(start_step, last_step)
+        for step in steps:
+            with attempt(steps, step, trainer):  # a lost replica: regrouped, back to the agreed step boundary
+                began = time.time()
+                profiler.before(step + 1)
+                interval += time.time() - began  # starting a profile is not the step's time
+                result = trainer.train_step(step)
+                done, interval_steps = step + 1, interval_steps + 1
+                first = result if first is None else first
+                if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
+                    logger.log_event("expert_placement", **result.placement)
+                if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
+                    logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+                # Values are read on the host at log steps only (and checked finite there): see step_result.py
+                if done % cfg.log.every == 0 or done == last_step:
+                    trainer.check_finite()
+                    timing = trainer.timer.gathered()
+                    last = result.loss
+                    blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
+                    if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
+                        step_time = (time.time() - interval) / interval_steps
+                        logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
+                                   **result.moe, **timing, **trainer.sampler.shares(done),
+                                   **({"time_checkpoint": blocked} if blocked is not None else {}))
+                    interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
+                profiler.after(done)  # after the log line: writing the trace is not the step's time
+                if t.eval_every and (done % t.eval_every == 0 or done == last_step):
+                    eval_loss = trainer.evaluate(t.eval_batches)
+                    if logger is not None:
+                        logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
+                    interval_steps = -1
+                checkpoint_step = bool(ck.every and done % ck.every == 0)
+                # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
+                preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
+                if checkpoint_step or preempted:
+                    trainer.check_finite()  # never a checkpoint after a non-finite step
+                    path = saver.save(trainer, root, done, ck.keep)
+                    saved_at = done
+                    if logger is not None:
+                        logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
+                                       + f"; training thread blocked {saver.last_blocked_s:.2f} s")
+                    interval_steps = -1
+                if preempted:
+                    saver.finish()  # published before we exit
+                    if logger is not None:
+                        logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                       f"checkpoint written")
+                    break
+                if interval_steps < 0:
+                    interval, interval_steps = time.time(), 0
         first = None if first is None else first.loss
         if getattr(trainer.sampler, "test", None) is not None and done == last_step:  # [data].split's test part: once, at the end
             test_loss = trainer.evaluate(t.eval_batches, split="test")

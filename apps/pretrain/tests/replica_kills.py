@@ -12,14 +12,23 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args) -> dict:
+def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
-    all-reduce) or the optimizer step. Every rank writes its pid to ``pid_dir`` first."""
+    all-reduce) or the optimizer step. Every rank writes its pid to ``pid_dir`` first, and at the end the
+    size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
+    waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
+    the replacement's start-up)."""
+    import hashlib
+    import json
+    import time
+
+    import torch.distributed as dist
     from par_groups import comm
     from par_zero.data_parallel import DataParallel
 
-    from pretrain.training.fault_replica import ReplicaTrainer
+    from pretrain.runtime.replica_membership import ready_key
+    from pretrain.training.fault_replica import ReplicaRun, ReplicaTrainer, owned_state
     from pretrain.training.run import run_rank
 
     Path(pid_dir, str(os.getpid())).touch()
@@ -31,7 +40,22 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args) -> dic
 
     def stepping(self, s):
         now["step"] = s + 1
-        return train_step(self, s)
+        out = train_step(self, s)
+        if s + 1 == self.cfg.train.steps:
+            state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+                            for t in boxes] for name, boxes in owned_state(self).items()}
+            Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
+        return out
+
+    admit = ReplicaRun.admit
+
+    def admitting(self, trainer, s):
+        if s + 1 == admit_before and dist.get_rank() == 0:
+            while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
+                time.sleep(0.05)
+        return admit(self, trainer, s)
+
+    ReplicaRun.admit = admitting
 
     def forwarding(self, *a, **kw):
         if due("forward"):

@@ -91,7 +91,7 @@ class TrainConfig:
     compile: bool = False  # each transformer block's forward compiled by torch.compile (inductor), as torchtitan
     # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
     fault_tolerance: str = "off"
-    respawn: bool = False  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
+    respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")

@@ -24,7 +24,7 @@ from ..runtime.preempt import StopRequests
 from ..runtime.preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
-from .fault_replica import attempt, replica_run
+from .fault_replica import attempt, join_distributed, joining, replica_run
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
@@ -40,7 +40,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     if device_type(device or cfg.train.device) == "cuda":
         os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
     t = cfg.train
-    rank, world, _, dev = init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s)
+    rank, world, _, dev = (join_distributed(cfg, device) if joining() else  # a lost replica's replacement
+                           init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s))
     stops = StopRequests(t.collective_timeout_s)  # from here a signal means: save after the next step
     watching = ExitStack()
     try:
@@ -55,24 +56,29 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)
         start_step, note = 0, ""
-        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume else (None, 0, "")
-        if latest is not None:
+        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume and not joining() else (None, 0, "")
+        if joining():  # a replacement: its state and step came from a live replica
+            start_step = replica.joined_at
+        elif latest is not None:
             note = f"; resumed from {latest} at step {start_step}{why}"
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
         saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published once written
         last_step = t.stop_at or t.steps
-        logger = None
-        if rank == 0:
-            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
-            logger = MetricsLogger(
+
+        def open_log(start: int, run_id: str) -> MetricsLogger:
+            return MetricsLogger(
                 cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
                 peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
-                start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
+                start_step=start, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
             )
+
+        logger = None
+        if rank == 0 and not joining():
+            logger = open_log(start_step, start_run(root, resuming=ck.resume, force=force))  # refuses another run's directory
             logger.message(f"pretrain: {world} rank{'s' * (world != 1)}: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
@@ -85,7 +91,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         done = start_step
         start = interval = time.time()
         interval_steps = 0
-        steps = replica.steps(start_step, last_step, logger) if replica else range(start_step, last_step)
+        if replica:  # the log goes on at the next rank 0 when rank 0's replica is lost
+            logger = replica.log(logger, lambda done: open_log(done, start_run(root, resuming=True, force=force)))
+        steps = replica.steps(start_step, last_step, trainer) if replica else range(start_step, last_step)
         for step in steps:
             with attempt(steps, step, trainer):  # a lost replica: regrouped, back to the agreed step boundary
                 began = time.time()

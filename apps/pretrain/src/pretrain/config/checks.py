@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from par_zero import check_optimizer_choice
 
+from .fault_rules import fault_tolerance_rules
 from .rules import _divisors, _need
 from .train_section import PAR_FP8, TE_FP8
 from ..errors import UsageError
@@ -178,4 +179,4 @@ def dropout_rules(cfg) -> None:
 
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
 CROSS_SECTION_RULES = (family_rules, moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules)
+                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules, fault_tolerance_rules)

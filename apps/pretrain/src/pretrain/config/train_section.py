@@ -97,6 +97,9 @@ class TrainConfig:
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
     grad_reduce_dtype: str = "fp32"
     compile: bool = False  # each transformer block's forward compiled by torch.compile (inductor), as torchtitan
+    # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
+    fault_tolerance: str = "off"
+    respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
@@ -132,6 +135,7 @@ class TrainConfig:
         _need(self.optimizer != "muon" or not self.optimizer_args,
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
+        _choice("[train].fault_tolerance", self.fault_tolerance, ("off", "replica"))
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
 
     def _schedule_rules(self) -> None:

@@ -64,10 +64,17 @@ def balance_figures(results, name):
             yield rank, step, stats, before, after, 1 + 1 / mean
 
 
+# Repeats in the extended tier: zb-h1 (the 1F1B pipeline's replicas under another schedule: the same stage
+# boundaries and sends), re-placement on layouts beyond ep4 (each one's replicas are proven without it, and
+# re-placement itself on ep4), and etp1 under tp2 (the replicas' etp2 case and the MoE matrix's etp1 one are
+# in the default tier).
+REPEATS = ("tp2-pp2-ep2-zb-h1-replicate", "tp2-ep2-etp1-replicate", "cp2-dp2-ep2-replicate+replace",
+           "tp2-etp2-ep2-replicate+replace", "ep2-dp2-allgather-replicate+replace", "tp2-pp2-ep2-1f1b-replicate+replace")
+
+
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
-# zb-h1 repeats the 1F1B pipeline's replicas under another schedule (the same stage boundaries and sends)
-@pytest.mark.parametrize("name", list(MOE_SKEWED) + [pytest.param(n, marks=AGAIN) if "zb-h1" in n else n
-                                                     for n in MOE_SKEWED_PIPELINE])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=AGAIN) if n in REPEATS else n
+                                  for n in list(MOE_SKEWED) + list(MOE_SKEWED_PIPELINE)])
 def test_replicated_experts_layout_matches_single_rank_under_skew(dist_run, moe_reference, name):
     """expert_balance = "replicate" under the forced skew: each step of the layout from the single rank's
     state at 1e-6, and every step balanced: max / mean pairs per EP rank <= 1 + 1 / (pairs per rank)."""

@@ -82,7 +82,9 @@ def test_dense_layout_matches_single_rank(dist_run, name):
     assert results[0][0][-1] < results[0][0][0]  # and it learns
 
 
-@pytest.mark.parametrize("name", list(UNEVEN))
+# interleaved's uneven stages in the extended tier: zb-v's prove uneven stages, interleaved-vpp2 the schedule
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n == "pp2-dp2-interleaved-uneven" else n
+                                  for n in UNEVEN])
 def test_uneven_pipeline_layout_matches_single_rank(dist_run, name):
     results = dist_run(4, train_steps, None, list(EIGHT_LAYERS) + UNEVEN[name], timeout=900)
     assert_same(results, single_rank(dist_run, None, EIGHT_LAYERS), TOLERANCE, name,
@@ -141,7 +143,9 @@ def moe_common(name: str) -> tuple[str, ...]:
 
 
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
-@pytest.mark.parametrize("name", list(MOE) + list(MOE_PIPELINE))
+# tp2-ep2-etp1 without SP in the extended tier: tp2-ep1-nosp proves the tp ranks' routing shares without SP
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n == "tp2-ep2-etp1-nosp" else n
+                                  for n in list(MOE) + list(MOE_PIPELINE)])
 def test_moe_layout_matches_single_rank(dist_run, moe_reference, name):
     """Each step of the layout from the single rank's state, at 1e-6 (moe_stepwise: flips reported)."""
     common = moe_common(name)

@@ -28,6 +28,7 @@ SKIP = (  # (pattern, why)
     (r"^uv sync", "sets up the environment this test runs in (network)"),
     (r"^uv run pytest", "the test suite itself"),
     (r"\bsrun\b", "needs a SLURM cluster"),
+    (r"^sbatch\b", "needs a SLURM cluster; tests/test_cluster_slurm.py runs it with stub sbatch, srun and scontrol"),
     (r"tools/gpu/check\.sh", "GPU check: needs a CUDA GPU; its CPU form runs in tests/test_gpu_check_script.py"),
     (r"--simulate", "minutes of simulation at 70B-671B shapes on a 2-core machine; tests/test_simulate.py runs "
                     "the same path on narrowed shapes"),

@@ -71,7 +71,7 @@ MUTANTS = [
     Mutant("rope-llama3", "apps/pretrain/src/pretrain/model/rope_scaling.py",
            "smoothed = (1 - smooth) * scaled / factor + smooth * scaled",
            "smoothed = smooth * scaled / factor + (1 - smooth) * scaled", (f"{PLAIN}[qwen3-moe]",)),
-    Mutant("qk-norm", "apps/pretrain/src/pretrain/model/parallel.py",
+    Mutant("qk-norm", "apps/pretrain/src/pretrain/models/gqa/attention.py",
            "q, k = self.q_norm(q), self.k_norm(k)", "q, k = self.q_norm(q), self.q_norm(k)", (f"{PLAIN}[qwen3-moe]",)),
     Mutant("mla-scale", "apps/pretrain/src/pretrain/model/rope_scaling.py",
            'return yarn_get_mscale(s["factor"], s["mscale_all_dim"]) ** 2',

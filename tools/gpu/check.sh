@@ -72,7 +72,9 @@ PLUGIN=(-p par_groups.testing.plugin)
   m.entry_points(group="pytest11")))' || PLUGIN=()
 
 "$PY" tools/gpu/env.py
-run "pytest -m gpu" 150 "$PY" -m pytest "${PLUGIN[@]}" -m gpu -q -rs packages/*/tests/test_gpu.py
+# in this process, one GPU: the root's addopts without its pytest-xdist workers (a bare Python may lack xdist)
+run "pytest -m gpu" 150 "$PY" -m pytest "${PLUGIN[@]}" -o "addopts=--import-mode=importlib -p no:cacheprovider" \
+  -m gpu -q -rs packages/*/tests/test_gpu.py
 if "$PY" -c 'import torchtitan.models.llama3' 2>/dev/null; then
   echo "== torchtitan imports on $PY: the 1B run races it on the same shape"
 else

@@ -153,6 +153,11 @@ CASES = {
     "train device tpu": _train("--device", "tpu"),
     "train dynamic cp with cp 1": _train("--set", "parallel.dynamic_cp=true", "--set", "parallel.max_seq_per_rank=64"),
     "train huge global batch": _train("--set", "train.global_batch=100000000"),
+    # par's FP8: a tile straddling tp shards (heads x head_dim 64 / 2 = 32 < 128); delayed scaling, TE's, is
+    # refused on the torch layers; par's recipes are refused with TE's layers
+    "train fp8 tile straddles tp": ["train", "--nproc", "2", *SMALL, "--set", "parallel.tp=2", "--set", "train.fp8=blockwise"],
+    "train fp8 delayed on torch layers": _train("--set", "train.fp8=delayed"),
+    "train fp8 rowwise with te layers": _train("--set", "train.fp8=rowwise", "--set", "model.backend=te"),
     # train: data
     "train missing data": _train("--set", "data.path=data/nosuch", "--set", "log.dir=run"),
     "train dataset too small": _train("--set", "data.path=data/tiny", "--set", "log.dir=run"),

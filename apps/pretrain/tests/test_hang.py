@@ -22,7 +22,8 @@ def test_the_launcher_names_the_rank_that_has_not_arrived(fault, tmp_path, fault
     entry = functools.partial(hang_ranks.all_reduces, fault, 2, str(tmp_path), TIMEOUT_S)
     start = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        launch(entry, nproc=3, device="cpu", join_timeout_s=TIMEOUT_S, log_dir=str(tmp_path))
+        # the rendezvous bound is start-up on a loaded machine (forkserver, imports), not what is tested here
+        launch(entry, nproc=3, device="cpu", join_timeout_s=120, log_dir=str(tmp_path))
     took, named_at = time.monotonic() - start, time.time()
     e = failed.value
     assert e.rank == 2, e.error

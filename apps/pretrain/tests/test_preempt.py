@@ -189,6 +189,9 @@ def test_a_ctrl_c_after_the_first_signal_aborts_only_a_rank_that_is_its_own_laun
 
 
 @pytest.mark.timeout(300)  # a whole `pretrain train` in its own process
+# extended tier: closing the terminal below signals the same process group of a real `pretrain train`
+# (SIGHUP, handled as SIGTERM) and also resumes bitwise
+@pytest.mark.extended
 def test_sigterm_to_the_process_group_of_pretrain_train_saves_and_exits_0(tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log"
     cmd = [sys.executable, "-m", "pretrain", "train", "--nproc", "2", "--set", "train.steps=300", "--set",

@@ -38,9 +38,9 @@ def test_the_suite_bounds_every_test_within_a_minute():
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 def test_a_planted_hang_fails_that_test_with_its_stacks_and_the_run_goes_on(pytester):
     pytester.makepyfile(test_hung=HUNG)
-    # the root's bound and method, shortened: the same mechanism, in seconds
+    # the root's bound and method, shortened: the same mechanism, in seconds, in the root's xdist workers
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "timeout=4", "-o", "timeout_method=signal",
-                                           "-p", "no:randomly", timeout=300)
+                                           "-p", "no:randomly", "-n", "2", "--dist", "loadfile", timeout=300)
     result.assert_outcomes(failed=1, passed=1)
     out = result.stdout.str() + result.stderr.str()
     assert "Timeout (>4.0s)" in out and "time.sleep(600)" in out, out  # where the main process waited

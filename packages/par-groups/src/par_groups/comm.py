@@ -121,8 +121,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
     """Rank i's ``output`` = the sum over ranks of block i of ``input`` (blocks of ``output``'s size).
 
     On gloo a sum is an all-to-all and a local sum (:func:`_reduce_scatter_by_all_to_all`): gloo's own
-    reduce-scatter is an all-reduce followed by a copy of the block, twice the bytes and measured
-    1.4-2.4x slower (medians of two runs; world 2 and 4, 0.15-6 M fp32 elements: tools/bench/gloo_reduce_scatter.py).
+    reduce-scatter is an all-reduce followed by a copy of the block, twice the bytes and slower
+    (tools/bench/gloo_reduce_scatter.py).
     That holds a transient buffer of the input's size until the wait; ``spare_memory=True`` (ZeRO-2/3,
     whose point is memory) keeps gloo's own."""
     _record("reduce_scatter", group, _nbytes(input))

@@ -59,7 +59,7 @@ class _Seed(torch.autograd.Function):
 
 def _with_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The scalar whose backward is ``backward(output, grad)`` (the same gradients), skipping
-    autograd's grad-shape check, which imports sympy on first use (~15 s per process where bytecode
+    autograd's grad-shape check, which imports sympy on first use (seconds per process where bytecode
     is not cached), and any read of ``output`` (freed once sent)."""
     return _Seed.apply(output, grad)
 
@@ -148,7 +148,7 @@ class PipelineExecutor:
         self._comm = StageComm(s, self.rank, self.group, self.device, self.message_shape)
         self._comm.start()
         run = {"F": self._run_F, "B": self._run_B, "W": self._run_W}
-        named = torch.autograd._profiler_enabled()  # ranges only under a profiler: one costs ~15 us even unprofiled
+        named = torch.autograd._profiler_enabled()  # ranges only under a profiler: each costs a call even unprofiled
         for action, inbox, outbox in self._plan:
             self._compute_start = None
             start = time.perf_counter()

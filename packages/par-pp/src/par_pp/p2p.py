@@ -30,9 +30,7 @@ _HEADER_LEN = 2 + _MAX_DIMS
 # Receives posted ahead per incoming stream when shapes are declared. Two: a DualPipeV F&B pair,
 # or a V / interleaved rank's back-to-back F and B, takes both its inputs from one peer, so the
 # second receive is posted before the first is waited on and its message lands while the first
-# one's compute runs. Measured on 4 CPU gloo ranks (tools/bench/bench_pp.py settings, same
-# processes, 21 alternating repeats): dualpipev, zb-v and interleaved steps 0.91-0.93x of one
-# ahead; 1F1B (one kind of message per stream) unchanged.
+# one's compute runs (tools/bench/bench_pp.py); 1F1B has one kind of message per stream.
 POSTED_AHEAD = 2
 
 

@@ -1,11 +1,11 @@
 """The narrowed copy of the user's model that certify trains, and the one-rank reference's config.
 
 Narrowing keeps the model's kinds of layers and the layout exactly; it makes widths small so the
-reference fits on one device: per head 8 channels (MLA: its latent ranks and head dims small too),
+reference fits on one device: per head 8 channels (the attention family narrows its own widths),
 FFN widths 2x hidden (MoE experts' 1x), 64 tokens per sequence (kept divisible by 2 x cp x tp),
 and only as many layers as the layout needs (every pipeline chunk keeps at least one, uneven
 stages keep their counts, MoE layers start where they started, MTP stays). What it keeps: the
-vocabulary and its padding, heads and KV heads (the TP split), experts, top-k and groups, MLA,
+vocabulary and its padding, heads and KV heads (the TP split), experts, top-k and groups, the family,
 MTP, tied embeddings, RoPE scaling, packed documents, the dispatcher, every [parallel] key. Each
 narrowing is applied only if the config stays valid for the world; ``--set`` goes after them,
 so the user narrows further (or undoes one).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..config import load_config
 from ..errors import UsageError
+from ..models import family_of
 
 HEAD_DIM = 8
 SEQ_LEN = 64
@@ -28,18 +29,12 @@ def _candidates(cfg, world: int) -> list[str]:
     hidden = m.heads * HEAD_DIM
     if m.hidden > hidden:
         out.append(f"model.hidden={hidden}")
-        if m.kv_channels:
-            out.append(f"model.kv_channels={HEAD_DIM}")
     width = min(m.hidden, hidden)
     if m.ffn_hidden > 2 * width:
         out.append(f"model.ffn_hidden={2 * width}")
     if m.num_experts and (m.moe_ffn_hidden or m.ffn_hidden) > width:
         out.append(f"model.moe_ffn_hidden={width}")
-    if m.attention == "mla":
-        for key, small in (("q_lora_rank", 16), ("kv_lora_rank", 16), ("qk_nope_head_dim", 8),
-                           ("qk_rope_head_dim", 4), ("v_head_dim", 8)):
-            if getattr(m, key) > small:
-                out.append(f"model.{key}={small}")
+    out += family_of(m).narrowing(m, HEAD_DIM)  # the attention's own widths (pretrain.models)
     step = 2 * p.cp * p.tp
     seq = max(step, SEQ_LEN // step * step)
     if t.seq_len > seq:

@@ -1,15 +1,14 @@
 """Hugging Face import/export: config.json + safetensors (never pickle) <-> our checkpoints.
 
-Llama, Qwen3: our full state dict already uses HF names and HF's rotate-half RoPE convention, so
-weights copy over unchanged; only the config keys are translated. Qwen3-MoE and Mixtral (experts
-stacked): hf_gqa.py. DeepSeek-V3: hf_deepseek.py.
+Our full state dict uses HF names where it can; each model family (``pretrain.models``) says which
+``model_type`` values it reads and writes, its config keys and its tensor renames both ways
+(Llama, Qwen3: none; Qwen3-MoE and Mixtral: stacked experts; ``models/gqa/hf.py``, ``models/deepseek/hf.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,33 +16,35 @@ import torch
 from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
+from ..models import FAMILIES, family_for_hf, family_of
 from .hf_fields import read_config_json
 from .hf_data import source_tokenizer
-from .hf_deepseek import deepseek_hf_config, deepseek_model_config, from_deepseek_names, to_deepseek_names
-from .hf_gqa import ARCHITECTURES, from_gqa_names, gqa_hf_config, gqa_model_config, to_gqa_names
 from .hf_tokenizer import check_tokenizer, write_tokenizer
 from .full_model import read_full_tensors, save_full_model
 from .store import FORMAT, STATE_FILE, read_state, resolve_checkpoint
 
-SUPPORTED = ", ".join(sorted(set(ARCHITECTURES) | {"deepseek_v3"}))
+SUPPORTED = ", ".join(sorted(kind for f in FAMILIES for kind in f.hf_architectures))
+DEFAULT_MODEL_TYPE = "llama"  # a config.json without model_type
 
 
 def model_config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Our ``[model]`` for a transformers ``config.json``; what we do not implement is one error line."""
     kind = hf.get("model_type")
-    if kind == "deepseek_v3":
-        return deepseek_model_config(hf, where)
-    if kind is not None and kind not in ARCHITECTURES:
+    family = family_for_hf(DEFAULT_MODEL_TYPE if kind is None else kind)
+    if family is None:
         raise UsageError(f"{where}: model_type={kind!r} is not supported ({SUPPORTED})")
     arch = hf.get("architectures") or []
-    known = set(ARCHITECTURES.values()) | {"DeepseekV3ForCausalLM"}
+    known = {a for f in FAMILIES for a in f.hf_architectures.values()}
     if not isinstance(arch, list) or any(a not in known for a in arch):
         raise UsageError(f"{where}: architectures={arch!r} is not supported (one of {', '.join(sorted(known))})")
-    return gqa_model_config(hf, where)
+    try:
+        return ModelConfig(**family.model_config_from_hf(hf, where))
+    except (UsageError, TypeError) as e:
+        raise UsageError(f"{where}: {e}") from None
 
 
 def hf_config_from_model(m: ModelConfig) -> dict:
-    return deepseek_hf_config(m) if m.attention == "mla" else gqa_hf_config(m)
+    return family_of(m).hf_config(m)
 
 
 def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -65,12 +66,7 @@ def read_hf(src: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except Exception as e:  # safetensors raises its own error type on a malformed header
             raise UsageError(f"{f} is not a valid safetensors file ({e})") from None
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if m.attention == "mla":
-        if m.mtp_depth and not any(k.startswith(f"model.layers.{m.layers}.") for k in state):
-            m = replace(m, mtp_depth=0)  # transformers saves no MTP layers: import the main model alone
-        state = from_deepseek_names(state, m)
-    else:
-        state = from_gqa_names(state, m, hf.get("model_type") or "llama")
+    m, state = family_of(m).from_hf_names(state, m, hf)
     if (m.tie_embeddings or "lm_head.weight" not in state) and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     shapes = full_shapes(m)
@@ -137,7 +133,7 @@ def export_hf(checkpoint: str | Path, dst: str | Path, tokenizer: bool = True) -
         check_tokenizer(data)  # before any write: only a tokenizer `prepare` recorded is copied
     state = read_full_tensors(path)
     hf = hf_config_from_model(m)
-    state = to_deepseek_names(state, m) if m.attention == "mla" else to_gqa_names(state, m)
+    state = family_of(m).to_hf_names(state, m)
     if m.tie_embeddings:
         state.pop("lm_head.weight", None)
     _make_dir(dst, "--to-hf")

@@ -1,5 +1,5 @@
-"""An imported model trains on data tokenized with its own tokenizer (issue 50: a 4096-token model
-trained on the embedded byte corpus without a word).
+"""An imported model trains on data tokenized with its own tokenizer (otherwise a 4096-token model
+would train on the embedded byte corpus without a word).
 
 The import records the source directory's tokenizer (when it has a tokenizer.json) and its
 vocabulary; training from the import refuses data whose tokenizer's vocabulary is another one.

@@ -81,6 +81,7 @@ def report(
 ) -> None:
     """Draw a run's loss, tokens/s, MFU and where each step's time went, to one PNG (and HTML page)."""
     from ..observe.plots import report_html, report_png
+    from ..observe.replica_events import describe, replica_events
 
     try:
         train, evals = read_log(log_dir)
@@ -88,8 +89,9 @@ def report(
         if not png.parent.is_dir():
             raise UsageError(f"--out {str(png)!r}: the directory {str(png.parent)!r} does not exist")
         title = f"{log_dir} (run {train[-1].get('run_id', '?')})"
-        report_png(train, evals, title, png)
-        lines = summary(train)
+        events = replica_events(log_dir)  # fault tolerance: marked on the loss curve and listed
+        report_png(train, evals, title, png, events)
+        lines = summary(train) + [describe(e) for e in events]
         if html:
             report_html(png, png.with_suffix(".html"), title, lines)
     except UsageError as e:

@@ -48,7 +48,8 @@ def train(
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
                    join_timeout_s=cfg.train.join_timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s,
-                   log_dir=cfg.log.dir if cfg.log.flight_records else None)  # flight records: a hang's summary
+                   log_dir=cfg.log.dir if cfg.log.flight_records else None,  # flight records: a hang's summary
+                   fault_tolerance=cfg.train.fault_tolerance == "replica", respawn=cfg.train.respawn)
     except UsageError as e:
         raise fail(str(e))
     except Aborted as e:  # a second Ctrl-C, or ranks that did not stop within [train].preempt_timeout_s

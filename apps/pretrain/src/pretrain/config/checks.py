@@ -10,8 +10,20 @@ from __future__ import annotations
 
 from par_zero import check_optimizer_choice
 
+from .fault_rules import fault_tolerance_rules
 from .rules import _divisors, _need
+from .train_section import PAR_FP8, TE_FP8
 from ..errors import UsageError
+from ..models import family_of
+
+
+def family_rules(cfg) -> None:
+    """A model family runs split over the parallel dimensions its declaration lists (``pretrain.models``)."""
+    m, p = cfg.model, cfg.parallel
+    family = family_of(m)
+    bad = [f"{d}={getattr(p, d)}" for d in ("tp", "cp", "pp", "ep") if getattr(p, d) > 1 and d not in family.dimensions]
+    _need(not bad, f"[model].attention={m.attention!r} does not run with [parallel].{', '.join(bad)}: its family runs "
+                   f"split over {', '.join(family.dimensions) or 'data parallelism only'}; set the others to 1")
 
 
 def moe_rules(cfg) -> None:
@@ -91,8 +103,14 @@ def context_parallel_rules(cfg) -> None:
 def kernel_rules(cfg) -> None:
     """FP8 runs in Transformer Engine; compile needs the torch blocks and fixed masks."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _need(t.fp8 == "off" or m.backend == "te",
-          f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off')")
+    _need(t.fp8 not in TE_FP8 or m.backend == "te",
+          f"[train].fp8={t.fp8!r} runs in Transformer Engine's layers: set [model].backend='te' (or fp8='off'); "
+          f"par's own FP8 on the torch layers is one of {', '.join(PAR_FP8)}, scaled from each tensor's current "
+          f"amax only (delayed scaling's amax history would mix ranks and micro-batches)")
+    _need(t.fp8 not in PAR_FP8 or (m.backend == "torch" and not p.tp_comm_overlap and not t.compile),
+          f"[train].fp8={t.fp8!r} is par's own FP8 in the torch layers' local matmuls: not with [model].backend='te' "
+          f"(use fp8='delayed' or 'current' there), [parallel].tp_comm_overlap (its overlapped matmuls) or "
+          f"[train].compile; turn those off")
     _need(not t.compile or (m.backend == "torch" and not cfg.data.packed and not p.dynamic_cp),
           "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
           "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "
@@ -121,7 +139,7 @@ def data_rules(cfg) -> None:
           f"[model].vocab_size={m.vocab_size} is smaller than the embedded byte-level data's {embedded_vocab}"
           f"{' (256 bytes and EOS: [data] document keys are set)' if d.packed else ''}")
     if p.dynamic_cp:
-        _need(d.document_mask and not m.is_moe and m.attention != "mla",
+        _need(d.document_mask and not m.is_moe and "dynamic_cp" in family_of(m).supports,
               "[parallel].dynamic_cp=true needs [data].document_mask=true and a dense GQA model "
               "([model].num_experts=0, attention='gqa')")
     if d.packed:
@@ -134,7 +152,7 @@ def qk_clip_rules(cfg) -> None:
     """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
     m, p = cfg.model, cfg.parallel
     if cfg.train.muon_qk_clip > 0:
-        _need(m.attention == "gqa" and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
+        _need("muon_qk_clip" in family_of(m).supports and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
               f"[train].muon_qk_clip runs with attention='gqa', qk_norm=false (its norms undo the rescale), "
               f"backend='torch' and dynamic_cp=false (got attention={m.attention!r}, qk_norm={str(m.qk_norm).lower()}, "
               f"backend={m.backend!r}, dynamic_cp={str(p.dynamic_cp).lower()})")
@@ -151,7 +169,7 @@ def dropout_rules(cfg) -> None:
             bad += [k for k, on in (("[model].mtp_depth > 0", m.mtp_depth), ("[train].compile", t.compile),
                                     ("[parallel].dynamic_cp", p.dynamic_cp)) if on]
             if key == "attention_dropout":
-                bad += [k for k, on in (("[model].attention='mla'", m.attention == "mla"),
+                bad += [k for k, on in ((f"[model].attention={m.attention!r}", "attention_dropout" not in family_of(m).supports),
                                         ("[model].backend='te'", m.backend == "te"),
                                         ("[data].document_mask", d.document_mask)) if on]
             _need(not bad, f"[model].{key}={getattr(m, key)} runs with data and pipeline parallelism only (tp, cp, ep = "
@@ -160,5 +178,5 @@ def dropout_rules(cfg) -> None:
 
 
 # Each error line is the one the former single Config.__post_init__ raised (the bad-input sweep checks them).
-CROSS_SECTION_RULES = (moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
-                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules)
+CROSS_SECTION_RULES = (family_rules, moe_rules, tensor_parallel_rules, pipeline_rules, context_parallel_rules, kernel_rules,
+                       data_parallel_rules, data_rules, qk_clip_rules, dropout_rules, fault_tolerance_rules)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
 from ..model.rope_scaling import check_rope_scaling
+from ..models import ATTENTIONS, family_of
 
 BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
 ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "torch")  # the attention kernel (auto: flash-attn, else SDPA, else pure PyTorch)
@@ -13,17 +14,7 @@ RECOMPUTE = ("none", "selective", "full")
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCHERS = ("alltoall", "allgather", "alltoall_padded")
 EXPERT_BALANCES = ("none", "replicate", "replicate+replace")
-ATTENTIONS = ("gqa", "mla")
 GROUP_SCORES = ("top2", "top_k_per_group")
-
-
-def _validate_mla(m) -> None:
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        _need(getattr(m, name) >= 1, f"[model].{name}={getattr(m, name)} must be >= 1 with attention='mla'")
-    _positive("model", m, "q_lora_rank", allow_zero=True)
-    _need(m.qk_rope_head_dim % 2 == 0, f"[model].qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-    _need(m.kv_heads == m.heads, f"[model].kv_heads={m.kv_heads} must equal heads={m.heads} with attention='mla' "
-                                 f"(every head has its own K and V, expanded from the latent)")
 
 
 def _validate_route_nodes(m) -> None:
@@ -108,7 +99,8 @@ class ModelConfig:
     replace_every: int = 100
     # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
     norm_topk_prob: bool | None = None
-    # Multi-head latent attention (DeepSeek-V2/V3) when attention = "mla"; see model/mla.py.
+    # the model family, named by its attention (pretrain.models): gqa (Llama, Qwen3, Mixtral, Qwen3-MoE) or mla
+    # (DeepSeek-V2/V3's multi-head latent attention, with the five keys below)
     attention: str = "gqa"
     q_lora_rank: int = 0  # 0 = a full-rank q_proj
     kv_lora_rank: int = 0
@@ -141,14 +133,7 @@ class ModelConfig:
         _choice("[model].attention", self.attention, ATTENTIONS)
         _need(self.heads % self.kv_heads == 0,
               f"[model].kv_heads={self.kv_heads} does not divide heads={self.heads} (grouped-query attention)")
-        if self.attention == "mla":
-            _validate_mla(self)
-            _need(not self.qk_norm and not self.kv_channels, "[model].qk_norm and kv_channels are for attention='gqa' "
-                                                             "(MLA sets its widths with qk_nope/rope_head_dim, v_head_dim)")
-        else:
-            _need(self.kv_channels or self.hidden % self.heads == 0,
-                  f"[model].heads={self.heads} does not divide hidden={self.hidden} (or set kv_channels)")
-            _need(self.head_dim % 2 == 0, f"head_dim=hidden/heads={self.head_dim} must be even for RoPE")
+        family_of(self).check(self)  # the attention's own keys (models/<family>/)
         for name in ("mtp_loss_weight", "aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             _need(getattr(self, name) >= 0, f"[model].{name}={getattr(self, name)} must be >= 0")
         _need(self.routed_scaling > 0, f"[model].routed_scaling={self.routed_scaling} must be > 0")
@@ -200,8 +185,8 @@ class ModelConfig:
 
     @property
     def qk_head_dim(self) -> int:
-        """Query/key width per head: nope + rope parts under MLA, head_dim otherwise."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        """Query/key width per head, as the attention family says."""
+        return family_of(self).qk_head_dim(self)
 
     @property
     def expert_ffn_hidden(self) -> int:

@@ -29,8 +29,10 @@ except ModuleNotFoundError:  # pragma: no cover
 
 from par_groups import LayoutError
 from .checks import CROSS_SECTION_RULES
+from .fault_rules import fault_tolerance_world
 from .model_section import ModelConfig
 from .rules import _need
+from .fp8_rules import fp8_tile_rule
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
 from .train_section import TrainConfig, shorten_warmup
@@ -99,6 +101,9 @@ class Config:
             from ..training.dynamic_cp import check_lengths
 
             check_lengths(t.seq_len, p.max_seq_per_rank, dp * p.cp)
+        if not rest:
+            fp8_tile_rule(self, layout)
+            fault_tolerance_world(self, dp)
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,
                   f"[parallel].hsdp_replicas={p.hsdp_replicas} does not divide dp={dp} (world {world_size})")

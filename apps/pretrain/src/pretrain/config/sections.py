@@ -126,6 +126,7 @@ class LogConfig:
     wandb_project: str = "pretrain"
     wandb_name: str = ""  # "" = W&B's own name
     wandb_tags: tuple[str, ...] = ()
+    sample_ids: bool = False  # each rank appends the global sample ids it trained per step to <dir>/samples/rank_R.jsonl
 
     def __post_init__(self) -> None:
         _positive("log", self, "every")

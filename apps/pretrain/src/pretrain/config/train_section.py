@@ -16,7 +16,9 @@ from .rules import _choice, _need, _positive, _seed, _timeout
 
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-FP8 = ("off", "delayed", "current")  # Transformer Engine's FP8 scaling recipes
+TE_FP8 = ("delayed", "current")  # Transformer Engine's FP8 scaling recipes ([model].backend='te')
+PAR_FP8 = ("tensorwise", "rowwise", "blockwise", "mxfp8")  # par's own (par_tp.fp8), layout-invariant scales
+FP8 = ("off",) + TE_FP8 + PAR_FP8
 NAN_POLICIES = ("skip", "stop")
 DECAY_STYLES = ("cosine", "linear", "wsd", "inverse-square-root", "constant")  # Megatron's --lr-decay-style
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")  # Megatron's --lr-wsd-decay-style
@@ -82,7 +84,9 @@ class TrainConfig:
     seed: int = 1234  # the initial weights ([data].seed: the data order and the embedded corpus)
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto = CUDA when a GPU is visible (LOCAL_RANK's), else CPU
-    fp8: str = "off"  # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te)
+    # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te);
+    # tensorwise | rowwise | blockwise | mxfp8: par's FP8 GEMMs in the torch layers (model/fp8.py)
+    fp8: str = "off"
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2
@@ -93,6 +97,9 @@ class TrainConfig:
     # bf16 runs: gradients are accumulated and reduced in this dtype (Megatron's default: fp32)
     grad_reduce_dtype: str = "fp32"
     compile: bool = False  # each transformer block's forward compiled by torch.compile (inductor), as torchtitan
+    # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
+    fault_tolerance: str = "off"
+    respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
@@ -128,6 +135,7 @@ class TrainConfig:
         _need(self.optimizer != "muon" or not self.optimizer_args,
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
+        _choice("[train].fault_tolerance", self.fault_tolerance, ("off", "replica"))
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
 
     def _schedule_rules(self) -> None:

@@ -67,10 +67,9 @@ class BlendSchedule:
     ``n`` is). The schedule keeps its place, so consecutive steps cost at most their own samples.
 
     Limit: a forced sample needs about ``k - 1`` of the ``k`` sources' products just below an integer at
-    once, so anchors thin out as ``k`` grows (measured at step 100,000 x 1024: a few samples apart for 3-5
-    sources, thousands for 8; none for 16 or 32 sources of generic weights, while weights of a few decimals
-    repeat and anchor at every period). Without one within ANCHOR_SEARCH samples the walk starts from its
-    current place or from 0, as it always did."""
+    once, so anchors thin out as ``k`` grows (many sources of generic weights may have none, while weights
+    of a few decimals repeat and anchor at every period; tools/bench/results/from_source_comments.md).
+    Without one within ANCHOR_SEARCH samples the walk starts from its current place or from 0, as it always did."""
 
     def __init__(self, weights):
         self.weights = normalised(weights)
@@ -120,7 +119,7 @@ class BlendSchedule:
 
 
 ANCHOR_BLOCK = 1024  # samples searched per numpy block, going back from n
-ANCHOR_SEARCH = 1 << 22  # samples searched at most (~0.3 s of numpy); further back, walking is the answer
+ANCHOR_SEARCH = 1 << 22  # samples searched at most, so a search stays short; further back, walking is the answer
 
 
 def anchor_counts(w: np.ndarray, n: int, lowest: int = 2) -> tuple[int, np.ndarray] | None:

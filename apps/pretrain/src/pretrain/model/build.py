@@ -15,7 +15,9 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from ..config.train_section import PAR_FP8
 from .compile import compile_blocks_
+from .fp8 import use_fp8_linears_
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
 from .parallel import ModelChunk, ChunkContext
@@ -92,6 +94,9 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
 
         for chunk in chunks.values():
             use_te_linears_(chunk)
+    if cfg.train.fp8 in PAR_FP8:  # par's FP8 GEMMs in the local matmuls; the weights stay as they are
+        for chunk in chunks.values():
+            use_fp8_linears_(chunk, cfg.train.fp8, groups)
     for chunk in chunks.values():
         for layer in chunk.decoder_layers():
             layer.aux_scale = 1.0 / layout.microbatches  # aux loss scaled like the main loss

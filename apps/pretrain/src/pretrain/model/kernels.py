@@ -3,7 +3,8 @@
 - attention (``[model].attention_backend``): flash-attn (varlen inside every CP mode, ``flash_attn_func``
   at cp=1), else torch's SDPA (on CUDA its own flash kernel), else the pure-PyTorch kernel;
 - layers (``[model].backend``): PyTorch, or Transformer Engine (``te``, CUDA);
-- FP8 (``[train].fp8``): TE's delayed or current scaling recipe around each chunk's forward;
+- FP8 (``[train].fp8``): TE's delayed or current scaling recipe around each chunk's forward, or par's own
+  recipes (tensorwise | rowwise | blockwise | mxfp8, ``model/fp8.py``) in the torch layers;
 - MoE experts: torch's bf16 grouped GEMM when the device and torch have it (par-moe decides per call);
 - AdamW: torch's fused kernel on CUDA, and on the CPU with ``[train].fused_adamw = "on"`` (par-zero decides
   per bucket).
@@ -53,7 +54,7 @@ class Kernels:
     attention: str  # the par-cp backend: auto | flash | sdpa | torch
     attention_kernel: str  # what runs at cp=1 on this device (for the start-up line)
     backend: str  # torch | te
-    fp8: str  # off | delayed | current
+    fp8: str  # off | delayed | current (TE) | tensorwise | rowwise | blockwise | mxfp8 (par's)
     grouped_mm: bool
     fused_adamw: bool
 
@@ -99,7 +100,7 @@ def fp8_regions(kernels: Kernels, amax_group=None):
     One region per forward, as in Megatron: with delayed scaling TE reduces the amaxes when a region
     ends and a module may run only once inside one. ``amax_group``: the ranks that reduce them, the
     tp x dp x cp group (every rank of it holds the same layers); None would be the whole world."""
-    if kernels.fp8 == "off":
+    if kernels.fp8 not in ("delayed", "current"):  # off, or par's own FP8: no region, it is in the layers
         return nullcontext
     te = require("transformer_engine.pytorch", f"[train].fp8={kernels.fp8!r}")
     recipes = importlib.import_module("transformer_engine.common.recipe")

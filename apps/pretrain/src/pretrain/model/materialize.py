@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 class _NoNormalOnMeta(TorchFunctionMode):
     """``normal_`` (``Tensor``'s, ``nn.init``'s) on a meta tensor is a no-op here: there are no values to draw, and torch
-    runs it through a decomposition that imports torch._dynamo (about 2 s in every rank process)."""
+    runs it through a decomposition that imports torch._dynamo, a slow import in every rank process."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

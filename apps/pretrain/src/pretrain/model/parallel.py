@@ -10,19 +10,14 @@ with sequence parallelism (``[S/cp, B, H]`` without), vocab-sharded logits ``[S/
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from par_cp import ContextParallelAttention
-from par_groups import ParallelGroups, declare_copies_, placement_of
+from par_groups import declare_copies_, placement_of
 from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
-    TPAttention,
     TPSwiGLU,
     VocabParallelEmbedding,
     gather_from_sequence_parallel,
@@ -31,98 +26,15 @@ from par_tp import (
 )
 
 from ..data.packing import Documents
-from ..training.dynamic_cp import DynamicDocuments
+from ..models import family_of
+from ..models.deepseek.mla import ContextMLACore  # noqa: F401  (kept importable from here)
 from .aux_loss import attach_aux_loss
-from .mla import ContextMLACore, TPMLAttention, softmax_scale
-from .qk_clip import HeadLogitMax
+from .context import ChunkContext, context_attention  # noqa: F401  (context_attention: its importers' name)
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
-from .rope import apply_rope, rope_for, set_shard_rope_tables_
-from .dropout import attention_with_dropout, hidden_dropout, position as dropout_position
+from .dropout import hidden_dropout, position as dropout_position
 from .te import fuse_norm_, recompute
-
-
-@dataclass(frozen=True)
-class ChunkContext:
-    """The process groups and options every chunk of this rank is built with."""
-
-    groups: ParallelGroups
-    sequence_parallel: bool
-    cp_mode: str  # p2p | a2a | allgather | a2a+p2p
-    seq_len: int  # full sequence length (before CP)
-    recompute: str  # none | selective | full
-    attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
-    backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
-    tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
-    # A run on fake tensors (plan --simulate; see train_loop.ShapesOnly): MoE layers route as declared
-    # (par_moe.DeclaredRouting).
-    declared_routing: object | None = None
-    qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
-
-
-def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:
-    """par-cp's attention for this chunk. At cp=1 without document boundaries it is one torch SDPA
-    call on the CPU too (``dense_on_cpu``), as on a GPU: torch's own autograd instead of the block
-    kernels' (the same CPU flash kernels; a step 1-2 % faster, tools/bench/bench_trainer.py), and
-    the single-rank runs every layout is tested against then check par-cp's kernels against SDPA."""
-    g = context.groups
-    if context.backend == "te":
-        from .te import TEContextAttention
-
-        return TEContextAttention(context, softmax_scale)
-    if context.cp_mode == "a2a+p2p":
-        return ContextParallelAttention("a2a+p2p", g.cp, inner_group=g.hcp[0], outer_group=g.hcp[1], causal=True,
-                                        softmax_scale=softmax_scale, backend=context.attention_backend,
-                                        dense_on_cpu=True)
-    return ContextParallelAttention(context.cp_mode, g.cp, causal=True, softmax_scale=softmax_scale,
-                                    backend=context.attention_backend, dense_on_cpu=True)
-
-
-class RopeThenContextAttention(nn.Module):
-    """The attention core injected into TPAttention: RoPE at this CP shard's positions, then CP attention.
-    ``docs`` (packed documents) restarts the positions and keeps attention inside each document.
-    With ``qk_norm`` (Qwen3) each head's query and key first go through its RMSNorm: copies on every
-    TP rank, each seeing only its own heads, so their grads are partial sums over TP."""
-
-    def __init__(self, config, context: ChunkContext, layer: int = 0) -> None:
-        super().__init__()
-        self.config, self.layer = config, layer  # the layer index: attention dropout's masks differ per layer
-        if config.qk_norm:
-            self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), context.groups.tp, True)
-                                        for _ in range(2))
-        self.attn = context_attention(context)
-        self.seq_len = context.seq_len
-        self.register_buffer("cos", None, persistent=False)
-        self.register_buffer("sin", None, persistent=False)
-        self.init_buffers_(torch.get_default_device())
-        self.selective, self.backend = context.recompute == "selective", context.backend
-        self.logit_max = HeadLogitMax(self.attn, context.seq_len) if context.qk_clip else None
-
-    def init_buffers_(self, device: torch.device) -> None:
-        set_shard_rope_tables_(self, device, self.seq_len, self.config.head_dim)
-
-    def _core(self, q, k, v, docs, where=None):
-        if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_for(self, docs, q.dtype, self.config.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.logit_max is not None and self.training:  # the step's batch only (not eval's)
-            self.logit_max.observe(q, k, docs)
-        if isinstance(docs, DynamicDocuments):  # dynamic CP: each document on its own block of ranks
-            scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-            return docs.attend(q, k, v, scale, self.attn.backend)
-        if where is not None:  # [model].attention_dropout (config/checks.py: one rank's whole sequence, no documents)
-            scale = self.attn.softmax_scale if self.attn.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-            return attention_with_dropout(q, k, v, scale, self.config.attention_dropout, where, self.layer)
-        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
-
-    def forward(self, q, k, v, docs: Documents | None = None):
-        # [model].attention_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
-        where = dropout_position() if self.config.attention_dropout > 0 and self.training else None
-        if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return recompute(self._core, q, k, v, docs, where, backend=self.backend)
-        return self._core(q, k, v, docs, where)
 
 
 def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
@@ -141,21 +53,16 @@ class ParallelDecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(index)
         self.index, self.hidden_dropout = index, config.hidden_dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
-        self.attention_norm_inside = context.backend == "te" and config.attention != "mla"
+        family = family_of(config)
+        self.attention_norm_inside = context.backend == "te" and "te_norm_fusion" in family.supports
         self.mlp_norm_inside = context.backend == "te" and not self.is_moe
         self.input_layernorm = _norm(config, context, self.attention_norm_inside)
-        if config.attention == "mla":
-            core = ContextMLACore(config, context_attention(context, softmax_scale(config)), context.seq_len,
-                                  context.recompute == "selective", context.backend)
-            self.self_attn = TPMLAttention(config, g.tp, sp, core, comm_overlap=context.tp_comm_overlap)
-        else:
-            self.self_attn = TPAttention(config.hidden, config.heads, config.kv_heads, g.tp, sp, core=RopeThenContextAttention(config, context, index),
-                                         head_dim=config.head_dim, comm_overlap=context.tp_comm_overlap)
+        self.self_attn = family.build_attention(config, context, index)
         self.post_attention_layernorm = _norm(config, context, self.mlp_norm_inside)
         # Without SP the tp ranks hold the same tokens: a MoE layer takes this rank's 1/tp of the
         # sequence (as under SP) and gathers its output back, so each token reaches its experts once.
         # (Routing every tp rank's copy sent each token to every expert of the EP group tp times:
-        # their gradients and the aux-free load were tp x the single rank's, issue 53.)
+        # their gradients and the aux-free load were tp x the single rank's.)
         self.moe_splits_tokens = self.is_moe and not sp and g.size("tp") > 1
         self.moe_tp_group = g.tp
         if self.is_moe:

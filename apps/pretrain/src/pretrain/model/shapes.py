@@ -1,6 +1,6 @@
 """The shape of every tensor of the full (unsharded) model, by its Hugging Face name.
 
-One place for shapes: decoder layers (GQA or MLA attention, dense or MoE MLP), the embedding and
+One place for shapes: decoder layers (the attention family's tensors, ``pretrain.models``; dense or MoE MLP), the embedding and
 head, and the multi-token-prediction modules. Initialisation (``initial_state.py``), checkpoints,
 HF import/export and the sizing (``pretrain.sizing.params``) all read them from here.
 :func:`hf_name` maps a chunk's state-dict name to the full model's.
@@ -8,18 +8,14 @@ HF import/export and the sizing (``pretrain.sizing.params``) all read them from 
 
 from __future__ import annotations
 
+from ..models import family_of
+
 
 def layer_shapes(config, i: int) -> dict[str, tuple[int, ...]]:
     """Shapes of decoder layer ``i``'s tensors (HF names under ``model.layers.{i}.``)."""
-    d, h, p = config.head_dim, config.hidden, f"model.layers.{i}."
+    h, p = config.hidden, f"model.layers.{i}."
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    if config.attention == "mla":
-        shapes |= mla_shapes(config, p + "self_attn.")
-    else:
-        shapes |= {p + "self_attn.q_proj.weight": (config.heads * d, h), p + "self_attn.k_proj.weight": (config.kv_heads * d, h),
-                   p + "self_attn.v_proj.weight": (config.kv_heads * d, h), p + "self_attn.o_proj.weight": (h, config.heads * d)}
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    shapes |= family_of(config).attention_shapes(config, p + "self_attn.")
     if config.is_moe_layer(i):
         e, f = config.num_experts, config.moe_ffn_hidden or config.ffn_hidden
         shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
@@ -41,22 +37,6 @@ def full_shapes(config) -> dict[str, tuple[int, ...]]:
     for i in range(config.layers):
         shapes |= layer_shapes(config, i)
     return shapes | mtp_shapes(config)
-
-
-def mla_shapes(config, prefix: str) -> dict[str, tuple[int, ...]]:
-    """Full shapes of one layer's MLA tensors (HF names under ``prefix``, e.g. ``model.layers.0.self_attn.``)."""
-    h, n, dqk = config.hidden, config.heads, config.qk_head_dim
-    out = {}
-    if config.q_lora_rank:
-        out |= {"q_a_proj.weight": (config.q_lora_rank, h), "q_a_layernorm.weight": (config.q_lora_rank,),
-                "q_b_proj.weight": (n * dqk, config.q_lora_rank)}
-    else:
-        out["q_proj.weight"] = (n * dqk, h)
-    out |= {"kv_a_proj_with_mqa.weight": (config.kv_lora_rank + config.qk_rope_head_dim, h),
-            "kv_a_layernorm.weight": (config.kv_lora_rank,),
-            "kv_b_proj.weight": (n * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank),
-            "o_proj.weight": (h, n * config.v_head_dim)}
-    return {prefix + k: v for k, v in out.items()}
 
 
 def mtp_layer_ids(config) -> range:

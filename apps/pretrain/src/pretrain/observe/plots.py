@@ -31,8 +31,9 @@ def _save(fig, path: Path) -> None:
     write_via(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight", format=path.suffix[1:]))
 
 
-def report_png(train: list[dict], evals: list[dict], title: str, path: Path) -> None:
-    """Loss (and eval loss), tokens/s, MFU and the time breakdown per step, one figure."""
+def report_png(train: list[dict], evals: list[dict], title: str, path: Path, events: list[dict] = ()) -> None:
+    """Loss (and eval loss), tokens/s, MFU and the time breakdown per step, one figure; ``events`` (a replica
+    lost or rejoined) are marked on the loss curve at the step boundary they happened at."""
     plt = pyplot()
     steps = [r["step"] for r in train]
     fig, ((loss, speed), (util, times)) = plt.subplots(2, 2, figsize=(12, 7.5))
@@ -40,6 +41,9 @@ def report_png(train: list[dict], evals: list[dict], title: str, path: Path) -> 
     loss.plot(steps, [r["loss"] for r in train], label="train")
     if evals:
         loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    for kind, colour in (("replica_lost", "#c44e52"), ("replica_joined", "#55a868")):
+        for i, e in enumerate(e for e in events if e["event"] == kind):
+            loss.axvline(e["step"] + 0.5, color=colour, ls=":", lw=1, label=kind.replace("_", " ") if i == 0 else None)
     loss.set(title="loss", xlabel="step")
     loss.legend()
     speed.plot(steps, [r.get("tokens_per_s") or 0 for r in train])

@@ -51,7 +51,8 @@ def check_nproc(nproc: int, device: str = "auto") -> None:
 
 
 def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: str = "auto",
-           join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0, log_dir: str | None = None) -> list[Any]:
+           join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0, log_dir: str | None = None,
+           fault_tolerance: bool = False, respawn: bool = False) -> list[Any]:
     """Run ``entry(*args)`` on every rank; returns the ranks' return values in rank order.
 
     Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
@@ -59,7 +60,9 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     (ranks import it); it calls :func:`init_distributed`. A rank that has not joined the group
     within ``join_timeout_s`` ends the run; after a SIGTERM/SIGINT/SIGHUP, ranks get ``preempt_timeout_s``
     to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.runtime.hang`); a
-    collective's timeout then ends the run naming the rank that has not arrived.
+    collective's timeout then ends the run naming the rank that has not arrived. ``fault_tolerance``: a
+    rank's death ends its data-parallel replica only (see :mod:`.replica_membership`); the others go on;
+    ``respawn``: its ranks start again and rejoin.
     """
     if under_torchrun():
         return [entry(*args)]
@@ -67,7 +70,7 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     if nproc > 1:
         from .local_launcher import run_local_ranks
 
-        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir)
+        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn)
     env = _single_rank_env()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -105,8 +105,12 @@ def _death_message(exitcode: int | None) -> str:
 class LocalRanks:
     """``nproc`` rank processes of one run; :meth:`wait` returns their results or raises."""
 
-    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None) -> None:
+    def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None,
+                 fault_tolerance: bool = False, respawn: bool = False) -> None:
         self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
+        self.fault_tolerance = fault_tolerance  # a dead rank's replica is fenced and the others go on (replica_membership)
+        self.fencer = None
+        self.respawn = respawn  # a fenced replica's ranks start again and rejoin at a step boundary
         self.log_dir = log_dir  # where the ranks write flight records (pretrain.runtime.hang); None: no hang summary
         self.stop_signal: int | None = None
         self.stop_at = self.started = 0.0
@@ -120,24 +124,57 @@ class LocalRanks:
         port = sock.getsockname()[1]
         self.store = dist.TCPStore(MASTER_ADDR, port, None, True, timedelta(seconds=self.join_timeout_s),
                                    wait_for_workers=False, master_listen_fd=sock.detach())
+        if self.fault_tolerance:
+            from .replica_membership import ReplicaFencer
+
+            self.fencer = ReplicaFencer(self.store, self.nproc, self.respawn)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
         ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, entry.__module__])
         base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
+        self._spawn = lambda rank, extra={}: self._start_rank(ctx, base | extra, rank, entry, args)
         for rank in range(self.nproc):
-            parent, child = ctx.Pipe()
-            env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-            proc = ctx.Process(target=_rank_main, args=(env, entry, args, child), name=f"pretrain-rank{rank}")
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
-            if self.stop_signal is not None:  # a signal came while ranks were starting
-                os.kill(proc.pid, signal.SIGTERM)
+            self._spawn(rank)
         self.started = time.monotonic()  # the join timeout counts from here (not the forkserver's start)
         self.wall_started = time.time()  # flight records older than this are another run's
+
+    def _start_rank(self, ctx, base: dict, rank: int, entry: Callable, args: tuple) -> None:
+        parent, child = ctx.Pipe()
+        env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+        proc = ctx.Process(target=_rank_main, args=(env, entry, args, child), name=f"pretrain-rank{rank}")
+        proc.start()
+        child.close()
+        if rank < len(self.procs):  # a replacement (fault tolerance)
+            self.procs[rank], self.conns[rank] = proc, parent
+        else:
+            self.procs.append(proc)
+            self.conns.append(parent)
+        if self.stop_signal is not None:  # a signal came while ranks were starting
+            os.kill(proc.pid, signal.SIGTERM)
+
+    def _replace(self, gone: set[int], pending: dict) -> None:
+        """Start a replacement for each rank of a fenced replica; it rejoins at a step boundary."""
+        from .replica_membership import JOIN_ENV
+
+        for r in sorted(gone):
+            pending.pop(r, None)
+        if not self.respawn or self.stop_signal is not None:
+            return
+        for r in sorted(gone):
+            self._spawn(r, {JOIN_ENV: str(self.fencer.generation)})
+            self.fencer.joining.add(r)
+            pending[r] = self.conns[r]
+
+    def _end_waiting(self, pending: dict) -> None:
+        """Every member has returned: replacements still waiting to be admitted never will; stop them."""
+        waiting = self.fencer.waiting()
+        if pending and set(pending) <= waiting:
+            for r in pending:
+                self.procs[r].kill()
+                self.procs[r].join()
+            pending.clear()
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
@@ -196,10 +233,16 @@ class LocalRanks:
         while pending:
             for conn in wait(list(pending.values()), timeout=0.2):
                 rank = self.conns.index(conn)
+                if rank not in pending:  # a fenced rank of a replica lost in this same wait
+                    continue
                 del pending[rank]
                 try:
                     status, *body = conn.recv()
                 except (EOFError, OSError):
+                    gone = self.fencer.lost(rank, self.procs) if self.fencer is not None else None
+                    if gone is not None:  # its replica fenced, the others regroup without it
+                        self._replace(gone, pending)
+                        continue
                     self.procs[rank].join(timeout=1.0)
                     exitcode = self.procs[rank].exitcode
                     failures.append(_Failure(rank, _death_message(exitcode), exitcode))
@@ -215,10 +258,12 @@ class LocalRanks:
                     raise self._hang_named(root) or RankFailed(root.rank, root.error, root.exitcode, root.traceback,
                                                                root.usage)
                 continue
+            if self.fencer is not None:
+                self._end_waiting(pending)
             self._check_joined(joined)
             self._check_stop_deadline()
         self.returned = True
-        return [results[r] for r in range(self.nproc)]
+        return [results.get(r) for r in range(self.nproc)]  # None: a rank of a lost replica
 
     def close(self) -> None:
         """Let ranks that returned exit; kill the rest (after a failure, a timeout or a second signal)."""
@@ -234,10 +279,12 @@ class LocalRanks:
 
 
 def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float,
-                    log_dir: str | None = None) -> list[Any]:
+                    log_dir: str | None = None, fault_tolerance: bool = False, respawn: bool = False) -> list[Any]:
     """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
-    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived."""
-    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir)
+    ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived.
+    ``fault_tolerance``: a rank's death fences its data-parallel replica and the others go on (see
+    :mod:`.replica_membership`); ``respawn``: its ranks start again and rejoin."""
+    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn)
     handled = STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
     try:

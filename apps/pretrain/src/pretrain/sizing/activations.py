@@ -20,6 +20,7 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
+from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
 from .replicas import declared_plan, held_replicas, replica_bytes
 from .schedule_peak import ChunkBytes, StagePeak, stage_peak
@@ -30,21 +31,9 @@ def _pb(cfg) -> int:
 
 
 def _attention(m, layout, recompute: str, pb: int) -> float:
-    """Per token: the attention's saved tensors (bf16 unless said), TP-local widths.
-
-    GQA: the TP region's gathered input (h), RoPE'd q, k and v, and the core's output (q width);
-    without recomputation also the pre-RoPE q and k. MLA: the down-projections' input (local
-    tokens), the gathered latents, q, k and v padded to one head width D, the core's output (D)
-    and its v-wide slice, and the two latent norms in fp32 (input upcast and normalized value)."""
-    tp, h = layout.tp, m.hidden
-    share = tp if layout.sequence_parallel else 1
-    if m.attention == "mla":
-        n, d = m.heads / tp, max(m.qk_head_dim, m.v_head_dim)
-        latent = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim
-        return (h / share + latent + 4 * n * d + n * m.v_head_dim) * pb + 8 * (m.q_lora_rank + m.kv_lora_rank) / share
-    q = m.heads * m.head_dim / tp
-    kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
-    return (h + 2 * q + 2 * kv) * pb + ((q + kv) * pb if recompute == "none" else 0)
+    """Per token: the attention's saved tensors (bf16 unless said), TP-local widths, as its family
+    declares them (``Family.saved_bytes``)."""
+    return family_of(m).saved_bytes(m, layout, recompute, pb)
 
 
 def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
@@ -78,14 +67,10 @@ def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = N
 def _ring_backward_work(m, layout, pb: int) -> float:
     """Per local token: a context-parallel attention's backward working set (par-cp's ring): fp32
     dq and two steps' dk, dv, the fp32 dK|dV stack it sends home; in bf16 K|V and its spare, the
-    casts of the gradients out and the blocks' temporaries (measured: 5.5 q-widths at cp 2)."""
+    casts of the gradients out and the blocks' temporaries (5.5 q-widths: fitted to ``plan --simulate``)."""
     if layout.cp == 1:
         return 0.0  # one fused SDPA call, as on a GPU
-    if m.attention == "mla":
-        q = kv = m.heads / layout.tp * max(m.qk_head_dim, m.v_head_dim)  # k and v padded to one width
-    else:
-        q = m.heads * m.head_dim / layout.tp
-        kv = (m.kv_heads // layout.tp if m.kv_heads % layout.tp == 0 else 1) * m.head_dim
+    q, kv = family_of(m).ring_widths(m, layout)
     return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q)
 
 
@@ -94,7 +79,7 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
     moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
     the returned rows, 2 h, are freed) and the experts' first grouped GEMM's (w_down's) gradients
     in the compute dtype, the weight's for this rank's experts ([E/ep, h, F/etp] before it is added
-    into the gradient buffer: 0.94 GB for DeepSeek-V3 at ep 8) and the rows' (F/etp per pair),
+    into the gradient buffer) and the rows' (F/etp per pair),
     once those two and the experts' output (3 h per pair) are freed."""
     share = layout.tp if layout.sequence_parallel else 1
     rows, h, f = pairs * tokens / share, m.hidden, m.expert_ffn_hidden / layout.etp
@@ -141,18 +126,12 @@ def routed_pairs(cfg, layout, routing, ep_rank: int) -> float | None:
 def _junctions(m, layout, i: int, pb: int, pairs: float) -> float:
     """Per token: the gradients a split backward records for its W at layer ``i``'s weight
     junctions: the two norms' ``x * weight`` (fp32, this rank's tokens) and each projection's
-    output gradient (GQA: q, k, v, o; MLA: its down- and up-projections, o; SwiGLU: gate, up, down;
-    MoE: the router and per routed pair the experts' gate, up and down)."""
+    output gradient (the attention's as its family declares; SwiGLU: gate, up, down; MoE: the
+    router and per routed pair the experts' gate, up and down)."""
     tp, h = layout.tp, m.hidden
     share = tp if layout.sequence_parallel else 1
     norms = 2 * 4 * h / share
-    if m.attention == "mla":
-        n = m.heads / tp
-        attention = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim + n * (m.qk_head_dim + m.qk_head_dim + m.v_head_dim) + h) * pb \
-            + 4 * (m.q_lora_rank + m.kv_lora_rank) / share
-    else:
-        kv = (m.kv_heads // tp if m.kv_heads % tp == 0 else 1) * m.head_dim
-        attention = (m.heads * m.head_dim / tp + 2 * kv + h) * pb
+    attention = family_of(m).junction_bytes(m, layout, pb, share)
     if not m.is_moe_layer(i):
         return norms + attention + (2 * m.ffn_hidden / tp + h) * pb
     f = m.expert_ffn_hidden

@@ -1,8 +1,8 @@
 """Parameter elements: per decoder layer and part, and what one rank holds of its pipeline stage.
 
 Counted from the full shapes (``pretrain.model.shapes``), the one account of the model's tensors:
-attention heads and the dense MLP split over tp; routers, shared experts and MLA's
-down-projections copied over tp; the routed experts over ep and expert tp; the embedding and
+attention heads (as the family declares) and the dense MLP split over tp; routers, shared experts and
+the attention's other tensors copied over tp; the routed experts over ep and expert tp; the embedding and
 head with the padded vocabulary (``ModelConfig.padded_vocab``); the MTP layers on the last stage.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..model.muon_split import uses_muon
+from ..models import family_of
 from ..model.shapes import layer_shapes
 
 
@@ -83,19 +84,20 @@ def _layer_params(m, layout, i: int) -> tuple[int, int, int]:
     return dense, experts, muon
 
 
-# Split over tp as the trainer builds them: column-parallel (heads, ffn) and row-parallel weights.
-TP_SPLIT = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight",
-            "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+# The dense MLP's weights split over tp as the trainer builds them (column- and row-parallel); the
+# attention's split tensors are its family's (``Family.tp_split``).
+MLP_TP_SPLIT = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
 def _on_rank(m, layout, name: str, elements: int) -> int:
-    """A tensor's elements on one rank: TP splits heads and the dense MLP, GQA's KV heads too when tp
-    divides them (else each rank holds the one KV head its query heads use); the routed experts are
-    split over ep and expert tp; routers, shared experts, norms and MLA's down-projections are copies."""
-    tp, leaf = layout.tp, ".".join(name.split(".")[-2:])
-    if leaf in TP_SPLIT:
+    """A tensor's elements on one rank: TP splits heads (the family's ``tp_split``) and the dense MLP,
+    KV heads (``kv_split``) when tp divides them (else each rank holds the one KV head its query heads
+    use); the routed experts are split over ep and expert tp; routers, shared experts, norms and the
+    rest of the attention are copies."""
+    tp, leaf, family = layout.tp, ".".join(name.split(".")[-2:]), family_of(m)
+    if leaf in MLP_TP_SPLIT or leaf in family.tp_split:
         return elements // tp
-    if leaf in ("k_proj.weight", "v_proj.weight"):
+    if leaf in family.kv_split:
         return elements // tp if m.kv_heads % tp == 0 else elements // m.kv_heads
     if layer_part(name) == "experts":
         return elements // m.num_experts * (m.num_experts // layout.ep) // layout.etp

@@ -24,6 +24,7 @@ from ..runtime.preempt import StopRequests
 from ..runtime.preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
+from .fault_replica import attempt, join_distributed, joining, replica_run
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
@@ -39,37 +40,45 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     if device_type(device or cfg.train.device) == "cuda":
         os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
     t = cfg.train
-    rank, world, _, dev = init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s)
+    rank, world, _, dev = (join_distributed(cfg, device) if joining() else  # a lost replica's replacement
+                           init_distributed(t.collective_timeout_s, device or t.device, t.join_timeout_s))
     stops = StopRequests(t.collective_timeout_s)  # from here a signal means: save after the next step
     watching = ExitStack()
     try:
         watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
         dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-        trainer = Trainer(cfg, dataset=dataset, device=dev, timer=StepTimer(watch, dev) if cfg.log.timing else None)
+        replica = replica_run(cfg, stops, dev)  # [train].fault_tolerance: a lost replica's steps go on without it
+        trainer = (replica.trainer if replica else Trainer)(cfg, dataset=dataset, device=dev,
+                                                            timer=StepTimer(watch, dev) if cfg.log.timing else None)
         if watch is not None:
             watch.name_groups(trainer.groups.ranks)  # "tp", "dp", "pp" ... in records and traces
         profiler = ProfileWindow(cfg, rank, dev, watch)
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)
         start_step, note = 0, ""
-        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume else (None, 0, "")
-        if latest is not None:
+        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume and not joining() else (None, 0, "")
+        if joining():  # a replacement: its state and step came from a live replica
+            start_step = replica.joined_at
+        elif latest is not None:
             note = f"; resumed from {latest} at step {start_step}{why}"
         elif ck.init_from:
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
         saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published once written
         last_step = t.stop_at or t.steps
-        logger = None
-        if rank == 0:
-            run_id = start_run(root, resuming=ck.resume, force=force)  # refuses another run's directory
-            logger = MetricsLogger(
+
+        def open_log(start: int, run_id: str) -> MetricsLogger:
+            return MetricsLogger(
                 cfg.log.dir, total_steps=t.steps, devices=world, device=dev, every=cfg.log.every,
                 flops_per_step=training_flops_per_step(cfg.model, t.seq_len, t.global_batch),
                 peak_flops_per_device=peak_flops(dev, matmul_dtype(trainer.autocast, cfg.train.fp8), cfg.log.peak_tflops),
                 tokens_per_step=t.global_batch * t.seq_len, progress=cfg.log.progress, tensorboard=cfg.log.tensorboard,
-                start_step=start_step, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
+                start_step=start, run_id=run_id, wandb=_wandb_init(cfg, trainer.layout),
             )
+
+        logger = None
+        if rank == 0 and not joining():
+            logger = open_log(start_step, start_run(root, resuming=ck.resume, force=force))  # refuses another run's directory
             logger.message(f"pretrain: {world} rank{'s' * (world != 1)}: tp={trainer.layout.tp} "
                            f"cp={trainer.layout.cp} pp={trainer.layout.pp} dp={trainer.layout.dp} ep={trainer.layout.ep}, "
                            f"zero={cfg.parallel.zero}; data {dataset.source} (unigram entropy "
@@ -82,54 +91,58 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         done = start_step
         start = interval = time.time()
         interval_steps = 0
-        for step in range(start_step, last_step):
-            began = time.time()
-            profiler.before(step + 1)
-            interval += time.time() - began  # starting a profile is not the step's time
-            result = trainer.train_step(step)
-            done, interval_steps = step + 1, interval_steps + 1
-            first = result if first is None else first
-            if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
-                logger.log_event("expert_placement", **result.placement)
-            if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
-                logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
-            # Values are read on the host at log steps only (and checked finite there): see step_result.py
-            if done % cfg.log.every == 0 or done == last_step:
-                trainer.check_finite()
-                timing = trainer.timer.gathered()
-                last = result.loss
-                blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
-                if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
-                    step_time = (time.time() - interval) / interval_steps
-                    logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
-                               **result.moe, **timing, **trainer.sampler.shares(done),
-                               **({"time_checkpoint": blocked} if blocked is not None else {}))
-                interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
-            profiler.after(done)  # after the log line: writing the trace is not the step's time
-            if t.eval_every and (done % t.eval_every == 0 or done == last_step):
-                eval_loss = trainer.evaluate(t.eval_batches)
-                if logger is not None:
-                    logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
-                interval_steps = -1
-            checkpoint_step = bool(ck.every and done % ck.every == 0)
-            # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
-            preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
-            if checkpoint_step or preempted:
-                trainer.check_finite()  # never a checkpoint after a non-finite step
-                path = saver.save(trainer, root, done, ck.keep)
-                saved_at = done
-                if logger is not None:
-                    logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
-                                   + f"; training thread blocked {saver.last_blocked_s:.2f} s")
-                interval_steps = -1
-            if preempted:
-                saver.finish()  # published before we exit
-                if logger is not None:
-                    logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
-                                   f"checkpoint written")
-                break
-            if interval_steps < 0:
-                interval, interval_steps = time.time(), 0
+        if replica:  # the log goes on at the next rank 0 when rank 0's replica is lost
+            logger = replica.log(logger, lambda done: open_log(done, start_run(root, resuming=True, force=force)))
+        steps = replica.steps(start_step, last_step, trainer) if replica else range(start_step, last_step)
+        for step in steps:
+            with attempt(steps, step, trainer):  # a lost replica: regrouped, back to the agreed step boundary
+                began = time.time()
+                profiler.before(step + 1)
+                interval += time.time() - began  # starting a profile is not the step's time
+                result = trainer.train_step(step)
+                done, interval_steps = step + 1, interval_steps + 1
+                first = result if first is None else first
+                if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
+                    logger.log_event("expert_placement", **result.placement)
+                if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
+                    logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+                # Values are read on the host at log steps only (and checked finite there): see step_result.py
+                if done % cfg.log.every == 0 or done == last_step:
+                    trainer.check_finite()
+                    timing = trainer.timer.gathered()
+                    last = result.loss
+                    blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
+                    if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
+                        step_time = (time.time() - interval) / interval_steps
+                        logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
+                                   **result.moe, **timing, **trainer.sampler.shares(done),
+                                   **({"time_checkpoint": blocked} if blocked is not None else {}))
+                    interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
+                profiler.after(done)  # after the log line: writing the trace is not the step's time
+                if t.eval_every and (done % t.eval_every == 0 or done == last_step):
+                    eval_loss = trainer.evaluate(t.eval_batches)
+                    if logger is not None:
+                        logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
+                    interval_steps = -1
+                checkpoint_step = bool(ck.every and done % ck.every == 0)
+                # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
+                preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
+                if checkpoint_step or preempted:
+                    trainer.check_finite()  # never a checkpoint after a non-finite step
+                    path = saver.save(trainer, root, done, ck.keep)
+                    saved_at = done
+                    if logger is not None:
+                        logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
+                                       + f"; training thread blocked {saver.last_blocked_s:.2f} s")
+                    interval_steps = -1
+                if preempted:
+                    saver.finish()  # published before we exit
+                    if logger is not None:
+                        logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                                       f"checkpoint written")
+                    break
+                if interval_steps < 0:
+                    interval, interval_steps = time.time(), 0
         first = None if first is None else first.loss
         if getattr(trainer.sampler, "test", None) is not None and done == last_step:  # [data].split's test part: once, at the end
             test_loss = trainer.evaluate(t.eval_batches, split="test")

@@ -1,6 +1,6 @@
 """Run a function on N ranks of a gloo process group on the CPU, with workers started once.
 
-Starting processes that import torch is slow (~20 s for 8 on 2 cores), so workers are forked
+Starting processes that import torch is slow (seconds each), so workers are forked
 from a forkserver that imported torch once (and the heavy parts of torch.distributed, and whatever
 the caller's ``preload`` names: a test suite's own packages, else every worker imports them), and a
 :class:`RankPool`
@@ -120,7 +120,7 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
             dist.destroy_process_group()
 
 
-# torch.distributed.checkpoint and .tensor import sympy: ~4.5 s of CPU each time a process imports them.
+# torch.distributed.checkpoint and .tensor import sympy: seconds of CPU each time a process imports them.
 TORCH_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
 

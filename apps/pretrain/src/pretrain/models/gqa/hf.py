@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import UsageError
-from .hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts, unstack_experts
+from ...errors import UsageError
+from ...checkpoint.hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts, unstack_experts
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 MOE_BLOCK = {"qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
              "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})}
 
 
-def gqa_model_config(hf: dict, where: str) -> ModelConfig:
-    """Our ``[model]`` for one of :data:`ARCHITECTURES`' ``config.json`` (unsupported keys: one error line)."""
+def gqa_model_config(hf: dict, where: str) -> dict:
+    """Our ``[model]`` keys for a ``config.json`` of one of the family's model types (unsupported keys: one error line)."""
     kind = hf.get("model_type") or "llama"
     family = f"model_type={kind!r}"
     for key in ("attention_bias", "mlp_bias"):
@@ -59,10 +56,7 @@ def gqa_model_config(hf: dict, where: str) -> ModelConfig:
                   tie_embeddings=hf_value(hf, "tie_word_embeddings", "bool", where, False))
     if kind in MOE_BLOCK:
         kwargs |= _moe_keys(hf, kind, where)
-    try:
-        return ModelConfig(**kwargs)
-    except (UsageError, TypeError) as e:
-        raise UsageError(f"{where}: {e}") from None
+    return kwargs
 
 
 def _moe_keys(hf: dict, kind: str, where: str) -> dict:
@@ -83,7 +77,7 @@ def _moe_keys(hf: dict, kind: str, where: str) -> dict:
                       mlp_only_layers=tuple(only))
 
 
-def family_of(m: ModelConfig) -> str:
+def model_type_of(m) -> str:
     """Which transformers family writes ``m`` back (one error line when none can)."""
     if not m.num_experts:
         return "qwen3" if m.qk_norm else "llama"
@@ -97,13 +91,13 @@ def family_of(m: ModelConfig) -> str:
     return "mixtral" if not why else _no_family(m, why)
 
 
-def _no_family(m: ModelConfig, why: list[str]) -> str:
+def _no_family(m, why: list[str]) -> str:
     raise UsageError(f"export to Hugging Face: this MoE model matches no transformers family we write ({'; '.join(why)})")
 
 
-def gqa_hf_config(m: ModelConfig) -> dict:
-    kind = family_of(m)
-    out = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": m.vocab_size,
+def gqa_hf_config(m, architectures: dict[str, str]) -> dict:
+    kind = model_type_of(m)
+    out = {"architectures": [architectures[kind]], "model_type": kind, "vocab_size": m.vocab_size,
            "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
            "num_key_value_heads": m.kv_heads, "intermediate_size": m.ffn_hidden, "head_dim": m.head_dim,
            "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu",
@@ -122,7 +116,7 @@ def gqa_hf_config(m: ModelConfig) -> dict:
     return out
 
 
-def from_gqa_names(state: dict[str, torch.Tensor], m: ModelConfig, kind: str) -> dict[str, torch.Tensor]:
+def from_gqa_names(state: dict[str, torch.Tensor], m, kind: str) -> dict[str, torch.Tensor]:
     """Released names -> ours (stacked experts, the router). Missing tensors are left for the caller to report."""
     if kind not in MOE_BLOCK:
         return state
@@ -142,9 +136,9 @@ def from_gqa_names(state: dict[str, torch.Tensor], m: ModelConfig, kind: str) ->
     return out
 
 
-def to_gqa_names(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+def to_gqa_names(state: dict[str, torch.Tensor], m, architectures: dict[str, str]) -> dict[str, torch.Tensor]:
     """Ours -> the released names (inverse of :func:`from_gqa_names`)."""
-    kind = family_of(m)
+    kind = model_type_of(m)
     if kind not in MOE_BLOCK:
         return state
     block, proj = MOE_BLOCK[kind]
@@ -153,7 +147,7 @@ def to_gqa_names(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, to
         if name.endswith("mlp.router.expert_bias"):
             if t.any():
                 raise UsageError(f"export to Hugging Face: {name} is not zero ([model].bias_update_rate moved it) and "
-                                 f"{ARCHITECTURES[kind]} has no such bias")
+                                 f"{architectures[kind]} has no such bias")
             continue
         unstacked = unstack_experts(name, t, block, proj)
         if unstacked is not None:

@@ -1,0 +1,37 @@
+"""What ``[train].fault_tolerance = "replica"`` runs with, refused up front in one line.
+
+A lost replica's state must live on elsewhere: every survivor holds all of its model-parallel
+coordinate's state only when data parallelism does not shard it (ZeRO over the whole dp leaves a
+lost replica's shards nowhere), and there must be another replica (dp >= 2). The layouts whose
+regrouping is not built yet are refused too, rather than run with a step that no longer matches.
+"""
+
+from __future__ import annotations
+
+from .rules import _need
+
+SHARDED = ("optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
+
+
+def fault_tolerance_rules(cfg) -> None:
+    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    if t.fault_tolerance != "replica":
+        return
+    _need(p.zero not in SHARDED or p.hsdp_replicas >= 2,
+          f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
+          f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard' (or hsdp_replicas >= 2)")
+    later = [f"{key}={value}" for key, value, unsupported in (
+        ("[parallel].pp", p.pp, p.pp > 1), ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep", p.ep, p.ep > 1),
+        ("[parallel].hsdp_replicas", p.hsdp_replicas, p.hsdp_replicas > 1),
+        ("[model].num_experts", m.num_experts, m.num_experts > 0), ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
+        ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss),
+        ("[checkpoint].async_save", "true", cfg.checkpoint.async_save)) if unsupported]
+    _need(not later, f"[train].fault_tolerance='replica' runs with data and tensor parallelism (zero='no_shard') "
+                     f"only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
+
+
+def fault_tolerance_world(cfg, dp: int) -> None:
+    """Another replica to go on with: dp >= 2."""
+    _need(cfg.train.fault_tolerance != "replica" or dp >= 2,
+          f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
+          f"copy; start more ranks or set fault_tolerance='off'")

@@ -1,0 +1,43 @@
+"""par's own FP8 training (``[train].fp8 = tensorwise | rowwise | blockwise | mxfp8``) in the torch layers.
+
+Every local matmul of the attention and the MLP (the TP layers' ``linear_kernel``, and the replicated
+``nn.Linear`` projections: MLA's down-projections, MTP's ``eh_proj``) runs as par_tp.fp8's FP8 linear; the
+weights, their shards, ZeRO buckets and checkpoints stay as they are. What this module decides is each
+linear's :class:`~par_tp.fp8.Sharding`, the ranks its scales are reduced over:
+
+- tokens: the cp group (each cp rank holds chunks of the sequence), and tp for a replicated ``nn.Linear``
+  under sequence parallelism (its input may be the SP shard; where it is a full copy the MAX changes nothing);
+- in_features: tp for a row-parallel layer; out_features: tp for a column-parallel one;
+- never dp, whose replicas hold other data: each dp rank quantizes as one rank does its micro-batch.
+
+Left in high precision, as the recipes' references do: the output layer (its logits feed the loss), the
+MoE router (a top-k of its scores) and the embedding. The experts' grouped GEMMs stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from par_tp import ColumnParallelLinear, RowParallelLinear
+from par_tp.fp8 import FP8LinearKernel, Sharding
+
+
+def use_fp8_linears_(chunk: nn.Module, recipe: str, groups) -> int:
+    """Route ``chunk``'s attention and MLP matmuls through FP8 (not the output layer's); returns how many."""
+    cp, tp = (groups.cp,), groups.tp
+    head = getattr(chunk, "lm_head", None)
+    count = 0
+    for m in chunk.modules():
+        if m is head:
+            continue
+        if isinstance(m, ColumnParallelLinear):
+            m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp, out_features=(tp,)))
+        elif isinstance(m, RowParallelLinear):
+            m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp, in_features=(tp,)))
+        elif type(m) is nn.Linear:
+            kernel = FP8LinearKernel(recipe, Sharding(tokens=cp + (tp,)))
+            m.forward = lambda x, m=m, kernel=kernel: kernel(x, m.weight, m.bias)
+        else:
+            continue
+        count += 1
+    return count

@@ -1,0 +1,90 @@
+"""What a model family declares, once: the base every ``models/<family>/`` folder's ``FAMILY`` fills in.
+
+A family is the attention of a decoder layer and what follows from it; the rest of a layer (norms,
+dense SwiGLU or MoE MLP, MTP modules, embedding and head) is common to every family. The app asks
+the family of a config (``pretrain.models.family_of``) instead of comparing names:
+
+* config: the ``[model]`` keys only it reads (:attr:`Family.keys`) and their checks (:meth:`check`);
+* shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`),
+  which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
+  (:meth:`build_attention`); initial weights, checkpoints and parameter counts read the shapes;
+* sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
+  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`);
+* certify: how its widths narrow (:meth:`narrowing`);
+* Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
+  ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
+* layouts: the parallel dimensions (:attr:`dimensions`) and optional features (:attr:`supports`)
+  it runs; a layout needing one it lacks is one ``error:`` line naming ``[model].attention``.
+"""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+
+# The optional features a family may run, and the parallel dimensions it may be split over (dp / ZeRO: always).
+FEATURES = ("dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion")
+DIMENSIONS = ("tp", "cp", "pp", "ep")
+
+
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
+
+
+class Family:
+    attention: str = ""  # the [model].attention value that selects it
+    keys: tuple[str, ...] = ()  # [model] keys only this family reads
+    supports: frozenset[str] = frozenset()  # of FEATURES
+    dimensions: tuple[str, ...] = DIMENSIONS  # the parallel dimensions its layers run split over
+    tp_split: tuple[str, ...] = ()  # attention tensors (last two name parts) split over tp by heads
+    kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
+    hf_architectures: dict[str, str] = {}  # transformers model_type -> architecture it reads and writes
+
+    def check(self, m) -> None:
+        """The ``[model]`` keys' rules under this family (one UsageError line)."""
+
+    def qk_head_dim(self, m) -> int:
+        """Query/key width of one head."""
+        raise NotImplementedError
+
+    def value_width(self, m) -> int:
+        """Value width of one head (attention's second matmul)."""
+        raise NotImplementedError
+
+    def attention_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Full shapes of one layer's attention tensors, HF names under ``prefix`` (``model.layers.{i}.self_attn.``)."""
+        raise NotImplementedError
+
+    def build_attention(self, config, context, index: int):
+        """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
+        raise NotImplementedError
+
+    def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
+        """Per token: what the attention keeps for backward (``sizing.activations``)."""
+        raise NotImplementedError
+
+    def ring_widths(self, m, layout) -> tuple[float, float]:
+        """Per token on one tp rank: the (q, kv) widths context parallelism moves."""
+        raise NotImplementedError
+
+    def junction_bytes(self, m, layout, pb: int, share: int) -> float:
+        """Per token: the projections' output gradients a split backward records for its W."""
+        raise NotImplementedError
+
+    def narrowing(self, m, head_width: int) -> list[str]:
+        """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""
+        return []
+
+    def model_config_from_hf(self, hf: dict, where: str) -> dict:
+        """Our ``[model]`` keys for a transformers ``config.json`` (what it cannot read: one UsageError line)."""
+        raise NotImplementedError
+
+    def hf_config(self, m) -> dict:
+        raise NotImplementedError
+
+    def from_hf_names(self, state: dict, m, hf: dict) -> tuple[object, dict]:
+        """(the config, the state under our names) of a released state dict."""
+        raise NotImplementedError
+
+    def to_hf_names(self, state: dict, m) -> dict:
+        raise NotImplementedError

@@ -1,0 +1,520 @@
+"""A rank's side of ``[train].fault_tolerance = "replica"``: the step goes on without a lost replica, with
+the same batch and the same math.
+
+Each step's global batch is ``M = global_batch / micro_batch`` micro-batches (a pure function of the
+step: ``data/sampler.py``). With every replica alive, replica ``d`` of ``D`` trains micro-batches
+``d * M / D ...``, as without fault tolerance. When replicas are lost, the ``D'`` survivors split the
+same ``M`` micro-batches in contiguous runs (uneven when ``D'`` does not divide ``M``) as extra
+accumulation, and each micro-batch's loss is weighted ``D' / M``: the data-parallel reduction divides
+by ``D'``, so the gradient is the mean over the global batch's micro-batches, never over participants,
+and the logged loss the same global mean.
+
+On a failed collective (:class:`ReplicaRun`'s :meth:`~StepRange.attempt`), the survivor leaves every process group,
+waits for the launcher's next generation (:mod:`pretrain.runtime.replica_membership`), joins a new
+default group over that generation's fresh store prefix, builds a new :class:`ReplicaTrainer` for the
+smaller world, copies its own state into it (weights, fp32 masters, optimizer state and step; this
+process's RNG is untouched), and the step loop goes on from the step boundary every survivor agrees
+on: the interrupted step is discarded and redone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from par_groups import comm
+
+from ..checkpoint.rng_state import rng_state, set_rng_state
+from ..data.sampler import Batch
+from ..errors import UsageError
+from ..model.dropout import set_position as set_dropout_position
+from ..runtime.rank_env import LAUNCHER_ENV
+from ..runtime.launch import cpu_threads, device_type
+from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
+                                          latest_generation, ready_key, replica_key)
+from .micro_batches import NO_DOCUMENTS
+from .train_loop import Trainer
+
+ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
+ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
+ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
+
+# What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+             "timed out", "Timeout", "NCCL communicator was aborted", "DistBackendError")
+
+
+@dataclass(frozen=True)
+class ReplicaShare:
+    """Which of a step's ``M`` global micro-batches replica ``index`` of ``alive`` trains: ``[first, last)``."""
+
+    global_batch: int
+    micro_batch: int
+    alive: int  # replicas training (D')
+    index: int  # this replica's place among them
+
+    @property
+    def microbatches(self) -> int:  # M
+        return self.global_batch // self.micro_batch
+
+    @property
+    def first(self) -> int:
+        return self.index * self.microbatches // self.alive
+
+    @property
+    def last(self) -> int:
+        return (self.index + 1) * self.microbatches // self.alive
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first
+
+    @property
+    def weight(self) -> float:
+        """Each micro-batch's loss factor on top of the accumulation's ``1 / count``: ``count * D' / M``
+        (1 exactly while every replica trains)."""
+        return 1.0 if self.count * self.alive == self.microbatches else self.count * self.alive / self.microbatches
+
+    def samples(self, step: int) -> range:
+        """The global sample ids this replica trains at ``step`` (0-based)."""
+        base = step * self.global_batch
+        return range(base + self.first * self.micro_batch, base + self.last * self.micro_batch)
+
+
+class ReplicaTrainer(Trainer):
+    """A :class:`Trainer` that reads its :class:`ReplicaShare` of each global batch and weights its losses so."""
+
+    def __init__(self, cfg, share: ReplicaShare, sample_log: Path | None = None, **kwargs) -> None:
+        self.share, self.sample_log = share, sample_log
+        self.completed: int | None = None  # steps done (set after each step: a failure after it keeps it)
+        self.generation = 0
+        super().__init__(cfg, **kwargs)
+
+    def _read_batch(self, step: int, eval: bool | str = False) -> Batch:
+        s, share = self.sampler, self.share
+        stream = (s.test if eval == "test" else s.valid) if eval else s.train
+        ids = share.samples(step)
+        batch = stream.gather(ids.start, ids.stop)
+        shape = (share.count, share.micro_batch, s.seq_len + 1)
+        return Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
+
+    def loss(self, out, labels, batch=NO_DOCUMENTS):
+        loss = super().loss(out, labels, batch)
+        return loss if self.share.weight == 1.0 else loss * self.share.weight
+
+    def forward_chunk(self, batch, chunk_id, module, x, microbatch):
+        m = self.cfg.model
+        if m.hidden_dropout > 0 or m.attention_dropout > 0:  # the masks of the global samples this micro-batch holds
+            first = self.share.samples(self._step).start + microbatch * self.share.micro_batch
+            set_dropout_position(self.cfg.train.seed, self._step, first)
+        with self.fp8_region():
+            return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
+
+    def train_step(self, step: int):
+        self._training = True
+        try:
+            result = super().train_step(step)
+        finally:
+            self._training = False
+        self.completed = step + 1
+        return result
+
+    def _mean_loss(self, losses):
+        """The global mean loss; in a training step, its reduction is the last of the step's gradient's
+        collectives: this replica's samples are in the step's gradient now (logged when asked)."""
+        loss = super()._mean_loss(losses)
+        if getattr(self, "_training", False) and self.sample_log is not None:
+            with open(self.sample_log, "a") as f:
+                f.write(json.dumps({"step": self._step + 1, "generation": self.generation,
+                                    "samples": list(self.share.samples(self._step))}) + "\n")
+        return loss
+
+
+def owned_state(trainer) -> dict[str, list[torch.Tensor]]:
+    """Every piece of state this rank owns, by name: trained tensors' fp32 masters and optimizer state
+    (this rank's boxes, views of its buffers), the other parameters and buffers whole. Ranks at one
+    model-parallel coordinate of any two replicas own the same names and shapes."""
+    dp = trainer.model.dp
+    kinds = ("master",) + tuple(dp.optimizer_state.state_kinds())
+    owned = {kind: dp.owned_pieces(kind) for kind in kinds}
+    out = {}
+    for name, t in trainer.model.full_named_tensors().items():
+        if t not in owned["master"]:
+            out[f"model/{name}"] = [t]
+            continue
+        for kind in kinds:
+            out[f"{kind}/{name}"] = [box for _, box in owned[kind][t].boxes]
+    return out
+
+
+@torch.no_grad()
+def copy_state(src, dst) -> None:
+    """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
+    kinds = src.model.dp.optimizer_state.state_kinds()
+    dst.model.dp.optimizer_state.prepare_load(kinds)
+    a, b = owned_state(src), owned_state(dst)
+    if a.keys() != b.keys():
+        raise RuntimeError(f"regrouped trainer holds other state: {sorted(a.keys() ^ b.keys())[:4]}")
+    for name, boxes in a.items():
+        for x, y in zip(boxes, b[name], strict=True):
+            y.copy_(x)
+    dst.model.dp.sync_params()
+    dst.model.dp.step_count = src.model.dp.step_count
+    dst.model.dp.optimizer_state.finish_load(src.model.dp.optimizer_state.scalar_state())
+    dst.non_finite, dst.completed = src.non_finite, src.completed
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or what it was raised from) is what a collective raises when a peer is gone."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = f"{type(error).__name__}: {error}"
+        if any(marker in text for marker in PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class ReplicaRun:
+    """This rank's membership across generations: makes the trainers, regroups them after a loss, admits
+    replacements at step boundaries (``[train].respawn``), and, in a replacement, joins a running generation."""
+
+    def __init__(self, cfg, stops, device: torch.device) -> None:
+        if LAUNCHER_ENV not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+            raise UsageError("[train].fault_tolerance='replica' runs under pretrain's own launcher "
+                             "(`pretrain train --nproc N`), not torchrun; set it to 'off' there")
+        self.cfg, self.stops, self.device = cfg, stops, device
+        self.rank = int(os.environ.get(ORIGINAL_RANK, dist.get_rank()))  # generation 0's numbering: the launcher's
+        self.layout = cfg.validate_world(int(os.environ.get(ORIGINAL_WORLD, dist.get_world_size())))
+        self.store = _store(cfg)
+        admitted = os.environ.get(ADMITTED)
+        self.admitted = json.loads(admitted) if admitted else None  # a replacement: the generation it joined
+        self.generation = self.admitted["generation"] if self.admitted else 0
+        self.missing: dict[int, list[int]] = {}  # lost replicas (their ranks) waiting for a replacement
+        self.joined_at: int | None = None
+        self.kwargs: dict = {}
+        self.replica = -1
+        self.logger = None
+
+    def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
+        """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
+        coordinates for the launcher and later replacements), or a replacement's, filled from a live replica."""
+        self.kwargs = kwargs
+        if self.admitted is not None:
+            return self._joined(self.admitted)
+        layout = self.layout
+        share = ReplicaShare(cfg.train.global_batch, layout.micro_batch, layout.dp, 0)
+        trainer = ReplicaTrainer(cfg, share, **kwargs)
+        self.replica = trainer.groups.coords()["dp"]
+        trainer.share = replace(share, index=self.replica)
+        trainer.sample_log = self._sample_log(trainer.groups.coords())
+        self.store.set(coords_key(self.rank), json.dumps(trainer.groups.coords()))
+        self.store.set(replica_key(self.rank), str(self.replica))
+        return trainer
+
+    def _joined(self, event: dict) -> ReplicaTrainer:
+        from .replica_transfer import receive_state
+
+        began = time.monotonic()
+        self.replica = event["replicas"][str(self.rank)]
+        fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
+            self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
+        step, _ = receive_state(fresh, self._pairs(event)[self.rank])
+        self.joined_at = self._agree(step, event, began)
+        self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
+        return fresh
+
+    def _coords(self, rank: int) -> dict:
+        return json.loads(self.store.get(coords_key(rank)))
+
+    def _sample_log(self, coords: dict) -> Path | None:
+        if not self.cfg.log.sample_ids or coords["tp"] or coords["cp"] or coords["pp"]:  # one rank per replica writes
+            return None
+        folder = Path(self.cfg.log.dir) / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"rank_{self.rank}.jsonl"
+
+    def log(self, logger, reopen) -> "ReplicaLog":
+        """The run's log on every rank: its holder's ``logger``, reopened with ``reopen(step)`` by the next
+        holder when the holder's replica is lost."""
+        holder = self.admitted["log_holder"] if self.admitted else 0
+        self.logger = ReplicaLog(logger if self.admitted is None else None, reopen, holder, self.rank)
+        return self.logger
+
+    def steps(self, start: int, stop: int, trainer) -> "StepRange":
+        return StepRange(self, start, stop, trainer)
+
+    # ---- regrouping ------------------------------------------------------------------------
+    def regroup(self, trainer: ReplicaTrainer, step: int, error: BaseException | None, event: dict | None = None) -> int:
+        """After ``error`` in step ``step`` (or at the boundary before ``step`` to admit ``event``'s replacement):
+        the next generation's groups and trainer, adopted in place by ``trainer``; returns the step every
+        member goes on from."""
+        from .replica_transfer import send_state
+
+        began = time.monotonic()
+        done = trainer.completed if trainer.completed == step + 1 else step
+        coords = trainer.groups.coords()
+        _leave_groups()
+        if event is None:
+            event = self._next_generation(error)
+            self.missing[event["lost_replica"]] = event["lost"]
+        else:
+            self.missing.pop(event["joined_replica"], None)
+        alive = sorted(set(event["replicas"].values()))
+        share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive), alive.index(self.replica))
+        fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
+        copy_state(trainer, fresh)
+        if trainer.prefetch is not None:
+            trainer.prefetch.close()
+        trainer.__dict__ = fresh.__dict__  # every holder of the trainer (the loop, the saver) sees the new one
+        sent = 0
+        for joiner, source in self._pairs(event).items():
+            if source == self.rank:
+                sent += send_state(trainer, self._new_rank(event, joiner), done)
+        return self._agree(done, event, began, sent)
+
+    def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:
+        """Join ``event``'s process group (a fresh store prefix) and build its trainer (the run's config once built)."""
+        alive = sorted(set(event["replicas"].values()))
+        cfg = self._config(len(alive))
+        if not dist.is_initialized():
+            rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords, alive.index(self.replica))
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    store=dist.PrefixStore(generation_prefix(self.generation), self.store), rank=rank,
+                                    world_size=len(event["ranks"]), timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(event["ranks"])))
+            self.stops.group = dist.new_group(backend="gloo",
+                                              timeout=timedelta(seconds=min(cfg.train.collective_timeout_s, 30.0)))
+        share = replace(share, alive=len(alive), index=alive.index(self.replica))
+        rng = rng_state()  # a fresh trainer seeds torch: this process's stream goes on as it was
+        fresh = ReplicaTrainer(cfg, share, sample_log, **self.kwargs)
+        set_rng_state(rng)
+        fresh.cfg, fresh.generation = self.cfg, self.generation  # the run's config: its schedule, its checkpoints
+        return fresh
+
+    def _new_rank(self, event: dict, rank: int) -> int:
+        alive = sorted(set(event["replicas"].values()))
+        grid = self._config(len(alive)).validate_world(len(event["ranks"])).grid
+        return _position(grid, self._coords(rank), alive.index(event["replicas"][str(rank)]))
+
+    def _pairs(self, event: dict) -> dict[int, int]:
+        """Each replacement's source: the rank of the first other live replica at its model-parallel coordinate."""
+        joined = set(event.get("joined", ()))
+        pairs = {}
+        for j in sorted(joined):
+            mine = self._coords(j)
+            sources = [r for r in event["ranks"] if r not in joined and _same_block(self._coords(r), mine)]
+            pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
+        return pairs
+
+    def _agree(self, done: int, event: dict, began: float, sent: int = 0) -> int:
+        """Every member goes on from the same step (the collective checks it); logs the event."""
+        agreed = torch.tensor([done, -done, sent], dtype=torch.int64)
+        moved = agreed[2:].clone()
+        comm.all_reduce(agreed[:2], None, op=dist.ReduceOp.MAX)
+        comm.all_reduce(moved, None)
+        if int(agreed[0]) != -int(agreed[1]):
+            raise RuntimeError(f"generation {self.generation}'s members stopped at different steps "
+                               f"({-int(agreed[1])} and {int(agreed[0])})")
+        if self.logger is not None:
+            self.logger.regrouped(event, done)
+            still = round(time.monotonic() - began, 3)
+            if "joined" in event:
+                self.logger.log_event("replica_joined", step=done, ranks=event["joined"], replica=event["joined_replica"],
+                                      generation=self.generation, stood_still_s=still, bytes_moved=int(moved[0]))
+            else:
+                self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
+                                      generation=self.generation, replicas_left=len(set(event["replicas"].values())),
+                                      stood_still_s=still)
+        return done
+
+    def admit(self, trainer: ReplicaTrainer, step: int) -> None:
+        """At the boundary before ``step``, while a replica is missing: rank 0 admits its replacement once
+        every rank of it waits (a collective tells the others)."""
+        event = None
+        if dist.get_rank() == 0:
+            for replica, ranks in sorted(self.missing.items()):
+                if self.store.check([ready_key(r) for r in ranks]):
+                    event = self._admission(replica, ranks, trainer)
+                    break
+        flag = torch.tensor([0 if event is None else self.generation + 1], dtype=torch.int64)
+        comm.all_reduce(flag, None, op=dist.ReduceOp.MAX)
+        if int(flag[0]):
+            if event is None:
+                self.generation = int(flag[0])
+                event = json.loads(self.store.get(generation_key(self.generation)))
+            self.regroup(trainer, step, None, event)
+
+    def _admission(self, replica: int, ranks: list[int], trainer) -> dict | None:
+        """Claim the next generation for the current members and ``replica``'s replacement (None: a loss took it)."""
+        current = json.loads(self.store.get(generation_key(self.generation)))
+        members = sorted(current["ranks"] + ranks)
+        replicas = current["replicas"] | {str(r): replica for r in ranks}
+        missing = {str(k): v for k, v in self.missing.items() if k != replica}
+        event = {"ranks": members, "replicas": replicas, "joined": sorted(ranks), "joined_replica": replica,
+                 "missing": missing, "log_holder": self.logger.holder if self.logger else 0}
+        if not claim(self.store, self.generation + 1, event):
+            return None
+        self.generation += 1
+        for r in ranks:
+            self.store.delete_key(ready_key(r))
+        return event
+
+    def _next_generation(self, error: BaseException) -> dict:
+        """The membership the launcher publishes after a loss (the latest, when several followed)."""
+        key = generation_key(self.generation + 1)
+        try:
+            self.store.wait([key], timedelta(seconds=self.cfg.train.join_timeout_s))
+        except Exception:  # noqa: BLE001 -- no replica was lost: the error was the step's own
+            raise error from None
+        self.generation, event = latest_generation(self.store, self.generation)
+        if self.rank not in event["ranks"]:
+            raise RuntimeError(f"rank {self.rank} is not in generation {self.generation}'s membership")
+        return event
+
+    def _config(self, replicas: int):
+        return generation_config(self.cfg, self.layout.micro_batch, replicas)
+
+
+class ReplicaLog:
+    """What the step loop logs through: the real logger where this rank holds the log, else nothing. When the
+    holder's replica is lost, the lowest surviving rank (the launcher's numbering) reopens it at the agreed step
+    (lines of later steps, written by a lost rank, are dropped there, as on a resume)."""
+
+    def __init__(self, logger, reopen, holder: int, rank: int) -> None:
+        self.logger, self.reopen, self.holder, self.rank = logger, reopen, holder, rank
+
+    def regrouped(self, event: dict, done: int) -> None:
+        if self.holder in event.get("lost", ()):
+            self.holder = min(event["ranks"])
+            if self.holder == self.rank:
+                self.logger = self.reopen(max(done, 1))  # 0 would set the run's log aside as an earlier run's
+
+    def __getattr__(self, name: str):
+        if self.logger is not None:
+            return getattr(self.logger, name)
+        return lambda *args, **kwargs: None
+
+
+class StepRange:
+    """The steps ``start .. stop - 1``; :meth:`attempt` wraps one step's work and, on a lost replica,
+    regroups and sends the loop back to the agreed step boundary. While a replica is missing, its
+    replacement is admitted at a boundary (:meth:`ReplicaRun.admit`)."""
+
+    def __init__(self, run: ReplicaRun, start: int, stop: int, trainer) -> None:
+        self.run, self.next, self.stop, self.trainer = run, start, stop, trainer
+
+    def __iter__(self):
+        while self.next < self.stop:
+            step = self.next
+            if self.run.missing and self.run.cfg.train.respawn:
+                try:
+                    self.run.admit(self.trainer, step)
+                except Exception as e:
+                    if not peer_lost(e):
+                        raise
+                    self.next = self.run.regroup(self.trainer, step, e)
+                    continue
+            self.next += 1
+            yield step
+
+    @contextmanager
+    def attempt(self, step: int, trainer: ReplicaTrainer):
+        try:
+            yield
+        except Exception as e:
+            if not peer_lost(e):
+                raise
+            self.next = self.run.regroup(trainer, step, e)
+
+
+def generation_config(cfg, micro_batch: int, replicas: int):
+    """The config a generation of ``replicas`` replicas is built from: the same model-parallel layout and
+    micro-batch, and a batch any ``replicas`` divides (the trainer reads its :class:`ReplicaShare` of the run's
+    batch, not the sampler's split, and trains under the run's config once built)."""
+    t, p = cfg.train, cfg.parallel
+    train = replace(t, global_batch=replicas * micro_batch, micro_batch=micro_batch, local_batch=0, train_samples=0,
+                    fault_tolerance="off")  # one replica left is a valid generation
+    return replace(cfg, train=train, parallel=replace(p, microbatches=0, rank_assignment="off"))
+
+
+def joining() -> bool:
+    """Whether this process is a replacement the launcher started for a lost replica's rank."""
+    return JOIN_ENV in os.environ
+
+
+def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.device]:
+    """A replacement's :func:`~pretrain.runtime.launch.init_distributed`: say it waits, wait for the generation that
+    admits it (at a step boundary), and join that generation's process group. Returns as init_distributed."""
+    kind = device_type(device or cfg.train.device)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(cpu_threads(os.environ))
+    me, world0, store = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), _store(cfg)
+    generation = int(os.environ[JOIN_ENV])
+    store.set(ready_key(me), "1")
+    while True:  # the launcher ends a replacement never admitted once every member has returned
+        if not store.check([generation_key(generation + 1)]):
+            time.sleep(0.05)
+            continue
+        generation += 1
+        event = json.loads(store.get(generation_key(generation)))
+        if me in event.get("joined", ()):
+            break
+    alive = sorted(set(event["replicas"].values()))
+    layout = generation_config(cfg, cfg.validate_world(world0).micro_batch, len(alive)).validate_world(len(event["ranks"]))
+    rank = _position(layout.grid, json.loads(store.get(coords_key(me))), alive.index(event["replicas"][str(me)]))
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.PrefixStore(generation_prefix(generation), store),
+                            rank=rank, world_size=len(event["ranks"]),
+                            timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+    os.environ.update({ORIGINAL_RANK: str(me), ORIGINAL_WORLD: str(world0), "RANK": str(rank),
+                       "WORLD_SIZE": str(len(event["ranks"])), ADMITTED: json.dumps(event | {"generation": generation})})
+    return rank, len(event["ranks"]), local_rank, torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")
+
+
+def replica_run(cfg, stops, device: torch.device) -> ReplicaRun | None:
+    return ReplicaRun(cfg, stops, device) if cfg.train.fault_tolerance == "replica" else None
+
+
+def attempt(steps, step: int, trainer):
+    """The step's guard: :meth:`StepRange.attempt` under fault tolerance, else nothing."""
+    return steps.attempt(step, trainer) if isinstance(steps, StepRange) else nullcontext()
+
+
+def _leave_groups() -> None:
+    """Destroy every process group: closes this rank's connections, so a survivor still waiting on it
+    in a collective fails at once instead of at its timeout."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- a group broken by the loss may not tear down cleanly; it is gone either way
+        pass
+
+
+def _store(cfg):
+    """A client of the launcher's store (it outlives every rank)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                         timedelta(seconds=cfg.train.join_timeout_s))
+
+
+def _same_block(a: dict, b: dict) -> bool:
+    return all(a[k] == b[k] for k in ("tp", "cp", "pp"))
+
+
+def _position(grid, coords: dict, dp: int) -> int:
+    """The rank of ``grid`` at this rank's model-parallel coordinates and data-parallel index ``dp``."""
+    want = {"tp": coords["tp"], "cp": coords["cp"], "pp": coords["pp"], "dp": dp}
+    for r in range(grid.world_size):
+        c = grid.coords(r)
+        if all(c[k] == v for k, v in want.items()):
+            return r
+    raise RuntimeError(f"no rank at {want} in the regrouped grid")

@@ -1,0 +1,86 @@
+"""A replacement replica's state, sent point to point from a live replica at the same model-parallel coordinate.
+
+Every piece the joiner owns (fp32 masters and optimizer state of its trained tensors, the other
+parameters and buffers, this process's CPU RNG) goes in one batch of sends through the counted layer
+(``par_groups.comm``), followed by each piece's size and SHA-256 (the checkpoint code's hashing:
+``checkpoint.integrity.new_hash``), and the scalars (the step, the optimizer's step count and scalar state) as
+JSON. The joiner receives into its own buffers, hashes what arrived and refuses a piece whose size or digest
+differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from par_groups import comm
+
+from ..checkpoint.integrity import new_hash
+
+DIGEST = 32  # SHA-256 bytes
+
+
+def _pieces(trainer) -> list[tuple[str, torch.Tensor]]:
+    from .fault_replica import owned_state
+
+    state = owned_state(trainer)
+    out = [(f"{name}#{i}", t) for name in sorted(state) for i, t in enumerate(state[name])]
+    return out + [("rng/cpu", torch.get_rng_state())]
+
+
+def _digest(name: str, t: torch.Tensor) -> bytes:
+    h = new_hash(Path(name))
+    h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def _batch(ops: list[tuple], peer: int) -> None:
+    works = comm.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t in ops])
+    for w in works:
+        w.wait()
+
+
+def send_state(trainer, joiner: int, step: int) -> int:
+    """Send this rank's owned state to global rank ``joiner``; returns the bytes sent."""
+    pieces = _pieces(trainer)
+    bufs = [t.detach().contiguous() for _, t in pieces]
+    dp = trainer.model.dp
+    scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
+                          "scalars": dp.optimizer_state.scalar_state()}).encode()
+    meta = torch.tensor([len(scalars)] + [t.numel() * t.element_size() for t in bufs], dtype=torch.int64)
+    digests = torch.tensor(list(b"".join(_digest(n, t) for (n, _), t in zip(pieces, bufs))), dtype=torch.uint8)
+    _batch([(dist.isend, meta), (dist.isend, digests), (dist.isend, torch.tensor(list(scalars), dtype=torch.uint8))]
+           + [(dist.isend, t) for t in bufs], joiner)
+    return int(meta[1:].sum())
+
+
+@torch.no_grad()
+def receive_state(trainer, source: int) -> tuple[int, int]:
+    """Receive the owned state from global rank ``source`` into ``trainer``'s buffers, each piece checked by size
+    and SHA-256; returns (the step to go on from, the bytes received)."""
+    pieces = _pieces(trainer)
+    dp = trainer.model.dp
+    meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
+    digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
+    _batch([(dist.irecv, meta)], source)
+    _batch([(dist.irecv, digests)], source)
+    raw = torch.empty(int(meta[0]), dtype=torch.uint8)
+    bufs = [torch.empty_like(t) for _, t in pieces]
+    _batch([(dist.irecv, raw)] + [(dist.irecv, t) for t in bufs], source)
+    for i, ((name, mine), got) in enumerate(zip(pieces, bufs)):
+        size = got.numel() * got.element_size()
+        if size != int(meta[i + 1]) or _digest(name, got) != bytes(digests[i * DIGEST:(i + 1) * DIGEST].tolist()):
+            raise RuntimeError(f"state piece {name} from rank {source} arrived damaged ({size} bytes, "
+                               f"{int(meta[i + 1])} sent, SHA-256 differs)")
+        if name == "rng/cpu":
+            torch.set_rng_state(got)
+        else:
+            mine.copy_(got)
+    scalars = json.loads(bytes(raw.tolist()).decode())
+    dp.sync_params()
+    dp.step_count = scalars["optimizer_steps"]
+    dp.optimizer_state.finish_load(scalars["scalars"])
+    trainer.completed = scalars["step"]
+    return scalars["step"], int(meta[1:].sum())

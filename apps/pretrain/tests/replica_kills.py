@@ -1,0 +1,83 @@
+"""Rank entries that SIGKILL one rank of a fault-tolerant run at a chosen step and phase; the patches live
+in the rank processes only (imported by name there, as ``fault_ranks``)."""
+
+import os
+import signal
+from pathlib import Path
+
+PHASES = ("forward", "backward", "reduction", "optimizer")
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0) -> dict:
+    """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
+    its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
+    all-reduce) or the optimizer step. Every rank writes its pid to ``pid_dir`` first, and at the end the
+    size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
+    waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
+    the replacement's start-up)."""
+    import hashlib
+    import json
+    import time
+
+    import torch.distributed as dist
+    from par_groups import comm
+    from par_zero.data_parallel import DataParallel
+
+    from pretrain.runtime.replica_membership import ready_key
+    from pretrain.training.fault_replica import ReplicaRun, ReplicaTrainer, owned_state
+    from pretrain.training.run import run_rank
+
+    Path(pid_dir, str(os.getpid())).touch()
+    me, now = int(os.environ["RANK"]), {"step": 0}
+    due = lambda wanted: wanted == phase and (me, now["step"]) == (rank, step)  # noqa: E731
+
+    train_step, forward_chunk, loss = ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss
+    all_reduce, dp_step = comm.all_reduce, DataParallel.step
+
+    def stepping(self, s):
+        now["step"] = s + 1
+        out = train_step(self, s)
+        if s + 1 == self.cfg.train.steps:
+            state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+                            for t in boxes] for name, boxes in owned_state(self).items()}
+            Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
+        return out
+
+    admit = ReplicaRun.admit
+
+    def admitting(self, trainer, s):
+        if s + 1 == admit_before and dist.get_rank() == 0:
+            while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
+                time.sleep(0.05)
+        return admit(self, trainer, s)
+
+    ReplicaRun.admit = admitting
+
+    def forwarding(self, *a, **kw):
+        if due("forward"):
+            _sigkill()
+        return forward_chunk(self, *a, **kw)
+
+    def lossing(self, *a, **kw):
+        out = loss(self, *a, **kw)
+        if due("backward") and out.requires_grad:
+            out.register_hook(lambda grad: _sigkill())
+        return out
+
+    def reducing(tensor, *a, **kw):
+        if due("reduction") and tensor.numel() > 1:
+            _sigkill()
+        return all_reduce(tensor, *a, **kw)
+
+    def updating(self, *a, **kw):
+        if due("optimizer"):
+            _sigkill()
+        return dp_step(self, *a, **kw)
+
+    ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss = stepping, forwarding, lossing
+    comm.all_reduce, DataParallel.step = reducing, updating
+    return run_rank(*run_args)

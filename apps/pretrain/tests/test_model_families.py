@@ -1,0 +1,54 @@
+"""A model family is one folder under ``pretrain/models`` and one line in its registry: the app asks the
+family's declaration instead of comparing family names, and a layout the declaration does not run is one
+``error:`` line. (Each family's numbers are checked where they are used: the HF, layout, plan and certify
+tests.)"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from one_error_line import assert_one_error_line
+from pretrain.cli import app
+from pretrain.models import ATTENTIONS, FAMILIES, family_of
+from pretrain.models.family import DIMENSIONS, FEATURES
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pretrain"
+
+
+def test_no_family_name_is_compared_outside_its_folder():
+    """Every family-specific decision reads a declaration: the attention names appear in their own folders only."""
+    for family in FAMILIES:
+        if family.attention == "gqa":  # the default: written in the config's defaults and messages
+            continue
+        own = SRC / "models" / type(family).__module__.split(".")[2]  # pretrain.models.<folder>.family
+        found = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py")
+                 if own not in p.parents and f'"{family.attention}"' in p.read_text()]
+        assert not found, (family.attention, found)
+
+
+def test_every_family_declares_the_whole_interface():
+    assert ATTENTIONS == tuple(f.attention for f in FAMILIES) and len(set(ATTENTIONS)) == len(ATTENTIONS)
+    for family in FAMILIES:
+        assert family.supports <= set(FEATURES) and set(family.dimensions) <= set(DIMENSIONS), family.attention
+        for name in ("check", "qk_head_dim", "value_width", "attention_shapes", "build_attention", "saved_bytes",
+                     "ring_widths", "junction_bytes", "narrowing", "model_config_from_hf", "hf_config",
+                     "from_hf_names", "to_hf_names"):
+            assert getattr(type(family), name) is not getattr(type(family).__mro__[-2], name), (family.attention, name)
+
+
+@pytest.mark.parametrize("dimension, world", [("tp", 2), ("cp", 2), ("pp", 2)])
+def test_a_dimension_the_family_does_not_declare_is_one_error_line(monkeypatch, dimension, world):
+    family = family_of(type("M", (), {"attention": "gqa"})())
+    monkeypatch.setattr(family, "dimensions", tuple(d for d in DIMENSIONS if d != dimension))
+    res = CliRunner().invoke(app, ["plan", "--world", str(world), "--set", f"parallel.{dimension}={world}"])
+    assert_one_error_line(res, dimension, f"[model].attention='gqa' does not run with [parallel].{dimension}={world}")
+
+
+def test_the_declarations_import_without_torch():
+    """The config reads the declarations; the modules and the HF mapping they name load only when used."""
+    probe = "import sys, pretrain.models; print(sorted(m for m in ('torch', 'pretrain.config') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)

@@ -1,0 +1,32 @@
+"""``[train].fault_tolerance = "replica"`` refuses up front, in one ``error:`` line and before any rank
+starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1), and
+the layouts whose regrouping is not built yet."""
+
+import pytest
+from typer.testing import CliRunner
+
+from one_error_line import assert_one_error_line, snapshot
+from pretrain.cli import app
+
+runner = CliRunner()
+SMALL = ["--set", "model.layers=2", "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set",
+         "train.eval_every=0", "--set", "log.progress=false", "--set", "train.fault_tolerance=replica"]
+
+CASES = {
+    "zero-3 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params"],
+                                 "shards it over the whole dp"),
+    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "shards it over the whole dp"),
+    "dp = 1": (["--nproc", "1"], "needs dp >= 2 (got dp=1)"),
+    "dp = 1 under tp": (["--nproc", "2", "--set", "parallel.tp=2"], "needs dp >= 2 (got dp=1)"),
+    "pipeline": (["--nproc", "4", "--set", "parallel.pp=2"], "got [parallel].pp=2"),
+    "moe": (["--nproc", "2", "tiny-moe"], "[model].num_experts="),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_layout_without_a_live_copy_is_one_error_line(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    args, words = CASES[name]
+    res = runner.invoke(app, ["train", *SMALL, *args, "--set", "log.dir=run"])
+    assert_one_error_line(res, name, words)
+    assert snapshot(tmp_path) == {}, name

@@ -1,0 +1,100 @@
+"""An FP8 linear ``y = x w^T``: forward, input gradient and weight gradient each one FP8 GEMM.
+
+Each GEMM quantizes both operands along its own reduction dim (see ``recipes``): the forward ``x`` and
+``w`` along in_features, the input gradient ``dy`` and ``w^T`` along out_features, the weight gradient
+``dy^T`` and ``x^T`` along the tokens. :class:`Sharding` says which process groups split each of those
+three dims of the full linear on this rank; ``quantize`` reduces amaxes over exactly those (tokens: cp;
+in_features: tp of a row-parallel layer; out_features: tp of a column-parallel one), never over dp.
+
+The GEMM is ``torch._scaled_mm`` for tensorwise and rowwise scales (the kernel runs them on the CPU and
+on H100-class GPUs); tile scales (blockwise, MXFP8) are an exact emulation: dequantize, fp32 matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from .quantize import Quantized, max_reduce_, quantize
+from .recipes import RECIPES, Recipe
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The process groups that split each dim of the full linear ``[tokens, in] -> [tokens, out]`` here."""
+
+    tokens: tuple[ProcessGroup, ...] = ()
+    in_features: tuple[ProcessGroup, ...] = ()
+    out_features: tuple[ProcessGroup, ...] = ()
+
+
+def fp8_gemm(a: Quantized, b_t: Quantized, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` from the quantized ``a`` and ``b^T [N, K]``."""
+    if recipe.scaled_mm:
+        scale_a, scale_b = a.scale, b_t.scale.t() if b_t.scale.dim() else b_t.scale
+        if a.data.device.type == "cpu" and scale_a.dim() == 0:
+            # the CPU's tensorwise _scaled_mm is a slow reference loop; its rowwise kernel takes the same
+            # per-tensor scale repeated per row and column (the same products, the same fp32 sums)
+            scale_a, scale_b = scale_a.expand(a.data.shape[0], 1), scale_b.expand(1, b_t.data.shape[0])
+        return torch._scaled_mm(a.data, b_t.data.t(), scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
+                                out_dtype=out_dtype)
+    return (a.dequantize() @ b_t.dequantize().t()).to(out_dtype)
+
+
+def _tensor_amax(t: torch.Tensor, groups) -> torch.Tensor:
+    return max_reduce_(t.abs().max().float().reshape(()).clone(), groups)
+
+
+class FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, recipe: Recipe, sharding: Sharding):
+        s = sharding
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = quantize(x2, recipe, "input", along=s.in_features, across=s.tokens, what="forward x")
+        qw = quantize(weight, recipe, "weight", along=s.in_features, across=s.out_features, what="forward w")
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.sharding = recipe, sharding
+        return fp8_gemm(qx, qw, recipe, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        r, s = ctx.recipe, ctx.sharding
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        tensorwise = r.activation_block is None
+        # tensorwise: one amax per tensor serves both of its quantizations (one reduction, not two)
+        dy_amax = _tensor_amax(dy2, s.tokens + s.out_features) if tensorwise else None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            q_dy = quantize(dy2, r, "grad", along=s.out_features, across=s.tokens, amax=dy_amax, what="input-grad dy")
+            q_wt = quantize(weight.t(), r, "weight", along=s.out_features, across=s.in_features, what="input-grad w^T")
+            dx = fp8_gemm(q_dy, q_wt, r, x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            q_dyt = quantize(dy2.t(), r, "grad", along=s.tokens, across=s.out_features, amax=dy_amax,
+                             what="weight-grad dy^T")
+            q_xt = quantize(x2.t(), r, "input", along=s.tokens, across=s.in_features, what="weight-grad x^T")
+            dw = fp8_gemm(q_dyt, q_xt, r, weight.dtype)
+        return dx, dw, None, None
+
+
+class FP8LinearKernel:
+    """A TP layer's ``linear_kernel`` ``(x, weight, bias=None) -> y`` in FP8 (par_tp.layers._LocalMatmul)."""
+
+    def __init__(self, recipe: str | Recipe, sharding: Sharding = Sharding()) -> None:
+        self.recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self.sharding = sharding
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = FP8Linear.apply(x, weight, self.recipe, self.sharding)
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"FP8LinearKernel({self.recipe.name})"
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str, sharding: Sharding = Sharding()) -> torch.Tensor:
+    """``x @ weight^T`` with FP8 GEMMs in every pass."""
+    return FP8Linear.apply(x, weight, RECIPES[recipe], sharding)

@@ -1,0 +1,107 @@
+"""Any layout trains the same model in FP8: 20 fp32-master steps with par's FP8 GEMMs (``[train].fp8``)
+under a layout against the single rank's FP8 run.
+
+The GEMM operands are the same bytes under every layout (packages/par-tp/tests/test_fp8_bytes.py); what a
+layout changes is the fp32 accumulation order (a row-parallel sum split over tp, CP's attention merges), as
+in fp32 (tests/test_layouts_train_same_model.py). FP8 amplifies that: an fp32 last-bit difference that
+moves a value across an FP8 rounding boundary moves it by a whole FP8 step, and from then on the runs
+drift apart as two chaotic trajectories do (a step-0 loss already differs by 1.0e-6 under blockwise tp2,
+a step-1 loss by 1.6e-5 under MXFP8 tp2). Measured (rowwise, tp2 x cp2): 5e-5 in the loss and 5e-3 in the
+grad norm by step 20, while the single rank itself, with only its attention kernel changed
+(``attention_backend=torch``: the same math, other fp32 rounding), drifts by 1.6e-4 and 2.4e-2. So the
+rule, the suite's rounding-noise clause for FP8: over the 20 steps, no more than NOISE_MARGIN x the single
+rank's own largest drift under a rounding change (that attention kernel, or micro-batches of 2 and 4
+sequences, layout_runs.noise_micro_batches). That envelope is loose (one rounding change may flip no FP8
+value in 20 steps, another many); the bytes tests are the proof that the operands are the same.
+
+The 20-step runs are in the extended tier (each is seconds of 4 ranks); the default tier checks the
+wiring under tp2 x cp2 (which scale groups each linear gets: what the bytes tests prove right), which
+catches a linear left without its tp reduction, as the 20-step comparison alone would not (that drift hides
+in the rounding noise). Blockwise needs 128-wide local
+dims: its model is wider (hidden 256, 8 kv heads: 128 per tp rank).
+"""
+
+import pytest
+
+from layout_runs import NOISE_MARGIN, STEPS, max_errors, noise_micro_batches, single_rank
+
+TWO_LAYERS = ("model.layers=2",)
+WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidden=256")  # 128 per tp rank
+MX = ("model.kv_heads=8",)  # 8 x 8 / tp2 = 32: one MXFP8 block per tp rank
+
+DEFAULT = {"rowwise-tp2-cp2": ("rowwise", ["parallel.tp=2", "parallel.cp=2"], ())}
+EXTENDED = {
+    "tensorwise-tp2-cp2": ("tensorwise", ["parallel.tp=2", "parallel.cp=2"], ()),
+    "tensorwise-dp2-zero3-tp2": ("tensorwise", ["parallel.tp=2", "parallel.zero=optim_grads_params"], ()),
+    "rowwise-pp2-dp2": ("rowwise", ["parallel.pp=2", "parallel.schedule=1f1b"], ()),
+    "blockwise-tp2-dp2-sp": ("blockwise", ["parallel.tp=2"], WIDE),
+    "mxfp8-tp2-dp2-sp": ("mxfp8", ["parallel.tp=2"], MX),
+    "mxfp8-cp2-dp2": ("mxfp8", ["parallel.cp=2", "train.seq_len=64", "train.micro_batch=2"], MX),
+}
+
+
+def train_and_wiring(config, overrides, steps: int = STEPS):
+    """:func:`layout_runs.train_steps`, and for each TP linear of this rank's chunks whether it runs in FP8
+    with the scales of the rule (tokens over cp, in_features over tp when row-parallel, out_features over
+    tp when column-parallel; never dp) or, the output layer, in high precision."""
+    from par_tp import ColumnParallelLinear, RowParallelLinear
+    from par_tp.fp8 import FP8LinearKernel
+    from pretrain.config import load_config
+    from pretrain.training.train_loop import Trainer
+
+    from layout_runs import COMMON
+
+    trainer = Trainer(load_config(config, list(COMMON) + list(overrides)))
+    g, wiring = trainer.groups, {}
+    for chunk in trainer.model.chunks.values():
+        for name, m in chunk.named_modules():
+            if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            kernel = m.linear_kernel
+            if m is getattr(chunk, "lm_head", None):
+                wiring[name] = not isinstance(kernel, FP8LinearKernel)
+                continue
+            row = isinstance(m, RowParallelLinear)
+            s = getattr(kernel, "sharding", None)
+            wiring[name] = isinstance(kernel, FP8LinearKernel) and s.tokens == (g.cp,) and \
+                s.in_features == ((g.tp,) if row else ()) and s.out_features == (() if row else (g.tp,))
+    results = [trainer.train_step(step) for step in range(steps)]
+    return [r.loss for r in results], [r.grad_norm for r in results], wiring
+
+
+def _check(dist_run, recipe, layout, model, name):
+    common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"]
+    results = dist_run(4, train_and_wiring, None, common + layout, timeout=900)
+    for rank, (_, _, wiring) in enumerate(results):
+        assert len(wiring) >= 5 and all(wiring.values()), (name, rank, wiring)
+    reference = single_rank(dist_run, None, tuple(common))
+    off = single_rank(dist_run, None, tuple(o for o in common if not o.startswith("train.fp8")))
+    assert off[0] != reference[0]  # FP8 is applied: the run is not the high-precision one
+    variants = [("model.attention_backend=torch",)] + [(f"train.micro_batch={n}",) for n in noise_micro_batches(None, common)]
+    drifts = [max_errors(single_rank(dist_run, None, tuple(common) + v), reference) for v in variants]
+    drift = tuple(max(d[kind] for d in drifts) for kind in (0, 1))
+    for rank, result in enumerate(results):
+        for kind, what in enumerate(("loss", "grad norm")):
+            got, want = result[kind], reference[kind]
+            assert len(got) == len(want) == STEPS
+        loss, norm = max_errors(result[:2], reference)
+        print(f"{name} rank {rank}: max rel error loss {loss:.2e} grad norm {norm:.2e}; the single rank's own "
+              f"drift under a rounding change {drift[0]:.2e} {drift[1]:.2e}")
+        assert loss <= NOISE_MARGIN * drift[0] and norm <= NOISE_MARGIN * drift[1], (name, rank, loss, norm, drift)
+
+
+def test_fp8_wiring_tp2_cp2(dist_run):
+    """Default tier: under tp2 x cp2 every attention and MLP linear runs in FP8 with the rule's scale groups,
+    the output layer in high precision, and a step trains (the 20-step comparisons are extended)."""
+    results = dist_run(4, train_and_wiring, None, ["model.layers=2", "train.fp8=rowwise", "parallel.tp=2",
+                                                   "parallel.cp=2"], steps=1, timeout=300)
+    for rank, (losses, _, wiring) in enumerate(results):
+        assert len(wiring) >= 5 and all(wiring.values()), (rank, wiring)
+        assert 0 < losses[0] < 10
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(DEFAULT) + list(EXTENDED))
+def test_fp8_layout_matches_single_rank_extended(dist_run, name):
+    _check(dist_run, *(DEFAULT | EXTENDED)[name], name)

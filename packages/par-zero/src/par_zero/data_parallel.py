@@ -1,7 +1,7 @@
 """The data-parallel wrapper: DDP, ZeRO-1/2/3 and HSDP over flat bucketed buffers, with its optimizer.
 
 It composes the gradient/parameter buffer (grad_buffer.py: buckets, hooks, collectives), the
-optimizer its declaration builds (declaration.py; optimizer.py: AdamW over each rank's range;
+optimizer its declaration names, in the loop for its kind (declaration.py, optimizer_loops.py; optimizer.py: AdamW over each rank's range;
 elementwise.py: any element-wise declaration, SGD, Lion; muon.py; torch_optimizer.py: any
 torch.optim class when each rank holds whole params) and the clipping function
 (clipping.py). :func:`data_parallel` picks the implementation for a strategy ('torch_fsdp2' is
@@ -38,6 +38,7 @@ from .config import DataParallelConfig, skip_decay
 from .declaration import AdamW, Declaration, declare_optimizer
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
+from .optimizer_loops import optimizer_loop
 
 
 def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard",
@@ -130,7 +131,7 @@ class DataParallel:
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
         self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
         decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
-        self.optimizer = cfg.declaration.build(self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
+        self.optimizer = optimizer_loop(cfg.declaration, self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
 
     @property
     def buckets(self) -> list[Bucket]:

@@ -1,7 +1,7 @@
 """An optimizer, declared once: its state per parameter, how it steps, what it needs gathered.
 
-Whatever reads an optimizer reads its declaration: :class:`DataParallel` builds the optimizer from
-it (:meth:`Declaration.build`), the strategy check asks it (:meth:`Declaration.check`), a planner
+Whatever reads an optimizer reads its declaration: :class:`DataParallel` runs it in the loop for its
+kind (optimizer_loops.py), the strategy check asks it (:meth:`Declaration.check`), a planner
 sizes its state (:meth:`Declaration.state_bytes`), checkpoints name its state (:meth:`Declaration.kinds`).
 Two shapes of step:
 
@@ -87,10 +87,6 @@ class Declaration:
             raise ValueError(f"optimizer={self.label!r} is par-zero's own, over its buckets: strategy "
                              f"{OWN_STRATEGIES}, not 'torch_fsdp2'")
 
-    def build(self, buckets, cfg, decayed: Callable, name_of: Callable):
-        """The optimizer stepping ``buckets``' optimizer ranges (weight decay where ``decayed(param)``)."""
-        raise NotImplementedError
-
 
 class Elementwise(Declaration):
     """An optimizer whose update of an element reads only that element's param, grad and state."""
@@ -102,11 +98,6 @@ class Elementwise(Declaration):
         """One update of the flat fp32 ``param`` in place from ``grad`` (weight decay already applied),
         ``state`` the tensors of :meth:`state` over the same range; ``step`` counts from 1."""
         raise NotImplementedError
-
-    def build(self, buckets, cfg, decayed, name_of):
-        from .elementwise import ElementwiseOptimizer
-
-        return ElementwiseOptimizer(buckets, cfg, decayed, self)
 
 
 @dataclass(frozen=True)
@@ -136,11 +127,6 @@ class AdamW(Elementwise):
 
     def torch_optimizer(self):
         return torch.optim.AdamW, {"betas": self.betas, "eps": self.eps}
-
-    def build(self, buckets, cfg, decayed, name_of):
-        from .optimizer import DistributedAdamW  # its own loop: fused kernel, bf16 grads through a scratch
-
-        return DistributedAdamW(buckets, cfg, decayed)
 
 
 SGD_ARGS = ("momentum", "dampening", "nesterov")
@@ -275,11 +261,6 @@ class Muon(Declaration):
     def matrix_dtype(self):
         return self.ns_dtype
 
-    def build(self, buckets, cfg, decayed, name_of):
-        from .muon import DistributedMuon
-
-        return DistributedMuon(buckets, cfg, decayed, lambda p: self.matrices(name_of(p), p), self.matrix_group)
-
 
 @dataclass(frozen=True)
 class TorchClass(Declaration):
@@ -313,11 +294,6 @@ class TorchClass(Declaration):
                              f"strategy={strategy!r} shards the optimizer, which par-zero's own optimizers do "
                              f"({', '.join(d.label for d in DECLARED.values())})")
         check_optimizer(self.optimizer, self.args, weight_decay)
-
-    def build(self, buckets, cfg, decayed, name_of):
-        from .torch_optimizer import TorchOptimizer
-
-        return TorchOptimizer(buckets, cfg, decayed, self)
 
 
 _PROBED: dict = {}  # (class, its arguments' repr): its state, probed once

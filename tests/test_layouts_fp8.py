@@ -41,9 +41,9 @@ EXTENDED = {
 
 
 def train_and_wiring(config, overrides, steps: int = STEPS):
-    """:func:`layout_runs.train_steps`, and for each TP linear of this rank's chunks whether it runs in FP8
+    """:func:`layout_runs.train_steps`, and for each linear of this rank's chunks whether it runs in FP8
     with the scales of the rule (tokens over cp, in_features over tp when row-parallel, out_features over
-    tp when column-parallel; never dp) or, the output layer, in high precision."""
+    tp when column-parallel and for the KV projections; never dp) or, the output layer, in high precision."""
     from par_tp import ColumnParallelLinear, RowParallelLinear
     from par_tp.fp8 import FP8LinearKernel
     from pretrain.config import load_config
@@ -55,6 +55,10 @@ def train_and_wiring(config, overrides, steps: int = STEPS):
     g, wiring = trainer.groups, {}
     for chunk in trainer.model.chunks.values():
         for name, m in chunk.named_modules():
+            if name.endswith((".wk", ".wv")):  # KV projections (nn.Linear): this rank's kv heads, rows over tp
+                s = m.fp8_kernel.sharding
+                wiring[name] = s.tokens == (g.cp,) and s.in_features == () and s.out_features == (g.tp,)
+                continue
             if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             kernel = m.linear_kernel
@@ -70,7 +74,11 @@ def train_and_wiring(config, overrides, steps: int = STEPS):
 
 
 def _check(dist_run, recipe, layout, model, name):
-    common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"]
+    # micro-batches of 2 sequences on every dp rank and on the single rank alike: FP8 scales are per
+    # micro-batch of one dp rank (never over dp), so the single rank quantizes the same tensors only when its
+    # micro-batches are the dp ranks' ones
+    mb = [] if any(o.startswith("train.micro_batch") for o in layout) else ["train.micro_batch=2"]
+    common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"] + mb + [o for o in layout if o.startswith("train.")]
     results = dist_run(4, train_and_wiring, None, common + layout, timeout=900)
     for rank, (_, _, wiring) in enumerate(results):
         assert len(wiring) >= 5 and all(wiring.values()), (name, rank, wiring)

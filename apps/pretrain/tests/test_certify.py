@@ -60,6 +60,22 @@ def test_correct_layout_certifies_at_4_ranks(dist_run, tmp_path, monkeypatch, na
     assert code == 0, line
 
 
+# par's FP8 ([train].fp8): the operands are the single rank's bytes, so the layout certifies like fp32 does
+FP8 = {
+    "tp2-dp2-sp-rowwise": (None, ["parallel.tp=2", "model.layers=2", "train.fp8=rowwise"]),
+    "cp2-dp2-tensorwise": (None, ["parallel.cp=2", "model.layers=2", "train.fp8=tensorwise"]),
+}
+
+
+@pytest.mark.extended  # repeats the certify proof with FP8 GEMMs (tests/test_layouts_fp8.py has the default tier's)
+@pytest.mark.parametrize("name", list(FP8))
+def test_fp8_layout_certifies_at_4_ranks(dist_run, tmp_path, monkeypatch, name):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    config, overrides = FP8[name]
+    records, line, code = certify(dist_run, tmp_path, config, overrides)
+    assert code == 0, line
+
+
 # One planted bug per parallel dimension: (layout, bug, what the named module must contain, dimension).
 BUGS = {
     "tp_norm_partial_grads_not_summed": ("tp2-dp2-sp", "norm", "tp"),

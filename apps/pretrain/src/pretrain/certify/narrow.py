@@ -74,7 +74,16 @@ def reference_overrides(cfg, layout) -> list[str]:
             "parallel.hcp=[]", "parallel.ep=1", "parallel.etp=0", "parallel.zero=no_shard", "parallel.hsdp_replicas=1",
             "parallel.schedule=1f1b", "parallel.microbatches=0", "parallel.first_stage_layers=0",
             "parallel.last_stage_layers=0", "parallel.tp_comm_overlap=false", "parallel.rank_assignment=off",
-            f"train.micro_batch={layout.micro_batch * layout.dp}"]
+            f"train.micro_batch={_reference_micro_batch(cfg, layout)}"]
+
+
+def _reference_micro_batch(cfg, layout) -> int:
+    """The layout's global micro-batch, or with par's FP8 its per-dp-rank one: FP8 scales are taken per
+    micro-batch on each dp rank (never over dp), so one rank quantizes the same tensors only with the
+    dp ranks' micro-batches as its own."""
+    from ..config.train_section import PAR_FP8
+
+    return layout.micro_batch if cfg.train.fp8 in PAR_FP8 else layout.micro_batch * layout.dp
 
 
 def check_certifiable(cfg, layout) -> None:
@@ -85,5 +94,8 @@ def check_certifiable(cfg, layout) -> None:
         raise UsageError(f"certify compares MoE balancing losses per global micro-batch: with dp={layout.dp} use one "
                          f"micro-batch per step (--set train.micro_batch={cfg.train.global_batch // layout.dp}), "
                          f"not {layout.microbatches}")
+    if m.num_experts and balancing and layout.dp > 1 and cfg.train.fp8 not in ("off", "delayed", "current"):
+        raise UsageError(f"certify compares MoE balancing losses per global micro-batch, and par's FP8 "
+                         f"([train].fp8={cfg.train.fp8!r}) per dp rank's: with dp={layout.dp} certify one of them")
     if cfg.parallel.dynamic_cp:
         raise UsageError("certify does not support [parallel].dynamic_cp (its micro-batches are not the reference's)")

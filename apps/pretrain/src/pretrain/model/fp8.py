@@ -5,9 +5,11 @@ Every local matmul of the attention and the MLP (the TP layers' ``linear_kernel`
 weights, their shards, ZeRO buckets and checkpoints stay as they are. What this module decides is each
 linear's :class:`~par_tp.fp8.Sharding`, the ranks its scales are reduced over:
 
-- tokens: the cp group (each cp rank holds chunks of the sequence), and tp for a replicated ``nn.Linear``
-  under sequence parallelism (its input may be the SP shard; where it is a full copy the MAX changes nothing);
-- in_features: tp for a row-parallel layer; out_features: tp for a column-parallel one;
+- tokens: the cp group (each cp rank holds chunks of the sequence), and tp for another ``nn.Linear`` (MLA's,
+  MTP's) under sequence parallelism (its input may be the SP shard; where it is a full copy the MAX
+  changes nothing);
+- in_features: tp for a row-parallel layer; out_features: tp for a column-parallel one and for the KV
+  projections (``nn.Linear`` holding this rank's kv heads);
 - never dp, whose replicas hold other data: each dp rank quantizes as one rank does its micro-batch.
 
 Left in high precision, as the recipes' references do: the output layer (its logits feed the loss), the
@@ -16,9 +18,11 @@ MoE router (a top-k of its scores) and the embedding. The experts' grouped GEMMs
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 
-from par_tp import ColumnParallelLinear, RowParallelLinear
+from par_tp import ColumnParallelLinear, RowParallelLinear, TPAttention
 from par_tp.fp8 import FP8LinearKernel, Sharding
 
 
@@ -26,6 +30,7 @@ def use_fp8_linears_(chunk: nn.Module, recipe: str, groups) -> int:
     """Route ``chunk``'s attention and MLP matmuls through FP8 (not the output layer's); returns how many."""
     cp, tp = (groups.cp,), groups.tp
     head = getattr(chunk, "lm_head", None)
+    kv = {id(p) for a in chunk.modules() if isinstance(a, TPAttention) for p in (a.wk, a.wv)}
     count = 0
     for m in chunk.modules():
         if m is head:
@@ -35,9 +40,15 @@ def use_fp8_linears_(chunk: nn.Module, recipe: str, groups) -> int:
         elif isinstance(m, RowParallelLinear):
             m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp, in_features=(tp,)))
         elif type(m) is nn.Linear:
-            kernel = FP8LinearKernel(recipe, Sharding(tokens=cp + (tp,)))
-            m.forward = lambda x, m=m, kernel=kernel: kernel(x, m.weight, m.bias)
+            sharding = Sharding(tokens=cp, out_features=(tp,)) if id(m) in kv else Sharding(tokens=cp + (tp,))
+            m.fp8_kernel = FP8LinearKernel(recipe, sharding)
+            # a bound method: a deep copy of the module (certify's fp64 twin) calls its own weight
+            m.forward = types.MethodType(_fp8_forward, m)
         else:
             continue
         count += 1
     return count
+
+
+def _fp8_forward(self: nn.Linear, x):
+    return self.fp8_kernel(x, self.weight, self.bias)

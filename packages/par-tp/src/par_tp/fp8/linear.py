@@ -32,7 +32,7 @@ class Sharding:
 
 def fp8_gemm(a: Quantized, b_t: Quantized, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` from the quantized ``a`` and ``b^T [N, K]``."""
-    if recipe.scaled_mm:
+    if recipe.scaled_mm and a.scale.dtype == torch.float32:  # (an fp64 twin's scales: the emulation below)
         scale_a, scale_b = a.scale, b_t.scale.t() if b_t.scale.dim() else b_t.scale
         if a.data.device.type == "cpu" and scale_a.dim() == 0:
             # the CPU's tensorwise _scaled_mm is a slow reference loop; its rowwise kernel takes the same
@@ -90,6 +90,9 @@ class FP8LinearKernel:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = FP8Linear.apply(x, weight, self.recipe, self.sharding)
         return y if bias is None else y + bias
+
+    def __deepcopy__(self, memo) -> "FP8LinearKernel":
+        return self  # immutable: a recipe and process groups (which do not copy)
 
     def __repr__(self) -> str:
         return f"FP8LinearKernel({self.recipe.name})"

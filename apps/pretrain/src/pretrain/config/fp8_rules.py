@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from par_tp.fp8 import RECIPES
 
+from ..models import family_of
 from .rules import _need
 
 
@@ -20,13 +21,7 @@ def _split_dims(cfg, layout) -> list[tuple[str, int, str, int]]:
     m, t = cfg.model, cfg.train
     dims = []
     if layout.tp > 1:
-        if m.attention == "mla":
-            dims += [("[model].heads x qk_head_dim", m.heads * m.qk_head_dim, "tp", layout.tp),
-                     ("[model].heads x v_head_dim", m.heads * m.v_head_dim, "tp", layout.tp)]
-        else:
-            dims.append(("[model].heads x head_dim", m.heads * m.head_dim, "tp", layout.tp))
-            if m.kv_heads % layout.tp == 0:
-                dims.append(("[model].kv_heads x head_dim", m.kv_heads * m.head_dim, "tp", layout.tp))
+        dims += [(what, width, "tp", layout.tp) for what, width in family_of(m).tp_split_widths(m, layout.tp)]
         dims.append(("[model].ffn_hidden", m.ffn_hidden, "tp", layout.tp))
     if layout.cp > 1:
         dims.append((f"the tokens of a cp chunk ([train].seq_len={t.seq_len} x micro-batch {layout.micro_batch})",

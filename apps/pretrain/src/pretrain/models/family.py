@@ -71,6 +71,11 @@ class Family:
         """Per token: the projections' output gradients a split backward records for its W."""
         raise NotImplementedError
 
+    def tp_split_widths(self, m, tp: int) -> list[tuple[str, int]]:
+        """(what, full width) of each attention feature dim that ``tp`` ranks split (a tile-scaled FP8
+        recipe's tiles must not straddle them)."""
+        raise NotImplementedError
+
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""
         return []

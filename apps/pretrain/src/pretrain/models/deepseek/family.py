@@ -73,6 +73,10 @@ class DeepSeek(Family):
         q = m.heads / layout.tp * max(m.qk_head_dim, m.v_head_dim)  # k and v padded to one width
         return q, q
 
+    def tp_split_widths(self, m, tp: int) -> list[tuple[str, int]]:
+        return [("[model].heads x qk_head_dim", m.heads * m.qk_head_dim),
+                ("[model].heads x v_head_dim", m.heads * m.v_head_dim)]
+
     def junction_bytes(self, m, layout, pb: int, share: int) -> float:
         """The down- and up-projections' and o's output gradients, the latent norms' fp32 products."""
         n = m.heads / layout.tp

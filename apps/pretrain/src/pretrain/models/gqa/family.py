@@ -63,6 +63,12 @@ class GQA(Family):
     def ring_widths(self, m, layout) -> tuple[float, float]:
         return m.heads * m.head_dim / layout.tp, _kv_width(m, layout.tp)
 
+    def tp_split_widths(self, m, tp: int) -> list[tuple[str, int]]:
+        widths = [("[model].heads x head_dim", m.heads * m.head_dim)]
+        if m.kv_heads % tp == 0:  # else each rank holds one whole KV head
+            widths.append(("[model].kv_heads x head_dim", m.kv_heads * m.head_dim))
+        return widths
+
     def junction_bytes(self, m, layout, pb: int, share: int) -> float:
         """q, k, v and o's output gradients."""
         return (m.heads * m.head_dim / layout.tp + 2 * _kv_width(m, layout.tp) + m.hidden) * pb

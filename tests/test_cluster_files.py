@@ -98,8 +98,11 @@ def test_the_jobset_and_skypilot_commands_are_the_sbatch_scripts_torchrun_line(t
     # SLURM: the batch script as the stub sbatch runs it (two nodes), config and overrides as the JobSet's
     slurm_dir = tmp_path / "slurm"
     slurm_dir.mkdir()
-    env = base | {"PATH": f"{STUBS}{os.pathsep}{os.environ['PATH']}", "SLURM_STUB_DIR": str(slurm_dir),
-                  "UV_PROJECT": str(ROOT)}
+    (tmp_path / "bin").mkdir()  # the script's `uv sync` as a no-op: this checks the torchrun line (the extended test syncs)
+    (tmp_path / "bin" / "uv").write_text("#!/usr/bin/env bash\n")
+    (tmp_path / "bin" / "uv").chmod(0o755)
+    env = base | {"PATH": os.pathsep.join([str(STUBS), str(tmp_path / "bin"), os.environ["PATH"]]),
+                  "SLURM_STUB_DIR": str(slurm_dir)}
     subprocess.run([str(STUBS / "sbatch"), "--nodes=2", "--gpus-per-node=8", "tools/cluster/pretrain.sbatch",
                     *config_args], cwd=clone, env=env, check=True, capture_output=True, timeout=100)
     slurm = _torchrun_lines(calls)

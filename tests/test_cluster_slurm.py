@@ -7,7 +7,7 @@ The job is pre-empted as ``--signal=B:TERM@S`` does it: SIGTERM to the batch scr
 through srun and torchrun to the ranks; they save, the script requeues the job and the stub sbatch runs it
 again under the same SLURM_JOB_ID; the file's grace (the S of --signal) after the SIGTERM, what is left of the
 attempt is killed, as the time limit does. The signal is sent once step 2 is logged; the ranks agree on a stop
-at every step (log.every=1), so the run stops a step or two later, well before its 16 steps, and the losses
+at every step (log.every=1), so the run stops a step or two later, well before its 40 steps, and the losses
 are compared whichever step that is. A lock file left by an earlier attempt of this job on another node is
 in the run directory from the start: the job takes it over.
 """
@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = Path(__file__).parent / "slurm_stub"
 JOB = "4242"
-SHORT = "train.steps=16 train.warmup_steps=1 train.eval_every=0 log.progress=false log.every=1 model.layers=2"
+SHORT = "train.steps=40 train.warmup_steps=1 train.eval_every=0 log.progress=false log.every=1 model.layers=2"
 SECTION = "### Launching on a cluster (SLURM, Kubernetes, SkyPilot)"
 
 
@@ -158,7 +158,7 @@ def test_the_readme_cluster_lines_train_as_nproc_2_and_a_preempted_job_requeues_
     assert f"scontrol requeue {JOB}" in calls and calls.count("batch exit 0") == 2, calls  # one requeue, two attempts
     assert f"scontrol show hostnames 127.0.0.[1-2]" in calls, calls  # MASTER_ADDR: the first compute node
     stopped = re.findall(r"SIGTERM: stopped after step (\d+), checkpoint written", out)
-    assert len(stopped) == 1 and 2 <= int(stopped[0]) < 16, out[-4000:]
+    assert len(stopped) == 1 and 2 <= int(stopped[0]) < 40, out[-4000:]
     assert f"requeueing job {JOB}" in out, out[-4000:]
-    assert _losses(log_dir / "log.jsonl") == reference  # both attempts: bitwise the --nproc 2 run's losses, steps 1..16
+    assert _losses(log_dir / "log.jsonl") == reference  # both attempts: bitwise the --nproc 2 run's losses, steps 1..40
     assert not (log_dir / "pretrain.pid").exists()  # the lock taken over, and released at the end

@@ -98,8 +98,11 @@ def test_the_jobset_and_skypilot_commands_are_the_sbatch_scripts_torchrun_line(t
     # SLURM: the batch script as the stub sbatch runs it (two nodes), config and overrides as the JobSet's
     slurm_dir = tmp_path / "slurm"
     slurm_dir.mkdir()
-    env = base | {"PATH": f"{STUBS}{os.pathsep}{os.environ['PATH']}", "SLURM_STUB_DIR": str(slurm_dir),
-                  "UV_PROJECT": str(ROOT)}
+    (tmp_path / "bin").mkdir()  # the script's `uv sync` as a no-op: this checks the torchrun line (the extended test syncs)
+    (tmp_path / "bin" / "uv").write_text("#!/usr/bin/env bash\n")
+    (tmp_path / "bin" / "uv").chmod(0o755)
+    env = base | {"PATH": os.pathsep.join([str(STUBS), str(tmp_path / "bin"), os.environ["PATH"]]),
+                  "SLURM_STUB_DIR": str(slurm_dir)}
     subprocess.run([str(STUBS / "sbatch"), "--nodes=2", "--gpus-per-node=8", "tools/cluster/pretrain.sbatch",
                     *config_args], cwd=clone, env=env, check=True, capture_output=True, timeout=100)
     slurm = _torchrun_lines(calls)
@@ -123,3 +126,17 @@ def test_the_jobset_and_skypilot_commands_are_the_sbatch_scripts_torchrun_line(t
         ["-m", "pretrain", "train", *config_args[:1], "--set", "checkpoint.resume=true"]] * 2
     assert sorted(next(w for w in line if w.startswith("--node-rank=")) for line in slurm) == [
         "--node-rank=0", "--node-rank=1"]
+
+
+def test_node_sh_runs_certify_on_the_nodes_and_refuses_another_command(tmp_path):
+    stub, calls = _recorder(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"} | {
+        "PRETRAIN_PYTHON": str(stub), "NNODES": "2", "NODE_RANK": "1", "GPUS_PER_NODE": "4", "MASTER_ADDR": "node-a"}
+    node = [str(FILES / "node.sh"), "my.toml", "--set", "parallel.tp=2"]
+    subprocess.run(node, env=env | {"PRETRAIN_COMMAND": "certify"}, check=True)
+    assert calls.read_text().split() == [
+        "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--master-addr=node-a",
+        "--master-port=29500", "--rdzv-id=none", "--shutdown-timeout=120", "-m", "pretrain", "certify", "my.toml",
+        "--set", "parallel.tp=2"]  # no resume: certify owns its --out
+    res = subprocess.run(node, env=env | {"PRETRAIN_COMMAND": "trian"}, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr == "error: PRETRAIN_COMMAND=trian is not train or certify\n"

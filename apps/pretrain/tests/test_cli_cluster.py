@@ -43,6 +43,8 @@ def files(tmp_path_factory):
     (d / "nosignal.sbatch").write_text(sbatch.replace("#SBATCH --signal=B:TERM@180\n", ""))
     jobset = (FILES / "jobset.yaml").read_text()
     (d / "grace30.yaml").write_text(jobset.replace("terminationGracePeriodSeconds: 180", "terminationGracePeriodSeconds: 30"))
+    (d / "nograce.yaml").write_text(jobset.replace("terminationGracePeriodSeconds: 180", ""))
+    (d / "nojobs.yaml").write_text("apiVersion: jobset.x-k8s.io/v1alpha2\nkind: JobSet\nspec: {}\n")
     (d / "broken.yaml").write_text("kind: JobSet\nspec: [unclosed\n")
     (d / "notes.txt").write_text("nothing to launch\n")
     return d
@@ -62,6 +64,8 @@ CASES = {  # name: (file, extra args, words the one line holds)
     "grace shorter than the save": ("short.sbatch", FITS, "--signal=B:TERM@60 gives the ranks 60 s from SIGTERM to the "
                                                           "kill, less than [train].preempt_timeout_s=120 s + 60 s"),
     "Kubernetes' default grace": ("grace30.yaml", FITS, "terminationGracePeriodSeconds: 30 gives the ranks 30 s"),
+    "Kubernetes' grace left out": ("nograce.yaml", FITS, "no terminationGracePeriodSeconds: Kubernetes' default 30 s"),
+    "a JobSet without jobs": ("nojobs.yaml", FITS, "nojobs.yaml: spec.replicatedJobs is missing"),
     "a longer preempt_timeout_s": ("jobset.yaml", [*FITS, "--set", "train.preempt_timeout_s=600"],
                                    "give at least 660 s"),
     "no --signal": ("nosignal.sbatch", FITS, "#SBATCH --signal= does not send SIGTERM before the time limit"),

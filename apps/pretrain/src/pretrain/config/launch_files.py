@@ -106,7 +106,10 @@ def _jobset(path: str, doc: dict) -> LaunchFile:
     containers = _at(path, pod, "containers")
     limits = (containers[0].get("resources", {}) or {}).get("limits", {}) if containers else {}
     gpus = _count(path, GPU_KEY, limits[GPU_KEY]) if GPU_KEY in limits else None
-    grace = _at(path, pod, "terminationGracePeriodSeconds")
+    if "terminationGracePeriodSeconds" not in pod:
+        raise UsageError(f"{path}: the pod template has no terminationGracePeriodSeconds: Kubernetes' default 30 s kills "
+                         f"the ranks in their save; set it to [train].preempt_timeout_s + 60 s")
+    grace = pod["terminationGracePeriodSeconds"]
     if not isinstance(grace, int) or grace < 0:
         raise UsageError(f"{path}: terminationGracePeriodSeconds {shown(grace)} is not a number of seconds")
     return LaunchFile(path, "jobset", nodes, gpus, float(grace), f"terminationGracePeriodSeconds: {grace}")

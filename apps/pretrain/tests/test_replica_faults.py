@@ -63,12 +63,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1) -> list[dict]:
+def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
+                     also: tuple = ()) -> list[dict]:
     import replica_kills
 
     pids = tmp / "pids"
     pids.mkdir()
-    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids))
+    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
         res = _run(tmp, dp, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=false",
@@ -83,7 +84,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
     replica = [r for r in range(dp * tp) if r // tp == rank // tp]  # order tp-cp-ep-dp-pp: a replica's ranks
-    assert len(lost) == 1 and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
+    assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
     for s in range(1, 5):
@@ -149,3 +150,32 @@ def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on
 @pytest.mark.parametrize("rank,phase", [(3, "backward"), (0, "reduction")])
 def test_dp2_x_tp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase):
     _check_fault_run(tmp_path, 2, rank, 2, phase, reference, tp=2)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_dp3_two_replicas_lost_in_a_row_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks):
+    lost = _check_fault_run(tmp_path, 3, 1, 2, "forward", reference, also=((2, 3),))
+    assert [(e["step"], e["ranks"], e["replicas_left"]) for e in lost] == [(1, [1], 2), (2, [2], 1)]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks):
+    import replica_kills
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    entry = functools.partial(replica_kills.sigkill_at, 1, 2, "forward", str(pids), admit_before=3, joiner_dies=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", entry)
+        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true")
+    assert res.exit_code == 0, res.output
+    expected, got = reference(2), _curve(tmp_path / "log")
+    for s, (loss, norm) in expected.items():
+        assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
+    events = [(r["event"], r["step"]) for r in _records(tmp_path / "log") if "event" in r]
+    assert events == [("replica_lost", 1), ("replica_lost", 2), ("replica_joined", 2)], events
+    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
+    assert states[0] == states[1]
+    assert len(list(pids.glob("[0-9]*"))) == 4 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]

@@ -4,8 +4,9 @@ global sample of every step trained exactly once, no process left behind.
 
 The default tier kills one rank of dp3 in the gradient reduction: the two survivors then split the
 step's three micro-batches 2 + 1, which catches a loss normalised by the participants (torchft's
-choice) and a lost replica's micro-batches dropped; then again in the forward with a replacement that
-rejoins (its state from a live replica). The other phases, dp2 and dp2 x tp2 are in the extended tier.
+choice) and a lost replica's micro-batches dropped; a new generation over a used store prefix is refused.
+The extended tier: the other phases, dp2, dp2 x tp2, two losses in a row, a replacement that rejoins
+(its state from a live replica, checked bitwise) and one killed while it receives its state.
 """
 
 import functools
@@ -112,6 +113,7 @@ def test_a_replica_killed_in_each_phase_goes_on_with_the_uninterrupted_curve(tmp
     _check_fault_run(tmp_path, dp, rank, step, phase, reference)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on(tmp_path, reference, fault_ranks):
     import replica_kills

@@ -33,12 +33,18 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     from pretrain.runtime.replica_membership import ready_key
     from pretrain.training.fault_replica import ReplicaRun, ReplicaTrainer, owned_state
     from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     Path(pid_dir, str(os.getpid())).touch()
     me, now = int(os.environ["RANK"]), {"step": 0}
-    due = lambda wanted: wanted == phase and (me, now["step"]) in {(rank, step), *also}  # noqa: E731
+    def due(wanted: str) -> bool:
+        if wanted == phase and (me, now["step"]) in {(rank, step), *also}:
+            Path(pid_dir, f"killed_{me}_at").write_text(repr(time.time()))  # for the benchmark
+            return True
+        return False
 
     train_step, forward_chunk, loss = ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss
+    plain_step, plain_forward = Trainer.train_step, Trainer.forward_chunk
     all_reduce, dp_step = comm.all_reduce, DataParallel.step
 
     def stepping(self, s):
@@ -94,6 +100,17 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             _sigkill()
         return dp_step(self, *a, **kw)
 
+    def plain_stepping(self, s):  # without fault tolerance (the benchmark's restart): the forward only
+        now["step"] = s + 1
+        return plain_step(self, s)
+
+    def plain_forwarding(self, *a, **kw):
+        if due("forward"):
+            _sigkill()
+        return plain_forward(self, *a, **kw)
+
     ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss = stepping, forwarding, lossing
+    if phase == "forward":
+        Trainer.train_step, Trainer.forward_chunk = plain_stepping, plain_forwarding
     comm.all_reduce, DataParallel.step = reducing, updating
     return run_rank(*run_args)

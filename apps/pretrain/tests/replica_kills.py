@@ -12,13 +12,16 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0) -> dict:
+def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
+               joiner_dies: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce) or the optimizer step. Every rank writes its pid to ``pid_dir`` first, and at the end the
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
-    the replacement's start-up)."""
+    the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
+    (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
+    receives its state."""
     import hashlib
     import json
     import time
@@ -30,12 +33,18 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     from pretrain.runtime.replica_membership import ready_key
     from pretrain.training.fault_replica import ReplicaRun, ReplicaTrainer, owned_state
     from pretrain.training.run import run_rank
+    from pretrain.training.train_loop import Trainer
 
     Path(pid_dir, str(os.getpid())).touch()
     me, now = int(os.environ["RANK"]), {"step": 0}
-    due = lambda wanted: wanted == phase and (me, now["step"]) == (rank, step)  # noqa: E731
+    def due(wanted: str) -> bool:
+        if wanted == phase and (me, now["step"]) in {(rank, step), *also}:
+            Path(pid_dir, f"killed_{me}_at").write_text(repr(time.time()))  # for the benchmark
+            return True
+        return False
 
     train_step, forward_chunk, loss = ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss
+    plain_step, plain_forward = Trainer.train_step, Trainer.forward_chunk
     all_reduce, dp_step = comm.all_reduce, DataParallel.step
 
     def stepping(self, s):
@@ -50,12 +59,25 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     admit = ReplicaRun.admit
 
     def admitting(self, trainer, s):
-        if s + 1 == admit_before and dist.get_rank() == 0:
+        if admit_before and s + 1 >= admit_before and dist.get_rank() == 0:
             while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
                 time.sleep(0.05)
         return admit(self, trainer, s)
 
     ReplicaRun.admit = admitting
+    if joiner_dies:
+        from pretrain.training import replica_transfer
+
+        receive_state = replica_transfer.receive_state
+
+        def dying(trainer, source):
+            marker = Path(pid_dir, "joiner_died")
+            if not marker.exists():
+                marker.touch()
+                _sigkill()
+            return receive_state(trainer, source)
+
+        replica_transfer.receive_state = dying
 
     def forwarding(self, *a, **kw):
         if due("forward"):
@@ -78,6 +100,17 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             _sigkill()
         return dp_step(self, *a, **kw)
 
+    def plain_stepping(self, s):  # without fault tolerance (the benchmark's restart): the forward only
+        now["step"] = s + 1
+        return plain_step(self, s)
+
+    def plain_forwarding(self, *a, **kw):
+        if due("forward"):
+            _sigkill()
+        return plain_forward(self, *a, **kw)
+
     ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss = stepping, forwarding, lossing
+    if phase == "forward":
+        Trainer.train_step, Trainer.forward_chunk = plain_stepping, plain_forwarding
     comm.all_reduce, DataParallel.step = reducing, updating
     return run_rank(*run_args)

@@ -4,7 +4,9 @@ global sample of every step trained exactly once, no process left behind.
 
 The default tier kills one rank of dp3 in the gradient reduction: the two survivors then split the
 step's three micro-batches 2 + 1, which catches a loss normalised by the participants (torchft's
-choice) and a lost replica's micro-batches dropped. The other phases and dp2 are in the extended tier.
+choice) and a lost replica's micro-batches dropped; a new generation over a used store prefix is refused.
+The extended tier: the other phases, dp2, dp2 x tp2, two losses in a row, a replacement that rejoins
+(its state from a live replica, checked bitwise) and one killed while it receives its state.
 """
 
 import functools
@@ -21,8 +23,8 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
-def _run(tmp: Path, dp: int, *extra: str):
-    args = ["train", "--nproc", str(dp), "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
+def _run(tmp: Path, dp: int, *extra: str, tp: int = 1):
+    args = ["train", "--nproc", str(dp * tp), "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
             "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
             "--set", "train.seq_len=16", "--set", f"train.global_batch={2 * dp}", "--set", "log.progress=false",
             "--set", "log.timing=false", "--set", "log.flight_records=0", "--set", "train.collective_timeout_s=60",
@@ -41,17 +43,17 @@ def _curve(log: Path) -> dict[int, tuple[float, float]]:
 
 
 @functools.cache
-def _reference(dp: int, root: str) -> dict[int, tuple[float, float]]:
+def _reference(dp: int, root: str, tp: int = 1) -> dict[int, tuple[float, float]]:
     """The uninterrupted run, without fault tolerance (the plain trainer)."""
-    res = _run(Path(root) / f"ref{dp}", dp)
+    res = _run(Path(root) / f"ref{dp}x{tp}", dp, tp=tp)
     assert res.exit_code == 0, res.output
-    return _curve(Path(root) / f"ref{dp}" / "log")
+    return _curve(Path(root) / f"ref{dp}x{tp}" / "log")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reference"))
-    return lambda dp: _reference(dp, root)
+    return lambda dp, tp=1: _reference(dp, root, tp)
 
 
 def _alive(pid: int) -> bool:
@@ -62,26 +64,28 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference) -> list[dict]:
+def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
+                     also: tuple = (), respawn: bool = False) -> list[dict]:
     import replica_kills
 
     pids = tmp / "pids"
     pids.mkdir()
-    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids))
+    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp, dp, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=false",
-                   "--set", "log.sample_ids=true")
+        res = _run(tmp, dp, "--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(respawn).lower()}",
+                   "--set", "log.sample_ids=true", tp=tp)
     assert res.exit_code == 0, res.output
     log = tmp / "log"
-    expected, got = reference(dp), _curve(log)
+    expected, got = reference(dp, tp), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6), (s, got[s], (loss, norm))
         assert math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s], (loss, norm))
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
-    assert len(lost) == 1 and lost[0]["ranks"] == [rank] and lost[0]["step"] in (step - 1, step), lost
+    replica = [r for r in range(dp * tp) if r // tp == rank // tp]  # order tp-cp-ep-dp-pp: a replica's ranks
+    assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
     for s in range(1, 5):
@@ -89,7 +93,8 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         ids = sorted(i for r in records if r["step"] == s and r["generation"] == latest for i in r["samples"])
         assert ids == list(range((s - 1) * 2 * dp, s * 2 * dp)), (s, ids)
     left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
-    assert len(list(pids.glob("[0-9]*"))) == dp and not left, left
+    started = len(list(pids.glob("[0-9]*")))  # a replacement never admitted may be stopped before its entry ran
+    assert (started == dp * tp or respawn and started == (dp + 1) * tp) and not left, (started, left)
     return lost
 
 
@@ -109,6 +114,7 @@ def test_a_replica_killed_in_each_phase_goes_on_with_the_uninterrupted_curve(tmp
     _check_fault_run(tmp_path, dp, rank, step, phase, reference)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on(tmp_path, reference, fault_ranks):
     import replica_kills
@@ -118,19 +124,19 @@ def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on
     entry = functools.partial(replica_kills.sigkill_at, 1, 2, "forward", str(pids), admit_before=4)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=true",
+        res = _run(tmp_path, 3, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=true",
                    "--set", "log.sample_ids=true")
     assert res.exit_code == 0, res.output
     log = tmp_path / "log"
-    expected, got = reference(2), _curve(log)
+    expected, got = reference(3), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
     events = [r for r in _records(log) if "event" in r]
     assert [(e["event"], e["step"], e["ranks"]) for e in events] == [("replica_lost", 1, [1]), ("replica_joined", 3, [1])]
     # the replicas end bitwise equal, piece by piece; the joiner received exactly the pieces it owns (and its RNG)
-    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
-    assert states[0] == states[1]
+    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1, 2)]
+    assert states[0] == states[1] == states[2]
     owned = sum(size for boxes in states[1].values() for size, _ in boxes)
     assert owned < events[1]["bytes_moved"] <= owned + 10_000, (owned, events[1])
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
@@ -138,5 +144,47 @@ def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on
     for s in range(1, 5):
         latest = max(r["generation"] for r in records if r["step"] == s)
         ids = sorted(i for r in records if r["step"] == s and r["generation"] == latest for i in r["samples"])
-        assert ids == list(range((s - 1) * 4, s * 4)), (s, ids)
-    assert len(list(pids.glob("[0-9]*"))) == 3 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]
+        assert ids == list(range((s - 1) * 6, s * 6)), (s, ids)
+    assert len(list(pids.glob("[0-9]*"))) == 4 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase", [(3, "backward"), (0, "reduction")])
+def test_dp2_x_tp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase):
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, tp=2)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_dp3_two_replicas_lost_in_a_row_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks):
+    lost = _check_fault_run(tmp_path, 3, 1, 2, "forward", reference, also=((2, 3),))
+    assert [(e["step"], e["ranks"], e["replicas_left"]) for e in lost] == [(1, [1], 2), (2, [2], 1)]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks):
+    import replica_kills
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    entry = functools.partial(replica_kills.sigkill_at, 1, 2, "forward", str(pids), admit_before=3, joiner_dies=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", entry)
+        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true")
+    assert res.exit_code == 0, res.output
+    expected, got = reference(2), _curve(tmp_path / "log")
+    for s, (loss, norm) in expected.items():
+        assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
+    events = [(r["event"], r["step"]) for r in _records(tmp_path / "log") if "event" in r]
+    assert events == [("replica_lost", 1), ("replica_lost", 2), ("replica_joined", 2)], events
+    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
+    assert states[0] == states[1]
+    assert len(list(pids.glob("[0-9]*"))) == 4 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_replacement_not_admitted_before_the_last_step_is_stopped_and_the_run_exits_0(tmp_path, reference, fault_ranks):
+    _check_fault_run(tmp_path, 2, 1, 4, "forward", reference, respawn=True)

@@ -10,6 +10,10 @@ Rendezvous: the launcher hosts the ranks' TCPStore on a socket bound to the mast
 Each rank marks its arrival and its join in the store; a rank that has not joined within
 ``join_timeout_s`` ends the run with one line naming it, whatever held it up.
 
+Fault tolerance (``[train].fault_tolerance = "replica"``): a rank's death ends its data-parallel replica only;
+the launcher fences the replica's other ranks, publishes the survivors in its store and, with ``respawn``,
+starts the lost ranks again as replacements (:mod:`.replica_membership`).
+
 Signals: the first SIGTERM, SIGINT or SIGHUP reaching the launcher (alone, or with its whole process
 group, as SLURM and Kubernetes send it, and a closed terminal or a dropped ssh session sends SIGHUP)
 is forwarded to every rank once, as SIGTERM; the ranks save at
@@ -134,7 +138,7 @@ class LocalRanks:
         ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, entry.__module__])
         base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
-        self._spawn = lambda rank, extra={}: self._start_rank(ctx, base | extra, rank, entry, args)
+        self._spawn = lambda rank, extra=None: self._start_rank(ctx, base | (extra or {}), rank, entry, args)
         for rank in range(self.nproc):
             self._spawn(rank)
         self.started = time.monotonic()  # the join timeout counts from here (not the forkserver's start)

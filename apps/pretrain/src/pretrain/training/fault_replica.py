@@ -216,6 +216,7 @@ class ReplicaRun:
         self.replica = trainer.groups.coords()["dp"]
         trainer.share = replace(share, index=self.replica)
         trainer.sample_log = self._sample_log(trainer.groups.coords())
+        _fresh_prefix(self.store, 0, self.layout.world_size)
         self.store.set(coords_key(self.rank), json.dumps(trainer.groups.coords()))
         self.store.set(replica_key(self.rank), str(self.replica))
         return trainer
@@ -286,6 +287,7 @@ class ReplicaRun:
         alive = sorted(set(event["replicas"].values()))
         cfg = self._config(len(alive))
         if not dist.is_initialized():
+            _fresh_prefix(self.store, self.generation, len(event["ranks"]))
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords, alive.index(self.replica))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     store=dist.PrefixStore(generation_prefix(self.generation), self.store), rank=rank,
@@ -345,7 +347,7 @@ class ReplicaRun:
                 if self.store.check([ready_key(r) for r in ranks]):
                     event = self._admission(replica, ranks, trainer)
                     break
-        flag = torch.tensor([0 if event is None else self.generation + 1], dtype=torch.int64)
+        flag = torch.tensor([0 if event is None else self.generation], dtype=torch.int64)  # the generation claimed
         comm.all_reduce(flag, None, op=dist.ReduceOp.MAX)
         if int(flag[0]):
             if event is None:
@@ -474,6 +476,7 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
     alive = sorted(set(event["replicas"].values()))
     layout = generation_config(cfg, cfg.validate_world(world0).micro_batch, len(alive)).validate_world(len(event["ranks"]))
     rank = _position(layout.grid, json.loads(store.get(coords_key(me))), alive.index(event["replicas"][str(me)]))
+    _fresh_prefix(store, generation, len(event["ranks"]))
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.PrefixStore(generation_prefix(generation), store),
                             rank=rank, world_size=len(event["ranks"]),
                             timeout=timedelta(seconds=cfg.train.collective_timeout_s))
@@ -504,6 +507,16 @@ def _store(cfg):
     """A client of the launcher's store (it outlives every rank)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
                          timedelta(seconds=cfg.train.join_timeout_s))
+
+
+def _fresh_prefix(store, generation: int, world: int) -> None:
+    """Count this rank in ``generation``'s store prefix; a count past its ``world`` members means the prefix was
+    used before, where a rank could read an earlier generation's address or barrier count and hang or mix."""
+    prefix = generation_prefix(generation)
+    count = store.add(f"{prefix}members", 1)
+    if count > world:
+        raise RuntimeError(f"store prefix {prefix!r} of generation {generation} was used before ({count} members "
+                           f"counted for {world})")
 
 
 def _same_block(a: dict, b: dict) -> bool:

@@ -40,6 +40,7 @@ from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
                                           latest_generation, ready_key, replica_key)
 from .micro_batches import NO_DOCUMENTS
+from .owned_state import owned_state
 from .train_loop import Trainer
 
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
@@ -135,23 +136,6 @@ class ReplicaTrainer(Trainer):
                 f.write(json.dumps({"step": self._step + 1, "generation": self.generation,
                                     "samples": list(self.share.samples(self._step))}) + "\n")
         return loss
-
-
-def owned_state(trainer) -> dict[str, list[torch.Tensor]]:
-    """Every piece of state this rank owns, by name: trained tensors' fp32 masters and optimizer state
-    (this rank's boxes, views of its buffers), the other parameters and buffers whole. Ranks at one
-    model-parallel coordinate of any two replicas own the same names and shapes."""
-    dp = trainer.model.dp
-    kinds = ("master",) + tuple(dp.optimizer_state.state_kinds())
-    owned = {kind: dp.owned_pieces(kind) for kind in kinds}
-    out = {}
-    for name, t in trainer.model.full_named_tensors().items():
-        if t not in owned["master"]:
-            out[f"model/{name}"] = [t]
-            continue
-        for kind in kinds:
-            out[f"{kind}/{name}"] = [box for _, box in owned[kind][t].boxes]
-    return out
 
 
 @torch.no_grad()

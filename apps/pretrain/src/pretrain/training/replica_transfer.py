@@ -18,13 +18,12 @@ import torch.distributed as dist
 from par_groups import comm
 
 from ..checkpoint.integrity import new_hash
+from .owned_state import owned_state
 
 DIGEST = 32  # SHA-256 bytes
 
 
 def _pieces(trainer) -> list[tuple[str, torch.Tensor]]:
-    from .fault_replica import owned_state
-
     state = owned_state(trainer)
     out = [(f"{name}#{i}", t) for name in sorted(state) for i, t in enumerate(state[name])]
     return out + [("rng/cpu", torch.get_rng_state())]

@@ -1,0 +1,23 @@
+"""What one rank owns of a trainer's state, by name: what a replica's live copy sends a joiner and what a
+regrouped trainer copies over."""
+
+from __future__ import annotations
+
+import torch
+
+
+def owned_state(trainer) -> dict[str, list[torch.Tensor]]:
+    """Every piece of state this rank owns, by name: trained tensors' fp32 masters and optimizer state
+    (this rank's boxes, views of its buffers), the other parameters and buffers whole. Ranks at one
+    model-parallel coordinate of any two replicas own the same names and shapes."""
+    dp = trainer.model.dp
+    kinds = ("master",) + tuple(dp.optimizer_state.state_kinds())
+    owned = {kind: dp.owned_pieces(kind) for kind in kinds}
+    out = {}
+    for name, t in trainer.model.full_named_tensors().items():
+        if t not in owned["master"]:
+            out[f"model/{name}"] = [t]
+            continue
+        for kind in kinds:
+            out[f"{kind}/{name}"] = [box for _, box in owned[kind][t].boxes]
+    return out

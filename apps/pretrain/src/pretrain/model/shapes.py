@@ -8,7 +8,7 @@ HF import/export and the sizing (``pretrain.sizing.params``) all read them from 
 
 from __future__ import annotations
 
-from ..models import family_of
+from ..models import FAMILIES, family_of
 
 
 def layer_shapes(config, i: int) -> dict[str, tuple[int, ...]]:
@@ -52,10 +52,10 @@ def mtp_shapes(config) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>."
-HF_RENAMES = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
-    f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {
-    f"self_attn.core.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"}
+# chunk state-dict names that differ from the full model's (Hugging Face) names, below "layers.<i>.":
+# the dense MLP's, and each family's attention's (``Family.renames``)
+HF_RENAMES = {f"mlp.{n}.weight": f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {
+    ours: theirs for family in FAMILIES for ours, theirs in family.renames.items()}
 
 
 def hf_name(name: str, tied: bool = False) -> str:

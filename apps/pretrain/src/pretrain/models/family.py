@@ -7,7 +7,7 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
 * config: the ``[model]`` keys only it reads (:attr:`Family.keys`) and their checks (:meth:`check`);
 * shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`),
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
-  (:meth:`build_attention`); initial weights, checkpoints and parameter counts read the shapes;
+  (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
   :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`);
 * certify: how its widths narrow (:meth:`narrowing`);
@@ -38,6 +38,7 @@ class Family:
     dimensions: tuple[str, ...] = DIMENSIONS  # the parallel dimensions its layers run split over
     tp_split: tuple[str, ...] = ()  # attention tensors (last two name parts) split over tp by heads
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
+    renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names
     hf_architectures: dict[str, str] = {}  # transformers model_type -> architecture it reads and writes
 
     def check(self, m) -> None:

@@ -22,6 +22,9 @@ class GQA(Family):
     supports = frozenset({"dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion"})
     tp_split = ("q_proj.weight", "o_proj.weight")
     kv_split = ("k_proj.weight", "v_proj.weight")  # split over tp when it divides kv_heads
+    # par_tp.TPAttention's wq/wk/wv/wo, and the core's Qwen3 norms
+    renames = {f"self_attn.w{n}.weight": f"self_attn.{n}_proj.weight" for n in "qkvo"} | {
+        f"self_attn.core.{n}_norm.weight": f"self_attn.{n}_norm.weight" for n in "qk"}
     hf_architectures = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
                         "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 

@@ -43,7 +43,7 @@ class DataParallelConfig:
     # None: on, except when the params are on the CPU (gloo: little overlap, staged gathers)
     overlap_comm: bool | None = None
     # AdamW's update: torch's fused kernel (None: where the master lives on CUDA; True: on the CPU
-    # too, ~4x faster there than the explicit ops but not bitwise torch's foreach=False; False: never)
+    # too, faster there than the explicit ops but not bitwise torch's foreach=False; False: never)
     fused_adamw: bool | None = None
     # The strategy, parsed once (in __post_init__) into what it shards; the rest reads these.
     shard_optimizer: bool = field(init=False)  # ZeRO-1 and up: each rank steps its range only

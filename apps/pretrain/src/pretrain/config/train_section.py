@@ -78,7 +78,7 @@ class TrainConfig:
     # passed it (model/qk_clip.py); 0 = off
     muon_qk_clip: float = 0.0
     # adamw's update: auto = torch's fused kernel on CUDA, the explicit ops (bitwise torch's foreach=False)
-    # on the CPU; on = the fused kernel on the CPU too (~4x faster there, rounding differs); off = never
+    # on the CPU; on = the fused kernel on the CPU too (faster there, rounding differs); off = never
     fused_adamw: str = "auto"
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 1234  # the initial weights ([data].seed: the data order and the embedded corpus)

@@ -28,7 +28,7 @@ from .fault_replica import attempt, join_distributed, joining, replica_run
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
-# with a small collective and a host read, not at every step (issue 47).
+# with a small collective and a host read, not at every step (each host read stalls a GPU's queue).
 PREEMPT_CHECK_STEPS = 10
 
 

@@ -124,16 +124,6 @@ def _worker_main(rank: int, world_size: int, host: str, port: int, conn: Connect
 TORCH_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
 
-def start_forkserver(preload: tuple[str, ...] = ()) -> None:
-    """Start this process's forkserver now, with torch and ``preload`` imported. It is one per process and
-    keeps the preload of whoever starts it: started later by a launcher under test (which preloads only
-    torch and itself), every rank of every later job would import the suite's packages again."""
-    from multiprocessing import forkserver
-
-    mp.get_context("forkserver").set_forkserver_preload([*TORCH_PRELOAD, "par_groups.testing.harness", *preload])
-    forkserver.ensure_running()
-
-
 class RankPool:
     """``world_size`` long-lived worker processes that run jobs together.
 

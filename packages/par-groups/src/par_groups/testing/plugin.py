@@ -15,7 +15,7 @@ import gc
 
 import pytest
 
-from .harness import Harness, start_forkserver
+from .harness import Harness
 
 
 def pytest_addoption(parser):
@@ -26,14 +26,6 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: CUDA checks against the CPU fp32 result (tools/gpu/check.sh runs them); "
                                        "skipped without a GPU")
-
-
-def pytest_sessionstart(session):
-    # The process that runs the tests (not pytest-xdist's controller, which runs none) starts its
-    # forkserver with the suite's preload before any test can start it with less (see start_forkserver).
-    if session.config.pluginmanager.hasplugin("dsession"):
-        return
-    start_forkserver(tuple(session.config.getini("par_preload")))
 
 
 def pytest_collection_finish(session):

@@ -5,6 +5,8 @@ global sample of every step trained exactly once, no process left behind.
 The default tier kills one rank of dp3 in the gradient reduction: the two survivors then split the
 step's three micro-batches 2 + 1, which catches a loss normalised by the participants (torchft's
 choice) and a lost replica's micro-batches dropped; a new generation over a used store prefix is refused.
+dp2 with Muon killed in its optimizer step: the survivor's step fails in Muon's collectives before any state
+changes, and the replacement receives the momentum (state Muon unpacks into copies) bitwise.
 The extended tier: the other phases, dp2, dp2 x tp2, two losses in a row, a replacement that rejoins
 (its state from a live replica, checked bitwise) and one killed while it receives its state.
 """
@@ -23,8 +25,8 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
-def _run(tmp: Path, dp: int, *extra: str, tp: int = 1):
-    args = ["train", "--nproc", str(dp * tp), "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
+def _run(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()):
+    args = ["train", "--nproc", str(dp * tp), *layout, "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
             "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
             "--set", "train.seq_len=16", "--set", f"train.global_batch={2 * dp}", "--set", "log.progress=false",
             "--set", "log.timing=false", "--set", "log.flight_records=0", "--set", "train.collective_timeout_s=60",
@@ -43,17 +45,18 @@ def _curve(log: Path) -> dict[int, tuple[float, float]]:
 
 
 @functools.cache
-def _reference(dp: int, root: str, tp: int = 1) -> dict[int, tuple[float, float]]:
+def _reference(dp: int, root: str, tp: int = 1, layout: tuple = ()) -> dict[int, tuple[float, float]]:
     """The uninterrupted run, without fault tolerance (the plain trainer)."""
-    res = _run(Path(root) / f"ref{dp}x{tp}", dp, tp=tp)
+    name = f"ref{dp}x{tp}-" + "-".join(a.replace("=", "_") for a in layout if a != "--set")
+    res = _run(Path(root) / name, dp, tp=tp, layout=layout)
     assert res.exit_code == 0, res.output
-    return _curve(Path(root) / f"ref{dp}x{tp}" / "log")
+    return _curve(Path(root) / name / "log")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reference"))
-    return lambda dp, tp=1: _reference(dp, root, tp)
+    return lambda dp, tp=1, layout=(): _reference(dp, root, tp, layout)
 
 
 def _alive(pid: int) -> bool:
@@ -65,19 +68,23 @@ def _alive(pid: int) -> bool:
 
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
-                     also: tuple = (), respawn: bool = False) -> list[dict]:
+                     also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0) -> list[dict]:
+    """``layout``: more ``--set`` arguments of both runs. ``admit_before``: a replacement rejoins before that
+    step, and the replicas end bitwise equal on every owned piece."""
     import replica_kills
 
     pids = tmp / "pids"
     pids.mkdir()
-    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also)
+    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also,
+                              admit_before=admit_before)
+    respawn = respawn or bool(admit_before)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
         res = _run(tmp, dp, "--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(respawn).lower()}",
-                   "--set", "log.sample_ids=true", tp=tp)
+                   "--set", "log.sample_ids=true", tp=tp, layout=layout)
     assert res.exit_code == 0, res.output
     log = tmp / "log"
-    expected, got = reference(dp, tp), _curve(log)
+    expected, got = reference(dp, tp, layout), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6), (s, got[s], (loss, norm))
@@ -95,6 +102,13 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
     left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
     started = len(list(pids.glob("[0-9]*")))  # a replacement never admitted may be stopped before its entry ran
     assert (started == dp * tp or respawn and started == (dp + 1) * tp) and not left, (started, left)
+    if admit_before:
+        joined = [r for r in _records(log) if r.get("event") == "replica_joined"]
+        assert [(e["step"], e["ranks"]) for e in joined] == [(admit_before - 1, replica)], joined
+        states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(dp * tp)]
+        for r in range(dp * tp):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
+            assert states[r] == states[r % tp], r
+        assert states[0], "no owned pieces"
     return lost
 
 
@@ -188,3 +202,19 @@ def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_
 @pytest.mark.timeout(300)
 def test_a_replacement_not_admitted_before_the_last_step_is_stopped_and_the_run_exits_0(tmp_path, reference, fault_ranks):
     _check_fault_run(tmp_path, 2, 1, 4, "forward", reference, respawn=True)
+
+
+MUON = ("--set", "train.optimizer=muon")
+
+
+@pytest.mark.timeout(300)
+def test_dp2_muon_killed_in_the_optimizer_step_rejoins_with_the_momentum_bitwise(tmp_path, reference, fault_ranks):
+    _check_fault_run(tmp_path, 2, 0, 2, "optimizer", reference, layout=MUON, admit_before=4)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,step,phase,admit_before", [(1, 2, "forward", 0), (1, 2, "reduction", 4)])
+def test_dp2_muon_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, step,
+                                                                        phase, admit_before):
+    _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=MUON, admit_before=admit_before)

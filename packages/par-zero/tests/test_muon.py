@@ -1,9 +1,10 @@
-"""par-zero's Muon with bf16 Newton-Schulz is torch.optim.Muon (matrices) + torch.optim.AdamW (the rest), bit for bit."""
+"""par-zero's Muon with bf16 Newton-Schulz is torch.optim.Muon (matrices) + torch.optim.AdamW (the rest), bit for bit;
+so is its step with every collective before any state changes (what fault tolerance runs)."""
 
 import pytest
 
 
-def muon_against_torch(adjust_lr_fn):
+def muon_against_torch(adjust_lr_fn, collectives_first=False):
     import torch
 
     from par_zero import DataParallel
@@ -13,6 +14,7 @@ def muon_against_torch(adjust_lr_fn):
     ref = [p.detach().clone().requires_grad_() for p in m.parameters()]
     dp = DataParallel(m, None, "no_shard", optimizer="Muon", lr=0.02, weight_decay=0.1,
                       optimizer_args={"adjust_lr_fn": adjust_lr_fn})
+    dp.optimizer_state.collectives_first = collectives_first
     muon = torch.optim.Muon([ref[0], ref[2]], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn)
     adamw = torch.optim.AdamW([ref[1], ref[3]], lr=0.02, weight_decay=0.0)
     for _ in range(5):
@@ -30,6 +32,6 @@ def muon_against_torch(adjust_lr_fn):
     return all(a.equal(b) for a, b in zip(m.parameters(), ref))
 
 
-@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
-def test_muon_bf16_is_torch_muon_bitwise(dist_run, adjust_lr_fn):
-    assert dist_run(1, muon_against_torch, adjust_lr_fn)[0]
+@pytest.mark.parametrize("adjust_lr_fn,collectives_first", [("original", False), ("match_rms_adamw", True)])
+def test_muon_bf16_is_torch_muon_bitwise(dist_run, adjust_lr_fn, collectives_first):
+    assert dist_run(1, muon_against_torch, adjust_lr_fn, collectives_first)[0]

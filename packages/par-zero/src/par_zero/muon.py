@@ -94,6 +94,7 @@ class DistributedMuon(RangeStateOptimizer):
         self.state = {b: {k: torch.zeros(sum(hi - lo for lo, hi, _ in self.packed[b][k]), dtype=torch.float32,
                                          device=b.master.device) for k in KINDS} for b in buckets}
         self._unpacked: dict[tuple[Bucket, str], torch.Tensor] | None = None  # during a load: what it fills
+        self.collectives_first = False  # see _step_collectives_first
         self.owners = assign_buckets(buckets, self.matrices, self.args["ns_steps"])
         owned = {b: mine for o in self.owners for b, mine in o.owned.items()}
         self.owned = {b: owned[b] for b in buckets}
@@ -155,25 +156,53 @@ class DistributedMuon(RangeStateOptimizer):
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> None:
         self._unpacked = None  # a load that never finished (a model-only resume) keeps the fresh state
+        if self.collectives_first:
+            return self._step_collectives_first()
         self.step_count += 1
         for b in self.buckets:
             self._step_bucket(b)
 
     @torch.no_grad()
+    def _step_collectives_first(self) -> None:
+        """The same arithmetic, with every bucket's collectives before any state changes: a peer lost in one
+        leaves this rank's masters, momentum and step count as they were before the step, so a step redone
+        after regrouping starts from the same state (``[train].fault_tolerance``). Holds each bucket's new
+        momentum and orthogonalized update until the end."""
+        staged = {}
+        for b in self.buckets:
+            if self.matrices[b]:
+                momentum = self.state[b]["momentum_buffer"].clone()
+                staged[b] = (momentum, self._orthogonalized(b, self._grad(b), momentum))
+        self.step_count += 1
+        for b in self.buckets:
+            self._adamw_runs(b, self._grad(b))
+            if b in staged:
+                self.state[b]["momentum_buffer"].copy_(staged[b][0])
+                self._apply_muon(b, staged[b][1])
+
+    def _grad(self, b: Bucket) -> torch.Tensor:
+        return b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
+
+    @torch.no_grad()
     def _step_bucket(self, b: Bucket) -> None:
+        g = self._grad(b)
+        self._adamw_runs(b, g)
+        if self.matrices[b]:
+            self._apply_muon(b, self._orthogonalized(b, g, self.state[b]["momentum_buffer"]))
+
+    def _adamw_runs(self, b: Bucket, g: torch.Tensor) -> None:
         c, lr, st = self.cfg, self.lr, self.state[b]
-        g = b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()
         if c.weight_decay and self.adam_decay_runs[b]:
             torch._foreach_mul_([b.master[lo:hi] for lo, hi in self.adam_decay_runs[b]], 1 - lr * c.weight_decay)
         for lo, hi, at in self.packed[b]["exp_avg"]:
             n = hi - lo
             adamw_step_(b.master[lo:hi], g[lo:hi], st["exp_avg"][at:at + n], st["exp_avg_sq"][at:at + n],
                         step=self.step_count, lr=lr, betas=c.betas, eps=c.eps, weight_decay=0.0)
-        if self.matrices[b]:
-            self._muon_bucket(b, g)
 
-    def _muon_bucket(self, b: Bucket, g: torch.Tensor) -> None:
-        a, buf = self.args, self.state[b]["momentum_buffer"]
+    def _orthogonalized(self, b: Bucket, g: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Steps the momentum ``buf`` (packed, in place) and returns this rank's range of the orthogonalized
+        update (the collectives of the step)."""
+        a = self.args
         update = torch.zeros_like(b.master, dtype=torch.float32)  # over the optimizer range
         for lo, hi, at in self.packed[b]["momentum_buffer"]:
             m = buf[at:at + hi - lo]
@@ -201,12 +230,15 @@ class DistributedMuon(RangeStateOptimizer):
                 comm.reduce_scatter_tensor(mine, ortho, b.groups.inner)
             else:
                 comm.all_reduce(ortho, b.groups.inner)
+        return mine
+
+    def _apply_muon(self, b: Bucket, mine: torch.Tensor) -> None:
         for p, _, lo, hi, _ in b.opt_segments():
             if p not in self.matrix_set[b]:
                 continue
             if self.cfg.weight_decay and self.decayed(p):
                 b.master[lo:hi].mul_(1 - self.lr * self.cfg.weight_decay)
-            b.master[lo:hi].add_(mine[lo:hi], alpha=-adjusted_lr(self.lr, a["adjust_lr_fn"], placement_of(p).full_shape[-2:]))
+            b.master[lo:hi].add_(mine[lo:hi], alpha=-adjusted_lr(self.lr, self.args["adjust_lr_fn"], placement_of(p).full_shape[-2:]))
 
     def _gather_split(self, b: Bucket, local: dict) -> dict[nn.Parameter, torch.Tensor]:
         """This rank's owned matrices of ``b`` split over their matrix group, whole: param -> [experts, F, H]."""

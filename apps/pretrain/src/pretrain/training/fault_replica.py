@@ -97,6 +97,9 @@ class ReplicaTrainer(Trainer):
         self.completed: int | None = None  # steps done (set after each step: a failure after it keeps it)
         self.generation = 0
         super().__init__(cfg, **kwargs)
+        optimizer = self.model.dp.optimizer_state
+        if hasattr(optimizer, "collectives_first"):  # a step interrupted in its collectives changed no state
+            optimizer.collectives_first = True
 
     def _read_batch(self, step: int, eval: bool | str = False) -> Batch:
         s, share = self.sampler, self.share

@@ -59,8 +59,10 @@ def send_state(trainer, joiner: int, step: int) -> int:
 def receive_state(trainer, source: int) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``trainer``'s buffers, each piece checked by size
     and SHA-256; returns (the step to go on from, the bytes received)."""
-    pieces = _pieces(trainer)
     dp = trainer.model.dp
+    # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
+    dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())
+    pieces = _pieces(trainer)
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
     _batch([(dist.irecv, meta)], source)

@@ -26,12 +26,15 @@ runner = CliRunner()
 
 
 def _run(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()):
-    args = ["train", "--nproc", str(dp * tp), *layout, "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
+    return runner.invoke(app, ["train", "--nproc", str(dp * tp), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
+
+
+def _settings(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()) -> list[str]:
+    return [*layout, "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
             "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
             "--set", "train.seq_len=16", "--set", f"train.global_batch={2 * dp}", "--set", "log.progress=false",
             "--set", "log.timing=false", "--set", "log.flight_records=0", "--set", "train.collective_timeout_s=60",
             "--set", f"log.dir={tmp / 'log'}", "--set", f"checkpoint.dir={tmp / 'ck'}", *extra]
-    return runner.invoke(app, args)
 
 
 def _records(log: Path) -> list[dict]:
@@ -109,6 +112,12 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         for r in range(dp * tp):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
             assert states[r] == states[r % tp], r
         assert states[0], "no owned pieces"
+        # the bytes `plan` says a joiner receives: the sum of the pieces it owns
+        plan = runner.invoke(app, ["plan", "--world", str(dp * tp), "--json",
+                                   *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])
+        assert plan.exit_code == 0, plan.output
+        owned = [sum(size for boxes in states[r].values() for size, _ in boxes) for r in replica]
+        assert json.loads(plan.output)["fault_tolerance"]["joiner_bytes"] == max(owned), (plan.output[-200:], owned)
     return lost
 
 
@@ -164,9 +173,10 @@ def test_a_replacement_rejoins_with_the_live_replica_state_and_the_curve_goes_on
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank,phase", [(3, "backward"), (0, "reduction")])
-def test_dp2_x_tp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase):
-    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, tp=2)
+@pytest.mark.parametrize("rank,phase,admit_before", [(3, "backward", 0), (0, "reduction", 0), (2, "optimizer", 4)])
+def test_dp2_x_tp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase,
+                                                                         admit_before):
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, tp=2, admit_before=admit_before)
 
 
 @pytest.mark.extended

@@ -95,6 +95,9 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
         from ..model.muon_split import render_split
 
         lines.append(render_split(plan["optimizer"]))
+    if "fault_tolerance" in plan:
+        lines.append(f"fault tolerance (replica): a replacement receives {human_bytes(plan['fault_tolerance']['joiner_bytes'])} "
+                     f"per rank from the live replica (fp32 masters and optimizer state it owns)")
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")
     for strategy, row in plan["model_state"].items():

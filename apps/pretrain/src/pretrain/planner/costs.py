@@ -71,6 +71,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
         from ..model.muon_split import muon_ns_flops, muon_split
 
         out["optimizer"] = muon_split(m) | {"ns_flops_per_step": muon_ns_flops(m, t.muon_ns_steps)}
+    if t.fault_tolerance == "replica":  # what a replacement receives from a live replica when it rejoins
+        from ..sizing.joiner import joiner_bytes
+
+        out["fault_tolerance"] = {"joiner_bytes": joiner_bytes(cfg, layout)}
     return out
 
 

@@ -47,9 +47,10 @@ ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's num
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
 
-# What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout)
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
-             "timed out", "Timeout", "NCCL communicator was aborted", "DistBackendError")
+# What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout), in
+# lower case: gloo says "Timed out waiting ... for recv" where a dead peer's socket was never closed to it
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+             "timed out", "timeout", "nccl communicator was aborted", "distbackenderror")
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def peer_lost(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        text = f"{type(error).__name__}: {error}"
+        text = f"{type(error).__name__}: {error}".lower()
         if any(marker in text for marker in PEER_LOST):
             return True
         error = error.__cause__ or error.__context__

@@ -113,7 +113,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                     last = result.loss
                     blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
                     if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
-                        step_time = (time.time() - interval) / interval_steps
+                        # (0 steps: a lost replica interrupted the step boundary after the last log line)
+                        step_time = (time.time() - interval) / max(interval_steps, 1)
                         logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
                                    **result.moe, **timing, **trainer.sampler.shares(done),
                                    **({"time_checkpoint": blocked} if blocked is not None else {}))

@@ -5,7 +5,7 @@ import os
 import signal
 from pathlib import Path
 
-PHASES = ("forward", "backward", "reduction", "optimizer")
+PHASES = ("forward", "backward", "reduction", "optimizer", "save")
 
 
 def _sigkill() -> None:
@@ -16,7 +16,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                joiner_dies: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
-    all-reduce) or the optimizer step. Every rank writes its pid to ``pid_dir`` first, and at the end the
+    all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
+    rank 0 gathers the digests). Every rank writes its pid to ``pid_dir`` first, and at the end the
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
@@ -76,6 +77,16 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return admit(self, trainer, s)
 
     ReplicaRun.admit = admitting
+    from pretrain.checkpoint import store
+
+    gather_digests = store.gather_digests
+
+    def gathering(*a, **kw):
+        if due("save"):
+            _sigkill()
+        return gather_digests(*a, **kw)
+
+    store.gather_digests = gathering
     if joiner_dies:
         from pretrain.training import replica_transfer
 

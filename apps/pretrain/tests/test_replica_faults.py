@@ -228,3 +228,25 @@ def test_dp2_muon_killed_in_the_optimizer_step_rejoins_with_the_momentum_bitwise
 def test_dp2_muon_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, step,
                                                                         phase, admit_before):
     _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=MUON, admit_before=admit_before)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpoint_resumes_bitwise(
+        tmp_path, reference, fault_ranks, tmp_path_factory, rank):
+    every = ("--set", "checkpoint.every=2")
+    _check_fault_run(tmp_path, 2, rank, 2, "save", reference, layout=every)
+    ck = tmp_path / "ck"
+    # the interrupted save is never published (no rank finished it); the final one is, complete
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_4"], sorted(ck.iterdir())
+    # both final checkpoints, the interrupted run's and the uninterrupted's, resume into the same fifth step
+    fifth = []
+    for root in (tmp_path, tmp_path_factory.mktemp("uninterrupted")):
+        if root != tmp_path:
+            res = _run(root, 2, layout=every)
+            assert res.exit_code == 0, res.output
+        res = _run(root, 2, "--set", "train.steps=5", "--set", "checkpoint.resume=true", layout=every)
+        assert res.exit_code == 0, res.output
+        fifth.append(_curve(root / "log")[5])
+    assert fifth[0] == fifth[1], fifth

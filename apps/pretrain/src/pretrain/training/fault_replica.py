@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from ..checkpoint.rng_state import rng_state, set_rng_state
 from ..data.sampler import Batch
 from ..errors import UsageError
 from ..model.dropout import set_position as set_dropout_position
+from ..runtime.preflight import checkpoint_root
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
@@ -268,7 +270,10 @@ class ReplicaRun:
         for joiner, source in self._pairs(event).items():
             if source == self.rank:
                 sent += send_state(trainer, self._new_rank(event, joiner), done)
-        return self._agree(done, event, began, sent)
+        agreed = self._agree(done, event, began, sent)
+        if error is not None and dist.get_rank() == 0:
+            _discard_save(self.cfg, agreed)
+        return agreed
 
     def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:
         """Join ``event``'s process group (a fresh store prefix) and build its trainer (the run's config once built)."""
@@ -489,6 +494,14 @@ def _leave_groups() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- a group broken by the loss may not tear down cleanly; it is gone either way
         pass
+
+
+def _discard_save(cfg, step: int) -> None:
+    """A save of ``step`` a loss interrupted was never published (no ``step_<step>``, no ``latest`` to it): its
+    temporary directory goes, as the store's next save of that step would remove it."""
+    tmp = checkpoint_root(cfg) / f"step_{step}.tmp"
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _store(cfg):

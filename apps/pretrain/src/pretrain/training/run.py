@@ -6,6 +6,7 @@ import os
 import time
 from contextlib import ExitStack, nullcontext
 
+import torch.distributed as dist
 from par_groups import comm
 from par_groups.watch import CommWatch
 
@@ -17,7 +18,9 @@ from ..config import load_config
 from ..data import load_dataset
 from ..sizing.flops import training_flops_per_step
 from ..runtime.hang import flight_recorder, nccl_flight_env
+from ..runtime.dead_rank import hold_stop_signals, start_heartbeat
 from ..runtime.launch import device_type, init_distributed, shutdown
+from ..runtime.rank_env import LAUNCHER_ENV
 from ..observe.metrics import MetricsLogger
 from ..observe.peak import matmul_dtype, peak_flops
 from ..runtime.preempt import StopRequests
@@ -165,6 +168,9 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             logger.close()
         comm.barrier(None)  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
+    except BaseException:
+        hold_stop_signals()  # under torchrun: its SIGTERM must not end this rank before it names a dead peer
+        raise
     finally:
         watching.close()
         stops.close()
@@ -174,7 +180,10 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
 def _watch(cfg, rank: int):
     """The watch over every collective: the flight recorder (pretrain.runtime.hang) and the step timing's waits."""
     if cfg.log.flight_records:
-        return flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+        watch = flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+        if LAUNCHER_ENV not in os.environ and dist.get_world_size() > 1:  # torchrun: no launcher of ours sees a rank die
+            start_heartbeat(cfg.log.dir, rank, dist.get_world_size(), watch)
+        return watch
     return CommWatch(0) if cfg.log.timing else nullcontext()
 
 

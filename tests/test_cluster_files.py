@@ -69,7 +69,8 @@ def test_the_skypilot_task_holds_what_its_schema_requires():
 def _recorder(tmp_path: Path) -> tuple[Path, Path]:
     """A stand-in for the environment's python that records each call's arguments, one line per call."""
     calls, stub = tmp_path / "torchrun_calls", tmp_path / "python"
-    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {shlex.quote(str(calls))}\n')
+    stub.write_text('#!/usr/bin/env bash\n[ "$2" = pretrain.runtime.console_filter ] && exec cat  # the stderr filter\n'
+                    f'echo "$*" >> {shlex.quote(str(calls))}\n')
     stub.chmod(0o755)
     return stub, calls
 

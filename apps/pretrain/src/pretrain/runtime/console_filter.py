@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -48,8 +49,13 @@ class ConsoleFilter:
             self._pass(raw)
 
     def _pass(self, raw: bytes) -> None:
-        self.out.write(raw)
-        self.out.flush()
+        if self.out is None:
+            return
+        try:
+            self.out.write(raw)
+            self.out.flush()
+        except OSError:  # the console is gone (a closed terminal): keep reading, so torchrun never sees EPIPE
+            self.out = None
 
     def finish(self) -> None:
         if not self.held:
@@ -70,6 +76,8 @@ class ConsoleFilter:
 
 
 def run(fd: int = 0, out=None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the scheduler's signal is torchrun's: this
+        signal.signal(sig, signal.SIG_IGN)  # ends at its EOF, after the ranks' last words (a save's messages)
     out = out or sys.stdout.buffer
     filt, rest = ConsoleFilter(out), b""
     while chunk := os.read(fd, 65536):

@@ -45,7 +45,10 @@ def test_the_peers_gone_are_told_apart_and_the_culprit_comes_first(tmp_path):
     assert "died without exiting (killed" in dead[1].how and "stopped its heartbeat at" in dead[2].how
 
 
-def test_a_survivor_names_its_dead_peer_records_it_and_pretrain_hang_names_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [
+    "[../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:16525: Connection reset by peer. GLHF!",
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 ms"])
+def test_a_survivor_names_its_dead_peer_records_it_and_pretrain_hang_names_it(tmp_path, monkeypatch, error):
     from par_groups.watch import Entry
 
     held = []
@@ -57,8 +60,7 @@ def test_a_survivor_names_its_dead_peer_records_it_and_pretrain_hang_names_it(tm
     beat.beat()
     pid = _dead_pid()
     _beat(tmp_path, 1, pid, doing="in all_gather #7 on world")
-    gloo = "[../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:16525: Connection reset by peer. GLHF!"
-    line = dead_rank.name_dead_peer(tmp_path, 0, gloo, failed_at=time.time())
+    line = dead_rank.name_dead_peer(tmp_path, 0, error, failed_at=time.time())
     host = socket.gethostname()
     assert line.startswith(f"rank 1 failed on host {host}: its process {pid} died without exiting")
     assert "in all_gather #7 on world" in line and "rank 0 lost it in all_reduce #5 on dp" in line and held

@@ -2,12 +2,14 @@
 
 Under pretrain's own launcher a rank's death is seen by the launcher (its pipe closes) and reported in
 one line. Under torchrun each rank is alone: a peer's SIGKILL reaches a survivor as gloo's "Connection
-closed by peer" (or NCCL's error), naming no rank. So each rank of a torchrun job keeps a heartbeat,
-``<log.dir>/flight/alive_R.json`` (its host, pid, the time, and its last collective: what it was doing),
-rewritten every :data:`HEARTBEAT_S`. A rank whose collective fails on a lost connection (:func:`is_collateral`)
-names the peers that are gone (:func:`dead_peers`): a peer on this host whose process has exited, or any
-peer whose heartbeat stops (not renewed within :data:`VERDICT_WAIT_S` of the failure). The verdict goes to
-``flight/dead.json``, which ``pretrain hang`` reads (:func:`notes_of_dir`).
+closed by peer" (NCCL's: a collective's timeout), naming no rank. So each rank of a torchrun job keeps a
+heartbeat, ``<log.dir>/flight/alive_R.json`` (its host, pid, the time and its last collective: what it was
+doing), rewritten every :data:`HEARTBEAT_S`; a process that ends on its own says how in its last beat
+(``ended``: exited, raised ..., or :data:`LOST` for a survivor), so only a death leaves a beat open. A rank
+whose collective fails on a lost connection (:func:`is_collateral`) or a timeout names the peers that are
+gone (:func:`dead_peers`): one that raised, one on this host whose process died, one whose heartbeat was
+not renewed within :data:`VERDICT_WAIT_S` of the failure (another host: the log dir is shared storage).
+The verdict goes to ``flight/dead.json``, which ``pretrain hang`` reads (:func:`notes_of_dir`).
 
 While it waits, the survivor holds SIGTERM and SIGHUP (torchrun's agent stops its workers with SIGTERM as
 soon as one of them failed): the process is ending, the signal only ends it before its one line is out.
@@ -25,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hang import FLIGHT_DIR, _state
+from .hang import FLIGHT_DIR, _state, is_timeout
 from .rank_env import STOP_SIGNALS
 from .safe_files import write_atomic
 
@@ -210,7 +212,7 @@ def name_dead_peer(log_dir: str | Path, rank: int, error: str, failed_at: float 
     if _beat is None:
         return None
     cause = error.splitlines()[0] if error.strip() else "an error"
-    if not is_collateral(error):
+    if not (is_collateral(error) or is_timeout(error)):  # NCCL: a dead peer is a collective's timeout
         _beat.end(f"raised {cause}")
         return None
     hold_stop_signals()

@@ -109,6 +109,8 @@ class Heartbeat:
 
     def start(self) -> "Heartbeat":
         (self.log_dir / FLIGHT_DIR).mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # an earlier attempt's verdict is not this run's (each rank's beat replaces its own)
+            (self.log_dir / FLIGHT_DIR / VERDICT_FILE).unlink(missing_ok=True)
         self.beat()
         self._thread.start()
         atexit.register(self.end, EXITED)  # not run on a SIGKILL: that death keeps its heartbeat open

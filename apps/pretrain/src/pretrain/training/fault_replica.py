@@ -34,7 +34,6 @@ from par_groups import comm
 from ..checkpoint.rng_state import rng_state, set_rng_state
 from ..data.sampler import Batch
 from ..errors import UsageError
-from ..model.dropout import set_position as set_dropout_position
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
@@ -114,7 +113,7 @@ class ReplicaTrainer(Trainer):
         m = self.cfg.model
         if m.hidden_dropout > 0 or m.attention_dropout > 0:  # the masks of the global samples this micro-batch holds
             first = self.share.samples(self._step).start + microbatch * self.share.micro_batch
-            set_dropout_position(self.cfg.train.seed, self._step, first)
+            self.model.dropout.set(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 

@@ -15,7 +15,6 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
-from ..config.train_section import PAR_FP8
 from .compile import compile_blocks_
 from .dropout import DropoutPosition
 from .fp8 import use_fp8_linears_
@@ -96,7 +95,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
 
         for chunk in chunks.values():
             use_te_linears_(chunk)
-    if cfg.train.fp8 in PAR_FP8:  # par's FP8 GEMMs in the local matmuls; the weights stay as they are
+    if cfg.train.par_fp8:  # par's FP8 GEMMs in the local matmuls; the weights stay as they are
         for chunk in chunks.values():
             use_fp8_linears_(chunk, cfg.train.fp8, groups)
     for chunk in chunks.values():

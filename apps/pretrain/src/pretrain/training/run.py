@@ -21,7 +21,7 @@ from ..runtime.launch import device_type, init_distributed, shutdown
 from ..observe.metrics import MetricsLogger
 from ..observe.peak import matmul_dtype, peak_flops
 from ..runtime.preempt import StopRequests
-from ..runtime.preflight import checkpoint_root
+from .preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
 from .step_clock import StepClock

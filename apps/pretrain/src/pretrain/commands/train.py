@@ -27,7 +27,7 @@ def train(
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
     from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
-    from ..runtime.preflight import check_run, checkpoint_root, run_lock
+    from ..training.preflight import check_run, checkpoint_root, run_lock
     from ..training.run import run_rank
 
     log_dir = None

@@ -154,16 +154,17 @@ class DistributedMuon(RangeStateOptimizer):
         self._unpacked = None
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> None:
+    def _begin_step(self) -> None:
         self._unpacked = None  # a load that never finished (a model-only resume) keeps the fresh state
-        if self.collectives_first:
-            return self._step_collectives_first()
-        self.step_count += 1
-        for b in self.buckets:
-            self._step_bucket(b)
+
+    def step(self, each: Callable[[Bucket], None] | None = None) -> None:
+        if not self.collectives_first:
+            return super().step(each)
+        self._begin_step()
+        self._step_collectives_first(each)
 
     @torch.no_grad()
-    def _step_collectives_first(self) -> None:
+    def _step_collectives_first(self, each: Callable[[Bucket], None] | None) -> None:
         """The same arithmetic, with every bucket's collectives before any state changes: a peer lost in one
         leaves this rank's masters, momentum and step count as they were before the step, so a step redone
         after regrouping starts from the same state (``[train].fault_tolerance``). Holds each bucket's new
@@ -179,6 +180,8 @@ class DistributedMuon(RangeStateOptimizer):
             if b in staged:
                 self.state[b]["momentum_buffer"].copy_(staged[b][0])
                 self._apply_muon(b, staged[b][1])
+            if each is not None:
+                each(b)
 
     def _grad(self, b: Bucket) -> torch.Tensor:
         return b.opt_grad if b.opt_grad.dtype == torch.float32 else b.opt_grad.float()

@@ -35,14 +35,13 @@ from par_groups import comm
 from ..checkpoint.rng_state import rng_state, set_rng_state
 from ..data.sampler import Batch
 from ..errors import UsageError
-from ..model.dropout import set_position as set_dropout_position
-from ..runtime.preflight import checkpoint_root
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
                                           latest_generation, ready_key, replica_key)
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
+from .preflight import checkpoint_root
 from .train_loop import Trainer
 
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
@@ -120,7 +119,7 @@ class ReplicaTrainer(Trainer):
         m = self.cfg.model
         if m.hidden_dropout > 0 or m.attention_dropout > 0:  # the masks of the global samples this micro-batch holds
             first = self.share.samples(self._step).start + microbatch * self.share.micro_batch
-            set_dropout_position(self.cfg.train.seed, self._step, first)
+            self.model.dropout.set(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
@@ -149,7 +148,7 @@ def copy_state(src, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
     kinds = src.model.dp.optimizer_state.state_kinds()
     dst.model.dp.optimizer_state.prepare_load(kinds)
-    a, b = owned_state(src), owned_state(dst)
+    a, b = owned_state(src.model), owned_state(dst.model)
     if a.keys() != b.keys():
         raise RuntimeError(f"regrouped trainer holds other state: {sorted(a.keys() ^ b.keys())[:4]}")
     for name, boxes in a.items():
@@ -218,7 +217,8 @@ class ReplicaRun:
         self.replica = event["replicas"][str(self.rank)]
         fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
             self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
-        step, _ = receive_state(fresh, self._pairs(event)[self.rank])
+        step, _ = receive_state(fresh.model, self._pairs(event)[self.rank])
+        fresh.completed = step
         self.joined_at = self._agree(step, event, began)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
         return fresh
@@ -269,7 +269,7 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items():
             if source == self.rank:
-                sent += send_state(trainer, self._new_rank(event, joiner), done)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done)
         agreed = self._agree(done, event, began, sent)
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)

@@ -71,9 +71,10 @@ def _alive(pid: int) -> bool:
 
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
-                     also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0) -> list[dict]:
+                     also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
+                     shard: int = 1) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs. ``admit_before``: a replacement rejoins before that
-    step, and the replicas end bitwise equal on every owned piece."""
+    step, and the replicas end bitwise equal on every owned piece. ``shard``: data ranks per replica (HSDP)."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -94,7 +95,8 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s], (loss, norm))
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
-    replica = [r for r in range(dp * tp) if r // tp == rank // tp]  # order tp-cp-ep-dp-pp: a replica's ranks
+    block = tp * shard  # order tp-cp-ep-dp-pp: a replica's ranks (an HSDP replica: consecutive dp ranks)
+    replica = [r for r in range(dp * tp) if r // block == rank // block]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
@@ -104,13 +106,13 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert ids == list(range((s - 1) * 2 * dp, s * 2 * dp)), (s, ids)
     left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
     started = len(list(pids.glob("[0-9]*")))  # a replacement never admitted may be stopped before its entry ran
-    assert (started == dp * tp or respawn and started == (dp + 1) * tp) and not left, (started, left)
+    assert (started == dp * tp or respawn and started == dp * tp + block) and not left, (started, left)
     if admit_before:
         joined = [r for r in _records(log) if r.get("event") == "replica_joined"]
         assert [(e["step"], e["ranks"]) for e in joined] == [(admit_before - 1, replica)], joined
         states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(dp * tp)]
         for r in range(dp * tp):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-            assert states[r] == states[r % tp], r
+            assert states[r] == states[r % block], r
         assert states[0], "no owned pieces"
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
         plan = runner.invoke(app, ["plan", "--world", str(dp * tp), "--json",
@@ -250,3 +252,14 @@ def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpo
         assert res.exit_code == 0, res.output
         fifth.append(_curve(root / "log")[5])
     assert fifth[0] == fifth[1], fifth
+
+
+HSDP = ("--set", "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase,admit_before", [(3, "backward", 0), (1, "optimizer", 4)])
+def test_hsdp_2x2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase,
+                                                                         admit_before):
+    _check_fault_run(tmp_path, 4, rank, 2, phase, reference, layout=HSDP, admit_before=admit_before, shard=2)

@@ -191,6 +191,7 @@ class ReplicaRun:
         self.joined_at: int | None = None
         self.kwargs: dict = {}
         self.replica = -1
+        self.shard = _shard_size(cfg, self.layout.dp)  # data ranks per replica: an HSDP replica's sharding group
         self.logger = None
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
@@ -202,8 +203,8 @@ class ReplicaRun:
         layout = self.layout
         share = ReplicaShare(cfg.train.global_batch, layout.micro_batch, layout.dp, 0)
         trainer = ReplicaTrainer(cfg, share, **kwargs)
-        self.replica = trainer.groups.coords()["dp"]
-        trainer.share = replace(share, index=self.replica)
+        self.replica = trainer.groups.coords()["dp"] // self.shard
+        trainer.share = replace(share, index=trainer.groups.coords()["dp"])
         trainer.sample_log = self._sample_log(trainer.groups.coords())
         _fresh_prefix(self.store, 0, self.layout.world_size)
         self.store.set(coords_key(self.rank), json.dumps(trainer.groups.coords()))
@@ -260,7 +261,8 @@ class ReplicaRun:
         else:
             self.missing.pop(event["joined_replica"], None)
         alive = sorted(set(event["replicas"].values()))
-        share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive), alive.index(self.replica))
+        share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
+                             _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
         copy_state(trainer, fresh)
         if trainer.prefetch is not None:
@@ -281,14 +283,15 @@ class ReplicaRun:
         cfg = self._config(len(alive))
         if not dist.is_initialized():
             _fresh_prefix(self.store, self.generation, len(event["ranks"]))
-            rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords, alive.index(self.replica))
+            rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
+                             _data_index(alive, self.replica, coords, self.shard))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     store=dist.PrefixStore(generation_prefix(self.generation), self.store), rank=rank,
                                     world_size=len(event["ranks"]), timeout=timedelta(seconds=cfg.train.collective_timeout_s))
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(event["ranks"])))
             self.stops.group = dist.new_group(backend="gloo",
                                               timeout=timedelta(seconds=min(cfg.train.collective_timeout_s, 30.0)))
-        share = replace(share, alive=len(alive), index=alive.index(self.replica))
+        share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
         rng = rng_state()  # a fresh trainer seeds torch: this process's stream goes on as it was
         fresh = ReplicaTrainer(cfg, share, sample_log, **self.kwargs)
         set_rng_state(rng)
@@ -298,7 +301,8 @@ class ReplicaRun:
     def _new_rank(self, event: dict, rank: int) -> int:
         alive = sorted(set(event["replicas"].values()))
         grid = self._config(len(alive)).validate_world(len(event["ranks"])).grid
-        return _position(grid, self._coords(rank), alive.index(event["replicas"][str(rank)]))
+        coords = self._coords(rank)
+        return _position(grid, coords, _data_index(alive, event["replicas"][str(rank)], coords, self.shard))
 
     def _pairs(self, event: dict) -> dict[int, int]:
         """Each replacement's source: the rank of the first other live replica at its model-parallel coordinate."""
@@ -306,7 +310,7 @@ class ReplicaRun:
         pairs = {}
         for j in sorted(joined):
             mine = self._coords(j)
-            sources = [r for r in event["ranks"] if r not in joined and _same_block(self._coords(r), mine)]
+            sources = [r for r in event["ranks"] if r not in joined and _same_block(self._coords(r), mine, self.shard)]
             pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
         return pairs
 
@@ -376,7 +380,7 @@ class ReplicaRun:
         return event
 
     def _config(self, replicas: int):
-        return generation_config(self.cfg, self.layout.micro_batch, replicas)
+        return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard)
 
 
 class ReplicaLog:
@@ -431,14 +435,15 @@ class StepRange:
             self.next = self.run.regroup(trainer, step, e)
 
 
-def generation_config(cfg, micro_batch: int, replicas: int):
+def generation_config(cfg, micro_batch: int, replicas: int, shard: int = 1):
     """The config a generation of ``replicas`` replicas is built from: the same model-parallel layout and
     micro-batch, and a batch any ``replicas`` divides (the trainer reads its :class:`ReplicaShare` of the run's
     batch, not the sampler's split, and trains under the run's config once built)."""
     t, p = cfg.train, cfg.parallel
-    train = replace(t, global_batch=replicas * micro_batch, micro_batch=micro_batch, local_batch=0, train_samples=0,
+    train = replace(t, global_batch=replicas * shard * micro_batch, micro_batch=micro_batch, local_batch=0, train_samples=0,
                     fault_tolerance="off")  # one replica left is a valid generation
-    return replace(cfg, train=train, parallel=replace(p, microbatches=0, rank_assignment="off"))
+    hsdp = replicas if p.hsdp_replicas > 1 else 1  # HSDP: the replicas left, each the same sharding group
+    return replace(cfg, train=train, parallel=replace(p, microbatches=0, rank_assignment="off", hsdp_replicas=hsdp))
 
 
 def joining() -> bool:
@@ -466,9 +471,10 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
         event = json.loads(store.get(generation_key(generation)))
         if me in event.get("joined", ()):
             break
-    alive = sorted(set(event["replicas"].values()))
-    layout = generation_config(cfg, cfg.validate_world(world0).micro_batch, len(alive)).validate_world(len(event["ranks"]))
-    rank = _position(layout.grid, json.loads(store.get(coords_key(me))), alive.index(event["replicas"][str(me)]))
+    alive, first = sorted(set(event["replicas"].values())), cfg.validate_world(world0)
+    shard, coords = _shard_size(cfg, first.dp), json.loads(store.get(coords_key(me)))
+    layout = generation_config(cfg, first.micro_batch, len(alive), shard).validate_world(len(event["ranks"]))
+    rank = _position(layout.grid, coords, _data_index(alive, event["replicas"][str(me)], coords, shard))
     _fresh_prefix(store, generation, len(event["ranks"]))
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=dist.PrefixStore(generation_prefix(generation), store),
                             rank=rank, world_size=len(event["ranks"]),
@@ -520,8 +526,19 @@ def _fresh_prefix(store, generation: int, world: int) -> None:
                            f"counted for {world})")
 
 
-def _same_block(a: dict, b: dict) -> bool:
-    return all(a[k] == b[k] for k in ("tp", "cp", "pp"))
+def _same_block(a: dict, b: dict, shard: int = 1) -> bool:
+    """Whether ``a`` and ``b`` hold the same state: the same model-parallel coordinates and HSDP shard."""
+    return all(a[k] == b[k] for k in ("tp", "cp", "pp")) and a["dp"] % shard == b["dp"] % shard
+
+
+def _shard_size(cfg, dp: int) -> int:
+    """The data ranks of one replica: an HSDP replica's sharding group (lost and regrouped together), else 1."""
+    return dp // cfg.parallel.hsdp_replicas if cfg.parallel.hsdp_replicas > 1 else 1
+
+
+def _data_index(alive: list[int], replica: int, coords: dict, shard: int) -> int:
+    """A rank's data-parallel index among the ``alive`` replicas: its replica's place, then its shard in it."""
+    return alive.index(replica) * shard + coords["dp"] % shard
 
 
 def _position(grid, coords: dict, dp: int) -> int:

@@ -25,16 +25,20 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
+def _pp(layout: tuple) -> int:
+    return next((int(a.split("=")[1]) for a in layout if a.startswith("parallel.pp=")), 1)
+
+
 def _run(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()):
-    return runner.invoke(app, ["train", "--nproc", str(dp * tp), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
+    return runner.invoke(app, ["train", "--nproc", str(dp * tp * _pp(layout)), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
 
 
 def _settings(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()) -> list[str]:
-    return [*layout, "--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
+    return ["--set", f"parallel.tp={tp}", "--set", "model.layers=2", "--set", "model.hidden=32", "--set", "model.ffn_hidden=64",
             "--set", "train.steps=4", "--set", "train.warmup_steps=1", "--set", "train.eval_every=0",
             "--set", "train.seq_len=16", "--set", f"train.global_batch={2 * dp}", "--set", "log.progress=false",
             "--set", "log.timing=false", "--set", "log.flight_records=0", "--set", "train.collective_timeout_s=60",
-            "--set", f"log.dir={tmp / 'log'}", "--set", f"checkpoint.dir={tmp / 'ck'}", *extra]
+            "--set", f"log.dir={tmp / 'log'}", "--set", f"checkpoint.dir={tmp / 'ck'}", *layout, *extra]
 
 
 def _records(log: Path) -> list[dict]:
@@ -95,8 +99,13 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s], (loss, norm))
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
-    block = tp * shard  # order tp-cp-ep-dp-pp: a replica's ranks (an HSDP replica: consecutive dp ranks)
-    replica = [r for r in range(dp * tp) if r // block == rank // block]
+    world, pp = dp * tp * _pp(layout), _pp(layout)
+    block = tp * shard * pp  # a replica's ranks: order tp-cp-ep-dp-pp (an HSDP replica: consecutive dp ranks)
+
+    def replica_of(r: int) -> int:
+        return (r // tp) % dp // shard
+
+    replica = [r for r in range(world) if replica_of(r) == replica_of(rank)]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
@@ -106,16 +115,16 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert ids == list(range((s - 1) * 2 * dp, s * 2 * dp)), (s, ids)
     left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
     started = len(list(pids.glob("[0-9]*")))  # a replacement never admitted may be stopped before its entry ran
-    assert (started == dp * tp or respawn and started == dp * tp + block) and not left, (started, left)
+    assert (started == world or respawn and started == world + block) and not left, (started, left)
     if admit_before:
         joined = [r for r in _records(log) if r.get("event") == "replica_joined"]
         assert [(e["step"], e["ranks"]) for e in joined] == [(admit_before - 1, replica)], joined
-        states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(dp * tp)]
-        for r in range(dp * tp):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-            assert states[r] == states[r % block], r
+        states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(world)]
+        for r in range(world):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
+            assert states[r] == states[r - replica_of(r) * shard * tp], r
         assert states[0], "no owned pieces"
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
-        plan = runner.invoke(app, ["plan", "--world", str(dp * tp), "--json",
+        plan = runner.invoke(app, ["plan", "--world", str(world), "--json",
                                    *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])
         assert plan.exit_code == 0, plan.output
         owned = [sum(size for boxes in states[r].values() for size, _ in boxes) for r in replica]
@@ -263,3 +272,14 @@ HSDP = ("--set", "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_rep
 def test_hsdp_2x2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase,
                                                                          admit_before):
     _check_fault_run(tmp_path, 4, rank, 2, phase, reference, layout=HSDP, admit_before=admit_before, shard=2)
+
+
+ZBV = ("--set", "parallel.pp=2", "--set", "parallel.schedule=zb-v", "--set", "model.layers=4")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase,admit_before", [(3, "forward", 0), (1, "optimizer", 4)])
+def test_dp2_x_pp2_zbv_a_pipeline_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank,
+                                                                              phase, admit_before):
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, layout=ZBV, admit_before=admit_before)

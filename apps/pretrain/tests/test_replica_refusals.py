@@ -18,7 +18,7 @@ CASES = {
     "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "shards it over the whole dp"),
     "dp = 1": (["--nproc", "1"], "needs dp >= 2 (got dp=1)"),
     "dp = 1 under tp": (["--nproc", "2", "--set", "parallel.tp=2"], "needs dp >= 2 (got dp=1)"),
-    "pipeline": (["--nproc", "4", "--set", "parallel.pp=2"], "got [parallel].pp=2"),
+    "context parallel": (["--nproc", "4", "--set", "parallel.cp=2"], "got [parallel].cp=2"),
     "moe": (["--nproc", "2", "tiny-moe"], "[model].num_experts="),
 }
 

@@ -21,11 +21,11 @@ def fault_tolerance_rules(cfg) -> None:
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard' (or hsdp_replicas >= 2)")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].pp", p.pp, p.pp > 1), ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep", p.ep, p.ep > 1),
+        ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep", p.ep, p.ep > 1),
         ("[model].num_experts", m.num_experts, m.num_experts > 0), ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
         ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss),
         ("[checkpoint].async_save", "true", cfg.checkpoint.async_save)) if unsupported]
-    _need(not later, f"[train].fault_tolerance='replica' runs with data and tensor parallelism (zero='no_shard', or HSDP) "
+    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor and pipeline parallelism (zero='no_shard', or HSDP) "
                      f"only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
 

@@ -280,7 +280,8 @@ class ReplicaRun:
     def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:
         """Join ``event``'s process group (a fresh store prefix) and build its trainer (the run's config once built)."""
         alive = sorted(set(event["replicas"].values()))
-        cfg = self._config(len(alive))
+        share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
+        cfg = self._config(len(alive), share.count)  # a pipeline's schedule runs this replica's micro-batches
         if not dist.is_initialized():
             _fresh_prefix(self.store, self.generation, len(event["ranks"]))
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
@@ -291,7 +292,6 @@ class ReplicaRun:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(event["ranks"])))
             self.stops.group = dist.new_group(backend="gloo",
                                               timeout=timedelta(seconds=min(cfg.train.collective_timeout_s, 30.0)))
-        share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
         rng = rng_state()  # a fresh trainer seeds torch: this process's stream goes on as it was
         fresh = ReplicaTrainer(cfg, share, sample_log, **self.kwargs)
         set_rng_state(rng)
@@ -379,8 +379,8 @@ class ReplicaRun:
             raise RuntimeError(f"rank {self.rank} is not in generation {self.generation}'s membership")
         return event
 
-    def _config(self, replicas: int):
-        return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard)
+    def _config(self, replicas: int, microbatches: int = 1):
+        return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)
 
 
 class ReplicaLog:
@@ -435,13 +435,14 @@ class StepRange:
             self.next = self.run.regroup(trainer, step, e)
 
 
-def generation_config(cfg, micro_batch: int, replicas: int, shard: int = 1):
+def generation_config(cfg, micro_batch: int, replicas: int, shard: int = 1, microbatches: int = 1):
     """The config a generation of ``replicas`` replicas is built from: the same model-parallel layout and
     micro-batch, and a batch any ``replicas`` divides (the trainer reads its :class:`ReplicaShare` of the run's
-    batch, not the sampler's split, and trains under the run's config once built)."""
+    batch, not the sampler's split, and trains under the run's config once built); ``microbatches``: this
+    rank's share, what a pipeline schedule is built for. ``shard``: data ranks per replica (HSDP)."""
     t, p = cfg.train, cfg.parallel
-    train = replace(t, global_batch=replicas * shard * micro_batch, micro_batch=micro_batch, local_batch=0, train_samples=0,
-                    fault_tolerance="off")  # one replica left is a valid generation
+    train = replace(t, global_batch=replicas * shard * microbatches * micro_batch, micro_batch=micro_batch, local_batch=0,
+                    train_samples=0, fault_tolerance="off")  # one replica left is a valid generation
     hsdp = replicas if p.hsdp_replicas > 1 else 1  # HSDP: the replicas left, each the same sharding group
     return replace(cfg, train=train, parallel=replace(p, microbatches=0, rank_assignment="off", hsdp_replicas=hsdp))
 

@@ -283,3 +283,18 @@ ZBV = ("--set", "parallel.pp=2", "--set", "parallel.schedule=zb-v", "--set", "mo
 def test_dp2_x_pp2_zbv_a_pipeline_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank,
                                                                               phase, admit_before):
     _check_fault_run(tmp_path, 2, rank, 2, phase, reference, layout=ZBV, admit_before=admit_before)
+
+
+def _moe(balance: str) -> tuple:
+    return ("--set", "model.num_experts=4", "--set", "model.top_k=2", "--set", "model.moe_ffn_hidden=32",
+            "--set", "parallel.ep=2", "--set", f"model.expert_balance={balance}")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("balance,rank,phase,admit_before", [("replicate", 3, "backward", 0), ("replicate", 1, "optimizer", 4),
+                                                             ("none", 2, "optimizer", 4)])
+def test_dp2_x_ep2_with_expert_balancing_a_replica_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks, balance, rank, phase, admit_before):
+    """An expert-parallel group holds one copy of the experts between its ranks: it is the failure domain."""
+    _check_fault_run(tmp_path, 4, rank, 2, phase, reference, layout=_moe(balance), admit_before=admit_before, shard=2)

@@ -19,7 +19,10 @@ CASES = {
     "dp = 1": (["--nproc", "1"], "needs dp >= 2 (got dp=1)"),
     "dp = 1 under tp": (["--nproc", "2", "--set", "parallel.tp=2"], "needs dp >= 2 (got dp=1)"),
     "context parallel": (["--nproc", "4", "--set", "parallel.cp=2"], "got [parallel].cp=2"),
-    "moe": (["--nproc", "2", "tiny-moe"], "[model].num_experts="),
+    "expert re-placement": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set",
+                             "model.expert_balance=replicate+replace"], "[model].expert_balance=replicate+replace"),
+    "ep with hsdp": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set", "parallel.zero=optim_grads_params",
+                      "--set", "parallel.hsdp_replicas=2"], "[parallel].ep with hsdp_replicas=2"),
 }
 
 

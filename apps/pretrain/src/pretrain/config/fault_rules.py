@@ -21,8 +21,9 @@ def fault_tolerance_rules(cfg) -> None:
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard' (or hsdp_replicas >= 2)")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep", p.ep, p.ep > 1),
-        ("[model].num_experts", m.num_experts, m.num_experts > 0), ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
+        ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
+        ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
+        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
         ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss),
         ("[checkpoint].async_save", "true", cfg.checkpoint.async_save)) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor and pipeline parallelism (zero='no_shard', or HSDP) "

@@ -44,6 +44,7 @@ from .owned_state import owned_state
 from .preflight import checkpoint_root
 from .train_loop import Trainer
 
+MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
@@ -529,12 +530,14 @@ def _fresh_prefix(store, generation: int, world: int) -> None:
 
 def _same_block(a: dict, b: dict, shard: int = 1) -> bool:
     """Whether ``a`` and ``b`` hold the same state: the same model-parallel coordinates and HSDP shard."""
-    return all(a[k] == b[k] for k in ("tp", "cp", "pp")) and a["dp"] % shard == b["dp"] % shard
+    return all(a[k] == b[k] for k in MODEL_PARALLEL) and a["dp"] % shard == b["dp"] % shard
 
 
 def _shard_size(cfg, dp: int) -> int:
-    """The data ranks of one replica: an HSDP replica's sharding group (lost and regrouped together), else 1."""
-    return dp // cfg.parallel.hsdp_replicas if cfg.parallel.hsdp_replicas > 1 else 1
+    """The data ranks of one replica, lost and regrouped together: an HSDP replica's sharding group, an expert-
+    parallel group (its ranks hold one copy of the experts between them), else 1."""
+    p = cfg.parallel
+    return dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
 
 
 def _data_index(alive: list[int], replica: int, coords: dict, shard: int) -> int:
@@ -544,7 +547,7 @@ def _data_index(alive: list[int], replica: int, coords: dict, shard: int) -> int
 
 def _position(grid, coords: dict, dp: int) -> int:
     """The rank of ``grid`` at this rank's model-parallel coordinates and data-parallel index ``dp``."""
-    want = {"tp": coords["tp"], "cp": coords["cp"], "pp": coords["pp"], "dp": dp}
+    want = {k: coords[k] for k in MODEL_PARALLEL} | {"dp": dp}
     for r in range(grid.world_size):
         c = grid.coords(r)
         if all(c[k] == v for k, v in want.items()):

@@ -115,7 +115,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                     if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
                         step_time = (time.time() - interval) / interval_steps
                         logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
-                                   **result.moe, **timing, **trainer.sampler.shares(done),
+                                   **result.moe, **timing, **trainer.sampler.shares(done), **trainer.integrity.take(),
                                    **({"time_checkpoint": blocked} if blocked is not None else {}))
                     interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
                 profiler.after(done)  # after the log line: writing the trace is not the step's time

@@ -1,0 +1,119 @@
+"""The straggler rule (observe/stragglers.py) names the rank that was made slow, in real runs with a
+busy-wait of 3x the step injected (``PAR_INJECT``, observe/inject.py) in one rank's phase; it compares
+a rank only with the ranks of its pipeline stage, and stays silent on clean timings. Assertions are on
+which rank and phase are named, never on times."""
+
+import functools
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.observe.stragglers import BUSY_PHASES, StragglerRule
+
+STEPS = 6  # slowed from step 2 (step 1 measures the clean step): fires at 4, 5, 6 (chronic at 6)
+BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=1",
+        "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.every=1",
+        "--set", "checkpoint.every=0"]
+
+
+def injected_run(tmp_path, fault_ranks, spec: str, nproc: int, sets: list[str]) -> tuple[list[dict], str]:
+    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's straggler events, the output."""
+    import pytest as _pytest
+
+    mp = _pytest.MonkeyPatch()
+    mp.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.injected, spec))
+    args = ["train", "--nproc", str(nproc), *BASE, "--set", f"log.dir={tmp_path}"]
+    for s in sets:
+        args += ["--set", s]
+    try:
+        res = CliRunner().invoke(app, args)
+    finally:
+        mp.undo()
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    return lines, res.output
+
+
+def named(lines: list[dict]) -> set[tuple[int, str]]:
+    return {(e["rank"], e["phase"]) for e in lines if e.get("event") == "straggler"}
+
+
+CASES = {  # name: (nproc, sets, injected rank, phase)
+    "dp2-backward-ddp": (2, [], 1, "backward"),  # the all-reduce makes every rank wait alike: busy time tells
+}
+EXTENDED = {
+    "tp2-optimizer": (2, ["parallel.tp=2"], 0, "optimizer"),
+    "dp2-data": (2, [], 0, "data"),
+    "tp2-forward": (2, ["parallel.tp=2"], 1, "forward"),
+    # pp2 x dp2: ranks 0-1 are stage 0 (the embedding and a layer), 2-3 stage 1 (a layer, the head, the loss)
+    "pp2-1f1b-forward": (4, ["parallel.pp=2"], 3, "forward"),
+    "pp2-1f1b-send-lighter-stage": (4, ["parallel.pp=2"], 1, "pp_send"),
+}
+
+
+def check_named(tmp_path, fault_ranks, capfd, nproc, sets, rank, phase):
+    lines, _ = injected_run(tmp_path, fault_ranks, f"slow:{rank}:{phase}", nproc, sets)
+    output = capfd.readouterr().out  # rank 0's console (a process of its own)
+    assert named(lines) == {(rank, phase)}, [e for e in lines if e.get("event")]
+    event = next(e for e in lines if e.get("event") == "straggler")
+    assert {"host", "gpu", "stage", "busy_s", "peers_s", "slower", "chronic"} <= event.keys()
+    assert f"straggler rank {rank} (host " in output and f"): {phase} " in output, output
+    assert any(e.get("chronic") for e in lines if e.get("event") == "straggler")  # slowed at every step
+    return lines
+
+
+@pytest.mark.timeout(180)  # a whole run, slowed
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_slowed_rank_and_phase_are_named(tmp_path, fault_ranks, capfd, name):
+    check_named(tmp_path, fault_ranks, capfd, *CASES[name])
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(EXTENDED))
+def test_the_slowed_rank_and_phase_are_named_on_more_layouts(tmp_path, fault_ranks, capfd, name):
+    lines = check_named(tmp_path, fault_ranks, capfd, *EXTENDED[name])
+    if "lighter" in name:  # the slowed rank's stage is the lighter one in the clean steps' medians
+        first = next(r for r in lines if "stage_busy_s" in r)
+        assert len(first["stage_busy_s"]) == 2
+
+
+def clean_rows(world: int = 4, samples: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    """Clean busy times [rank, phase] per log step: every rank of a stage alike up to 15% noise."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor([0.002, 0.03, 0.06, 0.01, 0.001], dtype=torch.float64)
+    return [base * (1 + 0.15 * torch.rand(world, len(BUSY_PHASES), generator=g, dtype=torch.float64))
+            for _ in range(samples)]
+
+
+def test_the_rule_is_silent_on_clean_timings_and_names_a_chronic_straggler():
+    rule = StragglerRule([0, 0, 0, 0])
+    assert all(rule.observe(r)["stragglers"] == [] for r in clean_rows())
+    one_off = clean_rows(seed=1)  # one stall of rank 2 in one log step: not a straggler
+    one_off[5][2, 2] *= 10
+    rule = StragglerRule([0, 0, 0, 0])
+    assert all(rule.observe(r)["stragglers"] == [] for r in one_off)
+    rule, found = StragglerRule([0, 0, 0, 0]), []
+    for rows in clean_rows(seed=2):
+        rows[3, 2] *= 4  # rank 3's backward, every step
+        found.append(rule.observe(rows)["stragglers"])
+    assert found[:2] == [[], []]  # fewer log steps than the rule needs
+    assert all([(f.rank, f.phase) for f in flags] == [(3, "backward")] for flags in found[2:])
+    assert [flags[0].chronic for flags in found[2:5]] == [False, False, True]
+
+
+def test_ranks_are_compared_within_their_pipeline_stage_only():
+    """Stage 1 does twice stage 0's work on every rank: that is imbalance (reported apart), no straggler.
+    Comparing across stages (the planted bug: every rank one group) names stage 1's ranks."""
+    rows = clean_rows()
+    for r in rows:
+        r[2:] *= 2
+    staged = StragglerRule([0, 0, 1, 1])
+    out = [staged.observe(r) for r in rows]
+    assert all(o["stragglers"] == [] for o in out)
+    assert out[-1]["stage_busy_s"][1] > 1.5 * out[-1]["stage_busy_s"][0]
+    mixed = StragglerRule([0, 0, 0, 0])
+    assert any(mixed.observe(r)["stragglers"] for r in rows)

@@ -117,3 +117,23 @@ def test_ranks_are_compared_within_their_pipeline_stage_only():
     assert out[-1]["stage_busy_s"][1] > 1.5 * out[-1]["stage_busy_s"][0]
     mixed = StragglerRule([0, 0, 0, 0])
     assert any(mixed.observe(r)["stragglers"] for r in rows)
+
+
+def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
+    """A log written here (no ranks): the busy times per rank and stage, the straggler and corruption lines."""
+    steps = [{"step": s, "loss": 5.0, "step_time_s": 0.1, "time_busy_by_rank_s": [0.02, 0.021, 0.09, 0.02],
+              "stage_busy_s": [0.02, 0.03]} for s in range(1, 5)]
+    flag = {"event": "straggler", "rank": 2, "host": "h2", "gpu": "3", "stage": 1, "phase": "forward",
+            "busy_s": 0.07, "peers_s": 0.01, "slower": 7.0}
+    events = [flag | {"step": 3, "chronic": False}, flag | {"step": 4, "chronic": True},
+              {"event": "corruption", "step": 4, "class": "transient", "rank": 1, "host": "h1", "gpu": "0"},
+              {"event": "integrity_check", "step": 4, "hash_s": 0.002, "hashed_bytes": 1000, "hash_bytes": 80}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + events))
+    res = CliRunner().invoke(app, ["report", str(tmp_path), "--no-html"])
+    assert res.exit_code == 0, res.output
+    assert "busy per rank, median ms: r0 20, r1 21, r2 90, r3 20" in res.stdout
+    assert "busy per pipeline stage, median ms (imbalance, not stragglers): 20, 30" in res.stdout
+    assert ("straggler rank 2 (host h2, GPU 3): flagged at 2 log steps (steps 3-4), mostly in forward, "
+            "up to 7.0x its peers, chronic") in res.stdout
+    assert "step 4: corruption check: transient on rank 1 (host h1, GPU 0)" in res.stdout
+    assert "1 copies check: median 2.0 ms, 1,000 bytes hashed and 80 bytes of hashes gathered per rank" in res.stdout

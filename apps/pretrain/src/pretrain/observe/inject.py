@@ -7,7 +7,8 @@ rank: never on unless ``PAR_INJECT`` is set (the tests set it for the ranks they
   step (as measured on the host over the steps before, less what was injected).
 - ``flip_weight:R:STEP``: before (1-based) step STEP, rank R flips the top exponent bit of its first
   owned norm weight (the fp32 master the optimizer updates, so it stays, like a memory error).
-- ``flip_state:R:STEP``: the same in its first piece of optimizer state (seen by the copies check only).
+- ``flip_state:R:STEP``: the same in its first piece of optimizer state, after step STEP's update (so
+  only the copies check at that step can see it; the next update would spread it to the weights).
 - ``flip_activation:R:STEP``: in step STEP, the top exponent bit of rank R's first forward output
   flips (once: transient).
 - ``matmul:R``: every ``nn.functional.linear`` and ``torch.matmul`` (the TP layers' local matmul too)
@@ -46,8 +47,12 @@ def parse(text: str) -> list[tuple[str, int, str]]:
 
 
 def flip_bit(t: torch.Tensor, bit: int = 30) -> None:
-    """Flip one bit (the top exponent bit by default: 1.0 becomes inf) of ``t``'s first element, in place."""
-    flat = t.detach().view(-1)[:1]
+    """Flip one bit (the top exponent bit by default: 1.0 becomes inf, 0.01 about 1e35) of ``t``'s first
+    positive element (else its first), in place."""
+    flat = t.detach().view(-1)
+    positive = (flat > 0).nonzero()
+    at = int(positive[0, 0]) if len(positive) else 0
+    flat = flat[at:at + 1]
     ints = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.int16)
     ints ^= 1 << (bit if flat.element_size() == 4 else min(bit, 6))
 
@@ -63,6 +68,7 @@ class Faults:
         self.flip_activation = {int(arg) for kind, arg in mine if kind == "flip_activation"}
         self.active = bool(mine)
         self.step_no = 0
+        self.owned = None  # the owned state of the running step (a flip's target)
         self.started: float | None = None
         self.injected = 0.0  # seconds busy-waited in the current step
         self.clean: list[float] = []  # the steps' host times less what was injected
@@ -83,17 +89,21 @@ class Faults:
         if self.started is not None:
             self.clean.append(now - self.started - self.injected)
         self.started, self.injected, self.done, self.step_no = now, 0.0, set(), step + 1
-        for kinds, prefix in ((self.flip_weight, "master/"), (self.flip_state, "")):
-            if self.step_no in kinds:
-                state = owned()
-                names = [n for n in state if state[n] and (n.startswith(prefix) if prefix else
-                                                           not n.startswith(("master/", "model/")))]
-                name = next((n for n in names if "norm" in n), names[0])
-                with torch.no_grad():
-                    flip_bit(state[name][0])
+        self.owned = owned
+        if self.step_no in self.flip_weight:
+            self._flip(lambda n: n.startswith("master/"))
+
+    def _flip(self, chosen) -> None:
+        state = self.owned()
+        names = [n for n in state if state[n] and chosen(n)]
+        name = next((n for n in names if "norm" in n), names[0])
+        with torch.no_grad():
+            flip_bit(state[name][0])
 
     def at(self, phase: str) -> None:
         """Busy-wait here if this rank is slowed in ``phase`` (once per step; not before a step was measured)."""
+        if phase == "optimizer" and self.step_no in self.flip_state:  # after the update
+            self._flip(lambda n: not n.startswith(("master/", "model/")))
         if phase not in self.slow or phase in self.done or not self.clean:
             return
         self.done.add(phase)

@@ -174,7 +174,7 @@ class Integrity:
                                   [rows[o][1] for o in held if o != suspect])
             events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect,
                            "host": who[suspect][2], "gpu": who[suspect][3], "suspect_step": int(rows[suspect][2]) + 1,
-                           "micro_batch": int(rows[suspect][3]), "loss": _finite(rows[suspect][1])})
+                           "micro_batch": int(rows[suspect][3]), "suspect_loss": _finite(rows[suspect][1])})
         if dist.get_rank() == 0:
             self.events += events
         if odd:

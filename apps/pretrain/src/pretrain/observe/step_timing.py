@@ -191,8 +191,8 @@ class StepTimer:
                 "time_busy_by_rank_s": [round(b, 6) for b in busy.tolist()]}
         if bubble or rows[:, 4].any():
             out["pp_bubble"] = float(rows[:, 4].median())  # the median rank's share
-        if self.rule is None:
-            self.rule = StragglerRule.gathered(self.stage, self.device)  # once: every rank's stage, host, GPU
+        if self.rule is None or len(self.rule.stages) != len(rows):  # once, and again after a regroup
+            self.rule = StragglerRule.gathered(self.stage, self.device)  # every rank's stage, host, GPU
         return out | self.rule.observe(rows[:, 5:])
 
 

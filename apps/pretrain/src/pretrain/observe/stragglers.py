@@ -23,9 +23,9 @@ import torch
 
 BUSY_PHASES = ("data", "forward", "backward", "optimizer", "pp_send")
 WINDOW = 5  # log steps kept per rank
-MIN_SAMPLES = 3  # log steps seen before the rule may fire (the first steps warm up)
+MIN_SAMPLES = WINDOW  # a full window before the rule may fire (the first steps warm up)
 MADS = 5.0
-MIN_RELATIVE = 1.0  # the rank is at least 2x its peers in the phase (a busy shared machine jitters by half)
+MIN_RELATIVE = 2.0  # the rank is over 3x its peers in the phase (ranks descheduled on a shared machine jitter by 2x)
 MIN_SHARE = 0.25  # and the excess is at least this share of the peers' busy step (less does not matter)
 CHRONIC = 3  # log steps in a row
 LEAVE_ONE_OUT = 8  # up to this many peers, each rank is compared with the others; above, with all (one outlier barely moves a median)

@@ -128,7 +128,7 @@ class Integrity:
         self.worst.copy_(torch.where(row[0] > self.worst[0], row, self.worst))
 
     def _who(self, trainer) -> list[tuple]:
-        if self.ranks is None:
+        if self.ranks is None or len(self.ranks) != dist.get_world_size():  # once, and again after a regroup
             coords = trainer.groups.coords()
             model = (coords["tp"], coords["cp"], coords["pp"])  # the same work in every replica
             gpu = str(self.device.index if self.device.index is not None else torch.cuda.current_device()) \

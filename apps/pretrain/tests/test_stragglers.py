@@ -151,10 +151,10 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
 @pytest.mark.timeout(600)
 def test_no_flag_over_200_clean_steps(tmp_path):
     """The shipped threshold on a clean dp2 run: every log step checked, no rank named chronic. Only on a
-    machine whose cores are free: where other jobs deschedule a rank for steps on end it is a straggler."""
+    machine not swamped: where other jobs deschedule a rank for steps on end it is a straggler."""
     import os
 
-    if os.getloadavg()[0] > (os.cpu_count() or 1) / 2:
+    if os.getloadavg()[0] > 5 * (os.cpu_count() or 1):
         pytest.skip(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: the ranks lag for real")
     args = ["train", "--nproc", "2", *BASE, "--set", "train.steps=200", "--set", f"log.dir={tmp_path}"]
     res = CliRunner().invoke(app, args)

@@ -60,6 +60,8 @@ class ShapesOnly:
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
+    integrity_checks = True  # the silent-corruption checks (integrity.py); off where a rerun cannot fetch the data
+
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
                  topology=None, shapes_only: ShapesOnly | None = None, timer=None) -> None:
         """``topology``: where the ranks run (else found at start-up: NVML, then [topology], see pretrain.runtime.rank_assignment).
@@ -103,7 +105,7 @@ class Trainer:
                                   self.timer)  # a pipeline schedule, or accumulation
         self.timer.stage = g.rank_in("pp")  # ranks are compared with those of their stage (observe/stragglers.py)
         self.faults = Faults.from_env(dist.get_rank())  # none unless PAR_INJECT (observe/inject.py)
-        self.integrity = Integrity(self, off=simulated)  # silent corruption, checked at log steps
+        self.integrity = Integrity(self, off=simulated or not self.integrity_checks)  # silent corruption, at log steps
         if hasattr(self.runner, "executor"):
             self.runner.executor.send_span = self._send_span
         self.non_finite = NonFinite(self.device)

@@ -26,7 +26,9 @@ MEANINGS = {
         "norm_eps": "RMSNorm's epsilon",
         "tie_embeddings": "the output head shares the embedding's weights",
         "init_std": "the normal initialisation's standard deviation (--init-method-std)",
-        "recompute": "activation recomputation: none | selective (the attention core) | full (every block)",
+        "recompute": "activation recomputation: none | selective (the attention core) | full (every block), or a list "
+                     "of modules (core_attn, mlp, moe_act, layernorm, mla_up_proj, moe, full), each optionally "
+                     "for layers first-last: [\"core_attn\", \"mlp@0-15\"]",
         "moe_layers_start": "the first layers stay dense MLPs (DeepSeek's first_k_dense_replace)",
         "num_experts": "routed experts per MoE layer; 0 = a dense model",
         "mlp_only_layers": "layer indices that stay dense (Qwen3-MoE)",

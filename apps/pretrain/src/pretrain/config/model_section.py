@@ -29,6 +29,27 @@ def _validate_route_nodes(m) -> None:
                                    f"limit; set only max_route_nodes")
 
 
+def _check_recompute(m) -> None:
+    from ..model.recompute_policy import MODULES, parse_item
+
+    if isinstance(m.recompute, str):
+        _choice("[model].recompute", m.recompute, RECOMPUTE)
+        return
+    object.__setattr__(m, "recompute", tuple(m.recompute))  # a list once read from JSON
+    last = m.layers + m.mtp_depth - 1
+    for text in m.recompute:
+        item = parse_item(text) if isinstance(text, str) else None
+        _need(item is not None, f"[model].recompute item {text!r} is not module[@first[-last]] with a module of "
+                                f"{', '.join(MODULES)}, e.g. \"mlp\" or \"full@0-7\"")
+        name, first, end = item
+        _need(first <= last and (end is None or end <= last),
+              f"[model].recompute item {text!r} names layers past the model's 0..{last}")
+        _need(name != "mla_up_proj" or m.attention == "mla",
+              f"[model].recompute item {text!r} needs attention = \"mla\" (got {m.attention!r})")
+        _need(name not in ("moe", "moe_act") or m.num_experts > 0,
+              f"[model].recompute item {text!r} needs MoE layers (num_experts > 0)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
@@ -59,7 +80,9 @@ class ModelConfig:
     # Megatron's --attention-dropout on the attention probabilities, masks drawn the same way; it writes the
     # attention out (S x S probabilities per head), not the fused kernels; 0 = off
     attention_dropout: float = 0.0
-    recompute: str = "none"
+    # none | selective | full, or a list of modules, each for every layer or a range of them:
+    # ["core_attn", "mlp@0-15", "full@16-31"] (model/recompute.py)
+    recompute: str | tuple[str, ...] = "none"
     moe_layers_start: int = 0
     num_experts: int = 0
     # Qwen3-MoE's layer pattern: layer i has experts iff (i + 1) % decoder_sparse_step == 0 and i is not in
@@ -141,7 +164,7 @@ class ModelConfig:
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _need(0 <= self.hidden_dropout < 1, f"[model].hidden_dropout={self.hidden_dropout} must be in [0, 1)")
         _need(0 <= self.attention_dropout < 1, f"[model].attention_dropout={self.attention_dropout} must be in [0, 1)")
-        _choice("[model].recompute", self.recompute, RECOMPUTE)
+        _check_recompute(self)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
         _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)

@@ -164,6 +164,12 @@ def _coerce(section: str, key: str, value, hint):
     if hint is list:
         _need(isinstance(value, list), f"{where} must be a list, got {shown(value)}")
         return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and str in args and isinstance(value, str):
+        return value  # a word, or (below) a list of strings: [model].recompute
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and str in args:
+        _need(isinstance(value, list) and all(isinstance(v, str) for v in value),
+              f"{where} must be a string or a list of strings, e.g. [\"a\", \"b\"], got {shown(value)}")
+        return tuple(value)
     if hint in (str, dict):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
         _need(isinstance(value, hint), f"{where} must be {what}, got {shown(value)}")

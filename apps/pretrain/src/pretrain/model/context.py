@@ -16,7 +16,7 @@ class ChunkContext:
     sequence_parallel: bool
     cp_mode: str  # p2p | a2a | allgather | a2a+p2p
     seq_len: int  # full sequence length (before CP)
-    recompute: str  # none | selective | full
+    recompute: object  # [model].recompute: none | selective | full, or a list of modules (recompute_policy.py)
     attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
     tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
@@ -24,6 +24,13 @@ class ChunkContext:
     # (par_moe.DeclaredRouting).
     declared_routing: object | None = None
     qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
+
+    def recomputes(self, module: str, layer: int) -> bool:
+        """Whether decoder layer ``layer`` recomputes ``module`` (a name of ``recompute_policy.MODULES``)."""
+        from .recompute_policy import modules_at
+
+        modules = modules_at(self.recompute, layer)
+        return module in modules and (module == "full" or "full" not in modules)
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:

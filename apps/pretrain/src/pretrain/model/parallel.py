@@ -34,7 +34,8 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
 from .dropout import hidden_dropout, position as dropout_position
-from .te import fuse_norm_, recompute
+from .recompute import checkpointed
+from .te import fuse_norm_
 
 
 def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
@@ -49,8 +50,12 @@ class ParallelDecoderLayer(nn.Module):
     def __init__(self, config, index: int, context: ChunkContext) -> None:
         super().__init__()
         g, sp = context.groups, context.sequence_parallel
-        self.full_recompute, self.backend = context.recompute == "full", context.backend
+        self.backend = context.backend
         self.is_moe = config.is_moe_layer(index)
+        # [model].recompute for this layer (recompute_policy.py): the whole layer, or some of its modules
+        self.full_recompute = context.recomputes("full", index)
+        self.recompute_norms = context.recomputes("layernorm", index)
+        self.recompute_mlp = context.recomputes("moe" if self.is_moe else "mlp", index)
         self.index, self.hidden_dropout = index, config.hidden_dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         family = family_of(config)
@@ -79,19 +84,28 @@ class ParallelDecoderLayer(nn.Module):
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
         self.dp_cp_size = g.size("dp_cp")
+        if self.is_moe and context.recomputes("moe_act", index):
+            self.mlp.experts.recompute_act = True
         if self.attention_norm_inside:
             fuse_norm_(self.self_attn, self.input_layernorm)
         if self.mlp_norm_inside:
             fuse_norm_(self.mlp, self.post_attention_layernorm)
 
+    def _part(self, module: nn.Module, recomputed: bool, x: torch.Tensor):
+        """``module(x)``, rerun in the backward where ``recomputed`` (not inside a recomputed layer)."""
+        if recomputed and not self.full_recompute and torch.is_grad_enabled():
+            return checkpointed(module, x, backend=self.backend)
+        return module(x)
+
     def _forward(self, x: torch.Tensor, docs: Documents | None = None, where=None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        attn = self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        normed = x if self.attention_norm_inside else self._part(self.input_layernorm, self.recompute_norms, x)
+        attn = self.self_attn(normed, **packed)
         x = x + (attn if where is None else hidden_dropout(attn, self.hidden_dropout, where, self.index, 0))
-        h = x if self.mlp_norm_inside else self.post_attention_layernorm(x)
+        h = x if self.mlp_norm_inside else self._part(self.post_attention_layernorm, self.recompute_norms, x)
         if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
             h = scatter_to_sequence_parallel(h, self.moe_tp_group)
-        out = self.mlp(h)
+        out = self._part(self.mlp, self.recompute_mlp, h)
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
@@ -103,7 +117,7 @@ class ParallelDecoderLayer(nn.Module):
         # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
         where = dropout_position() if self.hidden_dropout > 0 and self.training else None
         if self.full_recompute and torch.is_grad_enabled():
-            return recompute(self._forward, x, docs, where, backend=self.backend)
+            return checkpointed(self._forward, x, docs, where, backend=self.backend)
         return self._forward(x, docs, where)
 
 

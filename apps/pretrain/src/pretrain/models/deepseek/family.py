@@ -56,9 +56,9 @@ class DeepSeek(Family):
         from .mla import ContextMLACore, TPMLAttention, softmax_scale
 
         core = ContextMLACore(config, context_attention(context, softmax_scale(config)), context.seq_len,
-                              context.recompute == "selective", context.backend)
+                              context.recomputes("core_attn", index), context.backend)
         return TPMLAttention(config, context.groups.tp, context.sequence_parallel, core,
-                             comm_overlap=context.tp_comm_overlap)
+                             comm_overlap=context.tp_comm_overlap, recompute_up=context.recomputes("mla_up_proj", index))
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """The down-projections' input (local tokens), the gathered latents, q, k and v padded to one

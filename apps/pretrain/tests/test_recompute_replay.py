@@ -74,7 +74,7 @@ def test_policy_words_and_items():
     ('["mlp", "attn"]', "[model].recompute item 'attn' is not module[@first[-last]]"),
     ('["mlp@3-1"]', "[model].recompute item 'mlp@3-1' is not module[@first[-last]]"),
     ('["full@0-99"]', "names layers past the model's 0..7"),
-    ('["mla_up_proj"]', "needs attention = \"mla\""),
+    ('["mla_up_proj"]', "needs a latent attention (attention='gqa' has no up-projections)"),
     ('["moe"]', "needs MoE layers"),
     ("[1]", "[model].recompute must be a string or a list of strings"),
 ])

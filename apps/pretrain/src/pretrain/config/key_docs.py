@@ -29,6 +29,9 @@ MEANINGS = {
         "recompute": "activation recomputation: none | selective (the attention core) | full (every block), or a list "
                      "of modules (core_attn, mlp, moe_act, layernorm, mla_up_proj, moe, full), each optionally "
                      "for layers first-last: [\"core_attn\", \"mlp@0-15\"]",
+        "offload": "modules whose saved activations wait in host memory for their backward (pinned, copied on a side "
+                   "stream): attn, mlp, moe, layernorm, layer, each optionally for layers first-last, or layers:N "
+                   "(the first N layers of each chunk)",
         "moe_layers_start": "the first layers stay dense MLPs (DeepSeek's first_k_dense_replace)",
         "num_experts": "routed experts per MoE layer; 0 = a dense model",
         "mlp_only_layers": "layer indices that stay dense (Qwen3-MoE)",

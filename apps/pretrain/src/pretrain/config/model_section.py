@@ -44,10 +44,23 @@ def _check_recompute(m) -> None:
         name, first, end = item
         _need(first <= last and (end is None or end <= last),
               f"[model].recompute item {text!r} names layers past the model's 0..{last}")
-        _need(name != "mla_up_proj" or m.attention == "mla",
-              f"[model].recompute item {text!r} needs attention = \"mla\" (got {m.attention!r})")
+        _need(name != "mla_up_proj" or "mla_up_proj" in family_of(m).supports,
+              f"[model].recompute item {text!r} needs a latent attention (attention={m.attention!r} has no up-projections)")
         _need(name not in ("moe", "moe_act") or m.num_experts > 0,
               f"[model].recompute item {text!r} needs MoE layers (num_experts > 0)")
+
+
+def _check_offload(m) -> None:
+    from ..model.offload import MODULES, parse_item
+
+    object.__setattr__(m, "offload", tuple(m.offload))  # a list once read from JSON
+    for text in m.offload:
+        item = parse_item(text) if isinstance(text, str) else None
+        _need(item is not None, f"[model].offload item {text!r} is not module[@first[-last]] with a module of "
+                                f"{', '.join(MODULES)}, or layers:N (N >= 1), e.g. \"mlp\" or \"layers:2\"")
+        name, first, end = item
+        _need(name == "layers" or (first < m.layers + m.mtp_depth and (end is None or end < m.layers + m.mtp_depth)),
+              f"[model].offload item {text!r} names layers past the model's 0..{m.layers + m.mtp_depth - 1}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,9 @@ class ModelConfig:
     # none | selective | full, or a list of modules, each for every layer or a range of them:
     # ["core_attn", "mlp@0-15", "full@16-31"] (model/recompute.py)
     recompute: str | tuple[str, ...] = "none"
+    # modules whose saved activations wait in host memory for their backward: attn, mlp, moe, layernorm,
+    # layer, each for every layer or "name@first-last", or "layers:N" (the first N of each chunk) (model/offload.py)
+    offload: tuple[str, ...] = ()
     moe_layers_start: int = 0
     num_experts: int = 0
     # Qwen3-MoE's layer pattern: layer i has experts iff (i + 1) % decoder_sparse_step == 0 and i is not in
@@ -165,6 +181,7 @@ class ModelConfig:
         _need(0 <= self.hidden_dropout < 1, f"[model].hidden_dropout={self.hidden_dropout} must be in [0, 1)")
         _need(0 <= self.attention_dropout < 1, f"[model].attention_dropout={self.attention_dropout} must be in [0, 1)")
         _check_recompute(self)
+        _check_offload(self)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
         _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)

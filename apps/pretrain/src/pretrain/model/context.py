@@ -24,6 +24,8 @@ class ChunkContext:
     # (par_moe.DeclaredRouting).
     declared_routing: object | None = None
     qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
+    offload: tuple[str, ...] = ()  # [model].offload (offload.py)
+    offloader: object | None = None  # this rank's offload.Offloader when offload is set
 
     def recomputes(self, module: str, layer: int) -> bool:
         """Whether decoder layer ``layer`` recomputes ``module`` (a name of ``recompute_policy.MODULES``)."""
@@ -31,6 +33,12 @@ class ChunkContext:
 
         modules = modules_at(self.recompute, layer)
         return module in modules and (module == "full" or "full" not in modules)
+
+    def offloads(self, layer: int, position: int | None) -> frozenset[str]:
+        """The modules decoder layer ``layer`` (the ``position``-th of its chunk) offloads (offload.py)."""
+        from .offload import modules_at
+
+        return modules_at(self.offload, layer, position)
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:

@@ -41,13 +41,14 @@ def parse_item(text: str) -> tuple[str, int, int | None] | None:
     return (name, first, last) if ok else None
 
 
-def modules_at(items, layer: int, position: int) -> frozenset[str]:
-    """The modules offloaded in decoder layer ``layer``, the ``position``-th of its chunk."""
+def modules_at(items, layer: int, position: int | None) -> frozenset[str]:
+    """The modules offloaded in decoder layer ``layer``, the ``position``-th of its chunk (None: an MTP
+    layer, which ``layers:N`` does not count)."""
     out = set()
     for text in items:
         name, first, last = parse_item(text)
         if name == "layers":
-            if position < first:
+            if position is not None and position < first:
                 out.add("layer")
         elif first <= layer and (last is None or layer <= last):
             out.add(name)

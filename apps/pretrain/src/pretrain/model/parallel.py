@@ -47,9 +47,12 @@ def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
 
 
 class ParallelDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, context: ChunkContext) -> None:
+    def __init__(self, config, index: int, context: ChunkContext, position: int | None = None) -> None:
         super().__init__()
         g, sp = context.groups, context.sequence_parallel
+        # [model].offload (offload.py): these modules' saved activations wait in host memory
+        self.offloader = context.offloader
+        self.offloaded = context.offloads(index, position) if context.offloader is not None else frozenset()
         self.backend = context.backend
         self.is_moe = config.is_moe_layer(index)
         # [model].recompute for this layer (recompute_policy.py): the whole layer, or some of its modules
@@ -91,21 +94,34 @@ class ParallelDecoderLayer(nn.Module):
         if self.mlp_norm_inside:
             fuse_norm_(self.mlp, self.post_attention_layernorm)
 
-    def _part(self, module: nn.Module, recomputed: bool, x: torch.Tensor):
-        """``module(x)``, rerun in the backward where ``recomputed`` (not inside a recomputed layer)."""
+    def _part(self, module: nn.Module, recomputed: bool, x: torch.Tensor, offload: str = ""):
+        """``module(x)``, rerun in the backward where ``recomputed`` (not inside a recomputed layer), its
+        saved activations in host memory where ``offload`` names an offloaded module."""
+        if offload in self.offloaded and torch.is_grad_enabled():
+            return self._offloaded(lambda y: self._part(module, recomputed, y), module, x)
         if recomputed and not self.full_recompute and torch.is_grad_enabled():
             return checkpointed(module, x, backend=self.backend)
         return module(x)
 
+    def _offloaded(self, fn, module: nn.Module, x: torch.Tensor, *args):
+        with self.offloader.region(module, x.device) as moved:
+            out = fn(x, *args)
+        first = out[0] if isinstance(out, tuple) else out
+        self.offloader.prefetch_on_grad(first, moved)
+        return out
+
     def _forward(self, x: torch.Tensor, docs: Documents | None = None, where=None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        normed = x if self.attention_norm_inside else self._part(self.input_layernorm, self.recompute_norms, x)
-        attn = self.self_attn(normed, **packed)
+        normed = x if self.attention_norm_inside else self._part(self.input_layernorm, self.recompute_norms, x, "layernorm")
+        if "attn" in self.offloaded and torch.is_grad_enabled():
+            attn = self._offloaded(lambda y: self.self_attn(y, **packed), self.self_attn, normed)
+        else:
+            attn = self.self_attn(normed, **packed)
         x = x + (attn if where is None else hidden_dropout(attn, self.hidden_dropout, where, self.index, 0))
-        h = x if self.mlp_norm_inside else self._part(self.post_attention_layernorm, self.recompute_norms, x)
+        h = x if self.mlp_norm_inside else self._part(self.post_attention_layernorm, self.recompute_norms, x, "layernorm")
         if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
             h = scatter_to_sequence_parallel(h, self.moe_tp_group)
-        out = self._part(self.mlp, self.recompute_mlp, h)
+        out = self._part(self.mlp, self.recompute_mlp, h, "moe" if self.is_moe else "mlp")
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
@@ -116,6 +132,11 @@ class ParallelDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
         where = dropout_position() if self.hidden_dropout > 0 and self.training else None
+        if "layer" in self.offloaded and torch.is_grad_enabled():
+            return self._offloaded(self._whole, self, x, docs, where)
+        return self._whole(x, docs, where)
+
+    def _whole(self, x: torch.Tensor, docs: Documents | None, where) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
             return checkpointed(self._forward, x, docs, where, backend=self.backend)
         return self._forward(x, docs, where)
@@ -139,7 +160,7 @@ class ModelChunk(nn.Module):
         rows = config.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
         # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
         self.embed_tokens = VocabParallelEmbedding(rows, config.hidden, g.tp, sequence_parallel=sp) if first else None
-        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, context) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, context, n) for n, i in enumerate(layer_ids)})
         self.norm = _norm(config, context) if last else None
         self.lm_head = (ColumnParallelLinear(config.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=context.tp_comm_overlap)
                         if last else None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from ..errors import UsageError
 
 # The optional features a family may run, and the parallel dimensions it may be split over (dp / ZeRO: always).
-FEATURES = ("dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion")
+FEATURES = ("dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion", "mla_up_proj")
 DIMENSIONS = ("tp", "cp", "pp", "ep")
 
 

@@ -17,7 +17,7 @@ ATTENTION = "mla"
 class DeepSeek(Family):
     attention = ATTENTION
     keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    supports = frozenset()
+    supports = frozenset({"mla_up_proj"})  # [model].recompute's module: the latents' up-projections
     tp_split = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
     hf_architectures = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 

@@ -23,6 +23,21 @@ import contextlib
 import torch
 from torch import nn
 
+# Where the host copies are made: a context the fake-tensor memory tracker (plan --simulate) replaces with
+# its own, which does not count them as the device's
+host_memory = contextlib.nullcontext
+
+
+@contextlib.contextmanager
+def host_copies(context):
+    """Make the host copies inside ``context()`` while this lasts."""
+    global host_memory
+    outer, host_memory = host_memory, context
+    try:
+        yield
+    finally:
+        host_memory = outer
+
 # the modules an item may name, and the whole layer
 MODULES = ("attn", "mlp", "moe", "layernorm", "layer")
 
@@ -55,6 +70,15 @@ def modules_at(items, layer: int, position: int | None) -> frozenset[str]:
     return frozenset(out)
 
 
+def _address(t: torch.Tensor) -> int:
+    """Its storage's address (the same memory saved by several nodes, as one view or another), or on fake
+    tensors, which have none, the tensor's id (``region`` holds the tensors: neither is reused in it)."""
+    try:
+        return t.untyped_storage().data_ptr() or id(t)
+    except RuntimeError:
+        return id(t)
+
+
 class _Moved:
     """One saved tensor out of the device: its host copy, and its device copy once fetched back."""
 
@@ -83,7 +107,7 @@ class Offloader:
             self.stream = torch.cuda.Stream(device) if self.cuda else None
         moved: list[_Moved] = []
         seen: dict = {}  # also holds each moved tensor until the region ends: its address is not reused in it
-        kept = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.numel()}
+        kept = {id(t) for t in (*module.parameters(), *module.buffers())}  # (storage addresses: none on fake tensors)
         outer, self._region = self._region, (moved, seen, kept)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -98,14 +122,15 @@ class Offloader:
         return out
 
     def _keep(self, t: torch.Tensor) -> bool:
-        return (t.device != self.device or not t.is_floating_point() or t.numel() == 0
-                or t.untyped_storage().data_ptr() in self._region[2] or isinstance(t, nn.Parameter))
+        kept = self._region[2]
+        return (t.device != self.device or not t.is_floating_point() or t.numel() == 0 or isinstance(t, nn.Parameter)
+                or id(t) in kept or (t._base is not None and id(t._base) in kept))
 
     def _pack(self, t: torch.Tensor):
         if self._keep(t):
             return t
         moved_list, seen, _ = self._region
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = (_address(t), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
         moved = seen.get(key, (None,))[0]
         if moved is None:
             moved = self._move_out(t)
@@ -117,8 +142,9 @@ class Offloader:
 
     def _move_out(self, t: torch.Tensor) -> _Moved:
         if not self.cuda:  # a second buffer: what a host copy is on a GPU
-            host = torch.empty_like(t, memory_format=torch.contiguous_format)
-            host.copy_(t)
+            with host_memory():
+                host = torch.empty_like(t, memory_format=torch.contiguous_format)
+                host.copy_(t)
             return _Moved(host, None, None)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written
@@ -135,8 +161,8 @@ class Offloader:
         if moved.host is None:
             raise RuntimeError("offload: a saved tensor was freed before its last use in the backward")
         self.bytes_in += moved.host.numel() * moved.host.element_size()
-        if not self.cuda:
-            moved.back = moved.host
+        if not self.cuda:  # the copy back: device memory again
+            moved.back = moved.host.clone()
             return
         back = torch.empty(moved.host.shape, dtype=moved.host.dtype, device=self.device)
         with torch.cuda.stream(self.stream):

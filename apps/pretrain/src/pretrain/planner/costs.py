@@ -58,6 +58,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
                   "per_rank_per_step": training_flops_per_step(m, t.seq_len, t.global_batch) / world},
         "decision": choose_zero(fits, dp_nodes, layout.dp * layout.cp),
     }
+    if not isinstance(m.recompute, str) or m.offload:  # a per-module policy: what it costs per stage
+        from .policy import policy_figures
+
+        out["activation_policy"] = policy_figures(cfg, layout)
     if m.is_moe:
         out["experts"] = {"params_per_expert": c.expert, "bytes_per_expert_bf16": 2 * c.expert,
                           "routed_bytes_per_layer_bf16": 2 * c.routed_per_layer, "moe_layers": c.moe_layers,

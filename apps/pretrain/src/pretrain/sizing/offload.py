@@ -33,17 +33,25 @@ def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     return _mlp(m, layout, i, pb, m.top_k * layout.etp)
 
 
+def offloaded_per_layer(cfg, layout, i: int, position: int | None) -> float:
+    """Bytes per token decoder layer ``i`` (the ``position``-th of its chunk; None: MTP) moves out."""
+    m = cfg.model
+    if not m.offload:
+        return 0.0
+    modules = modules_at(m.offload, i, position)
+    if "layer" in modules:
+        modules = {"layer"}
+    return sum(_module_per_token(cfg, layout, i, module, _pb(cfg)) for module in modules)
+
+
 def offloaded_per_microbatch(cfg, layout, chunk: int, layers) -> float:
     """Bytes one micro-batch of ``chunk`` moves out (and back)."""
-    m, pb = cfg.model, _pb(cfg)
+    m = cfg.model
     tokens = cfg.train.seq_len / layout.cp * layout.micro_batch
-    total = 0.0
-    for position, i in enumerate(layers):
-        modules = modules_at(m.offload, i, position)
-        if "layer" in modules:
-            modules = {"layer"}
-        total += sum(_module_per_token(cfg, layout, i, module, pb) for module in modules) * tokens
-    return total
+    last = chunk == layout.pp * layout.chunks_per_rank - 1
+    mtp = list(range(m.layers, m.layers + m.mtp_depth)) if last else []
+    per_token = sum(offloaded_per_layer(cfg, layout, i, n) for n, i in enumerate(layers))
+    return (per_token + sum(offloaded_per_layer(cfg, layout, i, None) for i in mtp)) * tokens
 
 
 def offloaded_bytes(cfg, layout, stage: int) -> float:

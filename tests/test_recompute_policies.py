@@ -15,7 +15,7 @@ MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=1"]
 EXTENDED = {  # the same proof through the other layouts' recomputed collectives and schedules
     "cp2": (None, ["parallel.cp=2"], DENSE_POLICIES),
-    "pp2-zbv": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "train.micro_batch=1"], DENSE_POLICIES),
+    "pp2-zbv": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "train.micro_batch=1", "model.layers=4"], DENSE_POLICIES),
     "zero3": (None, ["parallel.zero=optim_grads_params"], DENSE_POLICIES),
     "tp2-sp-ep2": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "model.bias_update_rate=0.01"], MOE_POLICIES),
     "mla-mtp-tp2-sp": (None, MLA + ["parallel.tp=2"], ('["mla_up_proj", "layernorm"]', '["mla_up_proj@0", "core_attn@1-2"]')),

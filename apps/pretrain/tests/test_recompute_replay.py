@@ -82,3 +82,15 @@ def test_a_bad_recompute_policy_is_one_line(value, words):
     with pytest.raises(UsageError) as e:
         load_config(None, [f"model.recompute={value}"])
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("value, words", [
+    ('["core_attn"]', "[model].offload item 'core_attn' is not module[@first[-last]] with a module of attn, mlp"),
+    ('["layers:0"]', "or layers:N (N >= 1)"),
+    ('["mlp@8"]', "names layers past the model's 0..7"),
+    ('"mlp"', "[model].offload must be a list of strings"),
+])
+def test_a_bad_offload_is_one_line(value, words):
+    with pytest.raises(UsageError) as e:
+        load_config(None, [f"model.offload={value}"])
+    assert words in str(e.value)

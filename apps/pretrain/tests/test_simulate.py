@@ -152,3 +152,15 @@ def test_default_ranks_include_the_heaviest_stages_and_every_stage_matches_the_p
         assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10), rank["stage"]
     last = result["ranks"][-1]
     assert last["measured"]["activations"] == pytest.approx(last["planned"]["activations"], rel=0.10)
+
+
+@pytest.mark.extended  # three simulated steps of a 1-layer 8B stage
+def test_a_module_policy_and_offload_lower_the_measured_activations_as_planned():
+    """[model].recompute as a module list and [model].offload: measured within 10 % of the plan, and the
+    offloaded tensors leave the device's count (the fake-tensor tracker counts the device's only)."""
+    base = ["parallel.pp=2", "parallel.zero=optim", 'model.recompute=["mlp", "layernorm"]']
+    (plain,) = simulated(base, 64, [0])
+    (moved,) = simulated(base + ['model.offload=["attn"]'], 64, [0])
+    for rank in (plain, moved):
+        _check(rank, [])
+    assert moved["measured"]["activations"] < plain["measured"]["activations"]

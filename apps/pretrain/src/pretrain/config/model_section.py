@@ -52,7 +52,7 @@ def _check_recompute(m) -> None:
 
 
 def _check_offload(m) -> None:
-    from ..model.offload import MODULES, parse_item
+    from ..model.offload_policy import MODULES, parse_item
 
     object.__setattr__(m, "offload", tuple(m.offload))  # a list once read from JSON
     for text in m.offload:

@@ -36,7 +36,7 @@ class ChunkContext:
 
     def offloads(self, layer: int, position: int | None) -> frozenset[str]:
         """The modules decoder layer ``layer`` (the ``position``-th of its chunk) offloads (offload.py)."""
-        from .offload import modules_at
+        from .offload_policy import modules_at
 
         return modules_at(self.offload, layer, position)
 

@@ -20,6 +20,7 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
+from ..model.offload_policy import modules_at as offloaded_at
 from ..model.recompute_policy import modules_at
 from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
@@ -86,6 +87,39 @@ def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | N
         if "moe_act" in modules and m.is_moe_layer(i):
             mlp -= pairs * m.expert_ffn_hidden / layout.etp * pb / share
     return norms + _attention(m, layout, word, pb) + mlp
+
+
+def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
+    """Per token of the micro-batch: what ``module`` of layer ``i`` saves (0 where it is recomputed:
+    its checkpoint keeps its input only, which the module before it saved)."""
+    m = cfg.model
+    recomputed = modules_at(m.recompute, i)
+    share = layout.tp if layout.sequence_parallel else 1
+    if module == "layer":
+        if "full" in recomputed:
+            return m.hidden / share * pb
+        word = "selective" if "core_attn" in recomputed else "none"
+        return layer_per_token(cfg, layout, i, word)
+    if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
+        return 0.0
+    if module == "layernorm":
+        return 2 * 8 * m.hidden / share
+    if module == "attn":
+        return family_of(m).saved_bytes(m, layout, "selective" if "core_attn" in recomputed else "none", pb)
+    if (module == "moe") != m.is_moe_layer(i):
+        return 0.0  # mlp names the dense layers, moe the MoE ones
+    return _mlp(m, layout, i, pb, m.top_k * layout.etp)
+
+
+def offloaded_per_layer(cfg, layout, i: int, position: int | None) -> float:
+    """Bytes per token decoder layer ``i`` (the ``position``-th of its chunk; None: MTP) moves out."""
+    m = cfg.model
+    if not m.offload:
+        return 0.0
+    modules = offloaded_at(m.offload, i, position)
+    if "layer" in modules:
+        modules = {"layer"}
+    return sum(_module_per_token(cfg, layout, i, module, _pb(cfg)) for module in modules)
 
 
 def _ring_backward_work(m, layout, pb: int) -> float:
@@ -208,8 +242,6 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
     """:func:`_chunk_bytes` under a per-layer policy: each layer's saved set as its recomputed modules
     leave it, less what ``[model].offload`` moves out (sizing.offload); a layer's backward also holds
     what its recomputation brings back (its whole saved set at most) and its offloaded tensors."""
-    from .offload import offloaded_per_layer
-
     m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
     last = chunk == layout.pp * layout.chunks_per_rank - 1

@@ -4,44 +4,8 @@ host-to-device bandwidth that brings them back within the step."""
 
 from __future__ import annotations
 
-from ..model.offload import modules_at
-from ..model.recompute_policy import modules_at as recomputed_at
-from ..models import family_of
-from .activations import _mlp, _pb, layer_per_token
+from .activations import offloaded_per_layer
 from .params import chunk_layers, chunks_of
-
-
-def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
-    """Per token of the micro-batch: what ``module`` of layer ``i`` saves (0 where it is recomputed:
-    its checkpoint keeps its input only, which the module before it saved)."""
-    m = cfg.model
-    recomputed = recomputed_at(m.recompute, i)
-    share = layout.tp if layout.sequence_parallel else 1
-    if module == "layer":
-        if "full" in recomputed:
-            return m.hidden / share * pb
-        word = "selective" if "core_attn" in recomputed else "none"
-        return layer_per_token(cfg, layout, i, word)
-    if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
-        return 0.0
-    if module == "layernorm":
-        return 2 * 8 * m.hidden / share
-    if module == "attn":
-        return family_of(m).saved_bytes(m, layout, "selective" if "core_attn" in recomputed else "none", pb)
-    if (module == "moe") != m.is_moe_layer(i):
-        return 0.0  # mlp names the dense layers, moe the MoE ones
-    return _mlp(m, layout, i, pb, m.top_k * layout.etp)
-
-
-def offloaded_per_layer(cfg, layout, i: int, position: int | None) -> float:
-    """Bytes per token decoder layer ``i`` (the ``position``-th of its chunk; None: MTP) moves out."""
-    m = cfg.model
-    if not m.offload:
-        return 0.0
-    modules = modules_at(m.offload, i, position)
-    if "layer" in modules:
-        modules = {"layer"}
-    return sum(_module_per_token(cfg, layout, i, module, _pb(cfg)) for module in modules)
 
 
 def offloaded_per_microbatch(cfg, layout, chunk: int, layers) -> float:

@@ -95,11 +95,8 @@ def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     m = cfg.model
     recomputed = modules_at(m.recompute, i)
     share = layout.tp if layout.sequence_parallel else 1
-    if module == "layer":
-        if "full" in recomputed:
-            return m.hidden / share * pb
-        word = "selective" if "core_attn" in recomputed else "none"
-        return layer_per_token(cfg, layout, i, word)
+    if module == "layer":  # its saved set as the recompute policy leaves it
+        return layer_per_token(cfg, layout, i, m.recompute)
     if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
         return 0.0
     if module == "layernorm":

@@ -19,6 +19,7 @@ RoPE) stay where they are. Nothing here reads a device value: no host synchronis
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -48,6 +49,12 @@ def _address(t: torch.Tensor) -> int:
         return id(t)
 
 
+class _Region(list):
+    """One region's moved tensors, and a weak reference to the region before it (``before``)."""
+
+    before = None
+
+
 class _Moved:
     """One saved tensor out of the device: its host copy, and its device copy once fetched back."""
 
@@ -66,6 +73,7 @@ class Offloader:
         self.bytes_out = 0  # host-side ints (shapes and dtypes only: no device read)
         self.bytes_in = 0
         self._region: tuple | None = None
+        self._last = None  # the last region's moved tensors (a weak reference)
 
     @contextlib.contextmanager
     def region(self, module: nn.Module, device: torch.device):
@@ -74,7 +82,9 @@ class Offloader:
         if self.device is None:
             self.device, self.cuda = device, device.type == "cuda"
             self.stream = torch.cuda.Stream(device) if self.cuda else None
-        moved: list[_Moved] = []
+        moved = _Region()
+        moved.before = self._last  # the region whose backward comes after this one's: prefetched with it
+        self._last = weakref.ref(moved)
         seen: dict = {}  # also holds each moved tensor until the region ends: its address is not reused in it
         kept = {id(t) for t in (*module.parameters(), *module.buffers())}  # (storage addresses: none on fake tensors)
         outer, self._region = self._region, (moved, seen, kept)
@@ -84,10 +94,16 @@ class Offloader:
         finally:
             self._region = outer
 
-    def prefetch_on_grad(self, out: torch.Tensor, moved: list) -> torch.Tensor:
-        """Start bringing ``moved`` back when ``out``'s gradient arrives (its backward is next)."""
+    def prefetch_on_grad(self, out: torch.Tensor, moved: "_Region") -> torch.Tensor:
+        """Start bringing ``moved`` back when ``out``'s gradient arrives (its backward is next), and the
+        region before it, whose backward follows (its copies then overlap this region's backward)."""
         if moved and out.requires_grad:
-            out.register_hook(lambda grad: self._prefetch(moved))
+            def hook(grad):
+                self._prefetch(moved)
+                before = moved.before() if moved.before is not None else None
+                if before is not None:
+                    self._prefetch(before)
+            out.register_hook(hook)
         return out
 
     def _keep(self, t: torch.Tensor) -> bool:
@@ -133,12 +149,12 @@ class Offloader:
         if not self.cuda:  # the copy back: device memory again
             moved.back = moved.host.clone()
             return
-        back = torch.empty(moved.host.shape, dtype=moved.host.dtype, device=self.device)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream):  # memory of the side stream's: no wait for the compute stream
+            back = torch.empty(moved.host.shape, dtype=moved.host.dtype, device=self.device)
             back.copy_(moved.host, non_blocking=True)  # after its copy out: the same stream
             moved.in_event = torch.cuda.Event()
             moved.in_event.record(self.stream)
-        back.record_stream(self.stream)
+        back.record_stream(torch.cuda.current_stream(self.device))  # the backward reads it there
         moved.back = back
 
     def _prefetch(self, moved: list) -> None:

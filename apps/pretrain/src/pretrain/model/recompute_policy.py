@@ -43,7 +43,3 @@ def _items(value) -> tuple[tuple[str, int, int | None], ...]:
 def modules_at(value, layer: int) -> frozenset[str]:
     """The modules recomputed in decoder layer ``layer`` under ``[model].recompute = value``."""
     return frozenset(name for name, first, last in _items(value) if first <= layer and (last is None or layer <= last))
-
-
-def is_word(value) -> bool:
-    return isinstance(value, str)

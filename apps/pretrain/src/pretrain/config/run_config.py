@@ -113,6 +113,9 @@ class Config:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["parallel"]["hcp"] = list(self.parallel.hcp)
         out["model"]["mlp_only_layers"] = list(self.model.mlp_only_layers)
+        out["model"]["offload"] = list(self.model.offload)
+        if not isinstance(self.model.recompute, str):
+            out["model"]["recompute"] = list(self.model.recompute)
         out["log"]["wandb_tags"] = list(self.log.wandb_tags)
         for section, key in (("parallel", "sequence_parallel"), ("model", "norm_topk_prob")):
             if out[section][key] is None:

@@ -70,7 +70,8 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
 
 def choice_config(cfg, c: Choice):
     """``cfg`` with the choice's layout, as `pretrain train` gets it from the printed --set flags."""
-    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c, cfg).replace("--set ", "").split()), cfg.source)
+    flags = overrides(c, cfg).replace("--set ", "").replace("'", "").split()  # the shell's quotes off
+    return config_from_dict(apply_overrides(cfg.to_dict(), flags), cfg.source)
 
 
 def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 5) -> list[dict]:
@@ -116,7 +117,7 @@ def overrides(c: Choice, cfg) -> str:
 
 def _recompute_literal(value) -> str:
     """A word as it is; a module list as a quoted TOML list the shell hands over whole."""
-    return value if isinstance(value, str) else "'[" + ", ".join(f'"{v}"' for v in value) + "]'"
+    return value if isinstance(value, str) else "'[" + ",".join(f'"{v}"' for v in value) + "]'"
 
 
 def _literal(value) -> str:

@@ -36,6 +36,18 @@ def _fla():
         return None
 
 
+def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` for a strictly lower-triangular ``L [..., C, C]``: ``L`` is nilpotent, so the inverse is
+    ``sum_j (-L)^j = prod_k (I + (-L)^(2^k))``, log2(C) batched matmuls (the CPU's batched triangular solve
+    of many small systems is far slower)."""
+    n = -lower
+    out = torch.eye(lower.shape[-1], device=lower.device, dtype=lower.dtype) + n
+    for _ in range(max(lower.shape[-1] - 1, 1).bit_length() - 1):
+        n = n @ n
+        out = out + out @ n
+    return out
+
+
 def chunked_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK):
     """``(O [B, H, T, dv], S_end [B, H, dk, dv])`` of the gated delta rule (module docstring), fp32.
     ``q, k [B, H, T, dk]``, ``v [B, H, T, dv]``, ``g, beta [B, H, T]``; ``initial_state`` zero when None."""
@@ -46,6 +58,7 @@ def chunked_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK)
                    output_final_state=True)
         return o.transpose(1, 2).float(), s.float()
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    chunk = min(chunk, t)  # a short run: one chunk, unpadded
     pad = (-t) % chunk
     if pad:  # zero keys, g = 0 and beta = 0 leave the state as it is
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -58,9 +71,9 @@ def chunked_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK)
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, float("-inf")).exp()  # exp(gamma_i - gamma_j), j <= i
     kb = k * beta[..., None]
     # (I + strictly-lower(beta K K^T * decay)) U = beta V, and the same for the decayed keys (W)
-    system = (kb @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(chunk, device=q.device)
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * gamma.exp()[..., None], upper=False, unitriangular=True)
+    inverse = _unit_lower_inverse((kb @ k.transpose(-1, -2) * decay).tril(-1))
+    u = inverse @ (v * beta[..., None])
+    w = inverse @ (kb * gamma.exp()[..., None])
     scores = q @ k.transpose(-1, -2) * decay  # causal, the diagonal included
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]

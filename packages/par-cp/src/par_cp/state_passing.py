@@ -174,10 +174,10 @@ class _Halo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, group, routes, *tails):
-        recv_from, send_to = routes
+        recv_from, send_to = routes  # tagged by the receiving piece's index
         bufs = {i: torch.empty_like(tails[i]) for i in recv_from}
-        ops = [dist.P2POp(dist.isend, tails[i].contiguous(), _global(group, r), group) for i, r in send_to]
-        ops += [dist.P2POp(dist.irecv, bufs[i], _global(group, r), group) for i, r in recv_from.items()]
+        ops = [dist.P2POp(dist.isend, tails[i].contiguous(), _global(group, r), group, tag=j) for i, r, j in send_to]
+        ops += [dist.P2POp(dist.irecv, bufs[i], _global(group, r), group, tag=i) for i, r in recv_from.items()]
         for w in comm.batch_isend_irecv(ops) if ops else []:
             w.wait()
         ctx.group, ctx.routes = group, routes
@@ -187,13 +187,13 @@ class _Halo(torch.autograd.Function):
     def backward(ctx, *grads):
         recv_from, send_to = ctx.routes
         group = ctx.group
-        back = [torch.empty_like(grads[i]) for i, _ in send_to]
-        ops = [dist.P2POp(dist.isend, grads[i].contiguous(), _global(group, r), group) for i, r in recv_from.items()]
-        ops += [dist.P2POp(dist.irecv, buf, _global(group, r), group) for buf, (_, r) in zip(back, send_to)]
+        back = [torch.empty_like(grads[i]) for i, _, _ in send_to]
+        ops = [dist.P2POp(dist.isend, grads[i].contiguous(), _global(group, r), group, tag=i) for i, r in recv_from.items()]
+        ops += [dist.P2POp(dist.irecv, buf, _global(group, r), group, tag=j) for buf, (_, r, j) in zip(back, send_to)]
         for w in comm.batch_isend_irecv(ops) if ops else []:
             w.wait()
         out = [torch.zeros_like(g) for g in grads]
-        for buf, (i, _) in zip(back, send_to):
+        for buf, (i, _, _) in zip(back, send_to):
             out[i] = out[i] + buf
         return (None, None, *out)
 
@@ -225,7 +225,7 @@ def causal_conv1d(x, weight, cp_group=None, seq_len: int | None = None, layout: 
         elif r == rank and src is not None:
             recv_from[i] = src[0]
         elif src is not None and src[0] == rank:
-            send_to.append((src[1], r))
+            send_to.append((src[1], r, i))
     if recv_from or send_to:
         got = _Halo.apply(cp_group, (recv_from, send_to), *tails)
         halos = [got[i] if i in recv_from else h for i, h in enumerate(halos)]

@@ -77,6 +77,11 @@ class Family:
         recipe's tiles must not straddle them)."""
         raise NotImplementedError
 
+    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+        """``plan``'s figures of the layers that carry a recurrent state along the sequence (its bytes, what
+        context parallelism passes between ranks); empty for a family without such layers."""
+        return {}
+
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""
         return []

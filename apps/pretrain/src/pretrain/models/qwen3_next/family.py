@@ -13,6 +13,7 @@ The layers' RMSNorms are zero-centred in the released checkpoints (``x_hat * (1 
 from __future__ import annotations
 
 from ..family import Family, need
+from .pattern import is_full_attention
 
 ATTENTION = "qwen3_next"
 GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv_q", "conv_k", "conv_v", "A_log", "dt_bias", "norm.weight",
@@ -22,10 +23,6 @@ GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv_q", "conv_k", "conv_v",
 def layer_index(prefix: str) -> int:
     """The layer of an attention prefix ``model.layers.{i}.self_attn.``."""
     return int(prefix.split(".")[2])
-
-
-def is_full_attention(m, i: int) -> bool:
-    return (i + 1) % m.full_attention_interval == 0
 
 
 class Qwen3Next(Family):
@@ -111,10 +108,28 @@ class Qwen3Next(Family):
         return [("[model].heads x head_dim", m.heads * m.head_dim), ("[model].kv_heads x head_dim", m.kv_heads * m.head_dim),
                 ("[model].linear_value_heads x linear_value_dim", m.linear_value_heads * m.linear_value_dim)]
 
-    def state_bytes(self, m, layout, micro_batch: int) -> int:
-        """Bytes of one linear layer's recurrent state on one rank (fp32): what context parallelism passes
-        across each boundary between pieces held by different ranks, forward and backward."""
-        return micro_batch * m.linear_value_heads // layout.tp * m.linear_key_dim * m.linear_value_dim * 4
+    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+        """Per linear layer and micro-batch on one rank (fp32): the recurrent state (value heads/tp x
+        linear_key_dim x linear_value_dim per sequence), the transition and incoming state each piece keeps
+        for backward, and under context parallelism the state pass (``par_cp.state_passing``): one state
+        per boundary between this rank's pieces and another rank's, forward and again backward (zigzag:
+        the two ranks at the ends have one such boundary, the others two), and the conv's halo."""
+        linear = sum(not is_full_attention(m, i) for i in range(m.layers))
+        heads = micro_batch * m.linear_value_heads // layout.tp
+        state = heads * m.linear_key_dim * m.linear_value_dim * 4
+        pieces = 2 if layout.cp > 1 else 1
+        boundaries = 0 if layout.cp == 1 else 1 if layout.cp == 2 else 2
+        channels = (2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim) // layout.tp
+        return {"linear_layers": linear, "state_bytes": state,
+                "saved_bytes_per_layer": pieces * (state + heads * m.linear_key_dim ** 2 * 4),
+                "cp_boundaries_per_rank": boundaries, "cp_state_bytes_per_layer": 2 * boundaries * state,
+                "cp_halo_bytes_per_layer": 2 * boundaries * micro_batch * (m.conv_kernel - 1) * channels * 4,
+                "cp_bytes_per_step": 2 * boundaries * (state + micro_batch * (m.conv_kernel - 1) * channels * 4)
+                * linear * layout.microbatches // layout.pp}
+
+    def narrowing(self, m, head_width: int) -> list[str]:
+        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads)."""
+        return [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
 
     def model_config_from_hf(self, hf: dict, where: str):
         from .hf import qwen3_next_model_config

@@ -2,7 +2,8 @@
 and a gated full-attention layer every second layer, partial RoPE, grouped value heads, zero-centred norms
 set away from zero) imported with `pretrain convert` gives transformers' logits (fp32, <= 1e-5 relative;
 the chunked delta rule's rounding) on 1 rank and under tp 2; export writes back every tensor
-bitwise and transformers loads it."""
+bitwise but the zero-centred norms (held as 1 + w: back within half an ulp of 1) and transformers
+loads it."""
 
 import pytest
 import torch
@@ -73,5 +74,31 @@ def test_export_round_trip_reproduces_every_tensor_bitwise(hf_model, tmp_path):
     res = runner.invoke(app, ["convert", "--to-hf", str(tmp_path / "back"), "--checkpoint", str(root / "ckpt")])
     assert res.exit_code == 0, res.output
     a, b = load_file(str(root / "hf" / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a), [k for k in a if k in b and not a[k].equal(b[k])]
+    assert sorted(a) == sorted(b)
+    centred = [k for k in a if "layernorm" in k or k == "model.norm.weight" or k.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert all(a[k].equal(b[k]) for k in a if k not in centred), [k for k in a if k not in centred and not a[k].equal(b[k])]
+    # the zero-centred norms went through 1 + w in fp32: each value within half an ulp of 1
+    assert len(centred) == 2 * LAYERS + 1 + 2 * (LAYERS // 2)
+    assert max((a[k] - b[k]).abs().max().item() for k in centred) <= 2 ** -24
     assert transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "back") is not None
+
+
+def test_unsupported_qwen3_next_configs_are_one_error_line(hf_model, tmp_path):
+    """A layer pattern other than every n-th layer full attention, or routed experts: one line, nothing written."""
+    import json
+    import shutil
+
+    from one_error_line import assert_one_error_line
+
+    root, _, _, _ = hf_model
+    base = json.loads((root / "hf" / "config.json").read_text())
+    for change, words in (({"layer_types": ["full_attention", "linear_attention"] * 2}, "layer_types="),
+                          ({"num_experts": 8}, "num_experts=8")):
+        src = tmp_path / f"hf_{len(words)}"
+        shutil.copytree(root / "hf", src)
+        (src / "config.json").write_text(json.dumps(base | change))
+        res = runner.invoke(app, ["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")])
+        assert_one_error_line(res, words, words)
+        assert not (tmp_path / "out").exists()
+    res = runner.invoke(app, ["plan", "--world", "1", "--set", "model.attention=qwen3_next", "--set", "model.num_experts=4"])
+    assert_one_error_line(res, "num_experts", "[model].num_experts and mtp_depth must be 0")

@@ -27,3 +27,11 @@ def test_plan_sizes_the_recurrent_states_and_the_state_pass():
         assert state["state_bytes"] == b * 8 // tp * 16 * 32 * 4
         assert state["cp_state_bytes_per_layer"] == 2 * boundaries * state["state_bytes"], (world, cp, tp)
     assert "recurrent_state" not in _plan("--world", "2", "--set", "parallel.cp=2")
+
+
+def test_hierarchical_cp_is_one_error_line():
+    from one_error_line import assert_one_error_line
+
+    res = CliRunner().invoke(app, ["plan", "--world", "4", *Q, "--set", "parallel.cp=4", "--set",
+                                   "parallel.cp_comm_type=a2a+p2p", "--set", "parallel.hcp=[2,2]"])
+    assert_one_error_line(res, "cp_comm_type", "[parallel].cp_comm_type='a2a+p2p' does not run with [model].attention='qwen3_next'")

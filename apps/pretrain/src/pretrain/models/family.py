@@ -36,6 +36,7 @@ class Family:
     keys: tuple[str, ...] = ()  # [model] keys only this family reads
     supports: frozenset[str] = frozenset()  # of FEATURES
     dimensions: tuple[str, ...] = DIMENSIONS  # the parallel dimensions its layers run split over
+    cp_comm_types: tuple[str, ...] = ("p2p", "a2a", "allgather", "a2a+p2p")  # the [parallel].cp_comm_type values it runs
     tp_split: tuple[str, ...] = ()  # attention tensors (last two name parts) split over tp by heads
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
     renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names

@@ -31,6 +31,9 @@ class Qwen3Next(Family):
             "conv_kernel", "partial_rotary_factor")
     supports = frozenset()
     dimensions = ("tp", "cp", "pp")
+    # the linear layers pass their state along the zigzag pieces by CP group rank; hierarchical CP orders
+    # the ranks otherwise
+    cp_comm_types = ("p2p", "a2a", "allgather")
     tp_split = ("q_proj.weight", "o_proj.weight", "k_proj.weight", "v_proj.weight") + tuple(
         f"linear_attn.{n.split('.')[0]}" if "." not in n else n for n in GDN if n != "norm.weight")
     renames = {f"self_attn.{n}": f"linear_attn.{n}" for n in GDN}

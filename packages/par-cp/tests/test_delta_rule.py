@@ -69,18 +69,18 @@ def test_chunked_rule_equals_the_recurrence_from_any_state():
     assert _rel(o + qt @ s0, ref) <= TOL and _rel(s_loc + a @ s0, ref_s) <= TOL
 
 
-def run_cp(world, cp, docs, plant=None):
+def run_cp(world, cp, docs, plant=None, layout="zigzag"):
     """This rank's errors of the CP rule and conv against one device, and its sends forward / backward."""
     import par_cp.state_passing as sp
 
     saved = sp._compose, sp.halo_sources, sp.resets_at_piece_start
     try:
-        return _run_cp(world, cp, docs, plant, sp)
+        return _run_cp(world, cp, docs, plant, sp, layout)
     finally:  # the rank workers serve later tests
         sp._compose, sp.halo_sources, sp.resets_at_piece_start = saved
 
 
-def _run_cp(world, cp, docs, plant, sp):
+def _run_cp(world, cp, docs, plant, sp, layout):
     from par_groups import CommRecorder, RankGrid, create_groups
     from par_cp import shard_sequence
 
@@ -93,29 +93,31 @@ def _run_cp(world, cp, docs, plant, sp):
     groups = create_groups(RankGrid(world, cp=cp))
     rank = groups.rank_in("cp")
     tensors, x, w, d_out, d_conv = _inputs(1)
-    local = [shard_sequence(t, rank, cp, dim=2).requires_grad_() for t in tensors]
+    local = [shard_sequence(t, rank, cp, dim=2, layout=layout).requires_grad_() for t in tensors]
     with CommRecorder() as fwd:
-        out = sp.context_parallel_delta_rule(*local, groups.cp, S, cu_seqlens=docs)
+        out = sp.context_parallel_delta_rule(*local, groups.cp, S, layout, cu_seqlens=docs)
     with CommRecorder() as bwd:
-        out.backward(shard_sequence(d_out, rank, cp, dim=2))
+        out.backward(shard_sequence(d_out, rank, cp, dim=2, layout=layout))
     full = [t.double().requires_grad_() for t in tensors]
     ref = _reference_rule(full, docs)
     ref.backward(d_out.double())
-    errors = {"out": _rel(out, shard_sequence(ref, rank, cp, dim=2))}
-    errors |= {f"d{i}": _rel(mine.grad, shard_sequence(t.grad, rank, cp, dim=2)) for i, (mine, t) in enumerate(zip(local, full))}
+    errors = {"out": _rel(out, shard_sequence(ref, rank, cp, dim=2, layout=layout))}
+    errors |= {f"d{i}": _rel(mine.grad, shard_sequence(t.grad, rank, cp, dim=2, layout=layout))
+               for i, (mine, t) in enumerate(zip(local, full))}
     from par_cp import position_ids
 
-    xl = shard_sequence(x, rank, cp).requires_grad_()
+    xl = shard_sequence(x, rank, cp, layout=layout).requires_grad_()
     pos = None
     if docs is not None:
         per = docs if isinstance(docs, list) else [docs] * B
-        pos = torch.stack([position_ids(S, rank, cp, cu_seqlens=d) for d in per], 1)
-    conv = sp.causal_conv1d(xl, w, groups.cp, S, positions=pos)
-    conv.backward(shard_sequence(d_conv, rank, cp))
+        pos = torch.stack([position_ids(S, rank, cp, layout=layout, cu_seqlens=d) for d in per], 1)
+    conv = sp.causal_conv1d(xl, w, groups.cp, S, layout, positions=pos)
+    conv.backward(shard_sequence(d_conv, rank, cp, layout=layout))
     xf = x.double().requires_grad_()
     ref_conv = _reference_conv(xf, w.double(), docs)
     ref_conv.backward(d_conv.double())
-    errors |= {"conv": _rel(conv, shard_sequence(ref_conv, rank, cp)), "dconv": _rel(xl.grad, shard_sequence(xf.grad, rank, cp))}
+    errors |= {"conv": _rel(conv, shard_sequence(ref_conv, rank, cp, layout=layout)),
+               "dconv": _rel(xl.grad, shard_sequence(xf.grad, rank, cp, layout=layout))}
     sends = [(r.op, r.bytes) for r in fwd.records], [(r.op, r.bytes) for r in bwd.records]
     return errors, sends
 
@@ -152,6 +154,12 @@ def test_each_boundary_moves_one_state_each_way(cp_results, cp, docs):
 
 @pytest.mark.parametrize("plant, cp, docs, caught", [("no_decay", 2, None, "out"), ("ring_halo", 4, None, "conv"),
                                                      ("no_reset", 2, DOCS, "out")])
+def test_contiguous_layout_equals_one_device(dist_run):
+    """One piece a rank: the first rank only sends (its exchange's backward still runs)."""
+    for rank, (errors, _) in enumerate(dist_run(4, run_cp, 4, 4, DOCS, None, "contiguous", timeout=300)):
+        assert max(errors.values()) <= TOL, (rank, errors)
+
+
 def test_planted_bugs_are_caught(dist_run, plant, cp, docs, caught):
     results = dist_run(4, run_cp, 4, cp, docs, plant, timeout=300)
     assert max(errors[caught] for errors, _ in results) > 1e-2, results

@@ -226,9 +226,10 @@ def causal_conv1d(x, weight, cp_group=None, seq_len: int | None = None, layout: 
             recv_from[i] = src[0]
         elif src is not None and src[0] == rank:
             send_to.append((src[1], r, i))
-    if recv_from or send_to:
+    if recv_from or send_to:  # a piece at the sequence's start takes its zeros from here too: a rank that
+        # only sends still runs the exchange's backward (an unused output would skip it, and its peer would wait)
         got = _Halo.apply(cp_group, (recv_from, send_to), *tails)
-        halos = [got[i] if i in recv_from else h for i, h in enumerate(halos)]
+        halos = [got[i] if i in recv_from or h is None else h for i, h in enumerate(halos)]
     halos = [torch.zeros_like(tails[i]) if h is None else h for i, h in enumerate(halos)]
     wide = torch.cat([torch.cat([h, p]) for h, p in zip(halos, local)])  # each piece after its halo
     index = torch.cat([torch.arange(len(p)) + sum(len(q) + kernel - 1 for q in local[:n]) + kernel - 1

@@ -152,14 +152,14 @@ def test_each_boundary_moves_one_state_each_way(cp_results, cp, docs):
         assert fwd == [("send", state)] * boundaries and bwd == [("send", state)] * boundaries, (rank, fwd, bwd)
 
 
-@pytest.mark.parametrize("plant, cp, docs, caught", [("no_decay", 2, None, "out"), ("ring_halo", 4, None, "conv"),
-                                                     ("no_reset", 2, DOCS, "out")])
 def test_contiguous_layout_equals_one_device(dist_run):
     """One piece a rank: the first rank only sends (its exchange's backward still runs)."""
     for rank, (errors, _) in enumerate(dist_run(4, run_cp, 4, 4, DOCS, None, "contiguous", timeout=300)):
         assert max(errors.values()) <= TOL, (rank, errors)
 
 
+@pytest.mark.parametrize("plant, cp, docs, caught", [("no_decay", 2, None, "out"), ("ring_halo", 4, None, "conv"),
+                                                     ("no_reset", 2, DOCS, "out")])
 def test_planted_bugs_are_caught(dist_run, plant, cp, docs, caught):
     results = dist_run(4, run_cp, 4, cp, docs, plant, timeout=300)
     assert max(errors[caught] for errors, _ in results) > 1e-2, results

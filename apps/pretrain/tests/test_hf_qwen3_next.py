@@ -57,7 +57,7 @@ def logits_job(ckpt, overrides, tokens):
     return trainer.logits(tokens)
 
 
-@pytest.mark.parametrize("overrides,world", [([], 1), pytest.param(["parallel.tp=2"], 2, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("overrides,world", [([], 1), (["parallel.tp=2"], 2)])
 def test_imported_qwen3_next_gives_transformers_logits_and_loss(dist_run, hf_model, overrides, world):
     root, tokens, want, want_loss = hf_model
     for got in dist_run(world, logits_job, str(root / "ckpt"), overrides, tokens):

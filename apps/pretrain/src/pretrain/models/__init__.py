@@ -10,10 +10,12 @@ from __future__ import annotations
 from .family import Family
 from .deepseek import FAMILY as DEEPSEEK
 from .gqa import FAMILY as GQA
+from .qwen3_next import FAMILY as QWEN3_NEXT
 
 FAMILIES: tuple[Family, ...] = (
     GQA,
     DEEPSEEK,
+    QWEN3_NEXT,
 )
 
 ATTENTIONS = tuple(f.attention for f in FAMILIES)

@@ -36,6 +36,7 @@ class Family:
     keys: tuple[str, ...] = ()  # [model] keys only this family reads
     supports: frozenset[str] = frozenset()  # of FEATURES
     dimensions: tuple[str, ...] = DIMENSIONS  # the parallel dimensions its layers run split over
+    cp_comm_types: tuple[str, ...] = ("p2p", "a2a", "allgather", "a2a+p2p")  # the [parallel].cp_comm_type values it runs
     tp_split: tuple[str, ...] = ()  # attention tensors (last two name parts) split over tp by heads
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
     renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names
@@ -76,6 +77,11 @@ class Family:
         """(what, full width) of each attention feature dim that ``tp`` ranks split (a tile-scaled FP8
         recipe's tiles must not straddle them)."""
         raise NotImplementedError
+
+    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+        """``plan``'s figures of the layers that carry a recurrent state along the sequence (its bytes, what
+        context parallelism passes between ranks); empty for a family without such layers."""
+        return {}
 
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""

@@ -14,7 +14,7 @@ import re
 import torch
 
 from ...errors import UsageError
-from ...checkpoint.hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf
+from ..hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf
 from .pattern import is_full_attention
 
 ZERO_CENTRED = re.compile(r"model\.(norm|layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm))\.weight")

@@ -10,10 +10,12 @@ from __future__ import annotations
 from .family import Family
 from .deepseek import FAMILY as DEEPSEEK
 from .gqa import FAMILY as GQA
+from .gpt_oss import FAMILY as GPT_OSS
 
 FAMILIES: tuple[Family, ...] = (
     GQA,
     DEEPSEEK,
+    GPT_OSS,
 )
 
 ATTENTIONS = tuple(f.attention for f in FAMILIES)

@@ -57,7 +57,8 @@ def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     x, out = x.contiguous(), torch.empty_like(x)
     to, frm = dist.get_global_rank(group, (rank + step) % size), dist.get_global_rank(group, (rank - step) % size)
-    comm.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)])
+    for work in comm.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]):
+        work.wait()
     return out
 
 

@@ -3,8 +3,12 @@
 A sink is one more logit per head in every query's softmax, with a zero value: the output is plain
 attention's scaled by ``exp(lse) / (exp(lse) + exp(sink))``. Two paths behind par-cp's kernel choice
 (``dense_kernel``): flash-attn on CUDA, with its own window, the sink applied to its output and
-log-sum-exp and its backward given the sink's log-sum-exp (``SinkAttention``); elsewhere the masked
-softmax of transformers' eager gpt-oss attention, with every query's and key's global position.
+log-sum-exp and its backward given the sink's log-sum-exp (``SinkAttention``); on fake CPU tensors
+(``plan --simulate``) the same with torch's fused CPU kernel, so the memory measured is a fused kernel's
+as on a GPU; otherwise (real CPU tensors, a shard of queries against gathered keys under ring CP,
+``backend = "torch"``) the masked softmax of transformers' eager gpt-oss attention, with every query's
+and key's global position: it rounds as transformers does (the fused CPU kernel's blocked softmax
+lands about 2e-6 of the largest logit away).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from par_cp.kernels.dense import dense_kernel
 from par_cp.kernels.flash import _flash
@@ -67,6 +71,44 @@ def flash_kernels(scale: float, window: int):
     return forward, backward
 
 
+def cpu_flash_kernels(scale: float, window: int, seq: int, device):
+    """(forward, backward) of torch's fused CPU attention (the kernel SDPA runs on the CPU, returning its
+    log-sum-exp), batch-first as :func:`flash_kernels`; the window as an additive mask (0 or -inf). GQA: the
+    KV heads repeated for the kernel, their gradients summed back."""
+    ops = torch.ops.aten
+    masks = {}
+
+    def mask_for(dtype):
+        if window and dtype not in masks:
+            ahead = torch.arange(seq, device=device)[:, None] - torch.arange(seq, device=device)[None, :]
+            seen = (ahead >= 0) & (ahead < window)
+            masks[dtype] = torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))
+        return masks.get(dtype)
+
+    def heads_first(q, k, v):
+        rep = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k, v))
+        return [t.transpose(1, 2) for t in (q, k, v)], rep
+
+    def forward(q, k, v):
+        (qh, kh, vh), _ = heads_first(q, k, v)
+        mask = mask_for(q.dtype)
+        out, lse = ops._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, mask is None, attn_mask=mask,
+                                                                   scale=scale)
+        return out.transpose(1, 2), lse
+
+    def backward(dout, q, k, v, out, lse):
+        (qh, kh, vh), rep = heads_first(q, k, v)
+        mask = mask_for(q.dtype)
+        dq, dk, dv = ops._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), qh, kh, vh, out.transpose(1, 2), lse, 0.0, mask is None, attn_mask=mask, scale=scale)
+        if rep > 1:
+            dk, dv = (t.unflatten(1, (-1, rep)).sum(2) for t in (dk, dv))
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    return forward, backward
+
+
 class SinkAttention(torch.autograd.Function):
     """Attention through ``kernels = (forward, backward)`` (batch-first, as :func:`flash_kernels`), then the sinks.
 
@@ -98,7 +140,12 @@ def sink_attention(q, k, v, sinks, scale: float, window: int, q_pos, k_pos, back
     """The attention of :func:`masked_sink_attention`; flash-attn's where par-cp would run it and the
     positions are the whole sequence in order (one rank's, or all of them after Ulysses' all-to-all)."""
     whole = q_pos.shape == k_pos.shape  # the callers pass one in-order sequence for both, or a shard of it
-    if whole and dense_kernel(q, backend) == "flash":
-        bf = [t.transpose(0, 1).contiguous() for t in (q, k, v)]
-        return SinkAttention.apply(*bf, sinks, flash_kernels(scale, window)).transpose(0, 1)
-    return masked_sink_attention(q, k, v, sinks, scale, window, q_pos, k_pos)
+    kernel = dense_kernel(q, backend, on_cpu=True) if whole else None
+    if kernel == "flash":
+        kernels = flash_kernels(scale, window)
+    elif kernel == "sdpa" and isinstance(q, FakeTensor):  # plan --simulate: a fused kernel's memory, as a GPU's
+        kernels = cpu_flash_kernels(scale, window, q.shape[0], q.device)
+    else:
+        return masked_sink_attention(q, k, v, sinks, scale, window, q_pos, k_pos)
+    bf = [t.transpose(0, 1).contiguous() for t in (q, k, v)]
+    return SinkAttention.apply(*bf, sinks, kernels).transpose(0, 1)

@@ -40,7 +40,10 @@ def test_plan_gives_the_released_parameter_counts():
 
 @pytest.mark.parametrize("change, named", [("model.num_experts=0", "experts in every layer"),
                                            ("model.shared_experts=1", "no shared_experts"),
-                                           ("model.mtp_depth=1", "mtp_depth=1")])
+                                           ("model.mtp_depth=1", "mtp_depth=1"),
+                                           ("parallel.tp=16", "must divide [model].kv_heads=8"),
+                                           ("parallel.etp=2", "parallel.etp=1"),
+                                           ("data.document_mask=true", "document_mask=true")])
 def test_a_model_gpt_oss_cannot_run_is_one_error_line(change, named):
     res = CliRunner().invoke(app, ["plan", "gpt-oss-120b", "--world", "256", "--set", change])
     assert_one_error_line(res, change.split("=")[0].split(".")[1], named)

@@ -24,6 +24,7 @@ def family_rules(cfg) -> None:
     bad = [f"{d}={getattr(p, d)}" for d in ("tp", "cp", "pp", "ep") if getattr(p, d) > 1 and d not in family.dimensions]
     _need(not bad, f"[model].attention={m.attention!r} does not run with [parallel].{', '.join(bad)}: its family runs "
                    f"split over {', '.join(family.dimensions) or 'data parallelism only'}; set the others to 1")
+    family.check_layout(cfg)
 
 
 def moe_rules(cfg) -> None:

@@ -45,6 +45,9 @@ class Family:
     def check(self, m) -> None:
         """The ``[model]`` keys' rules under this family (one UsageError line)."""
 
+    def check_layout(self, cfg) -> None:
+        """What this family's modules need of the whole run config (``[parallel]``, ``[data]``): one UsageError line."""
+
     def qk_head_dim(self, m) -> int:
         """Query/key width of one head."""
         raise NotImplementedError

@@ -36,6 +36,17 @@ class GptOss(GQA):
             need(getattr(m, key) == off, f"[model].{key}={getattr(m, key)!r} is not supported with "
                                          f"attention='{ATTENTION}' (use {off!r})")
 
+    def check_layout(self, cfg) -> None:
+        m, p, where = cfg.model, cfg.parallel, f"with [model].attention='{ATTENTION}'"
+        need(m.kv_heads % p.tp == 0, f"[parallel].tp={p.tp} must divide [model].kv_heads={m.kv_heads} {where} "
+                                     f"(its KV heads and their biases are split, not replicated)")
+        need(p.expert_tp == 1, f"[parallel].etp={p.expert_tp} is not supported {where} (the experts' down bias is "
+                               f"not split): set parallel.etp=1")
+        need(p.cp_comm_type in ("p2p", "a2a", "allgather"),
+             f"[parallel].cp_comm_type={p.cp_comm_type!r} is not supported {where}: use p2p, a2a or allgather")
+        need(not cfg.data.document_mask, f"[data].document_mask=true is not supported {where} (its attention does "
+                                         f"not mask packed documents)")
+
     def attention_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
         d, h, n, kv = m.head_dim, m.hidden, m.heads, m.kv_heads
         out = {"q_proj.weight": (n * d, h), "q_proj.bias": (n * d,), "k_proj.weight": (kv * d, h), "k_proj.bias": (kv * d,),

@@ -29,7 +29,7 @@ CONFIGS = {
 
 # gpt-oss (its window past 128 of 160 tokens, sinks, biased experts): the opt-in tier, one case a layout.
 # pp2 without the balancing loss: it is per micro-batch, and certify's reference does not take the
-# pipeline's micro-batches (with it on, the router's gradient differs by 8e-5 at stage 1 for any MoE model)
+# pipeline's micro-batches (with it on, the router's bias gradient differed by 8e-5 at stage 1)
 GPT_OSS = ["model.attention=gpt_oss", "model.layers=2", "model.heads=4", "model.kv_heads=2", "model.kv_channels=16",
            "model.moe_layers_start=0", "model.shared_experts=0", "model.num_experts=4", "model.top_k=2",
            "model.moe_ffn_hidden=32", "model.norm_topk_prob=true", "train.seq_len=160"]

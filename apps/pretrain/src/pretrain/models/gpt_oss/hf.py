@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ...checkpoint.hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf
+from ..hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf
 from ...errors import UsageError
 from .attention import SLIDING_WINDOW, window_of
 from .moe import ALPHA, LIMIT

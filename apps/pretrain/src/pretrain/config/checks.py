@@ -27,6 +27,7 @@ def family_rules(cfg) -> None:
     _need(p.cp == 1 or p.cp_comm_type in family.cp_comm_types,
           f"[parallel].cp_comm_type={p.cp_comm_type!r} does not run with [model].attention={m.attention!r}; its family "
           f"runs {', '.join(family.cp_comm_types)}")
+    family.check_layout(cfg)
 
 
 def moe_rules(cfg) -> None:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from par_groups import declare_copies_, placement_of
-from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
     TPSwiGLU,
@@ -71,7 +70,7 @@ class ParallelDecoderLayer(nn.Module):
             # Router and shared experts: copies over TP, seeing this rank's sequence shard.
             split = sp or self.moe_splits_tokens
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if split else (g.dp_cp, g.cp)
-            self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
+            self.mlp = family.build_moe(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=split, routing=context.declared_routing)
         else:
             self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=context.tp_comm_overlap)

@@ -5,7 +5,8 @@ dense SwiGLU or MoE MLP, MTP modules, embedding and head) is common to every fam
 the family of a config (``pretrain.models.family_of``) instead of comparing names:
 
 * config: the ``[model]`` keys only it reads (:attr:`Family.keys`) and their checks (:meth:`check`);
-* shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`),
+* shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`; a MoE
+  layer's own extra tensors: :meth:`moe_shapes`, built by :meth:`build_moe`),
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
@@ -45,6 +46,9 @@ class Family:
     def check(self, m) -> None:
         """The ``[model]`` keys' rules under this family (one UsageError line)."""
 
+    def check_layout(self, cfg) -> None:
+        """What this family's modules need of the whole run config (``[parallel]``, ``[data]``): one UsageError line."""
+
     def qk_head_dim(self, m) -> int:
         """Query/key width of one head."""
         raise NotImplementedError
@@ -60,6 +64,17 @@ class Family:
     def build_attention(self, config, context, index: int):
         """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
         raise NotImplementedError
+
+    def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Full shapes of a MoE layer's own tensors besides the common router and experts (HF names under
+        ``prefix``, ``model.layers.{i}.mlp.``); they are built by :meth:`build_moe`."""
+        return {}
+
+    def build_moe(self, moe_config, *args, **kwargs):
+        """This rank's MoE layer (``par_moe.MoELayer``'s arguments)."""
+        from par_moe import MoELayer
+
+        return MoELayer(moe_config, *args, **kwargs)
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token: what the attention keeps for backward (``sizing.activations``)."""

@@ -42,24 +42,25 @@ def test_a_recomputed_moe_layer_routes_as_its_first_run_even_if_the_rerun_scores
 
 
 def test_a_recomputed_region_draws_the_first_runs_dropout_masks_and_rng():
+    place = dropout.DropoutPosition()
+
     def noisy(x):
-        keep = dropout.keep_mask(tuple(x.shape), 0.5, dropout.position(), 0, 0, x.device)
+        keep = dropout.keep_mask(tuple(x.shape), 0.5, place.at, 0, 0, x.device)
         return (x * keep * torch.rand_like(x)).tanh()
 
     x = torch.randn(8, 2, 4)
-    dropout.set_position(7, 3, 16)
+    place.set(7, 3, 16)
     torch.manual_seed(5)
     eager = x.clone().requires_grad_()
     noisy(eager).sum().backward()
-    dropout.set_position(7, 3, 16)
     torch.manual_seed(5)
     ckpt = x.clone().requires_grad_()
-    y = checkpointed(noisy, ckpt)
-    dropout.set_position(7, 4, 24)  # the next micro-batch's forward ran before this one's backward
+    y = checkpointed(noisy, ckpt, dropout=place)
+    place.set(7, 4, 24)  # the next micro-batch's forward ran before this one's backward
     torch.rand(100)
     y.sum().backward()
     assert torch.equal(ckpt.grad, eager.grad)
-    assert dropout.position() == (7, 4, 24)  # the rerun put the caller's place back
+    assert place.at == (7, 4, 24)  # the rerun put the caller's place back
 
 
 def test_policy_words_and_items():

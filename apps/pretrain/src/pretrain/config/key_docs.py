@@ -51,6 +51,11 @@ MEANINGS = {
         "qk_rope_head_dim": "MLA: the query/key width per head with RoPE",
         "v_head_dim": "MLA: the value width per head",
         "mtp_loss_weight": "the multi-token-prediction loss' weight",
+        "linear_key_heads": "qwen3_next: Gated DeltaNet's query/key heads (linear_num_key_heads)",
+        "linear_value_heads": "qwen3_next: Gated DeltaNet's value heads, a multiple of linear_key_heads",
+        "linear_key_dim": "qwen3_next: Gated DeltaNet's query/key width per head",
+        "linear_value_dim": "qwen3_next: Gated DeltaNet's value width per head",
+        "conv_kernel": "qwen3_next: the short causal conv's taps before the delta rule",
     },
     "parallel": {
         "tp": "tensor-parallel ranks (Megatron's --tensor-model-parallel-size)",

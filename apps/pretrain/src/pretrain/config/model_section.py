@@ -139,14 +139,23 @@ class ModelConfig:
     replace_every: int = 100
     # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
     norm_topk_prob: bool | None = None
-    # the model family, named by its attention (pretrain.models): gqa (Llama, Qwen3, Mixtral, Qwen3-MoE) or mla
-    # (DeepSeek-V2/V3's multi-head latent attention, with the five keys below)
+    # the model family, named by its attention (pretrain.models): gqa (Llama, Qwen3, Mixtral, Qwen3-MoE), mla
+    # (DeepSeek-V2/V3's multi-head latent attention, with the five keys below) or qwen3_next (Gated DeltaNet hybrid)
     attention: str = "gqa"
     q_lora_rank: int = 0  # 0 = a full-rank q_proj
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # [model].attention qwen3_next (the Qwen3-Next hybrid): a gated full-attention layer every this many layers, the
+    # rest Gated DeltaNet (linear attention; pretrain/models/qwen3_next) with these heads, widths and conv taps
+    full_attention_interval: int = 4
+    linear_key_heads: int = 4
+    linear_value_heads: int = 8
+    linear_key_dim: int = 16
+    linear_value_dim: int = 16
+    conv_kernel: int = 4
+    partial_rotary_factor: float = 1.0  # the share of each full-attention head's channels RoPE turns
     # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.1

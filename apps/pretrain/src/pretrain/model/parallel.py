@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from par_groups import declare_copies_, placement_of
-from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
     TPSwiGLU,
@@ -33,7 +32,7 @@ from .context import ChunkContext, context_attention  # noqa: F401  (context_att
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
-from .dropout import hidden_dropout, position as dropout_position
+from .dropout import hidden_dropout
 from .recompute import checkpointed
 from .te import fuse_norm_
 
@@ -59,7 +58,7 @@ class ParallelDecoderLayer(nn.Module):
         self.full_recompute = context.recomputes("full", index)
         self.recompute_norms = context.recomputes("layernorm", index)
         self.recompute_mlp = context.recomputes("moe" if self.is_moe else "mlp", index)
-        self.index, self.hidden_dropout = index, config.hidden_dropout
+        self.index, self.hidden_dropout, self.dropout_at = index, config.hidden_dropout, context.dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         family = family_of(config)
         self.attention_norm_inside = context.backend == "te" and "te_norm_fusion" in family.supports
@@ -79,7 +78,7 @@ class ParallelDecoderLayer(nn.Module):
             # Router and shared experts: copies over TP, seeing this rank's sequence shard.
             split = sp or self.moe_splits_tokens
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if split else (g.dp_cp, g.cp)
-            self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
+            self.mlp = family.build_moe(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=split, routing=context.declared_routing)
         else:
             self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=context.tp_comm_overlap)
@@ -100,7 +99,7 @@ class ParallelDecoderLayer(nn.Module):
         if offload in self.offloaded and torch.is_grad_enabled():
             return self._offloaded(lambda y: self._part(module, recomputed, y), module, x)
         if recomputed and not self.full_recompute and torch.is_grad_enabled():
-            return checkpointed(module, x, backend=self.backend)
+            return checkpointed(module, x, backend=self.backend, dropout=self.dropout_at)
         return module(x)
 
     def _offloaded(self, fn, module: nn.Module, x: torch.Tensor, *args):
@@ -131,14 +130,14 @@ class ParallelDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
-        where = dropout_position() if self.hidden_dropout > 0 and self.training else None
+        where = self.dropout_at.at if self.hidden_dropout > 0 and self.training else None
         if "layer" in self.offloaded and torch.is_grad_enabled():
             return self._offloaded(self._whole, self, x, docs, where)
         return self._whole(x, docs, where)
 
     def _whole(self, x: torch.Tensor, docs: Documents | None, where) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpointed(self._forward, x, docs, where, backend=self.backend)
+            return checkpointed(self._forward, x, docs, where, backend=self.backend, dropout=self.dropout_at)
         return self._forward(x, docs, where)
 
 

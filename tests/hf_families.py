@@ -48,11 +48,17 @@ def _config(family: str):
             rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
                              "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale": 1.0, "mscale_all_dim": 1.0})
+    if family == "gpt_oss":  # attention sees past its 128-token window from a sequence of 129 on
+        return transformers.GptOssConfig(intermediate_size=16, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 2.0,
+                                                          "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False},
+                                         **(common | {"max_position_embeddings": 256}))
     raise ValueError(family)
 
 
 CLASSES = {"llama3.1": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+           "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 FAMILIES = list(CLASSES)
 
 
@@ -67,6 +73,8 @@ def tiny_model(family: str):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif family in ("deepseek_v3", "qwen3_moe", "mixtral") and p.dim() >= 2:
                 p.normal_(0.0, 0.2)  # routers far from uniform: choices without near-ties
+            elif family == "gpt_oss":  # biases and sinks too; experts wide enough that the SwiGLU clamps
+                p.normal_(0.0, 0.7 if name.endswith("gate_up_proj") else 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))

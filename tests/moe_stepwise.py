@@ -67,10 +67,15 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
         def linear(*args, **kwargs):
             return F.linear(*args, **kwargs) * (1 + perturb)
 
-    forward = router_mod.Router.forward
+    # the routers of every family (a family's own router class overrides forward)
+    classes, todo = [], [router_mod.Router]
+    while todo:
+        classes.append(todo.pop())
+        todo += classes[-1].__subclasses__()
+    forwards = {cls: cls.__dict__["forward"] for cls in classes if "forward" in cls.__dict__}
 
     def margin_forward(self, x):
-        routing = forward(self, x)
+        routing = next(forwards[c] for c in type(self).__mro__ if c in forwards)(self, x)  # its own class's
         if margins is not None:
             select = (routing.scores.detach() + self.expert_bias).sort(dim=-1, descending=True).values
             k = self.config.top_k
@@ -84,11 +89,14 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
     if perturb:
         router_mod.F = PerturbedF()
     if margins is not None or routed is not None:
-        router_mod.Router.forward = margin_forward
+        for cls in forwards:
+            cls.forward = margin_forward
     try:
         yield log
     finally:  # the harness reuses its workers: leave the classes as found
-        layer_cls.update_bias, router_mod.F, router_mod.Router.forward = update_bias, functional, forward
+        layer_cls.update_bias, router_mod.F = update_bias, functional
+        for cls, f in forwards.items():
+            cls.forward = f
 
 
 def name_moe_layers(trainer) -> None:

@@ -167,3 +167,12 @@ def hold(folder: str, before_step: int | None, write: tuple[int, int] | None, *r
         hold_write(folder, *write)
     Trainer.train_step = holding_step
     return run_rank(*run_args)
+
+
+def injected(spec: str, *run_args) -> dict:
+    """``run_rank(*run_args)`` with ``PAR_INJECT=spec`` in this rank (pretrain.observe.inject)."""
+    from pretrain.observe.inject import ENV
+    from pretrain.training.run import run_rank
+
+    os.environ[ENV] = spec
+    return run_rank(*run_args)

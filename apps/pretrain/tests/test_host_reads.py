@@ -24,6 +24,8 @@ LAYOUTS = {  # name: (config, nproc, overrides)
     "pp2-zb-v": (None, 2, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
     "zero3": (None, 2, ["parallel.zero=optim_grads_params"]),
     "cp2-muon-qk_clip": (None, 2, ["parallel.cp=2", "train.optimizer=muon", "train.muon_qk_clip=0.05"]),
+    # activations out to the host and back (model/offload.py), and a module recomputed
+    "dp2-offload-recompute": (None, 2, ['model.offload=["layers:1", "mlp"]', 'model.recompute=["core_attn"]']),
 }
 # MoE at ep2: the all-to-all's split sizes are read once per MoE layer per micro-batch (their
 # tensor sizes follow the routing); the static-shape dispatch reads none.
@@ -49,7 +51,7 @@ def unlogged(per_step: list[int]) -> list[int]:
     return [n for s, n in enumerate(per_step) if (s + 1) % EVERY and s + 1 != STEPS]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if "offload" in n else n for n in LAYOUTS])
 def test_no_host_read_outside_log_steps(monkeypatch, tmp_path, fault_ranks, name):
     config, nproc, overrides = LAYOUTS[name]
     reads = reads_per_step(monkeypatch, tmp_path, config, nproc, overrides)

@@ -168,3 +168,30 @@ def test_a_dense_plan_prints_no_expert_figures_and_counts_agree_in_number():
     assert "ep=1 etp=1 edp=1" in moe and "active per token" in moe, moe
     assert "on 1 rank (" in moe and "; 1 micro-batch of 8 per dp rank" in moe and " over 1 layer;" in moe, moe
     assert " over 1 MoE layer (" in moe and "(1 micro-batch)" in moe, moe
+
+
+def _plan(*sets: str, world: int = 2) -> dict:
+    args = ["plan", "--world", str(world), "--json", "--set", "parallel.pp=2", "--set", "train.seq_len=256"]
+    res = runner.invoke(app, args + [a for s in sets for a in ("--set", s)])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_a_module_policy_is_sized_per_stage_and_a_word_plan_has_no_policy_block():
+    from pretrain.sizing.offload import offloaded_bytes
+
+    assert "activation_policy" not in _plan("model.recompute=selective")
+    none = _plan('model.recompute=["layernorm@7"]')["activation_policy"]["stages"]  # the last norm only
+    mlp = _plan('model.recompute=["mlp"]')["activation_policy"]["stages"]
+    off = _plan('model.offload=["layers:1"]')["activation_policy"]["stages"]
+    for s in range(2):
+        assert mlp[s]["recompute_flops_per_step"] > 0 and mlp[s]["activations"] < none[s]["activations"]
+        assert off[s]["offloaded_bytes_per_step"] > 0 and off[s]["activations"] < none[s]["activations"]
+        assert off[s]["h2d_gb_s_needed"] > 0 and mlp[s]["offloaded_bytes_per_step"] == 0
+    cfg = load_config(None, ["parallel.pp=2", "train.seq_len=256", 'model.offload=["layers:1"]'])
+    assert off[0]["offloaded_bytes_per_step"] == offloaded_bytes(cfg, cfg.validate_world(2), 0)
+
+
+def test_auto_policy_without_auto_is_one_error_line():
+    res = runner.invoke(app, ["plan", "--world", "2", "--auto-policy"])
+    assert res.exit_code == 2 and "error: --auto-policy widens --auto's search" in res.output

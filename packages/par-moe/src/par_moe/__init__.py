@@ -8,11 +8,12 @@ from .dispatch import AllGatherDispatcher, AllToAllDispatcher, DispatchHandle, m
 from .experts import GroupedSwiGLU, SwiGLU, grouped_mm_available, grouped_mm_supported
 from .layer import MoELayer
 from .placement import ExpertPlacement, pack_experts
+from .replay import RoutingTape
 from .replicate import ReplicatingDispatcher
 from .router import Router, Routing, tokens_per_expert
 
 __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "DeclaredRouting", "DispatchHandle", "ExpertPlacement", "GroupedSwiGLU", "MoEConfig",
-    "MoELayer", "ReplicaPlan", "ReplicatingDispatcher", "RoutedSizes", "Router", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
+    "MoELayer", "ReplicaPlan", "ReplicatingDispatcher", "RoutedSizes", "Router", "RoutingTape", "Routing", "SwiGLU", "capacity_keep", "grouped_mm_available", "grouped_mm_supported", "make_dispatcher",
     "pack_experts", "plan_replicas", "tokens_per_expert",
 ]

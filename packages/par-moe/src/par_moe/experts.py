@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from par_groups.param_placement import declare_, place_rows_
 
@@ -112,6 +113,8 @@ class GroupedSwiGLU(nn.Module):
         nn.init.normal_(self.w_gate, std=hidden ** -0.5)
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
+        # Megatron's moe_act recompute: keep gate and up for backward, rerun silu(gate) * up there
+        self.recompute_act = False
 
     def place_(self, experts: tuple[int, ...]) -> None:
         """Local slot ``i`` holds global expert ``experts[i]`` now (re-placement moved the values)."""
@@ -134,7 +137,15 @@ class GroupedSwiGLU(nn.Module):
         fast = grouped_mm_supported(tokens, w_gate, w_up, w_down)
         gate = grouped_linear(tokens, w_gate, layout, fast)
         up = grouped_linear(tokens, w_up, layout, fast)
-        return grouped_linear(F.silu(gate) * up, w_down, layout, fast)
+        if self.recompute_act and torch.is_grad_enabled():
+            act = checkpoint(_swiglu_act, gate, up, use_reentrant=False)
+        else:
+            act = _swiglu_act(gate, up)
+        return grouped_linear(act, w_down, layout, fast)
+
+
+def _swiglu_act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def _autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -36,7 +36,7 @@ from torch.distributed import ProcessGroup
 
 from par_groups.param_placement import declare_copies_
 
-from . import losses
+from . import losses, replay
 from .capacity import capacity_keep
 from .comm import gather_no_grad, gather_tokens, group_rank, group_size, reduce_scatter_tokens
 from .config import MoEConfig
@@ -110,16 +110,21 @@ class MoELayer(nn.Module):
         c = self.config
         shape = x.shape
         tokens = x.reshape(-1, c.hidden)
-        routing = self.router(tokens)
+        tape = replay.active()  # inside a checkpointed region: record the experts chosen, or replay them
+        replaying = tape is not None and tape.replaying
+        routing = self.router(tokens, tape.next() if replaying else None)
+        if tape is not None and not replaying:
+            tape.record(routing.indices)
+        counting = self.training and not replaying  # a rerun's tokens were counted by its first run
         capacity = c.capacity(tokens.shape[0])
         declared = self.routing
         counts = (tokens_per_expert(routing.indices, c.num_experts) if declared is None
                   else declared.counts(tokens.shape[0], c.top_k, c.num_experts, x.device, capacity))
         keep = None if capacity is None else capacity_keep(routing.indices, routing.weights, c.num_experts, capacity, c.drop_policy)
         aux_loss, parts = self._balance_losses(routing, counts, shape)
-        if c.bias_update_rate > 0 and self.training:
+        if c.bias_update_rate > 0 and counting:
             self.routed_since_update += counts.to(self.routed_since_update.dtype)
-        if self.replace and self.training:
+        if self.replace and counting:
             self.load_since_replace += counts
 
         xs, indices, weights, kept = tokens, routing.indices, routing.weights, keep
@@ -159,7 +164,7 @@ class MoELayer(nn.Module):
             **{k: v.detach() for k, v in parts.items()},
             **(self._balance_metrics(handle.plan, x.device) if self.replicate else {}),
         }
-        if self.training:
+        if counting:
             self._add_to_step(counts, keep, routing.indices.numel(), parts)
         return y.reshape(shape).to(x.dtype), aux_loss
 
@@ -180,7 +185,7 @@ class MoELayer(nn.Module):
 
         ``imbalance`` is the max over the mean of the step's routed pairs per expert, ``dropped_fraction``
         the share of the step's pairs capacity dropped, the losses the mean over the forwards. A
-        recomputed (activation-checkpointed) forward counts twice, which leaves these ratios as they are.
+        recomputed (activation-checkpointed) forward counts once (``replay``).
         """
         if not self.step_forwards:
             return {}

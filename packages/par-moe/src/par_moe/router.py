@@ -53,21 +53,29 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         nn.init.normal_(self.weight, std=config.hidden ** -0.5)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """``x [T, H]`` -> routing of every token (computed in fp32 for stable top-k)."""
+    def forward(self, x: torch.Tensor, indices: torch.Tensor | None = None) -> Routing:
+        """``x [T, H]`` -> routing of every token (computed in fp32 for stable top-k). ``indices``: the
+        experts already chosen (a recomputed forward replaying its first run: ``replay``)."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if c.score_func == "softmax" else logits.sigmoid()
-        select = scores.detach() + self.expert_bias
-        if c.n_groups > 1:
-            allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k, c.group_score)
-            select = select.masked_fill(~allowed, float("-inf"))
-        # a stable sort, not topk: tied scores go to the lower expert index on every layout and device
-        indices = select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]
+        if indices is None:
+            indices = self.select(scores)
         weights = scores.gather(1, indices)
         if c.normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return Routing(logits, scores, indices, weights * c.routed_scaling_factor)
+
+    @torch.no_grad()
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each token's top-k experts ``[T, k]`` by its biased (and group-limited) scores."""
+        c = self.config
+        select = scores + self.expert_bias
+        if c.n_groups > 1:
+            allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k, c.group_score)
+            select = select.masked_fill(~allowed, float("-inf"))
+        # a stable sort, not topk: tied scores go to the lower expert index on every layout and device
+        return select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -22,8 +22,9 @@ constructor, or to :meth:`PipelineExecutor.step` / :meth:`PipelineExecutor.forwa
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,7 @@ class PipelineExecutor:
         # Each action with the messages it receives and sends, worked out once (the schedule is fixed).
         self._plan = [(a, schedule.input_message(a), schedule.output_message(a)) for a in schedule.ranks[self.rank]]
         self.records: list[ActionRecord] = []
+        self.send_span: Callable[[], ContextManager] = nullcontext  # around each send (the caller's timing)
 
     def step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, *,
              forward_fn: Callable | None = None, loss_fn: Callable | None = None) -> list[torch.Tensor]:
@@ -205,7 +207,8 @@ class PipelineExecutor:
 
     def _deliver(self, action: Action, message: Message | None, tensor: torch.Tensor) -> None:
         if message is not None:
-            self._comm.send(message, tensor)
+            with self.send_span():
+                self._comm.send(message, tensor)
         else:  # the consumer chunk lives on this rank (the bottom of a V)
             kind, to = ("act", action.chunk + 1) if action.kind == "F" else ("grad", action.chunk - 1)
             self._local[(kind, action.microbatch, to)] = tensor.detach()

@@ -108,6 +108,11 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
                      f"{gb(row['optim'])}; peak {gb(peak * GB)} {'fits' if peak <= plan['budget_gb'] else 'does not fit'}{mark}")
     lines.append(f"activations per rank: {human_bytes(act['total'])} on pp stage {act['stage']} (recompute="
                  f"{act['recompute']}, sp {'on' if act['sequence_parallel'] else 'off'}, cp={act['cp']})")
+    for st in plan.get("activation_policy", {}).get("stages", []):  # a per-module recompute or offload
+        lines.append(f"  stage {st['stage']}: activations {human_bytes(st['activations'])}, recomputed "
+                     f"{st['recompute_flops_per_step']:.3e} FLOPs per rank per step ({st['recompute_flops_per_step'] / st['model_flops_per_step']:.1%} "
+                     f"of its model FLOPs), offloaded {human_bytes(st['offloaded_bytes_per_step'])} per step, host-to-device "
+                     f"{st['h2d_gb_s_needed']:.1f} GB/s needed at {plan['activation_policy']['assumed_tflops']:g} TFLOP/s")
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")
     d = plan["decision"]
     choice = "none fits" if d["zero"] is None else f"zero={d['zero']}" + (
@@ -172,6 +177,8 @@ def plan(
                               "(with --simulate: measure the first choice's heaviest stage before calling it a fit)."),
     topology: Optional[str] = typer.Option(None, "--topology", help="With --auto: a topology preset (dgx-h100 ...) or a compact TOML description; without: "
                                           "the exposed time of a [parallel].zero other than the decision's."),
+    auto_policy: bool = typer.Option(False, "--auto-policy", help="With --auto: search per-module recompute lists "
+                                     "([model].recompute = [\"core_attn\", \"mlp\", ...]) beside none, selective and full."),
     efficiency: float = typer.Option(0.6, "--efficiency", help="With --auto: achieved / peak FLOP/s of the compute."),
     peak_tflops: float = typer.Option(0.0, "--peak-tflops", help="With --auto: bf16 TFLOP/s per GPU (default: known GPUs)."),
     simulate: bool = typer.Option(False, "--simulate", help="Run the real training step of one rank on fake tensors "
@@ -192,6 +199,8 @@ def plan(
         if params is None and dp is None and any(v is not None for v in (*bytes_given, hsdp_replicas)):
             raise UsageError("--param-bytes, --grad-bytes, --optim-bytes and --hsdp-replicas go with --params N --dp D "
                              "(a config's come from [train] and [parallel].hsdp_replicas)")
+        if auto_policy and not auto:
+            raise UsageError("--auto-policy widens --auto's search; add --auto (and --world, --topology)")
         if auto:
             from ..planner.auto import auto_plan, render
 
@@ -201,7 +210,7 @@ def plan(
                 raise UsageError("--auto --simulate picks the rank to simulate (each choice's heaviest stage); drop --rank")
             with simulation_progress() as on_phase:
                 result = auto_plan(load_config(config, overrides), world, topology, efficiency, peak_tflops,
-                                   simulate=simulate, on_phase=on_phase)
+                                   simulate=simulate, on_phase=on_phase, policies=auto_policy)
             typer.echo(json.dumps(result) if as_json else render(result))
             return
         if params is not None or dp is not None:

@@ -81,6 +81,7 @@ def report(
 ) -> None:
     """Draw a run's loss, tokens/s, MFU and where each step's time went, to one PNG (and HTML page)."""
     from ..observe.plots import report_html, report_png
+    from ..observe.rank_report import rank_lines
     from ..observe.replica_events import describe, replica_events
 
     try:
@@ -91,7 +92,7 @@ def report(
         title = f"{log_dir} (run {train[-1].get('run_id', '?')})"
         events = replica_events(log_dir)  # fault tolerance: marked on the loss curve and listed
         report_png(train, evals, title, png, events)
-        lines = summary(train) + [describe(e) for e in events]
+        lines = summary(train) + rank_lines(log_dir, train) + [describe(e) for e in events]
         if html:
             report_html(png, png.with_suffix(".html"), title, lines)
     except UsageError as e:

@@ -24,6 +24,10 @@ def family_rules(cfg) -> None:
     bad = [f"{d}={getattr(p, d)}" for d in ("tp", "cp", "pp", "ep") if getattr(p, d) > 1 and d not in family.dimensions]
     _need(not bad, f"[model].attention={m.attention!r} does not run with [parallel].{', '.join(bad)}: its family runs "
                    f"split over {', '.join(family.dimensions) or 'data parallelism only'}; set the others to 1")
+    _need(p.cp == 1 or p.cp_comm_type in family.cp_comm_types,
+          f"[parallel].cp_comm_type={p.cp_comm_type!r} does not run with [model].attention={m.attention!r}; its family "
+          f"runs {', '.join(family.cp_comm_types)}")
+    family.check_layout(cfg)
 
 
 def moe_rules(cfg) -> None:

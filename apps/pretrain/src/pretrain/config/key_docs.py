@@ -26,7 +26,12 @@ MEANINGS = {
         "norm_eps": "RMSNorm's epsilon",
         "tie_embeddings": "the output head shares the embedding's weights",
         "init_std": "the normal initialisation's standard deviation (--init-method-std)",
-        "recompute": "activation recomputation: none | selective (the attention core) | full (every block)",
+        "recompute": "activation recomputation: none | selective (the attention core) | full (every block), or a list "
+                     "of modules (core_attn, mlp, moe_act, layernorm, mla_up_proj, moe, full), each optionally "
+                     "for layers first-last: [\"core_attn\", \"mlp@0-15\"]",
+        "offload": "modules whose saved activations wait in host memory for their backward (pinned, copied on a side "
+                   "stream): attn, mlp, moe, layernorm, layer, each optionally for layers first-last, or layers:N "
+                   "(the first N layers of each chunk)",
         "moe_layers_start": "the first layers stay dense MLPs (DeepSeek's first_k_dense_replace)",
         "num_experts": "routed experts per MoE layer; 0 = a dense model",
         "mlp_only_layers": "layer indices that stay dense (Qwen3-MoE)",
@@ -46,6 +51,11 @@ MEANINGS = {
         "qk_rope_head_dim": "MLA: the query/key width per head with RoPE",
         "v_head_dim": "MLA: the value width per head",
         "mtp_loss_weight": "the multi-token-prediction loss' weight",
+        "linear_key_heads": "qwen3_next: Gated DeltaNet's query/key heads (linear_num_key_heads)",
+        "linear_value_heads": "qwen3_next: Gated DeltaNet's value heads, a multiple of linear_key_heads",
+        "linear_key_dim": "qwen3_next: Gated DeltaNet's query/key width per head",
+        "linear_value_dim": "qwen3_next: Gated DeltaNet's value width per head",
+        "conv_kernel": "qwen3_next: the short causal conv's taps before the delta rule",
     },
     "parallel": {
         "tp": "tensor-parallel ranks (Megatron's --tensor-model-parallel-size)",

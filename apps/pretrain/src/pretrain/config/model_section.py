@@ -30,6 +30,40 @@ def _validate_route_nodes(m) -> None:
                                    f"limit; set only max_route_nodes")
 
 
+def _check_recompute(m) -> None:
+    from ..model.recompute_policy import MODULES, parse_item
+
+    if isinstance(m.recompute, str):
+        _choice("[model].recompute", m.recompute, RECOMPUTE)
+        return
+    object.__setattr__(m, "recompute", tuple(m.recompute))  # a list once read from JSON
+    last = m.layers + m.mtp_depth - 1
+    for text in m.recompute:
+        item = parse_item(text) if isinstance(text, str) else None
+        _need(item is not None, f"[model].recompute item {text!r} is not module[@first[-last]] with a module of "
+                                f"{', '.join(MODULES)}, e.g. \"mlp\" or \"full@0-7\"")
+        name, first, end = item
+        _need(first <= last and (end is None or end <= last),
+              f"[model].recompute item {text!r} names layers past the model's 0..{last}")
+        _need(name != "mla_up_proj" or "mla_up_proj" in family_of(m).supports,
+              f"[model].recompute item {text!r} needs a latent attention (attention={m.attention!r} has no up-projections)")
+        _need(name not in ("moe", "moe_act") or m.num_experts > 0,
+              f"[model].recompute item {text!r} needs MoE layers (num_experts > 0)")
+
+
+def _check_offload(m) -> None:
+    from ..model.offload_policy import MODULES, parse_item
+
+    object.__setattr__(m, "offload", tuple(m.offload))  # a list once read from JSON
+    for text in m.offload:
+        item = parse_item(text) if isinstance(text, str) else None
+        _need(item is not None, f"[model].offload item {text!r} is not module[@first[-last]] with a module of "
+                                f"{', '.join(MODULES)}, or layers:N (N >= 1), e.g. \"mlp\" or \"layers:2\"")
+        name, first, end = item
+        _need(name == "layers" or (first < m.layers + m.mtp_depth and (end is None or end < m.layers + m.mtp_depth)),
+              f"[model].offload item {text!r} names layers past the model's 0..{m.layers + m.mtp_depth - 1}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-3-style decoder; MoE layers (DeepSeek-style) from ``moe_layers_start`` on when num_experts > 0."""
@@ -60,7 +94,12 @@ class ModelConfig:
     # Megatron's --attention-dropout on the attention probabilities, masks drawn the same way; it writes the
     # attention out (S x S probabilities per head), not the fused kernels; 0 = off
     attention_dropout: float = 0.0
-    recompute: str = "none"
+    # none | selective | full, or a list of modules, each for every layer or a range of them:
+    # ["core_attn", "mlp@0-15", "full@16-31"] (model/recompute.py)
+    recompute: str | tuple[str, ...] = "none"
+    # modules whose saved activations wait in host memory for their backward: attn, mlp, moe, layernorm,
+    # layer, each for every layer or "name@first-last", or "layers:N" (the first N of each chunk) (model/offload.py)
+    offload: tuple[str, ...] = ()
     moe_layers_start: int = 0
     num_experts: int = 0
     # Qwen3-MoE's layer pattern: layer i has experts iff (i + 1) % decoder_sparse_step == 0 and i is not in
@@ -100,14 +139,23 @@ class ModelConfig:
     replace_every: int = 100
     # divide the chosen experts' scores by their sum (HF's norm_topk_prob); unset: with sigmoid scores only
     norm_topk_prob: bool | None = None
-    # the model family, named by its attention (pretrain.models): gqa (Llama, Qwen3, Mixtral, Qwen3-MoE) or mla
-    # (DeepSeek-V2/V3's multi-head latent attention, with the five keys below)
+    # the model family, named by its attention (pretrain.models): gqa (Llama, Qwen3, Mixtral, Qwen3-MoE), mla
+    # (DeepSeek-V2/V3's multi-head latent attention, with the five keys below) or qwen3_next (Gated DeltaNet hybrid)
     attention: str = "gqa"
     q_lora_rank: int = 0  # 0 = a full-rank q_proj
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # [model].attention qwen3_next (the Qwen3-Next hybrid): a gated full-attention layer every this many layers, the
+    # rest Gated DeltaNet (linear attention; pretrain/models/qwen3_next) with these heads, widths and conv taps
+    full_attention_interval: int = 4
+    linear_key_heads: int = 4
+    linear_value_heads: int = 8
+    linear_key_dim: int = 16
+    linear_value_dim: int = 16
+    conv_kernel: int = 4
+    partial_rotary_factor: float = 1.0  # the share of each full-attention head's channels RoPE turns
     # Multi-token prediction (DeepSeek-V3): mtp_depth sequential modules, loss added with this weight
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.1
@@ -149,7 +197,8 @@ class ModelConfig:
               "[model].init_std, norm_eps and rope_theta must be > 0")
         _need(0 <= self.hidden_dropout < 1, f"[model].hidden_dropout={self.hidden_dropout} must be in [0, 1)")
         _need(0 <= self.attention_dropout < 1, f"[model].attention_dropout={self.attention_dropout} must be in [0, 1)")
-        _choice("[model].recompute", self.recompute, RECOMPUTE)
+        _check_recompute(self)
+        _check_offload(self)
         _choice("[model].score_func", self.score_func, SCORE_FUNCS)
         _choice("[model].dispatcher", self.dispatcher, DISPATCHERS)
         _choice("[model].expert_balance", self.expert_balance, EXPERT_BALANCES)

@@ -115,6 +115,9 @@ class Config:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         out["parallel"]["hcp"] = list(self.parallel.hcp)
         out["model"]["mlp_only_layers"] = list(self.model.mlp_only_layers)
+        out["model"]["offload"] = list(self.model.offload)
+        if not isinstance(self.model.recompute, str):
+            out["model"]["recompute"] = list(self.model.recompute)
         out["log"]["wandb_tags"] = list(self.log.wandb_tags)
         for section, key in (("parallel", "sequence_parallel"), ("model", "norm_topk_prob")):
             if out[section][key] is None:
@@ -166,6 +169,12 @@ def _coerce(section: str, key: str, value, hint):
     if hint is list:
         _need(isinstance(value, list), f"{where} must be a list, got {shown(value)}")
         return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and str in args and isinstance(value, str):
+        return value  # a word, or (below) a list of strings: [model].recompute
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and str in args:
+        _need(isinstance(value, list) and all(isinstance(v, str) for v in value),
+              f"{where} must be a string or a list of strings, e.g. [\"a\", \"b\"], got {shown(value)}")
+        return tuple(value)
     if hint in (str, dict):
         what = "a string" if hint is str else "a table, e.g. {momentum = 0.9}"
         _need(isinstance(value, hint), f"{where} must be {what}, got {shown(value)}")

@@ -121,6 +121,7 @@ class LogConfig:
     tensorboard: bool = False
     peak_tflops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
     timing: bool = True  # where each step's time goes, every log line (pretrain.observe.step_timing)
+    integrity_every: int = 10  # log steps between hash checks of the replicated state (pretrain.training.integrity); 0 = no corruption checks
     flight_records: int = 64  # each rank's last collectives kept for a hang's summary (pretrain.runtime.hang); 0 = off
     wandb: bool = False  # Weights & Biases on rank 0 (the optional `wandb` extra); run id = the run's id
     wandb_project: str = "pretrain"
@@ -131,6 +132,7 @@ class LogConfig:
     def __post_init__(self) -> None:
         _positive("log", self, "every")
         _positive("log", self, "flight_records", allow_zero=True)
+        _positive("log", self, "integrity_every", allow_zero=True)
         _need(self.peak_tflops >= 0, f"[log].peak_tflops={self.peak_tflops} must be >= 0")
 
 

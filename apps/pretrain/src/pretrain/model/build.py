@@ -20,6 +20,7 @@ from .dropout import DropoutPosition
 from .fp8 import use_fp8_linears_
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
+from .offload import Offloader
 from .parallel import ModelChunk, ChunkContext
 from .shapes import hf_name
 from .initial_state import init_full_state
@@ -78,7 +79,8 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     context = ChunkContext(groups, layout.sequence_parallel, cfg.parallel.cp_comm_type, cfg.train.seq_len, cfg.model.recompute,
                     cfg.model.attention_backend, cfg.model.backend, cfg.parallel.tp_comm_overlap,
-                    declared_routing=declared_routing, qk_clip=cfg.train.muon_qk_clip > 0)
+                    declared_routing=declared_routing, qk_clip=cfg.train.muon_qk_clip > 0,
+                    offload=cfg.model.offload, offloader=Offloader() if cfg.model.offload else None)
     schedule, mine, ranges = chunk_layout(cfg, layout, groups.rank_in("pp"))
     num_chunks = len(ranges)
     state = full_state if full_state is not None else init_full_state(cfg.model, cfg.train.seed)

@@ -18,7 +18,7 @@ class ChunkContext:
     sequence_parallel: bool
     cp_mode: str  # p2p | a2a | allgather | a2a+p2p
     seq_len: int  # full sequence length (before CP)
-    recompute: str  # none | selective | full
+    recompute: object  # [model].recompute: none | selective | full, or a list of modules (recompute_policy.py)
     attention_backend: str = "auto"  # par-cp's attention backend: auto | flash | sdpa | torch
     backend: str = "torch"  # torch | te (Transformer Engine layers and attention)
     tp_comm_overlap: bool = False  # SP collectives as rings under the matmuls (par_tp.overlap)
@@ -28,6 +28,21 @@ class ChunkContext:
     qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
     # where the micro-batch being computed is in the global batch: the dropout masks are its samples'
     dropout: DropoutPosition = field(default_factory=DropoutPosition)
+    offload: tuple[str, ...] = ()  # [model].offload (offload.py)
+    offloader: object | None = None  # this rank's offload.Offloader when offload is set
+
+    def recomputes(self, module: str, layer: int) -> bool:
+        """Whether decoder layer ``layer`` recomputes ``module`` (a name of ``recompute_policy.MODULES``)."""
+        from .recompute_policy import modules_at
+
+        modules = modules_at(self.recompute, layer)
+        return module in modules and (module == "full" or "full" not in modules)
+
+    def offloads(self, layer: int, position: int | None) -> frozenset[str]:
+        """The modules decoder layer ``layer`` (the ``position``-th of its chunk) offloads (offload.py)."""
+        from .offload_policy import modules_at
+
+        return modules_at(self.offload, layer, position)
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:

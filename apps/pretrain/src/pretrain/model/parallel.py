@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from par_groups import declare_copies_, placement_of
-from par_moe import MoELayer
 from par_tp import (
     ColumnParallelLinear,
     TPSwiGLU,
@@ -34,7 +33,8 @@ from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
 from .dropout import hidden_dropout
-from .te import fuse_norm_, recompute
+from .recompute import checkpointed
+from .te import fuse_norm_
 
 
 def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
@@ -46,11 +46,18 @@ def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:
 
 
 class ParallelDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, context: ChunkContext) -> None:
+    def __init__(self, config, index: int, context: ChunkContext, position: int | None = None) -> None:
         super().__init__()
         g, sp = context.groups, context.sequence_parallel
-        self.full_recompute, self.backend = context.recompute == "full", context.backend
+        # [model].offload (offload.py): these modules' saved activations wait in host memory
+        self.offloader = context.offloader
+        self.offloaded = context.offloads(index, position) if context.offloader is not None else frozenset()
+        self.backend = context.backend
         self.is_moe = config.is_moe_layer(index)
+        # [model].recompute for this layer (recompute_policy.py): the whole layer, or some of its modules
+        self.full_recompute = context.recomputes("full", index)
+        self.recompute_norms = context.recomputes("layernorm", index)
+        self.recompute_mlp = context.recomputes("moe" if self.is_moe else "mlp", index)
         self.index, self.hidden_dropout, self.dropout_at = index, config.hidden_dropout, context.dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         family = family_of(config)
@@ -71,7 +78,7 @@ class ParallelDecoderLayer(nn.Module):
             # Router and shared experts: copies over TP, seeing this rank's sequence shard.
             split = sp or self.moe_splits_tokens
             aux_group, sequence_group = (g.tp_dp_cp, g.tp_cp) if split else (g.dp_cp, g.cp)
-            self.mlp = MoELayer(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
+            self.mlp = family.build_moe(moe_config(config), g.ep, g.etp, aux_group=aux_group, sequence_group=sequence_group,
                                 copies=g.tp, partial_grad=split, routing=context.declared_routing)
         else:
             self.mlp = TPSwiGLU(config.hidden, config.ffn_hidden, g.tp, sp, comm_overlap=context.tp_comm_overlap)
@@ -79,19 +86,41 @@ class ParallelDecoderLayer(nn.Module):
         # dp x cp ranks, so scale by dp x cp to give the loss's gradient (aux_scale: 1/micro-batches).
         self.aux_scale = 1.0
         self.dp_cp_size = g.size("dp_cp")
+        if self.is_moe and context.recomputes("moe_act", index):
+            self.mlp.experts.recompute_act = True
         if self.attention_norm_inside:
             fuse_norm_(self.self_attn, self.input_layernorm)
         if self.mlp_norm_inside:
             fuse_norm_(self.mlp, self.post_attention_layernorm)
 
+    def _part(self, module: nn.Module, recomputed: bool, x: torch.Tensor, offload: str = ""):
+        """``module(x)``, rerun in the backward where ``recomputed`` (not inside a recomputed layer), its
+        saved activations in host memory where ``offload`` names an offloaded module."""
+        if offload in self.offloaded and torch.is_grad_enabled():
+            return self._offloaded(lambda y: self._part(module, recomputed, y), module, x)
+        if recomputed and not self.full_recompute and torch.is_grad_enabled():
+            return checkpointed(module, x, backend=self.backend, dropout=self.dropout_at)
+        return module(x)
+
+    def _offloaded(self, fn, module: nn.Module, x: torch.Tensor, *args):
+        with self.offloader.region(module, x.device) as moved:
+            out = fn(x, *args)
+        first = out[0] if isinstance(out, tuple) else out
+        self.offloader.prefetch_on_grad(first, moved)
+        return out
+
     def _forward(self, x: torch.Tensor, docs: Documents | None = None, where=None) -> torch.Tensor:
         packed = {} if docs is None else {"docs": docs}  # the attention core's packed documents
-        attn = self.self_attn(x if self.attention_norm_inside else self.input_layernorm(x), **packed)
+        normed = x if self.attention_norm_inside else self._part(self.input_layernorm, self.recompute_norms, x, "layernorm")
+        if "attn" in self.offloaded and torch.is_grad_enabled():
+            attn = self._offloaded(lambda y: self.self_attn(y, **packed), self.self_attn, normed)
+        else:
+            attn = self.self_attn(normed, **packed)
         x = x + (attn if where is None else hidden_dropout(attn, self.hidden_dropout, where, self.index, 0))
-        h = x if self.mlp_norm_inside else self.post_attention_layernorm(x)
+        h = x if self.mlp_norm_inside else self._part(self.post_attention_layernorm, self.recompute_norms, x, "layernorm")
         if self.moe_splits_tokens:  # backward: the sequence's gradient all-gathered (replicated again)
             h = scatter_to_sequence_parallel(h, self.moe_tp_group)
-        out = self.mlp(h)
+        out = self._part(self.mlp, self.recompute_mlp, h, "moe" if self.is_moe else "mlp")
         if self.is_moe:
             out, aux = out
             out = attach_aux_loss(out, aux, self.aux_scale * self.dp_cp_size)
@@ -102,8 +131,13 @@ class ParallelDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
         where = self.dropout_at.at if self.hidden_dropout > 0 and self.training else None
+        if "layer" in self.offloaded and torch.is_grad_enabled():
+            return self._offloaded(self._whole, self, x, docs, where)
+        return self._whole(x, docs, where)
+
+    def _whole(self, x: torch.Tensor, docs: Documents | None, where) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return recompute(self._forward, x, docs, where, backend=self.backend)
+            return checkpointed(self._forward, x, docs, where, backend=self.backend, dropout=self.dropout_at)
         return self._forward(x, docs, where)
 
 
@@ -125,7 +159,7 @@ class ModelChunk(nn.Module):
         rows = config.padded_vocab(g.size("tp"))  # Megatron's vocabulary padding; the head masks the pad
         # with SP its partial lookups are reduce-scattered to the sequence shard (not all-reduced, then split)
         self.embed_tokens = VocabParallelEmbedding(rows, config.hidden, g.tp, sequence_parallel=sp) if first else None
-        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, context) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): ParallelDecoderLayer(config, i, context, n) for n, i in enumerate(layer_ids)})
         self.norm = _norm(config, context) if last else None
         self.lm_head = (ColumnParallelLinear(config.hidden, rows, g.tp, sequence_parallel=sp, comm_overlap=context.tp_comm_overlap)
                         if last else None)

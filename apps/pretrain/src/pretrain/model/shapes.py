@@ -20,7 +20,7 @@ def layer_shapes(config, i: int) -> dict[str, tuple[int, ...]]:
         e, f = config.num_experts, config.moe_ffn_hidden or config.ffn_hidden
         shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.expert_bias": (e,),
                    p + "mlp.experts.w_gate": (e, f, h), p + "mlp.experts.w_up": (e, f, h),
-                   p + "mlp.experts.w_down": (e, h, f)}
+                   p + "mlp.experts.w_down": (e, h, f)} | family_of(config).moe_shapes(config, p + "mlp.")
         if config.shared_experts:
             fs = config.shared_experts * f
             shapes |= {p + "mlp.shared.w_gate": (fs, h), p + "mlp.shared.w_up": (fs, h), p + "mlp.shared.w_down": (h, fs)}

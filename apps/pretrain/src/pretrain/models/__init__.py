@@ -10,10 +10,14 @@ from __future__ import annotations
 from .family import Family
 from .deepseek import FAMILY as DEEPSEEK
 from .gqa import FAMILY as GQA
+from .qwen3_next import FAMILY as QWEN3_NEXT
+from .gpt_oss import FAMILY as GPT_OSS
 
 FAMILIES: tuple[Family, ...] = (
     GQA,
     DEEPSEEK,
+    QWEN3_NEXT,
+    GPT_OSS,
 )
 
 ATTENTIONS = tuple(f.attention for f in FAMILIES)

@@ -5,7 +5,8 @@ dense SwiGLU or MoE MLP, MTP modules, embedding and head) is common to every fam
 the family of a config (``pretrain.models.family_of``) instead of comparing names:
 
 * config: the ``[model]`` keys only it reads (:attr:`Family.keys`) and their checks (:meth:`check`);
-* shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`),
+* shapes and placements: its attention tensors' full shapes by HF name (:meth:`attention_shapes`; a MoE
+  layer's own extra tensors: :meth:`moe_shapes`, built by :meth:`build_moe`),
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
@@ -22,7 +23,7 @@ from __future__ import annotations
 from ..errors import UsageError
 
 # The optional features a family may run, and the parallel dimensions it may be split over (dp / ZeRO: always).
-FEATURES = ("dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion")
+FEATURES = ("dynamic_cp", "attention_dropout", "muon_qk_clip", "te_norm_fusion", "mla_up_proj")
 DIMENSIONS = ("tp", "cp", "pp", "ep")
 
 
@@ -36,6 +37,7 @@ class Family:
     keys: tuple[str, ...] = ()  # [model] keys only this family reads
     supports: frozenset[str] = frozenset()  # of FEATURES
     dimensions: tuple[str, ...] = DIMENSIONS  # the parallel dimensions its layers run split over
+    cp_comm_types: tuple[str, ...] = ("p2p", "a2a", "allgather", "a2a+p2p")  # the [parallel].cp_comm_type values it runs
     tp_split: tuple[str, ...] = ()  # attention tensors (last two name parts) split over tp by heads
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
     renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names
@@ -43,6 +45,9 @@ class Family:
 
     def check(self, m) -> None:
         """The ``[model]`` keys' rules under this family (one UsageError line)."""
+
+    def check_layout(self, cfg) -> None:
+        """What this family's modules need of the whole run config (``[parallel]``, ``[data]``): one UsageError line."""
 
     def qk_head_dim(self, m) -> int:
         """Query/key width of one head."""
@@ -60,6 +65,17 @@ class Family:
         """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
         raise NotImplementedError
 
+    def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
+        """Full shapes of a MoE layer's own tensors besides the common router and experts (HF names under
+        ``prefix``, ``model.layers.{i}.mlp.``); they are built by :meth:`build_moe`."""
+        return {}
+
+    def build_moe(self, moe_config, *args, **kwargs):
+        """This rank's MoE layer (``par_moe.MoELayer``'s arguments)."""
+        from par_moe import MoELayer
+
+        return MoELayer(moe_config, *args, **kwargs)
+
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token: what the attention keeps for backward (``sizing.activations``)."""
         raise NotImplementedError
@@ -76,6 +92,11 @@ class Family:
         """(what, full width) of each attention feature dim that ``tp`` ranks split (a tile-scaled FP8
         recipe's tiles must not straddle them)."""
         raise NotImplementedError
+
+    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+        """``plan``'s figures of the layers that carry a recurrent state along the sequence (its bytes, what
+        context parallelism passes between ranks); empty for a family without such layers."""
+        return {}
 
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""

@@ -151,6 +151,15 @@ class MetricsLogger:
             grad_norm: float | None = None, tokens: int | None = None, **extra: Any) -> dict:
         """Record optimizer step ``step`` (1-based: the number of steps done). Returns the JSON record."""
         tokens = self.tokens_per_step if tokens is None else tokens
+        for straggler in extra.pop("stragglers", ()):  # the straggler rule fired (observe/stragglers.py)
+            self.log_event("straggler", step=step, **straggler.event())
+            self.message(straggler.line(step))
+        for event in extra.pop("integrity", ()):  # silent-corruption checks (training/integrity.py)
+            self.jsonl.write(json.dumps({**event, "time": time.time(), **self._run()}) + "\n")
+            if event["event"] == "corruption":
+                self.message(f"step {step}: corruption check: {event['class']} on rank {event['rank']} "
+                             f"(host {event['host']}, GPU {event['gpu']}), step {event['suspect_step']}'s "
+                             f"micro-batch {event['micro_batch']}")
         record = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                   "tokens_per_s": tokens / step_time if step_time > 0 else None, "step_time_s": step_time,
                   "mfu": mfu(self.flops_per_step, step_time, self.peak, self.devices),

@@ -23,6 +23,12 @@ stream (events at its start and end) that the stream stood in its sends' and rec
 Across ranks (one small all-gather over all ranks, at log steps only): ``time_busy_s`` is a rank's
 step less its exposed communication; its median over ranks, its maximum and that rank
 (``straggler_rank``) find the rank the others wait for. Rank 0 logs its own parts and these.
+
+Per phase too (``BUSY_PHASES``): the forward calls and the pipeline's sends are spans of their own
+(:meth:`StepTimer.span`) inside the forward-backward phase, whose remainder is the backward; each
+call's wait counts to the phase or span it falls in, so a phase's busy time is its time less its
+own waits. These rows go, with each rank's pipeline stage, to ``pretrain.observe.stragglers``,
+which compares ranks only with the ranks that do the same work.
 """
 
 from __future__ import annotations
@@ -32,10 +38,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from contextlib import contextmanager, nullcontext
+
 from par_groups import comm
 from par_groups.watch import P2P
 
+from .stragglers import BUSY_PHASES, StragglerRule
+
 PHASES = ("data", "fwd_bwd", "optimizer")
+AFTER = {"data": "backward", "fwd_bwd": "optimizer", "optimizer": None}  # the phase a lap starts
 
 
 class HostClock:
@@ -84,16 +95,49 @@ class StepTimer:
         watch.device_events = getattr(self.clock, "event_class", None)  # the watch's calls on CUDA tensors
         self.marks: list = []
         self.bubble = 0.0
-        self.last: tuple | None = None  # the last finished step: (marks, host wait, comm events, bubble)
+        self.last: tuple | None = None  # the last finished step: (marks, waits, spans, bubble)
+        self.stage = 0  # this rank's pipeline stage (the Trainer sets it): ranks are compared within one
+        self.rule: StragglerRule | None = None  # made at the first log step (every rank's stage and host)
+        self.current: str | None = None  # the phase running now (None between steps)
+        self.waits: dict = {}
+        self.spans: dict = {}
 
     def start(self) -> None:
         self.bubble = 0.0
         self.watch.take_wait()
         self.watch.take_events()  # calls between steps (eval, the log step's gather) are no step's
+        self.waits = {p: [0.0, []] for p in BUSY_PHASES}  # per phase: host-timed wait, CUDA event pairs
+        self.spans = {"forward": [], "pp_send": []}
+        self.current = "data"
         self.marks = [self.clock.mark()]
 
+    def _bank(self, phase: str) -> None:
+        """The waits since the last bank are ``phase``'s."""
+        wait = self.waits[phase]
+        wait[0] += self.watch.take_wait()
+        wait[1] += self.watch.take_events()
+
     def lap(self, phase: str) -> None:
+        if self.current is not None:
+            self._bank(self.current)
+        self.current = AFTER[phase]
         self.marks.append(self.clock.mark())
+
+    @contextmanager
+    def span(self, name: str):
+        """A forward call or a pipeline send (``name``): its time and waits are its own, not the phase's."""
+        outer = self.current
+        if outer is None or outer == name:  # between steps (evaluation), or nested in itself
+            yield
+            return
+        self._bank(outer)
+        self.current, start = name, self.clock.mark()
+        try:
+            yield
+        finally:
+            self._bank(name)
+            self.spans[name].append((start, self.clock.mark()))
+            self.current = outer
 
     def pipeline(self, records, seconds: float) -> None:
         """The schedule ran ``seconds``; ``records`` are its actions (start once the inputs arrived)."""
@@ -105,25 +149,36 @@ class StepTimer:
 
     def finish(self) -> dict:
         """Keep this step's marks; nothing is read or gathered here (see :meth:`gathered`)."""
-        self.last = (self.marks, self.watch.take_wait(), self.watch.take_events(), self.bubble)
+        if self.current is not None:
+            self._bank(self.current)
+        self.current = None
+        self.last = (self.marks, self.waits, self.spans, self.bubble)
         return {}
 
     def local(self) -> list[float]:
-        """The last step's parts on this rank, read now: the phases' seconds, the exposed comm, the bubble."""
-        marks, wait, events, bubble = self.last
+        """The last step's parts on this rank, read now: the phases' seconds, the exposed comm, the bubble,
+        then the busy seconds of each of ``BUSY_PHASES``."""
+        marks, waits, spans, bubble = self.last
+        seconds = self.clock.seconds
         self.clock.settle(marks[-1])  # the one wait for the device, at log steps only
-        times = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
-        wait += sum(self.clock.seconds(a, b) for _, a, b in events)
+        times = [seconds(a, b) for a, b in zip(marks, marks[1:])]
+        times += [0.0] * (len(PHASES) - len(times))
+        waited = {p: w + sum(seconds(a, b) for _, a, b in events) for p, (w, events) in waits.items()}
+        spent = {name: sum(seconds(a, b) for a, b in pairs) for name, pairs in spans.items()}
+        wait = sum(waited.values())
         if isinstance(bubble, tuple):  # CUDA: the schedule's waits in sends and receives over its span
-            span = self.clock.seconds(*bubble)
-            p2p = sum(self.clock.seconds(a, b) for op, a, b in events if op in P2P)
+            span = seconds(*bubble)
+            p2p = sum(seconds(a, b) for w in waits.values() for op, a, b in w[1] if op in P2P)
             bubble = min(1.0, p2p / span) if span > 0 else 0.0
-        return times + [0.0] * (len(PHASES) - len(times)) + [wait, bubble]
+        phase = {"data": times[0], "forward": spent["forward"], "pp_send": spent["pp_send"],
+                 "backward": times[1] - spent["forward"] - spent["pp_send"], "optimizer": times[2]}
+        busy = [max(0.0, phase[p] - waited[p]) for p in BUSY_PHASES]
+        return times + [wait, bubble] + busy
 
     def gathered(self) -> dict:
         """The last step's parts on this rank and the cross-rank median / slowest (every rank calls it)."""
         mine = self.local()
-        wait, bubble = mine[-2:]
+        wait, bubble = mine[3:5]
         local = torch.tensor(mine, dtype=torch.float64, device=self.device)
         every = torch.empty(dist.get_world_size() * local.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, local, None)
@@ -132,10 +187,13 @@ class StepTimer:
         slowest = int(busy.argmax())
         out = {f"time_{p}_s": mine[i] for i, p in enumerate(PHASES)}
         out |= {"time_exposed_comm_s": wait, "time_busy_median_s": float(busy.median()),
-                "time_busy_max_s": float(busy[slowest]), "straggler_rank": slowest}
+                "time_busy_max_s": float(busy[slowest]), "straggler_rank": slowest,
+                "time_busy_by_rank_s": [round(b, 6) for b in busy.tolist()]}
         if bubble or rows[:, 4].any():
             out["pp_bubble"] = float(rows[:, 4].median())  # the median rank's share
-        return out
+        if self.rule is None or len(self.rule.stages) != len(rows):  # once, and again after a regroup
+            self.rule = StragglerRule.gathered(self.stage, self.device)  # every rank's stage, host, GPU
+        return out | self.rule.observe(rows[:, 5:])
 
 
 class NoTimer:
@@ -152,6 +210,10 @@ class NoTimer:
 
     def finish(self) -> dict:
         return {}
+
+    @staticmethod
+    def span(name: str):
+        return nullcontext()
 
     def gathered(self) -> dict:
         return {}

@@ -28,7 +28,7 @@ ESTIMATED = ("estimated: pretrain.sizing's closed form of the heaviest stage, th
 
 
 def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflops: float = 0.0,
-              top: int = 5, simulate: bool = False, on_phase=lambda rank, phase: None) -> dict:
+              top: int = 5, simulate: bool = False, on_phase=lambda rank, phase: None, policies: bool = False) -> dict:
     """Search and rank; a dict ready for JSON (``best`` holds the ``top`` layouts). ``simulate``: run
     the heaviest stage of the top choices on fake tensors (:func:`check_by_simulation`) before
     calling one a fit; those measured over the budget leave the list."""
@@ -43,7 +43,7 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
         raise UsageError(f"no known peak for {gpu.name!r}; give --peak-tflops (bf16 dense TFLOP/s per GPU)")
     budget = budget_bytes(gpu.memory_gb)
     start = time.perf_counter()
-    found, tried = search(cfg, world, budget, tflops * 1e12, efficiency, cluster)
+    found, tried = search(cfg, world, budget, tflops * 1e12, efficiency, cluster, policies)
     seconds = time.perf_counter() - start
     if not found:
         raise UsageError(f"no layout of {cfg.source or 'the config'} fits {world} x {gpu.memory_gb:g} GB "
@@ -70,7 +70,8 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
 
 def choice_config(cfg, c: Choice):
     """``cfg`` with the choice's layout, as `pretrain train` gets it from the printed --set flags."""
-    return config_from_dict(apply_overrides(cfg.to_dict(), overrides(c, cfg).replace("--set ", "").split()), cfg.source)
+    flags = overrides(c, cfg).replace("--set ", "").replace("'", "").split()  # the shell's quotes off
+    return config_from_dict(apply_overrides(cfg.to_dict(), flags), cfg.source)
 
 
 def check_by_simulation(cfg, world: int, found: list[Choice], gpu_memory_gb: float, on_phase, tries: int = 5) -> list[dict]:
@@ -96,7 +97,8 @@ def layout_of(c: Choice) -> dict:
     s = c.shape
     return {"tp": s.tp, "cp": s.cp, "pp": s.pp, "vpp": s.vpp, "schedule": s.schedule, "dp": s.dp, "ep": s.ep,
             "etp": s.etp, "edp": s.edp, "zero": c.zero, "micro_batch": c.micro_batch,
-            "microbatches": c.microbatches, "recompute": c.recompute, "first_stage_layers": s.first,
+            "microbatches": c.microbatches,
+            "recompute": c.recompute if isinstance(c.recompute, str) else list(c.recompute), "first_stage_layers": s.first,
             "last_stage_layers": s.last}
 
 
@@ -109,8 +111,13 @@ def overrides(c: Choice, cfg) -> str:
            if f.name not in ("zero", "sequence_parallel") and getattr(chosen, f.name) != getattr(base, f.name)]
     if s.tp > 1 and base.sequence_parallel is False:  # the search plans sequence parallelism with tp
         out.append("parallel.sequence_parallel=true")
-    out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={c.recompute}"]
+    out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={_recompute_literal(c.recompute)}"]
     return " ".join(f"--set {o}" for o in out)
+
+
+def _recompute_literal(value) -> str:
+    """A word as it is; a module list as a quoted TOML list the shell hands over whole."""
+    return value if isinstance(value, str) else "'[" + ",".join(f'"{v}"' for v in value) + "]'"
 
 
 def _literal(value) -> str:

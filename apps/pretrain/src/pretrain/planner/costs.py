@@ -9,6 +9,7 @@ DDP if it fits, then ZeRO-1, then ZeRO-2 / ZeRO-3, then HSDP when a ZeRO-3 dp gr
 
 from __future__ import annotations
 
+from ..models import family_of
 from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from ..sizing.replicas import replica_figures, stage_moe_layers
@@ -58,6 +59,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
                   "per_rank_per_step": training_flops_per_step(m, t.seq_len, t.global_batch) / world},
         "decision": choose_zero(fits, dp_nodes, layout.dp * layout.cp),
     }
+    if not isinstance(m.recompute, str) or m.offload:  # a per-module policy: what it costs per stage
+        from .policy import policy_figures
+
+        out["activation_policy"] = policy_figures(cfg, layout)
     if m.is_moe:
         out["experts"] = {"params_per_expert": c.expert, "bytes_per_expert_bf16": 2 * c.expert,
                           "routed_bytes_per_layer_bf16": 2 * c.routed_per_layer, "moe_layers": c.moe_layers,
@@ -67,6 +72,9 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
     if m.is_moe and m.expert_balance == "replicate":  # the heaviest stage's replica buffers and bytes
         out["replicas"] = replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
                                           state_dtypes(t)[0].itemsize)
+    recurrent = family_of(m).recurrent_state(m, layout, layout.micro_batch)
+    if recurrent:  # linear-attention layers: their states and what CP passes (models/<family>/)
+        out["recurrent_state"] = recurrent
     if t.optimizer_declaration.gathers == "matrix":  # which params Muon steps, which AdamW (model/muon_split.py)
         from ..model.muon_split import muon_ns_flops, muon_split
 

@@ -70,17 +70,42 @@ class Estimate:
 
 
 @lru_cache(maxsize=4096)
-def recompute_fraction(m, seq_len: int, recompute: str) -> float:
+def recompute_fraction(m, seq_len: int, recompute) -> float:
     """Extra FLOPs of recomputation as a fraction of the model FLOPs of a token."""
     from ..sizing.flops import training_flops_per_token
 
     total = training_flops_per_token(m, seq_len)
+    if not isinstance(recompute, str):  # a list of modules: each layer's reruns' forward FLOPs
+        return sum(module_forward_flops(m, seq_len, i, recompute) for i in range(m.layers)) / total
     if recompute == "full":  # forward of every layer again: a third of its forward + backward
         head = 6.0 * m.vocab_size * m.hidden
         return (total - head) / 3 / total
     if recompute == "selective":  # the attention core forward (2 x s x h per layer)
         return 2.0 * m.layers * seq_len * m.hidden / total
     return 0.0
+
+
+def module_forward_flops(m, seq_len: int, i: int, recompute) -> float:
+    """Per token: the forward FLOPs layer ``i`` runs again under the module list ``recompute`` (matmuls
+    only: the norms and activations are a rounding error of them)."""
+    from ..model.recompute_policy import modules_at
+    from ..sizing.flops import training_flops_per_token
+
+    modules = modules_at(recompute, i)
+    if "full" in modules:
+        head = 6.0 * m.vocab_size * m.hidden
+        return (training_flops_per_token(m, seq_len) - head) / 3 / m.layers
+    flops = 0.0
+    if modules & {"core_attn", "mla_up_proj"}:
+        flops += 2.0 * seq_len * m.hidden  # the attention core, as "selective"
+    if "mla_up_proj" in modules:
+        flops += 2.0 * m.heads * (m.q_lora_rank * m.qk_head_dim + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim))
+    if m.is_moe_layer(i):
+        if "moe" in modules:
+            flops += 6.0 * m.hidden * m.expert_ffn_hidden * (m.top_k + m.shared_experts) + 2.0 * m.hidden * m.num_experts
+    elif "mlp" in modules:
+        flops += 6.0 * m.hidden * m.ffn_hidden
+    return flops
 
 
 @lru_cache(maxsize=4096)
@@ -177,7 +202,8 @@ def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, mod
     compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute))
     compute *= shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
     compute /= peak_flops * efficiency
-    idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches, recompute == "full")
+    idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches,
+                               recompute == "full" or recompute == ("full",))
     bubble = compute * idle / busy if shape.pp > 1 else 0.0
     comm = comm_seconds(shape, work, zero, bandwidth, muon_ns)
     step = compute + bubble + sum(comm.values())

@@ -105,8 +105,14 @@ def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> Layou
                   micro_batch, microbatches)
 
 
-def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster) -> Choice | None:
-    """The fastest (micro-batch, recompute, ZeRO) of one shape whose heaviest stage fits ``budget`` bytes."""
+# With --auto-policy: per-module recompute lists searched beside the words (least recomputed first)
+POLICIES = (("layernorm",), ("core_attn", "layernorm"), ("core_attn", "mlp"), ("core_attn", "mlp", "layernorm"))
+
+
+def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster,
+                 policies: bool = False) -> Choice | None:
+    """The fastest (micro-batch, recompute, ZeRO) of one shape whose heaviest stage fits ``budget`` bytes;
+    ``policies``: the per-module recompute lists too."""
     m, t = cfg.model, cfg.train
     shaped = shape_config(cfg, s)
     dtypes, d = state_dtypes(shaped.train), s.dp * s.cp
@@ -115,7 +121,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
                  for p in params] for z in ZERO}
     if min(state[ZERO[-1]]) > budget:
         return None
-    variants = {r: dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r)) for r in RECOMPUTE}
+    recomputes = RECOMPUTE + (POLICIES if policies else ())
+    variants = {r: dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r)) for r in recomputes}
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
     per_rank = t.global_batch // s.dp
     bandwidth = None
@@ -126,7 +133,7 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
             continue
         work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
         layout = light_layout(s, mb, microbatches)
-        for recompute in RECOMPUTE:
+        for recompute in recomputes:
             acts = [stage_peak_of(variants[recompute], layout, stage) for stage in range(s.pp)]
             peaks = {z: max(a + b.with_grads(grad_buffer(shaped, layout, p, z)) for a, b, p in zip(state[z], acts, params))
                      for z in ZERO}  # the heaviest stage
@@ -148,12 +155,13 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
 
 def _key(c: Choice) -> tuple:
     """Fastest first; on a tie, the simpler layout (less sharding, recompute, parallelism)."""
-    return (c.estimate.step_s, ZERO.index(c.zero), RECOMPUTE.index(c.recompute), c.shape.tp * c.shape.cp * c.shape.pp)
+    return (c.estimate.step_s, ZERO.index(c.zero), (RECOMPUTE + POLICIES).index(c.recompute),
+            c.shape.tp * c.shape.cp * c.shape.pp)
 
 
 def search(cfg, world: int, budget: float, peak: float, efficiency: float,
-           cluster: Cluster) -> tuple[list[Choice], int]:
+           cluster: Cluster, policies: bool = False) -> tuple[list[Choice], int]:
     """(every shape's best variant that fits, fastest first; how many shapes were tried)."""
     tried = shapes(cfg, world)
-    found = [c for c in (best_variant(cfg, s, budget, peak, efficiency, cluster) for s in tried) if c]
+    found = [c for c in (best_variant(cfg, s, budget, peak, efficiency, cluster, policies) for s in tried) if c]
     return sorted(found, key=_key), len(tried)

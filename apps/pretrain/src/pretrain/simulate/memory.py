@@ -9,6 +9,8 @@ cannot answer, return 1: the simulation never branches on a value it could not h
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from collections import defaultdict
 
@@ -32,6 +34,16 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_by: dict[str, int] = {}
         self.largest: dict[str, int] = defaultdict(int)  # largest single storage per category
         self._next = 0
+        self.hosting = False  # inside host_memory(): what is made is host memory, not the device's
+
+    @contextlib.contextmanager
+    def host_memory(self):
+        """Tensors made inside are host memory (offload.py's copies out): not counted."""
+        outer, self.hosting = self.hosting, True
+        try:
+            yield
+        finally:
+            self.hosting = outer
 
     # ---- counting ----------------------------------------------------------------------------
     def _free(self, key: int) -> None:
@@ -54,6 +66,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
+        if self.hosting or getattr(st, "_par_sim_host", False):  # host memory ([model].offload's copies)
+            st._par_sim_host = True
+            return
         key = getattr(st, "_par_sim_key", None)
         if key is None or key not in self.live:
             self._add(st, self.phase)

@@ -90,7 +90,10 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
     with fake_world(rank, world):
         tracker = MemoryTracker()
         t0 = time.perf_counter()
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        from ..model.offload import host_copies
+
+        # [model].offload's host copies are not the device's
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker, host_copies(tracker.host_memory):
             on_phase("build")
             tracker.phase = "other"
             trainer = Trainer(cfg, dataset=dataset, shapes_only=ShapesOnly(DeclaredRouting(imbalance)))

@@ -20,6 +20,8 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
+from ..model.offload_policy import modules_at as offloaded_at
+from ..model.recompute_policy import modules_at
 from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
 from .replicas import declared_plan, held_replicas, replica_bytes
@@ -52,16 +54,69 @@ def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
     return (routed + 3 * h * pb + m.num_experts * (2 * pb + 4) + 4 * f * m.shared_experts * pb) / share
 
 
-def layer_per_token(cfg, layout, i: int, recompute: str, pairs: float | None = None) -> float:
+def layer_per_token(cfg, layout, i: int, recompute, pairs: float | None = None) -> float:
     """Bytes decoder layer ``i`` keeps for backward per token of the micro-batch: its two RMSNorms
     (fp32 input and normalized value, 8 h per token they see), attention and MLP; under full
-    recomputation the layer input only. ``pairs``: see :func:`_mlp` (default: balanced routing)."""
+    recomputation the layer input only. ``pairs``: see :func:`_mlp` (default: balanced routing).
+    ``recompute``: a word, or a list of modules (:func:`_modules_per_token`)."""
     m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
+    if not isinstance(recompute, str):
+        return _modules_per_token(cfg, layout, i, modules_at(recompute, i), pairs)
     if recompute == "full":
         return m.hidden / share * pb
     pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
     return 2 * 8 * m.hidden / share + _attention(m, layout, recompute, pb) + _mlp(m, layout, i, pb, pairs)
+
+
+def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | None) -> float:
+    """:func:`layer_per_token` with ``modules`` of layer ``i`` recomputed: a recomputed module keeps its
+    input (the checkpoint's one saved tensor) instead of its saved set; ``moe_act`` keeps each routed
+    pair's gate and up but not silu(gate); ``mla_up_proj`` reruns the MLA core too (as core_attn)."""
+    m, pb = cfg.model, _pb(cfg)
+    share = layout.tp if layout.sequence_parallel else 1
+    if "full" in modules:
+        return m.hidden / share * pb
+    word = "selective" if modules & {"core_attn", "mla_up_proj"} else "none"
+    pairs = m.top_k * layout.etp if pairs is None else pairs
+    norms = 2 * (m.hidden / share * pb if "layernorm" in modules else 8 * m.hidden / share)
+    if ("moe" if m.is_moe_layer(i) else "mlp") in modules:
+        mlp = m.hidden / share * pb
+    else:
+        mlp = _mlp(m, layout, i, pb, pairs)
+        if "moe_act" in modules and m.is_moe_layer(i):
+            mlp -= pairs * m.expert_ffn_hidden / layout.etp * pb / share
+    return norms + _attention(m, layout, word, pb) + mlp
+
+
+def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
+    """Per token of the micro-batch: what ``module`` of layer ``i`` saves (0 where it is recomputed:
+    its checkpoint keeps its input only, which the module before it saved)."""
+    m = cfg.model
+    recomputed = modules_at(m.recompute, i)
+    share = layout.tp if layout.sequence_parallel else 1
+    if module == "layer":  # its saved set as the recompute policy leaves it
+        return layer_per_token(cfg, layout, i, m.recompute)
+    if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
+        return 0.0
+    if module == "layernorm":
+        return 2 * 8 * m.hidden / share
+    if module == "attn":
+        return family_of(m).saved_bytes(m, layout, "selective" if "core_attn" in recomputed else "none", pb)
+    if (module == "moe") != m.is_moe_layer(i):
+        return 0.0  # mlp names the dense layers, moe the MoE ones
+    return _mlp(m, layout, i, pb, m.top_k * layout.etp)
+
+
+def offloaded_per_layer(cfg, layout, i: int, position: int | None) -> float:
+    """Bytes per token decoder layer ``i`` (the ``position``-th of its chunk; None: MTP) moves out."""
+    m = cfg.model
+    if not m.offload:
+        return 0.0
+    modules = offloaded_at(m.offload, i, position)
+    if "layer" in modules:
+        modules = {"layer"}
+    return sum(_module_per_token(cfg, layout, i, module, _pb(cfg)) for module in modules)
 
 
 def _ring_backward_work(m, layout, pb: int) -> float:
@@ -149,6 +204,8 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     layers = list(layers) + (list(range(m.layers, m.layers + m.mtp_depth)) if last else [])  # MTP: last stage
     kinds = by_kind(m, layers)
     moe_pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
+    if not isinstance(m.recompute, str) or m.offload:  # per layer: a module policy, or offloaded modules
+        return _policy_chunk_bytes(cfg, layout, chunk, layers, tokens, pairs, replicas)
     saved = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in kinds) * tokens
     junctions = sum(n * _junctions(m, layout, i, pb, moe_pairs) for i, n in kinds) * tokens
     if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient
@@ -175,6 +232,39 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
             # head's gradient from MTP's use (waiting for the main use's) are alive
             work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
         work = max(work - loss, 0.0)  # the loss's backward frees its logits before the layers' run
+    return ChunkBytes(saved, junctions, work, forward)
+
+
+def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | None, replicas: int) -> ChunkBytes:
+    """:func:`_chunk_bytes` under a per-layer policy: each layer's saved set as its recomputed modules
+    leave it, less what ``[model].offload`` moves out (sizing.offload); a layer's backward also holds
+    what its recomputation brings back (its whole saved set at most) and its offloaded tensors."""
+    m, pb = cfg.model, _pb(cfg)
+    share = layout.tp if layout.sequence_parallel else 1
+    last = chunk == layout.pp * layout.chunks_per_rank - 1
+    ids = list(layers) + (list(range(m.layers, m.layers + m.mtp_depth)) if last else [])
+    moe_pairs = m.top_k * layout.etp if pairs is None else pairs
+    kept = {i: layer_per_token(cfg, layout, i, m.recompute, pairs) * tokens for i in ids}
+    out = {i: offloaded_per_layer(cfg, layout, i, position if position < len(layers) else None) * tokens
+           for position, i in enumerate(ids)}
+    saved = sum(kept[i] - out[i] for i in ids)
+    junctions = sum(_junctions(m, layout, i, pb, moe_pairs) for i in ids) * tokens
+    if chunk > 0 and not all("full" in modules_at(m.recompute, i) for i in layers):
+        saved += m.hidden / share * pb * tokens  # the received input, kept for the input gradient
+    replica = replica_bytes(m, layout.etp, replicas, pb)
+    saved += sum(replica for i in ids if m.is_moe_layer(i))
+
+    def backward(i: int) -> float:
+        again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
+        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs)
+
+    work, forward = max((backward(i) for i in ids), default=0.0), 0.0
+    if last:
+        vocab, loss = m.padded_vocab(layout.tp) / layout.tp, _loss_saved(cfg, layout, tokens)
+        saved += loss
+        forward = vocab * pb * tokens
+        junctions += (vocab * pb + 4 * m.hidden / share) * tokens
+        work = max(work - loss, 0.0)
     return ChunkBytes(saved, junctions, work, forward)
 
 

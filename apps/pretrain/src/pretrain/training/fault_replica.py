@@ -95,6 +95,8 @@ class ReplicaShare:
 class ReplicaTrainer(Trainer):
     """A :class:`Trainer` that reads its :class:`ReplicaShare` of each global batch and weights its losses so."""
 
+    integrity_checks = False  # its data is its share, not the sampler's: a rerun could not fetch it (integrity.py)
+
     def __init__(self, cfg, share: ReplicaShare, sample_log: Path | None = None, **kwargs) -> None:
         self.share, self.sample_log = share, sample_log
         self.completed: int | None = None  # steps done (set after each step: a failure after it keeps it)

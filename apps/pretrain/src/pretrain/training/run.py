@@ -169,7 +169,7 @@ def _log_step(trainer, logger, saver, result, done: int, clock: StepClock):
     blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
     if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
         logger.log(done, result.loss, step_time=clock.mean_step_s(), lr=result.lr, grad_norm=result.grad_norm,
-                   **result.moe, **timing, **trainer.sampler.shares(done),
+                   **result.moe, **timing, **trainer.sampler.shares(done), **trainer.integrity.take(),
                    **({"time_checkpoint": blocked} if blocked is not None else {}))
     return result.loss
 

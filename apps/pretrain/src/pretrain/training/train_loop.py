@@ -10,6 +10,7 @@ mean over every token of the global batch, identical on every rank.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -37,6 +38,9 @@ from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
 from ..observe.step_timing import NoTimer
+from ..observe.inject import Faults
+from .integrity import Integrity
+from .owned_state import owned_state
 
 # the last micro-batch's figures of each replicating MoE layer (par_moe.replicate.balance_metrics)
 BALANCE_STATS = ("slots_max_over_mean_before", "slots_max_over_mean_after", "slots_per_rank", "replicated_experts",
@@ -55,6 +59,8 @@ class ShapesOnly:
 
 class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
+
+    integrity_checks = True  # the silent-corruption checks (integrity.py); off where a rerun cannot fetch the data
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
                  topology=None, shapes_only: ShapesOnly | None = None, timer=None) -> None:
@@ -97,6 +103,11 @@ class Trainer:
         self.timer = timer or NoTimer()
         self.runner = make_runner(self.model, g.pp, self.device, shape, self.callbacks, self.callbacks(NO_DOCUMENTS),
                                   self.timer)  # a pipeline schedule, or accumulation
+        self.timer.stage = g.rank_in("pp")  # ranks are compared with those of their stage (observe/stragglers.py)
+        self.faults = Faults.from_env(dist.get_rank())  # none unless PAR_INJECT (observe/inject.py)
+        self.integrity = Integrity(self, off=simulated or not self.integrity_checks)  # silent corruption, at log steps
+        if hasattr(self.runner, "executor"):
+            self.runner.executor.send_span = self._send_span
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
         # expert_balance != "none": the replica plans get the EP ranks' NVLink domains (simulated: those of
@@ -181,8 +192,16 @@ class Trainer:
             s = self.sampler
             first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
             self.model.dropout.set(self.cfg.train.seed, self._step, first)
-        with self.fp8_region():
-            return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
+        with self.timer.span("forward"), self.fp8_region():
+            self.faults.at("forward")
+            return self.faults.output(module(x, docs=batch.docs[microbatch]) if batch.docs else module(x))
+
+    @contextmanager
+    def _send_span(self):
+        """A pipeline send: timed as its own phase."""
+        with self.timer.span("pp_send"):
+            self.faults.at("pp_send")
+            yield
 
     def loss(self, out, labels: torch.Tensor, batch: MicroBatches = NO_DOCUMENTS) -> torch.Tensor:
         """The next-token loss; with MTP its gradient also carries the MTP loss (not its value: logged apart).
@@ -233,13 +252,16 @@ class Trainer:
         self.model.module.train()
         timer = self.timer
         timer.start()
+        self.faults.step(step, lambda: owned_state(self.model))
         batch = self.microbatches(self._batch(step))
+        self.faults.at("data")
         timer.lap("data")
         losses = self._forward_backward(batch)
         timer.lap("fwd_bwd")
         dp.sum_partial_grads()
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
+        self.integrity.note(step, losses)
         loss = self._mean_loss(losses)
         tokens = cfg.train.global_batch * cfg.train.seq_len
         finite = self.non_finite.note(step, loss, norm)  # read at the next log or checkpoint step
@@ -259,6 +281,7 @@ class Trainer:
         placement = None if self.expert_replacer is None else self.expert_replacer.after_step(step)
         if batch.cp_imbalance is not None:  # logged with the step, like the MoE imbalance
             moe["cp_imbalance"] = torch.tensor(batch.cp_imbalance, device=self.device)
+        self.faults.at("optimizer")
         timer.lap("optimizer")
         timer.finish()  # read at log steps (StepTimer.gathered)
         return StepResult(step, loss, lr, norm, tokens, moe, placement=placement)
@@ -268,8 +291,15 @@ class Trainer:
         self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
 
     def check_finite(self) -> None:
-        """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read)."""
-        self.non_finite.check()
+        """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read).
+        First the silent-corruption checks (integrity.py), which stop the run on a wrong rank or copy."""
+        verdicts = self.integrity.check(self, self._step + 1)
+        try:
+            self.non_finite.check()
+        except UsageError as e:
+            if verdicts:
+                raise UsageError(f"{e}; corruption check: {'; '.join(verdicts)}") from None
+            raise
 
     # ---- checkpoints and inference ---------------------------------------------------------
     def checkpointed(self):

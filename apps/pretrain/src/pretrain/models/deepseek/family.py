@@ -17,7 +17,7 @@ ATTENTION = "mla"
 class DeepSeek(Family):
     attention = ATTENTION
     keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    supports = frozenset()
+    supports = frozenset({"mla_up_proj"})  # [model].recompute's module: the latents' up-projections
     tp_split = ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
     hf_architectures = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -56,9 +56,9 @@ class DeepSeek(Family):
         from .mla import ContextMLACore, TPMLAttention, softmax_scale
 
         core = ContextMLACore(config, context_attention(context, softmax_scale(config)), context.seq_len,
-                              context.recompute == "selective", context.backend)
+                              context.recomputes("core_attn", index), context.backend)
         return TPMLAttention(config, context.groups.tp, context.sequence_parallel, core,
-                             comm_overlap=context.tp_comm_overlap)
+                             comm_overlap=context.tp_comm_overlap, recompute_up=context.recomputes("mla_up_proj", index))
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """The down-projections' input (local tokens), the gathered latents, q, k and v padded to one

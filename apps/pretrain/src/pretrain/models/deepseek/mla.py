@@ -34,7 +34,7 @@ from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_paralle
 
 from ...model.rope import apply_rope_interleaved, rope_for, set_shard_rope_tables_
 from ...model.rope_scaling import softmax_mscale
-from ...model.te import recompute
+from ...model.recompute import checkpointed
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 
@@ -78,16 +78,21 @@ class ContextMLACore(nn.Module):
 
     def forward(self, q, kv, k_rope, docs=None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only
-            return recompute(self._core, q, kv, k_rope, docs, backend=self.backend)
+            return checkpointed(self._core, q, kv, k_rope, docs, backend=self.backend)
         return self._core(q, kv, k_rope, docs)
 
 
 class TPMLAttention(nn.Module):
     """MLA with heads split over TP (see the module docstring); input/output like ``par_tp.TPAttention``."""
 
-    def __init__(self, config, tp_group, sequence_parallel: bool, core: ContextMLACore, comm_overlap: bool = False) -> None:
+    def __init__(self, config, tp_group, sequence_parallel: bool, core: ContextMLACore, comm_overlap: bool = False,
+                 recompute_up: bool = False) -> None:
         super().__init__()
         self.config, self.tp_group, self.sp, self.core = config, tp_group, sequence_parallel, core
+        # [model].recompute's mla_up_proj: the up-projections, RoPE and the attention core rerun in the
+        # backward, which keeps the latents only (the per-head q, k, v are the widest tensors MLA
+        # saves, and the core saves them as its inputs: rerunning the core with them is what frees them)
+        self.recompute_up = recompute_up
         n, dqk, sp = config.heads, config.qk_head_dim, sequence_parallel
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(config.hidden, config.q_lora_rank, bias=False)
@@ -120,8 +125,20 @@ class TPMLAttention(nn.Module):
         else:
             c, k_rope = latent.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
             q = self.q_proj(x)  # a second entry (all-gather of x) only without the q low-rank path
-        out = self.core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
+        if self.recompute_up and torch.is_grad_enabled():
+            if config.q_lora_rank:
+                out = checkpointed(self._up_and_core, cq, c, k_rope, docs, backend=self.core.backend)
+            else:
+                out = checkpointed(self._kv_up_and_core, q, c, k_rope, docs, backend=self.core.backend)
+        else:
+            out = self.core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
         return self.o_proj(out.reshape(*out.shape[:2], -1))
+
+    def _kv_up_and_core(self, q, c, k_rope, docs):
+        return self.core._core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
+
+    def _up_and_core(self, cq, c, k_rope, docs):
+        return self._kv_up_and_core(self.q_b_proj.forward_local(cq), c, k_rope, docs)
 
     @torch.no_grad()
     def load_full_(self, state, prefix: str) -> "TPMLAttention":

@@ -14,7 +14,7 @@ from ...model.dropout import attention_with_dropout
 from ...model.context import ChunkContext, context_attention
 from ...model.qk_clip import HeadLogitMax
 from ...model.rope import apply_rope, rope_for, set_shard_rope_tables_
-from ...model.te import recompute
+from ...model.recompute import checkpointed
 from ...training.dynamic_cp import DynamicDocuments
 
 
@@ -35,7 +35,7 @@ class RopeThenContextAttention(nn.Module):
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
-        self.selective, self.backend = context.recompute == "selective", context.backend
+        self.selective, self.backend = context.recomputes("core_attn", layer), context.backend
         self.logit_max = HeadLogitMax(self.attn, context.seq_len) if context.qk_clip else None
 
     def init_buffers_(self, device: torch.device) -> None:
@@ -60,5 +60,5 @@ class RopeThenContextAttention(nn.Module):
         # [model].attention_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
         where = self.dropout_at.at if self.config.attention_dropout > 0 and self.training else None
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return recompute(self._core, q, k, v, docs, where, backend=self.backend)
+            return checkpointed(self._core, q, k, v, docs, where, backend=self.backend, dropout=self.dropout_at)
         return self._core(q, k, v, docs, where)

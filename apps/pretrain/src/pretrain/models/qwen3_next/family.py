@@ -1,0 +1,155 @@
+"""Qwen3-Next's declaration (see ``models/family.py`` for what each entry means).
+
+A hybrid: layer ``i`` is a full-attention layer when ``(i + 1) % full_attention_interval == 0``
+(``gated_attention.py``: ``q_proj`` with an output gate, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``,
+``k_norm``, partial RoPE), else a Gated DeltaNet layer (``gdn.py``; HF names under ``linear_attn.``).
+Tensor parallelism splits both by heads (the linear layers by key heads: their value heads, conv
+channels and gates go with them). Context parallelism: the full-attention layers use par-cp's
+attention, the linear ones pass their recurrent state along the pieces (``par_cp.state_passing``).
+The layers' RMSNorms are zero-centred in the released checkpoints (``x_hat * (1 + w)``); ours hold
+``1 + w`` (``hf.py`` converts), so they are the common norms.
+"""
+
+from __future__ import annotations
+
+from ..family import Family, need
+from .pattern import is_full_attention
+
+ATTENTION = "qwen3_next"
+GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv_q", "conv_k", "conv_v", "A_log", "dt_bias", "norm.weight",
+       "out_proj.weight")
+
+
+def layer_index(prefix: str) -> int:
+    """The layer of an attention prefix ``model.layers.{i}.self_attn.``."""
+    return int(prefix.split(".")[2])
+
+
+class Qwen3Next(Family):
+    attention = ATTENTION
+    keys = ("full_attention_interval", "linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
+            "conv_kernel", "partial_rotary_factor")
+    supports = frozenset()
+    dimensions = ("tp", "cp", "pp")
+    # the linear layers pass their state along the zigzag pieces by CP group rank; hierarchical CP orders
+    # the ranks otherwise
+    cp_comm_types = ("p2p", "a2a", "allgather")
+    tp_split = ("q_proj.weight", "o_proj.weight", "k_proj.weight", "v_proj.weight") + tuple(
+        f"linear_attn.{n.split('.')[0]}" if "." not in n else n for n in GDN if n != "norm.weight")
+    renames = {f"self_attn.{n}": f"linear_attn.{n}" for n in GDN}
+    hf_architectures = {"qwen3_next": "Qwen3NextForCausalLM"}
+
+    def check(self, m) -> None:
+        need(m.full_attention_interval >= 1, f"[model].full_attention_interval={m.full_attention_interval} must be >= 1")
+        for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim", "conv_kernel"):
+            need(getattr(m, name) >= 1, f"[model].{name}={getattr(m, name)} must be >= 1 with attention='{ATTENTION}'")
+        need(m.linear_value_heads % m.linear_key_heads == 0,
+             f"[model].linear_key_heads={m.linear_key_heads} does not divide linear_value_heads={m.linear_value_heads}")
+        need(0 < m.partial_rotary_factor <= 1 and int(m.head_dim * m.partial_rotary_factor) % 2 == 0,
+             f"[model].partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and turn an even number of "
+             f"head_dim={m.head_dim} channels")
+        need(not m.num_experts and not m.mtp_depth,
+             f"[model].num_experts and mtp_depth must be 0 with attention='{ATTENTION}' (dense MLPs only)")
+
+    def qk_head_dim(self, m) -> int:
+        return m.head_dim
+
+    def value_width(self, m) -> int:
+        return m.head_dim
+
+    def attention_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
+        h, d = m.hidden, m.head_dim
+        if is_full_attention(m, layer_index(prefix)):
+            out = {"q_proj.weight": (2 * m.heads * d, h), "k_proj.weight": (m.kv_heads * d, h),
+                   "v_proj.weight": (m.kv_heads * d, h), "o_proj.weight": (h, m.heads * d),
+                   "q_norm.weight": (d,), "k_norm.weight": (d,)}
+            return {prefix + k: v for k, v in out.items()}
+        nk, nv, dk, dv, kernel = (m.linear_key_heads, m.linear_value_heads, m.linear_key_dim, m.linear_value_dim,
+                                  m.conv_kernel)
+        out = {"in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, h), "in_proj_ba.weight": (2 * nv, h),
+               "conv_q": (nk * dk, kernel), "conv_k": (nk * dk, kernel), "conv_v": (nv * dv, kernel),
+               "A_log": (nv,), "dt_bias": (nv,), "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}
+        linear = prefix[: -len("self_attn.")] + "linear_attn."
+        return {linear + k: v for k, v in out.items()}
+
+    def build_attention(self, config, context, index: int):
+        if is_full_attention(config, index):
+            from .gated_attention import TPGatedAttention
+
+            return TPGatedAttention(config, context)
+        from .gdn import TPGatedDeltaNet
+
+        return TPGatedDeltaNet(config, context)
+
+    def _fractions(self, m) -> tuple[float, float]:
+        full = sum(is_full_attention(m, i) for i in range(m.layers)) / m.layers
+        return full, 1 - full
+
+    def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
+        """Per token, averaged over the layer pattern: the full layers' gathered input, q (with its gate), k,
+        v and output; the linear layers' input, projections (q, k, v, z, b, a), conv output and rule output."""
+        full, linear = self._fractions(m)
+        q, kv = m.heads * m.head_dim / layout.tp, m.kv_heads * m.head_dim / layout.tp
+        nk, nv = m.linear_key_heads / layout.tp, m.linear_value_heads / layout.tp
+        proj = 2 * nk * m.linear_key_dim + 2 * nv * m.linear_value_dim + 2 * nv
+        attn = m.hidden + 3 * q + 2 * kv
+        gdn = m.hidden + 2 * proj + 2 * nv * m.linear_value_dim
+        return (full * attn + linear * gdn) * pb
+
+    def ring_widths(self, m, layout) -> tuple[float, float]:
+        full, _ = self._fractions(m)  # the linear layers move states, not tokens (state_bytes)
+        return full * m.heads * m.head_dim / layout.tp, full * m.kv_heads * m.head_dim / layout.tp
+
+    def junction_bytes(self, m, layout, pb: int, share: int) -> float:
+        full, linear = self._fractions(m)
+        q, kv = m.heads * m.head_dim / layout.tp, m.kv_heads * m.head_dim / layout.tp
+        nk, nv = m.linear_key_heads / layout.tp, m.linear_value_heads / layout.tp
+        proj = 2 * nk * m.linear_key_dim + 2 * nv * m.linear_value_dim + 2 * nv
+        return (full * (2 * q + 2 * kv + m.hidden) + linear * (proj + m.hidden)) * pb
+
+    def tp_split_widths(self, m, tp: int) -> list[tuple[str, int]]:
+        return [("[model].heads x head_dim", m.heads * m.head_dim), ("[model].kv_heads x head_dim", m.kv_heads * m.head_dim),
+                ("[model].linear_value_heads x linear_value_dim", m.linear_value_heads * m.linear_value_dim)]
+
+    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+        """Per linear layer and micro-batch on one rank (fp32): the recurrent state (value heads/tp x
+        linear_key_dim x linear_value_dim per sequence), the transition and incoming state each piece keeps
+        for backward, and under context parallelism the state pass (``par_cp.state_passing``): one state
+        per boundary between this rank's pieces and another rank's, forward and again backward (zigzag:
+        the two ranks at the ends have one such boundary, the others two), and the conv's halo."""
+        linear = sum(not is_full_attention(m, i) for i in range(m.layers))
+        heads = micro_batch * m.linear_value_heads // layout.tp
+        state = heads * m.linear_key_dim * m.linear_value_dim * 4
+        pieces = 2 if layout.cp > 1 else 1
+        boundaries = 0 if layout.cp == 1 else 1 if layout.cp == 2 else 2
+        channels = (2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim) // layout.tp
+        return {"linear_layers": linear, "state_bytes": state,
+                "saved_bytes_per_layer": pieces * (state + heads * m.linear_key_dim ** 2 * 4),
+                "cp_boundaries_per_rank": boundaries, "cp_state_bytes_per_layer": 2 * boundaries * state,
+                "cp_halo_bytes_per_layer": 2 * boundaries * micro_batch * (m.conv_kernel - 1) * channels * 4,
+                "cp_bytes_per_step": 2 * boundaries * (state + micro_batch * (m.conv_kernel - 1) * channels * 4)
+                * linear * layout.microbatches // layout.pp}
+
+    def narrowing(self, m, head_width: int) -> list[str]:
+        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads)."""
+        return [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
+
+    def model_config_from_hf(self, hf: dict, where: str):
+        from .hf import qwen3_next_model_config
+
+        return qwen3_next_model_config(hf, where)
+
+    def hf_config(self, m) -> dict:
+        from .hf import qwen3_next_hf_config
+
+        return qwen3_next_hf_config(m)
+
+    def from_hf_names(self, state: dict, m, hf: dict) -> tuple[object, dict]:
+        from .hf import from_qwen3_next_names
+
+        return m, from_qwen3_next_names(state, m)
+
+    def to_hf_names(self, state: dict, m) -> dict:
+        from .hf import to_qwen3_next_names
+
+        return to_qwen3_next_names(state, m)

@@ -1,0 +1,95 @@
+"""Gated DeltaNet (Qwen3-Next's linear-attention layer), tensor and context parallel.
+
+Per token: ``in_proj_qkvz`` gives, for each key head, its query and key (``linear_key_dim``) and the
+value and output gate ``z`` of its ``linear_value_heads / linear_key_heads`` value heads
+(``linear_value_dim``); ``in_proj_ba`` gives each value head's write strength ``beta = sigmoid(b)``
+and decay input ``a``. Queries, keys and values go through a short causal depthwise conv
+(``conv_kernel`` taps) and SiLU; queries and keys are L2-normalised (queries then scaled by
+``1/sqrt(linear_key_dim)``); the log decay is ``g = -exp(A_log) softplus(a + dt_bias)``. The gated
+delta rule (``par_cp.delta_rule``) runs per value head (a key head serves its value heads); its output
+is RMS-normalised per head (weight ``norm``), times ``silu(z)``, then ``out_proj``.
+
+Tensor parallel by key heads (and with them their value heads): ``in_proj_qkvz`` / ``in_proj_ba``
+are column-parallel (their rows are grouped by key head), the conv channels, ``A_log`` and
+``dt_bias`` are split the same way, ``out_proj`` is row-parallel, ``norm`` is a copy (partial grad:
+each rank normalises its own heads). The conv weight is kept as three tensors (``conv_q``,
+``conv_k``, ``conv_v``: the released ``conv1d.weight``'s query, key and value channels), so each is one
+contiguous block per rank. Context parallel: ``par_cp.state_passing`` (the conv's halo and the
+state pass); packed documents reset the conv window and the state at each document start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from par_cp import position_ids
+from par_cp.state_passing import causal_conv1d, context_parallel_delta_rule
+from par_groups import declare_, declare_copies_
+from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """flash-linear-attention's (and transformers') L2 normalisation: ``x / sqrt(|x|^2 + 1e-6)``."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def qkvz_layout(m) -> tuple[int, int, int]:
+    """(key heads, value heads per key head, rows per key head of in_proj_qkvz)."""
+    r = m.linear_value_heads // m.linear_key_heads
+    return m.linear_key_heads, r, 2 * m.linear_key_dim + 2 * r * m.linear_value_dim
+
+
+class TPGatedDeltaNet(nn.Module):
+    def __init__(self, config, context) -> None:
+        super().__init__()
+        g = context.groups
+        tp, self.tp_group, self.sp = g.size("tp"), g.tp, context.sequence_parallel
+        self.tp_rank = g.rank_in("tp")
+        self.config, self.cp_group, self.seq_len = config, g.cp, context.seq_len
+        nk, r, rows = qkvz_layout(config)
+        self.nk, self.r, dk, dv = nk // tp, r, config.linear_key_dim, config.linear_value_dim
+        self.in_proj_qkvz = ColumnParallelLinear(config.hidden, nk * rows, g.tp)
+        self.in_proj_ba = ColumnParallelLinear(config.hidden, 2 * nk * r, g.tp)
+        split, kernel = {0: (self.tp_rank, tp)}, config.conv_kernel
+        self.conv_q = declare_(nn.Parameter(torch.empty(self.nk * dk, kernel)), split)
+        self.conv_k = declare_(nn.Parameter(torch.empty(self.nk * dk, kernel)), split)
+        self.conv_v = declare_(nn.Parameter(torch.empty(self.nk * r * dv, kernel)), split)
+        self.A_log = declare_(nn.Parameter(torch.empty(self.nk * r)), split)
+        self.dt_bias = declare_(nn.Parameter(torch.empty(self.nk * r)), split)
+        self.norm = declare_copies_(nn.RMSNorm(dv, eps=config.norm_eps), g.tp, True)
+        self.out_proj = RowParallelLinear(nk * r * dv, config.hidden, g.tp, input_is_parallel=True,
+                                          sequence_parallel=self.sp)
+
+    def _positions(self, docs, cp, device):
+        """Each token's position within its document (the conv window's limit), or None (one document)."""
+        if docs is None or docs.cu_seqlens is None:
+            return None
+        rank, size = (0, 1) if cp is None else (torch.distributed.get_rank(cp), torch.distributed.get_world_size(cp))
+        return torch.stack([position_ids(self.seq_len, rank, size, cu_seqlens=c) for c in docs.cu_seqlens], 1).to(device)
+
+    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+        c = self.config
+        dk, dv, nk, r = c.linear_key_dim, c.linear_value_dim, self.nk, self.r
+        x = enter_tensor_parallel_region(x, self.tp_group, self.sp)
+        s, b = x.shape[:2]
+        qkvz = self.in_proj_qkvz.forward_local(x).view(s, b, nk, -1)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        beta, a = self.in_proj_ba.forward_local(x).view(s, b, nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)], -1)
+        weight = torch.cat([self.conv_q, self.conv_k, self.conv_v])
+        cp = None if self.cp_group is None or torch.distributed.get_world_size(self.cp_group) == 1 else self.cp_group
+        mixed = F.silu(causal_conv1d(mixed, weight, cp, self.seq_len, positions=self._positions(docs, cp, x.device)))
+        q, k, v = mixed.split([nk * dk, nk * dk, nk * r * dv], dim=-1)
+        q = l2norm(q.float().view(s, b, nk, dk)) * dk ** -0.5
+        k = l2norm(k.float().view(s, b, nk, dk))
+        q, k = (t.repeat_interleave(r, dim=2) for t in (q, k))  # a key head serves r value heads
+        v = v.reshape(s, b, nk * r, dv)
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(s, b, -1).float() + self.dt_bias)
+        beta = beta.reshape(s, b, -1).sigmoid()
+        heads = [t.permute(1, 2, 0, 3) for t in (q, k, v)] + [t.permute(1, 2, 0) for t in (g, beta)]  # [B, H, S, ...]
+        o = context_parallel_delta_rule(*heads, cp, self.seq_len, cu_seqlens=None if docs is None else docs.cu_seqlens)
+        o = o.permute(2, 0, 1, 3).to(x.dtype)  # [S, B, H, dv]
+        o = self.norm(o) * F.silu(z.reshape(s, b, nk * r, dv))
+        return self.out_proj(o.reshape(s, b, -1))

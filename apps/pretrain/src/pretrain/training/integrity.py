@@ -1,0 +1,233 @@
+"""Silent data corruption: the copies that must be bitwise equal are compared, and a suspect rank's
+micro-batch is recomputed in the job to tell a wrong GPU from a wrong batch.
+
+Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint is written):
+
+- **Copies** (every ``[log].integrity_every`` log steps): every rank hashes each piece of state it owns
+  (the fp32 masters and every optimizer state kind, box by box, and the model's own tensors), keyed by
+  name, kind and box; pieces with the same key on several ranks (dp replicas, TP copies of replicated
+  parameters, HSDP replicas) must hash alike. A key is never shared across pipeline stages (another
+  name), so stages are never compared. With three or more copies the odd ones are named; with two,
+  the difference is logged (``copies_differ``) and the loss check below tells which rank is wrong.
+- **Loss** (every log step): each rank keeps, on the device, its worst micro-batch loss since the last
+  log step (non-finite is worst) with its step and micro-batch. A rank whose worst is non-finite, or
+  above its peers' median by half of it and five MADs, is the suspect. Then every replica recomputes
+  the suspect's micro-batch (the data is a function of the step and the dp rank; the weights are the
+  ones the copies check found equal) and each rank compares with the ranks at its model-parallel
+  coordinate in the other replicas: **persistent** if the suspect's rerun differs from its peers'
+  (it computes wrong), **correct** if every rerun agrees and is itself anomalous (the data or the
+  model), **transient** if every rerun agrees and is normal (its first result was a glitch). The
+  rerun uses the current weights, not those of the suspect's step.
+
+A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
+transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
+Cost per copies check: one hash pass over the owned state on the device, one host read of the
+hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``integrity_check``).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from par_groups import comm
+from par_groups.param_placement import placement_of
+
+from ..errors import UsageError
+
+SPIKE_RELATIVE, SPIKE_MADS = 0.5, 5.0
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_hash(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of the tensor's bits (plain and position-weighted, wrapping): any flipped bit changes them."""
+    flat = t.detach().contiguous().view(-1)
+    ints = flat.view(_INT[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(1, 2 * ints.numel(), 2, dtype=torch.int64, device=ints.device)
+    return torch.stack([ints.sum(), (ints * weights).sum()])
+
+
+def owned_pieces(trainer) -> dict[str, torch.Tensor]:
+    """Every piece of state this rank owns, keyed ``kind/name@offsets``: masters and optimizer state
+    box by box, the model's other tensors whole."""
+    dp = trainer.model.dp
+    named = trainer.model.full_named_tensors()
+    names = {id(t): n for n, t in named.items()}
+    out = {}
+    for kind in ("master",) + tuple(dp.optimizer_state.state_kinds()):
+        for param, pieces in dp.owned_pieces(kind).items():
+            for offsets, box in pieces.boxes:
+                out[f"{kind}/{names.get(id(param), '?')}@{tuple(offsets)}"] = box
+    for name, t in named.items():
+        out[f"model/{name}@{tuple(placement_of(t).offsets)}"] = t
+    return out
+
+
+def odd_copies(hashes: list[dict]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """``hashes[rank] = {key: hash}``: (keys whose minority copies are named by a majority of 3 or more,
+    keys whose copies disagree with no majority), each with the ranks concerned."""
+    holders: dict[str, dict] = {}
+    for rank, mine in enumerate(hashes):
+        for key, h in mine.items():
+            holders.setdefault(key, {})[rank] = tuple(h)
+    odd, split = {}, {}
+    for key, by_rank in holders.items():
+        values = list(by_rank.values())
+        if len(by_rank) < 2 or len(set(values)) == 1:
+            continue
+        top = max(set(values), key=values.count)
+        if values.count(top) * 2 > len(values):
+            odd[key] = sorted(r for r, h in by_rank.items() if h != top)
+        else:
+            split[key] = sorted(by_rank)
+    return odd, split
+
+
+def spike(value: float, peers: list[float]) -> bool:
+    """Non-finite, or above the peers' median by half of it and by ``SPIKE_MADS`` MADs."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return True
+    finite = [v for v in peers if v == v and abs(v) != float("inf")]
+    if not finite:
+        return False
+    base = statistics.median(finite)
+    mad = 1.4826 * statistics.median([abs(v - base) for v in finite])
+    return value - base > max(SPIKE_RELATIVE * abs(base), SPIKE_MADS * mad)
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+class Integrity:
+    """One rank's side of both checks (every rank calls :meth:`note` per step, :meth:`check` at log steps)."""
+
+    def __init__(self, trainer, off: bool = False) -> None:
+        self.every = 0 if off else trainer.cfg.log.integrity_every
+        self.events: list[dict] = []  # for rank 0's log (:meth:`take`)
+        self.checked_at = -1
+        self.device = trainer.device
+        self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
+        self.checks = 0
+        self.ranks: list[tuple] | None = None  # every rank's (dp, model coordinate, host, gpu)
+
+    def note(self, step: int, losses: list[torch.Tensor]) -> None:
+        """This step's micro-batch losses (on the device; nothing read)."""
+        if not losses or not self.every:
+            return
+        loss = torch.stack([x.detach().double().reshape(()) for x in losses])
+        score = torch.where(torch.isfinite(loss), loss, torch.full_like(loss, float("inf")))
+        m = score.argmax().reshape(1)  # gathered by index on the device: no host read
+        top = score.gather(0, m)
+        row = torch.cat([top, loss.gather(0, m), torch.full_like(top, step), m.double()])
+        self.worst.copy_(torch.where(row[0] > self.worst[0], row, self.worst))
+
+    def _who(self, trainer) -> list[tuple]:
+        if self.ranks is None or len(self.ranks) != dist.get_world_size():  # once, and again after a regroup
+            coords = trainer.groups.coords()
+            model = (coords["tp"], coords["cp"], coords["pp"])  # the same work in every replica
+            gpu = str(self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+                if self.device.type == "cuda" else self.device.type
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (coords["dp"], model, socket.gethostname(), gpu))
+            self.ranks = every
+        return self.ranks
+
+    def name(self, rank: int) -> str:
+        _, _, host, gpu = self.ranks[rank]
+        return f"rank {rank} (host {host}, GPU {gpu})"
+
+    def take(self) -> dict:
+        """The events since the last take, for the log line (``MetricsLogger.log`` writes them)."""
+        out, self.events = self.events, []
+        return {"integrity": out} if out else {}
+
+    def check(self, trainer, step: int) -> list[str]:
+        """Both checks at log step ``step`` (every rank): the verdicts in words (the events are kept for
+        the log); raises the one-line stop."""
+        if not self.every or step == self.checked_at:
+            return []
+        self.checked_at = step
+        who = self._who(trainer)
+        events = []
+        self.checks += 1
+        odd, split = ({}, {})
+        if self.checks % self.every == 0:
+            odd, split, cost = self._copies(trainer)
+            events.append({"event": "integrity_check", "step": step, **cost, "odd": len(odd), "split": len(split)})
+        row = self.worst.clone()
+        self.worst.fill_(-float("inf"))
+        every = torch.empty(len(who) * 4, dtype=torch.float64, device=self.device)
+        comm.all_gather_into_tensor(every, row, None)
+        rows = every.view(-1, 4).tolist()
+        held = [r for r, x in enumerate(rows) if x[2] >= 0]  # ranks that hold a loss (the last stage)
+        suspects = [r for r in held if spike(rows[r][1], [rows[o][1] for o in held if o != r])]
+        verdict = None
+        if suspects:
+            suspect = max(suspects, key=lambda r: rows[r][0])
+            verdict = self._rerun(trainer, suspect, int(rows[suspect][2]), int(rows[suspect][3]),
+                                  [rows[o][1] for o in held if o != suspect])
+            events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect,
+                           "host": who[suspect][2], "gpu": who[suspect][3], "suspect_step": int(rows[suspect][2]) + 1,
+                           "micro_batch": int(rows[suspect][3]), "suspect_loss": _finite(rows[suspect][1])})
+        if dist.get_rank() == 0:
+            self.events += events
+        if odd:
+            ranks = sorted({r for rs in odd.values() for r in rs})
+            key = next(iter(odd))
+            raise UsageError(f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
+                             f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
+        if verdict == "persistent":
+            raise UsageError(f"silent corruption: {self.name(suspect)} computes wrong results persistently (its "
+                             f"rerun of step {int(rows[suspect][2]) + 1}'s micro-batch {int(rows[suspect][3])} differs "
+                             f"from its replicas'); stopping")
+        if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
+            self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
+                                "ranks": sorted({r for rs in split.values() for r in rs})})
+        return [f"{verdict} on {self.name(suspect)}"] if verdict else []
+
+    def _copies(self, trainer) -> tuple[dict, dict, dict]:
+        start = time.perf_counter()
+        pieces = owned_pieces(trainer)
+        hashes = torch.stack([tensor_hash(t) for t in pieces.values()]).tolist() if pieces else []
+        mine = dict(zip(pieces, hashes))
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        odd, split = odd_copies(every)
+        hashed = sum(t.numel() * t.element_size() for t in pieces.values())
+        return odd, split, {"hash_s": round(time.perf_counter() - start, 6), "hashed_bytes": hashed,
+                            "hash_bytes": len(repr(mine).encode())}
+
+    def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
+        """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""
+        dp, model, _, _ = self.ranks[suspect]
+        sampler = copy.copy(trainer.sampler)
+        sampler.dp_rank = dp
+        batch = sampler.train_batch(step)
+        one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
+        was = trainer.model.module.training
+        trainer.model.module.eval()
+        try:
+            with torch.no_grad(), trainer._compute_context():
+                losses = trainer.runner.eval_losses(trainer.microbatches(one))
+        finally:
+            trainer.model.module.train(was)
+        mine = torch.tensor([float("nan") if not losses else 0.0, 0.0], dtype=torch.float64, device=self.device)
+        if losses:
+            mine[1] = losses[0].detach().double()
+            mine[0] = 1.0
+        every = torch.empty(len(self.ranks) * 2, dtype=torch.float64, device=self.device)
+        comm.all_gather_into_tensor(every, mine, None)
+        reruns = every.view(-1, 2).tolist()
+        peers = [r for r, (d, m, _, _) in enumerate(self.ranks) if m == model and r != suspect and reruns[r][0] == 1.0]
+        theirs = [reruns[r][1] for r in peers]
+        own = reruns[suspect][1]
+        same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - NaN reproduces NaN
+        if theirs and not any(same(own, v) for v in theirs):
+            return "persistent"
+        return "correct" if spike(own, peers_first) else "transient"

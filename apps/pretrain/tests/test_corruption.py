@@ -1,0 +1,115 @@
+"""Silent corruption (training/integrity.py) named in the job, proven by injecting it (``PAR_INJECT``,
+observe/inject.py) in one rank of a real run: a matmul wrong on every call (persistent), a bit flipped
+once in an activation (transient), in a weight (the run stops naming the rank), in optimizer state (only
+the copies' hashes see it). Assertions are on the class and the rank."""
+
+import functools
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.training.integrity import odd_copies, spike, tensor_hash
+
+STEPS = 4
+BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=1",
+        "--set", "train.eval_every=0", "--set", "log.progress=false", "--set", "log.every=1",
+        "--set", "log.integrity_every=1", "--set", "checkpoint.every=0", "--set", "train.nan_policy=skip",
+        "--set", "train.global_batch=12"]  # over dp 2 and dp 3
+
+
+def run(tmp_path, fault_ranks, spec: str, dp: int, sets=()):
+    mp = pytest.MonkeyPatch()
+    mp.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.injected, spec))
+    args = ["train", "--nproc", str(dp), *BASE, "--set", f"log.dir={tmp_path}"]
+    for s in sets:
+        args += ["--set", s]
+    try:
+        res = CliRunner().invoke(app, args)
+    finally:
+        mp.undo()
+    log = tmp_path / "log.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return res, [e for e in lines if e.get("event") in ("corruption", "copies_differ", "integrity_check")]
+
+
+def stopped_naming(res, rank: int, words: str) -> None:
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: silent corruption: "), res.stderr
+    assert f"rank {rank} (host " in res.stderr and "GPU cpu" in res.stderr and words in res.stderr, res.stderr
+    others = {r for r in range(3) if r != rank}
+    assert not any(f"rank {r} (host" in res.stderr for r in others), res.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_matmul_wrong_on_every_call_is_persistent_and_stops_the_run_at_dp2(tmp_path, fault_ranks):
+    """Two copies: the suspect's rerun differs from its peer's (a rerun on the suspect alone could not say)."""
+    res, _ = run(tmp_path, fault_ranks, "matmul:1", 2)
+    stopped_naming(res, 1, "computes wrong results persistently")
+
+
+CASES = {  # name: (spec, dp, rank, what)
+    "matmul-dp3": ("matmul:0", 3, 0, "persistent"),
+    "activation-dp2": ("flip_activation:1:3", 2, 1, "transient"),
+    "activation-dp3": ("flip_activation:2:3", 3, 2, "transient"),
+    "weight-dp2": ("flip_weight:1:2", 2, 1, "persistent"),  # the copies differ; the flipped rank's loss tells
+    "weight-dp3": ("flip_weight:2:2", 3, 2, "copy"),  # the majority of three names it
+    "optimizer-state-dp3": ("flip_state:1:2", 3, 1, "copy"),  # no loss shows it: only a hash that covers it
+}
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_class_and_the_rank_are_right(tmp_path, fault_ranks, name):
+    spec, dp, rank, what = CASES[name]
+    res, events = run(tmp_path, fault_ranks, spec, dp)
+    if what == "transient":
+        assert res.exit_code == 0, res.output
+        found = [(e["class"], e["rank"]) for e in events if e["event"] == "corruption"]
+        assert found == [("transient", rank)], events
+    elif what == "persistent":
+        stopped_naming(res, rank, "computes wrong results persistently")
+    else:  # stopped at the flip's step, by the copy it flipped
+        key = "master/" if "weight" in name else "exp_avg"
+        stopped_naming(res, rank, f"holds a copy of {key}")
+        steps = [r["step"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "loss" in r]
+        assert steps == [1], steps  # the flip's step (2) is not logged: the check stops it
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_clean_pipeline_run_flags_nothing(tmp_path, fault_ranks):
+    """pp2 x dp2: the stages hold other pieces, never compared (their work neither: test_stragglers.py)."""
+    res, events = run(tmp_path, fault_ranks, "", 4, ["parallel.pp=2"])
+    assert res.exit_code == 0, res.output
+    assert [e["event"] for e in events] == ["integrity_check"] * STEPS, events
+    assert all(e["odd"] == 0 and e["split"] == 0 and e["hashed_bytes"] > 0 for e in events)
+
+
+def test_the_hash_sees_every_bit_and_the_majority_names_the_odd_copy():
+    t = torch.randn(64)
+    for bit in (0, 22, 30, 31):
+        flipped = t.clone()
+        flipped.view(torch.int32)[17] ^= 1 << bit
+        assert not torch.equal(tensor_hash(t), tensor_hash(flipped)), bit
+    assert torch.equal(tensor_hash(t), tensor_hash(t.clone()))
+    same, other = {"w": (1, 2)}, {"w": (1, 3)}
+    assert odd_copies([same, same, other]) == ({"w": [2]}, {})
+    assert odd_copies([same, other]) == ({}, {"w": [0, 1]})
+    assert odd_copies([same, {"v": (9, 9)}]) == ({}, {})  # a piece held once (another stage) is compared with nothing
+    assert spike(float("nan"), [5.0]) and spike(100.0, [5.5, 5.4]) and not spike(5.6, [5.5, 5.4])
+
+
+def test_a_verdict_is_one_event_and_one_console_line(tmp_path, capsys):
+    from pretrain.observe.metrics import MetricsLogger
+
+    verdict = {"event": "corruption", "step": 3, "class": "transient", "rank": 1, "host": "node7", "gpu": "2",
+               "suspect_step": 3, "micro_batch": 0, "suspect_loss": None}
+    with MetricsLogger(tmp_path, total_steps=3, progress=False) as logger:
+        logger.log(3, 5.0, step_time=0.1, integrity=[verdict])
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [e["class"] for e in lines if e.get("event") == "corruption"] == ["transient"]
+    assert "step 3: corruption check: transient on rank 1 (host node7, GPU 2), step 3's micro-batch 0" \
+        in capsys.readouterr().out

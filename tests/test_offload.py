@@ -1,0 +1,50 @@
+"""[model].offload (model/offload.py): a step with modules' saved activations moved out and back trains bit
+for bit as without; the bytes moved per step are the plan's; a tensor freed before its last backward use
+(a tensor two nodes saved) fails the run, not its numbers."""
+
+import pytest
+
+STEPS = 2
+COMMON = ("model.layers=2", f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false")
+OFFLOADS = ('["layers:1", "mlp@1", "attn@1", "layernorm@1"]',)  # layer 0 whole, layer 1 module by module
+
+
+def runs(config, overrides, offloads):
+    """Per offload: (losses, grad norms, bytes moved out and back per step)."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.training.train_loop import Trainer
+
+    out = []
+    for offload in ("[]", *offloads):
+        t = Trainer(load_config(config, list(COMMON) + list(overrides) + [f"model.offload={offload}"]))
+        layers = [layer for chunk in t.model.chunks.values() for layer in chunk.decoder_layers()]
+        offloader = layers[0].offloader
+        results, moved = [], []
+        for s in range(STEPS):
+            before = (offloader.bytes_out, offloader.bytes_in) if offloader else (0, 0)
+            results.append(t.train_step(s))
+            after = (offloader.bytes_out, offloader.bytes_in) if offloader else (0, 0)
+            moved.append((after[0] - before[0], after[1] - before[1]))
+        out.append(([r.loss for r in results], [r.grad_norm for r in results], moved))
+    torch.distributed.barrier()
+    return out
+
+
+def planned(overrides, offload):
+    from pretrain.config import load_config
+    from pretrain.sizing.offload import offloaded_bytes
+
+    cfg = load_config(None, list(COMMON) + list(overrides) + [f"model.offload={offload}"])
+    return offloaded_bytes(cfg, cfg.validate_world(2), stage=0)
+
+
+@pytest.mark.timeout(300)
+def test_offload_trains_bitwise_as_without_and_moves_the_planned_bytes(dist_run):
+    layout = ["parallel.tp=2", 'model.recompute=["core_attn@1"]', "train.dtype=fp32"]
+    reference, *others = dist_run(2, runs, None, layout, OFFLOADS + ('["mlp"]',))[0]
+    for offload, (losses, norms, moved) in zip(OFFLOADS + ('["mlp"]',), others):
+        assert (losses, norms) == reference[:2], offload
+        assert all(out == back > 0 for out, back in moved), (offload, moved)
+    assert others[-1][2][0][0] == planned(layout, '["mlp"]')  # a dense MLP's saved set, as the plan sizes it

@@ -1,0 +1,75 @@
+"""[model].recompute as a list of modules (model/recompute_policy.py): every policy trains bit for bit
+as the policy-free run of the same layout (its recomputed forward is the original), and a MoE step
+with recompute routes, and counts, the same pairs."""
+
+import pytest
+
+STEPS = 2
+COMMON = ("model.layers=2", f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false")
+DENSE = {"tp2-sp": ["parallel.tp=2"]}
+# the aux-free bias update on: each step's load decides the next step's routing
+MOE = {"ep2": ["parallel.ep=2", "model.bias_update_rate=0.01", "model.seq_aux_loss_coeff=0.1", "model.z_loss_coeff=0.001"]}
+DENSE_POLICIES = ('["core_attn", "mlp", "layernorm"]', '["full@0", "mlp@1"]')
+MOE_POLICIES = ('["moe", "layernorm"]', '["moe_act", "core_attn"]', '"full"')
+MLA = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=1"]
+EXTENDED = {  # the same proof through the other layouts' recomputed collectives and schedules
+    "cp2": (None, ["parallel.cp=2"], DENSE_POLICIES),
+    "pp2-zbv": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "train.micro_batch=1", "model.layers=4"], DENSE_POLICIES),
+    "zero3": (None, ["parallel.zero=optim_grads_params"], DENSE_POLICIES),
+    "tp2-sp-ep2": ("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "model.bias_update_rate=0.01"], MOE_POLICIES),
+    "mla-mtp-tp2-sp": (None, MLA + ["parallel.tp=2"], ('["mla_up_proj", "layernorm"]', '["mla_up_proj@0", "core_attn@1-2"]')),
+}
+
+
+def runs(config, overrides, policies):
+    """(losses, grad norms, each MoE layer's routed pairs per expert at each bias update) per policy."""
+    import torch
+    from par_moe import MoELayer
+
+    from pretrain.config import load_config
+    from pretrain.training.train_loop import Trainer
+
+    loads, update = [], MoELayer.update_bias
+
+    def counted(self, *groups):
+        loads.append(self.routed_since_update.clone())
+        return update(self, *groups)
+
+    MoELayer.update_bias = counted
+    out = []
+    try:
+        for policy in ("none", *policies):
+            loads.clear()
+            t = Trainer(load_config(config, list(COMMON) + list(overrides) + [f"model.recompute={policy}"]))
+            steps = [t.train_step(s) for s in range(STEPS)]
+            out.append(([r.loss for r in steps], [r.grad_norm for r in steps], [x.tolist() for x in loads]))
+    finally:
+        MoELayer.update_bias = update
+    torch.distributed.barrier()
+    return out
+
+
+def assert_bitwise(results, policies):
+    for rank in results:
+        reference, *others = rank
+        for policy, got in zip(policies, others):
+            assert got == reference, f"recompute={policy}: {got} != {reference}"
+
+
+@pytest.mark.timeout(300)
+def test_module_policies_train_bitwise_as_no_recompute_under_tp2_sp_and_ep2(dist_run):
+    dense = dist_run(2, runs, None, DENSE["tp2-sp"], DENSE_POLICIES)
+    assert_bitwise(dense, DENSE_POLICIES)
+    moe = dist_run(2, runs, "tiny-moe", MOE["ep2"], MOE_POLICIES)
+    assert_bitwise(moe, MOE_POLICIES)
+    assert moe[0][0][2] and sum(moe[0][0][2][0]) > 0  # the loads were compared
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(EXTENDED))
+def test_module_policies_train_bitwise_under_cp2_pp2_zbv_zero3(dist_run, name):
+    config, overrides, policies = EXTENDED[name]
+    world = 4 if name == "tp2-sp-ep2" else 2
+    assert_bitwise(dist_run(world, runs, config, overrides, policies), policies)

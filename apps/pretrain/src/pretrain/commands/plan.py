@@ -106,6 +106,10 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
     lines.append(f"activations per rank: {human_bytes(act['total'])} on pp stage {act['stage']} (recompute="
                  f"{act['recompute']}, sp {'on' if act['sequence_parallel'] else 'off'}, cp={act['cp']})")
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")
+    if "fp8" in plan:
+        from ..sizing.fp8 import render_fp8
+
+        lines.append(render_fp8(plan["fp8"]))
     d = plan["decision"]
     choice = "none fits" if d["zero"] is None else f"zero={d['zero']}" + (
         f", hsdp_replicas={d['hsdp_replicas']}" if d["hsdp_replicas"] > 1 else "")

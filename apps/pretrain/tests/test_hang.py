@@ -20,11 +20,10 @@ def test_the_launcher_names_the_rank_that_has_not_arrived(fault, tmp_path, fault
     import hang_ranks
 
     entry = functools.partial(hang_ranks.all_reduces, fault, 2, str(tmp_path), TIMEOUT_S)
-    start = time.monotonic()
     with pytest.raises(RankFailed) as failed:
         # the rendezvous bound is start-up on a loaded machine (forkserver, imports), not what is tested here
         launch(entry, nproc=3, device="cpu", join_timeout_s=120, log_dir=str(tmp_path))
-    took, named_at = time.monotonic() - start, time.time()
+    named_at = time.time()
     e = failed.value
     assert e.rank == 2, e.error
     assert f"wait in all_reduce #{hang_ranks.CALLS} on world (ranks 0-2, 16 B)" in e.error, e.error
@@ -38,7 +37,6 @@ def test_the_launcher_names_the_rank_that_has_not_arrived(fault, tmp_path, fault
     assert "all_reduces" in record["stack"]
     # from the moment rank 0 began to wait to the launcher's error: within timeout_s + 10 s
     assert named_at - record["in_flight"]["start"] < TIMEOUT_S + 10, named_at - record["in_flight"]["start"]
-    assert took < TIMEOUT_S + 10 + 60, took  # and start-up (forkserver, imports) on a loaded machine
     # `pretrain hang LOG_DIR` (torchrun's ranks write the same records): the same line from the records alone
     out = CliRunner().invoke(app, ["hang", str(tmp_path)])
     assert out.exit_code == 0, out.output

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
 from ..model.rope_scaling import check_rope_scaling
@@ -114,8 +115,15 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | flash | sdpa | torch: the attention kernel
 
     def __hash__(self) -> int:  # the planner caches by config; rope_scaling is the one dict field
-        return hash(tuple(sorted(self.rope_scaling.items())) + tuple(
-            v for k, v in self.__dict__.items() if k != "rope_scaling"))
+        cached = self.__dict__.get("_hash")
+        if cached is None:  # once per object: the planner's search hashes the same config 10^5 times
+            cached = hash(tuple(sorted(self.rope_scaling.items())) + tuple(
+                getattr(self, f.name) for f in fields(self) if f.name != "rope_scaling"))
+            self.__dict__["_hash"] = cached  # beside the fields, as functools.cached_property stores
+        return cached
+
+    def __getstate__(self) -> dict:  # the fields only: a string's hash differs in another process
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __post_init__(self) -> None:
         _choice("[model].backend", self.backend, BACKENDS)
@@ -196,7 +204,7 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_moe_layers > 0
 
-    @property
+    @cached_property  # the planner asks per candidate layout and stage
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.layers))
 

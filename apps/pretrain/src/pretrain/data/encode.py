@@ -78,9 +78,10 @@ def encoded_batches(batches: Iterable[list[str]], tok, spec: str | None, eos: in
     else:
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     # Never a fork of this process: its other threads (a tokenizer's, pyarrow's, a caller's) may hold a
-    # lock at that moment, and a child stuck on it neither answers nor dies of the pool's SIGTERM.
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(spec,))
+    # lock at that moment, and a child stuck on it neither answers nor dies of the pool's SIGTERM. Nor
+    # the forkserver: it is one per process and keeps the preload of whoever starts it, so starting it
+    # here (without torch) would make every training rank the process forks later import torch itself.
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,))
     try:
         pending: deque = deque()
         for texts in batches:

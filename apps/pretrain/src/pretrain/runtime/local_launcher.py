@@ -135,7 +135,9 @@ class LocalRanks:
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
-        ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, entry.__module__])
+        # The trainer (and DCP, which it imports) too, whatever the entry: every rank of a run imports it.
+        ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, "pretrain.training.run",
+                                    entry.__module__])
         base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
         self._spawn = lambda rank, extra=None: self._start_rank(ctx, base | (extra or {}), rank, entry, args)

@@ -105,7 +105,12 @@ def stage_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
         (c,) = chunks.values()
         top = c.saved + max(c.backward, c.forward) + receive
         return StagePeak(top, top if microbatches > 1 else NONE)  # m > 1: later backwards meet the buffer
-    sizes = [chunks[c] for c in sorted(chunks)]
+    return _walked_peak(schedule, pp, vpp, microbatches, stage, tuple(chunks[c] for c in sorted(chunks)), receive)
+
+
+@lru_cache(maxsize=1 << 15)  # the planner's search meets the same stage shape and sizes again and again
+def _walked_peak(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
+                 sizes: tuple[ChunkBytes, ...], receive: float) -> StagePeak:
     peak = [NONE, NONE]  # before, after the gradients exist
     for grads, saved, junctions, extra in _events(schedule, pp, vpp, walked_microbatches(schedule, pp, microbatches), stage):
         value = sum(n * c.saved for n, c in zip(saved, sizes)) + sum(n * c.junctions for n, c in zip(junctions, sizes))

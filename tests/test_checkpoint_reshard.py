@@ -44,7 +44,7 @@ def reshard_job(root):
 
     with mock.patch.object(store, "save_pieces", side_effect=written_then_fail):  # a save killed before its rename
         try:
-            save_checkpoint(t, root, STEPS)
+            save_checkpoint(t.checkpointed(), root, STEPS)
         except RuntimeError as e:
             out["failed"] = "injected failure" in str(e)
     dist.barrier()

@@ -1,4 +1,4 @@
-"""The Kubernetes JobSet and the SkyPilot task in tools/cluster/ parse and hold what their schemas require
+"""The Kubernetes JobSet and TrainJob (Kubeflow Trainer v2) and the SkyPilot task in tools/cluster/ parse and hold what their schemas require
 (a small schema here: no client library offline), agree with themselves (nodes, GPUs, the first pod's DNS
 name, the grace period from [train].preempt_timeout_s), and start the same torchrun line as
 tools/cluster/pretrain.sbatch, whose line tests/test_cluster_slurm.py trains with: each file's command is
@@ -58,6 +58,53 @@ def test_the_jobset_holds_what_its_schema_requires_and_agrees_with_itself():
     assert pod["terminationGracePeriodSeconds"] == preempt + EXIT_MARGIN_S
 
 
+TRAINJOB_TRAINER_KEYS = {"image", "command", "args", "env", "numNodes", "resourcesPerNode", "numProcPerNode"}
+RUNTIME_POD_KEYS = {"restartPolicy", "terminationGracePeriodSeconds", "containers", "volumes", "initContainers",
+                    "nodeSelector", "tolerations", "serviceAccountName"}
+
+
+def _trainjob() -> tuple[dict, dict]:
+    """tools/cluster/trainjob.yaml: its TrainingRuntime and its TrainJob."""
+    runtime, job = yaml.safe_load_all((FILES / "trainjob.yaml").read_text())
+    return runtime, job
+
+
+def test_the_trainjob_holds_what_its_schema_requires_and_agrees_with_itself_and_the_jobset():
+    from pretrain.commands.cluster import EXIT_MARGIN_S
+    from pretrain.config import load_config
+
+    runtime, job = _trainjob()
+    assert {d["apiVersion"] for d in (runtime, job)} == {"trainer.kubeflow.org/v1alpha1"}
+    assert (runtime["kind"], job["kind"]) == ("TrainingRuntime", "TrainJob")
+    name = job["metadata"]["name"]
+    assert DNS_LABEL.match(name) and DNS_LABEL.match(runtime["metadata"]["name"])
+    assert job["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"], "apiGroup": "trainer.kubeflow.org",
+                                         "kind": "TrainingRuntime"}
+    [rjob] = runtime["spec"]["template"]["spec"]["replicatedJobs"]  # the trainer's job: named "node", as is its container
+    assert rjob["name"] == "node" and rjob["template"]["metadata"]["labels"][
+        "trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    assert set(pod) <= RUNTIME_POD_KEYS and pod["restartPolicy"] == "Never" and rjob["template"]["spec"]["backoffLimit"] == 0
+    [container] = pod["containers"]
+    assert container["name"] == "node" and set(container) <= CONTAINER_KEYS
+    assert {m["name"] for m in container["volumeMounts"]} <= {v["name"] for v in pod["volumes"]}
+    trainer = job["spec"]["trainer"]
+    assert set(trainer) <= TRAINJOB_TRAINER_KEYS and all(isinstance(word, str) for word in trainer["command"])
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    assert all(isinstance(v, str) for v in env.values())
+    policy = runtime["spec"]["mlPolicy"]
+    assert int(env["NNODES"]) == trainer["numNodes"] == policy["numNodes"]
+    assert int(env["GPUS_PER_NODE"]) == trainer["numProcPerNode"] == policy["torch"]["numProcPerNode"] == \
+        trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+    assert env["MASTER_ADDR"] == f"{name}-{rjob['name']}-0-0.{name}"  # the first pod, by JobSet's DNS names
+    preempt = load_config(None, []).train.preempt_timeout_s
+    assert int(env["PREEMPT_TIMEOUT_S"]) == preempt
+    assert pod["terminationGracePeriodSeconds"] == preempt + EXIT_MARGIN_S
+    jobset = _pod(_load("jobset.yaml"))["containers"][0]  # the same job as the JobSet's
+    assert trainer["command"] == jobset["command"] and trainer["image"] == container["image"] == jobset["image"]
+    assert trainer["env"] == jobset["env"]
+
+
 def test_the_skypilot_task_holds_what_its_schema_requires():
     sky = _load("skypilot.yaml")
     assert set(sky) <= SKYPILOT_KEYS and sky["num_nodes"] >= 1 and isinstance(sky["run"], str)
@@ -69,7 +116,8 @@ def test_the_skypilot_task_holds_what_its_schema_requires():
 def _recorder(tmp_path: Path) -> tuple[Path, Path]:
     """A stand-in for the environment's python that records each call's arguments, one line per call."""
     calls, stub = tmp_path / "torchrun_calls", tmp_path / "python"
-    stub.write_text(f'#!/usr/bin/env bash\necho "$*" >> {shlex.quote(str(calls))}\n')
+    stub.write_text('#!/usr/bin/env bash\n[ "$2" = pretrain.runtime.console_filter ] && exec cat  # the stderr filter\n'
+                    f'echo "$*" >> {shlex.quote(str(calls))}\n')
     stub.chmod(0o755)
     return stub, calls
 
@@ -112,6 +160,14 @@ def test_the_jobset_and_skypilot_commands_are_the_sbatch_scripts_torchrun_line(t
     pod_env = {e["name"]: e["value"] for e in container["env"]}
     for index in (0, 1):
         subprocess.run(command, cwd=clone, env=base | pod_env | {"JOB_COMPLETION_INDEX": str(index)}, check=True)
+    assert _torchrun_lines(calls) == slurm
+    calls.unlink()
+
+    # Kubeflow Trainer: the TrainJob's command with its env, in each pod of the runtime's Indexed job
+    trainer = _trainjob()[1]["spec"]["trainer"]
+    for index in (0, 1):
+        subprocess.run(trainer["command"], cwd=clone, check=True, env=base | {e["name"]: e["value"] for e in trainer["env"]}
+                       | {"JOB_COMPLETION_INDEX": str(index)})
     assert _torchrun_lines(calls) == slurm
     calls.unlink()
 

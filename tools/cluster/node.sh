@@ -20,9 +20,11 @@ train) set -- train "$config" --set checkpoint.resume=true "$@" ;;
 certify) set -- certify "$config" "$@" ;;
 *) echo "error: PRETRAIN_COMMAND=${PRETRAIN_COMMAND} is not train or certify" >&2; exit 2 ;;
 esac
+# torchrun's stderr through pretrain's console filter: its C++ frames and its own report after a rank's
+# `error:` line go to the run's log dir, the line naming a failed (e.g. dead) rank stays the console's last.
 # Static rendezvous on the first node: node N's ranks are N*GPUS_PER_NODE.., so global rank 0 (which holds the
 # run lock) is on MASTER_ADDR. exec: torchrun receives the scheduler's SIGTERM itself and passes it to the ranks.
 exec "$python" -m torch.distributed.run --nnodes="${NNODES:?}" --node-rank="$node_rank" \
   --nproc-per-node="${GPUS_PER_NODE:?}" --master-addr="${MASTER_ADDR:?}" --master-port="${MASTER_PORT:-29500}" \
   --rdzv-id="${RUN_ID:-none}" --shutdown-timeout="${PREEMPT_TIMEOUT_S:-120}" \
-  -m pretrain "$@"
+  -m pretrain "$@" 2> >("$python" -m pretrain.runtime.console_filter >&2)

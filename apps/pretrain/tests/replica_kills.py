@@ -57,7 +57,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         out = train_step(self, s)
         if s + 1 == self.cfg.train.steps:
             state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
-                            for t in boxes] for name, boxes in owned_state(self).items()}
+                            for t in boxes] for name, boxes in owned_state(self.model).items()}
             Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
         return out
 

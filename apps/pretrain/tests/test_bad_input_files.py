@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from pretrain.runtime.preflight import PID_FILE
+from pretrain.training.preflight import PID_FILE
 
 from one_error_line import assert_one_error_line, invoke_within_limit, snapshot
 

@@ -280,7 +280,7 @@ def test_wandb_without_a_key_is_one_line_before_launch(workspace, tmp_path, monk
     assert snapshot(workspace) == before
     (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
     (tmp_path / "no-netrc").chmod(0o600)
-    from pretrain.runtime.preflight import _wandb_can_log
+    from pretrain.training.preflight import _wandb_can_log
 
     assert _wandb_can_log()
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))

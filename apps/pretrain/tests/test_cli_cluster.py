@@ -23,6 +23,7 @@ def runner():
 
 @pytest.mark.parametrize("name, grace", [("pretrain.sbatch", "--signal=B:TERM@180: 180 s"),
                                          ("jobset.yaml", "terminationGracePeriodSeconds: 180: 180 s"),
+                                         ("trainjob.yaml", "terminationGracePeriodSeconds: 180: 180 s"),
                                          ("skypilot.yaml", "spot VMs are reclaimed without a grace")])
 def test_each_shipped_file_fits_a_config_for_its_2_nodes_x_8_gpus(runner, name, grace):
     res = runner.invoke(app, ["cluster", str(FILES / name), *FITS, "--set", "parallel.tp=8", "--set",
@@ -45,6 +46,10 @@ def files(tmp_path_factory):
     (d / "grace30.yaml").write_text(jobset.replace("terminationGracePeriodSeconds: 180", "terminationGracePeriodSeconds: 30"))
     (d / "nograce.yaml").write_text(jobset.replace("terminationGracePeriodSeconds: 180", ""))
     (d / "nojobs.yaml").write_text("apiVersion: jobset.x-k8s.io/v1alpha2\nkind: JobSet\nspec: {}\n")
+    trainjob = (FILES / "trainjob.yaml").read_text()
+    (d / "trainjob30.yaml").write_text(trainjob.replace("terminationGracePeriodSeconds: 180",
+                                                        "terminationGracePeriodSeconds: 30"))
+    (d / "trainjob_alone.yaml").write_text(trainjob.split("\n---\n", 1)[1])
     (d / "broken.yaml").write_text("kind: JobSet\nspec: [unclosed\n")
     (d / "notes.txt").write_text("nothing to launch\n")
     return d
@@ -65,6 +70,8 @@ CASES = {  # name: (file, extra args, words the one line holds)
                                                           "kill, less than [train].preempt_timeout_s=120 s + 60 s"),
     "Kubernetes' default grace": ("grace30.yaml", FITS, "terminationGracePeriodSeconds: 30 gives the ranks 30 s"),
     "Kubernetes' grace left out": ("nograce.yaml", FITS, "no terminationGracePeriodSeconds: Kubernetes' default 30 s"),
+    "a TrainingRuntime's default grace": ("trainjob30.yaml", FITS, "terminationGracePeriodSeconds: 30 gives the ranks 30 s"),
+    "a TrainJob without its runtime": ("trainjob_alone.yaml", FITS, "no TrainingRuntime beside the TrainJob"),
     "a JobSet without jobs": ("nojobs.yaml", FITS, "nojobs.yaml: spec.replicatedJobs is missing"),
     "a longer preempt_timeout_s": ("jobset.yaml", [*FITS, "--set", "train.preempt_timeout_s=600"],
                                    "give at least 660 s"),

@@ -41,7 +41,7 @@ def run(overrides, root: str, resume: bool, background: bool = False):
         steps.append((result.loss, result.grad_norm))
         records += [result.placement] if result.placement else []
         if step + 1 == SAVED and not resume:
-            saver.save(trainer, root, SAVED, keep=1)
+            saver.save(trainer.checkpointed(), root, SAVED, keep=1)
             at_save = global_state(trainer)
     saver.close()
     return steps, records, at_save, global_state(trainer)

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from pretrain.cli import app
 from pretrain.errors import UsageError
-from pretrain.runtime.preflight import PID_FILE, run_lock
+from pretrain.training.preflight import PID_FILE, run_lock
 
 runner = CliRunner()
 TRAIN = ["train", "--nproc", "1", "--set", "model.layers=1", "--set", "train.steps=1", "--set", "train.warmup_steps=1",
@@ -113,7 +113,7 @@ import os, sys, time
 from pathlib import Path
 {patch}
 from pretrain.errors import UsageError
-from pretrain.runtime.preflight import run_lock
+from pretrain.training.preflight import run_lock
 go = Path(sys.argv[2])
 go.with_name(f"ready.{{os.getpid()}}").touch()  # imported: the test starts the race once all are
 while not go.exists():

@@ -35,7 +35,7 @@ def _log(log):
 
 
 def test_retention_by_save_order_never_deletes_what_the_run_does_not_own(tmp_path):
-    from pretrain.runtime.preflight import run_lock
+    from pretrain.training.preflight import run_lock
 
     log, ck = tmp_path / "log", tmp_path / "ck"
     for mine in ("step_5_backup", "step_best"):
@@ -88,7 +88,7 @@ def test_readme_gpu_extra_resolves_at_the_workspace_root():
 
 
 def test_a_live_run_holds_its_checkpoint_dir_and_a_new_run_keeps_the_earlier_log(tmp_path):
-    from pretrain.runtime.preflight import run_lock
+    from pretrain.training.preflight import run_lock
 
     ck = tmp_path / "ck"
     with run_lock(tmp_path / "first_log", ck):  # a live run that has not saved yet
@@ -107,7 +107,7 @@ def test_a_live_run_holds_its_checkpoint_dir_and_a_new_run_keeps_the_earlier_log
 
 
 def test_the_filesystem_root_is_refused_before_anything_is_written_there(monkeypatch):
-    import pretrain.runtime.preflight as preflight
+    import pretrain.training.preflight as preflight
     from pretrain.config import load_config
     from pretrain.errors import UsageError
 

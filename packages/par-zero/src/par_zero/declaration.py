@@ -21,6 +21,7 @@ and one entry in :data:`DECLARED`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Callable, ClassVar
 
 import torch
@@ -279,11 +280,12 @@ class TorchClass(Declaration):
         return self.label.lower()
 
     def state(self):
-        cls = optimizer_class(self.optimizer)
-        key = (cls, repr(sorted(self.args.items())))
-        if key not in _PROBED:
-            _PROBED[key] = _probed_state(cls, self.args)
-        return _PROBED[key]
+        return self._probed
+
+    @cached_property
+    def _probed(self) -> tuple[State, ...]:
+        """Probed once per declaration (a frozen dataclass: the cache sits in its ``__dict__``, not a field)."""
+        return _probed_state(optimizer_class(self.optimizer), self.args)
 
     def torch_optimizer(self):
         return optimizer_class(self.optimizer), dict(self.args)
@@ -294,9 +296,6 @@ class TorchClass(Declaration):
                              f"strategy={strategy!r} shards the optimizer, which par-zero's own optimizers do "
                              f"({', '.join(d.label for d in DECLARED.values())})")
         check_optimizer(self.optimizer, self.args, weight_decay)
-
-
-_PROBED: dict = {}  # (class, its arguments' repr): its state, probed once
 
 
 def _probed_state(cls: type, args: dict) -> tuple[State, ...]:

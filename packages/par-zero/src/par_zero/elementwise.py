@@ -31,15 +31,6 @@ class ElementwiseOptimizer(RangeStateOptimizer):
         self.decay_ranges = {b: contiguous_runs([(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if decayed(p)])
                              for b in buckets}
 
-    def step(self, each: Callable[[Bucket], None] | None = None) -> None:
-        """One update of every bucket's master; ``each(bucket)`` runs after each bucket's (the buffer
-        launches that bucket's param gather there, overlapping the next bucket's update)."""
-        self.step_count += 1
-        for b in self.buckets:
-            self._step_bucket(b)
-            if each is not None:
-                each(b)
-
     @torch.no_grad()
     def _step_bucket(self, b: Bucket) -> None:
         wd, lr, runs = self.cfg.weight_decay, self.lr, self.decay_ranges[b]

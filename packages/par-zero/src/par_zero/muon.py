@@ -153,11 +153,8 @@ class DistributedMuon(RangeStateOptimizer):
         self._unpacked = None
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> None:
+    def _begin_step(self) -> None:
         self._unpacked = None  # a load that never finished (a model-only resume) keeps the fresh state
-        self.step_count += 1
-        for b in self.buckets:
-            self._step_bucket(b)
 
     @torch.no_grad()
     def _step_bucket(self, b: Bucket) -> None:

@@ -33,6 +33,23 @@ class RangeStateOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
+    def step(self, each: Callable[[Bucket], None] | None = None) -> None:
+        """One update of every bucket's master (the params are not re-assembled here); ``each(bucket)`` runs
+        after each bucket's update (the buffer launches that bucket's param gather there, so it runs while
+        the next bucket steps)."""
+        self.step_count += 1
+        self._begin_step()
+        for b in self.buckets:
+            self._step_bucket(b)
+            if each is not None:
+                each(b)
+
+    def _begin_step(self) -> None:
+        """What a step does once before its buckets' updates (``step_count`` is the new step's)."""
+
+    def _step_bucket(self, b: Bucket) -> None:
+        raise NotImplementedError
+
     def range_state(self, bucket: Bucket, kind: str) -> torch.Tensor:
         """``bucket``'s ``kind`` ('master' or one of ``KINDS``) over its optimizer range."""
         if kind not in ("master",) + self.KINDS:
@@ -76,17 +93,9 @@ class DistributedAdamW(RangeStateOptimizer):
         self._steps: dict[torch.device, torch.Tensor] = {}  # the fused kernel's step count
         self._scratch: dict[torch.device, torch.Tensor] = {}  # fp32 copy of a chunk of bf16 grads
 
-    def step(self, each: Callable[[Bucket], None] | None = None) -> None:
-        """One AdamW update of every bucket's master (the params are not re-assembled here);
-        ``each(bucket)`` runs after each bucket's update (the buffer launches its param gather
-        there, so it runs while the next bucket steps)."""
-        self.step_count += 1
-        for t in self._steps.values():
+    def _begin_step(self) -> None:
+        for t in self._steps.values():  # the fused kernel's step count, refilled in place
             t.fill_(float(self.step_count))
-        for b in self.buckets:
-            self._step_bucket(b)
-            if each is not None:
-                each(b)
 
     @torch.no_grad()
     def _step_bucket(self, b: Bucket) -> None:

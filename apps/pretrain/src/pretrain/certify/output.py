@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..checkpoint.retention import MANIFEST, foreign_checkpoints, read_manifest, write_atomic
 from ..errors import UsageError
-from ..runtime.preflight import check_writable
+from ..training.preflight import check_writable
 from ..runtime.run_lock import run_lock
 from .ranks import CHECKPOINTS
 

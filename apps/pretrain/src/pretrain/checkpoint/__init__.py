@@ -8,6 +8,7 @@ from .store import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from .subject import Checkpointed
 
-__all__ = ["CheckpointSaver", "PendingSave", "latest_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointSaver", "Checkpointed", "PendingSave", "latest_checkpoint", "load_checkpoint",
            "read_state", "resolve_checkpoint", "save_checkpoint", "start_async_save"]

@@ -38,7 +38,8 @@ from .hashing_writer import HashingWriter
 from .retention import prune_in_background, wait_pruned
 from .rng_state import rng_state
 from .store import (checkpoint_tensors, _finalise, _prepare, _quiet, _rank, gather_digests, rank_entries,
-                    trainer_state)
+                    save_checkpoint, trainer_state)
+from .subject import Checkpointed
 
 
 class Staging:
@@ -150,19 +151,19 @@ class PendingSave:
 
 
 @_quiet
-def start_async_save(trainer, root: str | Path, step: int, keep: int, group, staging: Staging | None = None) -> PendingSave:
+def start_async_save(state: Checkpointed, root: str | Path, step: int, keep: int, group, staging: Staging | None = None) -> PendingSave:
     """Begin writing ``root/step_<step>`` in the background (all ranks call it); ``group``: a gloo group
     used for nothing but checkpoints; ``staging``: the buffers to reuse (new ones if None)."""
     root = Path(root)
     final, tmp = _prepare(root, step)
-    sd, event = (staging or Staging()).stage(checkpoint_tensors(trainer, with_optim=True))
+    sd, event = (staging or Staging()).stage(checkpoint_tensors(state, with_optim=True))
     with removed_if_disk_full(tmp):
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     writer = HashingWriter(tmp)
     response = dcp.async_save(sd, checkpoint_id=str(tmp), storage_writer=writer, process_group=group,
                               async_stager=_Staged(event), planner=PiecesSavePlanner())
     future = getattr(response, "upload_completion", response)  # an AsyncSaveResponse or a Future
-    return PendingSave(_digests_once_written(future, writer, tmp), root, tmp, final, trainer_state(trainer, step),
+    return PendingSave(_digests_once_written(future, writer, tmp), root, tmp, final, trainer_state(state, step),
                        keep, group)
 
 
@@ -196,14 +197,15 @@ class CheckpointSaver:
         self.blocked_s = 0.0
         self.last_blocked_s = 0.0  # the last save's (or finish's) own
 
-    def save(self, trainer, root: str | Path, step: int, keep: int) -> Path:
-        """Start (background) or write the checkpoint of ``step``; a save still in flight is finished first."""
+    def save(self, state: Checkpointed, root: str | Path, step: int, keep: int) -> Path:
+        """Start (background) or write the checkpoint of ``state`` after ``step`` steps; a save still in flight
+        is finished first."""
         began = time.perf_counter()
         try:
             self._finish()
             if not self.background:
-                return trainer.save_checkpoint(root, step, keep)
-            self.pending = start_async_save(trainer, root, step, keep, self.group, self.staging)
+                return save_checkpoint(state, root, step, keep)
+            self.pending = start_async_save(state, root, step, keep, self.group, self.staging)
             return self.pending.final
         finally:
             self._blocked(began)

@@ -17,7 +17,7 @@ from ..config import Config, ModelConfig, config_from_dict
 from ..errors import UsageError
 from ..model.shapes import full_shapes
 from ..models import FAMILIES, family_for_hf, family_of
-from .hf_fields import read_config_json
+from ..models.hf_fields import read_config_json
 from .hf_data import source_tokenizer
 from .hf_tokenizer import check_tokenizer, write_tokenizer
 from .full_model import read_full_tensors, save_full_model

@@ -13,16 +13,17 @@ from pathlib import Path
 
 from .integrity import CHECKSUMS, DamagedCheckpoint
 from .retention import STATE_FILE, STEP_DIR, read_manifest
-from .store import latest_checkpoint
+from .store import latest_checkpoint, load_checkpoint
+from .subject import Checkpointed
 
 
-def resume_latest(trainer, root: Path, fallback: bool) -> tuple[Path | None, int, str]:
-    """Load the run's latest checkpoint into ``trainer``: (its path or None, the step to continue from, a note)."""
+def resume_latest(into: Checkpointed, root: Path, fallback: bool) -> tuple[Path | None, int, str]:
+    """Load the run's latest checkpoint into ``into``: (its path or None, the step to continue from, a note)."""
     try:
         latest = latest_checkpoint(root)
         if latest is None:
             return None, 0, ""
-        return latest, trainer.load_checkpoint(latest), unverified_note(latest)
+        return latest, load_checkpoint(into, latest), unverified_note(latest)
     except DamagedCheckpoint as e:
         if not fallback:
             raise with_fallback_hint(e) from None
@@ -30,7 +31,7 @@ def resume_latest(trainer, root: Path, fallback: bool) -> tuple[Path | None, int
     tried = []
     for path in _newest_first(root):
         try:
-            step = trainer.load_checkpoint(path)
+            step = load_checkpoint(into, path)
         except DamagedCheckpoint:
             tried.append(path.name)
             continue

@@ -50,6 +50,7 @@ from .integrity import METADATA, DamagedCheckpoint, digests, first_damage, read_
 from .retention import (FORMAT, LATEST, STATE_FILE, inside, prune_in_background, publish,  # noqa: F401 - read_state
                         read_state, run_id_of)
 from .rng_state import load_rng_state, rng_state
+from .subject import Checkpointed
 
 ERROR_LOG = "error.log"  # in [log].dir: the traceback behind a one-line error
 MAX_MARKER_BYTES = 4096  # ``latest`` holds one step_N name
@@ -68,16 +69,16 @@ def _quiet(fn):
     return wrapper
 
 
-def _pieces(trainer, with_optim: bool) -> dict[str, Pieces]:
+def _pieces(state: Checkpointed, with_optim: bool) -> dict[str, Pieces]:
     """``model/<hf name>`` (and the optimizer state) of every tensor this rank holds: the pieces it owns.
 
     Trained params come from the optimizer's buffers (views); buffers and frozen params whole."""
-    dp = trainer.model.dp
+    dp = state.model.dp
     kinds = dp.optimizer_state.state_kinds() if with_optim else ()
     owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + kinds}
-    shapes = full_shapes(trainer.cfg.model)
+    shapes = full_shapes(state.cfg.model)
     out = {}
-    for name, t in trainer.model.full_named_tensors().items():
+    for name, t in state.model.full_named_tensors().items():
         if t not in owned["master"]:
             out[f"model/{name}"] = unpadded(whole_pieces(t), shapes.get(name))
             continue
@@ -101,11 +102,11 @@ def unpadded(pieces: Pieces, shape: tuple[int, ...] | None) -> Pieces:
     return Pieces(tuple(shape), boxes)
 
 
-def checkpoint_tensors(trainer, with_optim: bool) -> dict[str, Pieces]:
+def checkpoint_tensors(state: Checkpointed, with_optim: bool) -> dict[str, Pieces]:
     """What this rank writes: views of its buffers (an async save stages them: background.Staging)."""
-    if getattr(trainer, "expert_replacer", None) is not None:  # every rank: the expert load, for the state file
-        trainer.expert_replacer.note_for_save()
-    return _pieces(trainer, with_optim)
+    if state.experts is not None:  # every rank: the expert load, for the state file
+        state.experts.note_for_save()
+    return _pieces(state, with_optim)
 
 
 def rank_entries(writer: HashingWriter, tmp: Path) -> dict[str, dict]:
@@ -123,14 +124,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def trainer_state(trainer, step: int) -> dict:
-    layout, opt = trainer.layout, trainer.model.dp.optimizer_state
-    return {"format": FORMAT, "step": step, "config": trainer.cfg.to_dict(), "world_size": layout.world_size,
+def trainer_state(state: Checkpointed, step: int) -> dict:
+    """The state file's fields (``trainer_state.json``) of a save of ``state`` after ``step`` steps."""
+    cfg, layout, dp = state.cfg, state.layout, state.model.dp
+    opt = dp.optimizer_state
+    return {"format": FORMAT, "step": step, "config": cfg.to_dict(), "world_size": layout.world_size,
             "layout": {k: getattr(layout, k) for k in ("tp", "cp", "pp", "dp", "ep", "etp", "vpp")},
-            "zero": trainer.cfg.parallel.zero, "optimizer": True, "optimizer_steps": trainer.model.dp.step_count,
-            "optimizer_name": trainer.cfg.train.optimizer, "optimizer_kinds": list(opt.state_kinds()),
+            "zero": cfg.parallel.zero, "optimizer": True, "optimizer_steps": dp.step_count,
+            "optimizer_name": cfg.train.optimizer, "optimizer_kinds": list(opt.state_kinds()),
             "optimizer_scalars": opt.scalar_state(),
-            **({"expert_placement": trainer.expert_replacer.noted} if getattr(trainer, "expert_replacer", None) else {})}
+            **({"expert_placement": state.experts.noted} if state.experts is not None else {})}
 
 
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:
@@ -175,17 +178,17 @@ def _finalise(root: Path, tmp: Path, final: Path, state: dict, keep: int, entrie
 
 
 @_quiet
-def save_checkpoint(trainer, root: str | Path, step: int, keep: int = 2) -> Path:
+def save_checkpoint(state: Checkpointed, root: str | Path, step: int, keep: int = 2) -> Path:
     """Write ``root/step_<step>`` (all ranks call it); returns its path."""
     root = Path(root)
     final, tmp = _prepare(root, step)
-    sd, writer, pruned = checkpoint_tensors(trainer, with_optim=True), HashingWriter(tmp), []
+    sd, writer, pruned = checkpoint_tensors(state, with_optim=True), HashingWriter(tmp), []
     with removed_if_disk_full(tmp):
         save_pieces(sd, str(tmp), storage_writer=writer)
         torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
         entries = gather_digests(rank_entries(writer, tmp))  # also: every rank has written
         if _rank() == 0:
-            pruned = _finalise(root, tmp, final, trainer_state(trainer, step), keep, entries)
+            pruned = _finalise(root, tmp, final, trainer_state(state, step), keep, entries)
     _barrier()
     if _rank() == 0:
         prune_in_background(root, pruned)  # after the barrier: no rank waits for the deleting
@@ -224,27 +227,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 @_quiet
 @torch.no_grad()
-def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
-    """Load a checkpoint saved under any layout into ``trainer``; returns the step to continue from.
+def load_checkpoint(into: Checkpointed, path: str | Path, model_only: bool = False) -> int:
+    """Load a checkpoint saved under any layout into ``into``'s buffers; returns the step to continue from.
 
     ``model_only`` (or a checkpoint without optimizer state) keeps fresh moments and starts at step 0."""
     path = resolve_checkpoint(path)
-    checksums = read_checksums(path, trainer.cfg.checkpoint.verify)  # None: older, and verify = false
+    cfg = into.cfg
+    checksums = read_checksums(path, cfg.checkpoint.verify)  # None: older, and verify = false
     verify_files(path, [STATE_FILE, METADATA], checksums)
     state = read_state(path)
-    check_compatible(path, state, trainer.cfg)
-    dp = trainer.model.dp
+    check_compatible(path, state, cfg)
+    dp = into.model.dp
     with_optim = state.get("optimizer", False) and not model_only
     if with_optim:
-        check_optimizer_matches(path, state, trainer.cfg)
+        check_optimizer_matches(path, state, cfg)
         dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
-    sd = _pieces(trainer, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
+    sd = _pieces(into, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
     stored = check_stored_shapes(path, sd)
     with_optim = with_optim and all(k in stored for k in sd)
     if not with_optim:
         sd = {k: v for k, v in sd.items() if k.startswith("model/")}
     rng = f"rng/rank_{_rank()}.pt"
-    read_rng = with_optim and state.get("world_size") == trainer.layout.world_size and (
+    read_rng = with_optim and state.get("world_size") == into.layout.world_size and (
         rng in (checksums or {}) or (path / rng).is_file())  # one listed must be there
     try:  # the reader checks the files this rank reads (and its RNG file) against the checksums first
         load_pieces(sd, str(path), storage_reader=CheckedReader(path, checksums, also=(rng,) if read_rng else ()))
@@ -254,7 +258,7 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
         damage = first_damage(e)
         if damage:
             raise damage from None
-        where = _keep_traceback(Path(trainer.cfg.log.dir))
+        where = _keep_traceback(Path(cfg.log.dir))
         raise UsageError(f"checkpoint {path} is corrupt: loading failed with {first_failure(e)}{where}") from None
     dp.sync_params()  # every rank loaded its owned range: re-assemble the params
     if not with_optim:
@@ -264,8 +268,8 @@ def load_checkpoint(trainer, path: str | Path, model_only: bool = False) -> int:
     dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
     if read_rng:
         load_rng_state(path / rng)
-    if getattr(trainer, "expert_replacer", None) is not None:  # re-placed experts: the saved map and load
-        trainer.expert_replacer.load(state.get("expert_placement"))
+    if into.experts is not None:  # re-placed experts: the saved map and load
+        into.experts.load(state.get("expert_placement"))
     return step
 
 

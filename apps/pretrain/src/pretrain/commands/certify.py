@@ -80,7 +80,7 @@ def certify(
                 with owned(work):  # its lock held, no other run's checkpoints in it
                     code = _run(config, overrides, ov, cfg, layout, n, steps, work, margin, reference_only, started)
             else:
-                from ..runtime.preflight import check_writable
+                from ..training.preflight import check_writable
 
                 check_writable(work, "--out")
                 code = _run(config, overrides, ov, cfg, layout, n, steps, work, margin, reference_only, started)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ..errors import UsageError, fail
+from ..runtime.dead_rank import notes_of_dir
 from ..runtime.hang import FLIGHT_DIR, summary_of_dir
 
 
@@ -16,7 +17,7 @@ def hang(log_dir: Path = typer.Argument(..., help="A run's [log].dir (holding fl
     if not log_dir.is_dir():
         raise fail(f"{str(log_dir)!r} is not a directory; give the [log].dir of a run")
     try:
-        found, count = summary_of_dir(log_dir)
+        found, count = summary_of_dir(log_dir, notes_of_dir(log_dir))  # a dead rank named by its heartbeat
     except UsageError as e:
         raise fail(str(e))
     if found is None:

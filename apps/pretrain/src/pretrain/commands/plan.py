@@ -20,7 +20,7 @@ from ..config import load_config
 from ..errors import UsageError, fail
 from ..planner.costs import choice_cost, config_plan
 from ..planner.state_only import TRAINER_BYTES, params_only_plan
-from .plan_replicas import human_bytes, plural, render_replicas
+from ..simulate.plan_replicas import human_bytes, plural, render_replicas
 
 GB, MB = 1e9, 1e6
 

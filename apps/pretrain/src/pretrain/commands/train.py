@@ -27,7 +27,7 @@ def train(
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
     from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
-    from ..runtime.preflight import check_run, checkpoint_root, run_lock
+    from ..training.preflight import check_run, checkpoint_root, run_lock
     from ..training.run import run_rank
 
     log_dir = None
@@ -60,7 +60,11 @@ def train(
             raise fail(e.error.removeprefix(USAGE_PREFIX).strip())
         _internal_error(f"rank {e.rank} failed: {e.error}", e.traceback, log_dir)
     except Exception as e:  # one in-process rank (--nproc 1, torchrun): same short line
-        _internal_error(f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(), log_dir)
+        from ..runtime.dead_rank import name_dead_peer
+
+        trace = traceback.format_exc()  # gloo's and NCCL's messages, C++ frames included: to the error log only
+        dead = name_dead_peer(log_dir, int(os.environ.get("RANK", 0)), str(e)) if log_dir else None  # torchrun
+        _internal_error(dead or f"{type(e).__name__}: {e}".splitlines()[0], trace, log_dir)
 
 
 def _internal_error(cause: str, trace: str, log_dir: str | None) -> None:

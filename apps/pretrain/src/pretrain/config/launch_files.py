@@ -2,7 +2,8 @@
 
 Read from an sbatch script's ``#SBATCH`` lines (``--nodes``, ``--gpus-per-node``, ``--signal=[B:]TERM@S``), a
 Kubernetes JobSet (each replicated job's ``parallelism`` x ``replicas``, the container's ``nvidia.com/gpu``
-limit, ``terminationGracePeriodSeconds``) or a SkyPilot task (``num_nodes``, ``resources.accelerators``; a
+limit, ``terminationGracePeriodSeconds``), a Kubeflow Trainer TrainJob (``numNodes``, ``resourcesPerNode``; the
+grace from the TrainingRuntime in the same file) or a SkyPilot task (``num_nodes``, ``resources.accelerators``; a
 spot VM is reclaimed without a grace the file could set). Never executed, only read.
 """
 
@@ -20,7 +21,7 @@ GPU_KEY = "nvidia.com/gpu"
 @dataclass(frozen=True)
 class LaunchFile:
     path: str
-    kind: str  # slurm | jobset | skypilot
+    kind: str  # slurm | jobset | trainjob | skypilot
     nodes: int | None
     gpus_per_node: int | None
     grace_s: float | None  # seconds from the SIGTERM to the kill; None: the file cannot set one
@@ -40,6 +41,8 @@ def read_launch_file(path: str) -> LaunchFile:
         raise UsageError(f"{path} has no #SBATCH line and is not a .yaml file; give an sbatch script, a JobSet or a "
                          f"SkyPilot YAML, e.g. tools/cluster/pretrain.sbatch")
     doc = _yaml(path, text)
+    if doc.get("kind") == "TrainJob":
+        return _trainjob(path, doc)
     if doc.get("kind") == "JobSet":
         return _jobset(path, doc)
     if "run" in doc or "num_nodes" in doc:
@@ -80,9 +83,14 @@ def _yaml(path: str, text: str) -> dict:
         raise UsageError("reading a YAML launch file needs PyYAML in the environment that runs pretrain: `uv sync` "
                          "installs it (the dev group); elsewhere `uv pip install pyyaml`") from None
     try:
-        doc = yaml.safe_load(text)
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         raise UsageError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    # a TrainJob with its TrainingRuntime: the TrainJob, the runtime under "runtime"
+    kinds = [d.get("kind") if isinstance(d, dict) else None for d in docs]
+    if len(docs) == 2 and sorted(map(str, kinds)) == ["TrainJob", "TrainingRuntime"]:
+        return docs[kinds.index("TrainJob")] | {"runtime": docs[kinds.index("TrainingRuntime")]}
+    doc = docs[0] if len(docs) == 1 else None
     if not isinstance(doc, dict):
         raise UsageError(f"{path} is not a YAML mapping (a JobSet or a SkyPilot task)")
     return doc
@@ -106,13 +114,33 @@ def _jobset(path: str, doc: dict) -> LaunchFile:
     containers = _at(path, pod, "containers")
     limits = (containers[0].get("resources", {}) or {}).get("limits", {}) if containers else {}
     gpus = _count(path, GPU_KEY, limits[GPU_KEY]) if GPU_KEY in limits else None
+    return LaunchFile(path, "jobset", nodes, gpus, _grace(path, pod), f"terminationGracePeriodSeconds: {_grace(path, pod):g}")
+
+
+def _grace(path: str, pod: dict) -> float:
     if "terminationGracePeriodSeconds" not in pod:
         raise UsageError(f"{path}: the pod template has no terminationGracePeriodSeconds: Kubernetes' default 30 s kills "
                          f"the ranks in their save; set it to [train].preempt_timeout_s + 60 s")
     grace = pod["terminationGracePeriodSeconds"]
     if not isinstance(grace, int) or grace < 0:
         raise UsageError(f"{path}: terminationGracePeriodSeconds {shown(grace)} is not a number of seconds")
-    return LaunchFile(path, "jobset", nodes, gpus, float(grace), f"terminationGracePeriodSeconds: {grace}")
+    return float(grace)
+
+
+def _trainjob(path: str, doc: dict) -> LaunchFile:
+    """A Kubeflow Trainer TrainJob: its nodes and GPUs; the grace period from its TrainingRuntime (same file)."""
+    trainer = _at(path, doc, "spec", "trainer")
+    nodes = _count(path, "spec.trainer.numNodes", _at(path, trainer, "numNodes"))
+    limits = (trainer.get("resourcesPerNode") or {}).get("limits", {}) or {}
+    gpus = _count(path, GPU_KEY, limits[GPU_KEY]) if GPU_KEY in limits else None
+    if "runtime" not in doc:
+        raise UsageError(f"{path}: no TrainingRuntime beside the TrainJob: its pods' terminationGracePeriodSeconds is "
+                         f"set there (Kubernetes' default 30 s kills the ranks in their save)")
+    jobs = _at(path, doc, "runtime", "spec", "template", "spec", "replicatedJobs")
+    if not isinstance(jobs, list) or len(jobs) != 1:
+        raise UsageError(f"{path}: the TrainingRuntime's replicatedJobs must hold one job (the nodes), not {shown(jobs)}")
+    grace = _grace(path, _at(path, jobs[0], "template", "spec", "template", "spec"))
+    return LaunchFile(path, "trainjob", nodes, gpus, grace, f"terminationGracePeriodSeconds: {grace:g}")
 
 
 def _skypilot(path: str, doc: dict) -> LaunchFile:

@@ -97,10 +97,12 @@ class Config:
         if sp:
             _need((t.seq_len // p.cp) % p.tp == 0,
                   f"[train].seq_len={t.seq_len} / cp={p.cp} must be divisible by tp={p.tp} for sequence parallelism")
-        if p.dynamic_cp:
-            from ..training.dynamic_cp import check_lengths
-
-            check_lengths(t.seq_len, p.max_seq_per_rank, dp * p.cp)
+        if p.dynamic_cp:  # a document of a whole window must fit the dp x cp ranks
+            ranks = dp * p.cp
+            _need(t.seq_len <= p.max_seq_per_rank * ranks,
+                  f"[train].seq_len={t.seq_len} can hold a document longer than [parallel].max_seq_per_rank="
+                  f"{p.max_seq_per_rank} x dp x cp={ranks} tokens; raise max_seq_per_rank to at least "
+                  f"{math.ceil(t.seq_len / ranks)}")
         if not rest:
             fp8_tile_rule(self, layout)
             fp8_expert_rule(self, layout)

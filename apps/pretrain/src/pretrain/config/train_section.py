@@ -152,8 +152,6 @@ class TrainConfig:
             object.__setattr__(self, "steps", steps)
         _need(not self.lr_decay_steps or self.warmup_steps <= self.lr_decay_steps,
               f"[train].warmup_steps={self.warmup_steps} exceeds lr_decay_steps={self.lr_decay_steps}; lower one")
-        from ..training.schedule_lr import schedule_bounds
-
         _unit, warmup, decay, wsd = schedule_bounds(self)
         if self.lr_decay_style == "wsd":
             _need(0 < wsd <= decay - warmup,
@@ -166,6 +164,11 @@ class TrainConfig:
         if self.optimizer in DECLARED:
             return DECLARED[self.optimizer].label
         return {n.lower(): n for n in optimizer_classes()}[self.optimizer]
+
+    @property
+    def par_fp8(self) -> bool:
+        """FP8 by par's own GEMMs (``par_tp.fp8``: layout-invariant scales), not Transformer Engine's."""
+        return self.fp8 in PAR_FP8
 
     @functools.cached_property
     def optimizer_declaration(self):
@@ -217,3 +220,15 @@ def shorten_warmup(data: dict, overridden: set[tuple[str, str]]) -> None:
             print(f"note: [train].warmup_steps={warmup} is more than the run's steps={steps}: warm-up clamped to "
                   f"{steps} steps (set [train].warmup_steps to choose)", file=sys.stderr)
         train["warmup_steps"] = steps
+
+
+def schedule_bounds(t) -> tuple[int, int, int, int]:
+    """``(unit, warmup, decay, wsd_decay)`` of the ``[train]`` section ``t``'s LR schedule: one step's size and
+    the bounds, in steps (unit 1) or samples (training/schedule_lr.py steps by them)."""
+    sampled = t.train_samples or t.lr_warmup_samples or t.lr_decay_samples or t.lr_wsd_decay_samples
+    unit = t.global_batch if sampled else 1
+    decay_steps = t.lr_decay_steps or t.steps
+    decay = t.lr_decay_samples or (t.train_samples if t.train_samples and not t.lr_decay_steps else decay_steps * unit)
+    warmup = t.lr_warmup_samples or t.warmup_steps * unit
+    wsd = t.lr_wsd_decay_samples or t.lr_wsd_decay_steps * unit or round(decay * t.lr_wsd_decay_ratio)
+    return unit, warmup, decay, wsd

@@ -21,18 +21,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ..runtime.cpus import cores  # noqa: F401 - ``--workers``' default, imported from here
 from .sources import RawLines
 from .tokenizer import get_tokenizer
 
 _worker_tokenizer = None  # the tokenizer of a worker process (set by its initializer; never in the parent)
-
-
-def cores() -> int:
-    """The CPUs this process may run on (``--workers``' default)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def encode(tok, texts: list[str] | RawLines, eos: int | None) -> tuple[np.ndarray, np.ndarray, int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -15,8 +15,8 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
-from ..config.train_section import PAR_FP8
 from .compile import compile_blocks_
+from .dropout import DropoutPosition
 from .fp8 import use_fp8_linears_
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
@@ -35,6 +35,7 @@ class RankModel:
     dp: DataParallel | TorchFSDP2
     schedule: object | None  # a par_pp Schedule when pp > 1
     num_chunks: int
+    dropout: DropoutPosition = field(default_factory=DropoutPosition)  # its chunks' (set before each micro-batch)
 
     def parameters(self):
         return self.module.parameters()
@@ -94,7 +95,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
 
         for chunk in chunks.values():
             use_te_linears_(chunk)
-    if cfg.train.fp8 in PAR_FP8:  # par's FP8 GEMMs in the local matmuls; the weights stay as they are
+    if cfg.train.par_fp8:  # par's FP8 GEMMs in the local matmuls; the weights stay as they are
         for chunk in chunks.values():
             use_fp8_linears_(chunk, cfg.train.fp8, groups)
     for chunk in chunks.values():
@@ -128,7 +129,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
         dp = data_parallel(module, groups.dp_cp, zero, **kwargs)
-    return RankModel(groups, chunks, module, dp, schedule, num_chunks)
+    return RankModel(groups, chunks, module, dp, schedule, num_chunks, context.dropout)
 
 
 def muon_param(name: str, param: nn.Parameter, tied: bool = False) -> bool:

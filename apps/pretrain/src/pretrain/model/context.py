@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from par_cp import ContextParallelAttention
 from par_groups import ParallelGroups
+
+from .dropout import DropoutPosition
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class ChunkContext:
     # (par_moe.DeclaredRouting).
     declared_routing: object | None = None
     qk_clip: bool = False  # [train].muon_qk_clip: the attention cores track their max logit per head (qk_clip.py)
+    # where the micro-batch being computed is in the global batch: the dropout masks are its samples'
+    dropout: DropoutPosition = field(default_factory=DropoutPosition)
 
 
 def context_attention(context: ChunkContext, softmax_scale: float | None = None) -> ContextParallelAttention:

@@ -4,26 +4,26 @@ global batch, not of the rank holding it: every layout it runs with trains as on
 An element's keep/drop is a hash of (``[train].seed``, step, its global sample index, token position,
 channel (attention: head, query and key positions), layer, site): no RNG state, so micro-batching, data parallelism and recomputation (which
 re-runs a block's forward in its backward) draw the same mask. The trainer says, before each
-micro-batch's forward, which step and which global samples it holds (:func:`set_position`).
+micro-batch's forward, which step and which global samples it holds (:class:`DropoutPosition`).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 MASK32 = 0xFFFFFFFF
-_where = threading.local()  # (seed, step, first global sample) of the micro-batch being computed
 
 
-def set_position(seed: int, step: int, first_sample: int) -> None:
-    """The micro-batch about to run: its step and the global index of its first sample."""
-    _where.position = (seed, step, first_sample)
+class DropoutPosition:
+    """(seed, step, first global sample) of the micro-batch a rank's model computes: one per model (its
+    ``ChunkContext``), set by the trainer before each micro-batch's forward, read by the layers that drop."""
 
+    def __init__(self) -> None:
+        self.at: tuple[int, int, int] = (0, 0, 0)
 
-def position() -> tuple[int, int, int]:
-    return getattr(_where, "position", (0, 0, 0))
+    def set(self, seed: int, step: int, first_sample: int) -> None:
+        """The micro-batch about to run: its step and the global index of its first sample."""
+        self.at = (seed, step, first_sample)
 
 
 def _fmix32(h):

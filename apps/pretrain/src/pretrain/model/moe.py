@@ -28,3 +28,8 @@ def moe_config(config) -> MoEConfig:
         max_replicas_per_rank=config.max_replicas_per_rank,
         replicate_across_domains=config.replicate_across_domains,
     )
+
+
+def moe_layers(chunks) -> list:
+    """The MoE layers (``par_moe.MoELayer``) of ``chunks`` (a rank's ``{chunk id: ModelChunk}``), MTP's too."""
+    return [layer.mlp for chunk in chunks.values() for layer in chunk.decoder_layers() if layer.is_moe]

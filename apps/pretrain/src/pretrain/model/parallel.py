@@ -33,7 +33,7 @@ from .context import ChunkContext, context_attention  # noqa: F401  (context_att
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
-from .dropout import hidden_dropout, position as dropout_position
+from .dropout import hidden_dropout
 from .te import fuse_norm_, recompute
 
 
@@ -51,7 +51,7 @@ class ParallelDecoderLayer(nn.Module):
         g, sp = context.groups, context.sequence_parallel
         self.full_recompute, self.backend = context.recompute == "full", context.backend
         self.is_moe = config.is_moe_layer(index)
-        self.index, self.hidden_dropout = index, config.hidden_dropout
+        self.index, self.hidden_dropout, self.dropout_at = index, config.hidden_dropout, context.dropout
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         family = family_of(config)
         self.attention_norm_inside = context.backend == "te" and "te_norm_fusion" in family.supports
@@ -101,7 +101,7 @@ class ParallelDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         # [model].hidden_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
-        where = dropout_position() if self.hidden_dropout > 0 and self.training else None
+        where = self.dropout_at.at if self.hidden_dropout > 0 and self.training else None
         if self.full_recompute and torch.is_grad_enabled():
             return recompute(self._forward, x, docs, where, backend=self.backend)
         return self._forward(x, docs, where)

@@ -27,14 +27,16 @@ from par_groups import comm
 from par_moe import ExpertPlacement, pack_experts
 from par_zero import RowMove, move_rows_
 
+from .moe import moe_layers
+
 
 class ExpertReplacer:
-    """The re-placement of a trainer's MoE layers (those with ``expert_balance = "replicate+replace"``)."""
+    """The re-placement of a stage's MoE layers (those with ``expert_balance = "replicate+replace"``)."""
 
     def __init__(self, layers: list, names: list[str], dp, every: int, groups,
                  domains: tuple[int, ...] | None = None) -> None:
         """``layers``: this stage's re-placed MoE layers (under pp a stage may hold none), ``names`` their
-        keys in the state file; ``groups``: the trainer's (the counts are summed over the stage's tp_dp_cp
+        keys in the state file; ``groups``: the run's (the counts are summed over the stage's tp_dp_cp
         ranks, the experts move over ep, the stages' maps meet over pp); ``domains``: each EP rank's NVLink
         domain (None: one domain)."""
         self.layers, self.names, self.dp, self.every, self.domains = layers, names, dp, every, domains
@@ -44,18 +46,18 @@ class ExpertReplacer:
         self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
 
     @classmethod
-    def of(cls, trainer) -> "ExpertReplacer | None":
-        """The trainer's re-placement (None: no layer re-places); gives every balanced layer the EP ranks'
-        NVLink domains first, for its replica plan too. Under pp every stage has one, its layers or none."""
-        domains = set_replica_domains(trainer)
-        m = trainer.cfg.model
-        if not m.is_moe or m.expert_balance != "replicate+replace":
+    def of(cls, model_cfg, chunks, dp, groups, topology) -> "ExpertReplacer | None":
+        """The re-placement of ``chunks`` (this rank's ``{chunk id: ModelChunk}``, trained under ``dp``; None:
+        no layer re-places); gives every balanced layer the EP ranks' NVLink domains in ``topology`` first,
+        for its replica plan too. Under pp every stage has one, its layers or none."""
+        domains = set_replica_domains(moe_layers(chunks), topology, groups.tp_dp_cp)
+        if not model_cfg.is_moe or model_cfg.expert_balance != "replicate+replace":
             return None
-        named = [(f"{kind}.{key}", layer.mlp) for chunk in trainer.model.chunks.values()
+        named = [(f"{kind}.{key}", layer.mlp) for chunk in chunks.values()
                  for kind, modules in (("layers", chunk.layers), ("mtp", chunk.mtp))
                  for key, layer in modules.items() if layer.is_moe and layer.mlp.replace]
-        return cls([layer for _, layer in named], [name for name, _ in named], trainer.model.dp, m.replace_every,
-                   trainer.groups, domains)
+        return cls([layer for _, layer in named], [name for name, _ in named], dp, model_cfg.replace_every,
+                   groups, domains)
 
     def _global_load(self) -> list[list[int]]:
         """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
@@ -132,13 +134,13 @@ class ExpertReplacer:
                         for s, layer in zip(mine, self.layers)])
 
 
-def set_replica_domains(trainer) -> tuple[int, ...] | None:
-    """The EP ranks' NVLink domains (:func:`ep_domains`), given to every balanced MoE layer of the trainer's
-    stage (``MoELayer.set_domains``); None where no layer balances. Collective over the stage."""
-    layers = [moe for moe in trainer._moe_layers() if moe.replicate]
+def set_replica_domains(layers: list, topology, stage_group) -> tuple[int, ...] | None:
+    """The EP ranks' NVLink domains (:func:`ep_domains`), given to every balanced one of ``layers`` (a stage's
+    MoE layers, ``MoELayer.set_domains``); None where no layer balances. Collective over ``stage_group``."""
+    layers = [moe for moe in layers if moe.replicate]
     if not layers:
         return None
-    domains = ep_domains(trainer.assignment.topology, layers[0].ep_group, trainer.groups.tp_dp_cp)
+    domains = ep_domains(topology, layers[0].ep_group, stage_group)
     for layer in layers:
         layer.set_domains(domains)
     return domains

@@ -1,1 +1,1 @@
-"""Starting and ending the ranks: the launchers, each rank's environment and placement, pre-flight checks, locks, safe run files, pre-emption and hangs."""
+"""Starting and ending the ranks: the launchers, each rank's environment and placement, locks, safe run files, pre-emption and hangs."""

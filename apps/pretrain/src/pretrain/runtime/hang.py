@@ -114,10 +114,11 @@ def _world(records: dict[int, dict]) -> int:
     return max(seen) + 1
 
 
-def summary_of_dir(log_dir: str | Path) -> tuple[Hang | None, int]:
+def summary_of_dir(log_dir: str | Path, notes: dict[int, str] | None = None) -> tuple[Hang | None, int]:
     """``pretrain hang``: the summary of the records in ``<log_dir>/flight`` (whoever launched the
     run, e.g. torchrun) and how many records there were. A rank without one is named as such; a file
-    that is not a flight record (not JSON, another shape) is a UsageError naming it."""
+    that is not a flight record (not JSON, another shape) is a UsageError naming it. ``notes``: what is known
+    of ranks without one (a dead rank's heartbeat, :func:`pretrain.runtime.dead_rank.notes_of_dir`)."""
     records = {}
     for path in sorted((Path(log_dir) / FLIGHT_DIR).glob("rank_*.json")):
         record = _load(path)
@@ -127,7 +128,7 @@ def summary_of_dir(log_dir: str | Path) -> tuple[Hang | None, int]:
         records[record["rank"]] = record
     if not records:
         return None, 0
-    return summarize(records, _world(records)), len(records)
+    return summarize(records, _world(records), notes), len(records)
 
 
 def hang_summary(log_dir: str | Path, pids: list[int], since: float) -> Hang | None:

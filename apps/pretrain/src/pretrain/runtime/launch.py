@@ -115,7 +115,7 @@ def cpu_threads(environ) -> int:
     fewer than the host has) shared by the host's local ranks."""
     if environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         return int(environ["OMP_NUM_THREADS"])
-    from ..data.encode import cores
+    from .cpus import cores
 
     return max(1, cores() // int(environ.get("LOCAL_WORLD_SIZE", 1)))
 

@@ -7,7 +7,7 @@ import time
 
 from par_moe import DeclaredRouting
 
-from ..commands.plan_replicas import plural, render_replicas
+from .plan_replicas import plural, render_replicas
 from ..errors import UsageError
 from ..sizing.memory import budget_bytes
 from .collectives import compare, step_collectives

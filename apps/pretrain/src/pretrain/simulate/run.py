@@ -111,7 +111,7 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             on_phase("save")
             t2 = time.perf_counter()
             with comm.CommRecorder() as save_rec:
-                tensors = checkpoint_tensors(trainer, with_optim=True)
+                tensors = checkpoint_tensors(trainer.checkpointed(), with_optim=True)
             save = tracker.snapshot()
             del tensors
             timings["save_s"] = time.perf_counter() - t2

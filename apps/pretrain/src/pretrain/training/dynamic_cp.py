@@ -26,7 +26,6 @@ import torch.distributed as dist
 from par_cp import attention_work, ring_attention, schedule_subsamples, segment_attention, shard_segments
 
 from ..data.packing import IGNORE, mask_eod_labels
-from ..errors import UsageError
 
 PAD = 0  # token id of a padding position (its prediction is ignored, so its id does not matter)
 
@@ -85,14 +84,6 @@ def subsamples(segments: torch.Tensor) -> list[tuple[int, int, int]]:
                 out.append((g, start, i))
                 start = i
     return out
-
-
-def check_lengths(seq_len: int, max_seq_per_rank: int, ranks: int) -> None:
-    """A document of a whole window must fit the dp x cp ranks."""
-    if seq_len > max_seq_per_rank * ranks:
-        raise UsageError(f"[train].seq_len={seq_len} can hold a document longer than [parallel].max_seq_per_rank="
-                         f"{max_seq_per_rank} x dp x cp={ranks} tokens; raise max_seq_per_rank to at least "
-                         f"{math.ceil(seq_len / ranks)}")
 
 
 def plan_step(batch, eos: int | None, eod_mask_loss: bool, max_seq_per_rank: int, groups: SpanGroups):

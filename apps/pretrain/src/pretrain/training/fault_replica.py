@@ -34,7 +34,6 @@ from par_groups import comm
 from ..checkpoint.rng_state import rng_state, set_rng_state
 from ..data.sampler import Batch
 from ..errors import UsageError
-from ..model.dropout import set_position as set_dropout_position
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
@@ -114,7 +113,7 @@ class ReplicaTrainer(Trainer):
         m = self.cfg.model
         if m.hidden_dropout > 0 or m.attention_dropout > 0:  # the masks of the global samples this micro-batch holds
             first = self.share.samples(self._step).start + microbatch * self.share.micro_batch
-            set_dropout_position(self.cfg.train.seed, self._step, first)
+            self.model.dropout.set(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
@@ -143,7 +142,7 @@ def copy_state(src, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
     kinds = src.model.dp.optimizer_state.state_kinds()
     dst.model.dp.optimizer_state.prepare_load(kinds)
-    a, b = owned_state(src), owned_state(dst)
+    a, b = owned_state(src.model), owned_state(dst.model)
     if a.keys() != b.keys():
         raise RuntimeError(f"regrouped trainer holds other state: {sorted(a.keys() ^ b.keys())[:4]}")
     for name, boxes in a.items():
@@ -212,7 +211,8 @@ class ReplicaRun:
         self.replica = event["replicas"][str(self.rank)]
         fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
             self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
-        step, _ = receive_state(fresh, self._pairs(event)[self.rank])
+        step, _ = receive_state(fresh.model, self._pairs(event)[self.rank])
+        fresh.completed = step
         self.joined_at = self._agree(step, event, began)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
         return fresh
@@ -263,7 +263,7 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items():
             if source == self.rank:
-                sent += send_state(trainer, self._new_rank(event, joiner), done)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done)
         return self._agree(done, event, began, sent)
 
     def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:

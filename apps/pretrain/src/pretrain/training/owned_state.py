@@ -1,4 +1,4 @@
-"""What one rank owns of a trainer's state, by name: what a replica's live copy sends a joiner and what a
+"""What one rank owns of its model's state, by name: what a replica's live copy sends a joiner and what a
 regrouped trainer copies over."""
 
 from __future__ import annotations
@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 
 
-def owned_state(trainer) -> dict[str, list[torch.Tensor]]:
+def owned_state(model) -> dict[str, list[torch.Tensor]]:
     """Every piece of state this rank owns, by name: trained tensors' fp32 masters and optimizer state
     (this rank's boxes, views of its buffers), the other parameters and buffers whole. Ranks at one
-    model-parallel coordinate of any two replicas own the same names and shapes."""
-    dp = trainer.model.dp
+    model-parallel coordinate of any two replicas own the same names and shapes. ``model``: the rank's
+    ``RankModel`` (its tensors by full name, and its DP wrapper with the masters and optimizer state)."""
+    dp = model.dp
     kinds = ("master",) + tuple(dp.optimizer_state.state_kinds())
     owned = {kind: dp.owned_pieces(kind) for kind in kinds}
     out = {}
-    for name, t in trainer.model.full_named_tensors().items():
+    for name, t in model.full_named_tensors().items():
         if t not in owned["master"]:
             out[f"model/{name}"] = [t]
             continue

@@ -23,8 +23,8 @@ from .owned_state import owned_state
 DIGEST = 32  # SHA-256 bytes
 
 
-def _pieces(trainer) -> list[tuple[str, torch.Tensor]]:
-    state = owned_state(trainer)
+def _pieces(model) -> list[tuple[str, torch.Tensor]]:
+    state = owned_state(model)
     out = [(f"{name}#{i}", t) for name in sorted(state) for i, t in enumerate(state[name])]
     return out + [("rng/cpu", torch.get_rng_state())]
 
@@ -41,11 +41,11 @@ def _batch(ops: list[tuple], peer: int) -> None:
         w.wait()
 
 
-def send_state(trainer, joiner: int, step: int) -> int:
-    """Send this rank's owned state to global rank ``joiner``; returns the bytes sent."""
-    pieces = _pieces(trainer)
+def send_state(model, joiner: int, step: int) -> int:
+    """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent."""
+    pieces = _pieces(model)
     bufs = [t.detach().contiguous() for _, t in pieces]
-    dp = trainer.model.dp
+    dp = model.dp
     scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
                           "scalars": dp.optimizer_state.scalar_state()}).encode()
     meta = torch.tensor([len(scalars)] + [t.numel() * t.element_size() for t in bufs], dtype=torch.int64)
@@ -56,11 +56,11 @@ def send_state(trainer, joiner: int, step: int) -> int:
 
 
 @torch.no_grad()
-def receive_state(trainer, source: int) -> tuple[int, int]:
-    """Receive the owned state from global rank ``source`` into ``trainer``'s buffers, each piece checked by size
-    and SHA-256; returns (the step to go on from, the bytes received)."""
-    pieces = _pieces(trainer)
-    dp = trainer.model.dp
+def receive_state(model, source: int) -> tuple[int, int]:
+    """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
+    piece checked by size and SHA-256; returns (the step to go on from, the bytes received)."""
+    pieces = _pieces(model)
+    dp = model.dp
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
     _batch([(dist.irecv, meta)], source)
@@ -81,5 +81,4 @@ def receive_state(trainer, source: int) -> tuple[int, int]:
     dp.sync_params()
     dp.step_count = scalars["optimizer_steps"]
     dp.optimizer_state.finish_load(scalars["scalars"])
-    trainer.completed = scalars["step"]
     return scalars["step"], int(meta[1:].sum())

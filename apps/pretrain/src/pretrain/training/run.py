@@ -6,6 +6,7 @@ import os
 import time
 from contextlib import ExitStack, nullcontext
 
+import torch.distributed as dist
 from par_groups import comm
 from par_groups.watch import CommWatch
 
@@ -17,13 +18,16 @@ from ..config import load_config
 from ..data import load_dataset
 from ..sizing.flops import training_flops_per_step
 from ..runtime.hang import flight_recorder, nccl_flight_env
+from ..runtime.dead_rank import hold_stop_signals, start_heartbeat
 from ..runtime.launch import device_type, init_distributed, shutdown
+from ..runtime.rank_env import LAUNCHER_ENV
 from ..observe.metrics import MetricsLogger
 from ..observe.peak import matmul_dtype, peak_flops
 from ..runtime.preempt import StopRequests
-from ..runtime.preflight import checkpoint_root
+from .preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
+from .step_clock import StepClock
 from .fault_replica import attempt, join_distributed, joining, replica_run
 from .train_loop import Trainer
 
@@ -56,7 +60,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         t, ck = cfg.train, cfg.checkpoint
         root = checkpoint_root(cfg)
         start_step, note = 0, ""
-        latest, start_step, why = resume_latest(trainer, root, ck.fallback) if ck.resume and not joining() else (None, 0, "")
+        latest, start_step, why = resume_latest(trainer.checkpointed(), root, ck.fallback) if ck.resume and not joining() else (None, 0, "")
         if joining():  # a replacement: its state and step came from a live replica
             start_step = replica.joined_at
         elif latest is not None:
@@ -89,72 +93,46 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
         first = last = None
         saved_at = start_step if latest is not None else -1
         done = start_step
-        start = interval = time.time()
-        interval_steps = 0
+        start = time.time()
+        clock = StepClock()  # the step time in the log: what runs between steps is left out
         if replica:  # the log goes on at the next rank 0 when rank 0's replica is lost
             logger = replica.log(logger, lambda done: open_log(done, start_run(root, resuming=True, force=force)))
         steps = replica.steps(start_step, last_step, trainer) if replica else range(start_step, last_step)
         for step in steps:
             with attempt(steps, step, trainer):  # a lost replica: regrouped, back to the agreed step boundary
-                began = time.time()
-                profiler.before(step + 1)
-                interval += time.time() - began  # starting a profile is not the step's time
+                with clock.paused():  # starting a profile is not the step's time
+                    profiler.before(step + 1)
                 result = trainer.train_step(step)
-                done, interval_steps = step + 1, interval_steps + 1
+                done = step + 1
+                clock.count_step()
                 first = result if first is None else first
-                if result.placement is not None and logger is not None:  # a re-placement step (one host read done)
-                    logger.log_event("expert_placement", **result.placement)
-                if result.skipped and logger is not None:  # nan_policy=skip has read the flag already
-                    logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+                _note_step(logger, result, done)
                 # Values are read on the host at log steps only (and checked finite there): see step_result.py
-                if done % cfg.log.every == 0 or done == last_step:
-                    trainer.check_finite()
-                    timing = trainer.timer.gathered()
-                    last = result.loss
-                    blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
-                    if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
-                        step_time = (time.time() - interval) / interval_steps
-                        logger.log(done, last, step_time=step_time, lr=result.lr, grad_norm=result.grad_norm,
-                                   **result.moe, **timing, **trainer.sampler.shares(done),
-                                   **({"time_checkpoint": blocked} if blocked is not None else {}))
-                    interval_steps = -1  # restarted at the end of this step: the log, trace, eval, save are not steps
+                logged = done % cfg.log.every == 0 or done == last_step
+                if logged:
+                    last = _log_step(trainer, logger, saver, result, done, clock)
                 profiler.after(done)  # after the log line: writing the trace is not the step's time
-                if t.eval_every and (done % t.eval_every == 0 or done == last_step):
-                    eval_loss = trainer.evaluate(t.eval_batches)
-                    if logger is not None:
-                        logger.log_eval(done, eval_loss, held_out=trainer.sampler.held_out)
-                    interval_steps = -1
+                evaluated = bool(t.eval_every) and (done % t.eval_every == 0 or done == last_step)
+                if evaluated:
+                    _evaluate(trainer, logger, t.eval_batches, done)
                 checkpoint_step = bool(ck.every and done % ck.every == 0)
                 # Pre-emption: the ranks agree every PREEMPT_CHECK_STEPS steps (and at log and checkpoint steps)
                 preempted = (checkpoint_step or done % min(cfg.log.every, PREEMPT_CHECK_STEPS) == 0) and stops.agreed()
                 if checkpoint_step or preempted:
-                    trainer.check_finite()  # never a checkpoint after a non-finite step
-                    path = saver.save(trainer, root, done, ck.keep)
+                    _save(trainer, saver, logger, root, done, ck.keep)
                     saved_at = done
-                    if logger is not None:
-                        logger.message(f"checkpoint {path}" + (" (writing in the background)" if saver.background else "")
-                                       + f"; training thread blocked {saver.last_blocked_s:.2f} s")
-                    interval_steps = -1
                 if preempted:
-                    saver.finish()  # published before we exit
-                    if logger is not None:
-                        logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
-                                       f"checkpoint written")
+                    _stop(saver, logger, stops, done)
                     break
-                if interval_steps < 0:
-                    interval, interval_steps = time.time(), 0
+                if logged or evaluated or checkpoint_step:
+                    clock.restart()  # the log line, the trace, the evaluation and the save were not steps
         first = None if first is None else first.loss
         if getattr(trainer.sampler, "test", None) is not None and done == last_step:  # [data].split's test part: once, at the end
-            test_loss = trainer.evaluate(t.eval_batches, split="test")
-            if logger is not None:
-                logger.log_eval(done, test_loss, split="test")
+            _evaluate(trainer, logger, t.eval_batches, done, split="test")
         if last is None and done > start_step:  # stopped by a signal between log steps
             last = result.loss
         if saved_at != done:  # always a final checkpoint: `convert --to-hf` and resume work after any run
-            trainer.check_finite()
-            path = saver.save(trainer, root, done, ck.keep)
-            if logger is not None:
-                logger.message(f"checkpoint {path}; training thread blocked {saver.last_blocked_s:.2f} s")
+            _save(trainer, saver, logger, root, done, ck.keep, final=True)
         finished = saver.close()  # the last background save, published once every rank has written it; pruning done
         if finished is not None and logger is not None:
             logger.message(f"checkpoint {finished} complete; training thread waited {saver.last_blocked_s:.2f} s")
@@ -165,16 +143,73 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             logger.close()
         comm.barrier(None)  # only on success: a failed rank must not wait here for peers stuck in a step's collective
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
+    except BaseException:
+        hold_stop_signals()  # under torchrun: its SIGTERM must not end this rank before it names a dead peer
+        raise
     finally:
         watching.close()
         stops.close()
         shutdown()
 
 
+def _note_step(logger, result, done: int) -> None:
+    """What a step did besides training, for the log: a re-placement of experts, an update skipped."""
+    if logger is None:
+        return
+    if result.placement is not None:  # a re-placement step (one host read done)
+        logger.log_event("expert_placement", **result.placement)
+    if result.skipped:  # nan_policy=skip has read the flag already
+        logger.message(f"step {done}: loss is {result.loss}; update skipped ([train].nan_policy=skip)")
+
+
+def _log_step(trainer, logger, saver, result, done: int, clock: StepClock):
+    """A log step (every rank): the finite check, the step timing gathered; rank 0 writes the line. Returns the loss."""
+    trainer.check_finite()
+    timing = trainer.timer.gathered()
+    blocked = saver.take_blocked()  # the saves since the last log line: the training thread's wait
+    if logger is not None:  # the step time: the mean since the last log line (the GPU's, not the launches')
+        logger.log(done, result.loss, step_time=clock.mean_step_s(), lr=result.lr, grad_norm=result.grad_norm,
+                   **result.moe, **timing, **trainer.sampler.shares(done),
+                   **({"time_checkpoint": blocked} if blocked is not None else {}))
+    return result.loss
+
+
+def _evaluate(trainer, logger, batches: int, done: int, split: str = "valid") -> None:
+    """The held-out loss (``split="test"``: [data].split's test part) after ``done`` steps, logged by rank 0."""
+    loss = trainer.evaluate(batches, split=split)
+    if logger is None:
+        return
+    if split == "test":
+        logger.log_eval(done, loss, split="test")
+    else:
+        logger.log_eval(done, loss, held_out=trainer.sampler.held_out)
+
+
+def _save(trainer, saver, logger, root, done: int, keep: int, final: bool = False) -> None:
+    """The checkpoint after ``done`` steps (never one after a non-finite step); ``final``: the run's last."""
+    trainer.check_finite()
+    path = saver.save(trainer.checkpointed(), root, done, keep)
+    if logger is None:
+        return
+    background = " (writing in the background)" if saver.background and not final else ""
+    logger.message(f"checkpoint {path}{background}; training thread blocked {saver.last_blocked_s:.2f} s")
+
+
+def _stop(saver, logger, stops, done: int) -> None:
+    """A pre-emption: the checkpoint just started is published before the run exits."""
+    saver.finish()
+    if logger is not None:
+        logger.message(f"{stops.signal or 'a signal to another rank'}: stopped after step {done}, "
+                       f"checkpoint written")
+
+
 def _watch(cfg, rank: int):
     """The watch over every collective: the flight recorder (pretrain.runtime.hang) and the step timing's waits."""
     if cfg.log.flight_records:
-        return flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+        watch = flight_recorder(cfg.log.dir, rank, cfg.log.flight_records)
+        if LAUNCHER_ENV not in os.environ and dist.get_world_size() > 1:  # torchrun: no launcher of ours sees a rank die
+            start_heartbeat(cfg.log.dir, rank, dist.get_world_size(), watch)
+        return watch
     return CommWatch(0) if cfg.log.timing else nullcontext()
 
 

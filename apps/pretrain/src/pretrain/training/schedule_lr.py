@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from ..config.train_section import schedule_bounds  # noqa: F401 - the bounds, importable from here
+
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, steps: int) -> float:
     """LR for optimizer step ``step`` (0-based) of the cosine schedule. Depends only on the schedule, not on stop_at."""
@@ -30,17 +32,6 @@ def lr_for(step: int, t) -> float:
         return t.lr * (pos + unit) / warmup
     return megatron_lr(pos, lr=t.lr, min_lr=t.min_lr, warmup=warmup, decay=decay, style=t.lr_decay_style,
                        wsd_decay=wsd, wsd_style=t.lr_wsd_decay_style)
-
-
-def schedule_bounds(t) -> tuple[int, int, int, int]:
-    """``(unit, warmup, decay, wsd_decay)``: one step's size and the bounds, in steps (unit 1) or samples."""
-    sampled = t.train_samples or t.lr_warmup_samples or t.lr_decay_samples or t.lr_wsd_decay_samples
-    unit = t.global_batch if sampled else 1
-    decay_steps = t.lr_decay_steps or t.steps
-    decay = t.lr_decay_samples or (t.train_samples if t.train_samples and not t.lr_decay_steps else decay_steps * unit)
-    warmup = t.lr_warmup_samples or t.warmup_steps * unit
-    wsd = t.lr_wsd_decay_samples or t.lr_wsd_decay_steps * unit or round(decay * t.lr_wsd_decay_ratio)
-    return unit, warmup, decay, wsd
 
 
 def megatron_lr(num: int, *, lr: float, min_lr: float, warmup: int, decay: int, style: str, wsd_decay: int,

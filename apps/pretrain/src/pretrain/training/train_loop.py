@@ -29,10 +29,10 @@ from ..errors import UsageError
 from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
 from ..model.qk_clip import clip_scales, reset_logit_max
+from ..model.moe import moe_layers
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
 from .schedule_lr import lr_for
-from ..model.dropout import set_position as set_dropout_position
 from .micro_batches import NO_DOCUMENTS, MicroBatches
 from .step_result import NonFinite, StepResult
 from .runners import make_runner
@@ -89,21 +89,23 @@ class Trainer:
             split = layout.tp if layout.sequence_parallel else 1  # activations [S/cp/tp, mb, H] between stages
             shape = ((cfg.train.seq_len // layout.cp // split, layout.micro_batch, cfg.model.hidden),
                      torch.bfloat16 if self.autocast else torch.float32)
-        self.runner = make_runner(self, shape, self.callbacks(NO_DOCUMENTS))  # a pipeline schedule, or accumulation
         # Packed documents ([data] document_mask / reset_position_ids / eod_mask_loss) travel with each
         # step's MicroBatches (see packing.py).
         self.packed = cfg.data.packed and not simulated
         # Dynamic CP: every rank plans the global batch's documents over the dp x cp ranks (dynamic_cp.py).
         self.span_groups = SpanGroups(g.ranks["dp_cp"]) if cfg.parallel.dynamic_cp and not simulated else None
         self.timer = timer or NoTimer()
+        self.runner = make_runner(self.model, g.pp, self.device, shape, self.callbacks, self.callbacks(NO_DOCUMENTS),
+                                  self.timer)  # a pipeline schedule, or accumulation
         self.non_finite = NonFinite(self.device)
         self.prefetch = None if simulated else Prefetcher(self._read_batch, self.device)  # the next step's batch
         # expert_balance != "none": the replica plans get the EP ranks' NVLink domains (simulated: those of
         # the described cluster, as sizing plans them); "replicate+replace": experts re-placed by load
-        self.expert_replacer = None if simulated else ExpertReplacer.of(self)
+        self.expert_replacer = None if simulated else ExpertReplacer.of(
+            cfg.model, self.model.chunks, self.model.dp, g, self.assignment.topology)
         if simulated:
             domains = declared_domains(cfg, layout)
-            for moe in self._moe_layers():
+            for moe in moe_layers(self.model.chunks):
                 moe.set_domains(domains)
 
     # ---- data ------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class Trainer:
         if m.hidden_dropout > 0 or m.attention_dropout > 0:  # which global samples: the dropout masks are theirs
             s = self.sampler
             first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
-            set_dropout_position(self.cfg.train.seed, self._step, first)
+            self.model.dropout.set(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
@@ -244,7 +246,7 @@ class Trainer:
         if cfg.train.nan_policy == "skip" and not bool(finite):  # dropping an update: one host read per step
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             reset_logit_max(self.model.module)
-            for moe in self._moe_layers():
+            for moe in moe_layers(self.model.chunks):
                 moe.step_metrics()  # the dropped step's statistics are not the next step's
             timer.lap("optimizer")
             timer.finish()
@@ -270,17 +272,23 @@ class Trainer:
         self.non_finite.check()
 
     # ---- checkpoints and inference ---------------------------------------------------------
+    def checkpointed(self):
+        """What a checkpoint saves of this rank and loads back into it (a ``checkpoint.Checkpointed``)."""
+        from ..checkpoint.subject import Checkpointed  # the package itself imports DCP: only when checkpointing
+
+        return Checkpointed(self.cfg, self.layout, self.model, self.expert_replacer)
+
     def save_checkpoint(self, root, step: int, keep: int = 2):
         """Write ``root/step_<step>`` after ``step`` completed steps (every rank calls it)."""
         from ..checkpoint import save_checkpoint
 
-        return save_checkpoint(self, root, step, keep)
+        return save_checkpoint(self.checkpointed(), root, step, keep)
 
     def load_checkpoint(self, path, model_only: bool = False) -> int:
         """Load a checkpoint saved under any layout; returns the number of steps it had completed."""
         from ..checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, model_only)
+        return load_checkpoint(self.checkpointed(), path, model_only)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -321,7 +329,7 @@ class Trainer:
         layer's imbalance over the whole step (all its micro-batches; a device scalar, no host read), and
         under expert_balance = "replicate" the worst layer's pairs per EP rank (its last micro-batch's)."""
         imbalance, balance = [], []
-        for moe in self._moe_layers():
+        for moe in moe_layers(self.model.chunks):
             if moe.config.bias_update_rate > 0:
                 moe.update_bias(self.groups.tp_dp_cp)
             stats = moe.step_metrics()
@@ -334,6 +342,3 @@ class Trainer:
             per_layer = torch.stack(balance)
             out |= dict(zip(BALANCE_STATS, torch.cat([per_layer[:, :3].max(0).values, per_layer[:, 3:].sum(0)])))
         return out
-
-    def _moe_layers(self):
-        return [layer.mlp for chunk in self.model.chunks.values() for layer in chunk.decoder_layers() if layer.is_moe]

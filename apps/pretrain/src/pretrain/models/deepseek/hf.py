@@ -16,7 +16,7 @@ import re
 import torch
 
 from ...errors import UsageError
-from ...checkpoint.hf_fields import MISSING, hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts
+from ..hf_fields import MISSING, hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts
 
 PROJ = ("gate", "up", "down")
 

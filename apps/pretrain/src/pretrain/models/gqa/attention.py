@@ -10,7 +10,7 @@ from torch import nn
 from par_groups import declare_copies_
 
 from ...data.packing import Documents
-from ...model.dropout import attention_with_dropout, position as dropout_position
+from ...model.dropout import attention_with_dropout
 from ...model.context import ChunkContext, context_attention
 from ...model.qk_clip import HeadLogitMax
 from ...model.rope import apply_rope, rope_for, set_shard_rope_tables_
@@ -31,7 +31,7 @@ class RopeThenContextAttention(nn.Module):
             self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(config.head_dim, eps=config.norm_eps), context.groups.tp, True)
                                         for _ in range(2))
         self.attn = context_attention(context)
-        self.seq_len = context.seq_len
+        self.seq_len, self.dropout_at = context.seq_len, context.dropout
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
@@ -58,7 +58,7 @@ class RopeThenContextAttention(nn.Module):
 
     def forward(self, q, k, v, docs: Documents | None = None):
         # [model].attention_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
-        where = dropout_position() if self.config.attention_dropout > 0 and self.training else None
+        where = self.dropout_at.at if self.config.attention_dropout > 0 and self.training else None
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
             return recompute(self._core, q, k, v, docs, where, backend=self.backend)
         return self._core(q, k, v, docs, where)

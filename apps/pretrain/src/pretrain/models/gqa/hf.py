@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UsageError
-from ...checkpoint.hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts, unstack_experts
+from ..hf_fields import hf_value, refuse_unless, rope_from_hf, rope_to_hf, stack_experts, unstack_experts
 
 MOE_BLOCK = {"qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
              "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})}

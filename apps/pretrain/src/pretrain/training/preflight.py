@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
-from .run_lock import PID_FILE, run_lock  # noqa: F401 - the launcher takes the lock from here
+from ..runtime.run_lock import PID_FILE, run_lock  # noqa: F401 - the launcher takes the lock from here
 
 
 def checkpoint_root(cfg) -> Path:
@@ -62,7 +62,7 @@ def check_run(cfg, layout, force: bool = False) -> None:
 
 
 def _check_flight_dir(log_dir: Path) -> None:
-    from .hang import FLIGHT_DIR
+    from ..runtime.hang import FLIGHT_DIR
 
     flight = log_dir / FLIGHT_DIR
     if flight.is_symlink():

@@ -48,11 +48,13 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     print(f"commit: {measured_commit()}")
     runs = dict(RUNS_OFF) | {f"fp8-{r}": ["train.dtype=bf16", f"train.fp8={r}"] for r in args.recipes}
-    results = {name: train(overrides, args.steps) for name, overrides in runs.items()}
-    bf16 = results["bf16"]["eval_loss"]
-    for name, r in results.items():
+    results = {}
+    for name, overrides in runs.items():  # fp32 and bf16 first: each line as its run ends
+        r = results[name] = train(overrides, args.steps)
+        bf16 = results["bf16"]["eval_loss"] if "bf16" in results else float("nan")
         print(f"RESULT fp8-loss run={name} eval_loss={r['eval_loss']:.4f} rel_to_bf16={r['eval_loss'] / bf16 - 1:+.4f} "
-              f"final_train_loss={r['losses'][-1]:.4f} steps={args.steps}")
+              f"final_train_loss={r['losses'][-1]:.4f} steps={args.steps}", flush=True)
+    bf16 = results["bf16"]["eval_loss"]
     every = [s for s in range(0, args.steps, 25)] + [args.steps - 1]
     lines = [f"# FP8 vs high precision, tiny model, {args.steps} steps, one CPU rank (commit {measured_commit()})", "",
              "| run | eval loss | vs bf16 | " + " | ".join(f"step {s}" for s in every) + " |",

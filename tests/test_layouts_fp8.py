@@ -28,6 +28,9 @@ from layout_runs import NOISE_MARGIN, STEPS, max_errors, noise_micro_batches, si
 
 TWO_LAYERS = ("model.layers=2",)
 WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidden=256")  # 128 per tp rank
+# the balancing loss counts over the global micro-batch (every dp rank's), FP8 scales over one dp rank's: a
+# single rank can take the dp ranks' micro-batches for one or the other, so the MoE runs leave the loss out
+MOE = ("model.aux_loss_coeff=0",)
 MX = ("model.kv_heads=8",)  # 8 x 8 / tp2 = 32: one MXFP8 block per tp rank
 
 DEFAULT = {"rowwise-tp2-cp2": ("rowwise", ["parallel.tp=2", "parallel.cp=2"], ())}
@@ -38,6 +41,9 @@ EXTENDED = {
     "blockwise-tp2-dp2-sp": ("blockwise", ["parallel.tp=2"], WIDE),
     "mxfp8-tp2-dp2-sp": ("mxfp8", ["parallel.tp=2"], MX),
     "mxfp8-cp2-dp2": ("mxfp8", ["parallel.cp=2", "train.seq_len=64", "train.micro_batch=2"], MX),
+    # the experts' grouped GEMMs in FP8 too, each source rank's rows apart (tests/test_fp8_experts.py)
+    "rowwise-moe-ep2-dp4": ("rowwise", ["parallel.ep=2"], MOE, "tiny-moe"),
+    "blockwise-moe-ep2-dp4": ("blockwise", ["parallel.ep=2"], MOE, "tiny-moe"),
 }
 
 
@@ -74,20 +80,22 @@ def train_and_wiring(config, overrides, steps: int = STEPS):
     return [r.loss for r in results], [r.grad_norm for r in results], wiring
 
 
-def _check(dist_run, recipe, layout, model, name):
+def _check(dist_run, recipe, layout, model, name, config=None):
     # micro-batches of 2 sequences on every dp rank and on the single rank alike: FP8 scales are per
     # micro-batch of one dp rank (never over dp), so the single rank quantizes the same tensors only when its
     # micro-batches are the dp ranks' ones
     mb = [] if any(o.startswith("train.micro_batch") for o in layout) else ["train.micro_batch=2"]
     common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"] + mb + [o for o in layout if o.startswith("train.")]
-    results = dist_run(4, train_and_wiring, None, common + layout, timeout=900)
+    results = dist_run(4, train_and_wiring, config, common + layout, timeout=900)
     for rank, (_, _, wiring) in enumerate(results):
         assert len(wiring) >= 5 and all(wiring.values()), (name, rank, wiring)
-    reference = single_rank(dist_run, None, tuple(common))
-    off = single_rank(dist_run, None, tuple(o for o in common if not o.startswith("train.fp8")))
+    reference = single_rank(dist_run, config, tuple(common))
+    off = single_rank(dist_run, config, tuple(o for o in common if not o.startswith("train.fp8")))
     assert off[0] != reference[0]  # FP8 is applied: the run is not the high-precision one
-    variants = [("model.attention_backend=torch",)] + [(f"train.micro_batch={n}",) for n in noise_micro_batches(None, common)]
-    drifts = [max_errors(single_rank(dist_run, None, tuple(common) + v), reference) for v in variants]
+    variants = [("model.attention_backend=torch",)]
+    if config is None:  # (MoE: a micro-batch is what the experts' scales are per, not a rounding change)
+        variants += [(f"train.micro_batch={n}",) for n in noise_micro_batches(None, common)]
+    drifts = [max_errors(single_rank(dist_run, config, tuple(common) + v), reference) for v in variants]
     drift = tuple(max(d[kind] for d in drifts) for kind in (0, 1))
     for rank, result in enumerate(results):
         for kind, what in enumerate(("loss", "grad norm")):
@@ -113,4 +121,5 @@ def test_fp8_wiring(dist_run):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(DEFAULT) + list(EXTENDED))
 def test_fp8_layout_matches_single_rank_extended(dist_run, name):
-    _check(dist_run, *(DEFAULT | EXTENDED)[name], name)
+    recipe, layout, model, *config = (DEFAULT | EXTENDED)[name]
+    _check(dist_run, recipe, layout, model, name, *config)

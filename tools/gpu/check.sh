@@ -24,6 +24,10 @@
 #      pairs and host syncs, each log step's parts, and one line
 #      RESULT gpu-comm-events exposed_comm_ms= event_pairs_per_step= syncs_outside_log_steps= syncs_per_log_read=
 #   4. where Transformer Engine is installed: the same run with [model].backend=te, and with fp8.
+#   5. with PAR_GPU_CHECK_FP8=1 (beyond the default budget: raise CHECK_BUDGET_S by 200): the 1B run with
+#      par's own FP8 ([train].fp8 = tensorwise, rowwise: torch._scaled_mm) against bf16 on the same GPU,
+#      RESULT gpu-1b-fp8-<recipe> lines (tokens/s, MFU against the FP8 peak). Step 1 always runs par's FP8
+#      operand and GEMM check (packages/par-tp/tests/test_gpu_fp8.py).
 # Without a CUDA GPU it prints one line and exits 0. Exit status 1 if any step failed.
 # The whole check keeps to CHECK_BUDGET_S seconds (470: under 8 minutes): each step's limit is cut
 # to what is left, and a step with under 20 s left is not run (and counts as a failure).
@@ -74,7 +78,7 @@ PLUGIN=(-p par_groups.testing.plugin)
 "$PY" tools/gpu/env.py
 # in this process, one GPU: the root's addopts without its pytest-xdist workers (a bare Python may lack xdist)
 run "pytest -m gpu" 150 "$PY" -m pytest "${PLUGIN[@]}" -o "addopts=--import-mode=importlib -p no:cacheprovider" \
-  -m gpu -q -rs packages/*/tests/test_gpu.py
+  -m gpu -q -rs packages/*/tests/test_gpu*.py
 if "$PY" -c 'import torchtitan.models.llama3' 2>/dev/null; then
   echo "== torchtitan imports on $PY: the 1B run races it on the same shape"
 else
@@ -89,6 +93,13 @@ if "$PY" -c 'import transformer_engine.pytorch' 2>/dev/null; then
     --steps "$TE_STEPS" --no-baseline --no-torchtitan --set model.backend=te --set train.fp8=delayed "${MODEL[@]}"
 else
   echo "== Transformer Engine is not installed: the backend=te and fp8 runs are skipped"
+fi
+
+if [ "${PAR_GPU_CHECK_FP8:-0}" = 1 ]; then
+  for recipe in tensorwise rowwise; do
+    run "1B Llama, par's FP8 ($recipe)" 100 "$PY" tools/gpu/llama_1b.py --label "gpu-1b-fp8-$recipe" --steps "$TE_STEPS" \
+      --no-baseline --no-torchtitan --set "train.fp8=$recipe" "${MODEL[@]}"
+  done
 fi
 
 echo "== summary"

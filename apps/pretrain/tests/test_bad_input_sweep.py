@@ -158,6 +158,9 @@ CASES = {
     "train fp8 tile straddles tp": ["train", "--nproc", "2", *SMALL, "--set", "parallel.tp=2", "--set", "train.fp8=blockwise"],
     "train fp8 delayed on torch layers": _train("--set", "train.fp8=delayed"),
     "train fp8 rowwise with te layers": _train("--set", "train.fp8=rowwise", "--set", "model.backend=te"),
+    # FP8 experts quantize per source rank's micro-batch: a cp chunk is only part of one
+    "train fp8 experts split by cp": ["train", "tiny-moe", "--nproc", "2", *SMALL, "--set", "parallel.cp=2",
+                                      "--set", "train.fp8=rowwise"],
     # train: data
     "train missing data": _train("--set", "data.path=data/nosuch", "--set", "log.dir=run"),
     "train dataset too small": _train("--set", "data.path=data/tiny", "--set", "log.dir=run"),

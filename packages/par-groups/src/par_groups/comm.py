@@ -38,9 +38,10 @@ class CommRecord:
     bytes: int
     group: ProcessGroup | None = field(default=None, compare=False, repr=False)  # which group (None: world)
     sent: int | None = field(default=None, compare=False)  # all-to-all: bytes this rank sent to other ranks
+    dtype: str | None = field(default=None, compare=False)  # the moved tensor's dtype ("float8_e4m3fn", ...)
 
     def __reduce__(self):  # a ProcessGroup lives in one process: records sent to another drop it
-        return (CommRecord, (self.op, self.group_size, self.bytes, None, self.sent))
+        return (CommRecord, (self.op, self.group_size, self.bytes, None, self.sent, self.dtype))
 
     @property
     def wire_bytes(self) -> int:
@@ -79,11 +80,21 @@ class CommRecorder:
     def total_bytes(self, op: str | None = None) -> int:
         return sum(r.bytes for r in self.records if op is None or r.op == op)
 
+    def bytes_by_dtype(self, op: str | None = None) -> dict[str | None, int]:
+        """Bytes of the recorded collectives [of one op] per dtype moved (None: object collectives, barriers)."""
+        out: dict[str | None, int] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                out[r.dtype] = out.get(r.dtype, 0) + r.bytes
+        return out
 
-def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None = None) -> None:
+
+def _record(op: str, group: ProcessGroup | None, nbytes: int, sent: int | None = None,
+            tensor: torch.Tensor | None = None) -> None:
     recorders = _recorders.get()
     if recorders and not torch.compiler.is_compiling():  # traced: dynamo keeps no Python side effect
-        rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group, sent)
+        dtype = None if tensor is None else str(tensor.dtype).removeprefix("torch.")
+        rec = CommRecord(op, dist.get_world_size(group), int(nbytes), group, sent, dtype)
         for r in recorders:
             r.records.append(rec)
 
@@ -104,13 +115,22 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM, async_op: bool = False):
-    _record("all_reduce", group, _nbytes(tensor))
+    _record("all_reduce", group, _nbytes(tensor), tensor=tensor)
     return _call("all_reduce", group, _nbytes(tensor),
                  lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tensor=tensor)
 
 
+def _on_wire(*tensors: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, ...]:
+    """FP8 tensors as their bytes where the backend has no FP8 type (gloo): a gather or an all-to-all only
+    moves bytes. Records keep the tensor's own dtype."""
+    if tensors[0].element_size() == 1 and tensors[0].is_floating_point() and _is_gloo(group):
+        return tuple(t.view(torch.uint8) for t in tensors)
+    return tensors
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
-    _record("all_gather", group, _nbytes(output))
+    _record("all_gather", group, _nbytes(output), tensor=output)
+    output, input = _on_wire(output, input, group=group)
     return _call("all_gather", group, _nbytes(output),
                  lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op,
                  tensor=input)
@@ -125,7 +145,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
     (tools/bench/gloo_reduce_scatter.py).
     That holds a transient buffer of the input's size until the wait; ``spare_memory=True`` (ZeRO-2/3,
     whose point is memory) keeps gloo's own."""
-    _record("reduce_scatter", group, _nbytes(input))
+    _record("reduce_scatter", group, _nbytes(input), tensor=input)
     if op == ReduceOp.SUM and not spare_memory and _is_gloo(group):
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _call("reduce_scatter", group, _nbytes(input),
@@ -195,13 +215,14 @@ def all_to_all_single(
     input_split_sizes: list[int] | None = None,
     async_op: bool = False,
 ):
-    _record("all_to_all", group, _nbytes(input), _sent_off_rank(input, group, input_split_sizes))
+    _record("all_to_all", group, _nbytes(input), _sent_off_rank(input, group, input_split_sizes), tensor=input)
+    output, input = _on_wire(output, input, group=group)
     return _call("all_to_all", group, _nbytes(input), lambda: dist.all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op), async_op, tensor=input)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
-    _record("broadcast", group, _nbytes(tensor))
+    _record("broadcast", group, _nbytes(tensor), tensor=tensor)
     return _call("broadcast", group, _nbytes(tensor),
                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op, tensor=tensor)
 
@@ -211,7 +232,7 @@ def batch_isend_irecv(ops: list[dist.P2POp]):
     one entry per batch: a ``send`` or ``recv`` with the first op's peer (global rank)."""
     for p2p in ops:
         if p2p.op is dist.isend:
-            _record("send", p2p.group, _nbytes(p2p.tensor))
+            _record("send", p2p.group, _nbytes(p2p.tensor), tensor=p2p.tensor)
     first = ops[0]
     kind = "send" if first.op is dist.isend else "recv"
     return _call(kind, first.group, sum(_nbytes(p.tensor) for p in ops), lambda: dist.batch_isend_irecv(ops), True,

@@ -19,6 +19,7 @@ token's k contributions.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,21 @@ class DispatchHandle:
     source_token: torch.Tensor | None = None  # all-to-all: the token of each sent row
     num_source_tokens: int = 0
     max_count: int | None = None  # the most rows of one local expert, when known without a host read
+    source_ends: list[int] | None = None  # where each source rank's rows end in token_of_row's numbering
+
+
+def source_segments(handle: DispatchHandle, counts: torch.Tensor) -> torch.Tensor:
+    """``[E_local, sources]``: the expert rows of each local expert from each source rank. Within an expert the
+    rows are in source order (a stable sort of rows received by source), so these split each expert's rows
+    into the sources' own."""
+    if handle.source_ends is None:
+        return counts.unsqueeze(1)
+    ends = torch.tensor(handle.source_ends, device=counts.device)
+    source = torch.bucketize(handle.token_of_row, ends, right=True)
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                     output_size=handle.token_of_row.numel())
+    sources = len(handle.source_ends)
+    return torch.bincount(expert * sources + source, minlength=counts.numel() * sources).view(-1, sources)
 
 
 def sort_pairs(indices: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None,
@@ -138,7 +154,7 @@ class AllToAllDispatcher:
         row, slot, expert = row[order], slot[order], expert[order]
         handle = DispatchHandle(received.shape[0], row, rows_w[row, slot], input_splits=input_splits,
                                 output_splits=output_splits, source_token=token, num_source_tokens=x.shape[0],
-                                max_count=max(local))
+                                max_count=max(local), source_ends=list(itertools.accumulate(output_splits)))
         return rows_x[row], bincount(expert, self.num_local, declared), handle
 
     def combine(self, expert_out, handle: DispatchHandle):
@@ -182,7 +198,9 @@ class AllGatherDispatcher:
         expert, token, weight = sort_pairs(indices, weights, keep, (self.first, self.first + self.num_local),
                                            None if local is None else sum(local))
         counts = bincount(expert - self.first, self.num_local, local)
-        return x[token], counts, DispatchHandle(x.shape[0], token, weight)
+        per_rank = x.shape[0] // self.ep  # the gathered tokens, by source rank (equal counts)
+        return x[token], counts, DispatchHandle(x.shape[0], token, weight,
+                                                source_ends=[per_rank * (i + 1) for i in range(self.ep)])
 
     def combine(self, expert_out, handle: DispatchHandle):
         partial = weighted_sum(expert_out, handle)

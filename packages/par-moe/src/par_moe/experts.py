@@ -99,6 +99,8 @@ class GroupedSwiGLU(nn.Module):
     """``num_experts`` SwiGLU experts: w_gate, w_up ``[E, F, H]`` and w_down ``[E, H, F]``.
 
     Every parameter's placement says ``expert``: its gradient is reduced over expert DP only.
+    ``grouped_kernels``: None (the grouped GEMM above), or one ``(x, weight, segments) -> y`` per projection
+    (gate, up, down) taking the rows' ``[E_local, sources]`` counts per source rank (FP8: par_tp.fp8).
     ``block = ((ep_rank, ep), (etp_rank, etp))``: these are expert block ``ep_rank`` of ``ep`` and
     F block ``etp_rank`` of ``etp`` of the full ``[E, F, H]`` / ``[E, H, F]`` tensors.
     """
@@ -115,6 +117,7 @@ class GroupedSwiGLU(nn.Module):
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
         # Megatron's moe_act recompute: keep gate and up for backward, rerun silu(gate) * up there
         self.recompute_act = False
+        self.grouped_kernels = None
 
     def place_(self, experts: tuple[int, ...]) -> None:
         """Local slot ``i`` holds global expert ``experts[i]`` now (re-placement moved the values)."""
@@ -122,10 +125,12 @@ class GroupedSwiGLU(nn.Module):
             place_rows_(w, experts)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, max_count: int | None = None,
-                replicas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                replicas: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """tokens ``[N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``.
         ``max_count``: the largest of ``counts`` when known without reading them (a declared routing).
-        ``replicas``: other ranks' experts' (w_gate, w_up, w_down), computed as experts ``E, E + 1, ...``."""
+        ``replicas``: other ranks' experts' (w_gate, w_up, w_down), computed as experts ``E, E + 1, ...``.
+        ``segments``: ``[E, sources]`` rows of each expert from each source rank (default: one source)."""
         weights = (self.w_gate, self.w_up, self.w_down)
         if replicas is not None:
             weights = tuple(torch.cat([w, r]) for w, r in zip(weights, replicas))
@@ -133,6 +138,10 @@ class GroupedSwiGLU(nn.Module):
         if tokens.shape[0] == 0:
             # Keep every weight in the graph so its (zero) gradient exists on every rank.
             return tokens + 0 * sum(w.sum() for w in weights).to(tokens.dtype)
+        if self.grouped_kernels is not None:
+            gate, up, down = self.grouped_kernels
+            seg = layout.counts.unsqueeze(1) if segments is None else segments
+            return down(F.silu(gate(tokens, weights[0], seg)) * up(tokens, weights[1], seg), weights[2], seg)
         tokens, w_gate, w_up, w_down = _autocast_operands(tokens, *weights)
         fast = grouped_mm_supported(tokens, w_gate, w_up, w_down)
         gate = grouped_linear(tokens, w_gate, layout, fast)
@@ -170,6 +179,8 @@ class SwiGLU(nn.Module):
         nn.init.normal_(self.w_gate, std=hidden ** -0.5)
         nn.init.normal_(self.w_up, std=hidden ** -0.5)
         nn.init.normal_(self.w_down, std=ffn_hidden ** -0.5)
+        self.linear_kernel = F.linear  # ``(x, weight) -> x weight^T``; FP8: par_tp.fp8's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+        lin = self.linear_kernel
+        return lin(F.silu(lin(x, self.w_gate)) * lin(x, self.w_up), self.w_down)

@@ -41,7 +41,7 @@ from .capacity import capacity_keep
 from .comm import gather_no_grad, gather_tokens, group_rank, group_size, reduce_scatter_tokens
 from .config import MoEConfig
 from .declared import DeclaredRouting
-from .dispatch import make_dispatcher
+from .dispatch import make_dispatcher, source_segments
 from .experts import GroupedSwiGLU, SwiGLU
 from .placement import ExpertPlacement
 from .replicate import ReplicatingDispatcher, balance_metrics, expert_bytes, fetch_replicas
@@ -148,7 +148,10 @@ class MoELayer(nn.Module):
         if self.replicate:  # the replica slots' weights, from their experts' home ranks
             ex = self.experts
             replicas = fetch_replicas(ex.w_gate, ex.w_up, ex.w_down, handle.plan, self.ep_group, group_rank(self.ep_group))
-        expert_out = self.experts(expert_in, expert_counts, max_count, replicas)
+        segments = None  # FP8 experts quantize each source rank's rows apart (par_tp.fp8.grouped)
+        if self.experts.grouped_kernels is not None:
+            segments = source_segments(handle, expert_counts.to(expert_in.device))
+        expert_out = self.experts(expert_in, expert_counts, max_count, replicas, segments)
         y = self.dispatcher.combine(expert_out, handle)
         if self.etp > 1:
             y = reduce_scatter_tokens(y, self.etp_group)

@@ -114,6 +114,10 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
                      f"of its model FLOPs), offloaded {human_bytes(st['offloaded_bytes_per_step'])} per step, host-to-device "
                      f"{st['h2d_gb_s_needed']:.1f} GB/s needed at {plan['activation_policy']['assumed_tflops']:g} TFLOP/s")
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")
+    if "fp8" in plan:
+        from ..sizing.fp8 import render_fp8
+
+        lines.append(render_fp8(plan["fp8"]))
     d = plan["decision"]
     choice = "none fits" if d["zero"] is None else f"zero={d['zero']}" + (
         f", hsdp_replicas={d['hsdp_replicas']}" if d["hsdp_replicas"] > 1 else "")

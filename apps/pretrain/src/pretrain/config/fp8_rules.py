@@ -42,3 +42,21 @@ def fp8_tile_rule(cfg, layout) -> None:
               f"[train].fp8={cfg.train.fp8!r} scales {tile}-wide tiles that must not straddle ranks: {what} = "
               f"{full} / {key}={degree} is {local} per rank, not a multiple of {tile}; [parallel].{key} in "
               f"{fits} would fit (or fp8='tensorwise' / 'rowwise', whose scales are reduced instead)")
+
+
+def fp8_expert_rule(cfg, layout) -> None:
+    """FP8 experts quantize each source rank's rows of an expert apart (par_tp.fp8.grouped), which is the
+    single rank's quantization when every source holds whole micro-batches of its own: not a cp chunk, not
+    one tp rank's sequence-parallel share (expert tp below tp), not a replica's part of an expert's tokens,
+    not rows padded to a capacity."""
+    m, t = cfg.model, cfg.train
+    if t.fp8 not in RECIPES or not m.is_moe:
+        return
+    bad = [(f"[parallel].cp={layout.cp}", "cp=1") if layout.cp > 1 else None,
+           (f"[parallel].etp={layout.expert_tp} below tp={layout.tp}", f"etp={layout.tp}")
+           if layout.expert_tp != layout.tp else None,
+           (f"[model].dispatcher={m.dispatcher!r}", "'alltoall' or 'allgather'") if m.dispatcher == "alltoall_padded" else None,
+           (f"[model].expert_balance={m.expert_balance!r}", "'none'") if m.expert_balance != "none" else None]
+    for what, fits in filter(None, bad):
+        _need(False, f"[train].fp8={t.fp8!r} quantizes each expert's rows per source rank, which must hold whole "
+                     f"micro-batches of its own: {what} splits them; use {fits} (or fp8='off')")

@@ -32,7 +32,7 @@ from .checks import CROSS_SECTION_RULES
 from .fault_rules import fault_tolerance_world
 from .model_section import ModelConfig
 from .rules import _need
-from .fp8_rules import fp8_tile_rule
+from .fp8_rules import fp8_expert_rule, fp8_tile_rule
 from .parallel_section import ParallelConfig
 from .sections import CheckpointConfig, DataConfig, LogConfig, ProfileConfig, TopologyConfig
 from .train_section import TrainConfig, shorten_warmup
@@ -105,6 +105,7 @@ class Config:
                   f"{math.ceil(t.seq_len / ranks)}")
         if not rest:
             fp8_tile_rule(self, layout)
+            fp8_expert_rule(self, layout)
             fault_tolerance_world(self, dp)
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,

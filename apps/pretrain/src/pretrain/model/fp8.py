@@ -12,8 +12,12 @@ linear's :class:`~par_tp.fp8.Sharding`, the ranks its scales are reduced over:
   projections (``nn.Linear`` holding this rank's kv heads);
 - never dp, whose replicas hold other data: each dp rank quantizes as one rank does its micro-batch.
 
+The MoE experts' grouped GEMMs run as par_tp.fp8.grouped's, each source rank's rows of an expert quantized
+apart (the single rank's micro-batch), F split over expert tp like a column- (w_gate, w_up) or row-parallel
+(w_down) layer; the shared experts as another ``nn.Linear`` (their input is the layer's local tokens).
+
 Left in high precision, as the recipes' references do: the output layer (its logits feed the loss), the
-MoE router (a top-k of its scores) and the embedding. The experts' grouped GEMMs stay in the model's dtype.
+MoE router (a top-k of its scores) and the embedding.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import types
 from torch import nn
 
 from par_tp import ColumnParallelLinear, RowParallelLinear, TPAttention
-from par_tp.fp8 import FP8LinearKernel, Sharding
+from par_moe.experts import GroupedSwiGLU, SwiGLU
+from par_tp.fp8 import FP8GroupedKernel, FP8LinearKernel, Sharding
 
 
 def use_fp8_linears_(chunk: nn.Module, recipe: str, groups) -> int:
@@ -39,6 +44,12 @@ def use_fp8_linears_(chunk: nn.Module, recipe: str, groups) -> int:
             m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp, out_features=(tp,)))
         elif isinstance(m, RowParallelLinear):
             m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp, in_features=(tp,)))
+        elif isinstance(m, GroupedSwiGLU):
+            etp = (groups.etp,)
+            column, row = Sharding(out_features=etp), Sharding(in_features=etp)
+            m.grouped_kernels = tuple(FP8GroupedKernel(recipe, s) for s in (column, column, row))
+        elif isinstance(m, SwiGLU):
+            m.linear_kernel = FP8LinearKernel(recipe, Sharding(tokens=cp + (tp,)))
         elif type(m) is nn.Linear:
             sharding = Sharding(tokens=cp, out_features=(tp,)) if id(m) in kv else Sharding(tokens=cp + (tp,))
             m.fp8_kernel = FP8LinearKernel(recipe, sharding)

@@ -59,6 +59,8 @@ class ParallelDecoderLayer(nn.Module):
         self.recompute_norms = context.recomputes("layernorm", index)
         self.recompute_mlp = context.recomputes("moe" if self.is_moe else "mlp", index)
         self.index, self.hidden_dropout, self.dropout_at = index, config.hidden_dropout, context.dropout
+        # what a recomputation must replay: MoE routing, dropout masks' place (else torch's checkpoint alone)
+        self.replays = self.is_moe or config.hidden_dropout > 0 or config.attention_dropout > 0
         # TE backend: each norm fused with the matmul after it (GQA attention's wq, a dense MLP's gate)
         family = family_of(config)
         self.attention_norm_inside = context.backend == "te" and "te_norm_fusion" in family.supports
@@ -99,7 +101,7 @@ class ParallelDecoderLayer(nn.Module):
         if offload in self.offloaded and torch.is_grad_enabled():
             return self._offloaded(lambda y: self._part(module, recomputed, y), module, x)
         if recomputed and not self.full_recompute and torch.is_grad_enabled():
-            return checkpointed(module, x, backend=self.backend, dropout=self.dropout_at)
+            return checkpointed(module, x, backend=self.backend, dropout=self.dropout_at, replay=self.replays)
         return module(x)
 
     def _offloaded(self, fn, module: nn.Module, x: torch.Tensor, *args):
@@ -137,7 +139,8 @@ class ParallelDecoderLayer(nn.Module):
 
     def _whole(self, x: torch.Tensor, docs: Documents | None, where) -> torch.Tensor:
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpointed(self._forward, x, docs, where, backend=self.backend, dropout=self.dropout_at)
+            return checkpointed(self._forward, x, docs, where, backend=self.backend, dropout=self.dropout_at,
+                                replay=self.replays)
         return self._forward(x, docs, where)
 
 

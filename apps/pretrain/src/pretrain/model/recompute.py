@@ -15,11 +15,13 @@ from par_moe import RoutingTape
 from .te import recompute as backend_checkpoint
 
 
-def checkpointed(fn, *args, backend: str = "torch", dropout=None):
+def checkpointed(fn, *args, backend: str = "torch", dropout=None, replay: bool = True):
     """``fn(*args)``, its activations recomputed in the backward (``te.recompute``: TE's checkpoint or
     torch's), the rerun replaying the first run's RNG, MoE routing and, given the model's
-    ``dropout.DropoutPosition``, its place in the batch (a later micro-batch's forward may have moved it)."""
-    return backend_checkpoint(_Replayed(fn, dropout), *args, backend=backend)
+    ``dropout.DropoutPosition``, its place in the batch (a later micro-batch's forward may have moved it).
+    ``replay=False`` (no routing and no dropout inside ``fn``): torch's checkpoint alone, which
+    torch.compile traces into a compiled block's graph (the replaying wrapper's state would not be)."""
+    return backend_checkpoint(_Replayed(fn, dropout) if replay else fn, *args, backend=backend)
 
 
 class _Replayed:

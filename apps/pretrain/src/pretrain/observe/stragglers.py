@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 import torch
+from par_groups import comm
 
 BUSY_PHASES = ("data", "forward", "backward", "optimizer", "pp_send")
 WINDOW = 5  # log steps kept per rank
@@ -81,7 +82,7 @@ class StragglerRule:
             if device.type == "cuda" else device.type
         mine = (stage, socket.gethostname(), gpu)
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        comm.all_gather_object(every, mine, None)
         stages, hosts, gpus = (list(column) for column in zip(*every))
         return cls(stages, hosts, gpus)
 

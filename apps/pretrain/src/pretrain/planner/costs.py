@@ -10,6 +10,7 @@ DDP if it fits, then ZeRO-1, then ZeRO-2 / ZeRO-3, then HSDP when a ZeRO-3 dp gr
 from __future__ import annotations
 
 from ..models import family_of
+from ..config.train_section import PAR_FP8
 from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from ..sizing.replicas import replica_figures, stage_moe_layers
@@ -75,6 +76,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
     recurrent = family_of(m).recurrent_state(m, layout, layout.micro_batch)
     if recurrent:  # linear-attention layers: their states and what CP passes (models/<family>/)
         out["recurrent_state"] = recurrent
+    if t.fp8 in PAR_FP8:  # par's FP8: its GEMM FLOPs, buffers, gather bytes and amax groups (sizing/fp8.py)
+        from ..sizing.fp8 import fp8_figures
+
+        out["fp8"] = fp8_figures(cfg, layout, rank.dense + rank.experts)
     if t.optimizer_declaration.gathers == "matrix":  # which params Muon steps, which AdamW (model/muon_split.py)
         from ..model.muon_split import muon_ns_flops, muon_split
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..config.train_section import PAR_FP8
 from ..sizing.activations import routed_sizes
+from ..sizing.fp8 import amax_reduce_bytes
 from ..sizing.muon_comm import muon_split_gather_bytes, muon_step_bytes
 from ..sizing.params import chunks_of, rank_params
 from ..sizing.replicas import declared_plan, replica_bytes, stage_moe_layers
@@ -79,6 +81,10 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
                 out[("all_gather", "tp")] += microbatches * act
                 out[("reduce_scatter", "tp")] += microbatches * act
             out[("all_reduce", "tp")] += microbatches * tokens * 4 * 4
+
+    if cfg.train.fp8 in PAR_FP8:  # par's FP8: the amax MAX-reductions (dense GQA layers; sizing/fp8.py)
+        for group, nbytes in amax_reduce_bytes(cfg, layout, layers, microbatches).items():
+            out[("all_reduce", group)] += nbytes
 
     # pipeline: one message per activation and per input gradient that leaves this rank
     if layout.pp > 1:

@@ -109,7 +109,8 @@ def render(result: dict) -> str:
             lines.append("  " + render_replicas(r["replicas"]))
         for c in r["collectives"]:
             want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
-            lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}")
+            kinds = "".join(f"; {k} {v / GB:.3f} GB" for k, v in c.get("by_dtype", {}).items())
+            lines.append(f"  {c['op']:14} {c['group']:8} x{c['count']:<5} {c['bytes'] / GB:10.3f} GB{want}{kinds}")
     for r in result["ranks"]:
         lines.append(verdict(r, result["budget_gb"], result["gpu_memory_gb"]))
     return "\n".join(lines)

@@ -17,6 +17,7 @@ import torch
 
 from par_moe import DeclaredRouting
 
+from ..config.train_section import PAR_FP8
 from ..errors import UsageError
 from ..sizing.activations import routed_sizes
 from ..sizing.memory import rank_memory
@@ -134,16 +135,21 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             "measured_peak": step["peak"], "planned": planned, "planned_peak": sum(planned.values()),
             "build_peak": build["peak"], "save_peak": save["peak"],
             "largest_state_tensor": {k: tracker.largest[k] for k in ("params", "grads", "optim")},
-            "collectives": _summarize(rec.records, names), "save_collectives": _summarize(save_rec.records, names),
+            "collectives": _summarize(rec.records, names, cfg.train.fp8 in PAR_FP8),
+            "save_collectives": _summarize(save_rec.records, names),
             "timings_s": timings,
         }
 
 
-def _summarize(records, names: dict[int, str]) -> list[dict]:
+def _summarize(records, names: dict[int, str], by_dtype: bool = False) -> list[dict]:
+    """Per (op, group): count and bytes; ``by_dtype`` (par's FP8 on): the bytes of each dtype moved too."""
     out: dict[tuple, dict] = {}
     for r in records:
         group = names.get(id(r.group), f"size {r.group_size}") if r.group is not None else "world"
         row = out.setdefault((r.op, group), {"op": r.op, "group": group, "group_size": r.group_size, "count": 0, "bytes": 0})
         row["count"] += 1
         row["bytes"] += r.bytes
+        if by_dtype:
+            kinds = row.setdefault("by_dtype", {})
+            kinds[str(r.dtype)] = kinds.get(str(r.dtype), 0) + r.bytes
     return sorted(out.values(), key=lambda x: (x["group"], x["op"]))

@@ -134,7 +134,7 @@ class Integrity:
             gpu = str(self.device.index if self.device.index is not None else torch.cuda.current_device()) \
                 if self.device.type == "cuda" else self.device.type
             every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, (coords["dp"], model, socket.gethostname(), gpu))
+            comm.all_gather_object(every, (coords["dp"], model, socket.gethostname(), gpu), None)
             self.ranks = every
         return self.ranks
 
@@ -197,7 +197,7 @@ class Integrity:
         hashes = torch.stack([tensor_hash(t) for t in pieces.values()]).tolist() if pieces else []
         mine = dict(zip(pieces, hashes))
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        comm.all_gather_object(every, mine, None)
         odd, split = odd_copies(every)
         hashed = sum(t.numel() * t.element_size() for t in pieces.values())
         return odd, split, {"hash_s": round(time.perf_counter() - start, 6), "hashed_bytes": hashed,

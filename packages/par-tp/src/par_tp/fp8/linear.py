@@ -37,7 +37,7 @@ def fp8_gemm(a: Quantized, b_t: Quantized, recipe: Recipe, out_dtype: torch.dtyp
         if a.data.device.type == "cpu" and scale_a.dim() == 0:
             # the CPU's tensorwise _scaled_mm is a slow reference loop; its rowwise kernel takes the same
             # per-tensor scale repeated per row and column (the same products, the same fp32 sums)
-            scale_a, scale_b = scale_a.expand(a.data.shape[0], 1), scale_b.expand(1, b_t.data.shape[0])
+            scale_a, scale_b = scale_a.reshape(1, 1).repeat(a.data.shape[0], 1), scale_b.reshape(1, 1).repeat(1, b_t.data.shape[0])
         return torch._scaled_mm(a.data, b_t.data.t(), scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(),
                                 out_dtype=out_dtype)
     return (a.dequantize() @ b_t.dequantize().t()).to(out_dtype)
@@ -49,13 +49,14 @@ def _tensor_amax(t: torch.Tensor, groups) -> torch.Tensor:
 
 class FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Recipe, sharding: Sharding):
+    def forward(ctx, x, weight, recipe: Recipe, sharding: Sharding, qweight: Quantized | None = None):
         s = sharding
         x2 = x.reshape(-1, x.shape[-1])
         qx = quantize(x2, recipe, "input", along=s.in_features, across=s.tokens, what="forward x")
-        qw = quantize(weight, recipe, "weight", along=s.in_features, across=s.out_features, what="forward w")
+        qw = qweight if qweight is not None else \
+            quantize(weight, recipe, "weight", along=s.in_features, across=s.out_features, what="forward w")
         ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.sharding = recipe, sharding
+        ctx.recipe, ctx.sharding, ctx.qweight = recipe, sharding, qweight
         return fp8_gemm(qx, qw, recipe, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -69,7 +70,8 @@ class FP8Linear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             q_dy = quantize(dy2, r, "grad", along=s.out_features, across=s.tokens, amax=dy_amax, what="input-grad dy")
-            q_wt = quantize(weight.t(), r, "weight", along=s.out_features, across=s.in_features, what="input-grad w^T")
+            q_wt = ctx.qweight.t() if ctx.qweight is not None else \
+                quantize(weight.t(), r, "weight", along=s.out_features, across=s.in_features, what="input-grad w^T")
             dx = fp8_gemm(q_dy, q_wt, r, x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
@@ -77,7 +79,7 @@ class FP8Linear(torch.autograd.Function):
                              what="weight-grad dy^T")
             q_xt = quantize(x2.t(), r, "input", along=s.tokens, across=s.in_features, what="weight-grad x^T")
             dw = fp8_gemm(q_dyt, q_xt, r, weight.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class FP8LinearKernel:
@@ -98,6 +100,8 @@ class FP8LinearKernel:
         return f"FP8LinearKernel({self.recipe.name})"
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str, sharding: Sharding = Sharding()) -> torch.Tensor:
-    """``x @ weight^T`` with FP8 GEMMs in every pass."""
-    return FP8Linear.apply(x, weight, RECIPES[recipe], sharding)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str, sharding: Sharding = Sharding(),
+               qweight: Quantized | None = None) -> torch.Tensor:
+    """``x @ weight^T`` with FP8 GEMMs in every pass; ``qweight``: the weight already quantized (an FP8
+    parameter gather's), for the forward and, transposed, the input gradient."""
+    return FP8Linear.apply(x, weight, RECIPES[recipe], sharding, qweight)

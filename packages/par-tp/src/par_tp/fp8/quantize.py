@@ -52,6 +52,14 @@ class Quantized:
     def dequantize(self) -> torch.Tensor:
         return self.data.float() * self.expanded_scale()
 
+    def t(self) -> "Quantized":
+        """The transposed tensor's quantization, where that is these bytes transposed: one scale per tensor
+        or per square tile (a tensor's and a tile's amax do not change under a transpose)."""
+        if self.scale.dim() and (self.block is None or self.block[0] != self.block[1]):
+            raise ValueError("only a tensor scale or square tiles quantize the transpose as the same bytes")
+        return Quantized(self.data.t().contiguous(), self.scale.t().contiguous() if self.scale.dim() else self.scale,
+                         self.block)
+
 
 @contextmanager
 def recording():

@@ -78,7 +78,7 @@ class ContextMLACore(nn.Module):
 
     def forward(self, q, kv, k_rope, docs=None):
         if self.selective and torch.is_grad_enabled():  # recompute attention only
-            return checkpointed(self._core, q, kv, k_rope, docs, backend=self.backend)
+            return checkpointed(self._core, q, kv, k_rope, docs, backend=self.backend, replay=False)
         return self._core(q, kv, k_rope, docs)
 
 
@@ -127,9 +127,9 @@ class TPMLAttention(nn.Module):
             q = self.q_proj(x)  # a second entry (all-gather of x) only without the q low-rank path
         if self.recompute_up and torch.is_grad_enabled():
             if config.q_lora_rank:
-                out = checkpointed(self._up_and_core, cq, c, k_rope, docs, backend=self.core.backend)
+                out = checkpointed(self._up_and_core, cq, c, k_rope, docs, backend=self.core.backend, replay=False)
             else:
-                out = checkpointed(self._kv_up_and_core, q, c, k_rope, docs, backend=self.core.backend)
+                out = checkpointed(self._kv_up_and_core, q, c, k_rope, docs, backend=self.core.backend, replay=False)
         else:
             out = self.core(q, self.kv_b_proj.forward_local(c), k_rope, docs)
         return self.o_proj(out.reshape(*out.shape[:2], -1))

@@ -33,11 +33,12 @@ class BiasedRouter(Router):
         super().__init__(config)
         self.bias = nn.Parameter(torch.zeros(config.num_experts))
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        c = self.config
+    def forward(self, x: torch.Tensor, indices: torch.Tensor | None = None) -> Routing:
+        """As :meth:`Router.forward` (``indices``: a recomputed forward's replayed choice)."""
         logits = F.linear(x.float(), self.weight.float(), self.bias.float())
         scores = logits.softmax(-1)
-        indices = (scores.detach() + self.expert_bias).sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]
+        if indices is None:
+            indices = self.select(scores.detach())
         weights = scores.gather(1, indices)
         return Routing(logits, scores, indices, weights / weights.sum(-1, keepdim=True))
 

@@ -60,5 +60,6 @@ class RopeThenContextAttention(nn.Module):
         # [model].attention_dropout: the micro-batch's place, taken now so that a recomputation draws the same mask
         where = self.dropout_at.at if self.config.attention_dropout > 0 and self.training else None
         if self.selective and torch.is_grad_enabled():  # recompute attention only: its activations dominate
-            return checkpointed(self._core, q, k, v, docs, where, backend=self.backend, dropout=self.dropout_at)
+            # the dropout place is the argument `where`: nothing to replay but torch's RNG
+            return checkpointed(self._core, q, k, v, docs, where, backend=self.backend, replay=False)
         return self._core(q, k, v, docs, where)

@@ -1,0 +1,121 @@
+"""par's FP8 (``[train].fp8 = tensorwise | rowwise | blockwise | mxfp8``) in closed form, for `pretrain plan`
+and ``--simulate``'s theory: which model FLOPs run as FP8 GEMMs (at FP8's rate, twice bf16's dense peak
+on H100 / H200 / B200), the transient buffers of one GEMM's quantized operands, the ZeRO-3 gather in FP8
+(par_tp.fp8.param_gather) against bf16's, which group each linear's amaxes are MAX-reduced over, and the
+bytes of those reductions.
+
+FP8 GEMMs: every attention and MLP linear, the shared and the routed experts (forward, input and weight
+gradient); the output layer, the router and attention's scores and values stay in high precision.
+The amax reductions (model/fp8.py's scale groups, par_tp.fp8.linear's six operands) are counted for the
+column-parallel (q, k, v, gate, up) and row-parallel (o, down) linears of dense GQA layers; MoE layers' and
+latent attention's are not in the theory.
+"""
+
+from __future__ import annotations
+
+from par_tp.fp8 import RECIPES
+
+from ..models import family_of
+from .flops import param_counts, training_flops_per_token
+
+FP8_RATE = 2.0  # FP8 dense tensor-core FLOP/s over bf16's (H100, H200, B200)
+
+
+def fp8_gemm_params_per_token(m) -> int:
+    """Weights one token multiplies by in FP8 GEMMs (not the output layer's, not the router's)."""
+    c = param_counts(m)
+    attention = c.attention - 2 * m.hidden
+    return attention * m.layers + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
+
+
+def amax_groups(recipe: str, layout) -> dict[str, str]:
+    """Per kind of linear, the groups its scales' amaxes are MAX-reduced over (never dp)."""
+    tp = "tp" if layout.tp > 1 else None
+    cp = "cp" if layout.cp > 1 else None
+    etp = "etp" if layout.expert_tp > 1 else None
+
+    def names(*groups):
+        return " + ".join(g for g in groups if g) or "none"
+
+    if RECIPES[recipe].block_multiple > 1:  # tiles never straddle a rank: no reduction at all
+        return dict.fromkeys(("column-parallel", "row-parallel", "experts", "output layer"), "none") | \
+            {"output layer": "high precision"}
+    if recipe == "tensorwise":
+        column = row = names(tp, cp)
+        experts = names(etp)
+    else:  # rowwise: over the groups splitting each GEMM's reduction dim
+        column = f"{names(tp)} (input grad), {names(cp)} (weight grad)"
+        row = f"{names(tp)} (forward), {names(cp)} (weight grad)"
+        experts = f"{names(etp)} (forward / input grad)"
+    return {"column-parallel": column, "row-parallel": row, "experts": experts + " per source rank's rows",
+            "output layer": "high precision"}
+
+
+def _dense_linears(m, tp: int) -> list[tuple[str, int, int]]:
+    """(kind, local in, local out) of one dense GQA layer's linears."""
+    q, kv, f, h = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_hidden, m.hidden
+    return [("column", h, q // tp), ("column", h, kv // tp), ("column", h, kv // tp), ("row", q // tp, h),
+            ("column", h, f // tp), ("column", h, f // tp), ("row", f // tp, h)]
+
+
+def amax_reduce_bytes(cfg, layout, layers: int, microbatches: int) -> dict[str, float]:
+    """{group: bytes} of one step's amax all-reduces in ``layers`` dense GQA layers (par_groups.comm's
+    convention: the reduced tensor)."""
+    m, recipe = cfg.model, cfg.train.fp8
+    if RECIPES[recipe].block_multiple > 1 or m.attention != "gqa" or m.is_moe:
+        return {}
+    forwards = 2 if m.recompute == "full" else 1
+    rows = cfg.train.seq_len // layout.cp * layout.micro_batch  # the local matmul's tokens (SP gathers them)
+    tp, cp = layout.tp > 1, layout.cp > 1
+    out = {"tp": 0.0, "cp": 0.0}
+    for kind, k, n in _dense_linears(m, layout.tp):
+        if recipe == "tensorwise":  # forward (x, w), backward (dy, w^T, x^T): 4-byte amaxes
+            fwd_tp, fwd_cp = (1, 1) if kind == "column" else (2, 1)
+            bwd_tp, bwd_cp = (2, 2) if kind == "column" else (2, 2)
+            out["tp"] += tp * 4 * (forwards * fwd_tp + bwd_tp)
+            out["cp"] += cp * 4 * (forwards * fwd_cp + bwd_cp)
+        elif kind == "column":  # rowwise: dy and w^T along out (tp); dy^T and x^T along the tokens (cp)
+            out["tp"] += tp * 4 * (rows + k)
+            out["cp"] += cp * 4 * (n + k)
+        else:  # x and w along in (tp, in the forward); dy^T and x^T along the tokens (cp)
+            out["tp"] += tp * 4 * forwards * (rows + n)
+            out["cp"] += cp * 4 * (n + k)
+    return {g: layers * microbatches * b for g, b in out.items() if b}
+
+
+def fp8_figures(cfg, layout, params_per_rank: float) -> dict:
+    """The plan's ``fp8`` block."""
+    m, t = cfg.model, cfg.train
+    fp8_token = 6.0 * fp8_gemm_params_per_token(m)
+    total_token = training_flops_per_token(m, t.seq_len)
+    share = fp8_token / total_token
+    linears = [(k * n) for _, k, n in _dense_linears(m, layout.tp)] if m.attention == "gqa" else [m.hidden ** 2]
+    if m.is_moe:
+        linears.append(m.hidden * (m.moe_ffn_hidden or m.ffn_hidden) // layout.expert_tp)
+    tokens = t.seq_len // layout.cp * layout.micro_batch
+    widest = max(m.hidden, m.ffn_hidden // layout.tp)
+    operands = max(linears) + tokens * widest  # one GEMM's weight and activation, one byte each
+    scales = 4 * (tokens + max(linears) // m.hidden) if t.fp8 == "rowwise" else 4 * operands // 32 if t.fp8 == "mxfp8" \
+        else 4 * operands // 128 if t.fp8 == "blockwise" else 8
+    return {
+        "recipe": t.fp8,
+        "gemm_flops_per_step": fp8_token * t.seq_len * t.global_batch,
+        "gemm_share_of_model_flops": share,
+        "fp8_rate_over_bf16": FP8_RATE,
+        "ideal_step_time_over_bf16": (1 - share) + share / FP8_RATE,
+        "transient_operand_bytes": operands + scales,
+        "zero3_gather_bytes_per_rank_fp8": params_per_rank * (1 + 4 / 128 ** 2),  # blockwise's scales (tensorwise: none)
+        "zero3_gather_bytes_per_rank_bf16": 2 * params_per_rank,
+        "amax_groups": {k: v for k, v in amax_groups(t.fp8, layout).items() if m.is_moe or k != "experts"},
+    }
+
+
+def render_fp8(f: dict) -> str:
+    groups = "; ".join(f"{k}: {v}" for k, v in f["amax_groups"].items())
+    return (f"fp8 ({f['recipe']}): {f['gemm_flops_per_step']:.3e} GEMM FLOPs per step in FP8 "
+            f"({f['gemm_share_of_model_flops']:.0%} of the model's) at {f['fp8_rate_over_bf16']:g}x bf16's rate: "
+            f"ideal step time {f['ideal_step_time_over_bf16']:.2f}x bf16's; one GEMM's quantized operands "
+            f"{f['transient_operand_bytes'] / 1e6:.1f} MB (transient; weights stay high precision); a ZeRO-3 "
+            f"gather in FP8 (par_tp.fp8.param_gather, not in the trainer) would move "
+            f"{f['zero3_gather_bytes_per_rank_fp8'] / 1e9:.2f} GB per rank for bf16's "
+            f"{f['zero3_gather_bytes_per_rank_bf16'] / 1e9:.2f} GB; amax reduced over: {groups}")

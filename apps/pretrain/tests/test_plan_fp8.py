@@ -1,0 +1,52 @@
+"""`pretrain plan` counts par's FP8 only when it is on: the GEMM FLOPs at FP8's rate, one GEMM's quantized
+operands, the ZeRO-3 gather in FP8 against bf16's, the amax groups (none for tiles); ``--simulate``'s theory
+has the amax reductions, and its rows the bytes by dtype."""
+
+import pytest
+from typer.testing import CliRunner
+
+from pretrain.cli import app
+from pretrain.config import load_config
+from pretrain.planner.costs import config_plan
+
+SMALL = ["model.layers=2", "parallel.tp=2", "parallel.cp=2"]
+
+
+WIDE = ["model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidden=256", "train.seq_len=512"]
+
+
+def _plan(*overrides):  # wide enough for 128-wide tiles per tp rank and cp chunk
+    return config_plan(load_config("tiny", SMALL + WIDE + list(overrides)), 8, 8, 80.0)
+
+
+def test_plan_counts_fp8_only_when_it_is_on():
+    off = _plan()
+    assert "fp8" not in off
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        f = _plan(f"train.fp8={recipe}")["fp8"]
+        share = f["gemm_share_of_model_flops"]
+        assert 0 < share < 1 and f["gemm_flops_per_step"] == pytest.approx(share * off["flops"]["per_step"])
+        assert f["ideal_step_time_over_bf16"] == pytest.approx(1 - share / 2)
+        assert f["zero3_gather_bytes_per_rank_fp8"] <= 0.52 * f["zero3_gather_bytes_per_rank_bf16"]
+        tiles = recipe in ("blockwise", "mxfp8")
+        assert (f["amax_groups"]["column-parallel"] == "none") == tiles, f["amax_groups"]
+        assert f["amax_groups"]["output layer"] == "high precision"
+    res = CliRunner().invoke(app, ["plan", "tiny", "--world", "8", *sum((["--set", o] for o in SMALL), []),
+                                   "--set", "train.fp8=rowwise"])
+    assert res.exit_code == 0 and "fp8 (rowwise):" in res.output and "amax reduced over: column-parallel: tp" in res.output
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_simulated_amax_reductions_match_the_theory_extended(recipe):
+    from pretrain.simulate.report import simulate
+
+    def rows(fp8):
+        (rank,) = simulate(load_config("tiny", SMALL + [f"train.fp8={fp8}"]), 8, [0])["ranks"]
+        return {(c["op"], c["group"]): c for c in rank["collectives"]}
+
+    on, off = rows(recipe), rows("off")
+    cp = on[("all_reduce", "cp")]
+    assert cp["bytes"] == cp["theory_bytes"] and cp["by_dtype"] == {"float32": cp["bytes"]}
+    tp_on, tp_off = on[("all_reduce", "tp")], off[("all_reduce", "tp")]
+    assert tp_on["bytes"] - tp_off["bytes"] == tp_on["theory_bytes"] - tp_off["theory_bytes"]

@@ -74,8 +74,8 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
         todo += classes[-1].__subclasses__()
     forwards = {cls: cls.__dict__["forward"] for cls in classes if "forward" in cls.__dict__}
 
-    def margin_forward(self, x):
-        routing = next(forwards[c] for c in type(self).__mro__ if c in forwards)(self, x)  # its own class's
+    def margin_forward(self, x, *args):  # args: a recomputed forward's replayed expert choice
+        routing = next(forwards[c] for c in type(self).__mro__ if c in forwards)(self, x, *args)  # its own class's
         if margins is not None:
             select = (routing.scores.detach() + self.expert_bias).sort(dim=-1, descending=True).values
             k = self.config.top_k

@@ -28,7 +28,7 @@ def train_and_save(root: str) -> list[float]:
     for step in range(4):
         losses.append(trainer.train_step(step).loss)
         if step == 1:
-            background.save(trainer, root, 2, keep=5)
+            background.save(trainer.checkpointed(), root, 2, keep=5)
     background.finish()
     trainer.save_checkpoint(root, 4, keep=5)
     return losses
@@ -46,7 +46,7 @@ def resume_and_train(root: str, fallback: bool, extra: tuple = ()) -> dict:
     trainer, hashed, new_hash = Trainer(load_config(None, CONFIG + list(extra))), [], integrity.new_hash
     integrity.new_hash = lambda file: hashed.append(str(file.relative_to(root))) or new_hash(file)
     try:
-        path, step, note = resume_latest(trainer, __import__("pathlib").Path(root), fallback)
+        path, step, note = resume_latest(trainer.checkpointed(), __import__("pathlib").Path(root), fallback)
     except UsageError as e:
         return {"error": f"{type(e).__name__}: {e}"}
     finally:

@@ -101,7 +101,7 @@ def one_repeat(trainer, saver, work: Path, r: int) -> dict:
     path = trainer.save_checkpoint(work / "sync", r + 1, keep=1)
     out["sync_blocked_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    saver.save(trainer, work / "async", r + 1, keep=1)
+    saver.save(trainer.checkpointed(), work / "async", r + 1, keep=1)
     out["async_blocked_s"] = time.perf_counter() - t
     t = time.perf_counter()
     saver.finish()

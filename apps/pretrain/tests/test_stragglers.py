@@ -151,11 +151,12 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
 @pytest.mark.timeout(600)
 def test_no_flag_over_200_clean_steps(tmp_path):
     """The shipped threshold on a clean dp2 run: every log step checked, no rank named chronic. Only on a
-    machine not swamped: where other jobs deschedule a rank for steps on end it is a straggler."""
+    machine where nothing else runs (``PAR_IDLE_MACHINE=1``): on 2 cores shared with the suite's other worker
+    a rank is descheduled for steps on end, and then it is a straggler for real."""
     import os
 
-    if os.getloadavg()[0] > 5 * (os.cpu_count() or 1):
-        pytest.skip(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: the ranks lag for real")
+    if os.environ.get("PAR_IDLE_MACHINE") != "1":
+        pytest.skip("needs a machine where nothing else runs: PAR_IDLE_MACHINE=1 pytest -m extended -n 0 -k clean_steps")
     args = ["train", "--nproc", "2", *BASE, "--set", "train.steps=200", "--set", f"log.dir={tmp_path}"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output

@@ -53,7 +53,7 @@ class BiasedClampedExperts(GroupedSwiGLU):
         self.b_up = declare_(nn.Parameter(torch.zeros(num_experts, ffn_hidden)), {0: experts, 1: ffn}, expert=True)
         self.b_down = declare_(nn.Parameter(torch.zeros(num_experts, hidden)), {0: experts}, expert=True)
 
-    def forward(self, tokens, counts, max_count=None, replicas=None):
+    def forward(self, tokens, counts, max_count=None, replicas=None, segments=None):  # segments: for FP8's kernels, not used here
         layout = GroupLayout(counts.to(tokens.device), tokens.shape[0], max_count)
         params = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         if tokens.shape[0] == 0:  # every parameter in the graph, so its (zero) gradient exists on every rank

@@ -3,23 +3,12 @@ pipeline stages' imbalance and the silent-corruption verdicts, from a run's ``lo
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
+from .replica_events import log_events
+
 SHOWN = 16  # ranks listed by busy time; beyond, the slowest of them
-
-
-def _events(log_dir: Path) -> list[dict]:
-    out = []
-    for line in (log_dir / "log.jsonl").read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("event"), str) and type(record.get("step")) is int:
-            out.append(record)
-    return out
 
 
 def _numbers(values) -> bool:
@@ -41,7 +30,7 @@ def rank_lines(log_dir: Path, train: list[dict]) -> list[str]:
         lines.append("busy per pipeline stage, median ms (imbalance, not stragglers): "
                      + ", ".join(f"{1e3 * statistics.median(c):.0f}" for c in zip(*stages)))
     flags: dict[int, list[dict]] = {}
-    events = _events(log_dir)
+    events = log_events(log_dir)
     for e in events:
         if e["event"] == "straggler" and type(e.get("rank")) is int:
             flags.setdefault(e["rank"], []).append(e)

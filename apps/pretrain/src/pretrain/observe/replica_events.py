@@ -8,17 +8,23 @@ from pathlib import Path
 EVENTS = ("replica_lost", "replica_joined")
 
 
-def replica_events(log_dir: Path) -> list[dict]:
-    """Every replica event of ``<log_dir>/log.jsonl`` in order (lines that are no such event are skipped)."""
+def log_events(log_dir: Path) -> list[dict]:
+    """Every event line of ``<log_dir>/log.jsonl`` in order (a string ``event`` and an int ``step``; other
+    lines, damaged ones included, are skipped)."""
     out = []
     for line in (log_dir / "log.jsonl").read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and record.get("event") in EVENTS and type(record.get("step")) is int:
+        if isinstance(record, dict) and isinstance(record.get("event"), str) and type(record.get("step")) is int:
             out.append(record)
     return out
+
+
+def replica_events(log_dir: Path) -> list[dict]:
+    """Every replica event of ``<log_dir>/log.jsonl`` in order."""
+    return [r for r in log_events(log_dir) if r["event"] in EVENTS]
 
 
 def describe(event: dict) -> str:

@@ -232,8 +232,8 @@ def causal_conv1d(x, weight, cp_group=None, seq_len: int | None = None, layout: 
         halos = [got[i] if i in recv_from or h is None else h for i, h in enumerate(halos)]
     halos = [torch.zeros_like(tails[i]) if h is None else h for i, h in enumerate(halos)]
     wide = torch.cat([torch.cat([h, p]) for h, p in zip(halos, local)])  # each piece after its halo
-    index = torch.cat([torch.arange(len(p)) + sum(len(q) + kernel - 1 for q in local[:n]) + kernel - 1
-                       for n, p in enumerate(local)]).to(x.device)
+    index = torch.cat([torch.arange(len(p), device=x.device) + sum(len(q) + kernel - 1 for q in local[:n]) + kernel - 1
+                       for n, p in enumerate(local)])
     out = 0
     for j in range(kernel):
         term = wide[index - j] * weight[:, kernel - 1 - j]

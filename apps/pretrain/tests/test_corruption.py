@@ -3,14 +3,12 @@ observe/inject.py) in one rank of a real run: a matmul wrong on every call (pers
 once in an activation (transient), in a weight (the run stops naming the rank), in optimizer state (only
 the copies' hashes see it). Assertions are on the class and the rank."""
 
-import functools
 import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from pretrain.cli import app
+from injected_runs import injected_train
 from pretrain.training.integrity import odd_copies, spike, tensor_hash
 
 STEPS = 4
@@ -21,17 +19,7 @@ BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "tr
 
 
 def run(tmp_path, fault_ranks, spec: str, dp: int, sets=()):
-    mp = pytest.MonkeyPatch()
-    mp.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.injected, spec))
-    args = ["train", "--nproc", str(dp), *BASE, "--set", f"log.dir={tmp_path}"]
-    for s in sets:
-        args += ["--set", s]
-    try:
-        res = CliRunner().invoke(app, args)
-    finally:
-        mp.undo()
-    log = tmp_path / "log.jsonl"
-    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    res, lines = injected_train(tmp_path, fault_ranks, spec, dp, BASE, sets)
     return res, [e for e in lines if e.get("event") in ("corruption", "copies_differ", "integrity_check")]
 
 

@@ -3,13 +3,13 @@ busy-wait of 3x the step injected (``PAR_INJECT``, observe/inject.py) in one ran
 a rank only with the ranks of its pipeline stage, and stays silent on clean timings. Assertions are on
 which rank and phase are named, never on times."""
 
-import functools
 import json
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from injected_runs import injected_train
 from pretrain.cli import app
 from pretrain.observe.stragglers import BUSY_PHASES, StragglerRule
 
@@ -20,20 +20,9 @@ BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "tr
 
 
 def injected_run(tmp_path, fault_ranks, spec: str, nproc: int, sets: list[str]) -> tuple[list[dict], str]:
-    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's straggler events, the output."""
-    import pytest as _pytest
-
-    mp = _pytest.MonkeyPatch()
-    mp.setattr("pretrain.training.run.run_rank", functools.partial(fault_ranks.injected, spec))
-    args = ["train", "--nproc", str(nproc), *BASE, "--set", f"log.dir={tmp_path}"]
-    for s in sets:
-        args += ["--set", s]
-    try:
-        res = CliRunner().invoke(app, args)
-    finally:
-        mp.undo()
+    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's records, the output."""
+    res, lines = injected_train(tmp_path, fault_ranks, spec, nproc, BASE, sets)
     assert res.exit_code == 0, res.output
-    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     return lines, res.output
 
 

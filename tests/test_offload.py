@@ -48,3 +48,21 @@ def test_offload_trains_bitwise_as_without_and_moves_the_planned_bytes(dist_run)
         assert (losses, norms) == reference[:2], offload
         assert all(out == back > 0 for out, back in moved), (offload, moved)
     assert others[-1][2][0][0] == planned(layout, '["mlp"]')  # a dense MLP's saved set, as the plan sizes it
+
+
+def test_the_device_peak_falls_by_exactly_the_offloaded_bytes_on_fake_tensors():
+    """plan --simulate's tracker (fake tensors) counts the device's memory, not the host copies: offloading
+    every dense MLP, whose saved sets all wait at the peak (the turn from forward to backward), lowers the
+    measured activations by exactly the bytes moved, which are the plan's, as is the plan's own fall."""
+    from pretrain.config import load_config
+    from pretrain.simulate.run import simulate_rank
+    from pretrain.sizing.offload import offloaded_bytes
+
+    base = ["model.layers=2", "train.seq_len=256", "train.global_batch=1", "train.dtype=bf16"]  # one micro-batch a step
+    plain, moved = (simulate_rank(load_config(None, base + [f"model.offload={o}"]), 1, 0) for o in ("[]", '["mlp"]'))
+    cfg = load_config(None, base + ['model.offload=["mlp"]'])
+    planned = offloaded_bytes(cfg, cfg.validate_world(1), 0)
+    assert moved["offloaded"] == {"out": planned, "back": planned, "planned": planned} and planned > 0
+    assert "offloaded" not in plain
+    assert plain["measured"]["activations"] - moved["measured"]["activations"] == planned
+    assert plain["planned"]["activations"] - moved["planned"]["activations"] == planned

@@ -42,11 +42,13 @@ def host_copies(context):
 
 def _address(t: torch.Tensor) -> int:
     """Its storage's address (the same memory saved by several nodes, as one view or another), or on fake
-    tensors, which have none, the tensor's id (``region`` holds the tensors: neither is reused in it)."""
+    tensors, which have none, the storage object's id (``region`` holds the tensors, so their storages:
+    neither is reused in it)."""
+    storage = t.untyped_storage()
     try:
-        return t.untyped_storage().data_ptr() or id(t)
+        return storage.data_ptr() or id(storage)
     except RuntimeError:
-        return id(t)
+        return id(storage)
 
 
 class _Region(list):

@@ -95,12 +95,13 @@ def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     m = cfg.model
     recomputed = modules_at(m.recompute, i)
     share = layout.tp if layout.sequence_parallel else 1
+    rstd = 0.0 if recomputed & {"full", "layernorm"} else 2 * 4 / share  # each norm's fp32 1/rms per token
     if module == "layer":  # its saved set as the recompute policy leaves it
-        return layer_per_token(cfg, layout, i, m.recompute)
+        return layer_per_token(cfg, layout, i, m.recompute) + rstd
     if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
         return 0.0
     if module == "layernorm":
-        return 2 * 8 * m.hidden / share
+        return 2 * 8 * m.hidden / share + rstd
     if module == "attn":
         return family_of(m).saved_bytes(m, layout, "selective" if "core_attn" in recomputed else "none", pb)
     if (module == "moe") != m.is_moe_layer(i):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from par_groups.param_placement import declare_, declare_copies_
 from par_moe import MoELayer
@@ -63,7 +64,11 @@ class BiasedClampedExperts(GroupedSwiGLU):
         row = layout.group_of_row
         gate = grouped_linear(tokens, w_gate, layout, fast) + b_gate[row]
         up = grouped_linear(tokens, w_up, layout, fast) + b_up[row]
-        return grouped_linear(clamped_swiglu(gate, up), w_down, layout, fast) + b_down[row]
+        if self.recompute_act and torch.is_grad_enabled():  # [model].recompute's moe_act: gate and up kept
+            act = checkpoint(clamped_swiglu, gate, up, use_reentrant=False)
+        else:
+            act = clamped_swiglu(gate, up)
+        return grouped_linear(act, w_down, layout, fast) + b_down[row]
 
 
 class GptOssMoE(MoELayer):

@@ -29,6 +29,8 @@ from par_cp.state_passing import causal_conv1d, context_parallel_delta_rule
 from par_groups import declare_, declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
+from ...model.recompute import checkpointed
+
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """flash-linear-attention's (and transformers') L2 normalisation: ``x / sqrt(|x|^2 + 1e-6)``."""
@@ -42,7 +44,7 @@ def qkvz_layout(m) -> tuple[int, int, int]:
 
 
 class TPGatedDeltaNet(nn.Module):
-    def __init__(self, config, context) -> None:
+    def __init__(self, config, context, index: int = 0) -> None:
         super().__init__()
         g = context.groups
         tp, self.tp_group, self.sp = g.size("tp"), g.tp, context.sequence_parallel
@@ -61,6 +63,8 @@ class TPGatedDeltaNet(nn.Module):
         self.norm = declare_copies_(nn.RMSNorm(dv, eps=config.norm_eps), g.tp, True)
         self.out_proj = RowParallelLinear(nk * r * dv, config.hidden, g.tp, input_is_parallel=True,
                                           sequence_parallel=self.sp)
+        # [model].recompute's core_attn: the conv, the gates and the delta rule rerun in the backward
+        self.selective, self.backend = context.recomputes("core_attn", index), context.backend
 
     def _positions(self, docs, cp, device):
         """Each token's position within its document (the conv window's limit), or None (one document)."""
@@ -77,10 +81,22 @@ class TPGatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz.forward_local(x).view(s, b, nk, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
         beta, a = self.in_proj_ba.forward_local(x).view(s, b, nk, 2 * r).split([r, r], dim=-1)
+        if self.selective and torch.is_grad_enabled():
+            o = checkpointed(self._core, q, k, v, beta, a, docs, x.dtype, backend=self.backend, replay=False)
+        else:
+            o = self._core(q, k, v, beta, a, docs, x.dtype)
+        o = self.norm(o) * F.silu(z.reshape(s, b, nk * r, dv))
+        return self.out_proj(o.reshape(s, b, -1))
+
+    def _core(self, q, k, v, beta, a, docs, dtype):
+        """The conv, the gates and the delta rule: ``[S, B, value heads, dv]``."""
+        c = self.config
+        dk, dv, nk, r = c.linear_key_dim, c.linear_value_dim, self.nk, self.r
+        s, b = q.shape[:2]
         mixed = torch.cat([q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)], -1)
         weight = torch.cat([self.conv_q, self.conv_k, self.conv_v])
         cp = None if self.cp_group is None or torch.distributed.get_world_size(self.cp_group) == 1 else self.cp_group
-        mixed = F.silu(causal_conv1d(mixed, weight, cp, self.seq_len, positions=self._positions(docs, cp, x.device)))
+        mixed = F.silu(causal_conv1d(mixed, weight, cp, self.seq_len, positions=self._positions(docs, cp, q.device)))
         q, k, v = mixed.split([nk * dk, nk * dk, nk * r * dv], dim=-1)
         q = l2norm(q.float().view(s, b, nk, dk)) * dk ** -0.5
         k = l2norm(k.float().view(s, b, nk, dk))
@@ -90,6 +106,4 @@ class TPGatedDeltaNet(nn.Module):
         beta = beta.reshape(s, b, -1).sigmoid()
         heads = [t.permute(1, 2, 0, 3) for t in (q, k, v)] + [t.permute(1, 2, 0) for t in (g, beta)]  # [B, H, S, ...]
         o = context_parallel_delta_rule(*heads, cp, self.seq_len, cu_seqlens=None if docs is None else docs.cu_seqlens)
-        o = o.permute(2, 0, 1, 3).to(x.dtype)  # [S, B, H, dv]
-        o = self.norm(o) * F.silu(z.reshape(s, b, nk * r, dv))
-        return self.out_proj(o.reshape(s, b, -1))
+        return o.permute(2, 0, 1, 3).to(dtype)  # [S, B, H, dv]

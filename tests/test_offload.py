@@ -66,3 +66,42 @@ def test_the_device_peak_falls_by_exactly_the_offloaded_bytes_on_fake_tensors():
     assert "offloaded" not in plain
     assert plain["measured"]["activations"] - moved["measured"]["activations"] == planned
     assert plain["planned"]["activations"] - moved["planned"]["activations"] == planned
+
+
+def test_a_tensor_freed_before_its_last_backward_use_fails_the_step_not_its_numbers(monkeypatch):
+    """A tensor three nodes save is moved once and freed after its third use; the planted bug (each saved
+    use counted as the last) frees it after the first, and the backward fails rather than reading freed memory."""
+    import torch
+    from torch import nn
+
+    from pretrain.model import offload
+
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 4), torch.randn(3, 4)
+
+    def grads(offloader=None):
+        lin.zero_grad()
+        if offloader is None:
+            h = lin(x)
+            y = (h * h).sum() + h.sin().sum()
+        else:
+            with offloader.region(lin, x.device):
+                h = lin(x)
+                y = (h * h).sum() + h.sin().sum()  # h saved by the product (twice) and the sine
+        y.backward()
+        return [p.grad.clone() for p in lin.parameters()]
+
+    moved = offload.Offloader()
+    assert all(torch.equal(a, b) for a, b in zip(grads(moved), grads()))
+    assert moved.bytes_out == moved.bytes_in == 2 * 3 * 4 * 4  # x (the matmul's) and h once each, out and back
+    pack = offload.Offloader._pack
+
+    def last_use_first(self, t):
+        packed = pack(self, t)
+        if isinstance(packed, offload._Moved):
+            packed.uses = 1
+        return packed
+
+    monkeypatch.setattr(offload.Offloader, "_pack", last_use_first)
+    with pytest.raises(RuntimeError, match="freed before its last use"):
+        grads(offload.Offloader())

@@ -69,8 +69,8 @@ def test_the_device_peak_falls_by_exactly_the_offloaded_bytes_on_fake_tensors():
 
 
 def test_a_tensor_freed_before_its_last_backward_use_fails_the_step_not_its_numbers(monkeypatch):
-    """A tensor three nodes save is moved once and freed after its third use; the planted bug (each saved
-    use counted as the last) frees it after the first, and the backward fails rather than reading freed memory."""
+    """A tensor three nodes save is moved once and kept until the last of them has run its backward; the
+    planted bug (freeing it at its first use) fails the backward rather than reading freed memory."""
     import torch
     from torch import nn
 
@@ -94,14 +94,34 @@ def test_a_tensor_freed_before_its_last_backward_use_fails_the_step_not_its_numb
     moved = offload.Offloader()
     assert all(torch.equal(a, b) for a, b in zip(grads(moved), grads()))
     assert moved.bytes_out == moved.bytes_in == 2 * 3 * 4 * 4  # x (the matmul's) and h once each, out and back
-    pack = offload.Offloader._pack
+    unpack = offload.Offloader._unpack
 
-    def last_use_first(self, t):
-        packed = pack(self, t)
+    def freed_at_first_use(self, packed):
+        back = unpack(self, packed)
         if isinstance(packed, offload._Moved):
-            packed.uses = 1
-        return packed
+            packed.host = packed.back = None
+        return back
 
-    monkeypatch.setattr(offload.Offloader, "_pack", last_use_first)
+    monkeypatch.setattr(offload.Offloader, "_unpack", freed_at_first_use)
     with pytest.raises(RuntimeError, match="freed before its last use"):
         grads(offload.Offloader())
+
+
+# the same proof through the other layouts' collectives and schedules; ZB-V in the default tier: its split
+# backward reads a junction's saved tensors in its B and again in its W (a count of uses freed them after B)
+EXTENDED = {
+    "cp2": (None, ["parallel.cp=2"], OFFLOADS),
+    "pp2-zbv": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "train.micro_batch=1", "model.layers=4"], ('["layers:1", "mlp@3"]',)),
+    "zero3": (None, ["parallel.zero=optim_grads_params"], OFFLOADS),
+    "ep2": ("tiny-moe", ["parallel.ep=2", "model.bias_update_rate=0.01"], ('["moe", "attn@1"]', '["layers:1"]')),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n if n == "pp2-zbv" else pytest.param(n, marks=pytest.mark.extended) for n in EXTENDED])
+def test_offload_trains_bitwise_under_cp2_pp2_zbv_zero3_ep2(dist_run, name):
+    config, overrides, offloads = EXTENDED[name]
+    for reference, *others in dist_run(2, runs, config, overrides + ["train.dtype=fp32"], offloads):
+        for offload, (losses, norms, moved) in zip(offloads, others):
+            assert (losses, norms) == reference[:2], offload
+            assert all(out == back for out, back in moved), (offload, moved)

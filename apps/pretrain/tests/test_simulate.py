@@ -165,3 +165,42 @@ def test_offload_lowers_the_measured_activations_as_the_plan_does():
     assert moved["measured"]["activations"] < plain["measured"]["activations"]
     assert moved["planned"]["activations"] < plain["planned"]["activations"]
     assert moved["measured"]["activations"] == pytest.approx(moved["planned"]["activations"], rel=0.10)
+
+
+def _auto_policy_config(name: str, world: int, overrides: list[str]):
+    """``name`` with --auto --auto-policy's first choice on ``world`` DGX-H100 GPUs, as its --set flags give it."""
+    from pretrain.planner.auto import auto_plan
+
+    first = auto_plan(load_config(name, overrides), world, "dgx-h100", policies=True)["best"][0]
+    return first, load_config(name, overrides + shlex_values(first["set"]))
+
+
+@pytest.mark.extended  # the search (about 20 s) and three stages of a 70B layout at 32k on fake tensors (about 4 min)
+@pytest.mark.timeout(900)
+def test_llama3_70b_at_32k_on_256_fits_only_with_the_auto_policy_and_simulates_as_planned():
+    """At seq 32768 --auto --auto-policy picks a recompute list and offloaded layers (tp 8 x cp 2 x pp 16 at
+    the time of writing) whose layout is 120 GB a rank without them; each simulated stage's activations
+    are within 10 % of the plan and the bytes the offload moves within 1 % of the plan's."""
+    from pretrain.planner.costs import config_plan
+    from pretrain.simulate.report import simulate
+
+    first, cfg = _auto_policy_config("llama3-70b", 256, ["train.seq_len=32768"])
+    assert cfg.model.offload or not isinstance(cfg.model.recompute, str), first["set"]
+    bare = load_config("llama3-70b", ["train.seq_len=32768"] + shlex_values(first["set"]) +
+                       ["model.recompute=none", "model.offload=[]"])
+    plan = config_plan(bare, 256, 8, 80.0)
+    assert plan["peak_gb"][first["layout"]["zero"]] > plan["budget_gb"]  # no fit without the policy
+    result = simulate(cfg, 256, [])
+    for rank in result["ranks"]:
+        assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10), rank["stage"]
+        assert rank["fits"], rank["stage"]
+        if cfg.model.offload:
+            moved = rank["offloaded"]
+            assert moved["out"] == moved["back"] == pytest.approx(moved["planned"], rel=0.01), rank["stage"]
+
+
+def shlex_values(flags: str) -> list[str]:
+    """The values of --auto's `--set K=V` flags (the shell's quotes off)."""
+    import shlex
+
+    return shlex.split(flags)[1::2]

@@ -1,7 +1,7 @@
 """The Qwen3-Next hybrid (Gated DeltaNet layers, a gated full-attention layer every second layer) trains
-the same model under tp, cp (p2p and a2a: the linear layers pass their state along the pieces either
-way), tp x cp, pp and packed documents at cp 2 and 4: 20 fp32 steps, loss and global grad norm equal
-to the single rank's.
+the same model under tp, cp (p2p: the linear layers pass their state along the pieces; a2a: they split
+their key heads over the ranks; a2a+p2p: both), cp 4, tp x cp, pp and packed documents at cp 2 and 4:
+20 fp32 steps, loss and global grad norm equal to the single rank's.
 
 Tolerance 1e-5 (not the suite's 1e-6): under cp the delta rule's chunks are cut at the pieces' borders
 and the incoming state is added through the piece's affine form (``par_cp.state_passing``), so it sums
@@ -25,6 +25,11 @@ LAYOUTS = {
     "tp2-dp2": pytest.param((4, ["parallel.tp=2"]), marks=pytest.mark.extended),
     "cp2-dp2-p2p": pytest.param((4, ["parallel.cp=2"]), marks=pytest.mark.extended),
     "cp2-a2a": pytest.param((2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]), marks=pytest.mark.extended),
+    "cp4-p2p": pytest.param((4, ["parallel.cp=4"]), marks=pytest.mark.extended),
+    "cp4-a2a": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a", "model.heads=8", "model.kv_heads=4",
+                                 "model.linear_key_heads=4", "model.linear_value_heads=8"]), marks=pytest.mark.extended),
+    "cp4-hcp": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]"]),
+                            marks=pytest.mark.extended),
     "pp2": pytest.param((2, ["parallel.pp=2"]), marks=pytest.mark.extended),
 }
 
@@ -32,7 +37,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("spec", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_qwen3_next_layout_matches_single_rank(dist_run, spec):
     world, overrides = spec
-    reference = layout_runs.single_rank(dist_run, None, QWEN3_NEXT)
+    reference = layout_runs.single_rank(dist_run, None, (*QWEN3_NEXT, *(o for o in overrides if o.startswith("model."))))
     for rank, result in enumerate(dist_run(world, layout_runs.train_steps, None, list(QWEN3_NEXT) + overrides, timeout=600)):
         layout_runs.assert_close_steps(result, reference, RTOL, f"{overrides} rank {rank}")
 

@@ -29,9 +29,11 @@ def test_plan_sizes_the_recurrent_states_and_the_state_pass():
     assert "recurrent_state" not in _plan("--world", "2", "--set", "parallel.cp=2")
 
 
-def test_hierarchical_cp_is_one_error_line():
+def test_all_to_all_over_more_ranks_than_key_heads_is_one_error_line():
     from one_error_line import assert_one_error_line
 
-    res = CliRunner().invoke(app, ["plan", "--world", "4", *Q, "--set", "parallel.cp=4", "--set",
-                                   "parallel.cp_comm_type=a2a+p2p", "--set", "parallel.hcp=[2,2]"])
-    assert_one_error_line(res, "cp_comm_type", "[parallel].cp_comm_type='a2a+p2p' does not run with [model].attention='qwen3_next'")
+    for kind in (["--set", "parallel.cp_comm_type=a2a"], ["--set", "parallel.cp_comm_type=a2a+p2p", "--set", "parallel.hcp=[4,1]"]):
+        res = CliRunner().invoke(app, ["plan", "--world", "4", *Q, "--set", "model.linear_key_heads=2", "--set",
+                                       "parallel.cp=4", *kind])
+        assert_one_error_line(res, "linear_key_heads", "splits the linear layers' key heads over 4 ranks, which does not "
+                                                       "divide the 2 [model].linear_key_heads per tp rank")

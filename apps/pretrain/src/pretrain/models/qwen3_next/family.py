@@ -5,7 +5,8 @@ A hybrid: layer ``i`` is a full-attention layer when ``(i + 1) % full_attention_
 ``k_norm``, partial RoPE), else a Gated DeltaNet layer (``gdn.py``; HF names under ``linear_attn.``).
 Tensor parallelism splits both by heads (the linear layers by key heads: their value heads, conv
 channels and gates go with them). Context parallelism: the full-attention layers use par-cp's
-attention, the linear ones pass their recurrent state along the pieces (``par_cp.state_passing``).
+attention, the linear ones pass their recurrent state along the pieces (``par_cp.state_passing``), or
+under the all-to-all kinds split their key heads over the a2a ranks (``gdn.py``).
 The layers' RMSNorms are zero-centred in the released checkpoints (``x_hat * (1 + w)``); ours hold
 ``1 + w`` (``hf.py`` converts), so they are the common norms.
 """
@@ -31,9 +32,6 @@ class Qwen3Next(Family):
             "conv_kernel", "partial_rotary_factor")
     supports = frozenset()
     dimensions = ("tp", "cp", "pp")
-    # the linear layers pass their state along the zigzag pieces by CP group rank; hierarchical CP orders
-    # the ranks otherwise
-    cp_comm_types = ("p2p", "a2a", "allgather")
     tp_split = ("q_proj.weight", "o_proj.weight", "k_proj.weight", "v_proj.weight") + tuple(
         f"linear_attn.{n.split('.')[0]}" if "." not in n else n for n in GDN if n != "norm.weight")
     renames = {f"self_attn.{n}": f"linear_attn.{n}" for n in GDN}
@@ -50,6 +48,15 @@ class Qwen3Next(Family):
              f"head_dim={m.head_dim} channels")
         need(not m.num_experts and not m.mtp_depth,
              f"[model].num_experts and mtp_depth must be 0 with attention='{ATTENTION}' (dense MLPs only)")
+
+    def check_layout(self, cfg) -> None:
+        """The all-to-all kinds split the linear layers' key heads (with their value heads) over the a2a ranks."""
+        p, m = cfg.parallel, cfg.model
+        if p.cp > 1 and p.cp_comm_type in ("a2a", "a2a+p2p"):
+            a2a, local = (p.hcp[0] if p.hcp else p.cp), m.linear_key_heads // p.tp
+            need(local % a2a == 0, f"[parallel].cp_comm_type={p.cp_comm_type!r} splits the linear layers' key heads over "
+                                   f"{a2a} ranks, which does not divide the {local} [model].linear_key_heads per tp rank; "
+                                   f"use cp_comm_type='p2p' (the state pass) or an a2a size dividing {local}")
 
     def qk_head_dim(self, m) -> int:
         return m.head_dim

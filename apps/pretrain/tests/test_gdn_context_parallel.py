@@ -117,3 +117,51 @@ def test_all_to_all_kinds_split_the_key_heads(results, mode, hcp, ops):
     for case in (c for c in CASES if c[1] == mode):
         for rank, (_, fwd, bwd) in enumerate(results[case]):
             assert [op for op, _ in fwd] == ops and [op for op, _ in bwd] == ops, (case, rank, fwd, bwd)
+
+
+def saved_job(cp, seq):
+    """Bytes a bf16 forward of the layer saves for backward on this rank (parameters aside), on one rank
+    and at ``cp`` (p2p)."""
+    import torch
+    import torch.distributed as dist
+
+    from par_cp import shard_sequence
+    from par_groups import RankGrid, create_groups
+    from pretrain.config import load_config
+
+    model = load_config(None, MODEL).model
+    x = torch.randn(seq, B, model.hidden, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    out = []
+    for c in (1, cp):
+        groups = create_groups(RankGrid(dist.get_world_size(), cp=c))
+        layer = _layer(model, groups, "p2p").to(torch.bfloat16)
+        layer.seq_len = seq
+        params, seen = {p.untyped_storage().data_ptr() for p in layer.parameters()}, {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(shard_sequence(x, groups.rank_in("cp"), c).requires_grad_())
+        out.append(sum(seen.values()))
+    return out
+
+
+def test_saved_bytes_are_the_family_declaration(dist_run):
+    """What ``plan`` declares a Gated DeltaNet layer keeps for backward (``qwen3_next/memory.py``) is what a
+    bf16 forward saves: on one rank, and on the busiest rank at cp 2 (both its pieces take the affine
+    form), with its pieces' transitions and incoming states (``recurrent_state``). Within 0.1 %: a few
+    per-layer constants (the causal mask, the chunks' end decays) are not declared."""
+    from pretrain.config import load_config
+    from pretrain.models import family_of
+    from pretrain.models.qwen3_next.memory import gdn_saved_per_token
+
+    model, seq = load_config(None, MODEL).model, 512
+    per_rank = dist_run(4, saved_job, 2, seq, timeout=300)
+    one = gdn_saved_per_token(model, 1, 1, 2, B) * seq * B
+    pieces = family_of(model).recurrent_state(model, SimpleNamespace(tp=1, cp=2, pp=1, microbatches=1), B)
+    cp2 = gdn_saved_per_token(model, 1, 2, 2, B) * seq // 2 * B + pieces["saved_bytes_per_layer"]
+    assert per_rank[0][0] == pytest.approx(one, rel=1e-3)
+    assert max(r[1] for r in per_rank) == pytest.approx(cp2, rel=1e-3), per_rank

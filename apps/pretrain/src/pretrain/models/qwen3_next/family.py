@@ -94,14 +94,15 @@ class Qwen3Next(Family):
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token, averaged over the layer pattern: the full layers' gathered input, q (with its gate), k,
-        v and output; the linear layers' input, projections (q, k, v, z, b, a), conv output and rule output."""
+        v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (the chunked rule's
+        saved set, the conv's inputs, the output side)."""
+        from .memory import gdn_saved_per_token
+
         full, linear = self._fractions(m)
         q, kv = m.heads * m.head_dim / layout.tp, m.kv_heads * m.head_dim / layout.tp
-        nk, nv = m.linear_key_heads / layout.tp, m.linear_value_heads / layout.tp
-        proj = 2 * nk * m.linear_key_dim + 2 * nv * m.linear_value_dim + 2 * nv
-        attn = m.hidden + 3 * q + 2 * kv
-        gdn = m.hidden + 2 * proj + 2 * nv * m.linear_value_dim
-        return (full * attn + linear * gdn) * pb
+        attn = (m.hidden + 3 * q + 2 * kv) * pb
+        gdn = gdn_saved_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1))
+        return full * attn + linear * gdn
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         full, _ = self._fractions(m)  # the linear layers move states, not tokens (state_bytes)
@@ -127,11 +128,11 @@ class Qwen3Next(Family):
         linear = sum(not is_full_attention(m, i) for i in range(m.layers))
         heads = micro_batch * m.linear_value_heads // layout.tp
         state = heads * m.linear_key_dim * m.linear_value_dim * 4
-        pieces = 2 if layout.cp > 1 else 1
+        pieces = 2 if layout.cp > 1 else 0  # one rank: the plain chunked rule, no transition
         boundaries = 0 if layout.cp == 1 else 1 if layout.cp == 2 else 2
         channels = (2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim) // layout.tp
         return {"linear_layers": linear, "state_bytes": state,
-                "saved_bytes_per_layer": pieces * (state + heads * m.linear_key_dim ** 2 * 4),
+                "saved_bytes_per_layer": pieces * (2 * state + heads * m.linear_key_dim ** 2 * 4),
                 "cp_boundaries_per_rank": boundaries, "cp_state_bytes_per_layer": 2 * boundaries * state,
                 "cp_halo_bytes_per_layer": 2 * boundaries * micro_batch * (m.conv_kernel - 1) * channels * 4,
                 "cp_bytes_per_step": 2 * boundaries * (state + micro_batch * (m.conv_kernel - 1) * channels * 4)

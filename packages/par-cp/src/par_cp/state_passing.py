@@ -147,6 +147,11 @@ def context_parallel_delta_rule(q, k, v, g, beta, cp_group=None, seq_len: int | 
     """The gated delta rule over a sequence sharded across ``cp_group``: ``q, k [B, H, T, dk]``, ``v [B, H, T, dv]``,
     ``g, beta [B, H, T]``, this rank's tokens in ``shard_segments`` order; returns ``O [B, H, T, dv]`` (fp32).
     ``cu_seqlens``: document boundaries of the full sequence (one tuple, or one per sequence) reset the state."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 throughout, the composition's matmuls too
+        return _delta_rule(q, k, v, g, beta, cp_group, seq_len, layout, cu_seqlens)
+
+
+def _delta_rule(q, k, v, g, beta, cp_group, seq_len, layout, cu_seqlens):
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
     rank = 0 if cp == 1 else dist.get_rank(cp_group)
     layout = "contiguous" if cp == 1 else layout  # one rank: the whole sequence is one piece

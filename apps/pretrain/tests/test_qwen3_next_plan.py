@@ -31,6 +31,8 @@ def test_plan_sizes_the_recurrent_states_and_the_state_pass():
         assert state["linear_layers"] == 6  # a full-attention layer every 4th
         assert state["state_bytes"] == b * 8 // tp * 16 * 32 * 4
         assert state["cp_state_bytes_per_layer"] == 2 * boundaries * state["state_bytes"], (world, cp, tp)
+        channels = (2 * 4 * 16 + 8 * 32) // tp  # q and k of the key heads, v of the value heads
+        assert state["cp_halo_bytes_per_layer"] == 2 * boundaries * b * 3 * channels * 2  # bf16 (a GPU run)
     assert "recurrent_state" not in _plan("--world", "2", "--set", "parallel.cp=2")
 
 

@@ -38,11 +38,24 @@ def conv_channels(m, tp: int) -> int:
     return (2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim) // tp
 
 
+def scan_saved_per_token(m, tp: int, cp: int, chunk: int = CHUNK) -> float:
+    """Bytes the chunked rule saves per token of this rank (its pieces of whole chunks): fp32, per value
+    head; under context parallelism the affine form's widened values and one more key width."""
+    affine = cp > 1
+    width = m.linear_value_dim + (m.linear_key_dim if affine else 0)
+    extra = m.linear_key_dim if affine else 0
+    return m.linear_value_heads / tp * 4 * (rule_per_token(m.linear_key_dim, width, chunk) + extra)
+
+
+def conv_saved_per_token(m, tp: int, pb: int, micro_batch: int) -> float:
+    """Bytes the short conv saves per token: its ``conv_kernel`` shifted inputs and its output, and its
+    int64 gather indices per position."""
+    return (m.conv_kernel + 1) * conv_channels(m, tp) * pb + 8 * m.conv_kernel / micro_batch
+
+
 def gdn_saved_per_token(m, tp: int, cp: int, pb: int, micro_batch: int, chunk: int = CHUNK) -> float:
     """Bytes one Gated DeltaNet layer saves per token of this rank (module docstring), its pieces of
     whole chunks (``CHUNK`` tokens)."""
     nk, nv, dk, dv = m.linear_key_heads / tp, m.linear_value_heads / tp, m.linear_key_dim, m.linear_value_dim
-    affine = cp > 1
-    rule = nv * 4 * (rule_per_token(dk, dv + dk if affine else dv, chunk) + (dk if affine else 0))
-    layer = pb * (m.hidden + (m.conv_kernel + 1) * conv_channels(m, tp) + 4 * nv * dv + nv) + 8 * m.conv_kernel / micro_batch
-    return rule + layer + 4 * (2 * nk * dk + 2 * nk + 3 * nv + 2 * nv * dv)
+    layer = pb * (m.hidden + 4 * nv * dv + nv) + 4 * (2 * nk * dk + 2 * nk + 3 * nv + 2 * nv * dv)
+    return scan_saved_per_token(m, tp, cp, chunk) + conv_saved_per_token(m, tp, pb, micro_batch) + layer

@@ -96,7 +96,7 @@ def test_p2p_bytes_per_layer_are_the_plan_formula(results, cp):
     from pretrain.models import family_of
 
     model = load_config(None, MODEL).model
-    layout = SimpleNamespace(tp=1, cp=cp, pp=1, microbatches=1)
+    layout = SimpleNamespace(tp=1, cp=cp, pp=1, microbatches=1, hcp=())
     declared = family_of(model).recurrent_state(model, layout, B)
     state = B * model.linear_value_heads * model.linear_key_dim * model.linear_value_dim * 4
     halo = B * (model.conv_kernel - 1) * (2 * model.linear_key_heads * model.linear_key_dim
@@ -113,10 +113,22 @@ def test_p2p_bytes_per_layer_are_the_plan_formula(results, cp):
                                             ("a2a+p2p", (2, 2), ["all_to_all", "send", "send", "all_to_all"])])
 def test_all_to_all_kinds_split_the_key_heads(results, mode, hcp, ops):
     """a2a moves the projections in and the rule's output back, no state; a2a+p2p passes the state
-    (and the conv's halo) over the outer ring between its two all-to-alls."""
+    (and the conv's halo) over the outer ring between its two all-to-alls: the bytes ``plan`` declares
+    (``recurrent_state`` of the kind: an all-to-all sends (P-1)/P of its input)."""
+    from pretrain.config import load_config
+    from pretrain.models import family_of
+
+    model = load_config(None, MODEL).model
     for case in (c for c in CASES if c[1] == mode):
+        layout = SimpleNamespace(tp=1, cp=case[0], pp=1, microbatches=1, hcp=hcp or ())
+        declared = family_of(model).recurrent_state(model, layout, B, 4, mode)
+        a2a = hcp[0] if hcp else case[0]
         for rank, (_, fwd, bwd) in enumerate(results[case]):
             assert [op for op, _ in fwd] == ops and [op for op, _ in bwd] == ops, (case, rank, fwd, bwd)
+            sent = sum(n for op, n in fwd + bwd if op == "all_to_all") * (a2a - 1) / a2a
+            assert sent == declared["cp_a2a_bytes_per_token"] * S // case[0] * B, (case, rank)
+            assert sum(n for op, n in fwd + bwd if op == "send") == declared["cp_state_bytes_per_layer"] + declared[
+                "cp_halo_bytes_per_layer"], (case, rank)
 
 
 def saved_job(cp, seq):
@@ -161,7 +173,7 @@ def test_saved_bytes_are_the_family_declaration(dist_run):
     model, seq = load_config(None, MODEL).model, 512
     per_rank = dist_run(4, saved_job, 2, seq, timeout=300)
     one = gdn_saved_per_token(model, 1, 1, 2, B) * seq * B
-    pieces = family_of(model).recurrent_state(model, SimpleNamespace(tp=1, cp=2, pp=1, microbatches=1), B)
+    pieces = family_of(model).recurrent_state(model, SimpleNamespace(tp=1, cp=2, pp=1, microbatches=1, hcp=()), B)
     cp2 = gdn_saved_per_token(model, 1, 2, 2, B) * seq // 2 * B + pieces["saved_bytes_per_layer"]
     assert per_rank[0][0] == pytest.approx(one, rel=1e-3)
     assert max(r[1] for r in per_rank) == pytest.approx(cp2, rel=1e-3), per_rank

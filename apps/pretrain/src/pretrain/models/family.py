@@ -93,10 +93,10 @@ class Family:
         recipe's tiles must not straddle them)."""
         raise NotImplementedError
 
-    def recurrent_state(self, m, layout, micro_batch: int, pb: int = 4) -> dict:
+    def recurrent_state(self, m, layout, micro_batch: int, pb: int = 4, cp_comm_type: str = "p2p") -> dict:
         """``plan``'s figures of the layers that carry a recurrent state along the sequence (its bytes, what
-        context parallelism passes between ranks; ``pb``: bytes of the compute dtype); empty for a family
-        without such layers."""
+        context parallelism of ``cp_comm_type`` passes between ranks; ``pb``: bytes of the compute dtype);
+        empty for a family without such layers."""
         return {}
 
     def narrowing(self, m, head_width: int) -> list[str]:

@@ -119,29 +119,38 @@ class Qwen3Next(Family):
         return [("[model].heads x head_dim", m.heads * m.head_dim), ("[model].kv_heads x head_dim", m.kv_heads * m.head_dim),
                 ("[model].linear_value_heads x linear_value_dim", m.linear_value_heads * m.linear_value_dim)]
 
-    def recurrent_state(self, m, layout, micro_batch: int, pb: int = 4) -> dict:
-        """Per linear layer and micro-batch on one rank (fp32): the recurrent state (value heads/tp x
+    def recurrent_state(self, m, layout, micro_batch: int, pb: int = 4, cp_comm_type: str = "p2p") -> dict:
+        """Per linear layer and micro-batch on one rank (fp32): the recurrent state (its value heads x
         linear_key_dim x linear_value_dim per sequence), the transition and incoming state each piece keeps
         for backward, and under context parallelism the state pass (``par_cp.state_passing``): one state
         per boundary between this rank's pieces and another rank's, forward and again backward (zigzag:
         the two ranks at the ends have one such boundary, the others two), and the conv's halo
-        (``conv_kernel - 1`` tokens of its channels in the compute dtype, ``pb`` bytes). Per token: what the
-        chunked rule (the scan) and the conv keep for backward (``memory.py``)."""
+        (``conv_kernel - 1`` tokens of its channels in the compute dtype, ``pb`` bytes). The all-to-all
+        kinds split the heads over their a2a ranks first (a2a: all of cp, no state pass; a2a+p2p: the
+        inner groups, the state passing over the outer ring) and send, per token, the conv's inputs with
+        ``b`` and ``a`` in and the rule's output back, forward and backward. Per token: what the chunked
+        rule (the scan) and the conv keep for backward (``memory.py``)."""
         from .memory import conv_channels, conv_saved_per_token, scan_saved_per_token
 
+        a2a = {"a2a": layout.cp, "a2a+p2p": layout.hcp[0] if layout.hcp else 1}.get(cp_comm_type, 1)
+        passing = layout.cp // a2a  # the ranks the state passes along
         linear = sum(not is_full_attention(m, i) for i in range(m.layers))
-        heads = micro_batch * m.linear_value_heads // layout.tp
+        heads = micro_batch * m.linear_value_heads // layout.tp // a2a
         state = heads * m.linear_key_dim * m.linear_value_dim * 4
-        pieces = 2 if layout.cp > 1 else 0  # one rank: the plain chunked rule, no transition
-        boundaries = 0 if layout.cp == 1 else 1 if layout.cp == 2 else 2
-        channels = conv_channels(m, layout.tp)
+        pieces = 2 if passing > 1 else 0  # one piece: the plain chunked rule, no transition
+        boundaries = 0 if passing == 1 else 1 if passing == 2 else 2
+        channels = conv_channels(m, layout.tp) // a2a
         halo = micro_batch * (m.conv_kernel - 1) * channels * pb
+        r = m.linear_value_heads // m.linear_key_heads
+        width = (m.linear_key_heads * (2 * m.linear_key_dim + r * m.linear_value_dim + 2 * r)
+                 + m.linear_value_heads * m.linear_value_dim) // layout.tp
         return {"linear_layers": linear, "state_bytes": state,
                 "saved_bytes_per_layer": pieces * (2 * state + heads * m.linear_key_dim ** 2 * 4),
-                "scan_saved_bytes_per_token": scan_saved_per_token(m, layout.tp, layout.cp),
+                "scan_saved_bytes_per_token": scan_saved_per_token(m, layout.tp, passing),
                 "conv_saved_bytes_per_token": conv_saved_per_token(m, layout.tp, pb, micro_batch),
                 "cp_boundaries_per_rank": boundaries, "cp_state_bytes_per_layer": 2 * boundaries * state,
                 "cp_halo_bytes_per_layer": 2 * boundaries * halo,
+                "cp_a2a_bytes_per_token": 2 * (a2a - 1) / a2a * width * pb,
                 "cp_bytes_per_step": 2 * boundaries * (state + halo) * linear * layout.microbatches // layout.pp}
 
     def narrowing(self, m, head_width: int) -> list[str]:

@@ -20,8 +20,10 @@ BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "tr
 
 
 def injected_run(tmp_path, fault_ranks, spec: str, nproc: int, sets: list[str]) -> tuple[list[dict], str]:
-    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's records, the output."""
-    res, lines = injected_train(tmp_path, fault_ranks, spec, nproc, BASE, sets)
+    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's records, the output. An item of
+    ``sets`` without ``=`` is the config (``tiny-moe``)."""
+    config = [s for s in sets if "=" not in s]
+    res, lines = injected_train(tmp_path, fault_ranks, spec, nproc, config + BASE, [s for s in sets if "=" in s])
     assert res.exit_code == 0, res.output
     return lines, res.output
 
@@ -31,8 +33,10 @@ def named(lines: list[dict], chronic: bool = False) -> set[tuple[int, str]]:
     return {(e["rank"], e["phase"]) for e in lines if e.get("event") == "straggler" and (e["chronic"] or not chronic)}
 
 
+ZBV = ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]
 CASES = {  # name: (nproc, sets, injected rank, phase)
     "dp2-backward-ddp": (2, [], 1, "backward"),  # the all-reduce makes every rank wait alike: busy time tells
+    "cp2-backward": (2, ["parallel.cp=2"], 0, "backward"),  # the ring's exchanges are waits, not the rank's work
 }
 EXTENDED = {
     "tp2-optimizer": (2, ["parallel.tp=2"], 0, "optimizer"),
@@ -42,6 +46,14 @@ EXTENDED = {
     # ranks 2-3 stage 1 (a layer, the head, the loss)
     "pp2-1f1b-forward": (4, ["parallel.pp=2"], 3, "forward"),
     "pp2-1f1b-send-lighter-stage": (4, ["parallel.pp=2"], 1, "pp_send"),
+    "cp2-forward": (2, ["parallel.cp=2"], 1, "forward"),
+    "ep2-forward": (2, ["tiny-moe", "parallel.ep=2"], 1, "forward"),  # the experts' all-to-alls are waits
+    "ep2-backward": (2, ["tiny-moe", "parallel.ep=2"], 0, "backward"),
+    # ZB-V at pp2 x dp2, 4 layers: stage 0 holds chunks 0 and 3 (the embedding, a layer; a layer, the head,
+    # the loss), stage 1 chunks 1 and 2 (a layer each: the lighter stage)
+    "pp2-zbv-forward": (4, ZBV, 0, "forward"),
+    "pp2-zbv-backward-lighter-stage": (4, ZBV, 3, "backward"),
+    "pp2-zbv-forward-lighter-stage": (4, ZBV, 2, "forward"),
 }
 
 

@@ -120,10 +120,14 @@ def test_ranks_are_compared_within_their_pipeline_stage_only():
     rows = clean_rows()
     for r in rows:
         r[2:] *= 4
-    staged = StragglerRule([0, 0, 1, 1])
+    staged = StragglerRule([0, 0, 1, 1], planned_layers=[2, 2])
     out = [staged.observe(r) for r in rows]
     assert all(o["stragglers"] == [] for o in out)
     assert out[-1]["stage_busy_s"][1] > 1.5 * out[-1]["stage_busy_s"][0]
+    # the imbalance, once, when the window is full: stage 1 against stage 0, where the plan expects them alike
+    found = [(i, e.stage, e.fastest, e.planned_ratio) for i, o in enumerate(out) for e in o.get("stage_imbalance", ())]
+    assert found == [(4, 1, 0, 1.0)], found
+    assert "stage 1 busy 4.0x stage 0 (beyond planned: 1.0x by layers 2/2" in out[4]["stage_imbalance"][0].line(5)
     mixed = StragglerRule([0, 0, 0, 0])
     assert any(mixed.observe(r)["stragglers"] for r in rows)
 
@@ -146,6 +150,18 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
             "up to 7.0x its peers, chronic") in res.stdout
     assert "step 4: corruption check: transient on rank 1 (host h1, GPU 0)" in res.stdout
     assert "1 copies check: median 2.0 ms, 1,000 bytes hashed and 80 bytes of hashes gathered per rank" in res.stdout
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_slow_stage_is_an_imbalance_not_a_straggler(tmp_path, fault_ranks):
+    """pp2 x dp2, both ranks of stage 1 slowed alike: the stage is named against the plan (which splits the
+    layers evenly), no rank is; comparing ranks across stages (the planted bug) would name ranks 2 and 3."""
+    lines, out = injected_run(tmp_path, fault_ranks, "slow:2:forward,slow:3:forward", 4, ["parallel.pp=2"])
+    assert named(lines) == set(), [e for e in lines if e.get("event") == "straggler"]
+    found = [e for e in lines if e.get("event") == "stage_imbalance"]
+    assert [(e["stage"], e["fastest"], e["planned_ratio"], e["planned_layers"]) for e in found] == [(1, 0, 1.0, [1, 1])], found
+    assert found[0]["ratio"] > 1.5
 
 
 @pytest.mark.extended

@@ -140,6 +140,7 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
             "busy_s": 0.07, "peers_s": 0.01, "slower": 7.0}
     events = [flag | {"step": 3, "chronic": False}, flag | {"step": 4, "chronic": True},
               {"event": "corruption", "step": 4, "class": "transient", "rank": 1, "host": "h1", "gpu": "0"},
+              {"event": "stage_imbalance", "step": 4, "stage": 1, "fastest": 0, "ratio": 1.5, "planned_ratio": 1.0},
               {"event": "integrity_check", "step": 4, "hash_s": 0.002, "hashed_bytes": 1000, "hash_bytes": 80}]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + events))
     res = CliRunner().invoke(app, ["report", str(tmp_path), "--no-html"])
@@ -149,6 +150,7 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
     assert ("straggler rank 2 (host h2, GPU 3): flagged at 2 log steps (steps 3-4), mostly in forward, "
             "up to 7.0x its peers, chronic") in res.stdout
     assert "step 4: corruption check: transient on rank 1 (host h1, GPU 0)" in res.stdout
+    assert "step 4: stage imbalance: stage 1 busy 1.5x stage 0 (planned 1.0x, by layers)" in res.stdout
     assert "1 copies check: median 2.0 ms, 1,000 bytes hashed and 80 bytes of hashes gathered per rank" in res.stdout
 
 

@@ -6,8 +6,9 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
 - **Copies** (every ``[log].integrity_every`` log steps): every rank hashes each piece of state it owns
   (the fp32 masters and every optimizer state kind, box by box, and the model's own tensors), keyed by
   name, kind and box; pieces with the same key on several ranks (dp replicas, TP copies of replicated
-  parameters, HSDP replicas) must hash alike. A key is never shared across pipeline stages (another
-  name), so stages are never compared. With three or more copies the odd ones are named; with two,
+  parameters, HSDP replicas) must hash alike. The hashes are gathered within the pipeline stage (the
+  tp x dp x cp ranks that hold every copy of its pieces): stages are never compared, and the gather
+  is 1/pp of the world. With three or more copies the odd ones are named; with two,
   the difference is logged (``copies_differ``) and the loss check below tells which rank is wrong.
 - **Loss** (every log step): each rank keeps, on the device, its worst micro-batch loss since the last
   log step (non-finite is worst) with its step and micro-batch. A rank whose worst is non-finite, or
@@ -71,6 +72,8 @@ def owned_pieces(trainer) -> dict[str, torch.Tensor]:
             for offsets, box in pieces.boxes:
                 out[f"{kind}/{names.get(id(param), '?')}@{tuple(offsets)}"] = box
     for name, t in named.items():
+        if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            continue  # a sharded parameter between steps (ZeRO-3: its storage freed): its masters are hashed
         out[f"model/{name}@{tuple(placement_of(t).offsets)}"] = t
     return out
 
@@ -218,12 +221,14 @@ class Integrity:
         pieces = owned_pieces(trainer)
         hashes = torch.stack([tensor_hash(t) for t in pieces.values()]).tolist() if pieces else []
         mine = dict(zip(pieces, hashes))
-        every: list = [None] * dist.get_world_size()
-        comm.all_gather_object(every, mine, None)
-        odd, split = odd_copies(every)
+        g = trainer.groups  # the ranks of this pipeline stage: every copy of a piece it holds, no other stage's
+        members = list(g.ranks["tp_dp_cp"])
+        every: list = [None] * len(members)
+        comm.all_gather_object(every, mine, g.tp_dp_cp)
+        odd, split = (({key: [members[i] for i in at] for key, at in found.items()}) for found in odd_copies(every))
         hashed = sum(t.numel() * t.element_size() for t in pieces.values())
         return odd, split, {"hash_s": round(time.perf_counter() - start, 6), "hashed_bytes": hashed,
-                            "hash_bytes": len(repr(mine).encode())}
+                            "hash_bytes": len(repr(mine).encode()), "gather_ranks": len(members)}
 
     def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
         """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""

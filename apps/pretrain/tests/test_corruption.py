@@ -83,15 +83,17 @@ def test_the_class_and_the_rank_are_right(tmp_path, fault_ranks, name):
         assert steps == [1], steps  # the flip's step (2) is not logged: the check stops it
 
 @pytest.mark.timeout(180)
-def test_hsdp_replicas_are_compared(tmp_path, fault_ranks):
-    """dp4, ZeRO-3 sharded within 2 ranks and replicated over 2 groups: optimizer state flipped on rank 3
-    differs from its HSDP replica's (two copies: logged, no majority to name one). At the last step: the
-    next update would spread it to the weights. The check hashes no freed ZeRO-3 parameter (it crashed)."""
-    res, events = run(tmp_path, fault_ranks, f"flip_state:3:{STEPS}", 4,
+@pytest.mark.parametrize("kind", ["state", pytest.param("weight", marks=pytest.mark.extended)])
+def test_hsdp_replicas_are_compared(tmp_path, fault_ranks, kind):
+    """dp4, ZeRO-3 sharded within 2 ranks and replicated over 2 groups: optimizer state (or a master weight
+    shard) flipped on rank 3 differs from its HSDP replica's (two copies: logged, no majority to name one).
+    At the last step: the next update would spread it. The check hashes no freed ZeRO-3 parameter (it crashed)."""
+    res, events = run(tmp_path, fault_ranks, f"flip_{kind}:3:{STEPS}", 4,
                       ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"])
     assert res.exit_code == 0, res.output
     differ = [e for e in events if e["event"] == "copies_differ"]
-    assert differ and differ[0]["step"] == STEPS and differ[0]["key"].startswith("exp_avg"), events
+    key = "exp_avg" if kind == "state" else "master/"
+    assert differ and differ[0]["step"] == STEPS and differ[0]["key"].startswith(key), events
     assert 3 in differ[0]["ranks"] and len(differ[0]["ranks"]) == 2, differ
 
 
@@ -104,6 +106,19 @@ def test_a_clean_pipeline_run_flags_nothing(tmp_path, fault_ranks):
     assert [e["event"] for e in events] == ["integrity_check"] * STEPS, events
     assert all(e["odd"] == 0 and e["split"] == 0 and e["hashed_bytes"] > 0 for e in events)
     assert all(e["gather_ranks"] == 2 for e in events)  # the hashes gathered within a stage: never across
+
+
+def test_injection_is_off_unless_asked_and_a_bad_spec_is_refused():
+    from pretrain.errors import UsageError
+    from pretrain.observe.inject import Faults, parse
+
+    off = Faults(1, parse(""))
+    assert not off.active and not off.bad_batch and not off.flip_grad
+    assert not Faults(0, parse("flip_grad:1:2,slow:1:forward")).active  # another rank's
+    assert Faults(3, parse("bad_batch:1:2")).bad_batch == {(1, 2)}  # the data's: every rank reads it so
+    for bad in ("flip_grad:1", "bad_batch:x:2", "flip_grad:1:0", "slow:1:nowhere", "matmul:1:2"):
+        with pytest.raises(UsageError, match="PAR_INJECT"):
+            parse(bad)
 
 
 def test_the_hash_sees_every_bit_and_the_majority_names_the_odd_copy():

@@ -50,6 +50,7 @@ CASES = {  # name: (spec, ranks, rank, what[, sets])
     # (the norms' finiteness is summed with the loss), the suspect's rerun is normal
     "grad-dp2": ("flip_grad:1:2", 2, 1, "transient"),
     "grad-dp3": ("flip_grad:0:2", 3, 0, "transient"),
+    "grad-zero1-dp2": ("flip_grad:1:2", 2, 1, "transient", ["parallel.zero=optim"]),  # in its reduce-scattered shard
     # token ids past the vocabulary in dp rank 1's share: infinite wherever it is computed
     "bad-batch-dp2": ("bad_batch:1:3", 2, 1, "correct"),
     "bad-batch-dp3": ("bad_batch:2:3", 3, 2, "correct"),
@@ -61,6 +62,12 @@ CASES = {  # name: (spec, ranks, rank, what[, sets])
     "optimizer-state-dp2xtp2": ("flip_state:2:2", 4, 2, "copy", TP2),
     "grad-dp2xtp2": ("flip_grad:3:2", 4, 3, "transient", TP2),
     "bad-batch-dp2xtp2": ("bad_batch:1:3", 4, 2, "correct", TP2),  # dp rank 1 is ranks 2-3
+    # pp2 x dp2: ranks 0-1 stage 0 (dp 0, 1), ranks 2-3 stage 1; the wrong rank is not the one with the loss
+    # (its rerun's outputs differ from an earlier chunk on). A matmul wrong on a stage without the head
+    # moves the loss too little to be a suspect: not detected.
+    "weight-pp2-1f1b-first-stage": ("flip_weight:1:2", 4, 1, "persistent", ["parallel.pp=2"]),  # loss: rank 3's
+    "weight-pp2-zbv-middle-chunks": ("flip_weight:3:2", 4, 3, "persistent",  # chunks 1-2; loss: rank 1's
+                                     ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
 }
 
 

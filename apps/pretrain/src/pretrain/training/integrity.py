@@ -23,9 +23,10 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   (it computes wrong), **correct** if every rerun agrees and is itself anomalous (the data or the
   model), **transient** if every rerun agrees and is normal (its first result was a glitch). The
   rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
-  shared by the tp and cp ranks of its replica and stage: the one named is the rank whose rerun's
-  module outputs (hashed in order) first differ from its coordinate's in the other replicas. A
-  transient or correct one is named by its loss alone (within that group, the first rank).
+  shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
+  is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
+  coordinate's in the other replicas. A transient or correct one is named by its loss alone (within
+  its replica's tp and cp ranks at the loss's stage, the first).
 
 A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
@@ -239,14 +240,16 @@ class Integrity:
         one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
         was = trainer.model.module.training
         trainer.model.module.eval()
-        trace: list[torch.Tensor] = []  # each module's output hashed, in the order they finish
+        trace: list[tuple[int, torch.Tensor]] = []  # each module's output hashed with its chunk, as they finish
 
-        def record(module, inputs, output):
-            t = output[0] if isinstance(output, (tuple, list)) else output
-            if torch.is_tensor(t) and t.is_floating_point():
-                trace.append(tensor_hash(t))
+        def record(chunk: int):
+            def hook(module, inputs, output):
+                t = output[0] if isinstance(output, (tuple, list)) else output
+                if torch.is_tensor(t) and t.is_floating_point():
+                    trace.append((chunk, tensor_hash(t)))
+            return hook
 
-        hooks = [m.register_forward_hook(record) for m in trainer.model.module.modules()]
+        hooks = [m.register_forward_hook(record(c)) for c, chunk in trainer.model.chunks.items() for m in chunk.modules()]
         try:
             with torch.no_grad(), trainer._compute_context():
                 losses = trainer.runner.eval_losses(trainer.microbatches(one))
@@ -254,7 +257,8 @@ class Integrity:
             for h in hooks:
                 h.remove()
             trainer.model.module.train(was)
-        self.trace = torch.stack(trace).tolist() if trace else []
+        hashes = torch.stack([h for _, h in trace]).tolist() if trace else []
+        self.trace = [(c, tuple(h)) for (c, _), h in zip(trace, hashes)]
         mine = torch.tensor([float("nan") if not losses else 0.0, 0.0], dtype=torch.float64, device=self.device)
         if losses:
             mine[1] = losses[0].detach().double()
@@ -271,18 +275,24 @@ class Integrity:
         return "correct" if spike(own, peers_first) else "transient"
 
     def first_to_differ(self, suspect: int) -> int:
-        """Of the suspect's model-parallel peers at its pipeline stage in its replica (the ranks its loss is
-        shared with), the one whose rerun's module outputs differ first from those at its coordinate in
-        the other replicas: where a wrong result entered (every rank calls it; gathers the traces)."""
+        """Of the ranks of the suspect's replica (its loss is shared by its tp and cp ranks, and its pipeline
+        stages feed it), the one whose rerun's module outputs differ first from those at its coordinate
+        in the other replicas: where a wrong result entered. "First" is by chunk (a micro-batch's forward
+        runs the chunks in order, whichever stage holds them), then by module within the chunk. Every
+        rank calls it (it gathers the traces)."""
         every: list = [None] * dist.get_world_size()
         comm.all_gather_object(every, self.trace, None)
-        dp, (_, _, pp), _, _ = self.ranks[suspect]
+        dp = self.ranks[suspect][0]
 
-        def first(r: int) -> int:
+        def first(r: int) -> tuple:
             peers = [every[o] for o, w in enumerate(self.ranks) if w[1] == self.ranks[r][1] and w[0] != dp]
-            return next((i for i, h in enumerate(every[r]) if peers and all(i >= len(p) or p[i] != h for p in peers)),
-                        len(every[r]))
+            within: dict[int, int] = {}
+            for i, (chunk, h) in enumerate(every[r]):
+                within[chunk] = within.get(chunk, -1) + 1
+                if peers and all(i >= len(p) or p[i] != (chunk, h) for p in peers):
+                    return (chunk, within[chunk])
+            return (float("inf"), 0)
 
-        mine = [r for r, w in enumerate(self.ranks) if w[0] == dp and w[1][2] == pp]
+        mine = [r for r, w in enumerate(self.ranks) if w[0] == dp]
         at = {r: first(r) for r in mine}
         return min(mine, key=lambda r: (at[r], r != suspect))

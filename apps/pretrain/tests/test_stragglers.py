@@ -160,7 +160,8 @@ def test_a_slow_stage_is_an_imbalance_not_a_straggler(tmp_path, fault_ranks):
     """pp2 x dp2, both ranks of stage 1 slowed alike: the stage is named against the plan (which splits the
     layers evenly), no rank is; comparing ranks across stages (the planted bug) would name ranks 2 and 3."""
     lines, out = injected_run(tmp_path, fault_ranks, "slow:2:forward,slow:3:forward", 4, ["parallel.pp=2"])
-    assert named(lines) == set(), [e for e in lines if e.get("event") == "straggler"]
+    # 4 ranks, two busy-waiting, on 2 cores: another rank may lag a step or two, never for good
+    assert named(lines, chronic=True) == set(), [e for e in lines if e.get("event") == "straggler"]
     found = [e for e in lines if e.get("event") == "stage_imbalance"]
     assert [(e["stage"], e["fastest"], e["planned_ratio"], e["planned_layers"]) for e in found] == [(1, 0, 1.0, [1, 1])], found
     assert found[0]["ratio"] > 1.5

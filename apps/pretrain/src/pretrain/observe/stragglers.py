@@ -4,10 +4,10 @@ Each rank's busy time per phase (``BUSY_PHASES``: its time in the phase less its
 collectives and receives, see ``step_timing``) is kept over the last ``WINDOW`` log steps. A rank is
 compared only with its peers, the ranks of the same pipeline stage (the same chunks: the same work,
 across dp, tp, cp and ep); stages differ in work by design, and their medians are reported apart
-(``stage_busy_s``, and the ``stage_balance`` rule on them). For each phase, a rank's value is its median over the window (a one-off stall does
-not move it); its peers' baseline is the median of the other ranks' values, their spread the MAD. The
-rule fires when the rank exceeds the baseline by more than all of: ``MADS`` scaled MADs, ``MIN_RELATIVE``
-of the baseline, and ``MIN_SHARE`` of the peers' whole busy step (a phase too small to matter does
+(``stage_busy_s``, and the ``stage_balance`` rule on them). For each phase, a rank's value is its
+median over the window (a one-off stall does not move it); its peers' baseline is the median of the
+other ranks' values, their spread the MAD. The rule fires when the rank exceeds the baseline by more
+than all of: ``MADS`` scaled MADs, ``MIN_RELATIVE`` of the baseline, and ``MIN_SHARE`` of the peers' whole busy step (a phase too small to matter does
 not fire); a rank that fires in several phases is named once, in the phase where it lost the most.
 A rank that fires at ``CHRONIC`` log steps in a row is chronic.
 """

@@ -62,7 +62,7 @@ class Family:
         raise NotImplementedError
 
     def build_attention(self, config, context, index: int):
-        """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
+        """This rank's attention module of layer ``index`` (``blocks.context.ChunkContext``)."""
         raise NotImplementedError
 
     def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:

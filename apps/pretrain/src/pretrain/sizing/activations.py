@@ -20,8 +20,8 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
-from ..model.offload_policy import modules_at as offloaded_at
-from ..model.recompute_policy import modules_at
+from ..blocks.offload_policy import modules_at as offloaded_at
+from ..blocks.recompute_policy import modules_at
 from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
 from .replicas import declared_plan, held_replicas, replica_bytes

@@ -47,3 +47,28 @@ def test_plan_gives_the_released_parameter_counts():
 def test_a_model_gpt_oss_cannot_run_is_one_error_line(change, named):
     res = CliRunner().invoke(app, ["plan", "gpt-oss-120b", "--world", "256", "--set", change])
     assert_one_error_line(res, change.split("=")[0].split(".")[1], named)
+
+
+def test_fp8_experts_quantize_their_gemms_and_keep_the_biases():
+    """``[train].fp8`` gives every expert GEMM par's FP8 kernel, as par-moe's experts (the wiring sets
+    ``grouped_kernels`` on any ``GroupedSwiGLU``): each expert's three weights are quantized, and the layer
+    stays the biased, clamped SwiGLU (within FP8's rounding of the high-precision one, far below the biases'
+    share of it)."""
+    from par_tp.fp8 import FP8GroupedKernel, recording
+    from pretrain.models.gpt_oss.moe import BiasedClampedExperts
+
+    torch.manual_seed(0)
+    experts = BiasedClampedExperts(4, 64, 32, ((0, 1), (0, 1)))
+    with torch.no_grad():
+        for b in (experts.b_gate, experts.b_up, experts.b_down):
+            b.normal_()
+    tokens, counts = torch.randn(24, 64), torch.tensor([9, 3, 0, 12])
+    exact = experts(tokens, counts)
+    experts.grouped_kernels = tuple(FP8GroupedKernel("rowwise") for _ in range(3))
+    with recording() as taps:
+        fp8 = experts(tokens, counts)
+    assert sorted(what for what, _ in taps if what.startswith("forward w[")) == sorted(
+        f"forward w[{g}]" for g in (0, 1, 3) for _ in range(3))  # expert 2 has no tokens
+    down_bias = experts.b_down.detach().repeat_interleave(counts, 0)  # the rows are sorted by expert
+    err = (fp8 - exact).norm()
+    assert err <= 0.1 * exact.norm() and err <= 0.25 * down_bias.norm(), (err, exact.norm(), down_bias.norm())

@@ -1,6 +1,7 @@
 """gpt-oss's cheap checks (its HF and layout proofs: tests/test_hf_families.py, tests/test_layouts_gpt_oss.py):
 the sink applied to a fused kernel's output and log-sum-exp (the flash-attn path's math, here with torch's
 fused CPU kernel) equals transformers' masked softmax with the sink, forward and backward, windowed or not;
+the CUDA path hands flash-attn (stubbed) the masked path's window; FP8 reaches the biased experts;
 `plan gpt-oss-120b` gives the released model's 116.8B parameters, 5.1B active; a [model] gpt-oss cannot
 run is one error line."""
 
@@ -12,7 +13,9 @@ from typer.testing import CliRunner
 
 from one_error_line import assert_one_error_line
 from pretrain.cli import app
-from pretrain.models.gpt_oss.kernel import SinkAttention, cpu_flash_kernels, masked_sink_attention
+from pretrain.models.gpt_oss import kernel as gpt_oss_kernel
+from pretrain.models.gpt_oss.attention import window_of
+from pretrain.models.gpt_oss.kernel import SinkAttention, cpu_flash_kernels, masked_sink_attention, sink_attention
 
 
 @pytest.mark.parametrize("window", [0, 128])
@@ -29,6 +32,78 @@ def test_sink_on_a_fused_kernel_equals_the_masked_softmax(window):
                     torch.autograd.grad((masked * grad).sum(), (q, k, v, sinks))):
         assert (a - e).abs().max() <= 1e-5 * e.abs().max()
     assert (fused - masked).abs().max() <= 1e-5 * masked.abs().max()
+
+
+class FlashStub:
+    """flash-attn 2.8's (the locked version's) private forward and backward, in torch on the CPU, batch-first
+    ``[B, S, H, D]``, lse ``[B, H, S]``, GQA native. Its window convention: query i sees keys
+    ``[i - window_size_left, i + window_size_right]`` (-1: unbounded), and none after i when causal. The
+    backward recomputes the probabilities from the lse it is given, as flash-attn does. ``calls``: each
+    call's (entry, causal, scale, left, right)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _probs(self, q, k, scale, causal, left, right, lse=None):
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
+        i, j = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+        seen = (j <= i if causal else j >= 0) & ((j >= i - left) if left >= 0 else True) & \
+            ((j <= i + right) if right >= 0 else True)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(scores, -1) if lse is None else lse
+        return torch.exp(scores - lse[..., None]), lse
+
+    def _flash_attn_forward(self, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                            softcap, alibi_slopes, return_softmax):
+        self.calls.append(("forward", causal, softmax_scale, window_size_left, window_size_right))
+        p, lse = self._probs(q, k, softmax_scale, causal, window_size_left, window_size_right)
+        out = torch.einsum("bhst,bthd->bshd", p, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
+        return out, lse, torch.empty(0), torch.empty(2, dtype=torch.int64)
+
+    def _flash_attn_backward(self, dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                             window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+        self.calls.append(("backward", causal, softmax_scale, window_size_left, window_size_right))
+        rep = q.shape[2] // k.shape[2]
+        p, _ = self._probs(q, k, softmax_scale, causal, window_size_left, window_size_right, softmax_lse)
+        kr, vr = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        dp = torch.einsum("bshd,bthd->bhst", dout, vr)
+        ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None])
+        dq.copy_(torch.einsum("bhst,bthd->bshd", ds, kr) * softmax_scale)
+        dk.copy_((torch.einsum("bhst,bshd->bthd", ds, q) * softmax_scale).unflatten(2, (-1, rep)).sum(3))
+        dv.copy_(torch.einsum("bhst,bshd->bthd", p, dout).unflatten(2, (-1, rep)).sum(3))
+        return torch.empty(0)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_flash_path_gets_the_masked_paths_window_and_sinks(monkeypatch, layer):
+    """The CUDA path, with flash-attn stubbed (no GPU here): par-cp's choice picks flash-attn for a CUDA bf16
+    query; a sliding layer passes flash-attn the window (127, 0), which is its convention for the 128 keys
+    ending at the query (transformers' ``sliding_window = 128``, the masked path's ``ahead < 128``), a full
+    layer (-1, 0); the sinks applied to its output and lse give the masked path's attention, forward and
+    backward, on 160 tokens (past the window)."""
+    from types import SimpleNamespace
+
+    from par_cp.kernels import dense
+
+    stub = FlashStub()
+    monkeypatch.setattr(dense, "_flash", lambda: stub)
+    assert dense.dense_kernel(SimpleNamespace(dtype=torch.bfloat16, is_cuda=True), "auto", on_cpu=True) == "flash"
+    monkeypatch.setattr(gpt_oss_kernel, "_flash", lambda: stub)
+    monkeypatch.setattr(gpt_oss_kernel, "dense_kernel", lambda q, backend, on_cpu=False: "flash")  # a CPU tensor here
+    gen = torch.Generator().manual_seed(1)
+    s, b, h, kv, d, window, scale = 160, 2, 4, 2, 16, window_of(layer), 0.25
+    q, k, v = (torch.randn(s, b, n, d, generator=gen, requires_grad=True) for n in (h, kv, kv))
+    sinks = torch.randn(h, generator=gen, requires_grad=True)
+    grad, pos = torch.randn(s, b, h, d, generator=gen), torch.arange(s)
+    flash = sink_attention(q, k, v, sinks, scale, window, pos, pos)
+    masked = masked_sink_attention(q, k, v, sinks, scale, window, pos, pos)
+    span = (127, 0) if layer == 0 else (-1, 0)
+    for a, e in zip(torch.autograd.grad((flash * grad).sum(), (q, k, v, sinks)),
+                    torch.autograd.grad((masked * grad).sum(), (q, k, v, sinks))):
+        assert (a - e).abs().max() <= 1e-5 * e.abs().max()
+    assert (flash - masked).abs().max() <= 1e-5 * masked.abs().max()
+    assert stub.calls == [("forward", True, scale, *span), ("backward", True, scale, *span)]
 
 
 def test_plan_gives_the_released_parameter_counts():

@@ -147,3 +147,30 @@ def test_fp8_experts_quantize_their_gemms_and_keep_the_biases():
     down_bias = experts.b_down.detach().repeat_interleave(counts, 0)  # the rows are sorted by expert
     err = (fp8 - exact).norm()
     assert err <= 0.1 * exact.norm() and err <= 0.25 * down_bias.norm(), (err, exact.norm(), down_bias.norm())
+
+
+@pytest.mark.parametrize("attention", ["gqa", "gpt_oss"])
+def test_experts_keep_the_rows_their_family_declares(attention):
+    """What a routed pair's expert activation keeps for backward is what the planner counts
+    (``Family.expert_act_widths`` F-wide rows: par-moe's SwiGLU 4, gpt-oss's clamped SwiGLU 7), and under
+    ``moe_act`` recomputation gate, up and the product w_down reads (3)."""
+    from par_moe.experts import GroupedSwiGLU
+    from pretrain.models import family_of
+    from pretrain.models.gpt_oss.moe import BiasedClampedExperts
+
+    rows, hidden, ffn = 24, 48, 80
+    kept = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        experts = BiasedClampedExperts(4, hidden, ffn, ((0, 1), (0, 1))) if attention == "gpt_oss" else \
+            GroupedSwiGLU(4, hidden, ffn)
+        experts.recompute_act = recompute
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.shape  # one entry a storage, however often saved
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            experts(torch.randn(rows, hidden, requires_grad=True), torch.tensor([6, 6, 0, 12]))
+        kept.append(sum(shape == (rows, ffn) for shape in saved.values()))
+    assert kept == [family_of(type("M", (), {"attention": attention})()).expert_act_widths, 3]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from par_groups.param_placement import declare_, declare_copies_
 from par_moe import MoELayer
@@ -55,7 +56,8 @@ class BiasedClampedExperts(GroupedSwiGLU):
 
     def forward(self, tokens, counts, max_count=None, replicas=None, segments=None):
         """As :meth:`GroupedSwiGLU.forward` (no replicas: gpt-oss runs ``expert_balance = "none"``); with
-        ``grouped_kernels`` (FP8) each projection is its kernel, each source rank's rows quantized apart."""
+        ``grouped_kernels`` (FP8) each projection is its kernel, each source rank's rows quantized apart;
+        ``recompute_act``: the clamped SwiGLU rerun in the backward."""
         layout = GroupLayout(counts.to(tokens.device), tokens.shape[0], max_count)
         params = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         if tokens.shape[0] == 0:  # every parameter in the graph, so its (zero) gradient exists on every rank
@@ -75,6 +77,8 @@ class BiasedClampedExperts(GroupedSwiGLU):
             def linear(i, x):
                 return grouped_linear(x, weights[i], layout, fast) + biases[i][row]
         gate, up = linear(0, tokens), linear(1, tokens)
+        if self.recompute_act and torch.is_grad_enabled():  # [model].recompute's moe_act: gate and up kept
+            return linear(2, checkpoint(clamped_swiglu, gate, up, use_reentrant=False))
         return linear(2, clamped_swiglu(gate, up))
 
 

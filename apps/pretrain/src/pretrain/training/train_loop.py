@@ -25,11 +25,11 @@ from par_tp import vocab_parallel_cross_entropy
 from ..data.prefetch import Prefetcher
 from ..data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
-from ..model.kernels import fp8_regions, select_kernels
+from ..blocks.kernels import fp8_regions, select_kernels
 from ..errors import UsageError
 from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
-from ..model.qk_clip import clip_scales, reset_logit_max
+from ..blocks.qk_clip import clip_scales, reset_logit_max
 from ..model.moe import moe_layers
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
@@ -297,7 +297,7 @@ class Trainer:
         return StepResult(step, loss, lr, norm, tokens, moe, placement=placement)
 
     def _qk_clip(self) -> None:
-        """MuonClip: the heads whose max logit passed tau this step, scaled down (model/qk_clip.py)."""
+        """MuonClip: the heads whose max logit passed tau this step, scaled down (blocks/qk_clip.py)."""
         self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
 
     def check_finite(self) -> None:

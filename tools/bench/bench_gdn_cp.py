@@ -40,7 +40,7 @@ def _model(args):
 
 
 def _layer(model, groups, seq):
-    from pretrain.model.context import ChunkContext
+    from pretrain.blocks.context import ChunkContext
     from pretrain.models.qwen3_next.gdn import TPGatedDeltaNet
 
     layer = TPGatedDeltaNet(model, ChunkContext(groups, False, "p2p", seq, "none"))

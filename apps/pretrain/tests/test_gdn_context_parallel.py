@@ -23,7 +23,7 @@ CASES = [(2, "p2p", None, None), (4, "p2p", None, DOCS), (4, "a2a", None, DOCS),
 def _layer(model, groups, mode):
     import torch
 
-    from pretrain.model.context import ChunkContext
+    from pretrain.blocks.context import ChunkContext
     from pretrain.models.qwen3_next.gdn import TPGatedDeltaNet
 
     layer = TPGatedDeltaNet(model, ChunkContext(groups, False, mode, S, "none"))

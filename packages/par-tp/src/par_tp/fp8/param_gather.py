@@ -42,13 +42,16 @@ def gather_bytes(rows: int, cols: int, recipe: str | Recipe) -> int:
     return rows * cols + 4 * (-(-rows // br)) * (-(-cols // bc))
 
 
-def gather_quantized(shard: torch.Tensor, recipe: str | Recipe, group: ProcessGroup | None) -> Quantized:
-    """The whole weight ``[rows, cols]`` in FP8 from this rank's equal share of its rows ``shard``."""
+def gather_quantized(shard: torch.Tensor, recipe: str | Recipe, group: ProcessGroup | None,
+                     amax_groups: tuple[ProcessGroup, ...] = ()) -> Quantized:
+    """The whole weight ``[rows, cols]`` in FP8 from this rank's equal share of its rows ``shard``.
+    ``amax_groups``: the other groups splitting the weight (a TP layer's tp), whose ranks' pieces a
+    tensorwise amax covers too, as the FP8 linear's own quantization of it does."""
     r = _recipe(recipe)
     n = dist.get_world_size(group)
     rows, cols = shard.shape
     if r.weight_block is None:
-        amax = max_reduce_(shard.abs().max().float().reshape(()).clone(), (group,))
+        amax = max_reduce_(shard.abs().max().float().reshape(()).clone(), (group,) + tuple(amax_groups))
         q = quantize(shard, r, "weight", amax=amax, what="gather w shard")
         scale = q.scale
     else:

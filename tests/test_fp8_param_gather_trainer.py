@@ -1,0 +1,100 @@
+"""The trainer's ZeRO-3 with ``[train].fp8_param_gather = true`` (model/fp8_gather.py): each rank quantizes
+its rows of every FP8 linear's weight and the gather moves FP8 bytes + scales instead of bf16.
+
+- the gathered weight is bitwise the single device's quantization of the whole bf16 weight (data and
+  scales, ``.view(torch.uint8)``), on each rank;
+- ZeRO-3 dp2 with the key trains bitwise as ZeRO-3 dp2 without it (losses, updated weights) (whose FP8 linears quantize the bf16
+  weight gathered whole), which tests/test_layouts_fp8.py compares with the single rank's FP8 run;
+- the gather bytes par_groups.comm records are the formula (par_tp.fp8.gather_bytes: FP8 data + fp32
+  scales, tensorwise's 4-byte amax reduction) per gather of each weight, and <= 0.52 x what the run without
+  the key spends gathering the same weights in bf16.
+"""
+
+import pytest
+import torch
+
+STEPS = 2
+BASE = ["model.layers=2", "train.steps=2", "train.warmup_steps=1", "train.eval_every=0", "log.progress=false",
+        "train.seq_len=32", "train.global_batch=4", "train.micro_batch=2", "train.dtype=bf16",
+        "parallel.zero=optim_grads_params", "train.grad_clip=0"]
+WIDE = ["model.hidden=256", "model.heads=4", "model.kv_heads=4", "model.ffn_hidden=256"]  # 128-row blocks per rank
+
+
+def _u8(t):
+    return t.contiguous().reshape(t.shape or (1,)).view(torch.uint8)
+
+
+def gather_run(recipe: str, model: list[str], key: bool):
+    from par_groups import CommRecorder
+    from par_tp.fp8 import gather_bytes, quantize, RECIPES
+    from pretrain.config import load_config
+    from pretrain.training.train_loop import Trainer
+
+    cfg = load_config("tiny", BASE + model + [f"train.fp8={recipe}", f"train.fp8_param_gather={str(key).lower()}"])
+    trainer = Trainer(cfg)
+    dp = trainer.model.dp
+    gathered = dp.buffer.gathered_as
+    with CommRecorder() as rec:
+        results = [trainer.train_step(step) for step in range(STEPS)]
+    out = {"loss": [r.loss for r in results], "norm": [r.grad_norm for r in results],
+           "gather": rec.bytes_by_dtype("all_gather"), "reduce": rec.bytes_by_dtype("all_reduce"),
+           "weights": [tuple(w.shape) for w in gathered],
+           "formula": sum(gather_bytes(*w.shape, recipe) for w in gathered),
+           "fp8_gathers": sum(r.op == "all_gather" and r.dtype == "float8_e4m3fn" for r in rec.records)}
+    out["masters"] = dp.full_parameters()
+    if key:  # each weight gathered now against the single device's quantization of its bf16 values
+        full = out["masters"]  # fp32 masters; the bf16 params are their rounding
+        names = {p: n for n, p in trainer.model.module.named_parameters()}
+        same = {}
+        for b in dp.buckets:
+            if b.gather_as is None:
+                continue
+            b.unshard()
+            (w,) = b.params
+            q, single = w.zero3_gathered, quantize(full[names[w]].bfloat16(), RECIPES[recipe], "weight")
+            same[names[w]] = torch.equal(_u8(q.data), _u8(single.data)) and torch.equal(_u8(q.scale), _u8(single.scale))
+            b.reshard()
+        out["same"] = same
+    return out
+
+
+@pytest.fixture(scope="module")
+def tensorwise_runs(dist_run):
+    return {key: dist_run(2, gather_run, "tensorwise", [], key, timeout=300) for key in (False, True)}
+
+
+def _check(runs, recipe):
+    off, on = runs[False], runs[True]
+    for rank in range(2):
+        assert on[rank]["same"] and all(on[rank]["same"].values()), (rank, on[rank]["same"])
+        assert len(on[rank]["same"]) == 2 * 7  # q, k, v, o, gate, up, down of both layers
+        # the same training: losses and updated weights bitwise (the grad norm sums its buckets' squares in
+        # another order: one bucket per gathered weight)
+        assert on[rank]["loss"] == off[rank]["loss"], (on[rank]["loss"], off[rank]["loss"])
+        assert on[rank]["masters"].keys() == off[rank]["masters"].keys()
+        assert all(torch.equal(v, off[rank]["masters"][k]) for k, v in on[rank]["masters"].items())
+        assert on[rank]["norm"] == pytest.approx(off[rank]["norm"], rel=1e-6)
+        fp8 = on[rank]["gather"].get("float8_e4m3fn", 0)
+        scales = on[rank]["gather"].get("float32", 0) - off[rank]["gather"].get("float32", 0)
+        amax = on[rank]["reduce"].get("float32", 0) - off[rank]["reduce"].get("float32", 0)
+        per_step = on[rank]["fp8_gathers"] // len(on[rank]["weights"])  # each weight: forward and backward
+        assert per_step * len(on[rank]["weights"]) == on[rank]["fp8_gathers"] and per_step >= 2 * STEPS
+        assert fp8 + scales + amax == per_step * on[rank]["formula"], (fp8, scales, amax, on[rank]["formula"])
+        # what the run without the key spent gathering these weights in bf16 (its other params' gathers
+        # are the run with the key's bf16 ones)
+        bf16 = off[rank]["gather"]["bfloat16"] - on[rank]["gather"]["bfloat16"]
+        assert bf16 >= per_step * 2 * sum(r * c for r, c in on[rank]["weights"])
+        print(f"{recipe} rank {rank}: FP8 gather bytes {fp8 + scales + amax} (data {fp8}, scales {scales}, amax "
+              f"{amax}) for bf16's {bf16}: {(fp8 + scales + amax) / bf16:.4f}x")
+        assert fp8 + scales + amax <= 0.52 * bf16, (fp8 + scales + amax, bf16)
+        assert recipe != "blockwise" or scales > 0
+
+
+def test_zero3_fp8_gather_tensorwise(tensorwise_runs):
+    _check(tensorwise_runs, "tensorwise")
+
+
+@pytest.mark.extended
+def test_zero3_fp8_gather_blockwise_extended(dist_run):
+    runs = {key: dist_run(2, gather_run, "blockwise", WIDE, key, timeout=300) for key in (False, True)}
+    _check(runs, "blockwise")

@@ -98,3 +98,21 @@ def test_zero3_fp8_gather_tensorwise(tensorwise_runs):
 def test_zero3_fp8_gather_blockwise_extended(dist_run):
     runs = {key: dist_run(2, gather_run, "blockwise", WIDE, key, timeout=300) for key in (False, True)}
     _check(runs, "blockwise")
+
+
+def refused_job():
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+    from pretrain.training.train_loop import Trainer
+
+    try:  # the tiny model's k_proj: 32 rows, not two 128-row blocks
+        Trainer(load_config("tiny", BASE + ["train.fp8=blockwise", "train.fp8_param_gather=true"]))
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def test_blockwise_shard_of_partial_blocks_is_refused(dist_run):
+    for message in dist_run(2, refused_job, timeout=120):
+        assert message is not None and "fp8_param_gather=true" in message and "128-row blocks" in message, message
+        assert "\n" not in message

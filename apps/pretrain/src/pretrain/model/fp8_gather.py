@@ -46,7 +46,8 @@ def _fp8_weights(chunk: nn.Module):
 def fp8_gathered_weights(chunks, recipe: str, shards: int) -> dict[nn.Parameter, FP8Gather]:
     """``{weight: its FP8 gather}`` for par_zero's ``gathered_as``; ``shards``: the ZeRO-3 sharding group's
     size. One error line when a weight's rows do not split into whole shards (blockwise: of 128-row blocks)."""
-    rows_per_block = RECIPES[recipe].weight_block[0] if RECIPES[recipe].weight_block else 1
+    block = RECIPES[recipe].weight_block
+    rows_per_block = block[0] if block is not None and shards > 1 else 1  # one rank holds whole blocks
     out = {}
     for chunk in chunks:
         for name, w, kernel in _fp8_weights(chunk):

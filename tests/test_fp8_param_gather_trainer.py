@@ -24,7 +24,24 @@ def _u8(t):
     return t.contiguous().reshape(t.shape or (1,)).view(torch.uint8)
 
 
+class _Recorded:
+    """A bucket's gather function, its collectives recorded apart from the run's others."""
+
+    def __init__(self, gather, records: list):
+        self.gather, self.records = gather, records
+
+    def __call__(self, shard, group):
+        from par_groups import CommRecorder
+
+        with CommRecorder() as rec:
+            q = self.gather(shard, group)
+        self.records += rec.records
+        return q
+
+
 def gather_run(recipe: str, model: list[str], key: bool):
+    import torch.distributed as dist
+
     from par_groups import CommRecorder
     from par_tp.fp8 import gather_bytes, quantize, RECIPES
     from pretrain.config import load_config
@@ -33,14 +50,18 @@ def gather_run(recipe: str, model: list[str], key: bool):
     cfg = load_config("tiny", BASE + model + [f"train.fp8={recipe}", f"train.fp8_param_gather={str(key).lower()}"])
     trainer = Trainer(cfg)
     dp = trainer.model.dp
-    gathered = dp.buffer.gathered_as
+    gathered, records = dp.buffer.gathered_as, []
+    for b in dp.buckets:
+        if b.gather_as is not None:
+            b.gather_as = _Recorded(b.gather_as, records)
     with CommRecorder() as rec:
         results = [trainer.train_step(step) for step in range(STEPS)]
+    reductions = {w: 1 + sum(dist.get_world_size(g) > 1 for g in gather.amax_groups) for w, gather in gathered.items()}
     out = {"loss": [r.loss for r in results], "norm": [r.grad_norm for r in results],
-           "gather": rec.bytes_by_dtype("all_gather"), "reduce": rec.bytes_by_dtype("all_reduce"),
+           "bf16_gathers": rec.bytes_by_dtype("all_gather").get("bfloat16", 0),
+           "fp8_gather_ops": [(r.op, r.dtype, r.bytes) for r in records],
            "weights": [tuple(w.shape) for w in gathered],
-           "formula": sum(gather_bytes(*w.shape, recipe) for w in gathered),
-           "fp8_gathers": sum(r.op == "all_gather" and r.dtype == "float8_e4m3fn" for r in rec.records)}
+           "formula": sum(gather_bytes(*w.shape, recipe, reductions[w]) for w in gathered)}
     out["masters"] = dp.full_parameters()
     if key:  # each weight gathered now against the single device's quantization of its bf16 values
         full = out["masters"]  # fp32 masters; the bf16 params are their rounding
@@ -51,7 +72,8 @@ def gather_run(recipe: str, model: list[str], key: bool):
                 continue
             b.unshard()
             (w,) = b.params
-            q, single = w.zero3_gathered, quantize(full[names[w]].bfloat16(), RECIPES[recipe], "weight")
+            q, single = w.zero3_gathered, quantize(full[names[w]].bfloat16(), RECIPES[recipe], "weight",
+                                                      across=gathered[w].amax_groups)  # tp's, as the linear
             same[names[w]] = torch.equal(_u8(q.data), _u8(single.data)) and torch.equal(_u8(q.scale), _u8(single.scale))
             b.reshard()
         out["same"] = same
@@ -63,9 +85,9 @@ def tensorwise_runs(dist_run):
     return {key: dist_run(2, gather_run, "tensorwise", [], key, timeout=300) for key in (False, True)}
 
 
-def _check(runs, recipe):
+def _check(runs, recipe, world=2):
     off, on = runs[False], runs[True]
-    for rank in range(2):
+    for rank in range(world):
         assert on[rank]["same"] and all(on[rank]["same"].values()), (rank, on[rank]["same"])
         assert len(on[rank]["same"]) == 2 * 7  # q, k, v, o, gate, up, down of both layers
         # the same training: losses and updated weights bitwise (the grad norm sums its buckets' squares in
@@ -74,16 +96,19 @@ def _check(runs, recipe):
         assert on[rank]["masters"].keys() == off[rank]["masters"].keys()
         assert all(torch.equal(v, off[rank]["masters"][k]) for k, v in on[rank]["masters"].items())
         assert on[rank]["norm"] == pytest.approx(off[rank]["norm"], rel=1e-6)
-        fp8 = on[rank]["gather"].get("float8_e4m3fn", 0)
-        scales = on[rank]["gather"].get("float32", 0) - off[rank]["gather"].get("float32", 0)
-        amax = on[rank]["reduce"].get("float32", 0) - off[rank]["reduce"].get("float32", 0)
-        per_step = on[rank]["fp8_gathers"] // len(on[rank]["weights"])  # each weight: forward and backward
-        assert per_step * len(on[rank]["weights"]) == on[rank]["fp8_gathers"] and per_step >= 2 * STEPS
-        assert fp8 + scales + amax == per_step * on[rank]["formula"], (fp8, scales, amax, on[rank]["formula"])
+        ops = on[rank]["fp8_gather_ops"]
+        fp8 = sum(b for op, dtype, b in ops if dtype == "float8_e4m3fn")
+        scales = sum(b for op, dtype, b in ops if op == "all_gather" and dtype == "float32")
+        amax = sum(b for op, dtype, b in ops if op == "all_reduce")
+        assert {op for op, _, _ in ops} <= {"all_gather", "all_reduce"}
+        gathers = sum(dtype == "float8_e4m3fn" for _, dtype, _ in ops)
+        per_weight = gathers // len(on[rank]["weights"])  # every weight: each forward and backward
+        assert per_weight * len(on[rank]["weights"]) == gathers and per_weight >= 2 * STEPS
+        assert fp8 + scales + amax == per_weight * on[rank]["formula"], (fp8, scales, amax, on[rank]["formula"])
         # what the run without the key spent gathering these weights in bf16 (its other params' gathers
         # are the run with the key's bf16 ones)
-        bf16 = off[rank]["gather"]["bfloat16"] - on[rank]["gather"]["bfloat16"]
-        assert bf16 >= per_step * 2 * sum(r * c for r, c in on[rank]["weights"])
+        bf16 = off[rank]["bf16_gathers"] - on[rank]["bf16_gathers"]
+        assert bf16 >= per_weight * 2 * sum(r * c for r, c in on[rank]["weights"])
         print(f"{recipe} rank {rank}: FP8 gather bytes {fp8 + scales + amax} (data {fp8}, scales {scales}, amax "
               f"{amax}) for bf16's {bf16}: {(fp8 + scales + amax) / bf16:.4f}x")
         assert fp8 + scales + amax <= 0.52 * bf16, (fp8 + scales + amax, bf16)
@@ -94,10 +119,19 @@ def test_zero3_fp8_gather_tensorwise(tensorwise_runs):
     _check(tensorwise_runs, "tensorwise")
 
 
+EXTENDED = {  # (recipe, world, overrides): blockwise's 128-row blocks; tp2 (the amax over tp too); HSDP
+    "blockwise-dp2": ("blockwise", 2, WIDE),
+    "tensorwise-tp2-dp2": ("tensorwise", 4, ["parallel.tp=2"]),
+    "tensorwise-hsdp2x2": ("tensorwise", 4, ["parallel.hsdp_replicas=2", "train.global_batch=8"]),
+}
+
+
 @pytest.mark.extended
-def test_zero3_fp8_gather_blockwise_extended(dist_run):
-    runs = {key: dist_run(2, gather_run, "blockwise", WIDE, key, timeout=300) for key in (False, True)}
-    _check(runs, "blockwise")
+@pytest.mark.parametrize("name", list(EXTENDED))
+def test_zero3_fp8_gather_extended(dist_run, name):
+    recipe, world, overrides = EXTENDED[name]
+    runs = {key: dist_run(world, gather_run, recipe, overrides, key, timeout=300) for key in (False, True)}
+    _check(runs, recipe, world)
 
 
 def refused_job():

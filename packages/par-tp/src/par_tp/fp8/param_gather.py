@@ -31,13 +31,14 @@ def _recipe(recipe: str | Recipe) -> Recipe:
     return r
 
 
-def gather_bytes(rows: int, cols: int, recipe: str | Recipe) -> int:
+def gather_bytes(rows: int, cols: int, recipe: str | Recipe, amax_groups: int = 1) -> int:
     """Bytes one gather of a ``[rows, cols]`` weight moves (the gathered size, as par_groups.comm records it):
-    one byte per element and, for blocks, one fp32 scale per block (tensorwise: one 4-byte MAX all-reduce
-    of the amax; each rank makes the scale from it)."""
+    one byte per element and, for blocks, one fp32 scale per block (tensorwise: a 4-byte MAX all-reduce
+    of the amax over each of its ``amax_groups`` nontrivial groups, the gather's and the weight's tp; each
+    rank makes the scale from it)."""
     r = _recipe(recipe)
     if r.weight_block is None:
-        return rows * cols + 4
+        return rows * cols + 4 * amax_groups
     br, bc = r.weight_block
     return rows * cols + 4 * (-(-rows // br)) * (-(-cols // bc))
 

@@ -45,6 +45,8 @@ EXTENDED = {
     "blockwise-tp2-dp2-sp": ("blockwise", ["parallel.tp=2"], WIDE),
     "mxfp8-tp2-dp2-sp": ("mxfp8", ["parallel.tp=2"], MX),
     "mxfp8-cp2-dp2": ("mxfp8", ["parallel.cp=2", "train.seq_len=64", "train.micro_batch=2"], MX),
+    # CP by all-to-all: its linears take the same zigzag chunks as the ring's (the bytes tests' cp2)
+    "rowwise-cp2-a2a-dp2": ("rowwise", ["parallel.cp=2", "parallel.cp_comm_type=a2a"], ()),
     # the experts' grouped GEMMs in FP8 too, each source rank's rows apart (tests/test_fp8_experts.py)
     "rowwise-moe-ep2-dp4": ("rowwise", ["parallel.ep=2"], MOE, "tiny-moe"),
     "blockwise-moe-ep2-dp4": ("blockwise", ["parallel.ep=2"], MOE, "tiny-moe"),

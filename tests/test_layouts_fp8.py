@@ -45,6 +45,12 @@ EXTENDED = {
     "blockwise-tp2-dp2-sp": ("blockwise", ["parallel.tp=2"], WIDE),
     "mxfp8-tp2-dp2-sp": ("mxfp8", ["parallel.tp=2"], MX),
     "mxfp8-cp2-dp2": ("mxfp8", ["parallel.cp=2", "train.seq_len=64", "train.micro_batch=2"], MX),
+    # more of the layout matrix: HSDP, recompute, interleaved and zero-bubble pipelines
+    "tensorwise-hsdp2x2": ("tensorwise", ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"], ()),
+    "tensorwise-tp2-dp2-recompute-full": ("tensorwise", ["parallel.tp=2", "model.recompute=full"], ()),
+    "rowwise-pp2-dp2-interleaved-vpp2": ("rowwise", ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"],
+                                         ("model.layers=4",)),
+    "rowwise-pp2-dp2-zb-v": ("rowwise", ["parallel.pp=2", "parallel.schedule=zb-v"], ("model.layers=4",)),
     # CP by all-to-all: its linears take the same zigzag chunks as the ring's (the bytes tests' cp2)
     "rowwise-cp2-a2a-dp2": ("rowwise", ["parallel.cp=2", "parallel.cp_comm_type=a2a"], ()),
     # the experts' grouped GEMMs in FP8 too, each source rank's rows apart (tests/test_fp8_experts.py)

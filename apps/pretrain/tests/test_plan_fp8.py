@@ -74,3 +74,17 @@ def test_plan_names_the_amax_groups_of_experts_and_mla_and_counts_the_fp8_gather
     res = CliRunner().invoke(app, ["plan", "tiny", "--world", "2", "--set", "train.fp8=blockwise",
                                    *sum((["--set", o] for o in zero3), [])])
     assert res.exit_code == 0 and "a ZeRO-3 gather in FP8 ([train].fp8_param_gather) moves" in res.output, res.output
+
+
+@pytest.mark.extended
+def test_simulated_fp8_gather_matches_the_theory_extended():
+    """--simulate's ZeRO-3 gathers with [train].fp8_param_gather: FP8 bytes for the FP8 linears' weights,
+    as the theory counts them (sizing/fp8.py's share of the stage's params)."""
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("tiny", ["model.layers=2", "train.fp8=tensorwise", "train.fp8_param_gather=true",
+                               "parallel.zero=optim_grads_params"])
+    (rank,) = simulate(cfg, 2, [0])["ranks"]
+    gather = next(c for c in rank["collectives"] if c["op"] == "all_gather" and c["group"] == "dp")
+    assert gather["by_dtype"]["float8_e4m3fn"] > 0 and gather["by_dtype"]["bfloat16"] > 0, gather  # the rest: bf16
+    assert gather["bytes"] == pytest.approx(gather["theory_bytes"], rel=0.01), gather

@@ -19,6 +19,9 @@ from ..models import family_of
 from .flops import param_counts, training_flops_per_token
 
 FP8_RATE = 2.0  # FP8 dense tensor-core FLOP/s over bf16's (H100, H200, B200)
+# an FP8 parameter gather's bytes per weight: one byte, and blockwise's fp32 scale per 128x128 block
+# (tensorwise's 4-byte amax per tensor left out)
+FP8_GATHER_BYTES_PER_PARAM = {"tensorwise": 1.0, "blockwise": 1 + 4 / 128 ** 2}
 
 
 def fp8_gemm_params_per_token(m) -> int:
@@ -143,11 +146,11 @@ def fp8_figures(cfg, layout, params_per_rank: float) -> dict:
 
 
 def _gather_bytes(m, layout, recipe: str, params_per_rank: float) -> dict:
-    """One ZeRO-3 gather of a rank's params with the FP8 linears' weights in FP8 ([train].fp8_param_gather:
-    one byte each, blockwise's fp32 scale per 128x128 block; tensorwise's 4-byte amax per tensor left out),
-    the rest in bf16, against all of it in bf16; and of those weights alone."""
+    """One ZeRO-3 gather of a rank's params with the FP8 linears' weights in FP8 ([train].fp8_param_gather;
+    rowwise and MXFP8 counted as one byte a weight, which they cannot gather), the rest in bf16, against all
+    of it in bf16; and of those weights alone."""
     fp8 = min(fp8_gathered_params_per_rank(m, layout), params_per_rank)
-    per_element = 1 + (4 / 128 ** 2 if recipe == "blockwise" else 0)
+    per_element = FP8_GATHER_BYTES_PER_PARAM.get(recipe, 1.0)
     return {"zero3_gather_bytes_per_rank_fp8": fp8 * per_element + 2 * (params_per_rank - fp8),
             "zero3_gather_bytes_per_rank_bf16": 2 * params_per_rank,
             "zero3_fp8_weights_gather_bytes_fp8": fp8 * per_element, "zero3_fp8_weights_gather_bytes_bf16": 2 * fp8}

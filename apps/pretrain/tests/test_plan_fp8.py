@@ -88,3 +88,21 @@ def test_simulated_fp8_gather_matches_the_theory_extended():
     gather = next(c for c in rank["collectives"] if c["op"] == "all_gather" and c["group"] == "dp")
     assert gather["by_dtype"]["float8_e4m3fn"] > 0 and gather["by_dtype"]["bfloat16"] > 0, gather  # the rest: bf16
     assert gather["bytes"] == pytest.approx(gather["theory_bytes"], rel=0.01), gather
+
+
+def test_auto_searches_zero3_with_the_fp8_gather_and_counts_its_bytes():
+    """--auto under [train].fp8_param_gather: ZeRO-3 alone (the key needs it: a candidate on another level
+    would not validate) and its gathers at the FP8 linears' bytes, the rest in bf16."""
+    from types import SimpleNamespace
+
+    from pretrain.planner.estimate import zero_traffic
+    from pretrain.planner.search import ZERO, gather_bytes, zeros
+    from pretrain.runtime.rank_assignment import workload
+
+    key = ["train.fp8=tensorwise", "parallel.zero=optim_grads_params"]
+    on, off = load_config("llama3-8b", key + ["train.fp8_param_gather=true"]), load_config("llama3-8b", key)
+    assert zeros(on) == ("optim_grads_params",) and zeros(off) == ZERO
+    assert gather_bytes(off.model, off.train) == 2.0 and 1.0 < gather_bytes(on.model, on.train) < 1.2
+    work = workload(on, SimpleNamespace(micro_batch=1, microbatches=4))
+    assert zero_traffic("optim_grads_params", work, None, gather_bytes(on.model, on.train)) < \
+        zero_traffic("optim_grads_params", work)

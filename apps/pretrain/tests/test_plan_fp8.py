@@ -67,7 +67,7 @@ def test_plan_names_the_amax_groups_of_experts_and_mla_and_counts_the_fp8_gather
                       + MLA_MTP + zero3)
     f = config_plan(cfg, 8, 8, 80.0)["fp8"]
     assert f["amax_groups"]["experts (w_gate, w_up, w_down)"] == "etp per source rank's rows"
-    for name in ("MLA q_a_proj, kv_a_proj_with_mqa", "shared experts (w_gate, w_up, w_down)", "MTP eh_proj"):
+    for name in ("attention q_a_proj, kv_a_proj_with_mqa", "shared experts (w_gate, w_up, w_down)", "MTP eh_proj"):
         assert f["amax_groups"][name] == "tp", (name, f["amax_groups"])
     assert f["amax_groups"]["router"] == "high precision" and f["fp8_param_gather"]
     assert 0 < f["zero3_fp8_weights_gather_bytes_fp8"] <= 0.52 * f["zero3_fp8_weights_gather_bytes_bf16"]

@@ -60,12 +60,16 @@ def amax_groups(recipe: str, layout, m=None) -> dict[str, str]:
 
 
 def _replicated(m) -> tuple[str, ...]:
-    """The model's FP8 linears that are not TP layers (``nn.Linear``, the shared experts' SwiGLU)."""
+    """The model's FP8 linears that are not TP layers (``nn.Linear``, the shared experts' SwiGLU): the
+    attention's matrices its family splits over no tp (MLA's down-projections), the shared experts, MTP's
+    eh_proj."""
     if m is None:
         return ()
-    out = ()
-    if m.attention == "mla":
-        out += ("MLA q_a_proj, kv_a_proj_with_mqa" if m.q_lora_rank else "MLA kv_a_proj_with_mqa",)
+    family = family_of(m)
+    split = set(family.tp_split) | set(family.kv_split)
+    attention = [n.removesuffix(".weight") for n, shape in family.attention_shapes(m, "").items()
+                 if len(shape) == 2 and n.endswith(".weight") and n not in split and "norm" not in n]  # MLA's down-projections
+    out = (f"attention {', '.join(attention)}",) if attention else ()
     if m.is_moe and m.shared_experts:
         out += ("shared experts (w_gate, w_up, w_down)",)
     if m.mtp_depth:

@@ -60,7 +60,8 @@ def gather_run(recipe: str, model: list[str], key: bool):
     out = {"loss": [r.loss for r in results], "norm": [r.grad_norm for r in results],
            "bf16_gathers": rec.bytes_by_dtype("all_gather").get("bfloat16", 0),
            "fp8_gather_ops": [(r.op, r.dtype, r.bytes) for r in records],
-           "weights": [tuple(w.shape) for w in gathered], "stages": cfg.parallel.pp,
+           "weights": [tuple(w.shape) for w in gathered],
+           "layers": sum(len(list(c.decoder_layers())) for c in trainer.model.chunks.values()),
            "formula": sum(gather_bytes(*w.shape, recipe, reductions[w]) for w in gathered)}
     out["masters"] = dp.full_parameters()
     if key:  # each weight gathered now against the single device's quantization of its bf16 values
@@ -89,7 +90,7 @@ def _check(runs, recipe, world=2):
     off, on = runs[False], runs[True]
     for rank in range(world):
         assert on[rank]["same"] and all(on[rank]["same"].values()), (rank, on[rank]["same"])
-        assert len(on[rank]["same"]) == 7 * (2 // on[rank]["stages"])  # q, k, v, o, gate, up, down of its layers
+        assert len(on[rank]["same"]) == 7 * on[rank]["layers"] > 0  # q, k, v, o, gate, up, down of its layers
         # the same training: losses and updated weights bitwise (the grad norm sums its buckets' squares in
         # another order: one bucket per gathered weight)
         assert on[rank]["loss"] == off[rank]["loss"], (on[rank]["loss"], off[rank]["loss"])
@@ -126,6 +127,7 @@ EXTENDED = {  # (recipe, world, overrides): blockwise's 128-row blocks; tp2 (the
     # the recomputed forward takes the weight its unit gathers for the backward; pipeline stages' units
     "tensorwise-dp2-recompute": ("tensorwise", 2, ["model.recompute=full"]),
     "tensorwise-pp2-dp2": ("tensorwise", 4, ["parallel.pp=2", "parallel.schedule=1f1b"]),
+    "tensorwise-pp2-dp2-zb-v": ("tensorwise", 4, ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
 }
 
 

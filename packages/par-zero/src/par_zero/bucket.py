@@ -43,6 +43,21 @@ def _common_device(params: list[torch.nn.Parameter]) -> torch.device:
     return devices.pop()
 
 
+GATHERED_ATTR = "zero3_gathered"  # the param attribute a gather function's result is published as
+
+
+def _check_gather_as(gather_as, params, zero3: bool, padded: int, numel: int, d: int):
+    """A gather function serves one ZeRO-3 param whose shards are whole rows of it (no padding)."""
+    if gather_as is None:
+        return None
+    p = params[0]
+    if not zero3 or len(params) != 1 or p.dim() < 2 or padded != numel or p.shape[0] % d:
+        raise ValueError(f"a param gathered by its own function must be a ZeRO-3 param of its own bucket whose "
+                         f"{p.shape[0]} rows divide over the {d} sharding ranks, got shape {tuple(p.shape)}")
+    setattr(p, GATHERED_ATTR, None)
+    return gather_as
+
+
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -56,7 +71,8 @@ class Bucket:
 
     It holds the fp32 master of its optimizer range (the optimizer's moments live in the optimizer)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig):
+    def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig,
+                 gather_as=None):
         self.params = params
         self.groups = groups
         self.cfg = cfg
@@ -98,6 +114,7 @@ class Bucket:
                 _free(self.full_param)
             self.gathered = not self.zero3
             self._gather_work = None
+            self.gather_as = _check_gather_as(gather_as, params, self.zero3, self.N, n, d)
 
             # Grads: persistent full buffer for no_shard/optim, transient full + persistent shard otherwise.
             gdt = cfg.grad_dtype
@@ -139,8 +156,15 @@ class Bucket:
 
     # ---- ZeRO-3 gather / release ---------------------------------------------------------
     def unshard(self) -> None:
-        """Launch the all-gather of the full params (no-op if gathered or in flight)."""
+        """Launch the all-gather of the full params (no-op if gathered or in flight); a bucket gathered
+        by its own function (``gather_as``) runs it now and publishes what it returns instead."""
         if self.gathered or self._gather_work is not None:
+            return
+        if self.gather_as is not None:
+            p = self.params[0]
+            shard = self.param_shard.view(p.shape[0] // self.groups.d, *p.shape[1:])  # whole rows of it
+            setattr(p, GATHERED_ATTR, self.gather_as(shard, self.groups.gather_group))
+            self.gathered = True
             return
         _alloc(self.full_param, self.N)
         self._gather_work = comm.all_gather_into_tensor(self.full_param, self.param_shard, self.groups.gather_group, async_op=True)
@@ -155,7 +179,10 @@ class Bucket:
         if self._gather_work is not None:  # a prefetch its unit did not use: left in flight it would
             self.wait_unshard()  # bring pre-step values to the next forward; finish it, then free
         if self.zero3 and self.gathered:
-            _free(self.full_param)
+            if self.gather_as is not None:
+                setattr(self.params[0], GATHERED_ATTR, None)
+            else:
+                _free(self.full_param)
             self.gathered = False
 
     # ---- gradients -----------------------------------------------------------------------

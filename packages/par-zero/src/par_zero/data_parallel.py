@@ -68,6 +68,12 @@ class DataParallel:
     leave room). None (default): True, except for params on the CPU, where gloo runs collectives
     on the compute's cores and stages each gathered output in a second buffer of its size.
 
+    ``gathered_as``: ``{param: gather(shard, group)}`` for ZeRO-3 params gathered in another form than
+    their values (par_tp.fp8's FP8 parameter gather): each gets a bucket of its own whose shard is whole
+    rows of it; its unit runs ``gather`` on the rows this rank holds where it would all-gather the
+    values, and sets what it returns as the param's ``zero3_gathered`` (None once released). The
+    param's values are then never gathered: only a module that reads ``zero3_gathered`` may use it.
+
     ``optimizer``: one declaration (declaration.py), which says its state, how it steps and what it
     gathers: ``AdamW(betas, eps, fused)``, ``SGD(momentum, dampening, nesterov)``, ``Lion(betas)`` (element-
     wise: every strategy steps its shard), ``Muon(..., adamw=AdamW(...), matrices=, matrix_group=)`` (each
@@ -105,6 +111,7 @@ class DataParallel:
         muon_params: Callable[[str, nn.Parameter], bool] | None = None,
         matrix_group: Callable[[nn.Parameter], ProcessGroup | None] | None = None,
         fused_adamw: bool | None = None,
+        gathered_as: dict | None = None,
     ):
         if optimizer == "Muon":  # the name before declarations, with its callbacks as keywords
             callbacks = {"matrices": muon_params, "matrix_group": matrix_group}
@@ -129,7 +136,10 @@ class DataParallel:
                     p.data = p.data.to(param_dtype)
         dense = BucketGroups(dp_group, outer_group, all_gather_group)
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
-        self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
+        if gathered_as and not cfg.shard_params:
+            raise ValueError(f"gathered_as names params ZeRO-3 gathers: strategy={strategy!r} gathers none; "
+                             f"use 'optim_grads_params'")
+        self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket, gathered_as)
         decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
         self.optimizer = optimizer_loop(cfg.declaration, self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
 

@@ -44,7 +44,8 @@ class GradBuffer:
     """The buckets of ``module``'s trainable params, their hooks and collectives (see the module doc)."""
 
     def __init__(self, module: nn.Module, cfg: DataParallelConfig, dense_groups: BucketGroups,
-                 expert_groups: BucketGroups, units: Iterable[nn.Module] | None = None, own_bucket=()):
+                 expert_groups: BucketGroups, units: Iterable[nn.Module] | None = None, own_bucket=(),
+                 gathered_as=None):
         self.cfg = cfg
         self.dense_groups = dense_groups
         self.expert_groups = expert_groups
@@ -63,7 +64,8 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self.units: list[GatherUnit] = []
         self._hooks = []
-        alone = frozenset(own_bucket)
+        self.gathered_as = dict(gathered_as or {})
+        alone = frozenset(own_bucket) | frozenset(self.gathered_as)
         devices = {p.device.type for p in trainable}
         self.overlap = cfg.overlap_comm if cfg.overlap_comm is not None else devices != {"cpu"}
         if cfg.shard_params:
@@ -98,7 +100,8 @@ class GradBuffer:
                 plan.append((m, ps))
         rest = [p for p in trainable if p not in taken]
         for m, ps in plan + ([(module, rest)] if rest else []):
-            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in apart(fam, alone)]
+            bs = [Bucket(part, groups, self.cfg, self.gathered_as.get(part[0]) if len(part) == 1 else None)
+                  for fam, groups in family(ps) if fam for part in apart(fam, alone)]
             self.buckets.extend(bs)
             is_root = m is module
             unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root, self.overlap)

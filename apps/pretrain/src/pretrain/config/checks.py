@@ -115,6 +115,12 @@ def kernel_rules(cfg) -> None:
           f"[train].fp8={t.fp8!r} is par's own FP8 in the torch layers' local matmuls: not with [model].backend='te' "
           f"(use fp8='delayed' or 'current' there), [parallel].tp_comm_overlap (its overlapped matmuls) or "
           f"[train].compile; turn those off")
+    _need(not t.fp8_param_gather or t.fp8 in ("tensorwise", "blockwise"),
+          f"[train].fp8_param_gather=true gathers one FP8 quantization of each weight for its forward and "
+          f"input gradient: fp8={t.fp8!r} has none; use fp8='tensorwise' or 'blockwise' (or fp8_param_gather=false)")
+    _need(not t.fp8_param_gather or p.zero == "optim_grads_params",
+          f"[train].fp8_param_gather=true is ZeRO-3's parameter all-gather in FP8: [parallel].zero={p.zero!r} "
+          f"gathers no parameters before use; use zero='optim_grads_params' (or fp8_param_gather=false)")
     _need(not t.compile or (m.backend == "torch" and not cfg.data.packed and not p.dynamic_cp),
           "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
           "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "

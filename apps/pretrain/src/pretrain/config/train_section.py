@@ -87,6 +87,9 @@ class TrainConfig:
     # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te);
     # tensorwise | rowwise | blockwise | mxfp8: par's FP8 GEMMs in the torch layers (model/fp8.py)
     fp8: str = "off"
+    # tensorwise | blockwise with zero = optim_grads_params: ZeRO-3 gathers the FP8 linears' weights as FP8
+    # bytes + scales (each rank quantizes its rows), not bf16 (model/fp8_gather.py)
+    fp8_param_gather: bool = False
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2

@@ -19,6 +19,7 @@ from ..blocks.context import ChunkContext
 from ..blocks.dropout import DropoutPosition
 from .compile import compile_blocks_
 from .fp8 import use_fp8_linears_
+from .fp8_gather import fp8_gathered_weights
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
 from .offload import Offloader
@@ -127,11 +128,14 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         optimizer = replace(optimizer, matrices=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
                             matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
     kwargs["optimizer"] = optimizer
-    if cfg.parallel.hsdp_replicas > 1:
-        inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
+    inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout) if cfg.parallel.hsdp_replicas > 1 \
+        else (groups.dp_cp, None)
+    if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
+        kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
+    if outer is not None:
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
-        dp = data_parallel(module, groups.dp_cp, zero, **kwargs)
+        dp = data_parallel(module, inner, zero, **kwargs)
     return RankModel(groups, chunks, module, dp, schedule, num_chunks, context.dropout)
 
 

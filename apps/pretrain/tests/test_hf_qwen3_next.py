@@ -6,7 +6,8 @@ and ``qwen3_5_text`` (their linear projections held apart), imported with `pretr
 transformers' logits (fp32, <= 1e-5 relative; the chunked delta rule's rounding) on 1 rank and under tp 2
 (MoE: ep 2). Export writes back every tensor bitwise but the zero-centred norms (held as 1 + w: back
 within half an ulp of 1) and transformers loads it; after training steps, the exported model's loss in
-transformers is the trainer's eval loss (Qwen3.5 exports as ``qwen3_next``, the same model)."""
+transformers is the trainer's eval loss (Qwen3.5 exports as ``qwen3_next``, the same model). `plan` counts
+the shipped Qwen3-Next-80B-A3B's parameters as transformers does (its linear and full-attention layers apart)."""
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def train_eval_save(ckpt, out, steps):
     return trainer.evaluate(1), trainer.sampler.global_eval_batch(0).tokens
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_next_moe", "qwen3_5_moe"])  # qwen3_5: as qwen3_5_moe's
 def test_exported_model_loss_in_transformers_is_the_trainers_eval_loss(dist_run, imported, variant, tmp_path):
     root, _, _, _ = imported(variant)
     eval_loss, tokens = dist_run(1, train_eval_save, str(root / "ckpt"), str(tmp_path / "run"), 2)[0]
@@ -160,3 +161,21 @@ def test_unsupported_qwen3_next_configs_are_one_error_line(imported, tmp_path):
         assert not (tmp_path / "out").exists()
     res = runner.invoke(app, ["plan", "--world", "1", "--set", "model.attention=qwen3_next", "--set", "model.num_experts=4"])
     assert_one_error_line(res, "shared_experts", "[model].shared_experts=0 must be >= 1")
+
+
+def test_plan_counts_transformers_parameters_of_the_shipped_qwen3_next():
+    """transformers' Qwen3NextForCausalLM of our export's config.json, built on the meta device."""
+    import json
+
+    from pretrain.checkpoint.hf import hf_config_from_model
+    from pretrain.config import load_config
+
+    hf = hf_config_from_model(load_config("qwen3-next-80b-a3b").model)
+    with torch.device("meta"):
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{
+            k: v for k, v in hf.items() if k not in ("architectures", "model_type", "torch_dtype")}))
+    res = runner.invoke(app, ["plan", "qwen3-next-80b-a3b", "--world", "256", "--json"])
+    assert res.exit_code == 0, res.output
+    params = json.loads(res.output)["params"]
+    assert params["total"] == sum(p.numel() for p in model.parameters())  # 79.67B
+    assert round(params["active"] / 1e9, 2) == 3.56  # top-10 of 512 experts, the shared one, the head

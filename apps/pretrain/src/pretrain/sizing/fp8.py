@@ -24,8 +24,8 @@ FP8_RATE = 2.0  # FP8 dense tensor-core FLOP/s over bf16's (H100, H200, B200)
 def fp8_gemm_params_per_token(m) -> int:
     """Weights one token multiplies by in FP8 GEMMs (not the output layer's, not the router's)."""
     c = param_counts(m)
-    attention = c.attention - 2 * m.hidden
-    return attention * m.layers + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
+    attention = c.attention_layers - 2 * m.hidden * m.layers
+    return attention + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
 
 
 def amax_groups(recipe: str, layout) -> dict[str, str]:

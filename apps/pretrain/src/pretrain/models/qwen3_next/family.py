@@ -148,8 +148,16 @@ class Qwen3Next(Family):
                 * linear * layout.microbatches // layout.pp}
 
     def narrowing(self, m, head_width: int) -> list[str]:
-        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads)."""
-        return [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
+        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads, or
+        kv_channels where the released head is wider than hidden/heads)."""
+        wide = [f"model.kv_channels={head_width}"] if m.kv_channels > head_width else []
+        return wide + [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
+
+    def layer_kind(self, m, i: int) -> int:
+        return int(is_full_attention(m, i))
+
+    def layer_period(self, m) -> int:
+        return m.full_attention_interval  # its linear layers and a full-attention layer
 
     def model_config_from_hf(self, hf: dict, where: str):
         from .hf import qwen3_next_model_config

@@ -143,7 +143,8 @@ def test_exported_model_loss_in_transformers_is_the_trainers_eval_loss(dist_run,
 
 def test_unsupported_qwen3_next_configs_are_one_error_line(imported, tmp_path):
     """A layer pattern other than every n-th layer full attention, a shared expert that is not a whole
-    number of experts wide: one line, nothing written."""
+    number of experts wide: one line, nothing written; experts without a shared one, or not routed by a
+    softmax: one line."""
     import json
     import shutil
 
@@ -160,8 +161,10 @@ def test_unsupported_qwen3_next_configs_are_one_error_line(imported, tmp_path):
         res = runner.invoke(app, ["convert", "--from-hf", str(src), "--out", str(tmp_path / "out")])
         assert_one_error_line(res, words, words)
         assert not (tmp_path / "out").exists()
-    res = runner.invoke(app, ["plan", "--world", "1", "--set", "model.attention=qwen3_next", "--set", "model.num_experts=4"])
-    assert_one_error_line(res, "shared_experts", "[model].shared_experts=0 must be >= 1")
+    for change, words in (("model.shared_experts=0", "[model].shared_experts=0 must be >= 1"),
+                          ("model.score_func=sigmoid", "[model].score_func='sigmoid' is not supported")):
+        res = runner.invoke(app, ["plan", "tiny-moe", "--world", "1", "--set", "model.attention=qwen3_next", "--set", change])
+        assert_one_error_line(res, change.split("=")[0].split(".")[1], words)
 
 
 def test_plan_counts_transformers_parameters_of_the_shipped_qwen3_next():

@@ -53,10 +53,10 @@ class Qwen3Next(Family):
              f"[model].partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and turn an even number of "
              f"head_dim={m.head_dim} channels")
         need(not m.mtp_depth, f"[model].mtp_depth={m.mtp_depth} must be 0 with attention='{ATTENTION}'")
-        if m.num_experts:
-            need(m.score_func == "softmax" and m.n_groups == 1 and m.routed_scaling == 1.0,
-                 f"[model].attention='{ATTENTION}' routes by a softmax over the experts (score_func = 'softmax', "
-                 f"n_groups = 1, routed_scaling = 1.0)")
+        if m.num_experts:  # its MoE routes by a softmax over all the experts, unscaled
+            for key, want in (("score_func", "softmax"), ("n_groups", 1), ("routed_scaling", 1.0)):
+                need(getattr(m, key) == want, f"[model].{key}={getattr(m, key)!r} is not supported with "
+                                              f"attention='{ATTENTION}' and experts (use {want!r})")
             need(m.shared_experts >= 1, f"[model].shared_experts={m.shared_experts} must be >= 1 with "
                                         f"attention='{ATTENTION}' (its MoE layers have a sigmoid-gated shared expert)")
 

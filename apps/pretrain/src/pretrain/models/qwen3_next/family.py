@@ -39,9 +39,10 @@ class Qwen3Next(Family):
     tp_split = ("q_proj.weight", "o_proj.weight", "k_proj.weight", "v_proj.weight") + tuple(
         f"linear_attn.{n.split('.')[0]}" if "." not in n else n for n in GDN if n != "norm.weight")
     renames = {f"self_attn.{n}": f"linear_attn.{n}" for n in GDN}
-    # Qwen3.5's text models read too (their linear projections regrouped: qwen3_5.py); export writes qwen3_next
+    # Qwen3.5's read too (the language model, its linear projections regrouped: qwen3_5.py); export writes qwen3_next
     hf_architectures = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
     def check(self, m) -> None:
         need(m.full_attention_interval >= 1, f"[model].full_attention_interval={m.full_attention_interval} must be >= 1")
@@ -161,8 +162,9 @@ class Qwen3Next(Family):
 
     def model_config_from_hf(self, hf: dict, where: str):
         from .hf import qwen3_next_model_config
+        from .qwen3_5 import text_config
 
-        return qwen3_next_model_config(hf, where)
+        return qwen3_next_model_config(text_config(hf), where)
 
     def hf_config(self, m) -> dict:
         from .hf import qwen3_next_hf_config
@@ -171,10 +173,10 @@ class Qwen3Next(Family):
 
     def from_hf_names(self, state: dict, m, hf: dict) -> tuple[object, dict]:
         from .hf import QWEN3_5, from_qwen3_next_names
-        from .qwen3_5 import from_qwen3_5_names
+        from .qwen3_5 import from_qwen3_5_names, language_model, text_config
 
-        if hf.get("model_type") in QWEN3_5:
-            state = from_qwen3_5_names(state, m)
+        if text_config(hf).get("model_type") in QWEN3_5:
+            state = from_qwen3_5_names(language_model(state), m)
         return m, from_qwen3_next_names(state, m)
 
     def to_hf_names(self, state: dict, m) -> dict:

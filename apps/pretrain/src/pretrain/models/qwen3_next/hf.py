@@ -1,5 +1,6 @@
-"""Hugging Face Qwen3-Next (``model_type = qwen3_next``, dense or MoE) and Qwen3.5's text models
-(``qwen3_5_text``, ``qwen3_5_moe_text``) import; export writes ``qwen3_next`` (the same model).
+"""Hugging Face Qwen3-Next (``model_type = qwen3_next``, dense or MoE) and Qwen3.5's language models
+(``qwen3_5``, ``qwen3_5_moe`` and their ``_text`` models: ``qwen3_5.py``) import; export writes
+``qwen3_next`` (the same model). The released multi-token-prediction tensors (``mtp.*``) are not read.
 
 Names are the released ones but for two things: the linear layers' ``linear_attn.conv1d.weight``
 (``[C, 1, K]``, channels query | key | value) is kept as ``conv_q``, ``conv_k``, ``conv_v`` (``[C_part, K]``:
@@ -10,7 +11,8 @@ plain one, unchanged). Qwen3.5 holds the linear layers' projections apart (``qwe
 MoE layers (as Qwen3-MoE's, ``gqa/hf.py``): ``mlp.gate.weight`` and ``mlp.experts.N.{gate,up,down}_proj.weight``
 are our ``mlp.router.weight`` and stacked ``mlp.experts.w_{gate,up,down}``; the shared expert
 ``mlp.shared_expert.{gate,up,down}_proj.weight`` and its gate ``mlp.shared_expert_gate.weight`` are our
-``mlp.shared.w_{gate,up,down}`` and ``mlp.shared.gate.weight``. Its width
+``mlp.shared.w_{gate,up,down}`` and ``mlp.shared.gate.weight``; experts stored fused (``experts.gate_up_proj``,
+``experts.down_proj``, as transformers holds them) are read too. The shared expert's width
 ``shared_expert_intermediate_size`` is ``[model].shared_experts`` times the experts'.
 """
 
@@ -106,11 +108,15 @@ def _conv_widths(m) -> list[int]:
 
 def from_qwen3_next_names(state: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:
     """Released names -> ours (module docstring). A tensor of the wrong shape is left for the caller to report."""
-    state, out = dict(state), {}
+    state, out = {k: v for k, v in state.items() if not k.startswith("mtp.")}, {}  # released MTP: not ours
     for i in range(m.layers):
         if m.is_moe_layer(i):
             p = f"model.layers.{i}.mlp."
             stack_experts(state, p, m.num_experts, PROJ)
+            if p + "experts.gate_up_proj" in state:  # stored fused, as transformers holds them: [E, 2F, H], [E, H, F]
+                state[p + "experts.w_gate"], state[p + "experts.w_up"] = state.pop(p + "experts.gate_up_proj").chunk(2, 1)
+            if p + "experts.down_proj" in state:
+                state[p + "experts.w_down"] = state.pop(p + "experts.down_proj")
             renames = {"gate.weight": "router.weight"} | SHARED
             state |= {p + ours: state.pop(p + theirs) for theirs, ours in renames.items() if p + theirs in state}
             state[p + "router.expert_bias"] = torch.zeros(m.num_experts)

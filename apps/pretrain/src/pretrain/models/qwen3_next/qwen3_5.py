@@ -1,4 +1,8 @@
-"""Qwen3.5's linear layers hold their input projections apart: ``in_proj_qkv`` (every key head's query,
+"""Qwen3.5 as released: a vision-language model (``qwen3_5``, ``qwen3_5_moe``) whose language model is read
+(``text_config``; ``model.language_model.*``, the vision tower ``model.visual.*`` left out) or its text
+model alone (``qwen3_5_text``, ``qwen3_5_moe_text``).
+
+Its linear layers hold their input projections apart: ``in_proj_qkv`` (every key head's query,
 then every key head's key, then every value head's value), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``
 (one row block per value head each). Qwen3-Next's (ours) group the rows by key head: ``in_proj_qkvz``
 holds key head h's query, key, its ``r`` value heads' values and their ``z``; ``in_proj_ba`` its value
@@ -13,6 +17,26 @@ import torch
 from .gdn import qkvz_layout
 
 PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # vision-language model -> its text model
+
+
+def text_config(hf: dict) -> dict:
+    """The text model's ``config.json`` keys of a Qwen3.5 vision-language model's (else ``hf`` itself)."""
+    inner = hf.get("text_config")
+    if hf.get("model_type") not in TEXT or not isinstance(inner, dict):
+        return hf
+    return {"tie_word_embeddings": hf.get("tie_word_embeddings")} | inner | {"model_type": TEXT[hf["model_type"]]}
+
+
+def language_model(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's language model under the text model's names (the vision tower dropped)."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith("model.language_model."):
+            out["model." + name[len("model.language_model."):]] = t
+        elif not name.startswith("model.visual."):
+            out[name] = t
+    return out
 
 
 def from_qwen3_5_names(state: dict[str, torch.Tensor], m) -> dict[str, torch.Tensor]:

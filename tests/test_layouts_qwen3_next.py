@@ -2,7 +2,7 @@
 the same model under tp, cp (p2p and a2a: the linear layers pass their state along the pieces either
 way), tp x cp, pp, ZeRO-3 (AdamW and Muon), tp under Muon and packed documents at cp 2 and 4: 20 fp32
 steps, loss and global grad norm equal to the single rank's. Its MoE variant (softmax top-2 with the
-sigmoid-gated shared expert) under ep2 and ZeRO-3: each of 20 steps from the single rank's state
+sigmoid-gated shared expert) under ep2, ZeRO-3 and tp2+SP: each of 20 steps from the single rank's state
 (moe_stepwise, routing flips reported), at the suite's 1e-6.
 
 Tolerance 1e-5 (not the suite's 1e-6): under cp the delta rule's chunks are cut at the pieces' borders

@@ -3,8 +3,8 @@
 The one-rank reference is the trainer in fp32. Its fp64 twin is a deep copy of its model chunk in
 float64 (the same weights to the last bit, every buffer too), run on the same micro-batches with the
 trainer's own loss; while it runs, ``Tensor.float()``, ``.to(torch.float32)`` and ``new_zeros(...,
-dtype=torch.float32)`` keep fp64 tensors in fp64 (the model and the losses compute "in fp32" by those calls), so nothing rounds to fp32 on the
-way. What differs between the twin and the reference is fp32's rounding alone: for the loss, the
+dtype=torch.float32)`` keep fp64 tensors in fp64 (the model and the losses compute "in fp32" by those
+calls), so nothing rounds to fp32 on the way. What differs between the twin and the reference is fp32's rounding alone: for the loss, the
 grad norm, every module output and every parameter gradient, the relative distance
 ``||fp32 - fp64|| / ||fp64||`` is the noise that a correct layout's difference is measured against
 (as the suite's ``layout_runs.fp64_noise``). The gradient is the raw sum of the micro-batches'

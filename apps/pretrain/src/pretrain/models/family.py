@@ -11,7 +11,7 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
   :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
-* certify: how its widths narrow (:meth:`narrowing`);
+* certify: how its widths narrow (:meth:`narrowing`) and how many layers keep every kind (:meth:`layer_period`);
 * Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
   ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
 * layouts: the parallel dimensions (:attr:`dimensions`) and optional features (:attr:`supports`)
@@ -105,6 +105,14 @@ class Family:
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""
         return []
+
+    def layer_kind(self, m, i: int) -> int:
+        """Which of its kinds of attention layer ``i`` has (sizing counts one layer of each kind); one kind: 0."""
+        return 0
+
+    def layer_period(self, m) -> int:
+        """Layers in one repeat of its pattern of layer kinds: certify keeps at least one whole repeat."""
+        return 1
 
     def model_config_from_hf(self, hf: dict, where: str) -> dict:
         """Our ``[model]`` keys for a transformers ``config.json`` (what it cannot read: one UsageError line)."""

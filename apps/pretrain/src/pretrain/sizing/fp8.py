@@ -27,8 +27,8 @@ FP8_GATHER_BYTES_PER_PARAM = {"tensorwise": 1.0, "blockwise": 1 + 4 / 128 ** 2}
 def fp8_gemm_params_per_token(m) -> int:
     """Weights one token multiplies by in FP8 GEMMs (not the output layer's, not the router's)."""
     c = param_counts(m)
-    attention = c.attention - 2 * m.hidden
-    return attention * m.layers + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
+    attention = c.attention_layers - 2 * m.hidden * m.layers
+    return attention + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
 
 
 def amax_groups(recipe: str, layout, m=None) -> dict[str, str]:

@@ -8,7 +8,9 @@ channels and gates go with them). Context parallelism: the full-attention layers
 attention, the linear ones pass their recurrent state along the pieces (``par_cp.state_passing``), or
 under the all-to-all kinds split their key heads over the a2a ranks (``gdn.py``).
 The layers' RMSNorms are zero-centred in the released checkpoints (``x_hat * (1 + w)``); ours hold
-``1 + w`` (``hf.py`` converts), so they are the common norms.
+``1 + w`` (``hf.py`` converts), so they are the common norms. MoE layers (``num_experts > 0``, Qwen3-Next
+and Qwen3.5-MoE) are par-moe's softmax top-k with a sigmoid-gated shared expert (``moe.py``), split
+over ep as every family's.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ class Qwen3Next(Family):
     keys = ("full_attention_interval", "linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
             "conv_kernel", "partial_rotary_factor")
     supports = frozenset()
-    dimensions = ("tp", "cp", "pp")
+    dimensions = ("tp", "cp", "pp", "ep")
     tp_split = ("q_proj.weight", "o_proj.weight", "k_proj.weight", "v_proj.weight") + tuple(
         f"linear_attn.{n.split('.')[0]}" if "." not in n else n for n in GDN if n != "norm.weight")
     renames = {f"self_attn.{n}": f"linear_attn.{n}" for n in GDN}
-    hf_architectures = {"qwen3_next": "Qwen3NextForCausalLM"}
+    # Qwen3.5's read too (the language model, its linear projections regrouped: qwen3_5.py); export writes qwen3_next
+    hf_architectures = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                        "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
     def check(self, m) -> None:
         need(m.full_attention_interval >= 1, f"[model].full_attention_interval={m.full_attention_interval} must be >= 1")
@@ -46,8 +51,13 @@ class Qwen3Next(Family):
         need(0 < m.partial_rotary_factor <= 1 and int(m.head_dim * m.partial_rotary_factor) % 2 == 0,
              f"[model].partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and turn an even number of "
              f"head_dim={m.head_dim} channels")
-        need(not m.num_experts and not m.mtp_depth,
-             f"[model].num_experts and mtp_depth must be 0 with attention='{ATTENTION}' (dense MLPs only)")
+        need(not m.mtp_depth, f"[model].mtp_depth={m.mtp_depth} must be 0 with attention='{ATTENTION}'")
+        if m.num_experts:  # its MoE routes by a softmax over all the experts, unscaled
+            for key, want in (("score_func", "softmax"), ("n_groups", 1), ("routed_scaling", 1.0)):
+                need(getattr(m, key) == want, f"[model].{key}={getattr(m, key)!r} is not supported with "
+                                              f"attention='{ATTENTION}' and experts (use {want!r})")
+            need(m.shared_experts >= 1, f"[model].shared_experts={m.shared_experts} must be >= 1 with "
+                                        f"attention='{ATTENTION}' (its MoE layers have a sigmoid-gated shared expert)")
 
     def check_layout(self, cfg) -> None:
         """The all-to-all kinds split the linear layers' key heads (with their value heads) over the a2a ranks."""
@@ -78,6 +88,14 @@ class Qwen3Next(Family):
                "A_log": (nv,), "dt_bias": (nv,), "norm.weight": (dv,), "out_proj.weight": (h, nv * dv)}
         linear = prefix[: -len("self_attn.")] + "linear_attn."
         return {linear + k: v for k, v in out.items()}
+
+    def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
+        return {prefix + "shared.gate.weight": (1, m.hidden)}  # the shared expert's sigmoid gate (moe.py)
+
+    def build_moe(self, moe_config, *args, **kwargs):
+        from .moe import Qwen3NextMoE
+
+        return Qwen3NextMoE(moe_config, *args, **kwargs)
 
     def build_attention(self, config, context, index: int):
         if is_full_attention(config, index):
@@ -154,13 +172,22 @@ class Qwen3Next(Family):
                 "cp_bytes_per_step": 2 * boundaries * (state + halo) * linear * layout.microbatches // layout.pp}
 
     def narrowing(self, m, head_width: int) -> list[str]:
-        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads)."""
-        return [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
+        """The linear layers' head widths too (the full-attention heads narrow through hidden/heads, or
+        kv_channels where the released head is wider than hidden/heads)."""
+        wide = [f"model.kv_channels={head_width}"] if m.kv_channels > head_width else []
+        return wide + [f"model.linear_key_dim={head_width}", f"model.linear_value_dim={head_width}"]
+
+    def layer_kind(self, m, i: int) -> int:
+        return int(is_full_attention(m, i))
+
+    def layer_period(self, m) -> int:
+        return m.full_attention_interval  # its linear layers and a full-attention layer
 
     def model_config_from_hf(self, hf: dict, where: str):
         from .hf import qwen3_next_model_config
+        from .qwen3_5 import text_config
 
-        return qwen3_next_model_config(hf, where)
+        return qwen3_next_model_config(text_config(hf), where)
 
     def hf_config(self, m) -> dict:
         from .hf import qwen3_next_hf_config
@@ -168,8 +195,11 @@ class Qwen3Next(Family):
         return qwen3_next_hf_config(m)
 
     def from_hf_names(self, state: dict, m, hf: dict) -> tuple[object, dict]:
-        from .hf import from_qwen3_next_names
+        from .hf import QWEN3_5, from_qwen3_next_names
+        from .qwen3_5 import from_qwen3_5_names, language_model, text_config
 
+        if text_config(hf).get("model_type") in QWEN3_5:
+            state = from_qwen3_5_names(language_model(state), m)
         return m, from_qwen3_next_names(state, m)
 
     def to_hf_names(self, state: dict, m) -> dict:

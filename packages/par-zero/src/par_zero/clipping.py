@@ -43,6 +43,6 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
         total += sq
     norm = total.sqrt()
     coef = clip_coefficient(norm, max_norm)
-    for b in buffer.buckets:
+    for b in buffer.buckets + buffer.buddies:  # a buddy range steps from the same clipped grads as its owner
         b.opt_grad.mul_(coef)
     return norm

@@ -76,9 +76,11 @@ def _alive(pid: int) -> bool:
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
-                     shard: int = 1) -> list[dict]:
-    """``layout``: more ``--set`` arguments of both runs. ``admit_before``: a replacement rejoins before that
-    step, and the replicas end bitwise equal on every owned piece. ``shard``: data ranks per replica (HSDP)."""
+                     shard: int = 1, reference_layout: tuple | None = None) -> list[dict]:
+    """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
+    ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
+    piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
+    per replica (HSDP)."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -92,7 +94,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
                    "--set", "log.sample_ids=true", tp=tp, layout=layout)
     assert res.exit_code == 0, res.output
     log = tmp / "log"
-    expected, got = reference(dp, tp, layout), _curve(log)
+    expected, got = reference(dp, tp, layout if reference_layout is None else reference_layout), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6), (s, got[s], (loss, norm))
@@ -120,14 +122,20 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         joined = [r for r in _records(log) if r.get("event") == "replica_joined"]
         assert [(e["step"], e["ranks"]) for e in joined] == [(admit_before - 1, replica)], joined
         states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(world)]
-        for r in range(world):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-            assert states[r] == states[r - replica_of(r) * shard * tp], r
+        buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in range(world)]
+        for r in range(world):
+            if buddies[r]:  # ZeRO-1 shards with buddies: each rank's buddy range is the next replica's own shard
+                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * tp
+                assert buddies[r] == {k: states[after][k] for k in buddies[r]}, r
+            else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
+                assert states[r] == states[r - replica_of(r) * shard * tp], r
         assert states[0], "no owned pieces"
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
         plan = runner.invoke(app, ["plan", "--world", str(world), "--json",
                                    *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])
         assert plan.exit_code == 0, plan.output
-        owned = [sum(size for boxes in states[r].values() for size, _ in boxes) for r in replica]
+        owned = [sum(size for held in (states[r], buddies[r]) for boxes in held.values() for size, _ in boxes)
+                 for r in replica]
         assert json.loads(plan.output)["fault_tolerance"]["joiner_bytes"] == max(owned), (plan.output[-200:], owned)
     return lost
 
@@ -298,3 +306,15 @@ def test_dp2_x_ep2_with_expert_balancing_a_replica_killed_goes_on_with_the_unint
         tmp_path, reference, fault_ranks, balance, rank, phase, admit_before):
     """An expert-parallel group holds one copy of the experts between its ranks: it is the failure domain."""
     _check_fault_run(tmp_path, 4, rank, 2, phase, reference, layout=_moe(balance), admit_before=admit_before, shard=2)
+
+
+ZERO1 = ("--set", "parallel.zero=optim")
+BUDDY = (*ZERO1, "--set", "train.buddy_shards=1")
+
+
+@pytest.mark.timeout(300)
+def test_dp2_zero1_with_buddy_shards_killed_in_the_reduction_rejoins_with_the_shards_bitwise(tmp_path, reference,
+                                                                                             fault_ranks):
+    """ZeRO-1 over the whole dp: the survivor steps the lost rank's shard as its buddy, goes on alone with the
+    whole state, and re-shards it over both replicas when the replacement rejoins."""
+    _check_fault_run(tmp_path, 2, 1, 2, "reduction", reference, layout=BUDDY, admit_before=4, reference_layout=ZERO1)

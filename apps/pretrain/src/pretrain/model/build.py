@@ -126,6 +126,8 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         optimizer = replace(optimizer, matrices=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
                             matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
     kwargs["optimizer"] = optimizer
+    if t.buddy_shards:  # config/fault_rules.py: ZeRO-1 over the whole dp only
+        kwargs["buddy_shards"] = t.buddy_shards
     if cfg.parallel.hsdp_replicas > 1:
         inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)

@@ -42,6 +42,7 @@ from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generatio
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
+from .replica_reshard import reshard_state
 from .train_loop import Trainer
 
 MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
@@ -221,9 +222,12 @@ class ReplicaRun:
         self.replica = event["replicas"][str(self.rank)]
         fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
             self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
-        step, _ = receive_state(fresh.model, self._pairs(event)[self.rank])
+        if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+            step, got = reshard_state(None, fresh, -1)
+        else:
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank]), 0
         fresh.completed = step
-        self.joined_at = self._agree(step, event, began)
+        self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
         return fresh
 
@@ -267,12 +271,17 @@ class ReplicaRun:
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
-        copy_state(trainer, fresh)
+        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+        if buddies:
+            reshard_state(trainer, fresh, done)
+            fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
+        else:
+            copy_state(trainer, fresh)
         if trainer.prefetch is not None:
             trainer.prefetch.close()
         trainer.__dict__ = fresh.__dict__  # every holder of the trainer (the loop, the saver) sees the new one
         sent = 0
-        for joiner, source in self._pairs(event).items():
+        for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done)
         agreed = self._agree(done, event, began, sent)

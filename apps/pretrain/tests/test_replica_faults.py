@@ -136,7 +136,11 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert plan.exit_code == 0, plan.output
         owned = [sum(size for held in (states[r], buddies[r]) for boxes in held.values() for size, _ in boxes)
                  for r in replica]
-        assert json.loads(plan.output)["fault_tolerance"]["joiner_bytes"] == max(owned), (plan.output[-200:], owned)
+        planned = json.loads(plan.output)["fault_tolerance"]["joiner_bytes"]
+        if any(buddies):  # ZeRO-1 pads each bucket to a multiple of dp, which plan's ceil(params / dp) does not see
+            assert max(owned) <= planned <= max(owned) * 1.001, (planned, owned)
+        else:
+            assert planned == max(owned), (plan.output[-200:], owned)
     return lost
 
 
@@ -318,3 +322,13 @@ def test_dp2_zero1_with_buddy_shards_killed_in_the_reduction_rejoins_with_the_sh
     """ZeRO-1 over the whole dp: the survivor steps the lost rank's shard as its buddy, goes on alone with the
     whole state, and re-shards it over both replicas when the replacement rejoins."""
     _check_fault_run(tmp_path, 2, 1, 2, "reduction", reference, layout=BUDDY, admit_before=4, reference_layout=ZERO1)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,step,phase,admit_before", [(1, 2, "forward", 4), (2, 3, "optimizer", 0), (0, 2, "backward", 4)])
+def test_dp3_zero1_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks, rank, step, phase, admit_before):
+    """Two replicas left still hold buddies (the lost shard on the rank before it); the rejoin re-shards over three."""
+    _check_fault_run(tmp_path, 3, rank, step, phase, reference, layout=BUDDY, admit_before=admit_before,
+                     reference_layout=ZERO1)

@@ -134,6 +134,9 @@ class DataParallel:
         decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
         self.optimizer = optimizer_loop(cfg.declaration, self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
         # buddy_shards: the same optimizer over the next rank's ranges (buddy.py); None without them
+        # with buddies, True: :meth:`step` leaves the params' gather to the caller's :meth:`sync_params`
+        # (``params_stale`` until then), so a peer lost in it finds this rank's update whole
+        self.defer_param_sync, self.params_stale = False, False
         buddies = self.buffer.buddies
         self.buddy_optimizer = optimizer_loop(cfg.declaration, buddies, cfg, decayed,
                                               self.param_names.__getitem__) if buddies else None
@@ -209,6 +212,12 @@ class DataParallel:
         if self.buddy_optimizer is not None:
             self.buddy_optimizer.step_count = self.optimizer.step_count
             self.buddy_optimizer.step()
+            if self.defer_param_sync:  # the update is whole on this rank before any collective
+                self.optimizer.step()
+                if after_update is not None:
+                    after_update()
+                self.params_stale = True
+                return
         if self.cfg.declaration.elementwise and after_update is None:  # gathers overlap the next updates
             self.buffer.sync_params(self.optimizer.step)
         else:
@@ -230,6 +239,7 @@ class DataParallel:
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
         self.buffer.sync_params()
+        self.params_stale = False
 
     # ---- checkpoints ---------------------------------------------------------------------
     def owned_pieces(self, kind: str = "master") -> dict:

@@ -106,6 +106,8 @@ class ReplicaTrainer(Trainer):
         optimizer = self.model.dp.optimizer_state
         if hasattr(optimizer, "collectives_first"):  # a step interrupted in its collectives changed no state
             optimizer.collectives_first = True
+        if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
+            self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
 
     def _read_batch(self, step: int, eval: bool | str = False) -> Batch:
         s, share = self.sampler, self.share
@@ -128,6 +130,7 @@ class ReplicaTrainer(Trainer):
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
     def train_step(self, step: int):
+        self.sync_params()
         self._training = True
         try:
             result = super().train_step(step)
@@ -135,6 +138,15 @@ class ReplicaTrainer(Trainer):
             self._training = False
         self.completed = step + 1
         return result
+
+    def sync_params(self) -> None:
+        """The params gathered from the last step's update where it was left to the next step (buddies)."""
+        if getattr(self.model.dp, "params_stale", False):
+            self.model.dp.sync_params()
+
+    def evaluate(self, batches: int, split: str = "valid") -> float:
+        self.sync_params()
+        return super().evaluate(batches, split)
 
     def _mean_loss(self, losses):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's

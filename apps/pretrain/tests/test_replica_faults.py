@@ -109,6 +109,9 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
 
     replica = [r for r in range(world) if replica_of(r) == replica_of(rank)]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
+    # every survivor noticed at once (a closed connection), none waited for a collective's timeout: a survivor
+    # that went on to the next generation let go of the old one's groups, which closes them under a late one
+    assert all(e["noticed_at_timeout"] == 0 for e in lost), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
     for s in range(1, 5):

@@ -19,11 +19,13 @@ on: the interrupted step is discarded and redone.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -273,7 +275,7 @@ class ReplicaRun:
         began = time.monotonic()
         done = trainer.completed if trainer.completed == step + 1 else step
         coords = trainer.groups.coords()
-        _leave_groups()
+        _leave_groups(error, self.stops)
         if event is None:
             event = self._next_generation(error)
             self.missing[event["lost_replica"]] = event["lost"]
@@ -296,7 +298,7 @@ class ReplicaRun:
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done)
-        agreed = self._agree(done, event, began, sent)
+        agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
         return agreed
@@ -338,10 +340,11 @@ class ReplicaRun:
             pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
         return pairs
 
-    def _agree(self, done: int, event: dict, began: float, sent: int = 0) -> int:
-        """Every member goes on from the same step (the collective checks it); logs the event."""
-        agreed = torch.tensor([done, -done, sent], dtype=torch.int64)
-        moved = agreed[2:].clone()
+    def _agree(self, done: int, event: dict, began: float, sent: int = 0, timed_out: bool = False) -> int:
+        """Every member goes on from the same step (the collective checks it); logs the event, with how many
+        members noticed a loss only at a collective's timeout (``timed_out``: this one) rather than at once."""
+        agreed = torch.tensor([done, -done], dtype=torch.int64)
+        moved = torch.tensor([sent, int(timed_out)], dtype=torch.int64)
         comm.all_reduce(agreed[:2], None, op=dist.ReduceOp.MAX)
         comm.all_reduce(moved, None)
         if int(agreed[0]) != -int(agreed[1]):
@@ -356,7 +359,7 @@ class ReplicaRun:
             else:
                 self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
                                       generation=self.generation, replicas_left=len(set(event["replicas"].values())),
-                                      stood_still_s=still)
+                                      stood_still_s=still, noticed_at_timeout=int(moved[1]))
         return done
 
     def admit(self, trainer: ReplicaTrainer, step: int) -> None:
@@ -449,14 +452,27 @@ class StepRange:
             self.next += 1
             yield step
 
-    @contextmanager
-    def attempt(self, step: int, trainer: ReplicaTrainer):
-        try:
-            yield
-        except Exception as e:
-            if not peer_lost(e):
-                raise
-            self.next = self.run.regroup(trainer, step, e)
+    def attempt(self, step: int, trainer: ReplicaTrainer) -> "_Attempt":
+        return _Attempt(self, step, trainer)
+
+
+class _Attempt:
+    """One step's guard (:meth:`StepRange.attempt`): a class, not a generator, so that the failed step's
+    traceback, which holds the failed collective's frames and through them its process group, is let go
+    before the regroup (a generator's ``__exit__`` keeps it in its frame until the regroup returns)."""
+
+    def __init__(self, steps: StepRange, step: int, trainer) -> None:
+        self.steps, self.step, self.trainer = steps, step, trainer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if not isinstance(error, Exception) or not peer_lost(error):
+            return False
+        del tb
+        self.steps.next = self.steps.run.regroup(self.trainer, self.step, error)
+        return True
 
 
 def generation_config(cfg, micro_batch: int, replicas: int, shard: int = 1, microbatches: int = 1):
@@ -518,13 +534,27 @@ def attempt(steps, step: int, trainer):
     return steps.attempt(step, trainer) if isinstance(steps, StepRange) else nullcontext()
 
 
-def _leave_groups() -> None:
+def _leave_groups(error: BaseException | None, *holders) -> None:
     """Destroy every process group: closes this rank's connections, so a survivor still waiting on it
-    in a collective fails at once instead of at its timeout."""
+    in a collective of the old generation fails at once instead of at its timeout. A group's connections
+    close only once nothing holds it: ``error`` lets go of its traceback (whose frames hold the failed
+    collective's group), and ``holders`` (objects with a ``group``: the stop requests) of theirs; else a
+    survivor in that group's collective would wait for a peer gone on to the next generation's rendezvous,
+    where the peer waits for it."""
+    seen = set()
+    while error is not None and id(error) not in seen:  # the frames go, their text stays for a re-raise
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    for holder in holders:
+        holder.group = None
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- a group broken by the loss may not tear down cleanly; it is gone either way
         pass
+    gc.collect()  # a group held in a reference cycle goes now, not at the next collection
 
 
 def _discard_save(cfg, step: int) -> None:

@@ -104,6 +104,18 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             return receive_state(trainer, source)
 
         replica_transfer.receive_state = dying
+        from pretrain.training import fault_replica
+
+        reshard_state = fault_replica.reshard_state
+
+        def dying_in_reshard(old, new, done):  # buddy shards: the joiner (old is None) re-shards, receiving
+            marker = Path(pid_dir, "joiner_died")
+            if old is None and not marker.exists():
+                marker.touch()
+                _sigkill()
+            return reshard_state(old, new, done)
+
+        fault_replica.reshard_state = dying_in_reshard
 
     def forwarding(self, *a, **kw):
         if due("forward"):

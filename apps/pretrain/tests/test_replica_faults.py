@@ -214,7 +214,9 @@ def test_dp3_two_replicas_lost_in_a_row_goes_on_with_the_uninterrupted_curve(tmp
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks):
+@pytest.mark.parametrize("buddies", [False, True])
+def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks, buddies):
+    """Point to point from the live replica, or (ZeRO-1 with buddy shards) in the re-sharding collectives."""
     import replica_kills
 
     pids = tmp_path / "pids"
@@ -222,15 +224,21 @@ def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_
     entry = functools.partial(replica_kills.sigkill_at, 1, 2, "forward", str(pids), admit_before=3, joiner_dies=True)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true")
+        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true",
+                   layout=BUDDY if buddies else ())
     assert res.exit_code == 0, res.output
-    expected, got = reference(2), _curve(tmp_path / "log")
+    assert (pids / "joiner_died").exists()
+    expected, got = reference(2, layout=ZERO1 if buddies else ()), _curve(tmp_path / "log")
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
     events = [(r["event"], r["step"]) for r in _records(tmp_path / "log") if "event" in r]
     assert events == [("replica_lost", 1), ("replica_lost", 2), ("replica_joined", 2)], events
     states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
-    assert states[0] == states[1]
+    buddy = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
+    if buddies:  # each rank's buddy range is the other's own shard
+        assert all(buddy[r] and buddy[r] == {k: states[1 - r][k] for k in buddy[r]} for r in (0, 1))
+    else:
+        assert states[0] == states[1]
     assert len(list(pids.glob("[0-9]*"))) == 4 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]
 
 

@@ -7,7 +7,9 @@ model-parallel coordinate; a joiner holds nothing) assemble every full tensor fr
 element from exactly one holder summed into zeros on the bits (an integer sum, so -0.0 and NaN payloads
 stay as they were), and each takes the pieces it owns now, its buddy's included. The assembled tensors'
 SHA-256 (the checkpoint code's hashing) must be the same on every member, and a joiner takes the
-lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py).
+lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py). One full tensor is
+held at a time; each is all-reduced whole, so the wire moves more than the pieces a joiner owns (what the
+``replica_joined`` event and ``plan`` count).
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ import torch.distributed as dist
 from par_groups import comm
 
 from ..checkpoint.integrity import new_hash
-
-DIGEST = 32  # SHA-256 bytes
-
 
 def _sum_bits(t: torch.Tensor, group) -> None:
     """All-reduce ``t`` (each element non-zero on at most one member) as integers: the holder's bits exactly."""

@@ -1,4 +1,4 @@
-"""[model].recompute as a list of modules (model/recompute_policy.py): every policy trains bit for bit
+"""[model].recompute as a list of modules (blocks/recompute_policy.py): every policy trains bit for bit
 as the policy-free run of the same layout (its recomputed forward is the original), and a MoE step
 with recompute routes, and counts, the same pairs."""
 

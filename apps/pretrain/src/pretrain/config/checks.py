@@ -153,7 +153,7 @@ def data_rules(cfg) -> None:
 
 
 def qk_clip_rules(cfg) -> None:
-    """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
+    """QK-clip rescales GQA's W_q and W_k rows (blocks/qk_clip.py)."""
     m, p = cfg.model, cfg.parallel
     if cfg.train.muon_qk_clip > 0:
         _need("muon_qk_clip" in family_of(m).supports and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
@@ -163,7 +163,7 @@ def qk_clip_rules(cfg) -> None:
 
 
 def dropout_rules(cfg) -> None:
-    """Dropout's masks are drawn per global sample, token and channel (model/dropout.py): the layouts that keep a
+    """Dropout's masks are drawn per global sample, token and channel (blocks/dropout.py): the layouts that keep a
     block's [S, B, H] activation (and attention's whole sequence) on one rank (no tp, cp, ep), without MTP, compile
     or dynamic CP; attention dropout also with plain GQA on the torch backend and no packed documents."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data

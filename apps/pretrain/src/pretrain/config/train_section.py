@@ -75,7 +75,7 @@ class TrainConfig:
     muon_adjust_lr_fn: str = "original"  # original | match_rms_adamw | spectral_unclamped
     muon_ns_dtype: str = "bf16"
     # MuonClip's tau (Kimi K2: 100): a head's W_q, W_k rows scaled down after a step whose max logit
-    # passed it (model/qk_clip.py); 0 = off
+    # passed it (blocks/qk_clip.py); 0 = off
     muon_qk_clip: float = 0.0
     # adamw's update: auto = torch's fused kernel on CUDA, the explicit ops (bitwise torch's foreach=False)
     # on the CPU; on = the fused kernel on the CPU too (faster there, rounding differs); off = never

@@ -15,13 +15,14 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from ..blocks.context import ChunkContext
+from ..blocks.dropout import DropoutPosition
 from .compile import compile_blocks_
-from .dropout import DropoutPosition
 from .fp8 import use_fp8_linears_
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
 from .offload import Offloader
-from .parallel import ModelChunk, ChunkContext
+from .parallel import ModelChunk
 from .shapes import hf_name
 from .initial_state import init_full_state
 
@@ -93,7 +94,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if cfg.model.tie_embeddings:
         copies += _tie_embeddings(chunks, num_chunks, groups, shared=bool(copies))
     if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
-        from .te import use_te_linears_
+        from ..blocks.te import use_te_linears_
 
         for chunk in chunks.values():
             use_te_linears_(chunk)

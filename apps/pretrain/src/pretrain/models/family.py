@@ -10,7 +10,7 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
-  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`);
+  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
 * certify: how its widths narrow (:meth:`narrowing`);
 * Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
   ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
@@ -42,6 +42,9 @@ class Family:
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
     renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names
     hf_architectures: dict[str, str] = {}  # transformers model_type -> architecture it reads and writes
+    # F-wide rows a routed pair's expert activation keeps for backward (the planner's MoE bytes): par-moe's
+    # SwiGLU keeps gate, up, silu(gate) and the product w_down reads
+    expert_act_widths: int = 4
 
     def check(self, m) -> None:
         """The ``[model]`` keys' rules under this family (one UsageError line)."""
@@ -62,7 +65,7 @@ class Family:
         raise NotImplementedError
 
     def build_attention(self, config, context, index: int):
-        """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
+        """This rank's attention module of layer ``index`` (``blocks.context.ChunkContext``)."""
         raise NotImplementedError
 
     def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:

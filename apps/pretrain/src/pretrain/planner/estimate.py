@@ -88,7 +88,7 @@ def recompute_fraction(m, seq_len: int, recompute) -> float:
 def module_forward_flops(m, seq_len: int, i: int, recompute) -> float:
     """Per token: the forward FLOPs layer ``i`` runs again under the module list ``recompute`` (matmuls
     only: the norms and activations are a rounding error of them)."""
-    from ..model.recompute_policy import modules_at
+    from ..blocks.recompute_policy import modules_at
     from ..sizing.flops import training_flops_per_token
 
     modules = modules_at(recompute, i)

@@ -150,10 +150,10 @@ class ReplicaTrainer(Trainer):
         self.sync_params()
         return super().evaluate(batches, split)
 
-    def _mean_loss(self, losses):
+    def _mean_loss(self, losses, also=None):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's
         collectives: this replica's samples are in the step's gradient now (logged when asked)."""
-        loss = super()._mean_loss(losses)
+        loss = super()._mean_loss(losses, also)
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
                 f.write(json.dumps({"step": self._step + 1, "generation": self.generation,

@@ -367,3 +367,18 @@ def test_a_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_piece
     buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
     for r in (0, 1):
         assert buddies[r] and buddies[r] == {k: states[1 - r][k] for k in buddies[r]}, r
+
+
+def test_a_generation_over_a_used_store_prefix_is_refused():
+    """The planted bug "a new generation reuses the previous store prefix": each member counts itself in its
+    generation's prefix, and a count past the generation's members (an earlier generation's) stops the regroup."""
+    import torch.distributed as dist
+
+    from pretrain.training.fault_replica import _fresh_prefix
+
+    store = dist.HashStore()
+    for _ in range(3):  # generation 1's three members
+        _fresh_prefix(store, 1, 3)
+    _fresh_prefix(store, 2, 2)  # the next generation: a fresh prefix
+    with pytest.raises(RuntimeError, match="was used before"):
+        _fresh_prefix(store, 1, 2)  # a two-member generation numbered as the previous one

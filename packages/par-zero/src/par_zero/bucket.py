@@ -32,6 +32,7 @@ import torch.distributed as dist
 from par_groups import comm
 
 from .bucket_groups import BucketGroups
+from .buddy import BuddyRange
 from .config import DataParallelConfig
 
 
@@ -134,6 +135,7 @@ class Bucket:
             else:
                 self.master = original[self.opt_lo : self.opt_hi].clone()
                 self.master_is_param = False
+            self.buddy = self._buddy(original) if cfg.buddy_shards and d > 1 else None
         del original
         self.pending = len(params)
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
@@ -148,6 +150,12 @@ class Bucket:
         if self._opt_grad is None:
             self._opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=self.cfg.grad_dtype, device=self.device)
         return self._opt_grad
+
+    def _buddy(self, original: torch.Tensor) -> BuddyRange:
+        """ZeRO-1's buddy shard: the next rank's range, its master from the same values as that rank's."""
+        k = (self.shard_lo // self.S + 1) % self.groups.d
+        lo, hi = k * self.S, (k + 1) * self.S
+        return BuddyRange(self, k, self.full_param[lo:hi] if self.master_is_param else original[lo:hi].clone())
 
     def _param_view_of_opt_range(self) -> torch.Tensor:
         if self.zero3:
@@ -190,7 +198,7 @@ class Bucket:
         """Add one param's fresh grad into the flat buffer (called from its post-accumulate hook)."""
         if self.full_grad is None:
             self.new_full_grad()
-        elif self.reduced and self.cfg.shard_optimizer and self.persistent_full_grad:  # ZeRO-1
+        elif self.reduced and self.cfg.shard_optimizer and self.persistent_full_grad and self.buddy is None:  # ZeRO-1
             # A second synced backward in the same step: the buffer's other shards hold stale
             # local grads and our shard holds an average; restore "sum of contributions".
             keep = self.opt_grad * self.dp_size
@@ -216,7 +224,7 @@ class Bucket:
         if self._reduce_work is not None or self.full_grad is None:
             return
         self.full_grad.div_(self.dp_size)
-        if not self.cfg.shard_optimizer:
+        if not self.cfg.shard_optimizer or self.buddy is not None:  # buddies read the whole reduced buffer
             self._reduce_out = self.full_grad
             self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
         else:
@@ -278,7 +286,7 @@ class Bucket:
             else:
                 self._opt_grad.add_(out)
             self.full_grad = None  # ZeRO-2/3 keep only the shard
-        elif self.cfg.shard_optimizer:  # ZeRO-1 (no_shard reduced in place)
+        elif self.cfg.shard_optimizer and out is not self.full_grad:  # ZeRO-1 (no_shard, buddies: in place)
             self.opt_grad.copy_(out)
         self.reduced = True
 
@@ -322,7 +330,10 @@ class Bucket:
         the master counts as optimizer state, and only when it is not the params themselves)."""
         params = [self.param_shard] if self.zero3 else [self.full_param]
         grads = [self.full_grad] if self.persistent_full_grad else [self.opt_grad]
-        return {"params": params, "grads": grads, "optim": [] if self.master_is_param else [self.master]}
+        optim = [] if self.master_is_param else [self.master]
+        if self.buddy is not None and not self.master_is_param:
+            optim.append(self.buddy.master)
+        return {"params": params, "grads": grads, "optim": optim}
 
     def opt_segments(self):
         """(param, index, lo, hi, p_lo): the part [lo, hi) of the optimizer range holding

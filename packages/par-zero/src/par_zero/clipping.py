@@ -49,6 +49,6 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
     buffer.local_sq = local  # this rank's own ranges, copies too, before any reduction: where a wrong bit shows first
     norm = total.sqrt()
     coef = clip_coefficient(norm, max_norm)
-    for b in buffer.buckets:
+    for b in buffer.buckets + buffer.buddies:  # a buddy range steps from the same clipped grads as its owner
         b.opt_grad.mul_(coef)
     return norm

@@ -82,6 +82,11 @@ class GradBuffer:
                 self._hooks.append(p.register_hook(_weak_hook(self, GradBuffer._point_grad, p)))
         weakref.finalize(self, _remove_hooks, self._hooks)
 
+    @property
+    def buddies(self) -> list:
+        """The buddy ranges this rank steps beside its own (buddy.py; empty without buddy_shards)."""
+        return [b.buddy for b in self.buckets if getattr(b, "buddy", None) is not None]
+
     def families(self) -> list[tuple[BucketGroups, list[Bucket]]]:
         """The dense buckets and the expert ones (if on their own groups), each with its groups."""
         if self.expert_groups is self.dense_groups:
@@ -256,7 +261,7 @@ class GradBuffer:
         (sequence-parallel norms, replicated KV heads), in this rank's optimizer range. Sums are
         linear, so after the DP mean is as good as before it; copies hold identical buckets, so the
         ranges line up. Returns how many param pieces were summed."""
-        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
+        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets + self.buddies
                  for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
         return sum_partial_grads_(items)
 

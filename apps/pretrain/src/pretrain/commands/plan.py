@@ -98,6 +98,11 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
     if "fault_tolerance" in plan:
         lines.append(f"fault tolerance (replica): a replacement receives {human_bytes(plan['fault_tolerance']['joiner_bytes'])} "
                      f"per rank from the live replica (fp32 masters and optimizer state it owns)")
+        if "buddy" in plan["fault_tolerance"]:
+            b = plan["fault_tolerance"]["buddy"]
+            lines.append(f"buddy shards: {human_bytes(b['optim_bytes'])} more optimizer state per rank (the next rank's "
+                         f"shard), {human_bytes(b['grad_bytes_per_step'])} more gradient bytes per step (all-reduce "
+                         f"in place of reduce-scatter)")
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")
     for strategy, row in plan["model_state"].items():

@@ -103,6 +103,8 @@ class TrainConfig:
     # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
     fault_tolerance: str = "off"
     respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
+    # 1: under ZeRO-1 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
+    buddy_shards: int = 0
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
@@ -139,6 +141,7 @@ class TrainConfig:
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
         _choice("[train].fault_tolerance", self.fault_tolerance, ("off", "replica"))
+        _need(self.buddy_shards in (0, 1), f"[train].buddy_shards={self.buddy_shards} is not one of 0, 1")
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
 
     def _schedule_rules(self) -> None:

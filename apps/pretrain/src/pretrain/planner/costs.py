@@ -89,6 +89,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
         from ..sizing.joiner import joiner_bytes
 
         out["fault_tolerance"] = {"joiner_bytes": joiner_bytes(cfg, layout)}
+        if t.buddy_shards:  # the buddy's optimizer shard, and the grads all-reduced where ZeRO-1 reduce-scatters
+            from ..sizing.joiner import buddy_costs
+
+            out["fault_tolerance"]["buddy"] = buddy_costs(cfg, layout, stage)
     return out
 
 

@@ -228,7 +228,7 @@ def _modules(record: Record) -> dict[str, types.ModuleType]:
 @contextlib.contextmanager
 def installed():
     """The stand-in as ``transformer_engine`` for the trainer (which takes it for CUDA's); yields its Record."""
-    from pretrain.model import kernels
+    from pretrain.blocks import kernels
 
     record = Record()
     modules = _modules(record)

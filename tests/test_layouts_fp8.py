@@ -33,14 +33,26 @@ WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidd
 MOE = ("model.aux_loss_coeff=0",)
 MX = ("model.kv_heads=8",)  # 8 x 8 / tp2 = 32: one MXFP8 block per tp rank
 
+LAYOUT_ONLY = ("train.fp8_param_gather",)  # train keys of the layout, not of the single rank's run
+
 DEFAULT = {"rowwise-tp2-cp2": ("rowwise", ["parallel.tp=2", "parallel.cp=2"], ())}
 EXTENDED = {
     "tensorwise-tp2-cp2": ("tensorwise", ["parallel.tp=2", "parallel.cp=2"], ()),
     "tensorwise-dp2-zero3-tp2": ("tensorwise", ["parallel.tp=2", "parallel.zero=optim_grads_params"], ()),
+    # ZeRO-3's FP8 parameter gather (tests/test_fp8_param_gather_trainer.py: bitwise the run without it)
+    "tensorwise-dp4-zero3-fp8-gather": ("tensorwise", ["parallel.zero=optim_grads_params", "train.fp8_param_gather=true"], ()),
     "rowwise-pp2-dp2": ("rowwise", ["parallel.pp=2", "parallel.schedule=1f1b"], ()),
     "blockwise-tp2-dp2-sp": ("blockwise", ["parallel.tp=2"], WIDE),
     "mxfp8-tp2-dp2-sp": ("mxfp8", ["parallel.tp=2"], MX),
     "mxfp8-cp2-dp2": ("mxfp8", ["parallel.cp=2", "train.seq_len=64", "train.micro_batch=2"], MX),
+    # more of the layout matrix: HSDP, recompute, interleaved and zero-bubble pipelines
+    "tensorwise-hsdp2x2": ("tensorwise", ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"], ()),
+    "tensorwise-tp2-dp2-recompute-full": ("tensorwise", ["parallel.tp=2", "model.recompute=full"], ()),
+    "rowwise-pp2-dp2-interleaved-vpp2": ("rowwise", ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"],
+                                         ("model.layers=4",)),
+    "rowwise-pp2-dp2-zb-v": ("rowwise", ["parallel.pp=2", "parallel.schedule=zb-v"], ("model.layers=4",)),
+    # CP by all-to-all: its linears take the same zigzag chunks as the ring's (the bytes tests' cp2)
+    "rowwise-cp2-a2a-dp2": ("rowwise", ["parallel.cp=2", "parallel.cp_comm_type=a2a"], ()),
     # the experts' grouped GEMMs in FP8 too, each source rank's rows apart (tests/test_fp8_experts.py)
     "rowwise-moe-ep2-dp4": ("rowwise", ["parallel.ep=2"], MOE, "tiny-moe"),
     "blockwise-moe-ep2-dp4": ("blockwise", ["parallel.ep=2"], MOE, "tiny-moe"),
@@ -85,7 +97,7 @@ def _check(dist_run, recipe, layout, model, name, config=None):
     # micro-batch of one dp rank (never over dp), so the single rank quantizes the same tensors only when its
     # micro-batches are the dp ranks' ones
     mb = [] if any(o.startswith("train.micro_batch") for o in layout) else ["train.micro_batch=2"]
-    common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"] + mb + [o for o in layout if o.startswith("train.")]
+    common = list(TWO_LAYERS) + list(model) + [f"train.fp8={recipe}"] + mb + [o for o in layout if o.startswith("train.") and not o.startswith(LAYOUT_ONLY)]
     results = dist_run(4, train_and_wiring, config, common + layout, timeout=900)
     for rank, (_, _, wiring) in enumerate(results):
         assert len(wiring) >= 5 and all(wiring.values()), (name, rank, wiring)

@@ -185,8 +185,8 @@ def comm_job(sp):
 
     from par_groups import RankGrid, comm, create_groups
     from pretrain.config import load_config
-    from pretrain.model.mla import TPMLAttention
-    from pretrain.model.parallel import ContextMLACore, ChunkContext, context_attention
+    from pretrain.blocks.context import ChunkContext, context_attention
+    from pretrain.models.deepseek.mla import ContextMLACore, TPMLAttention
 
     a = load_config(None, MLA).model
     g = create_groups(RankGrid(dist.get_world_size(), tp=2))

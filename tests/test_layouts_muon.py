@@ -73,9 +73,9 @@ def _trainer(overrides):
     return Trainer(load_config("tiny-moe", list(MOE) + list(overrides)))
 
 
-def moe_reference(root: str) -> None:
-    """The single rank's steps, saving ``root/step_s`` before step s (and after the last)."""
-    trainer = _trainer([])
+def moe_reference(root: str, model=()) -> None:
+    """The single rank's steps, saving ``root/step_s`` before step s (and after the last); ``model``: overrides."""
+    trainer = _trainer(model)
     for step in range(MOE_STEPS):
         trainer.save_checkpoint(root, step, keep=MOE_STEPS + 2)
         trainer.train_step(step)
@@ -106,14 +106,20 @@ def moe_layout_updates(overrides, root: str, mine: str) -> dict:
 MOE_LAYOUTS = {"ep2": (2, ["parallel.ep=2"]), "tp2-etp2-ep2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"]),
                "cp2-ep2": (2, ["parallel.cp=2", "parallel.ep=2"]),
                "ep2-optim_grads_params": (4, ["parallel.ep=2", "parallel.zero=optim_grads_params"])}
+# the Qwen3-Next hybrid's MoE (Gated DeltaNet layers, the sigmoid-gated shared expert): opt-in, its dense
+# Muon layouts are tests/test_layouts_qwen3_next.py's
+QWEN3_NEXT_MOE = ("model.attention=qwen3_next", "model.full_attention_interval=2", "model.partial_rotary_factor=0.5",
+                  "model.heads=4", "model.kv_heads=2", "model.linear_key_heads=2", "model.linear_value_heads=4",
+                  "model.linear_key_dim=8", "model.linear_value_dim=8", "model.moe_layers_start=0")
 
 
-@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
-def test_muon_moe_layout_update_matches_single_rank(dist_run, tmp_path, name):
-    world, overrides = MOE_LAYOUTS[name]
+@pytest.mark.parametrize("name, model", [(n, ()) for n in MOE_LAYOUTS] + [
+    pytest.param(f"qwen3-next-{n}", QWEN3_NEXT_MOE, marks=pytest.mark.extended) for n in ("ep2", "ep2-optim_grads_params")])
+def test_muon_moe_layout_update_matches_single_rank(dist_run, tmp_path, name, model):
+    world, overrides = MOE_LAYOUTS[name.removeprefix("qwen3-next-")]
     root = str(tmp_path / "reference")
-    dist_run(1, moe_reference, root, timeout=600)
-    errors = dist_run(world, moe_layout_updates, overrides, root, str(tmp_path / "layout"), timeout=900)[0]
+    dist_run(1, moe_reference, root, model, timeout=600)
+    errors = dist_run(world, moe_layout_updates, [*model, *overrides], root, str(tmp_path / "layout"), timeout=900)[0]
     worst = {k: max(e[k] for e in errors.values()) for k in ("model/", "optim/momentum_buffer/")}
     print(f"{name}: max rel error after a step: params {worst['model/']:.1e} momentum {worst['optim/momentum_buffer/']:.1e}")
     assert len(errors) == MOE_STEPS and all(e <= TOLERANCE for e in worst.values()), errors

@@ -1,16 +1,20 @@
 """The Qwen3-Next hybrid (Gated DeltaNet layers, a gated full-attention layer every second layer) trains
-the same model under tp, cp (p2p and a2a: the linear layers pass their state along the pieces either
-way), tp x cp, pp and packed documents at cp 2 and 4: 20 fp32 steps, loss and global grad norm equal
-to the single rank's.
+the same model under tp, cp (p2p: the linear layers pass their state along the pieces; a2a: they split
+their key heads over the ranks; a2a+p2p: both), cp 4, tp x cp, pp, ZeRO-3 (AdamW and Muon), tp under
+Muon and packed documents at cp 2 and 4: 20 fp32 steps, loss and global grad norm equal to the single
+rank's. Its MoE variant (softmax top-2 with the sigmoid-gated shared expert) under ep2, ZeRO-3 and
+tp2+SP: each of 20 steps from the single rank's state (moe_stepwise, routing flips reported), at the
+suite's 1e-6.
 
 Tolerance 1e-5 (not the suite's 1e-6): under cp the delta rule's chunks are cut at the pieces' borders
 and the incoming state is added through the piece's affine form (``par_cp.state_passing``), so it sums
-in another order than one rank does; measured at most 4.2e-6 in the grad norm (cp2 a2a) and 2.3e-7 in the
+in another order than one rank does; measured at most 4.5e-6 in the grad norm (cp4 a2a+p2p) and 3.0e-7 in the
 loss over these 20 steps (`pytest -s` prints each)."""
 
 import pytest
 
 import layout_runs
+from moe_stepwise import assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
 from test_packed_documents import packed_dataset
 
 RTOL = 1e-5
@@ -18,6 +22,7 @@ QWEN3_NEXT = ("model.attention=qwen3_next", "model.full_attention_interval=2", "
               "model.heads=4", "model.kv_heads=2", "model.linear_key_heads=2", "model.linear_value_heads=4",
               "model.linear_key_dim=8", "model.linear_value_dim=8")
 PACKED = ("data.document_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
+MUON = ("train.optimizer=muon", "train.muon_ns_dtype=fp32")
 LAYOUTS = {
     # opt-in: the default tier proves tp by transformers' logits (test_hf_qwen3_next) and cp, packed too,
     # on the layer's own rule and conv (packages/par-cp/tests/test_delta_rule.py)
@@ -25,14 +30,29 @@ LAYOUTS = {
     "tp2-dp2": pytest.param((4, ["parallel.tp=2"]), marks=pytest.mark.extended),
     "cp2-dp2-p2p": pytest.param((4, ["parallel.cp=2"]), marks=pytest.mark.extended),
     "cp2-a2a": pytest.param((2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]), marks=pytest.mark.extended),
+    "cp4-p2p": pytest.param((4, ["parallel.cp=4"]), marks=pytest.mark.extended),
+    "cp4-a2a": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a", "model.heads=8", "model.kv_heads=4",
+                                 "model.linear_key_heads=4", "model.linear_value_heads=8"]), marks=pytest.mark.extended),
+    "cp4-hcp": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]"]),
+                            marks=pytest.mark.extended),
     "pp2": pytest.param((2, ["parallel.pp=2"]), marks=pytest.mark.extended),
+    "dp2-zero3": pytest.param((2, ["parallel.zero=optim_grads_params"]), marks=pytest.mark.extended),
+    # Muon (Newton-Schulz in fp32) on whole matrices: the conv and the GDN projections split over tp or ZeRO ranges
+    "muon-tp2": pytest.param((2, ["parallel.tp=2", *MUON]), marks=pytest.mark.extended),
+    "muon-dp2-zero3": pytest.param((2, ["parallel.zero=optim_grads_params", *MUON]), marks=pytest.mark.extended),
 }
+MOE = ("model.moe_layers_start=0", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_hidden=32",
+       "model.shared_experts=1", "model.norm_topk_prob=true", "model.bias_update_rate=0.001", "model.mlp_only_layers=[2]")
+MOE_LAYOUTS = {"ep2": ["parallel.ep=2"], "zero3": ["parallel.zero=optim_grads_params"],
+               "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}  # the shared gate: a copy, partial grads
+MOE_TOLERANCE = 1e-6
 
 
 @pytest.mark.parametrize("spec", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_qwen3_next_layout_matches_single_rank(dist_run, spec):
     world, overrides = spec
-    reference = layout_runs.single_rank(dist_run, None, QWEN3_NEXT)
+    reference = layout_runs.single_rank(dist_run, None, (*QWEN3_NEXT, *(o for o in overrides
+                                                                        if o.startswith("model.") or o in MUON)))
     for rank, result in enumerate(dist_run(world, layout_runs.train_steps, None, list(QWEN3_NEXT) + overrides, timeout=600)):
         layout_runs.assert_close_steps(result, reference, RTOL, f"{overrides} rank {rank}")
 
@@ -50,3 +70,13 @@ def test_qwen3_next_packed_documents_at_cp_match_single_rank(dist_run, data, cp)
     reference = layout_runs.single_rank(dist_run, None, overrides)
     for rank, result in enumerate(dist_run(cp, layout_runs.train_steps, None, [*overrides, f"parallel.cp={cp}"], timeout=600)):
         layout_runs.assert_close_steps(result, reference, RTOL, f"packed cp{cp} rank {rank}")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_qwen3_next_moe_layout_matches_single_rank(dist_run, moe_reference, name):
+    root, reference = moe_reference(QWEN3_NEXT + MOE)
+    results = dist_run(2, layout_steps, "tiny-moe", list(QWEN3_NEXT + MOE) + MOE_LAYOUTS[name], root, timeout=900)
+    assert_moe_steps_same(results, reference, MOE_TOLERANCE, f"qwen3_next MoE {name}")
+    assert reference[-1][0] < reference[0][0]  # and it learns

@@ -1,4 +1,4 @@
-"""[model].recompute as a list of modules (model/recompute_policy.py): every policy trains bit for bit
+"""[model].recompute as a list of modules (blocks/recompute_policy.py): every policy trains bit for bit
 as the policy-free run of the same layout (its recomputed forward is the original), and a MoE step
 with recompute routes, and counts, the same pairs."""
 
@@ -80,7 +80,7 @@ def counted_runs(config, overrides, policies):
     import torch
 
     from pretrain.config import load_config
-    from pretrain.model import te
+    from pretrain.blocks import te
     from pretrain.models.gpt_oss import moe as gpt_oss_moe
     from pretrain.training.train_loop import Trainer
 

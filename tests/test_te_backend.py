@@ -68,7 +68,7 @@ def te_backend(config, overrides):
     """The TE backend's (losses, grad norms) on the stand-in, and what the stand-in saw."""
     import te_standin
     from par_tp import ColumnParallelLinear, RowParallelLinear
-    from pretrain.model.te import TELinearKernel
+    from pretrain.blocks.te import TELinearKernel
 
     with te_standin.installed() as record:
         losses, norms, trainer = train(config, overrides, "te")

@@ -31,6 +31,7 @@ BENCHES = [
     # B + W vs one backward at h 512: at h 256 the fixed ~0.2 ms of each engine call dominates
     ("bench_split_backward.py", ["--repeats", "9", "--hidden", "512", "--tokens", "512"]),
     ("bench_cp.py", ["--repeats", "7", "--seq", "1024"]),
+    ("bench_gdn_cp.py", ["--repeats", "7", "--seq", "512"]),  # a GDN layer's cp2 state pass vs one rank / an all-gather
     ("bench_dynamic_cp.py", ["--repeats", "7", "--seq", "2048"]),
     ("bench_tp.py", ["--repeats", "7"]),
     ("bench_tp_overlap.py", ["--repeats", "7", "--tp", "2"]),

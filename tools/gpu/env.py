@@ -6,7 +6,7 @@ import torch
 
 
 def describe() -> list[str]:
-    from pretrain.model.kernels import optional_module
+    from pretrain.blocks.kernels import optional_module
     from pretrain.observe.peak import gpu_name, lookup_peak_tflops
 
     lines = [f"torch {torch.__version__} (CUDA {torch.version.cuda})"]

@@ -33,6 +33,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     from pretrain.runtime.replica_membership import ready_key
     from pretrain.training.fault_replica import ReplicaRun, ReplicaTrainer, owned_state
+    from pretrain.training.owned_state import buddy_state
     from pretrain.training.run import run_rank
     from pretrain.training.train_loop import Trainer
 
@@ -60,6 +61,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
                             for t in boxes] for name, boxes in owned_state(self.model).items()}
             Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
+            buddy = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+                            for t in boxes] for name, boxes in buddy_state(self.model).items()}
+            Path(pid_dir, f"buddy_{me}.json").write_text(json.dumps(buddy))
         return out
 
     admit = ReplicaRun.admit
@@ -100,6 +104,18 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             return receive_state(trainer, source)
 
         replica_transfer.receive_state = dying
+        from pretrain.training import fault_replica
+
+        reshard_state = fault_replica.reshard_state
+
+        def dying_in_reshard(old, new, done):  # buddy shards: the joiner (old is None) re-shards, receiving
+            marker = Path(pid_dir, "joiner_died")
+            if old is None and not marker.exists():
+                marker.touch()
+                _sigkill()
+            return reshard_state(old, new, done)
+
+        fault_replica.reshard_state = dying_in_reshard
 
     def forwarding(self, *a, **kw):
         if due("forward"):

@@ -158,6 +158,10 @@ CASES = {
     "train fp8 tile straddles tp": ["train", "--nproc", "2", *SMALL, "--set", "parallel.tp=2", "--set", "train.fp8=blockwise"],
     "train fp8 delayed on torch layers": _train("--set", "train.fp8=delayed"),
     "train fp8 rowwise with te layers": _train("--set", "train.fp8=rowwise", "--set", "model.backend=te"),
+    # FP8 parameter gather: ZeRO-3's, of one quantization serving forward and input gradient
+    "train fp8 param gather with fp8 off": _train("--set", "train.fp8_param_gather=true",
+                                                  "--set", "parallel.zero=optim_grads_params"),
+    "train fp8 param gather without zero3": _train("--set", "train.fp8=tensorwise", "--set", "train.fp8_param_gather=true"),
     # FP8 experts quantize per source rank's micro-batch: a cp chunk is only part of one
     "train fp8 experts split by cp": ["train", "tiny-moe", "--nproc", "2", *SMALL, "--set", "parallel.cp=2",
                                       "--set", "train.fp8=rowwise"],

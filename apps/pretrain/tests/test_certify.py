@@ -38,6 +38,16 @@ GPT_OSS_CONFIGS = {"gpt-oss-" + name: ("tiny-moe", GPT_OSS + layout) for name, l
     "cp2-dp2-a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"], "ep2-dp2": ["parallel.ep=2"],
     "pp2-dp2": ["parallel.pp=2", "model.aux_loss_coeff=0.0"], "dp4-zero3": ["parallel.zero=optim_grads_params"]}.items()}
 
+# Qwen3-Next (Gated DeltaNet + gated attention), dense and MoE (its gated shared expert), narrowed as certify does
+QWEN3_NEXT = ["model.attention=qwen3_next", "model.full_attention_interval=2", "model.partial_rotary_factor=0.5",
+              "model.heads=4", "model.kv_heads=2", "model.linear_key_heads=2", "model.linear_value_heads=4",
+              "model.layers=4"]
+QWEN3_NEXT_CONFIGS = {  # opt-in, as its layout tests: the default tier has its narrowing and fp64 twin below
+    "qwen3-next-tp2-dp2-sp": (None, QWEN3_NEXT + ["parallel.tp=2"]),
+    "qwen3-next-moe-ep2-dp2": ("tiny-moe", QWEN3_NEXT + ["parallel.ep=2", "model.moe_layers_start=0",
+                                                        "model.num_experts=4", "model.bias_update_rate=0.001"]),
+}
+
 
 def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
     from pretrain.certify.coverage import edge_ids
@@ -63,13 +73,42 @@ def certify(dist_run, tmp_path, config, overrides, world=4, steps=2, bug=None):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS) + [pytest.param(n, marks=[pytest.mark.extended, pytest.mark.timeout(600)])
-                                                  for n in GPT_OSS_CONFIGS])
+                                                  for n in [*QWEN3_NEXT_CONFIGS, *GPT_OSS_CONFIGS]])
 def test_correct_layout_certifies_at_4_ranks(dist_run, tmp_path, monkeypatch, name):
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
-    config, overrides = (CONFIGS | GPT_OSS_CONFIGS)[name]
+    config, overrides = (CONFIGS | QWEN3_NEXT_CONFIGS | GPT_OSS_CONFIGS)[name]
     records, line, code = certify(dist_run, tmp_path, config, overrides)
     assert all(r["tensors_compared"]["outputs"] and r["tensors_compared"]["gradients"] for r in records)
     assert code == 0, line
+
+
+def test_narrowing_keeps_a_hybrids_layer_kinds_and_narrows_its_widths():
+    """Qwen3-Next-80B narrowed for 4 ranks: one whole repeat of its layer kinds (three linear layers and a
+    full-attention one, not two linear layers alone), 8 channels a head in both kinds of layer."""
+    from pretrain.certify.narrow import narrowed_overrides
+    from pretrain.config import load_config
+    from pretrain.models.qwen3_next.pattern import is_full_attention
+
+    layout = ["parallel.pp=2", "parallel.ep=2", "train.global_batch=8", "train.micro_batch=1"]
+    m = load_config("qwen3-next-80b-a3b", narrowed_overrides("qwen3-next-80b-a3b", layout, 4)).model
+    assert m.layers == 4 and [is_full_attention(m, i) for i in range(4)] == [False, False, False, True]
+    assert (m.hidden, m.head_dim, m.linear_key_dim, m.linear_value_dim, m.moe_ffn_hidden) == (128, 8, 8, 8, 128)
+    assert (m.num_experts, m.top_k, m.linear_key_heads, m.linear_value_heads) == (512, 10, 16, 32)
+
+
+def test_fp64_twin_keeps_new_tensors_asked_in_fp32_in_fp64():
+    """The Gated DeltaNet's rule makes its states with ``new_zeros(..., dtype=torch.float32)``: in the fp64
+    twin they stay fp64, as ``float()`` and ``to(torch.float32)`` do (else fp32 meets fp64 in a matmul)."""
+    import torch
+
+    from pretrain.certify.fp64 import fp64_compute
+
+    x, y = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.bfloat16)
+    with fp64_compute():
+        made = [getattr(x, name)(*args, dtype=torch.float32) for name, args in
+                (("new_zeros", (3,)), ("new_ones", (3,)), ("new_empty", (3,)), ("new_full", ((3,), 1.0)))]
+        assert all(t.dtype == torch.float64 for t in made) and y.new_zeros(3, dtype=torch.float32).dtype == torch.float32
+    assert x.new_zeros(3, dtype=torch.float32).dtype == torch.float32  # and only while open
 
 
 # par's FP8 ([train].fp8): the operands are the single rank's bytes, so the layout certifies like fp32 does

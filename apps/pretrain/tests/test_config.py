@@ -15,7 +15,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def test_shipped_configs_are_the_package_configs_and_all_load():
     assert sorted(p.name for p in CONFIG_DIR.glob("*.toml")) == builtin_configs() == [
         "deepseek-v3.toml", "gpt-oss-120b.toml", "llama3-405b.toml", "llama3-70b.toml", "llama3-8b.toml", "llama3.2-1b.toml",
-        "tiny-moe.toml", "tiny.toml"]
+        "qwen3-next-80b-a3b.toml", "tiny-moe.toml", "tiny.toml"]
     for name in builtin_configs():
         cfg = load_config(str(CONFIG_DIR / name))
         cfg.validate_world(cfg.train.nproc)

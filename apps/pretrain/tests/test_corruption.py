@@ -23,11 +23,11 @@ def run(tmp_path, fault_ranks, spec: str, dp: int, sets=()):
     return res, [e for e in lines if e.get("event") in ("corruption", "copies_differ", "integrity_check")]
 
 
-def stopped_naming(res, rank: int, words: str) -> None:
+def stopped_naming(res, rank: int, words: str, nproc: int = 3) -> None:
     assert res.exit_code == 2, res.output
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: silent corruption: "), res.stderr
     assert f"rank {rank} (host " in res.stderr and "GPU cpu" in res.stderr and words in res.stderr, res.stderr
-    others = {r for r in range(3) if r != rank}
+    others = {r for r in range(nproc) if r != rank}
     assert not any(f"rank {r} (host" in res.stderr for r in others), res.stderr
 
 
@@ -38,13 +38,36 @@ def test_a_matmul_wrong_on_every_call_is_persistent_and_stops_the_run_at_dp2(tmp
     stopped_naming(res, 1, "computes wrong results persistently")
 
 
-CASES = {  # name: (spec, dp, rank, what)
+TP2 = ["parallel.tp=2"]  # dp2 x tp2: ranks 0-1 are replica 0 (tp ranks 0, 1), ranks 2-3 replica 1
+CASES = {  # name: (spec, ranks, rank, what[, sets])
     "matmul-dp3": ("matmul:0", 3, 0, "persistent"),
     "activation-dp2": ("flip_activation:1:3", 2, 1, "transient"),
     "activation-dp3": ("flip_activation:2:3", 3, 2, "transient"),
     "weight-dp2": ("flip_weight:1:2", 2, 1, "persistent"),  # the copies differ; the flipped rank's loss tells
     "weight-dp3": ("flip_weight:2:2", 3, 2, "copy"),  # the majority of three names it
     "optimizer-state-dp3": ("flip_state:1:2", 3, 1, "copy"),  # no loss shows it: only a hash that covers it
+    # a bit in the reduced gradient: that rank's norm is not finite, every replica drops the step alike
+    # (the norms' finiteness is summed with the loss), the suspect's rerun is normal
+    "grad-dp2": ("flip_grad:1:2", 2, 1, "transient"),
+    "grad-dp3": ("flip_grad:0:2", 3, 0, "transient"),
+    "grad-zero1-dp2": ("flip_grad:1:2", 2, 1, "transient", ["parallel.zero=optim"]),  # in its reduce-scattered shard
+    # token ids past the vocabulary in dp rank 1's share: infinite wherever it is computed
+    "bad-batch-dp2": ("bad_batch:1:3", 2, 1, "correct"),
+    "bad-batch-dp3": ("bad_batch:2:3", 3, 2, "correct"),
+    "matmul-dp2xtp2": ("matmul:3", 4, 3, "persistent", TP2),  # the rerun's first module output unlike replica 0's
+    # a transient leaves nothing but the loss, which a replica's tp ranks share: the first of them is named
+    # (here the flipped one; a flip on rank 3 lands in a hidden state whose logits no label of that step reads)
+    "activation-dp2xtp2": ("flip_activation:2:3", 4, 2, "transient", TP2),
+    "weight-dp2xtp2": ("flip_weight:1:2", 4, 1, "copy", TP2),  # a replicated norm weight: 4 copies, one odd
+    "optimizer-state-dp2xtp2": ("flip_state:2:2", 4, 2, "copy", TP2),
+    "grad-dp2xtp2": ("flip_grad:3:2", 4, 3, "transient", TP2),
+    "bad-batch-dp2xtp2": ("bad_batch:1:3", 4, 2, "correct", TP2),  # dp rank 1 is ranks 2-3
+    # pp2 x dp2: ranks 0-1 stage 0 (dp 0, 1), ranks 2-3 stage 1; the wrong rank is not the one with the loss
+    # (its rerun's outputs differ from an earlier chunk on). A matmul wrong on a stage without the head
+    # moves the loss too little to be a suspect: not detected.
+    "weight-pp2-1f1b-first-stage": ("flip_weight:1:2", 4, 1, "persistent", ["parallel.pp=2"]),  # loss: rank 3's
+    "weight-pp2-zbv-middle-chunks": ("flip_weight:3:2", 4, 3, "persistent",  # chunks 1-2; loss: rank 1's
+                                     ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
 }
 
 
@@ -52,19 +75,34 @@ CASES = {  # name: (spec, dp, rank, what)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_class_and_the_rank_are_right(tmp_path, fault_ranks, name):
-    spec, dp, rank, what = CASES[name]
-    res, events = run(tmp_path, fault_ranks, spec, dp)
-    if what == "transient":
+    spec, nproc, rank, what, *sets = CASES[name]
+    res, events = run(tmp_path, fault_ranks, spec, nproc, *sets)
+    if what in ("transient", "correct"):
         assert res.exit_code == 0, res.output
         found = [(e["class"], e["rank"]) for e in events if e["event"] == "corruption"]
-        assert found == [("transient", rank)], events
+        assert found == [(what, rank)], events
     elif what == "persistent":
-        stopped_naming(res, rank, "computes wrong results persistently")
+        stopped_naming(res, rank, "computes wrong results persistently", nproc)
     else:  # stopped at the flip's step, by the copy it flipped
         key = "master/" if "weight" in name else "exp_avg"
-        stopped_naming(res, rank, f"holds a copy of {key}")
+        stopped_naming(res, rank, f"holds a copy of {key}", nproc)
         steps = [r["step"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "loss" in r]
         assert steps == [1], steps  # the flip's step (2) is not logged: the check stops it
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["state", pytest.param("weight", marks=pytest.mark.extended)])
+def test_hsdp_replicas_are_compared(tmp_path, fault_ranks, kind):
+    """dp4, ZeRO-3 sharded within 2 ranks and replicated over 2 groups: optimizer state (or a master weight
+    shard) flipped on rank 3 differs from its HSDP replica's (two copies: logged, no majority to name one).
+    At the last step: the next update would spread it. The check hashes no freed ZeRO-3 parameter (it crashed)."""
+    res, events = run(tmp_path, fault_ranks, f"flip_{kind}:3:{STEPS}", 4,
+                      ["parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"])
+    assert res.exit_code == 0, res.output
+    differ = [e for e in events if e["event"] == "copies_differ"]
+    key = "exp_avg" if kind == "state" else "master/"
+    assert differ and differ[0]["step"] == STEPS and differ[0]["key"].startswith(key), events
+    assert 3 in differ[0]["ranks"] and len(differ[0]["ranks"]) == 2, differ
+
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
@@ -74,6 +112,20 @@ def test_a_clean_pipeline_run_flags_nothing(tmp_path, fault_ranks):
     assert res.exit_code == 0, res.output
     assert [e["event"] for e in events] == ["integrity_check"] * STEPS, events
     assert all(e["odd"] == 0 and e["split"] == 0 and e["hashed_bytes"] > 0 for e in events)
+    assert all(e["gather_ranks"] == 2 for e in events)  # the hashes gathered within a stage: never across
+
+
+def test_injection_is_off_unless_asked_and_a_bad_spec_is_refused():
+    from pretrain.errors import UsageError
+    from pretrain.observe.inject import Faults, parse
+
+    off = Faults(1, parse(""))
+    assert not off.active and not off.bad_batch and not off.flip_grad
+    assert not Faults(0, parse("flip_grad:1:2,slow:1:forward")).active  # another rank's
+    assert Faults(3, parse("bad_batch:1:2")).bad_batch == {(1, 2)}  # the data's: every rank reads it so
+    for bad in ("flip_grad:1", "bad_batch:x:2", "flip_grad:1:0", "slow:1:nowhere", "matmul:1:2"):
+        with pytest.raises(UsageError, match="PAR_INJECT"):
+            parse(bad)
 
 
 def test_the_hash_sees_every_bit_and_the_majority_names_the_odd_copy():

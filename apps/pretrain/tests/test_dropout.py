@@ -7,7 +7,7 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.errors import UsageError
-from pretrain.model.dropout import attention_with_dropout, keep_mask
+from pretrain.blocks.dropout import attention_with_dropout, keep_mask
 
 STEPS = 3
 BASE = ["model.layers=2", f"train.steps={STEPS}", "train.warmup_steps=1", "train.eval_every=0",

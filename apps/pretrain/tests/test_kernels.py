@@ -5,7 +5,7 @@ import torch
 
 from pretrain.config import load_config
 from pretrain.errors import UsageError
-from pretrain.model.kernels import select_kernels
+from pretrain.blocks.kernels import select_kernels
 from pretrain.observe.peak import lookup_peak_tflops, matmul_dtype
 
 CUDA = torch.device("cuda", 0)
@@ -18,8 +18,8 @@ def cfg(*overrides):
 @pytest.fixture
 def no_optional_libraries(monkeypatch):
     """As on a machine without flash-attn and Transformer Engine, whatever this one has."""
-    monkeypatch.setattr("pretrain.model.kernels.optional_module", lambda name: None)
-    monkeypatch.setattr("pretrain.model.kernels.grouped_mm_available", lambda device: True)  # no CUDA query
+    monkeypatch.setattr("pretrain.blocks.kernels.optional_module", lambda name: None)
+    monkeypatch.setattr("pretrain.blocks.kernels.grouped_mm_available", lambda device: True)  # no CUDA query
 
 
 def test_cpu_auto_keeps_the_cpu_kernels():
@@ -37,8 +37,8 @@ def test_cuda_auto_without_flash_attn_uses_torch_sdpa_fused_adamw_and_grouped_ge
 
 
 def test_cuda_auto_with_flash_attn_uses_it(monkeypatch):
-    monkeypatch.setattr("pretrain.model.kernels.optional_module", lambda name: object() if name == "flash_attn" else None)
-    monkeypatch.setattr("pretrain.model.kernels.grouped_mm_available", lambda device: True)
+    monkeypatch.setattr("pretrain.blocks.kernels.optional_module", lambda name: object() if name == "flash_attn" else None)
+    monkeypatch.setattr("pretrain.blocks.kernels.grouped_mm_available", lambda device: True)
     c = cfg()
     assert select_kernels(c.model, c.train, CUDA).attention_kernel == "flash"
 

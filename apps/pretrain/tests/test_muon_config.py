@@ -24,6 +24,10 @@ def test_plan_lists_the_split_hidden_matrices_muon_the_rest_adamw():
     assert not muon & adamw and split["muon_params"] > 30 * split["adamw_params"]
     text = CliRunner().invoke(app, ["plan", "tiny-moe", "--set", "train.optimizer=muon"]).output
     assert "optimizer: Muon on" in text and "AdamW on" in text
+    # Qwen3-Next's shared expert: its matrices Muon's, its one-row sigmoid gate AdamW's (as the router)
+    res = CliRunner().invoke(app, ["plan", "qwen3-next-80b-a3b", "--json", "--world", "256", "--set", "train.optimizer=muon"])
+    split = json.loads(res.output)["optimizer"]
+    assert "model.layers.*.mlp.shared.gate.weight" in split["adamw"] and "model.layers.*.mlp.shared.w_up" in split["muon"]
 
 
 def test_muon_refuses_in_one_error_line():

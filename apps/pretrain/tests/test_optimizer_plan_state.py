@@ -51,3 +51,34 @@ def test_simulate_measures_the_declared_state_as_planned(name):
                                     "parallel.zero=optim_grads_params"] + CASES[name][0])
     rank = simulate(cfg, 64, [0])["ranks"][0]
     assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.02)
+
+
+BUDDY = ["parallel.zero=optim", "train.fault_tolerance=replica", "train.buddy_shards=1", "checkpoint.async_save=false"]
+
+
+def test_plan_counts_the_buddy_shard_of_optimizer_state_and_its_bytes():
+    """[train].buddy_shards = 1 (ZeRO-1, dp 8): a second shard of the main weights and moments per rank; a joiner
+    receives both shards; the gradients' all-reduce sends (d - 1) / d of them once more than a reduce-scatter."""
+    plain, buddy = plan(["parallel.zero=optim"]), plan(BUDDY)
+    n = plain["params"]["per_rank_dense"]
+    assert buddy["model_state"]["optim"]["optim"] == 2 * plain["model_state"]["optim"]["optim"] == 2 * n * (MAIN + 8) / 8
+    assert buddy["model_state"]["no_shard"] == plain["model_state"]["no_shard"]
+    ft = buddy["fault_tolerance"]
+    assert ft["buddy"] == {"optim_bytes": plain["model_state"]["optim"]["optim"],
+                           "grad_bytes_per_step": plain["model_state"]["optim"]["grads"] * 7 / 8}
+    assert ft["joiner_bytes"] == 2 * -(-n // 8) * (MAIN + 8)
+
+
+@pytest.mark.extended
+def test_simulate_measures_the_buddy_shards_as_planned():
+    """The trainer's buddies on fake tensors (tp 2 x dp 4): optimizer bytes and the dp all-reduce as planned."""
+    from pretrain.config import load_config
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=2", "parallel.zero=optim",
+                                    "train.buddy_shards=1"])
+    rank = simulate(cfg, 8, [0])["ranks"][0]
+    assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.02)
+    dp = {c["op"]: c for c in rank["collectives"] if c["group"] == "dp"}
+    assert set(dp) == {"all_reduce", "all_gather"}
+    assert dp["all_reduce"]["ratio"] == pytest.approx(1.0, rel=0.01), dp

@@ -27,7 +27,9 @@ def test_plan_counts_fp8_only_when_it_is_on():
         share = f["gemm_share_of_model_flops"]
         assert 0 < share < 1 and f["gemm_flops_per_step"] == pytest.approx(share * off["flops"]["per_step"])
         assert f["ideal_step_time_over_bf16"] == pytest.approx(1 - share / 2)
-        assert f["zero3_gather_bytes_per_rank_fp8"] <= 0.52 * f["zero3_gather_bytes_per_rank_bf16"]
+        assert f["zero3_fp8_weights_gather_bytes_fp8"] <= 0.52 * f["zero3_fp8_weights_gather_bytes_bf16"]
+        assert f["zero3_gather_bytes_per_rank_fp8"] - f["zero3_fp8_weights_gather_bytes_fp8"] == pytest.approx(
+            f["zero3_gather_bytes_per_rank_bf16"] - f["zero3_fp8_weights_gather_bytes_bf16"])  # the rest: bf16
         tiles = recipe in ("blockwise", "mxfp8")
         assert (f["amax_groups"]["column-parallel"] == "none") == tiles, f["amax_groups"]
         assert f["amax_groups"]["output layer"] == "high precision"
@@ -50,3 +52,57 @@ def test_simulated_amax_reductions_match_the_theory_extended(recipe):
     assert cp["bytes"] == cp["theory_bytes"] and cp["by_dtype"] == {"float32": cp["bytes"]}
     tp_on, tp_off = on[("all_reduce", "tp")], off[("all_reduce", "tp")]
     assert tp_on["bytes"] - tp_off["bytes"] == tp_on["theory_bytes"] - tp_off["theory_bytes"]
+
+
+MLA_MTP = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+           "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.mtp_depth=1"]
+
+
+def test_plan_names_the_amax_groups_of_experts_and_mla_and_counts_the_fp8_gather():
+    """MoE's experts (per source rank's rows, over etp), its shared experts and MLA's / MTP's replicated
+    linears (tokens: tp and cp) each get their groups, the router stays high precision; with
+    [train].fp8_param_gather the plan says the ZeRO-3 gather moves the FP8 bytes."""
+    zero3 = ["parallel.zero=optim_grads_params", "train.fp8_param_gather=true"]
+    cfg = load_config("tiny-moe", ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "train.fp8=tensorwise"]
+                      + MLA_MTP + zero3)
+    f = config_plan(cfg, 8, 8, 80.0)["fp8"]
+    assert f["amax_groups"]["experts (w_gate, w_up, w_down)"] == "etp per source rank's rows"
+    for name in ("attention q_a_proj, kv_a_proj_with_mqa", "shared experts (w_gate, w_up, w_down)", "MTP eh_proj"):
+        assert f["amax_groups"][name] == "tp", (name, f["amax_groups"])
+    assert f["amax_groups"]["router"] == "high precision" and f["fp8_param_gather"]
+    assert 0 < f["zero3_fp8_weights_gather_bytes_fp8"] <= 0.52 * f["zero3_fp8_weights_gather_bytes_bf16"]
+    res = CliRunner().invoke(app, ["plan", "tiny", "--world", "2", "--set", "train.fp8=blockwise",
+                                   *sum((["--set", o] for o in zero3), [])])
+    assert res.exit_code == 0 and "a ZeRO-3 gather in FP8 ([train].fp8_param_gather) moves" in res.output, res.output
+
+
+@pytest.mark.extended
+def test_simulated_fp8_gather_matches_the_theory_extended():
+    """--simulate's ZeRO-3 gathers with [train].fp8_param_gather: FP8 bytes for the FP8 linears' weights,
+    as the theory counts them (sizing/fp8.py's share of the stage's params)."""
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("tiny", ["model.layers=2", "train.fp8=tensorwise", "train.fp8_param_gather=true",
+                               "parallel.zero=optim_grads_params"])
+    (rank,) = simulate(cfg, 2, [0])["ranks"]
+    gather = next(c for c in rank["collectives"] if c["op"] == "all_gather" and c["group"] == "dp")
+    assert gather["by_dtype"]["float8_e4m3fn"] > 0 and gather["by_dtype"]["bfloat16"] > 0, gather  # the rest: bf16
+    assert gather["bytes"] == pytest.approx(gather["theory_bytes"], rel=0.01), gather
+
+
+def test_auto_searches_zero3_with_the_fp8_gather_and_counts_its_bytes():
+    """--auto under [train].fp8_param_gather: ZeRO-3 alone (the key needs it: a candidate on another level
+    would not validate) and its gathers at the FP8 linears' bytes, the rest in bf16."""
+    from types import SimpleNamespace
+
+    from pretrain.planner.estimate import zero_traffic
+    from pretrain.planner.search import ZERO, gather_bytes, zeros
+    from pretrain.runtime.rank_assignment import workload
+
+    key = ["train.fp8=tensorwise", "parallel.zero=optim_grads_params"]
+    on, off = load_config("llama3-8b", key + ["train.fp8_param_gather=true"]), load_config("llama3-8b", key)
+    assert zeros(on) == ("optim_grads_params",) and zeros(off) == ZERO
+    assert gather_bytes(off.model, off.train) == 2.0 and 1.0 < gather_bytes(on.model, on.train) < 1.2
+    work = workload(on, SimpleNamespace(micro_batch=1, microbatches=4))
+    assert zero_traffic("optim_grads_params", work, None, gather_bytes(on.model, on.train)) < \
+        zero_traffic("optim_grads_params", work)

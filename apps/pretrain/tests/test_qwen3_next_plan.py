@@ -1,9 +1,14 @@
 """`plan` sizes a Qwen3-Next model's recurrent states: per linear layer and micro-batch, one state is
 value heads/tp x linear_key_dim x linear_value_dim fp32 values per sequence, and context parallelism
 passes one per boundary between ranks' pieces, forward and backward (the bytes par-cp's test records:
-packages/par-cp/tests/test_delta_rule.py); a family without such layers reports none."""
+packages/par-cp/tests/test_delta_rule.py); a family without such layers reports none. `plan --simulate`
+(the trainer's step on fake tensors, bf16 autocast as on a GPU) measures the activations the plan sizes
+from the family's declaration (``models/qwen3_next/memory.py``: the chunked rule's saved set, the conv's
+inputs), within 10 %."""
 
 import json
+
+import pytest
 
 from typer.testing import CliRunner
 
@@ -26,12 +31,32 @@ def test_plan_sizes_the_recurrent_states_and_the_state_pass():
         assert state["linear_layers"] == 6  # a full-attention layer every 4th
         assert state["state_bytes"] == b * 8 // tp * 16 * 32 * 4
         assert state["cp_state_bytes_per_layer"] == 2 * boundaries * state["state_bytes"], (world, cp, tp)
+        channels = (2 * 4 * 16 + 8 * 32) // tp  # q and k of the key heads, v of the value heads
+        assert state["cp_halo_bytes_per_layer"] == 2 * boundaries * b * 3 * channels * 2  # bf16 (a GPU run)
     assert "recurrent_state" not in _plan("--world", "2", "--set", "parallel.cp=2")
 
 
-def test_hierarchical_cp_is_one_error_line():
+def test_all_to_all_over_more_ranks_than_key_heads_is_one_error_line():
     from one_error_line import assert_one_error_line
 
-    res = CliRunner().invoke(app, ["plan", "--world", "4", *Q, "--set", "parallel.cp=4", "--set",
-                                   "parallel.cp_comm_type=a2a+p2p", "--set", "parallel.hcp=[2,2]"])
-    assert_one_error_line(res, "cp_comm_type", "[parallel].cp_comm_type='a2a+p2p' does not run with [model].attention='qwen3_next'")
+    for kind in (["--set", "parallel.cp_comm_type=a2a"], ["--set", "parallel.cp_comm_type=a2a+p2p", "--set", "parallel.hcp=[4,1]"]):
+        res = CliRunner().invoke(app, ["plan", "--world", "4", *Q, "--set", "model.linear_key_heads=2", "--set",
+                                       "parallel.cp=4", *kind])
+        assert_one_error_line(res, "linear_key_heads", "splits the linear layers' key heads over 4 ranks, which does not "
+                                                       "divide the 2 [model].linear_key_heads per tp rank")
+
+
+@pytest.mark.extended  # ~10 s; the default tier checks the declaration against a forward's saved tensors
+def test_simulate_measures_the_planned_activations():  # (test_gdn_context_parallel.py)
+    """cp 2 x tp 2 (SP), rank 1: both its pieces take the affine form; a linear layer and a full one
+    """
+    from pretrain.config import load_config
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("llama3-8b", [
+        "model.attention=qwen3_next", "model.layers=2", "model.full_attention_interval=2", "model.hidden=512", "model.heads=4", "model.kv_heads=2",
+        "model.kv_channels=128", "model.linear_key_heads=4", "model.linear_value_heads=8", "model.linear_key_dim=64",
+        "model.linear_value_dim=64", "model.ffn_hidden=1024", "model.vocab_size=8192", "parallel.tp=2",
+        "parallel.cp=2", "train.global_batch=2", "train.seq_len=1024"])
+    (rank,) = simulate(cfg, 4, [1])["ranks"]
+    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10)

@@ -1,4 +1,4 @@
-"""A recomputed region reruns its forward as the first run drew it (model/recompute.py): the MoE routing
+"""A recomputed region reruns its forward as the first run drew it (blocks/recompute.py): the MoE routing
 replayed whatever the rerun's router scores say, the dropout masks at the first run's place in the batch,
 torch's RNG as it was; the policy's words and items read as documented."""
 
@@ -9,9 +9,9 @@ from par_moe import MoEConfig, MoELayer
 
 from pretrain.config import load_config
 from pretrain.errors import UsageError
-from pretrain.model import dropout
-from pretrain.model.recompute import checkpointed
-from pretrain.model.recompute_policy import modules_at
+from pretrain.blocks import dropout
+from pretrain.blocks.recompute import checkpointed
+from pretrain.blocks.recompute_policy import modules_at
 
 
 def _grads(layer, x, recompute: bool, between=lambda: None):

@@ -76,9 +76,11 @@ def _alive(pid: int) -> bool:
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
-                     shard: int = 1) -> list[dict]:
-    """``layout``: more ``--set`` arguments of both runs. ``admit_before``: a replacement rejoins before that
-    step, and the replicas end bitwise equal on every owned piece. ``shard``: data ranks per replica (HSDP)."""
+                     shard: int = 1, reference_layout: tuple | None = None) -> list[dict]:
+    """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
+    ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
+    piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
+    per replica (HSDP)."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -92,7 +94,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
                    "--set", "log.sample_ids=true", tp=tp, layout=layout)
     assert res.exit_code == 0, res.output
     log = tmp / "log"
-    expected, got = reference(dp, tp, layout), _curve(log)
+    expected, got = reference(dp, tp, layout if reference_layout is None else reference_layout), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6), (s, got[s], (loss, norm))
@@ -107,6 +109,9 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
 
     replica = [r for r in range(world) if replica_of(r) == replica_of(rank)]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
+    # every survivor noticed at once (a closed connection), none waited for a collective's timeout: a survivor
+    # that went on to the next generation let go of the old one's groups, which closes them under a late one
+    assert all(e["noticed_at_timeout"] == 0 for e in lost), lost
     # every global sample of every step in its gradient exactly once: the latest generation's record of a step counts
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
     for s in range(1, 5):
@@ -120,15 +125,25 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         joined = [r for r in _records(log) if r.get("event") == "replica_joined"]
         assert [(e["step"], e["ranks"]) for e in joined] == [(admit_before - 1, replica)], joined
         states = [json.loads((pids / f"state_{r}.json").read_text()) for r in range(world)]
-        for r in range(world):  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-            assert states[r] == states[r - replica_of(r) * shard * tp], r
+        buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in range(world)]
+        for r in range(world):
+            if buddies[r]:  # ZeRO-1 shards with buddies: each rank's buddy range is the next replica's own shard
+                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * tp
+                assert buddies[r] == {k: states[after][k] for k in buddies[r]}, r
+            else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
+                assert states[r] == states[r - replica_of(r) * shard * tp], r
         assert states[0], "no owned pieces"
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
         plan = runner.invoke(app, ["plan", "--world", str(world), "--json",
                                    *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])
         assert plan.exit_code == 0, plan.output
-        owned = [sum(size for boxes in states[r].values() for size, _ in boxes) for r in replica]
-        assert json.loads(plan.output)["fault_tolerance"]["joiner_bytes"] == max(owned), (plan.output[-200:], owned)
+        owned = [sum(size for held in (states[r], buddies[r]) for boxes in held.values() for size, _ in boxes)
+                 for r in replica]
+        planned = json.loads(plan.output)["fault_tolerance"]["joiner_bytes"]
+        if any(buddies):  # ZeRO-1 pads each bucket to a multiple of dp, which plan's ceil(params / dp) does not see
+            assert max(owned) <= planned <= max(owned) * 1.001, (planned, owned)
+        else:
+            assert planned == max(owned), (plan.output[-200:], owned)
     return lost
 
 
@@ -199,7 +214,9 @@ def test_dp3_two_replicas_lost_in_a_row_goes_on_with_the_uninterrupted_curve(tmp
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks):
+@pytest.mark.parametrize("buddies", [False, True])
+def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks, buddies):
+    """Point to point from the live replica, or (ZeRO-1 with buddy shards) in the re-sharding collectives."""
     import replica_kills
 
     pids = tmp_path / "pids"
@@ -207,15 +224,21 @@ def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_
     entry = functools.partial(replica_kills.sigkill_at, 1, 2, "forward", str(pids), admit_before=3, joiner_dies=True)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true")
+        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true",
+                   layout=BUDDY if buddies else ())
     assert res.exit_code == 0, res.output
-    expected, got = reference(2), _curve(tmp_path / "log")
+    assert (pids / "joiner_died").exists()
+    expected, got = reference(2, layout=ZERO1 if buddies else ()), _curve(tmp_path / "log")
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
     events = [(r["event"], r["step"]) for r in _records(tmp_path / "log") if "event" in r]
     assert events == [("replica_lost", 1), ("replica_lost", 2), ("replica_joined", 2)], events
     states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
-    assert states[0] == states[1]
+    buddy = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
+    if buddies:  # each rank's buddy range is the other's own shard
+        assert all(buddy[r] and buddy[r] == {k: states[1 - r][k] for k in buddy[r]} for r in (0, 1))
+    else:
+        assert states[0] == states[1]
     assert len(list(pids.glob("[0-9]*"))) == 4 and not [p for p in pids.glob("[0-9]*") if _alive(int(p.name))]
 
 
@@ -298,3 +321,64 @@ def test_dp2_x_ep2_with_expert_balancing_a_replica_killed_goes_on_with_the_unint
         tmp_path, reference, fault_ranks, balance, rank, phase, admit_before):
     """An expert-parallel group holds one copy of the experts between its ranks: it is the failure domain."""
     _check_fault_run(tmp_path, 4, rank, 2, phase, reference, layout=_moe(balance), admit_before=admit_before, shard=2)
+
+
+ZERO1 = ("--set", "parallel.zero=optim")
+BUDDY = (*ZERO1, "--set", "train.buddy_shards=1")
+
+
+@pytest.mark.timeout(300)
+def test_dp2_zero1_with_buddy_shards_killed_in_the_reduction_rejoins_with_the_shards_bitwise(tmp_path, reference,
+                                                                                             fault_ranks):
+    """ZeRO-1 over the whole dp: the survivor steps the lost rank's shard as its buddy, goes on alone with the
+    whole state, and re-shards it over both replicas when the replacement rejoins."""
+    _check_fault_run(tmp_path, 2, 1, 2, "reduction", reference, layout=BUDDY, admit_before=4, reference_layout=ZERO1)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,step,phase,admit_before", [(1, 2, "forward", 4), (2, 3, "optimizer", 0), (0, 2, "backward", 4)])
+def test_dp3_zero1_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks, rank, step, phase, admit_before):
+    """Two replicas left still hold buddies (the lost shard on the rank before it); the rejoin re-shards over three."""
+    _check_fault_run(tmp_path, 3, rank, step, phase, reference, layout=BUDDY, admit_before=admit_before,
+                     reference_layout=ZERO1)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_pieces(tmp_path, fault_ranks):
+    """A checkpoint holds each ZeRO-1 shard once (its owner's); a resumed rank's buddy range is read from it, so
+    the buddy is its owner's state bitwise again (not fresh zeros a later loss would train from)."""
+    import replica_kills
+
+    ft = ("--set", "train.fault_tolerance=replica", "--set", "train.respawn=false")
+    res = _run(tmp_path, 2, *ft, "--set", "train.steps=2", layout=BUDDY)
+    assert res.exit_code == 0, res.output
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    entry = functools.partial(replica_kills.sigkill_at, 99, 0, "forward", str(pids))  # no rank is killed: the dumps
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", entry)
+        res = _run(tmp_path, 2, *ft, "--set", "train.steps=3", "--set", "checkpoint.resume=true", layout=BUDDY)
+    assert res.exit_code == 0, res.output
+    assert sorted(_curve(tmp_path / "log")) == [1, 2, 3]
+    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
+    buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
+    for r in (0, 1):
+        assert buddies[r] and buddies[r] == {k: states[1 - r][k] for k in buddies[r]}, r
+
+
+def test_a_generation_over_a_used_store_prefix_is_refused():
+    """The planted bug "a new generation reuses the previous store prefix": each member counts itself in its
+    generation's prefix, and a count past the generation's members (an earlier generation's) stops the regroup."""
+    import torch.distributed as dist
+
+    from pretrain.training.fault_replica import _fresh_prefix
+
+    store = dist.HashStore()
+    for _ in range(3):  # generation 1's three members
+        _fresh_prefix(store, 1, 3)
+    _fresh_prefix(store, 2, 2)  # the next generation: a fresh prefix
+    with pytest.raises(RuntimeError, match="was used before"):
+        _fresh_prefix(store, 1, 2)  # a two-member generation numbered as the previous one

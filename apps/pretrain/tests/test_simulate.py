@@ -96,6 +96,17 @@ def test_moe_with_context_parallelism_matches_the_plan():
     assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.05)
 
 
+def test_gpt_oss_120b_at_world_256_matches_the_plan():
+    # the shipped gpt-oss-120b (full recomputation, pp 4 x ep 16 x dp 64) with 4 of its 36 layers, one a
+    # stage: rank 0's sliding-window layer, recomputed in the backward (its experts' clamped SwiGLU keeps
+    # 7 F-wide rows a routed pair, Family.expert_act_widths), and its balanced routing's all-to-alls
+    from pretrain.simulate.report import simulate
+
+    (rank,) = simulate(load_config("gpt-oss-120b", ["model.layers=4"]), 256, [0])["ranks"]
+    assert rank["stage"] == 0 and rank["layers"] == [0]
+    _check(rank, [("all_to_all", "ep"), ("send", "pp")])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world", "64", "--set", "parallel.tp=3"], "[parallel].tp=3 does not divide [model].heads=32"),
     (["--world", "63"], "does not fit 63 ranks"),

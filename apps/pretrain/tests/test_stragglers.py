@@ -20,8 +20,10 @@ BASE = ["--set", "model.layers=2", "--set", f"train.steps={STEPS}", "--set", "tr
 
 
 def injected_run(tmp_path, fault_ranks, spec: str, nproc: int, sets: list[str]) -> tuple[list[dict], str]:
-    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's records, the output."""
-    res, lines = injected_train(tmp_path, fault_ranks, spec, nproc, BASE, sets)
+    """A ``pretrain train`` with ``PAR_INJECT=spec`` in its ranks: log.jsonl's records, the output. An item of
+    ``sets`` without ``=`` is the config (``tiny-moe``)."""
+    config = [s for s in sets if "=" not in s]
+    res, lines = injected_train(tmp_path, fault_ranks, spec, nproc, config + BASE, [s for s in sets if "=" in s])
     assert res.exit_code == 0, res.output
     return lines, res.output
 
@@ -31,8 +33,10 @@ def named(lines: list[dict], chronic: bool = False) -> set[tuple[int, str]]:
     return {(e["rank"], e["phase"]) for e in lines if e.get("event") == "straggler" and (e["chronic"] or not chronic)}
 
 
+ZBV = ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]
 CASES = {  # name: (nproc, sets, injected rank, phase)
     "dp2-backward-ddp": (2, [], 1, "backward"),  # the all-reduce makes every rank wait alike: busy time tells
+    "cp2-backward": (2, ["parallel.cp=2"], 0, "backward"),  # the ring's exchanges are waits, not the rank's work
 }
 EXTENDED = {
     "tp2-optimizer": (2, ["parallel.tp=2"], 0, "optimizer"),
@@ -42,6 +46,14 @@ EXTENDED = {
     # ranks 2-3 stage 1 (a layer, the head, the loss)
     "pp2-1f1b-forward": (4, ["parallel.pp=2"], 3, "forward"),
     "pp2-1f1b-send-lighter-stage": (4, ["parallel.pp=2"], 1, "pp_send"),
+    "cp2-forward": (2, ["parallel.cp=2"], 1, "forward"),
+    "ep2-forward": (2, ["tiny-moe", "parallel.ep=2"], 1, "forward"),  # the experts' all-to-alls are waits
+    "ep2-backward": (2, ["tiny-moe", "parallel.ep=2"], 0, "backward"),
+    # ZB-V at pp2 x dp2, 4 layers: stage 0 holds chunks 0 and 3 (the embedding, a layer; a layer, the head,
+    # the loss), stage 1 chunks 1 and 2 (a layer each: the lighter stage)
+    "pp2-zbv-forward": (4, ZBV, 0, "forward"),
+    "pp2-zbv-backward-lighter-stage": (4, ZBV, 3, "backward"),
+    "pp2-zbv-forward-lighter-stage": (4, ZBV, 2, "forward"),
 }
 
 
@@ -108,10 +120,14 @@ def test_ranks_are_compared_within_their_pipeline_stage_only():
     rows = clean_rows()
     for r in rows:
         r[2:] *= 4
-    staged = StragglerRule([0, 0, 1, 1])
+    staged = StragglerRule([0, 0, 1, 1], planned_layers=[2, 2])
     out = [staged.observe(r) for r in rows]
     assert all(o["stragglers"] == [] for o in out)
     assert out[-1]["stage_busy_s"][1] > 1.5 * out[-1]["stage_busy_s"][0]
+    # the imbalance, once, when the window is full: stage 1 against stage 0, where the plan expects them alike
+    found = [(i, e.stage, e.fastest, e.planned_ratio) for i, o in enumerate(out) for e in o.get("stage_imbalance", ())]
+    assert found == [(4, 1, 0, 1.0)], found
+    assert "stage 1 busy 4.0x stage 0 (beyond planned: 1.0x by layers 2/2" in out[4]["stage_imbalance"][0].line(5)
     mixed = StragglerRule([0, 0, 0, 0])
     assert any(mixed.observe(r)["stragglers"] for r in rows)
 
@@ -124,6 +140,7 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
             "busy_s": 0.07, "peers_s": 0.01, "slower": 7.0}
     events = [flag | {"step": 3, "chronic": False}, flag | {"step": 4, "chronic": True},
               {"event": "corruption", "step": 4, "class": "transient", "rank": 1, "host": "h1", "gpu": "0"},
+              {"event": "stage_imbalance", "step": 4, "stage": 1, "fastest": 0, "ratio": 1.5, "planned_ratio": 1.0},
               {"event": "integrity_check", "step": 4, "hash_s": 0.002, "hashed_bytes": 1000, "hash_bytes": 80}]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + events))
     res = CliRunner().invoke(app, ["report", str(tmp_path), "--no-html"])
@@ -133,7 +150,21 @@ def test_report_shows_each_ranks_busy_time_and_the_flags(tmp_path):
     assert ("straggler rank 2 (host h2, GPU 3): flagged at 2 log steps (steps 3-4), mostly in forward, "
             "up to 7.0x its peers, chronic") in res.stdout
     assert "step 4: corruption check: transient on rank 1 (host h1, GPU 0)" in res.stdout
+    assert "step 4: stage imbalance: stage 1 busy 1.5x stage 0 (planned 1.0x, by layers)" in res.stdout
     assert "1 copies check: median 2.0 ms, 1,000 bytes hashed and 80 bytes of hashes gathered per rank" in res.stdout
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_slow_stage_is_an_imbalance_not_a_straggler(tmp_path, fault_ranks):
+    """pp2 x dp2, both ranks of stage 1 slowed alike: the stage is named against the plan (which splits the
+    layers evenly), no rank is; comparing ranks across stages (the planted bug) would name ranks 2 and 3."""
+    lines, out = injected_run(tmp_path, fault_ranks, "slow:2:forward,slow:3:forward", 4, ["parallel.pp=2"])
+    # 4 ranks, two busy-waiting, on 2 cores: another rank may lag a step or two, never for good
+    assert named(lines, chronic=True) == set(), [e for e in lines if e.get("event") == "straggler"]
+    found = [e for e in lines if e.get("event") == "stage_imbalance"]
+    assert [(e["stage"], e["fastest"], e["planned_ratio"], e["planned_layers"]) for e in found] == [(1, 0, 1.0, [1, 1])], found
+    assert found[0]["ratio"] > 1.5
 
 
 @pytest.mark.extended

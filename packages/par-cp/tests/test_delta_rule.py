@@ -163,3 +163,19 @@ def test_contiguous_layout_equals_one_device(dist_run):
 def test_planted_bugs_are_caught(dist_run, plant, cp, docs, caught):
     results = dist_run(4, run_cp, 4, cp, docs, plant, timeout=300)
     assert max(errors[caught] for errors, _ in results) > 1e-2, results
+
+
+def test_the_rule_stays_fp32_under_bf16_autocast():
+    """A bf16 run (autocast on GPUs) keeps the chunked rule in fp32: its matmuls are not cast."""
+    from par_cp.delta_rule import chunked_delta_rule
+
+    tensors = _inputs(0)[0]
+    want, want_s = chunked_delta_rule(*tensors)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, s = chunked_delta_rule(*tensors)
+    assert got.dtype == s.dtype == torch.float32 and torch.equal(got, want) and torch.equal(s, want_s)
+    from par_cp.state_passing import context_parallel_delta_rule
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the layer calls this one
+        got = context_parallel_delta_rule(*tensors, layout="zigzag")
+    assert got.dtype == torch.float32 and _rel(got, want) <= TOL

@@ -112,6 +112,14 @@ def test_tied_scores_go_to_the_lower_expert_index(score_func):
     assert ref.route(x)[2].tolist() == [[3, 9]] * 7
 
 
+def test_the_routing_keeps_each_tokens_top_k_not_the_whole_order():
+    """The chosen experts, kept with the routing until the backward (and replayed by a recompute), hold
+    ``[T, top_k]`` indices: not a view of the sort's ``[T, E]`` order, whose storage it would keep alive."""
+    config = MoEConfig(hidden=H, ffn_hidden=8, num_experts=E, top_k=2)
+    indices = Router(config)(torch.randn(50, H)).indices
+    assert indices.shape == (50, 2) and indices.untyped_storage().nbytes() == 50 * 2 * indices.element_size()
+
+
 def test_grouped_gemm_matches_batched_fallback_in_bf16():
     experts = GroupedSwiGLU(4, 16, 32)
     counts = torch.tensor([5, 0, 9, 2])

@@ -51,12 +51,17 @@ def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 def chunked_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK):
     """``(O [B, H, T, dv], S_end [B, H, dk, dv])`` of the gated delta rule (module docstring), fp32.
     ``q, k [B, H, T, dk]``, ``v [B, H, T, dv]``, ``g, beta [B, H, T]``; ``initial_state`` zero when None."""
-    b, h, t, dk = k.shape
-    dv = v.shape[-1]
     if q.is_cuda and (fla := _fla()) is not None:
         o, s = fla(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), scale=1.0, initial_state=initial_state,
                    output_final_state=True)
         return o.transpose(1, 2).float(), s.float()
+    with torch.autocast(q.device.type, enabled=False):  # fp32 throughout: bf16 autocast would round the UT inverse
+        return _chunked(q, k, v, g, beta, initial_state, chunk)
+
+
+def _chunked(q, k, v, g, beta, initial_state, chunk: int):
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     chunk = min(chunk, t)  # a short run: one chunk, unpadded
     pad = (-t) % chunk

@@ -125,7 +125,7 @@ def resets_at_piece_start(starts: list[int], a: int) -> bool:
 def _piece_affine(q, k, v, g, beta, a: int, starts: list[int] | None):
     """One piece (global tokens ``[a, a + T)``) of one sequence or of all: (O_local, Q~, S_local, A)."""
     inside = [] if starts is None else [s - a for s in starts if a < s < a + k.shape[2]]
-    carry = starts is None or not resets_at_piece_start(starts, a)
+    carry = a > 0 and (starts is None or not resets_at_piece_start(starts, a))  # the sequence's start: nothing comes in
     cuts = [0, *inside, k.shape[2]]
     outs, qt, s, trans = [], None, None, None
     for j, (x, y) in enumerate(zip(cuts, cuts[1:])):
@@ -148,8 +148,14 @@ def context_parallel_delta_rule(q, k, v, g, beta, cp_group=None, seq_len: int | 
     """The gated delta rule over a sequence sharded across ``cp_group``: ``q, k [B, H, T, dk]``, ``v [B, H, T, dv]``,
     ``g, beta [B, H, T]``, this rank's tokens in ``shard_segments`` order; returns ``O [B, H, T, dv]`` (fp32).
     ``cu_seqlens``: document boundaries of the full sequence (one tuple, or one per sequence) reset the state."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 throughout, the composition's matmuls too
+        return _delta_rule(q, k, v, g, beta, cp_group, seq_len, layout, cu_seqlens)
+
+
+def _delta_rule(q, k, v, g, beta, cp_group, seq_len, layout, cu_seqlens):
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
     rank = 0 if cp == 1 else dist.get_rank(cp_group)
+    layout = "contiguous" if cp == 1 else layout  # one rank: the whole sequence is one piece
     t = k.shape[2]
     seq_len = seq_len or t * cp
     starts = _doc_starts(cu_seqlens, k.shape[0])
@@ -206,6 +212,7 @@ def causal_conv1d(x, weight, cp_group=None, seq_len: int | None = None, layout: 
     holding the piece before it (:func:`halo_sources`)."""
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
     rank = 0 if cp == 1 else dist.get_rank(cp_group)
+    layout = "contiguous" if cp == 1 else layout  # one rank: the whole sequence is one piece
     t, kernel = x.shape[0], weight.shape[1]
     seq_len = seq_len or t * cp
     pieces = _pieces(seq_len, cp, layout)

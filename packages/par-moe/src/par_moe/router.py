@@ -74,8 +74,9 @@ class Router(nn.Module):
         if c.n_groups > 1:
             allowed = group_limited_mask(select, c.n_groups, c.topk_groups, c.top_k, c.group_score)
             select = select.masked_fill(~allowed, float("-inf"))
-        # a stable sort, not topk: tied scores go to the lower expert index on every layout and device
-        return select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k]
+        # a stable sort, not topk: tied scores go to the lower expert index on every layout and device; the
+        # top k copied out, so the [T, E] order is freed (a view would keep it as long as the routing is kept)
+        return select.sort(dim=-1, descending=True, stable=True).indices[:, : c.top_k].contiguous()
 
 
 def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

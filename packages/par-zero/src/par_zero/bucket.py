@@ -32,6 +32,7 @@ import torch.distributed as dist
 from par_groups import comm
 
 from .bucket_groups import BucketGroups
+from .buddy import BuddyRange
 from .config import DataParallelConfig
 
 
@@ -41,6 +42,21 @@ def _common_device(params: list[torch.nn.Parameter]) -> torch.device:
     if len(devices) != 1:
         raise ValueError(f"a bucket's params must share one device, got {sorted(map(str, devices))}")
     return devices.pop()
+
+
+GATHERED_ATTR = "zero3_gathered"  # the param attribute a gather function's result is published as
+
+
+def _check_gather_as(gather_as, params, zero3: bool, padded: int, numel: int, d: int):
+    """A gather function serves one ZeRO-3 param whose shards are whole rows of it (no padding)."""
+    if gather_as is None:
+        return None
+    p = params[0]
+    if not zero3 or len(params) != 1 or p.dim() < 2 or padded != numel or p.shape[0] % d:
+        raise ValueError(f"a param gathered by its own function must be a ZeRO-3 param of its own bucket whose "
+                         f"{p.shape[0]} rows divide over the {d} sharding ranks, got shape {tuple(p.shape)}")
+    setattr(p, GATHERED_ATTR, None)
+    return gather_as
 
 
 def _free(t: torch.Tensor) -> None:
@@ -56,7 +72,8 @@ class Bucket:
 
     It holds the fp32 master of its optimizer range (the optimizer's moments live in the optimizer)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig):
+    def __init__(self, params: list[torch.nn.Parameter], groups: BucketGroups, cfg: DataParallelConfig,
+                 gather_as=None):
         self.params = params
         self.groups = groups
         self.cfg = cfg
@@ -98,6 +115,7 @@ class Bucket:
                 _free(self.full_param)
             self.gathered = not self.zero3
             self._gather_work = None
+            self.gather_as = _check_gather_as(gather_as, params, self.zero3, self.N, n, d)
 
             # Grads: persistent full buffer for no_shard/optim, transient full + persistent shard otherwise.
             gdt = cfg.grad_dtype
@@ -117,6 +135,7 @@ class Bucket:
             else:
                 self.master = original[self.opt_lo : self.opt_hi].clone()
                 self.master_is_param = False
+            self.buddy = self._buddy(original) if cfg.buddy_shards and d > 1 else None
         del original
         self.pending = len(params)
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
@@ -132,6 +151,12 @@ class Bucket:
             self._opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=self.cfg.grad_dtype, device=self.device)
         return self._opt_grad
 
+    def _buddy(self, original: torch.Tensor) -> BuddyRange:
+        """ZeRO-1's buddy shard: the next rank's range, its master from the same values as that rank's."""
+        k = (self.shard_lo // self.S + 1) % self.groups.d
+        lo, hi = k * self.S, (k + 1) * self.S
+        return BuddyRange(self, k, self.full_param[lo:hi] if self.master_is_param else original[lo:hi].clone())
+
     def _param_view_of_opt_range(self) -> torch.Tensor:
         if self.zero3:
             return self.param_shard[self.opt_lo - self.shard_lo : self.opt_hi - self.shard_lo]
@@ -139,8 +164,15 @@ class Bucket:
 
     # ---- ZeRO-3 gather / release ---------------------------------------------------------
     def unshard(self) -> None:
-        """Launch the all-gather of the full params (no-op if gathered or in flight)."""
+        """Launch the all-gather of the full params (no-op if gathered or in flight); a bucket gathered
+        by its own function (``gather_as``) runs it now and publishes what it returns instead."""
         if self.gathered or self._gather_work is not None:
+            return
+        if self.gather_as is not None:
+            p = self.params[0]
+            shard = self.param_shard.view(p.shape[0] // self.groups.d, *p.shape[1:])  # whole rows of it
+            setattr(p, GATHERED_ATTR, self.gather_as(shard, self.groups.gather_group))
+            self.gathered = True
             return
         _alloc(self.full_param, self.N)
         self._gather_work = comm.all_gather_into_tensor(self.full_param, self.param_shard, self.groups.gather_group, async_op=True)
@@ -155,7 +187,10 @@ class Bucket:
         if self._gather_work is not None:  # a prefetch its unit did not use: left in flight it would
             self.wait_unshard()  # bring pre-step values to the next forward; finish it, then free
         if self.zero3 and self.gathered:
-            _free(self.full_param)
+            if self.gather_as is not None:
+                setattr(self.params[0], GATHERED_ATTR, None)
+            else:
+                _free(self.full_param)
             self.gathered = False
 
     # ---- gradients -----------------------------------------------------------------------
@@ -163,7 +198,7 @@ class Bucket:
         """Add one param's fresh grad into the flat buffer (called from its post-accumulate hook)."""
         if self.full_grad is None:
             self.new_full_grad()
-        elif self.reduced and self.cfg.shard_optimizer and self.persistent_full_grad:  # ZeRO-1
+        elif self.reduced and self.cfg.shard_optimizer and self.persistent_full_grad and self.buddy is None:  # ZeRO-1
             # A second synced backward in the same step: the buffer's other shards hold stale
             # local grads and our shard holds an average; restore "sum of contributions".
             keep = self.opt_grad * self.dp_size
@@ -189,7 +224,7 @@ class Bucket:
         if self._reduce_work is not None or self.full_grad is None:
             return
         self.full_grad.div_(self.dp_size)
-        if not self.cfg.shard_optimizer:
+        if not self.cfg.shard_optimizer or self.buddy is not None:  # buddies read the whole reduced buffer
             self._reduce_out = self.full_grad
             self._reduce_work = comm.all_reduce(self.full_grad, self.groups.inner, async_op=True)
         else:
@@ -251,7 +286,7 @@ class Bucket:
             else:
                 self._opt_grad.add_(out)
             self.full_grad = None  # ZeRO-2/3 keep only the shard
-        elif self.cfg.shard_optimizer:  # ZeRO-1 (no_shard reduced in place)
+        elif self.cfg.shard_optimizer and out is not self.full_grad:  # ZeRO-1 (no_shard, buddies: in place)
             self.opt_grad.copy_(out)
         self.reduced = True
 
@@ -295,7 +330,10 @@ class Bucket:
         the master counts as optimizer state, and only when it is not the params themselves)."""
         params = [self.param_shard] if self.zero3 else [self.full_param]
         grads = [self.full_grad] if self.persistent_full_grad else [self.opt_grad]
-        return {"params": params, "grads": grads, "optim": [] if self.master_is_param else [self.master]}
+        optim = [] if self.master_is_param else [self.master]
+        if self.buddy is not None and not self.master_is_param:
+            optim.append(self.buddy.master)
+        return {"params": params, "grads": grads, "optim": optim}
 
     def opt_segments(self):
         """(param, index, lo, hi, p_lo): the part [lo, hi) of the optimizer range holding

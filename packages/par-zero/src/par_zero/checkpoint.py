@@ -25,12 +25,23 @@ from .pieces import Pieces
 
 def owned_pieces(dp, kind: str = "master") -> dict[nn.Parameter, Pieces]:
     """``{param: Pieces}`` of ``kind`` ('master' or one of ``dp.optimizer.state_kinds()``) for every trainable param."""
-    kinds = ("master",) + dp.optimizer.state_kinds()
+    return _range_pieces(dp.buckets, dp.optimizer, kind)
+
+
+def buddy_pieces(dp, kind: str = "master") -> dict[nn.Parameter, Pieces]:
+    """As :func:`owned_pieces`, of the buddy ranges (buddy.py) this rank steps beside its own (empty without them)."""
+    if dp.buddy_optimizer is None:
+        return {}
+    return _range_pieces(dp.buffer.buddies, dp.buddy_optimizer, kind)
+
+
+def _range_pieces(ranges, optimizer, kind: str) -> dict[nn.Parameter, Pieces]:
+    kinds = ("master",) + optimizer.state_kinds()
     if kind not in kinds:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(kinds)}")
     out = {}
-    for b in dp.buckets:
-        src = dp.optimizer.range_state(b, kind)
+    for b in ranges:
+        src = optimizer.range_state(b, kind)
         for p in b.params:
             out[p] = Pieces(placement_of(p).full_shape)
         for p, _, lo, hi, p_lo in b.opt_segments():

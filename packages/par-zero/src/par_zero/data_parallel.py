@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from .bucket import Bucket
 from .bucket_groups import BucketGroups
-from .checkpoint import gather_full_state, load_sharded_state_dict, owned_pieces, sharded_state_dict
+from .checkpoint import buddy_pieces, gather_full_state, load_sharded_state_dict, owned_pieces, sharded_state_dict
 from .clipping import clip_grad_norm_
 from .config import DataParallelConfig, skip_decay
 from .declaration import AdamW, Declaration, declare_optimizer
@@ -67,6 +67,12 @@ class DataParallel:
     peak (gathers once the current unit is freed, a bucket's grads once the reductions in flight
     leave room). None (default): True, except for params on the CPU, where gloo runs collectives
     on the compute's cores and stages each gathered output in a second buffer of its size.
+
+    ``gathered_as``: ``{param: gather(shard, group)}`` for ZeRO-3 params gathered in another form than
+    their values (par_tp.fp8's FP8 parameter gather): each gets a bucket of its own whose shard is whole
+    rows of it; its unit runs ``gather`` on the rows this rank holds where it would all-gather the
+    values, and sets what it returns as the param's ``zero3_gathered`` (None once released). The
+    param's values are then never gathered: only a module that reads ``zero3_gathered`` may use it.
 
     ``optimizer``: one declaration (declaration.py), which says its state, how it steps and what it
     gathers: ``AdamW(betas, eps, fused)``, ``SGD(momentum, dampening, nesterov)``, ``Lion(betas)`` (element-
@@ -105,6 +111,8 @@ class DataParallel:
         muon_params: Callable[[str, nn.Parameter], bool] | None = None,
         matrix_group: Callable[[nn.Parameter], ProcessGroup | None] | None = None,
         fused_adamw: bool | None = None,
+        gathered_as: dict | None = None,
+        buddy_shards: int = 0,
     ):
         if optimizer == "Muon":  # the name before declarations, with its callbacks as keywords
             callbacks = {"matrices": muon_params, "matrix_group": matrix_group}
@@ -116,7 +124,7 @@ class DataParallel:
                              "them as matrices= and matrix_group=")
         self.cfg = cfg = DataParallelConfig(strategy, outer_strategy, bucket_mb, param_dtype, reduce_dtype,
                                             reshard_after_forward, lr, tuple(betas), eps, weight_decay,
-                                            optimizer, dict(optimizer_args or {}), overlap_comm, fused_adamw)
+                                            optimizer, dict(optimizer_args or {}), overlap_comm, fused_adamw, buddy_shards)
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")
@@ -129,9 +137,19 @@ class DataParallel:
                     p.data = p.data.to(param_dtype)
         dense = BucketGroups(dp_group, outer_group, all_gather_group)
         expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
-        self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket)
+        if gathered_as and not cfg.shard_params:
+            raise ValueError(f"gathered_as names params ZeRO-3 gathers: strategy={strategy!r} gathers none; "
+                             f"use 'optim_grads_params'")
+        self.buffer = GradBuffer(module, cfg, dense, expert, units, own_bucket, gathered_as)
         decayed = lambda p: not no_decay(self.param_names[p], p)  # noqa: E731
         self.optimizer = optimizer_loop(cfg.declaration, self.buffer.buckets, cfg, decayed, self.param_names.__getitem__)
+        # buddy_shards: the same optimizer over the next rank's ranges (buddy.py); None without them
+        # with buddies, True: :meth:`step` leaves the params' gather to the caller's :meth:`sync_params`
+        # (``params_stale`` until then), so a peer lost in it finds this rank's update whole
+        self.defer_param_sync, self.params_stale = False, False
+        buddies = self.buffer.buddies
+        self.buddy_optimizer = optimizer_loop(cfg.declaration, buddies, cfg, decayed,
+                                              self.param_names.__getitem__) if buddies else None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -153,6 +171,8 @@ class DataParallel:
     @step_count.setter
     def step_count(self, n: int) -> None:  # restored from a checkpoint
         self.optimizer.step_count = n
+        if self.buddy_optimizer is not None:
+            self.buddy_optimizer.step_count = n
 
     # ---- forward / backward ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -189,13 +209,25 @@ class DataParallel:
     # ---- optimizer -----------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         self.optimizer.set_lr(lr)
+        if self.buddy_optimizer is not None:
+            self.buddy_optimizer.set_lr(lr)
 
     def zero_grad(self) -> None:
         self.buffer.zero_grad()
 
     def step(self, after_update: Callable[[], None] | None = None) -> None:
         """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded).
-        ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights)."""
+        ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights).
+        Buddy ranges step first: the gather that follows brings their owners' (equal) update."""
+        if self.buddy_optimizer is not None:
+            self.buddy_optimizer.step_count = self.optimizer.step_count
+            self.buddy_optimizer.step()
+            if self.defer_param_sync:  # the update is whole on this rank before any collective
+                self.optimizer.step()
+                if after_update is not None:
+                    after_update()
+                self.params_stale = True
+                return
         if self.cfg.declaration.elementwise and after_update is None:  # gathers overlap the next updates
             self.buffer.sync_params(self.optimizer.step)
         else:
@@ -217,11 +249,16 @@ class DataParallel:
     def sync_params(self) -> None:
         """Re-assemble the params from each rank's optimizer range (after a step or a load)."""
         self.buffer.sync_params()
+        self.params_stale = False
 
     # ---- checkpoints ---------------------------------------------------------------------
     def owned_pieces(self, kind: str = "master") -> dict:
         """``{param: Pieces}``: the boxes of each param's full tensor this rank owns (views; see checkpoint.py)."""
         return owned_pieces(self, kind)
+
+    def buddy_pieces(self, kind: str = "master") -> dict:
+        """``{param: Pieces}``: as :meth:`owned_pieces`, the buddy shard's boxes (none without buddy_shards)."""
+        return buddy_pieces(self, kind)
 
     def state_dict(self, kinds: Iterable[str] | None = None, scalars: Iterable[str] = ()) -> dict:
         """This rank's pieces of the model and optimizer state, for ``par_zero.save_pieces`` / ``load_pieces``.
@@ -249,6 +286,8 @@ class DataParallel:
         held = {kind: [t for b in self.buckets for t in b.state_tensors()[kind]]
                 for kind in ("params", "grads", "optim")}
         held["optim"] += self.optimizer.state_tensors()
+        if self.buddy_optimizer is not None:
+            held["optim"] += self.buddy_optimizer.state_tensors()
         return held
 
     def model_state_bytes(self) -> dict[str, int]:

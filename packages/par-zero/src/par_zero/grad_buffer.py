@@ -44,7 +44,8 @@ class GradBuffer:
     """The buckets of ``module``'s trainable params, their hooks and collectives (see the module doc)."""
 
     def __init__(self, module: nn.Module, cfg: DataParallelConfig, dense_groups: BucketGroups,
-                 expert_groups: BucketGroups, units: Iterable[nn.Module] | None = None, own_bucket=()):
+                 expert_groups: BucketGroups, units: Iterable[nn.Module] | None = None, own_bucket=(),
+                 gathered_as=None):
         self.cfg = cfg
         self.dense_groups = dense_groups
         self.expert_groups = expert_groups
@@ -63,7 +64,8 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self.units: list[GatherUnit] = []
         self._hooks = []
-        alone = frozenset(own_bucket)
+        self.gathered_as = dict(gathered_as or {})
+        alone = frozenset(own_bucket) | frozenset(self.gathered_as)
         devices = {p.device.type for p in trainable}
         self.overlap = cfg.overlap_comm if cfg.overlap_comm is not None else devices != {"cpu"}
         if cfg.shard_params:
@@ -79,6 +81,11 @@ class GradBuffer:
             if cfg.shard_grads:
                 self._hooks.append(p.register_hook(_weak_hook(self, GradBuffer._point_grad, p)))
         weakref.finalize(self, _remove_hooks, self._hooks)
+
+    @property
+    def buddies(self) -> list:
+        """The buddy ranges this rank steps beside its own (buddy.py; empty without buddy_shards)."""
+        return [b.buddy for b in self.buckets if getattr(b, "buddy", None) is not None]
 
     def families(self) -> list[tuple[BucketGroups, list[Bucket]]]:
         """The dense buckets and the expert ones (if on their own groups), each with its groups."""
@@ -98,7 +105,8 @@ class GradBuffer:
                 plan.append((m, ps))
         rest = [p for p in trainable if p not in taken]
         for m, ps in plan + ([(module, rest)] if rest else []):
-            bs = [Bucket(part, groups, self.cfg) for fam, groups in family(ps) if fam for part in apart(fam, alone)]
+            bs = [Bucket(part, groups, self.cfg, self.gathered_as.get(part[0]) if len(part) == 1 else None)
+                  for fam, groups in family(ps) if fam for part in apart(fam, alone)]
             self.buckets.extend(bs)
             is_root = m is module
             unit = GatherUnit(m, bs, self.cfg.reshard_after_forward and not is_root, self.overlap)
@@ -253,7 +261,7 @@ class GradBuffer:
         (sequence-parallel norms, replicated KV heads), in this rank's optimizer range. Sums are
         linear, so after the DP mean is as good as before it; copies hold identical buckets, so the
         ranges line up. Returns how many param pieces were summed."""
-        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets
+        items = [(b.opt_grad[lo:hi], placement_of(p)) for b in self.buckets + self.buddies
                  for p, _, lo, hi, _ in b.opt_segments() if placement_of(p).needs_grad_sum()]
         return sum_partial_grads_(items)
 

@@ -2,9 +2,9 @@
 
 The one-rank reference is the trainer in fp32. Its fp64 twin is a deep copy of its model chunk in
 float64 (the same weights to the last bit, every buffer too), run on the same micro-batches with the
-trainer's own loss; while it runs, ``Tensor.float()`` and ``.to(torch.float32)`` keep fp64 tensors in
-fp64 (the model and the losses compute "in fp32" by those calls), so nothing rounds to fp32 on the
-way. What differs between the twin and the reference is fp32's rounding alone: for the loss, the
+trainer's own loss; while it runs, ``Tensor.float()``, ``.to(torch.float32)`` and ``new_zeros(...,
+dtype=torch.float32)`` keep fp64 tensors in fp64 (the model and the losses compute "in fp32" by those
+calls), so nothing rounds to fp32 on the way. What differs between the twin and the reference is fp32's rounding alone: for the loss, the
 grad norm, every module output and every parameter gradient, the relative distance
 ``||fp32 - fp64|| / ||fp64||`` is the noise that a correct layout's difference is measured against
 (as the suite's ``layout_runs.fp64_noise``). The gradient is the raw sum of the micro-batches'
@@ -21,10 +21,15 @@ import torch
 import torch.distributed as dist
 
 
+NEW = ("new_zeros", "new_ones", "new_empty", "new_full")  # a fp64 tensor's new ones in fp32: in fp64
+
+
 @contextlib.contextmanager
 def fp64_compute():
-    """While open (this process only): ``float()`` and ``.to(float32)`` leave fp64 tensors in fp64."""
+    """While open (this process only): ``float()``, ``.to(float32)`` and ``new_zeros(..., dtype=float32)``
+    (and the other ``new_*``) leave fp64 tensors in fp64."""
     float_, to = torch.Tensor.float, torch.Tensor.to
+    made = {name: getattr(torch.Tensor, name) for name in NEW}
 
     def keep_float(self, *args, **kwargs):
         return self if self.dtype == torch.float64 else float_(self, *args, **kwargs)
@@ -36,11 +41,22 @@ def fp64_compute():
                 kwargs["dtype"] = torch.float64
         return to(self, *args, **kwargs)
 
+    def keep_new(make):
+        def new(self, *args, **kwargs):
+            if self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+            return make(self, *args, **kwargs)
+        return new
+
     torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
+    for name, make in made.items():
+        setattr(torch.Tensor, name, keep_new(make))
     try:
         yield
     finally:
         torch.Tensor.float, torch.Tensor.to = float_, to
+        for name, make in made.items():
+            setattr(torch.Tensor, name, make)
 
 
 class _KeepGroups:

@@ -3,12 +3,12 @@
 Narrowing keeps the model's kinds of layers and the layout exactly; it makes widths small so the
 reference fits on one device: per head 8 channels (the attention family narrows its own widths),
 FFN widths 2x hidden (MoE experts' 1x), 64 tokens per sequence (kept divisible by 2 x cp x tp),
-and only as many layers as the layout needs (every pipeline chunk keeps at least one, uneven
-stages keep their counts, MoE layers start where they started, MTP stays). What it keeps: the
-vocabulary and its padding, heads and KV heads (the TP split), experts, top-k and groups, the family,
-MTP, tied embeddings, RoPE scaling, packed documents, the dispatcher, every [parallel] key. Each
-narrowing is applied only if the config stays valid for the world; ``--set`` goes after them,
-so the user narrows further (or undoes one).
+and only as many layers as the layout needs (every pipeline chunk keeps at least one, a hybrid keeps
+one whole repeat of its layer kinds, uneven stages keep their counts, MoE layers start where they
+started, MTP stays). What it keeps: the vocabulary and its padding, heads and KV heads (the TP
+split), experts, top-k and groups, the family, MTP, tied embeddings, RoPE scaling, packed documents,
+the dispatcher, every [parallel] key. Each narrowing is applied only if the config stays valid for
+the world; ``--set`` goes after them, so the user narrows further (or undoes one).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _candidates(cfg, world: int) -> list[str]:
         out.append(f"train.seq_len={seq}")
     if not (p.first_stage_layers or p.last_stage_layers):
         chunks = p.pp * p.chunks_per_rank
-        needed = max(chunks, m.moe_layers_start + 1 if m.num_experts else 1, 2)
+        needed = max(chunks, m.moe_layers_start + 1 if m.num_experts else 1, 2, family_of(m).layer_period(m))
         needed = -(-needed // chunks) * chunks
         if m.layers > needed and not m.mlp_only_layers and m.decoder_sparse_step == 1:
             out.append(f"model.layers={needed}")

@@ -69,13 +69,18 @@ def _quiet(fn):
     return wrapper
 
 
-def _pieces(state: Checkpointed, with_optim: bool) -> dict[str, Pieces]:
+def _pieces(state: Checkpointed, with_optim: bool, buddies: bool = False) -> dict[str, Pieces]:
     """``model/<hf name>`` (and the optimizer state) of every tensor this rank holds: the pieces it owns.
 
-    Trained params come from the optimizer's buffers (views); buffers and frozen params whole."""
+    Trained params come from the optimizer's buffers (views); buffers and frozen params whole. ``buddies``
+    (a load): the buddy ranges too (``[train].buddy_shards``), read from their owners' saved pieces."""
     dp = state.model.dp
     kinds = dp.optimizer_state.state_kinds() if with_optim else ()
     owned = {kind: dp.owned_pieces(kind) for kind in ("master",) + kinds}
+    if buddies and getattr(dp, "buddy_optimizer", None) is not None:
+        for kind in owned:
+            for p, v in dp.buddy_pieces(kind).items():
+                owned[kind][p] = Pieces(owned[kind][p].full_shape, owned[kind][p].boxes + v.boxes)
     shapes = full_shapes(state.cfg.model)
     out = {}
     for name, t in state.model.full_named_tensors().items():
@@ -242,7 +247,7 @@ def load_checkpoint(into: Checkpointed, path: str | Path, model_only: bool = Fal
     if with_optim:
         check_optimizer_matches(path, state, cfg)
         dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
-    sd = _pieces(into, with_optim=with_optim)  # views of this rank's buffers: loading fills them in place
+    sd = _pieces(into, with_optim=with_optim, buddies=True)  # views of this rank's buffers: loading fills them in place
     stored = check_stored_shapes(path, sd)
     with_optim = with_optim and all(k in stored for k in sd)
     if not with_optim:

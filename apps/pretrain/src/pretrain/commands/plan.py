@@ -98,6 +98,11 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
     if "fault_tolerance" in plan:
         lines.append(f"fault tolerance (replica): a replacement receives {human_bytes(plan['fault_tolerance']['joiner_bytes'])} "
                      f"per rank from the live replica (fp32 masters and optimizer state it owns)")
+        if "buddy" in plan["fault_tolerance"]:
+            b = plan["fault_tolerance"]["buddy"]
+            lines.append(f"buddy shards: {human_bytes(b['optim_bytes'])} more optimizer state per rank (the next rank's "
+                         f"shard), {human_bytes(b['grad_bytes_per_step'])} more gradient bytes per step (all-reduce "
+                         f"in place of reduce-scatter)")
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")
     for strategy, row in plan["model_state"].items():
@@ -113,6 +118,13 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
                      f"{st['recompute_flops_per_step']:.3e} FLOPs per rank per step ({st['recompute_flops_per_step'] / st['model_flops_per_step']:.1%} "
                      f"of its model FLOPs), offloaded {human_bytes(st['offloaded_bytes_per_step'])} per step, host-to-device "
                      f"{st['h2d_gb_s_needed']:.1f} GB/s needed at {plan['activation_policy']['assumed_tflops']:g} TFLOP/s")
+    if "recurrent_state" in plan:  # linear-attention layers (the family declares them)
+        r = plan["recurrent_state"]
+        lines.append(f"  {r['linear_layers']} linear-attention layers, each per micro-batch: state "
+                     f"{human_bytes(r['state_bytes'])}, the scan keeps {human_bytes(r['scan_saved_bytes_per_token'])} "
+                     f"and the conv {human_bytes(r['conv_saved_bytes_per_token'])} per token for backward"
+                     + (f"; CP passes {human_bytes(r['cp_state_bytes_per_layer'])} of states and "
+                        f"{human_bytes(r['cp_halo_bytes_per_layer'])} of conv halo" if r["cp_boundaries_per_rank"] else ""))
     lines.append(f"FLOPs: {fl['per_step']:.3e} per step ({fl['per_token']:.3e} per token, {fl['per_rank_per_step']:.3e} per rank)")
     if "fp8" in plan:
         from ..sizing.fp8 import render_fp8

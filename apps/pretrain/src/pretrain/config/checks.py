@@ -115,6 +115,12 @@ def kernel_rules(cfg) -> None:
           f"[train].fp8={t.fp8!r} is par's own FP8 in the torch layers' local matmuls: not with [model].backend='te' "
           f"(use fp8='delayed' or 'current' there), [parallel].tp_comm_overlap (its overlapped matmuls) or "
           f"[train].compile; turn those off")
+    _need(not t.fp8_param_gather or t.fp8 in ("tensorwise", "blockwise"),
+          f"[train].fp8_param_gather=true gathers one FP8 quantization of each weight for its forward and "
+          f"input gradient: fp8={t.fp8!r} has none; use fp8='tensorwise' or 'blockwise' (or fp8_param_gather=false)")
+    _need(not t.fp8_param_gather or p.zero == "optim_grads_params",
+          f"[train].fp8_param_gather=true is ZeRO-3's parameter all-gather in FP8: [parallel].zero={p.zero!r} "
+          f"gathers no parameters before use; use zero='optim_grads_params' (or fp8_param_gather=false)")
     _need(not t.compile or (m.backend == "torch" and not cfg.data.packed and not p.dynamic_cp),
           "[train].compile=true compiles the torch backend's blocks: not with [model].backend='te' nor packed "
           "documents ([data].document_mask/reset_position_ids/eod_mask_loss, [parallel].dynamic_cp: their masks "
@@ -153,7 +159,7 @@ def data_rules(cfg) -> None:
 
 
 def qk_clip_rules(cfg) -> None:
-    """QK-clip rescales GQA's W_q and W_k rows (model/qk_clip.py)."""
+    """QK-clip rescales GQA's W_q and W_k rows (blocks/qk_clip.py)."""
     m, p = cfg.model, cfg.parallel
     if cfg.train.muon_qk_clip > 0:
         _need("muon_qk_clip" in family_of(m).supports and not m.qk_norm and m.backend == "torch" and not p.dynamic_cp,
@@ -163,7 +169,7 @@ def qk_clip_rules(cfg) -> None:
 
 
 def dropout_rules(cfg) -> None:
-    """Dropout's masks are drawn per global sample, token and channel (model/dropout.py): the layouts that keep a
+    """Dropout's masks are drawn per global sample, token and channel (blocks/dropout.py): the layouts that keep a
     block's [S, B, H] activation (and attention's whole sequence) on one rank (no tp, cp, ep), without MTP, compile
     or dynamic CP; attention dropout also with plain GQA on the torch backend and no packed documents."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from .rules import MAX_SIZES, _at_most, _choice, _need, _positive
-from ..model.rope_scaling import check_rope_scaling
+from ..blocks.rope_scaling import check_rope_scaling
 from ..models import ATTENTIONS, family_of
 
 BACKENDS = ("torch", "te")  # who computes the layers' matmuls and attention: PyTorch or Transformer Engine
@@ -31,7 +31,7 @@ def _validate_route_nodes(m) -> None:
 
 
 def _check_recompute(m) -> None:
-    from ..model.recompute_policy import MODULES, parse_item
+    from ..blocks.recompute_policy import MODULES, parse_item
 
     if isinstance(m.recompute, str):
         _choice("[model].recompute", m.recompute, RECOMPUTE)
@@ -52,7 +52,7 @@ def _check_recompute(m) -> None:
 
 
 def _check_offload(m) -> None:
-    from ..model.offload_policy import MODULES, parse_item
+    from ..blocks.offload_policy import MODULES, parse_item
 
     object.__setattr__(m, "offload", tuple(m.offload))  # a list once read from JSON
     for text in m.offload:
@@ -83,19 +83,19 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)
     rope_theta: float = 10000.0
     # RoPE scaling with transformers' keys, e.g. {rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
-    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; {} = plain RoPE (model/rope_scaling.py)
+    # high_freq_factor = 4.0, original_max_position_embeddings = 8192}; {} = plain RoPE (blocks/rope_scaling.py)
     rope_scaling: dict = field(default_factory=dict)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
     # Megatron's --hidden-dropout on each block's attention and MLP outputs, its mask a hash of the element's
-    # global sample, token and channel (model/dropout.py), so it trains as one rank would; 0 = off
+    # global sample, token and channel (blocks/dropout.py), so it trains as one rank would; 0 = off
     hidden_dropout: float = 0.0
     # Megatron's --attention-dropout on the attention probabilities, masks drawn the same way; it writes the
     # attention out (S x S probabilities per head), not the fused kernels; 0 = off
     attention_dropout: float = 0.0
     # none | selective | full, or a list of modules, each for every layer or a range of them:
-    # ["core_attn", "mlp@0-15", "full@16-31"] (model/recompute.py)
+    # ["core_attn", "mlp@0-15", "full@16-31"] (blocks/recompute.py)
     recompute: str | tuple[str, ...] = "none"
     # modules whose saved activations wait in host memory for their backward: attn, mlp, moe, layernorm,
     # layer, each for every layer or "name@first-last", or "layers:N" (the first N of each chunk) (model/offload.py)

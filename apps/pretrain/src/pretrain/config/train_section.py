@@ -75,7 +75,7 @@ class TrainConfig:
     muon_adjust_lr_fn: str = "original"  # original | match_rms_adamw | spectral_unclamped
     muon_ns_dtype: str = "bf16"
     # MuonClip's tau (Kimi K2: 100): a head's W_q, W_k rows scaled down after a step whose max logit
-    # passed it (model/qk_clip.py); 0 = off
+    # passed it (blocks/qk_clip.py); 0 = off
     muon_qk_clip: float = 0.0
     # adamw's update: auto = torch's fused kernel on CUDA, the explicit ops (bitwise torch's foreach=False)
     # on the CPU; on = the fused kernel on the CPU too (faster there, rounding differs); off = never
@@ -87,6 +87,9 @@ class TrainConfig:
     # delayed | current: Transformer Engine's FP8 autocast around each chunk forward ([model].backend=te);
     # tensorwise | rowwise | blockwise | mxfp8: par's FP8 GEMMs in the torch layers (model/fp8.py)
     fp8: str = "off"
+    # tensorwise | blockwise with zero = optim_grads_params: ZeRO-3 gathers the FP8 linears' weights as FP8
+    # bytes + scales (each rank quantizes its rows), not bf16 (model/fp8_gather.py)
+    fp8_param_gather: bool = False
     eval_every: int = 50  # 0 = never
     eval_batches: int = 4
     nproc: int = 2
@@ -100,6 +103,8 @@ class TrainConfig:
     # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
     fault_tolerance: str = "off"
     respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
+    # 1: under ZeRO-1 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
+    buddy_shards: int = 0
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "global_batch", "nproc", "eval_batches")
@@ -136,6 +141,7 @@ class TrainConfig:
               "[train].optimizer='muon' takes the muon_* keys (and beta1, beta2 for its AdamW part), not optimizer_args")
         _choice("[train].fused_adamw", self.fused_adamw, ("auto", "on", "off"))
         _choice("[train].fault_tolerance", self.fault_tolerance, ("off", "replica"))
+        _need(self.buddy_shards in (0, 1), f"[train].buddy_shards={self.buddy_shards} is not one of 0, 1")
         _choice("[train].optimizer", self.optimizer, OPTIMIZERS)  # the rest is par-zero's: checks.data_parallel_rules asks it
 
     def _schedule_rules(self) -> None:

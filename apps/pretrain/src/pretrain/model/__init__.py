@@ -1,1 +1,2 @@
-"""The Llama/DeepSeek-style model: single-device reference, its parallel composition, and the GPU kernels it runs."""
+"""The model: its family's layers (``pretrain.models``) and the shared blocks (``pretrain.blocks``) assembled
+into chunks, their parallel composition, shapes, initial state, FP8, offload and compile."""

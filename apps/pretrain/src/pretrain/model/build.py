@@ -15,13 +15,15 @@ from par_pp import build_schedule, chunks_on_rank
 from par_tp import VocabParallelEmbedding
 from par_zero import DataParallel, TorchFSDP2, data_parallel
 
+from ..blocks.context import ChunkContext
+from ..blocks.dropout import DropoutPosition
 from .compile import compile_blocks_
-from .dropout import DropoutPosition
 from .fp8 import use_fp8_linears_
+from .fp8_gather import fp8_gathered_weights
 from .materialize import materialize_, on_meta
 from .muon_split import uses_muon
 from .offload import Offloader
-from .parallel import ModelChunk, ChunkContext
+from .parallel import ModelChunk
 from .shapes import hf_name
 from .initial_state import init_full_state
 
@@ -93,7 +95,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if cfg.model.tie_embeddings:
         copies += _tie_embeddings(chunks, num_chunks, groups, shared=bool(copies))
     if cfg.model.backend == "te":  # TE computes the local matmuls; the weights stay ours
-        from .te import use_te_linears_
+        from ..blocks.te import use_te_linears_
 
         for chunk in chunks.values():
             use_te_linears_(chunk)
@@ -126,11 +128,16 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         optimizer = replace(optimizer, matrices=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
                             matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
     kwargs["optimizer"] = optimizer
-    if cfg.parallel.hsdp_replicas > 1:
-        inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout)
+    inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout) if cfg.parallel.hsdp_replicas > 1 \
+        else (groups.dp_cp, None)
+    if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
+        kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
+    if t.buddy_shards:  # config/fault_rules.py: ZeRO-1 over the whole dp only
+        kwargs["buddy_shards"] = t.buddy_shards
+    if outer is not None:
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:
-        dp = data_parallel(module, groups.dp_cp, zero, **kwargs)
+        dp = data_parallel(module, inner, zero, **kwargs)
     return RankModel(groups, chunks, module, dp, schedule, num_chunks, context.dropout)
 
 

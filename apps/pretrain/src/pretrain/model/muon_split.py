@@ -3,7 +3,8 @@
 Muon for the hidden matrices: attention projections (GQA's q/k/v/o, MLA's down and up projections),
 the MLP's and the shared experts' matrices, the routed experts (an ``[E, F, H]`` tensor is E matrices,
 each orthogonalized alone) and MTP's ``eh_proj``. AdamW for the rest: the input embedding (and its
-copies), the output head, norms, biases and the router (the Muon paper's and Moonlight's split).
+copies), the output head, norms, biases, the router and a shared expert's one-row gate (``mlp.shared.gate``:
+a router of one output; the Muon paper's and Moonlight's split).
 The trainer asks :func:`uses_muon` per parameter (Hugging Face name, full shape); ``pretrain plan``
 lists :func:`muon_split` of the whole model.
 """
@@ -14,7 +15,7 @@ import re
 
 from .shapes import full_shapes
 
-ADAMW_PARTS = ("embed_tokens", "shared_embedding", "lm_head", "router")
+ADAMW_PARTS = ("embed_tokens", "shared_embedding", "lm_head", "router", "mlp.shared.gate.")
 
 
 def uses_muon(name: str, full_shape: tuple[int, ...]) -> bool:

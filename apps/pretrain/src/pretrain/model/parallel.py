@@ -24,17 +24,16 @@ from par_tp import (
     vocab_parallel_cross_entropy,
 )
 
+from ..blocks.context import ChunkContext
+from ..blocks.dropout import hidden_dropout
+from ..blocks.recompute import checkpointed
+from ..blocks.te import fuse_norm_
 from ..data.packing import Documents
 from ..models import family_of
-from ..models.deepseek.mla import ContextMLACore  # noqa: F401  (kept importable from here)
 from .aux_loss import attach_aux_loss
-from .context import ChunkContext, context_attention  # noqa: F401  (context_attention: its importers' name)
 from .mtp import add_mtp_parts_, mtp_gather_units, mtp_loss
 from .shapes import hf_name, mtp_layer_ids
 from .moe import moe_config
-from .dropout import hidden_dropout
-from .recompute import checkpointed
-from .te import fuse_norm_
 
 
 def _norm(config, context: ChunkContext, inside_tp: bool = False) -> nn.RMSNorm:

@@ -10,8 +10,8 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
-  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`);
-* certify: how its widths narrow (:meth:`narrowing`);
+  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
+* certify: how its widths narrow (:meth:`narrowing`) and how many layers keep every kind (:meth:`layer_period`);
 * Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
   ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
 * layouts: the parallel dimensions (:attr:`dimensions`) and optional features (:attr:`supports`)
@@ -42,6 +42,9 @@ class Family:
     kv_split: tuple[str, ...] = ()  # ... by KV heads when tp divides them (else one KV head a rank)
     renames: dict[str, str] = {}  # its modules' state-dict names (below "layers.<i>.") that differ from the HF names
     hf_architectures: dict[str, str] = {}  # transformers model_type -> architecture it reads and writes
+    # F-wide rows a routed pair's expert activation keeps for backward (the planner's MoE bytes): par-moe's
+    # SwiGLU keeps gate, up, silu(gate) and the product w_down reads
+    expert_act_widths: int = 4
 
     def check(self, m) -> None:
         """The ``[model]`` keys' rules under this family (one UsageError line)."""
@@ -62,7 +65,7 @@ class Family:
         raise NotImplementedError
 
     def build_attention(self, config, context, index: int):
-        """This rank's attention module of layer ``index`` (``model.context.ChunkContext``)."""
+        """This rank's attention module of layer ``index`` (``blocks.context.ChunkContext``)."""
         raise NotImplementedError
 
     def moe_shapes(self, m, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -93,14 +96,23 @@ class Family:
         recipe's tiles must not straddle them)."""
         raise NotImplementedError
 
-    def recurrent_state(self, m, layout, micro_batch: int) -> dict:
+    def recurrent_state(self, m, layout, micro_batch: int, pb: int = 4, cp_comm_type: str = "p2p") -> dict:
         """``plan``'s figures of the layers that carry a recurrent state along the sequence (its bytes, what
-        context parallelism passes between ranks); empty for a family without such layers."""
+        context parallelism of ``cp_comm_type`` passes between ranks; ``pb``: bytes of the compute dtype);
+        empty for a family without such layers."""
         return {}
 
     def narrowing(self, m, head_width: int) -> list[str]:
         """``--set`` items that narrow the attention to about ``head_width`` channels a head (certify)."""
         return []
+
+    def layer_kind(self, m, i: int) -> int:
+        """Which of its kinds of attention layer ``i`` has (sizing counts one layer of each kind); one kind: 0."""
+        return 0
+
+    def layer_period(self, m) -> int:
+        """Layers in one repeat of its pattern of layer kinds: certify keeps at least one whole repeat."""
+        return 1
 
     def model_config_from_hf(self, hf: dict, where: str) -> dict:
         """Our ``[model]`` keys for a transformers ``config.json`` (what it cannot read: one UsageError line)."""

@@ -10,7 +10,7 @@ import re
 import torch
 
 from ..errors import UsageError
-from ..model.rope_scaling import check_rope_scaling
+from ..blocks.rope_scaling import check_rope_scaling
 
 MISSING = object()
 

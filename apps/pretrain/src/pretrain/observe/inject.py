@@ -11,6 +11,12 @@ rank: never on unless ``PAR_INJECT`` is set (the tests set it for the ranks they
   only the copies check at that step can see it; the next update would spread it to the weights).
 - ``flip_activation:R:STEP``: in step STEP, the top exponent bit of rank R's first forward output
   flips (once: transient).
+- ``flip_grad:R:STEP``: in step STEP, the top exponent bit of the first positive element of rank R's
+  reduced gradient (its first bucket's optimizer range, after the data-parallel reduction) flips (once).
+- ``bad_batch:D:STEP``: data-parallel rank D's share of step STEP holds, in its first micro-batch, token
+  ids past the vocabulary (the padded rows, whose logits the head masks): a batch whose loss is
+  infinite wherever it is computed, as a data file with ids the tokenizer never makes. Every rank
+  reads it so (the replica that trains on it, and any that recomputes it).
 - ``matmul:R``: every ``nn.functional.linear`` and ``torch.matmul`` (the TP layers' local matmul too)
   on rank R adds 100 to its
   output's first column (a wrong unit, on every call: persistent).
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -28,7 +35,8 @@ from .stragglers import BUSY_PHASES
 
 ENV = "PAR_INJECT"
 FACTOR = 3.0
-KINDS = ("slow", "flip_weight", "flip_state", "flip_activation", "matmul")
+KINDS = ("slow", "flip_weight", "flip_state", "flip_activation", "flip_grad", "bad_batch", "matmul")
+STEPPED = ("flip_weight", "flip_state", "flip_activation", "flip_grad", "bad_batch")  # KIND:RANK:STEP
 
 
 def parse(text: str) -> list[tuple[str, int, str]]:
@@ -37,11 +45,11 @@ def parse(text: str) -> list[tuple[str, int, str]]:
         kind, _, rest = item.partition(":")
         rank, _, arg = rest.partition(":")
         ok = kind in KINDS and rank.isdigit() and (
-            arg in BUSY_PHASES if kind == "slow" else arg.isdigit() and int(arg) > 0 if kind.startswith("flip")
+            arg in BUSY_PHASES if kind == "slow" else arg.isdigit() and int(arg) > 0 if kind in STEPPED
             else arg == "")
         if not ok:
             raise UsageError(f"{ENV}={text!r}: {item!r} is not slow:RANK:PHASE (PHASE one of {', '.join(BUSY_PHASES)}), "
-                             f"flip_weight|flip_state|flip_activation:RANK:STEP or matmul:RANK")
+                             f"{'|'.join(STEPPED[:-1])}:RANK:STEP, bad_batch:DP_RANK:STEP or matmul:RANK")
         out.append((kind, int(rank), arg))
     return out
 
@@ -66,6 +74,8 @@ class Faults:
         self.flip_weight = {int(arg) for kind, arg in mine if kind == "flip_weight"}
         self.flip_state = {int(arg) for kind, arg in mine if kind == "flip_state"}
         self.flip_activation = {int(arg) for kind, arg in mine if kind == "flip_activation"}
+        self.flip_grad = {int(arg) for kind, arg in mine if kind == "flip_grad"}
+        self.bad_batch = {(r, int(arg)) for kind, r, arg in entries if kind == "bad_batch"}  # data: every rank's
         self.active = bool(mine)
         self.step_no = 0
         self.owned = None  # the owned state of the running step (a flip's target)
@@ -92,6 +102,30 @@ class Faults:
         self.owned = owned
         if self.step_no in self.flip_weight:
             self._flip(lambda n: n.startswith("master/"))
+
+    def reduced(self, dp) -> None:
+        """The gradients are reduced (before the norm and the update): flip one bit of this rank's, once."""
+        if self.step_no in self.flip_grad and "grad" not in self.done:
+            self.done.add("grad")
+            with torch.no_grad():
+                flip_bit(next(b for b in dp.buckets if b.opt_hi > b.opt_lo).opt_grad)
+
+    def data(self, sampler, vocab_size: int) -> None:
+        """Make ``sampler`` (and its copies: a rerun's) read the bad batches."""
+        if not self.bad_batch:
+            return
+        bad = self.bad_batch
+
+        class BadBatches(type(sampler)):
+            def train_batch(self, step: int):
+                batch = super().train_batch(step)
+                if (self.dp_rank, step + 1) not in bad:
+                    return batch
+                tokens = batch.tokens.clone()
+                tokens[0] = vocab_size  # the first padded id: the head gives it no logit
+                return replace(batch, tokens=tokens)
+
+        sampler.__class__ = BadBatches
 
     def _flip(self, chosen) -> None:
         state = self.owned()

@@ -154,6 +154,9 @@ class MetricsLogger:
         for straggler in extra.pop("stragglers", ()):  # the straggler rule fired (observe/stragglers.py)
             self.log_event("straggler", step=step, **straggler.event())
             self.message(straggler.line(step))
+        for imbalance in extra.pop("stage_imbalance", ()):  # the stages against the plan (observe/stage_balance.py)
+            self.log_event("stage_imbalance", step=step, **imbalance.event())
+            self.message(imbalance.line(step))
         for event in extra.pop("integrity", ()):  # silent-corruption checks (training/integrity.py)
             self.jsonl.write(json.dumps({**event, "time": time.time(), **self._run()}) + "\n")
             if event["event"] == "corruption":

@@ -46,6 +46,9 @@ def rank_lines(log_dir: Path, train: list[dict]) -> list[str]:
         if e["event"] == "corruption":
             lines.append(f"step {e['step']}: corruption check: {e.get('class', '?')} on rank {e.get('rank', '?')} "
                          f"(host {e.get('host', '?')}, GPU {e.get('gpu', '?')})")
+        elif e["event"] == "stage_imbalance":
+            lines.append(f"step {e['step']}: stage imbalance: stage {e.get('stage', '?')} busy {e.get('ratio', '?')}x "
+                         f"stage {e.get('fastest', '?')} (planned {e.get('planned_ratio', '?')}x, by layers)")
         elif e["event"] == "copies_differ":
             lines.append(f"step {e['step']}: copies of {e.get('key', '?')} differ between ranks "
                          f"{', '.join(map(str, e.get('ranks', [])))}")

@@ -97,6 +97,7 @@ class StepTimer:
         self.bubble = 0.0
         self.last: tuple | None = None  # the last finished step: (marks, waits, spans, bubble)
         self.stage = 0  # this rank's pipeline stage (the Trainer sets it): ranks are compared within one
+        self.planned_layers: list[int] | None = None  # each stage's layers (the Trainer sets them): the planned split
         self.rule: StragglerRule | None = None  # made at the first log step (every rank's stage and host)
         self.current: str | None = None  # the phase running now (None between steps)
         self.waits: dict = {}
@@ -192,7 +193,7 @@ class StepTimer:
         if bubble or rows[:, 4].any():
             out["pp_bubble"] = float(rows[:, 4].median())  # the median rank's share
         if self.rule is None or len(self.rule.stages) != len(rows):  # once, and again after a regroup
-            self.rule = StragglerRule.gathered(self.stage, self.device)  # every rank's stage, host, GPU
+            self.rule = StragglerRule.gathered(self.stage, self.device, self.planned_layers)  # every rank's stage, host, GPU
         return out | self.rule.observe(rows[:, 5:])
 
 

@@ -4,10 +4,10 @@ Each rank's busy time per phase (``BUSY_PHASES``: its time in the phase less its
 collectives and receives, see ``step_timing``) is kept over the last ``WINDOW`` log steps. A rank is
 compared only with its peers, the ranks of the same pipeline stage (the same chunks: the same work,
 across dp, tp, cp and ep); stages differ in work by design, and their medians are reported apart
-(``stage_busy_s``). For each phase, a rank's value is its median over the window (a one-off stall does
-not move it); its peers' baseline is the median of the other ranks' values, their spread the MAD. The
-rule fires when the rank exceeds the baseline by more than all of: ``MADS`` scaled MADs, ``MIN_RELATIVE``
-of the baseline, and ``MIN_SHARE`` of the peers' whole busy step (a phase too small to matter does
+(``stage_busy_s``, and the ``stage_balance`` rule on them). For each phase, a rank's value is its
+median over the window (a one-off stall does not move it); its peers' baseline is the median of the
+other ranks' values, their spread the MAD. The rule fires when the rank exceeds the baseline by more
+than all of: ``MADS`` scaled MADs, ``MIN_RELATIVE`` of the baseline, and ``MIN_SHARE`` of the peers' whole busy step (a phase too small to matter does
 not fire); a rank that fires in several phases is named once, in the phase where it lost the most.
 A rank that fires at ``CHRONIC`` log steps in a row is chronic.
 """
@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 from par_groups import comm
+
+from .stage_balance import StageBalance
 
 BUSY_PHASES = ("data", "forward", "backward", "optimizer", "pp_send")
 WINDOW = 5  # log steps kept per rank
@@ -63,8 +65,9 @@ class StragglerRule:
     """The rule over every rank's rows, kept by every rank (rank 0 logs what it finds)."""
 
     def __init__(self, stages: list[int], hosts: list[str] | None = None, gpus: list[str] | None = None,
-                 window: int = WINDOW) -> None:
+                 window: int = WINDOW, planned_layers: list[int] | None = None) -> None:
         self.stages = stages
+        self.balance = StageBalance(planned_layers)  # the stages against each other: apart from stragglers
         self.hosts = hosts or ["?"] * len(stages)
         self.gpus = gpus or ["?"] * len(stages)
         self.history: deque = deque(maxlen=window)
@@ -74,7 +77,7 @@ class StragglerRule:
             self.groups.setdefault(stage, []).append(rank)
 
     @classmethod
-    def gathered(cls, stage: int, device: torch.device) -> "StragglerRule":
+    def gathered(cls, stage: int, device: torch.device, planned_layers: list[int] | None = None) -> "StragglerRule":
         """Every rank's stage, host and GPU, gathered once (at the first log step)."""
         import torch.distributed as dist
 
@@ -84,7 +87,7 @@ class StragglerRule:
         every: list = [None] * dist.get_world_size()
         comm.all_gather_object(every, mine, None)
         stages, hosts, gpus = (list(column) for column in zip(*every))
-        return cls(stages, hosts, gpus)
+        return cls(stages, hosts, gpus, planned_layers=planned_layers)
 
     def observe(self, busy: torch.Tensor) -> dict:
         """``busy[rank, phase]`` of the last step: the log record's ``stragglers`` (and ``stage_busy_s``
@@ -96,6 +99,9 @@ class StragglerRule:
         if len(self.groups) > 1:  # each stage's median rank, whole busy step: the pipeline's imbalance
             out["stage_busy_s"] = [round(_median([sum(per_rank[r]) for r in self.groups[s]]), 6)
                                    for s in sorted(self.groups)]
+            imbalance = self.balance.observe(out["stage_busy_s"], len(self.history) >= MIN_SAMPLES)
+            if imbalance is not None:
+                out["stage_imbalance"] = [imbalance]
         flags = self.flags(per_rank) if len(self.history) >= MIN_SAMPLES else []
         fired = {(f.rank, f.phase) for f in flags}
         self.streak = {key: self.streak.get(key, 0) + 1 for key in fired}

@@ -73,7 +73,8 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
     if m.is_moe and m.expert_balance == "replicate":  # the heaviest stage's replica buffers and bytes
         out["replicas"] = replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
                                           state_dtypes(t)[0].itemsize)
-    recurrent = family_of(m).recurrent_state(m, layout, layout.micro_batch)
+    recurrent = family_of(m).recurrent_state(m, layout, layout.micro_batch, 2 if t.resolved_dtype("cuda") == "bf16" else 4,
+                                             p.cp_comm_type)
     if recurrent:  # linear-attention layers: their states and what CP passes (models/<family>/)
         out["recurrent_state"] = recurrent
     if t.fp8 in PAR_FP8:  # par's FP8: its GEMM FLOPs, buffers, gather bytes and amax groups (sizing/fp8.py)
@@ -88,6 +89,10 @@ def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> di
         from ..sizing.joiner import joiner_bytes
 
         out["fault_tolerance"] = {"joiner_bytes": joiner_bytes(cfg, layout)}
+        if t.buddy_shards:  # the buddy's optimizer shard, and the grads all-reduced where ZeRO-1 reduce-scatters
+            from ..sizing.joiner import buddy_costs
+
+            out["fault_tolerance"]["buddy"] = buddy_costs(cfg, layout, stage)
     return out
 
 

@@ -92,7 +92,7 @@ def recompute_fraction(m, seq_len: int, recompute) -> float:
 def module_forward_flops(m, seq_len: int, i: int, recompute) -> float:
     """Per token: the forward FLOPs layer ``i`` runs again under the module list ``recompute`` (matmuls
     only: the norms and activations are a rounding error of them)."""
-    from ..model.recompute_policy import modules_at
+    from ..blocks.recompute_policy import modules_at
     from ..sizing.flops import training_flops_per_token
 
     modules = modules_at(recompute, i)
@@ -185,19 +185,21 @@ def sizes(shape: Shape) -> SimpleNamespace:
                            edp=shape.edp, hcp=None)
 
 
-def comm_seconds(shape: Shape, work: Workload, zero: str, bandwidth: dict, muon_ns: str | None = None) -> dict:
-    """Exposed seconds per group type for one step (``muon_ns``: Muon's Newton-Schulz dtype, None: AdamW)."""
+def comm_seconds(shape: Shape, work: Workload, zero: str, bandwidth: dict, muon_ns: str | None = None,
+                 gather_bytes: float = 2.0) -> dict:
+    """Exposed seconds per group type for one step (``muon_ns``: Muon's Newton-Schulz dtype, None: AdamW;
+    ``gather_bytes``: ZeRO-3's gathered bytes per parameter, below bf16's 2 with [train].fp8_param_gather)."""
     grid = sizes(shape)
     out = {}
     for name, nbytes in bytes_per_step(grid, work).items():
         gbps, _ = bandwidth[name]
         if name in GRADIENT_GROUPS:
-            nbytes *= zero_traffic(zero, work, muon_ns)
+            nbytes *= zero_traffic(zero, work, muon_ns, gather_bytes)
         out[name] = nbytes / (gbps * 1e9) * exposed_share(name, grid, work)
     return out
 
 
-def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None) -> float:
+def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None, gather_bytes: float = 2.0) -> float:
     """Gradient-group bytes relative to an fp32 all-reduce (2 x grad_bytes per parameter); with Muon
     (``muon_ns``) plus its owners' exchange (sizing/muon_comm.py), every parameter taken as a matrix."""
     allreduce = 2.0 * work.grad_bytes
@@ -206,12 +208,12 @@ def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None) -> float
         return 1.0 + muon
     if zero in ("optim", "optim_grads"):  # reduce-scatter grads, all-gather bf16 params once
         return (work.grad_bytes + 2.0) / allreduce + muon
-    return (work.grad_bytes + 2.0 * 2 * work.microbatches) / allreduce + muon  # ZeRO-3: gathers per micro-batch
+    return (work.grad_bytes + gather_bytes * 2 * work.microbatches) / allreduce + muon  # ZeRO-3: gathers per micro-batch
 
 
 def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, model_flops: float,
              peak_flops: float, efficiency: float, bandwidth: dict, muon_ns: str | None = None,
-             offloaded: float = 0.0, host_gbps: float = 0.0) -> Estimate:
+             gather_bytes: float = 2.0, offloaded: float = 0.0, host_gbps: float = 0.0) -> Estimate:
     """Step time and MFU of one layout; ``offloaded``: the bytes per step the busiest stage's
     ``[model].offload`` moves out and back over ``host_gbps`` (:func:`host_seconds`)."""
     stage = shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
@@ -222,7 +224,7 @@ def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, mod
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches,
                                recompute == "full" or recompute == ("full",))
     bubble = compute * idle / busy if shape.pp > 1 else 0.0
-    comm = comm_seconds(shape, work, zero, bandwidth, muon_ns)
+    comm = comm_seconds(shape, work, zero, bandwidth, muon_ns, gather_bytes)
     if offloaded:
         comm["offload"] = host_seconds(offloaded, host_gbps, forward, compute - forward)
     step = compute + bubble + sum(comm.values())

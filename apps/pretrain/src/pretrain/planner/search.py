@@ -23,7 +23,7 @@ from ..errors import UsageError
 from ..config.layout import Layout
 from ..runtime.rank_assignment import workload
 from ..sizing.activations import stage_peak_of
-from ..sizing.flops import training_flops_per_step
+from ..sizing.flops import param_counts, training_flops_per_step
 from ..sizing.offload import offloaded_bytes
 from ..sizing.params import rank_params
 from ..sizing.state import grad_buffer, muon_elements, optim_bytes, params_state, state_dtypes
@@ -48,6 +48,21 @@ class Choice:
     estimate: Estimate
     links: dict  # group type -> link class
     offload: tuple[str, ...] = ()  # [model].offload (with --auto-policy)
+
+
+def zeros(cfg) -> tuple[str, ...]:
+    """The ZeRO levels searched: ZeRO-3 alone under [train].fp8_param_gather (its gather)."""
+    return ("optim_grads_params",) if cfg.train.fp8_param_gather else ZERO
+
+
+def gather_bytes(m, t) -> float:
+    """ZeRO-3's gathered bytes per parameter: bf16's 2, less with the FP8 linears' weights in FP8."""
+    if not t.fp8_param_gather:
+        return 2.0
+    from ..sizing.fp8 import FP8_GATHER_BYTES_PER_PARAM, fp8_gathered_params_per_rank
+
+    share = min(fp8_gathered_params_per_rank(m, SimpleNamespace(tp=1, pp=1)) / param_counts(m).total, 1.0)
+    return 2.0 - share * (2.0 - FP8_GATHER_BYTES_PER_PARAM[t.fp8])
 
 
 def pipelines(pp: int) -> tuple[tuple[str, int], ...]:
@@ -92,7 +107,7 @@ def uneven_split(layers: int, pp: int) -> tuple[int, int]:
 def shape_config(cfg, s: Shape):
     """``cfg`` with the shape's [parallel] (validated by the config itself), or None if it is invalid."""
     parallel = dataclasses.replace(cfg.parallel, tp=s.tp, cp=s.cp, pp=s.pp, vpp=s.vpp, schedule=s.schedule, ep=s.ep,
-                                   etp=s.etp if cfg.model.is_moe else cfg.parallel.etp, cp_comm_type="p2p", hcp=(), zero="no_shard", hsdp_replicas=1,
+                                   etp=s.etp if cfg.model.is_moe else cfg.parallel.etp, cp_comm_type="p2p", hcp=(), zero=zeros(cfg)[0], hsdp_replicas=1,
                                    microbatches=0, order=CANONICAL_ORDER, first_stage_layers=s.first,
                                    last_stage_layers=s.last)
     try:
@@ -144,7 +159,7 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         for recompute, offload in policy:
             # an offload only adds host time: it matters where the same recompute alone does not fit
             dominated = set(fitting.get(recompute, ())) if offload and not offloads[0] else set()
-            if dominated == set(ZERO):
+            if dominated >= set(zeros(cfg)):
                 continue
             variant = variants[(recompute, offload)]
             acts = [stage_peak_of(variant, layout, stage) for stage in range(s.pp)]
@@ -156,12 +171,12 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)
             moved = max(offloaded_bytes(variant, layout, stage) for stage in range(s.pp)) if offload else 0.0
-            for zero in ZERO:
+            for zero in zeros(cfg):
                 memory = peaks[zero]
                 if memory > budget or zero in dominated:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth,
-                               t.optimizer_declaration.matrix_dtype, moved, cluster.host_gbps)
+                               t.optimizer_declaration.matrix_dtype, gather_bytes(m, t), moved, cluster.host_gbps)
                 choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
                                 {n: link for n, (_, link) in bandwidth.items()}, offload)
                 if best is None or _key(choice) < _key(best):

@@ -38,10 +38,13 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         n = params.dense
         if p.zero == "no_shard":
             out[("all_reduce", dp)] += n * gb
+        elif cfg.train.buddy_shards and p.zero == "optim":  # buddies read the whole all-reduced gradient
+            out[("all_reduce", dp)] += n * gb
+            out[("all_gather", dp)] += n * pb
         else:
             out[("reduce_scatter", dp)] += n * gb
             gathers = 2 * microbatches if p.zero == "optim_grads_params" else 1
-            out[("all_gather", dp)] += gathers * n * pb
+            out[("all_gather", dp)] += gathers * (n * pb - _fp8_gather_saving(cfg, layout, layers, pb))
     if params.experts and layout.edp > 1:  # routed experts: the same over expert data parallel
         n = params.experts
         if p.zero == "no_shard":
@@ -94,6 +97,17 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         message = act // (layout.tp if layout.sequence_parallel else 1)
         out[("send", "pp")] += len(schedule.sends(stage)) * message
     return dict(out)
+
+
+def _fp8_gather_saving(cfg, layout, layers: int, pb: int) -> float:
+    """Bytes one ZeRO-3 gather of this stage saves with [train].fp8_param_gather: its FP8 linears' weights
+    (this stage's share of the rank's, sizing/fp8.py) in FP8 bytes + scales instead of the param dtype."""
+    if not cfg.train.fp8_param_gather:
+        return 0.0
+    from ..sizing.fp8 import FP8_GATHER_BYTES_PER_PARAM, fp8_gathered_params_per_rank
+
+    weights = fp8_gathered_params_per_rank(cfg.model, layout) * layout.pp * layers / cfg.model.layers
+    return weights * (pb - FP8_GATHER_BYTES_PER_PARAM[cfg.train.fp8])
 
 
 def muon_collectives(cfg, layout, params) -> dict[tuple[str, str], float]:

@@ -20,8 +20,8 @@ Measured against ``plan --simulate`` (fake tensors, attention as on a GPU: one f
 
 from __future__ import annotations
 
-from ..model.offload_policy import modules_at as offloaded_at
-from ..model.recompute_policy import modules_at
+from ..blocks.offload_policy import modules_at as offloaded_at
+from ..blocks.recompute_policy import modules_at
 from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
 from .replicas import declared_plan, held_replicas, replica_bytes
@@ -42,15 +42,15 @@ def _mlp(m, layout, i: int, pb: int, pairs: float) -> float:
     """Per token: a dense SwiGLU's gathered input (h), gate, silu(gate), up and their product
     (4 ffn/tp). An MoE layer on this rank's tokens: the router's scores, the tokens' bf16 copy and
     the combine's two outputs (3 h), per routed pair the dispatched row, the received and returned
-    rows, the weighted expert output and the expert output (5 h) plus the expert's 4 F/etp, and
-    the shared experts' SwiGLU (copies over tp, on local tokens). ``pairs``: routed pairs this
+    rows, the weighted expert output and the expert output (5 h) plus the expert activation's F/etp
+    rows (``Family.expert_act_widths``: SwiGLU's 4), and the shared experts' SwiGLU (copies over tp, on local tokens). ``pairs``: routed pairs this
     rank's experts receive per local token (top_k when balanced)."""
     tp, h = layout.tp, m.hidden
     if not m.is_moe_layer(i):
         return (h + 4 * m.ffn_hidden / tp) * pb
     share = tp if layout.sequence_parallel else 1
     f = m.expert_ffn_hidden
-    routed = pairs * (4 * h + 4 * f / layout.etp) * pb
+    routed = pairs * (4 * h + family_of(m).expert_act_widths * f / layout.etp) * pb
     return (routed + 3 * h * pb + m.num_experts * (2 * pb + 4) + 4 * f * m.shared_experts * pb) / share
 
 
@@ -72,7 +72,7 @@ def layer_per_token(cfg, layout, i: int, recompute, pairs: float | None = None) 
 def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | None) -> float:
     """:func:`layer_per_token` with ``modules`` of layer ``i`` recomputed: a recomputed module keeps its
     input (the checkpoint's one saved tensor) instead of its saved set; ``moe_act`` keeps each routed
-    pair's gate and up but not silu(gate); ``mla_up_proj`` reruns the MLA core too (as core_attn)."""
+    pair's gate, up and the product w_down reads (3 F), not the rest of the activation's; ``mla_up_proj`` reruns the MLA core too (as core_attn)."""
     m, pb = cfg.model, _pb(cfg)
     share = layout.tp if layout.sequence_parallel else 1
     if "full" in modules:
@@ -85,7 +85,7 @@ def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | N
     else:
         mlp = _mlp(m, layout, i, pb, pairs)
         if "moe_act" in modules and m.is_moe_layer(i):
-            mlp -= pairs * m.expert_ffn_hidden / layout.etp * pb / share
+            mlp -= pairs * (family_of(m).expert_act_widths - 3) * m.expert_ffn_hidden / layout.etp * pb / share
     return norms + _attention(m, layout, word, pb) + mlp
 
 

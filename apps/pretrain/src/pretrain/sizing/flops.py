@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..models import family_of
-from .params import layer_parts
+from .params import by_kind, layer_parts
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class ParamCounts:
     output: int  # output head (0 when tied to the embedding)
     final_norm: int
     attention: int  # per layer: q, k, v, o projections and the two norms
+    attention_layers: int  # every main layer's together (a hybrid's linear and full-attention layers differ)
     dense_mlp: int  # per dense layer
     router: int  # per MoE layer
     shared_experts: int  # per MoE layer, all shared experts together
@@ -47,7 +48,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        layers = self.attention * (self.dense_layers + self.moe_layers) + self.dense_mlp * self.dense_layers
+        layers = self.attention_layers + self.dense_mlp * self.dense_layers
         moe = (self.router + self.shared_experts + self.routed_per_layer) * self.moe_layers
         return self.embedding + self.output + self.final_norm + layers + moe
 
@@ -81,6 +82,7 @@ def param_counts(m: ModelConfig) -> ParamCounts:
         output=0 if m.tie_embeddings else m.vocab_size * h,
         final_norm=h,
         attention=attention,
+        attention_layers=sum(n * layer_parts(m, i)["attention"] for i, n in by_kind(m, range(m.layers))),
         dense_mlp=dense["dense_mlp"] if dense else 0,
         router=moe["router"] if moe else 0,
         shared_experts=moe["shared"] if moe else 0,
@@ -105,9 +107,9 @@ def mtp_params(m: ModelConfig) -> int:
 def matmul_params_per_token(m: ModelConfig) -> int:
     """Weights one token multiplies by in a forward pass (norms and the embedding lookup excluded)."""
     c = param_counts(m)
-    attention = c.attention - 2 * m.hidden
+    attention = c.attention_layers - 2 * m.hidden * m.layers
     moe = c.router + c.shared_experts + c.top_k * c.expert
-    return (attention * m.layers + c.dense_mlp * c.dense_layers + moe * c.moe_layers
+    return (attention + c.dense_mlp * c.dense_layers + moe * c.moe_layers
             + m.vocab_size * m.hidden)  # the output head, tied or not
 
 

@@ -4,7 +4,8 @@ Every piece it owns (training/owned_state.py), sent point to point by training/r
 owned parameter element its fp32 master and each state tensor the optimizer declares, each kind over the
 whole owned range (Muon's momentum and AdamW moments both, unpacked, as a checkpoint holds them), and the
 routers' expert bias of its MoE layers. A rank
-owns its whole model-parallel shard without ZeRO; with HSDP, its ZeRO shard inside its replica. The
+owns its whole model-parallel shard without ZeRO; with HSDP, its ZeRO shard inside its replica; with
+``[train].buddy_shards`` under ZeRO-1, its shard and its buddy's. The
 heaviest pipeline stage's rank; the RNG state sent beside it (a few kB) is not counted.
 """
 
@@ -23,13 +24,30 @@ def joiner_bytes(cfg, layout) -> int:
     per_element = MASTER_BYTES + sum(s.bytes for s in cfg.train.optimizer_declaration.state())
     p = cfg.parallel
     shard, expert_shard = 1, 1
+    copies = 1
     if p.hsdp_replicas > 1 and p.zero != "no_shard":
         shard = max(layout.dp * layout.cp // p.hsdp_replicas, 1)
         expert_shard = max(layout.edp // p.hsdp_replicas, 1)
+    elif cfg.train.buddy_shards and p.zero == "optim":  # its ZeRO-1 shard and its buddy's (the next rank's)
+        shard, expert_shard, copies = layout.dp * layout.cp, layout.edp, 2
+
     def owned(stage: int) -> int:
         params = rank_params(cfg, layout, stage)
-        elements = math.ceil(params.dense / shard) + math.ceil(params.experts / expert_shard)
+        elements = sum(min(n, copies * math.ceil(n / size)) for n, size in ((params.dense, shard),
+                                                                            (params.experts, expert_shard)))
         # beside the parameters, the routers' expert bias (fp32, whole: the balancing's state)
         return elements * per_element + ROUTER_BIAS_BYTES * cfg.model.num_experts * stage_moe_layers(cfg, layout, stage)
 
     return max(owned(stage) for stage in range(layout.pp))
+
+
+def buddy_costs(cfg, layout, stage: int) -> dict:
+    """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1: the buddy's
+    optimizer state (a second shard of it), and per step the gradients' all-reduce in place of their
+    reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its gradient buffer once more)."""
+    from .state import rank_state
+
+    d = layout.dp * layout.cp
+    state = rank_state(cfg, layout, stage)
+    return {"optim_bytes": state.optim / 2 if d > 1 else 0.0,
+            "grad_bytes_per_step": state.grads * (d - 1) / d}

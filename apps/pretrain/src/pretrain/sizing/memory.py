@@ -12,7 +12,7 @@ from par_zero import ModelState
 from .activations import stage_peak_of
 from .params import RankParams, rank_params
 from .schedule_peak import StagePeak
-from .state import grad_buffer, muon_elements, optim_bytes, params_state, rank_state, state_dtypes
+from .state import grad_buffer, muon_elements, optim_bytes, params_state, rank_state, state_dtypes, with_buddy
 
 GB = 1e9
 HEADROOM = 0.10  # of GPU memory, for the CUDA context, NCCL buffers and allocator fragmentation
@@ -45,8 +45,8 @@ def worst_stage(cfg, layout, stages: list[tuple[RankParams, StagePeak]], zero: s
     dtypes, d = state_dtypes(cfg.train), layout.dp * layout.cp
     best = None
     for stage, (p, peak) in enumerate(stages):
-        state = params_state(p.dense, p.experts, d, layout.edp, zero, dtypes, replicas, muon_elements(cfg.train, p),
-                             optim_bytes(cfg.train))
+        state = with_buddy(cfg, params_state(p.dense, p.experts, d, layout.edp, zero, dtypes, replicas,
+                                             muon_elements(cfg.train, p), optim_bytes(cfg.train)), zero, d)
         act = peak.with_grads(grad_buffer(cfg, layout, p, zero))
         if best is None or state.total + act > best[0]:
             best = (state.total + act, stage, state, act)

@@ -59,15 +59,17 @@ def chunk_layers(parallel, layers: int) -> tuple[range, ...]:
 
 
 def by_kind(m, layers) -> list[tuple[int, int]]:
-    """(a layer, how many) of each kind among ``layers`` (dense, MoE): layers of a kind are sized alike."""
+    """(a layer, how many) of each kind among ``layers`` (dense or MoE, and the family's kind of attention:
+    a hybrid's linear and full-attention layers): layers of a kind are sized alike."""
     return _by_kind(m, tuple(layers))
 
 
 @lru_cache(maxsize=4096)
 def _by_kind(m, layers: tuple[int, ...]) -> list[tuple[int, int]]:
-    kinds: dict[bool, list[int]] = {}
+    kinds: dict[tuple[bool, int], list[int]] = {}
+    family = family_of(m)
     for i in layers:
-        kinds.setdefault(m.is_moe_layer(i), [i, 0])[1] += 1
+        kinds.setdefault((m.is_moe_layer(i), family.layer_kind(m, i)), [i, 0])[1] += 1
     return [(i, n) for i, n in kinds.values()]
 
 

@@ -76,9 +76,18 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
     """Model state of pipeline stage ``stage``'s ranks under ``zero`` (default: the config's)."""
     p = rank_params(cfg, layout, stage)
     replicas = cfg.parallel.hsdp_replicas if replicas is None else replicas
-    return params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero or cfg.parallel.zero,
-                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p),
-                        optim_bytes(cfg.train))
+    zero = zero or cfg.parallel.zero
+    return with_buddy(cfg, params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero,
+                                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p),
+                                        optim_bytes(cfg.train)), zero, layout.dp * layout.cp)
+
+
+def with_buddy(cfg, state: ModelState, zero: str, d: int) -> ModelState:
+    """``[train].buddy_shards = 1`` under ZeRO-1 over ``d`` > 1 ranks: a second shard of optimizer state (the
+    next rank's, and its fp32 masters where the params are not fp32)."""
+    if not cfg.train.buddy_shards or zero != "optim" or d < 2:
+        return state
+    return ModelState(state.params, state.grads, 2 * state.optim)
 
 
 def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:

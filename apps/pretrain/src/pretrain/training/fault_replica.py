@@ -19,11 +19,13 @@ on: the interrupted step is discarded and redone.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +44,7 @@ from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generatio
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
+from .replica_reshard import reshard_state
 from .train_loop import Trainer
 
 MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
@@ -105,6 +108,8 @@ class ReplicaTrainer(Trainer):
         optimizer = self.model.dp.optimizer_state
         if hasattr(optimizer, "collectives_first"):  # a step interrupted in its collectives changed no state
             optimizer.collectives_first = True
+        if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
+            self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
 
     def _read_batch(self, step: int, eval: bool | str = False) -> Batch:
         s, share = self.sampler, self.share
@@ -127,6 +132,7 @@ class ReplicaTrainer(Trainer):
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
     def train_step(self, step: int):
+        self.sync_params()
         self._training = True
         try:
             result = super().train_step(step)
@@ -135,10 +141,19 @@ class ReplicaTrainer(Trainer):
         self.completed = step + 1
         return result
 
-    def _mean_loss(self, losses):
+    def sync_params(self) -> None:
+        """The params gathered from the last step's update where it was left to the next step (buddies)."""
+        if getattr(self.model.dp, "params_stale", False):
+            self.model.dp.sync_params()
+
+    def evaluate(self, batches: int, split: str = "valid") -> float:
+        self.sync_params()
+        return super().evaluate(batches, split)
+
+    def _mean_loss(self, losses, also=None):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's
         collectives: this replica's samples are in the step's gradient now (logged when asked)."""
-        loss = super()._mean_loss(losses)
+        loss = super()._mean_loss(losses, also)
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
                 f.write(json.dumps({"step": self._step + 1, "generation": self.generation,
@@ -221,9 +236,12 @@ class ReplicaRun:
         self.replica = event["replicas"][str(self.rank)]
         fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
             self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
-        step, _ = receive_state(fresh.model, self._pairs(event)[self.rank])
+        if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+            step, got = reshard_state(None, fresh, -1)
+        else:
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank]), 0
         fresh.completed = step
-        self.joined_at = self._agree(step, event, began)
+        self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
         return fresh
 
@@ -257,7 +275,7 @@ class ReplicaRun:
         began = time.monotonic()
         done = trainer.completed if trainer.completed == step + 1 else step
         coords = trainer.groups.coords()
-        _leave_groups()
+        _leave_groups(error, self.stops)
         if event is None:
             event = self._next_generation(error)
             self.missing[event["lost_replica"]] = event["lost"]
@@ -267,15 +285,20 @@ class ReplicaRun:
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
-        copy_state(trainer, fresh)
+        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+        if buddies:
+            reshard_state(trainer, fresh, done)
+            fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
+        else:
+            copy_state(trainer, fresh)
         if trainer.prefetch is not None:
             trainer.prefetch.close()
         trainer.__dict__ = fresh.__dict__  # every holder of the trainer (the loop, the saver) sees the new one
         sent = 0
-        for joiner, source in self._pairs(event).items():
+        for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done)
-        agreed = self._agree(done, event, began, sent)
+        agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
         return agreed
@@ -317,10 +340,11 @@ class ReplicaRun:
             pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
         return pairs
 
-    def _agree(self, done: int, event: dict, began: float, sent: int = 0) -> int:
-        """Every member goes on from the same step (the collective checks it); logs the event."""
-        agreed = torch.tensor([done, -done, sent], dtype=torch.int64)
-        moved = agreed[2:].clone()
+    def _agree(self, done: int, event: dict, began: float, sent: int = 0, timed_out: bool = False) -> int:
+        """Every member goes on from the same step (the collective checks it); logs the event, with how many
+        members noticed a loss only at a collective's timeout (``timed_out``: this one) rather than at once."""
+        agreed = torch.tensor([done, -done], dtype=torch.int64)
+        moved = torch.tensor([sent, int(timed_out)], dtype=torch.int64)
         comm.all_reduce(agreed[:2], None, op=dist.ReduceOp.MAX)
         comm.all_reduce(moved, None)
         if int(agreed[0]) != -int(agreed[1]):
@@ -335,7 +359,7 @@ class ReplicaRun:
             else:
                 self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
                                       generation=self.generation, replicas_left=len(set(event["replicas"].values())),
-                                      stood_still_s=still)
+                                      stood_still_s=still, noticed_at_timeout=int(moved[1]))
         return done
 
     def admit(self, trainer: ReplicaTrainer, step: int) -> None:
@@ -428,14 +452,27 @@ class StepRange:
             self.next += 1
             yield step
 
-    @contextmanager
-    def attempt(self, step: int, trainer: ReplicaTrainer):
-        try:
-            yield
-        except Exception as e:
-            if not peer_lost(e):
-                raise
-            self.next = self.run.regroup(trainer, step, e)
+    def attempt(self, step: int, trainer: ReplicaTrainer) -> "_Attempt":
+        return _Attempt(self, step, trainer)
+
+
+class _Attempt:
+    """One step's guard (:meth:`StepRange.attempt`): a class, not a generator, so that the failed step's
+    traceback, which holds the failed collective's frames and through them its process group, is let go
+    before the regroup (a generator's ``__exit__`` keeps it in its frame until the regroup returns)."""
+
+    def __init__(self, steps: StepRange, step: int, trainer) -> None:
+        self.steps, self.step, self.trainer = steps, step, trainer
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if not isinstance(error, Exception) or not peer_lost(error):
+            return False
+        del tb
+        self.steps.next = self.steps.run.regroup(self.trainer, self.step, error)
+        return True
 
 
 def generation_config(cfg, micro_batch: int, replicas: int, shard: int = 1, microbatches: int = 1):
@@ -497,13 +534,27 @@ def attempt(steps, step: int, trainer):
     return steps.attempt(step, trainer) if isinstance(steps, StepRange) else nullcontext()
 
 
-def _leave_groups() -> None:
+def _leave_groups(error: BaseException | None, *holders) -> None:
     """Destroy every process group: closes this rank's connections, so a survivor still waiting on it
-    in a collective fails at once instead of at its timeout."""
+    in a collective of the old generation fails at once instead of at its timeout. A group's connections
+    close only once nothing holds it: ``error`` lets go of its traceback (whose frames hold the failed
+    collective's group), and ``holders`` (objects with a ``group``: the stop requests) of theirs; else a
+    survivor in that group's collective would wait for a peer gone on to the next generation's rendezvous,
+    where the peer waits for it."""
+    seen = set()
+    while error is not None and id(error) not in seen:  # the frames go, their text stays for a re-raise
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            error.add_note("".join(traceback.format_tb(error.__traceback__)).rstrip())
+            error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    for holder in holders:
+        holder.group = None
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- a group broken by the loss may not tear down cleanly; it is gone either way
         pass
+    gc.collect()  # a group held in a reference cycle goes now, not at the next collection
 
 
 def _discard_save(cfg, step: int) -> None:

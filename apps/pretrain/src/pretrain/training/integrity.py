@@ -6,18 +6,27 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
 - **Copies** (every ``[log].integrity_every`` log steps): every rank hashes each piece of state it owns
   (the fp32 masters and every optimizer state kind, box by box, and the model's own tensors), keyed by
   name, kind and box; pieces with the same key on several ranks (dp replicas, TP copies of replicated
-  parameters, HSDP replicas) must hash alike. A key is never shared across pipeline stages (another
-  name), so stages are never compared. With three or more copies the odd ones are named; with two,
+  parameters, HSDP replicas) must hash alike. The hashes are gathered within the pipeline stage (the
+  tp x dp x cp ranks that hold every copy of its pieces): stages are never compared, and the gather
+  is 1/pp of the world. With three or more copies the odd ones are named; with two,
   the difference is logged (``copies_differ``) and the loss check below tells which rank is wrong.
 - **Loss** (every log step): each rank keeps, on the device, its worst micro-batch loss since the last
   log step (non-finite is worst) with its step and micro-batch. A rank whose worst is non-finite, or
-  above its peers' median by half of it and five MADs, is the suspect. Then every replica recomputes
+  above its peers' median by half of it and five MADs, is the suspect; so is a rank whose own reduced
+  gradient was not finite (``local_sq``, left by par_zero's clipping) while the same piece's in another
+  replica was (a bad batch reaches every replica through the reduction), with its step's first
+  micro-batch (the replicas dropped or kept that step alike: the norms' finiteness is summed with the
+  loss). Then every replica recomputes
   the suspect's micro-batch (the data is a function of the step and the dp rank; the weights are the
   ones the copies check found equal) and each rank compares with the ranks at its model-parallel
   coordinate in the other replicas: **persistent** if the suspect's rerun differs from its peers'
   (it computes wrong), **correct** if every rerun agrees and is itself anomalous (the data or the
   model), **transient** if every rerun agrees and is normal (its first result was a glitch). The
-  rerun uses the current weights, not those of the suspect's step.
+  rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
+  shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
+  is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
+  coordinate's in the other replicas. A transient or correct one is named by its loss alone (within
+  its replica's tp and cp ranks at the loss's stage, the first).
 
 A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
@@ -64,6 +73,8 @@ def owned_pieces(trainer) -> dict[str, torch.Tensor]:
             for offsets, box in pieces.boxes:
                 out[f"{kind}/{names.get(id(param), '?')}@{tuple(offsets)}"] = box
     for name, t in named.items():
+        if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            continue  # a sharded parameter between steps (ZeRO-3: its storage freed): its masters are hashed
         out[f"model/{name}@{tuple(placement_of(t).offsets)}"] = t
     return out
 
@@ -112,20 +123,28 @@ class Integrity:
         self.events: list[dict] = []  # for rank 0's log (:meth:`take`)
         self.checked_at = -1
         self.device = trainer.device
-        self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
+        # worst micro-batch loss's score, loss, step, micro-batch; the first step whose own gradient was not finite
+        self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
         self.checks = 0
         self.ranks: list[tuple] | None = None  # every rank's (dp, model coordinate, host, gpu)
+        self.trace: list = []  # the last rerun's module output hashes
 
-    def note(self, step: int, losses: list[torch.Tensor]) -> None:
-        """This step's micro-batch losses (on the device; nothing read)."""
-        if not losses or not self.every:
+    def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None) -> None:
+        """This step's micro-batch losses and the squared sum of this rank's own reduced gradient (on the
+        device; nothing read)."""
+        if not self.every:
+            return
+        if grad_sq is not None:
+            bad = (self.worst[4] < 0) & ~torch.isfinite(grad_sq)
+            self.worst[4:].copy_(torch.where(bad, torch.full_like(self.worst[4:], step), self.worst[4:]))
+        if not losses:
             return
         loss = torch.stack([x.detach().double().reshape(()) for x in losses])
         score = torch.where(torch.isfinite(loss), loss, torch.full_like(loss, float("inf")))
         m = score.argmax().reshape(1)  # gathered by index on the device: no host read
         top = score.gather(0, m)
         row = torch.cat([top, loss.gather(0, m), torch.full_like(top, step), m.double()])
-        self.worst.copy_(torch.where(row[0] > self.worst[0], row, self.worst))
+        self.worst[:4].copy_(torch.where(row[0] > self.worst[0], row, self.worst[:4]))
 
     def _who(self, trainer) -> list[tuple]:
         if self.ranks is None or len(self.ranks) != dist.get_world_size():  # once, and again after a regroup
@@ -162,19 +181,26 @@ class Integrity:
             events.append({"event": "integrity_check", "step": step, **cost, "odd": len(odd), "split": len(split)})
         row = self.worst.clone()
         self.worst.fill_(-float("inf"))
-        every = torch.empty(len(who) * 4, dtype=torch.float64, device=self.device)
+        every = torch.empty(len(who) * len(row), dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, row, None)
-        rows = every.view(-1, 4).tolist()
+        rows = every.view(len(who), -1).tolist()
         held = [r for r, x in enumerate(rows) if x[2] >= 0]  # ranks that hold a loss (the last stage)
         suspects = [r for r in held if spike(rows[r][1], [rows[o][1] for o in held if o != r])]
-        verdict = None
-        if suspects:
-            suspect = max(suspects, key=lambda r: rows[r][0])
-            verdict = self._rerun(trainer, suspect, int(rows[suspect][2]), int(rows[suspect][3]),
-                                  [rows[o][1] for o in held if o != suspect])
+        # its own reduced gradient not finite while the same piece in another replica is: a bad batch would
+        # have reached every replica through the reduction
+        grads = [r for r, x in enumerate(rows) if x[4] >= 0 and any(
+            rows[o][4] < 0 for o, w in enumerate(who) if w[1] == who[r][1] and w[0] != who[r][0])]
+        verdict, trigger = None, "loss" if suspects else "gradient"
+        if suspects or grads:
+            suspect = max(suspects, key=lambda r: rows[r][0]) if suspects else grads[0]
+            at, micro = (int(rows[suspect][2]), int(rows[suspect][3])) if suspects else (int(rows[suspect][4]), 0)
+            verdict = self._rerun(trainer, suspect, at, micro, [rows[o][1] for o in held if o != suspect])
+            if verdict == "persistent":  # the loss is shared by its replica's tp and cp ranks: which computed wrong
+                suspect = self.first_to_differ(suspect)
             events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect,
-                           "host": who[suspect][2], "gpu": who[suspect][3], "suspect_step": int(rows[suspect][2]) + 1,
-                           "micro_batch": int(rows[suspect][3]), "suspect_loss": _finite(rows[suspect][1])})
+                           "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger,
+                           "suspect_step": at + 1, "micro_batch": micro,
+                           "suspect_loss": _finite(rows[suspect][1]) if suspects else None})
         if dist.get_rank() == 0:
             self.events += events
         if odd:
@@ -184,7 +210,7 @@ class Integrity:
                              f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
         if verdict == "persistent":
             raise UsageError(f"silent corruption: {self.name(suspect)} computes wrong results persistently (its "
-                             f"rerun of step {int(rows[suspect][2]) + 1}'s micro-batch {int(rows[suspect][3])} differs "
+                             f"rerun of step {at + 1}'s micro-batch {micro} differs "
                              f"from its replicas'); stopping")
         if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
             self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
@@ -196,12 +222,14 @@ class Integrity:
         pieces = owned_pieces(trainer)
         hashes = torch.stack([tensor_hash(t) for t in pieces.values()]).tolist() if pieces else []
         mine = dict(zip(pieces, hashes))
-        every: list = [None] * dist.get_world_size()
-        comm.all_gather_object(every, mine, None)
-        odd, split = odd_copies(every)
+        g = trainer.groups  # the ranks of this pipeline stage: every copy of a piece it holds, no other stage's
+        members = list(g.ranks["tp_dp_cp"])
+        every: list = [None] * len(members)
+        comm.all_gather_object(every, mine, g.tp_dp_cp)
+        odd, split = (({key: [members[i] for i in at] for key, at in found.items()}) for found in odd_copies(every))
         hashed = sum(t.numel() * t.element_size() for t in pieces.values())
         return odd, split, {"hash_s": round(time.perf_counter() - start, 6), "hashed_bytes": hashed,
-                            "hash_bytes": len(repr(mine).encode())}
+                            "hash_bytes": len(repr(mine).encode()), "gather_ranks": len(members)}
 
     def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
         """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""
@@ -212,11 +240,25 @@ class Integrity:
         one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
         was = trainer.model.module.training
         trainer.model.module.eval()
+        trace: list[tuple[int, torch.Tensor]] = []  # each module's output hashed with its chunk, as they finish
+
+        def record(chunk: int):
+            def hook(module, inputs, output):
+                t = output[0] if isinstance(output, (tuple, list)) else output
+                if torch.is_tensor(t) and t.is_floating_point():
+                    trace.append((chunk, tensor_hash(t)))
+            return hook
+
+        hooks = [m.register_forward_hook(record(c)) for c, chunk in trainer.model.chunks.items() for m in chunk.modules()]
         try:
             with torch.no_grad(), trainer._compute_context():
                 losses = trainer.runner.eval_losses(trainer.microbatches(one))
         finally:
+            for h in hooks:
+                h.remove()
             trainer.model.module.train(was)
+        hashes = torch.stack([h for _, h in trace]).tolist() if trace else []
+        self.trace = [(c, tuple(h)) for (c, _), h in zip(trace, hashes)]
         mine = torch.tensor([float("nan") if not losses else 0.0, 0.0], dtype=torch.float64, device=self.device)
         if losses:
             mine[1] = losses[0].detach().double()
@@ -231,3 +273,26 @@ class Integrity:
         if theirs and not any(same(own, v) for v in theirs):
             return "persistent"
         return "correct" if spike(own, peers_first) else "transient"
+
+    def first_to_differ(self, suspect: int) -> int:
+        """Of the ranks of the suspect's replica (its loss is shared by its tp and cp ranks, and its pipeline
+        stages feed it), the one whose rerun's module outputs differ first from those at its coordinate
+        in the other replicas: where a wrong result entered. "First" is by chunk (a micro-batch's forward
+        runs the chunks in order, whichever stage holds them), then by module within the chunk. Every
+        rank calls it (it gathers the traces)."""
+        every: list = [None] * dist.get_world_size()
+        comm.all_gather_object(every, self.trace, None)
+        dp = self.ranks[suspect][0]
+
+        def first(r: int) -> tuple:
+            peers = [every[o] for o, w in enumerate(self.ranks) if w[1] == self.ranks[r][1] and w[0] != dp]
+            within: dict[int, int] = {}
+            for i, (chunk, h) in enumerate(every[r]):
+                within[chunk] = within.get(chunk, -1) + 1
+                if peers and all(i >= len(p) or p[i] != (chunk, h) for p in peers):
+                    return (chunk, within[chunk])
+            return (float("inf"), 0)
+
+        mine = [r for r, w in enumerate(self.ranks) if w[0] == dp]
+        at = {r: first(r) for r in mine}
+        return min(mine, key=lambda r: (at[r], r != suspect))

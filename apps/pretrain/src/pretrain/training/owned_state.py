@@ -22,3 +22,15 @@ def owned_state(model) -> dict[str, list[torch.Tensor]]:
         for kind in kinds:
             out[f"{kind}/{name}"] = [box for _, box in owned[kind][t].boxes]
     return out
+
+
+def buddy_state(model) -> dict[str, list[torch.Tensor]]:
+    """As :func:`owned_state`, the buddy range's pieces this rank steps for the next rank of its ZeRO-1 group
+    (``[train].buddy_shards``; empty without them): the masters and optimizer state only."""
+    dp = model.dp
+    if getattr(dp, "buddy_optimizer", None) is None:
+        return {}
+    kinds = ("master",) + tuple(dp.optimizer_state.state_kinds())
+    held = {kind: dp.buddy_pieces(kind) for kind in kinds}
+    return {f"{kind}/{name}": [box for _, box in held[kind][t].boxes]
+            for name, t in model.full_named_tensors().items() if t in held["master"] for kind in kinds}

@@ -25,11 +25,11 @@ from par_tp import vocab_parallel_cross_entropy
 from ..data.prefetch import Prefetcher
 from ..data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, positions_within_documents
 from .dynamic_cp import SpanGroups, imbalance, plan_step
-from ..model.kernels import fp8_regions, select_kernels
+from ..blocks.kernels import fp8_regions, select_kernels
 from ..errors import UsageError
 from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
-from ..model.qk_clip import clip_scales, reset_logit_max
+from ..blocks.qk_clip import clip_scales, reset_logit_max
 from ..model.moe import moe_layers
 from ..model.replace import ExpertReplacer
 from ..sizing.replicas import declared_domains
@@ -104,7 +104,9 @@ class Trainer:
         self.runner = make_runner(self.model, g.pp, self.device, shape, self.callbacks, self.callbacks(NO_DOCUMENTS),
                                   self.timer)  # a pipeline schedule, or accumulation
         self.timer.stage = g.rank_in("pp")  # ranks are compared with those of their stage (observe/stragglers.py)
+        self.timer.planned_layers = [len(ids) for ids in cfg.parallel.stage_layers(cfg.model.layers)]
         self.faults = Faults.from_env(dist.get_rank())  # none unless PAR_INJECT (observe/inject.py)
+        self.faults.data(self.sampler, cfg.model.vocab_size)
         self.integrity = Integrity(self, off=simulated or not self.integrity_checks)  # silent corruption, at log steps
         if hasattr(self.runner, "executor"):
             self.runner.executor.send_span = self._send_span
@@ -232,18 +234,23 @@ class Trainer:
         """bf16 autocast (when the run is bf16); each chunk's forward adds FP8 inside it (forward_chunk)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage (a device scalar)."""
+    def _mean_loss(self, losses: list[torch.Tensor], also: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean over micro-batches, dp x cp ranks, shared with every pipeline stage (a device scalar).
+        ``also`` (one element): summed over the same ranks in the same reductions, in place."""
         g = self.groups
         total = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         total = total.reshape(1).float()
+        if also is not None:
+            total = torch.cat([total, also.float()])
         comm.all_reduce(total, g.dp_cp)
-        total /= g.size("dp_cp")
+        total[:1] /= g.size("dp_cp")
         if g.size("pp") > 1:  # only the rank holding the last chunk has it (rank 0 in V-shapes)
             if self.model.num_chunks - 1 not in self.model.chunks:
-                total.zero_()
+                total[:1].zero_()
             comm.all_reduce(total, g.pp)
-        return total.reshape(())
+        if also is not None:
+            also.copy_(total[1:])
+        return total[0]
 
     def train_step(self, step: int) -> StepResult:
         cfg, dp, g = self.cfg, self.model.dp, self.groups
@@ -259,12 +266,15 @@ class Trainer:
         losses = self._forward_backward(batch)
         timer.lap("fwd_bwd")
         dp.sum_partial_grads()
+        self.faults.reduced(dp)
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
-        self.integrity.note(step, losses)
-        loss = self._mean_loss(losses)
+        self.integrity.note(step, losses, getattr(getattr(dp, "buffer", None), "local_sq", None))
+        elsewhere = (~torch.isfinite(norm)).float().reshape(1)  # a replica's norm (unreduced over dp): any rank's
+        loss = self._mean_loss(losses, elsewhere)
         tokens = cfg.train.global_batch * cfg.train.seq_len
-        finite = self.non_finite.note(step, loss, norm)  # read at the next log or checkpoint step
+        norm_seen = torch.where(elsewhere[0] > 0, torch.full_like(norm, math.inf), norm)  # replicas agree to skip
+        finite = self.non_finite.note(step, loss, norm_seen)  # read at the next log or checkpoint step
         if cfg.train.nan_policy == "skip" and not bool(finite):  # dropping an update: one host read per step
             dp.zero_grad()  # every rank sees the same loss and norm, so all drop the update alike
             reset_logit_max(self.model.module)
@@ -287,7 +297,7 @@ class Trainer:
         return StepResult(step, loss, lr, norm, tokens, moe, placement=placement)
 
     def _qk_clip(self) -> None:
-        """MuonClip: the heads whose max logit passed tau this step, scaled down (model/qk_clip.py)."""
+        """MuonClip: the heads whose max logit passed tau this step, scaled down (blocks/qk_clip.py)."""
         self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
 
     def check_finite(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .linear import Sharding, fp8_gemm
+from .linear import Sharding, fp8_gemm, wanted
 from .quantize import quantize
 from .recipes import RECIPES, Recipe
 
@@ -55,8 +55,8 @@ class FP8GroupedLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         r, s = ctx.recipe, ctx.sharding
         dy = dy.contiguous()
-        dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        dx = torch.zeros_like(x) if wanted(ctx, 0) else None
+        dw = torch.zeros_like(weight) if wanted(ctx, 1) else None
         q_wt = {}
         for g, start, n in ctx.segments:
             seg_dy = dy[start:start + n]

@@ -47,16 +47,52 @@ def _tensor_amax(t: torch.Tensor, groups) -> torch.Tensor:
     return max_reduce_(t.abs().max().float().reshape(()).clone(), groups)
 
 
+def wanted(ctx, i: int) -> bool:
+    """Whether this backward call must produce the gradient of tensor input ``i``: required, and its node
+    runs in this backward. A zero-bubble pipeline's split backward asks for the inputs' gradients alone (B),
+    then for the weights' alone (W, when a ZeRO-3 weight may be released): a builtin matmul computes
+    only what is asked, and so must these GEMMs (the other would be computed twice, from a weight that
+    may be gone)."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
+GATHERED_ATTR = "zero3_gathered"  # where par_zero's ZeRO-3 puts a weight gathered by its gather function
+
+
+def _gathered(weight: torch.Tensor) -> Quantized | None:
+    """The weight's FP8 quantization gathered by ZeRO-3 (``[train].fp8_param_gather``), if it is gathered so:
+    bitwise this linear's own quantization of it (par_tp.fp8.param_gather), its values never gathered."""
+    q = getattr(weight, GATHERED_ATTR, None)
+    return q if isinstance(q, Quantized) else None
+
+
+def _regathered(param: torch.Tensor | None) -> Quantized | None:
+    if param is None:
+        return None
+    q = _gathered(param)
+    if q is None:
+        raise RuntimeError("an FP8-gathered weight is not gathered for its backward (its ZeRO-3 unit's "
+                           "pre-backward hook gathers it)")
+    return q
+
+
 class FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Recipe, sharding: Sharding, qweight: Quantized | None = None):
         s = sharding
         x2 = x.reshape(-1, x.shape[-1])
         qx = quantize(x2, recipe, "input", along=s.in_features, across=s.tokens, what="forward x")
-        qw = qweight if qweight is not None else \
+        gathered = _gathered(weight)
+        qw = qweight if qweight is not None else gathered if gathered is not None else \
             quantize(weight, recipe, "weight", along=s.in_features, across=s.out_features, what="forward w")
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.sharding, ctx.qweight = recipe, sharding, qweight
+        # a ZeRO-3 FP8 gather's weight is gathered again for the backward: holding it here would keep
+        # every layer's whole weight until its backward
+        ctx.gathered_param = weight if gathered is not None and qweight is None else None
         return fp8_gemm(qx, qw, recipe, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -68,12 +104,13 @@ class FP8Linear(torch.autograd.Function):
         # tensorwise: one amax per tensor serves both of its quantizations (one reduction, not two)
         dy_amax = _tensor_amax(dy2, s.tokens + s.out_features) if tensorwise else None
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if wanted(ctx, 0):
             q_dy = quantize(dy2, r, "grad", along=s.out_features, across=s.tokens, amax=dy_amax, what="input-grad dy")
-            q_wt = ctx.qweight.t() if ctx.qweight is not None else \
+            q_w = ctx.qweight if ctx.qweight is not None else _regathered(ctx.gathered_param)
+            q_wt = q_w.t() if q_w is not None else \
                 quantize(weight.t(), r, "weight", along=s.out_features, across=s.in_features, what="input-grad w^T")
             dx = fp8_gemm(q_dy, q_wt, r, x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:
+        if wanted(ctx, 1):
             x2 = x.reshape(-1, x.shape[-1])
             q_dyt = quantize(dy2.t(), r, "grad", along=s.tokens, across=s.out_features, amax=dy_amax,
                              what="weight-grad dy^T")

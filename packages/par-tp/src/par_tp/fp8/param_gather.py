@@ -31,24 +31,28 @@ def _recipe(recipe: str | Recipe) -> Recipe:
     return r
 
 
-def gather_bytes(rows: int, cols: int, recipe: str | Recipe) -> int:
+def gather_bytes(rows: int, cols: int, recipe: str | Recipe, amax_groups: int = 1) -> int:
     """Bytes one gather of a ``[rows, cols]`` weight moves (the gathered size, as par_groups.comm records it):
-    one byte per element and, for blocks, one fp32 scale per block (tensorwise: one 4-byte MAX all-reduce
-    of the amax; each rank makes the scale from it)."""
+    one byte per element and, for blocks, one fp32 scale per block (tensorwise: a 4-byte MAX all-reduce
+    of the amax over each of its ``amax_groups`` nontrivial groups, the gather's and the weight's tp; each
+    rank makes the scale from it)."""
     r = _recipe(recipe)
     if r.weight_block is None:
-        return rows * cols + 4
+        return rows * cols + 4 * amax_groups
     br, bc = r.weight_block
     return rows * cols + 4 * (-(-rows // br)) * (-(-cols // bc))
 
 
-def gather_quantized(shard: torch.Tensor, recipe: str | Recipe, group: ProcessGroup | None) -> Quantized:
-    """The whole weight ``[rows, cols]`` in FP8 from this rank's equal share of its rows ``shard``."""
+def gather_quantized(shard: torch.Tensor, recipe: str | Recipe, group: ProcessGroup | None,
+                     amax_groups: tuple[ProcessGroup, ...] = ()) -> Quantized:
+    """The whole weight ``[rows, cols]`` in FP8 from this rank's equal share of its rows ``shard``.
+    ``amax_groups``: the other groups splitting the weight (a TP layer's tp), whose ranks' pieces a
+    tensorwise amax covers too, as the FP8 linear's own quantization of it does."""
     r = _recipe(recipe)
     n = dist.get_world_size(group)
     rows, cols = shard.shape
     if r.weight_block is None:
-        amax = max_reduce_(shard.abs().max().float().reshape(()).clone(), (group,))
+        amax = max_reduce_(shard.abs().max().float().reshape(()).clone(), (group,) + tuple(amax_groups))
         q = quantize(shard, r, "weight", amax=amax, what="gather w shard")
         scale = q.scale
     else:

@@ -52,7 +52,7 @@ class DeepSeek(Family):
         return {prefix + k: v for k, v in out.items()}
 
     def build_attention(self, config, context, index: int):
-        from ...model.context import context_attention
+        from ...blocks.context import context_attention
         from .mla import ContextMLACore, TPMLAttention, softmax_scale
 
         core = ContextMLACore(config, context_attention(context, softmax_scale(config)), context.seq_len,

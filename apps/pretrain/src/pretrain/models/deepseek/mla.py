@@ -32,9 +32,9 @@ from torch import nn
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from ...model.rope import apply_rope_interleaved, rope_for, set_shard_rope_tables_
-from ...model.rope_scaling import softmax_mscale
-from ...model.recompute import checkpointed
+from ...blocks.rope import apply_rope_interleaved, rope_for, set_shard_rope_tables_
+from ...blocks.rope_scaling import softmax_mscale
+from ...blocks.recompute import checkpointed
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 

@@ -28,9 +28,9 @@ from par_groups.autograd import all_gather_along_dim0
 from par_groups.param_placement import declare_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from ...model.context import ChunkContext, context_attention
-from ...model.recompute import checkpointed
-from ...model.rope import apply_rope, rope_for, set_shard_rope_tables_
+from ...blocks.context import ChunkContext, context_attention
+from ...blocks.recompute import checkpointed
+from ...blocks.rope import apply_rope, rope_for, set_shard_rope_tables_
 from .kernel import sink_attention
 
 SLIDING_WINDOW = 128  # keys a sliding layer's query sees, itself included

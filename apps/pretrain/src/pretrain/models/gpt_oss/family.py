@@ -23,6 +23,9 @@ class GptOss(GQA):
     kv_split = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
     renames = {}
     hf_architectures = {"gpt_oss": "GptOssForCausalLM"}
+    # the clamped SwiGLU keeps gate and up (their clamps' inputs), the clamped gate, its sigmoid, the gated
+    # value, up + 1 and the product w_down reads (moe.py)
+    expert_act_widths = 7
 
     def check(self, m) -> None:
         super().check(m)

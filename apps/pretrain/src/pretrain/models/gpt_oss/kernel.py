@@ -73,8 +73,8 @@ def flash_kernels(scale: float, window: int):
 
 def cpu_flash_kernels(scale: float, window: int, seq: int, device):
     """(forward, backward) of torch's fused CPU attention (the kernel SDPA runs on the CPU, returning its
-    log-sum-exp), batch-first as :func:`flash_kernels`; the window as an additive mask (0 or -inf). GQA: the
-    KV heads repeated for the kernel, their gradients summed back."""
+    log-sum-exp), batch-first as :func:`flash_kernels`; the window as an additive mask (0 or -inf). GQA
+    native, as flash-attn's (query head i reads KV head i // (Hq / Hkv)): no repeated KV heads."""
     ops = torch.ops.aten
     masks = {}
 
@@ -86,24 +86,20 @@ def cpu_flash_kernels(scale: float, window: int, seq: int, device):
         return masks.get(dtype)
 
     def heads_first(q, k, v):
-        rep = q.shape[2] // k.shape[2]
-        k, v = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (k, v))
-        return [t.transpose(1, 2) for t in (q, k, v)], rep
+        return [t.transpose(1, 2) for t in (q, k, v)]
 
     def forward(q, k, v):
-        (qh, kh, vh), _ = heads_first(q, k, v)
+        qh, kh, vh = heads_first(q, k, v)
         mask = mask_for(q.dtype)
         out, lse = ops._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, mask is None, attn_mask=mask,
                                                                    scale=scale)
         return out.transpose(1, 2), lse
 
     def backward(dout, q, k, v, out, lse):
-        (qh, kh, vh), rep = heads_first(q, k, v)
+        qh, kh, vh = heads_first(q, k, v)
         mask = mask_for(q.dtype)
         dq, dk, dv = ops._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.transpose(1, 2), qh, kh, vh, out.transpose(1, 2), lse, 0.0, mask is None, attn_mask=mask, scale=scale)
-        if rep > 1:
-            dk, dv = (t.unflatten(1, (-1, rep)).sum(2) for t in (dk, dv))
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     return forward, backward
@@ -144,7 +140,9 @@ def sink_attention(q, k, v, sinks, scale: float, window: int, q_pos, k_pos, back
     if kernel == "flash":
         kernels = flash_kernels(scale, window)
     elif kernel == "sdpa" and isinstance(q, FakeTensor):  # plan --simulate: a fused kernel's memory, as a GPU's
-        kernels = cpu_flash_kernels(scale, window, q.shape[0], q.device)
+        # fake tensors have no values for a window to change, and flash-attn keeps no mask for it: none of
+        # the S x S masks a CPU window needs (one a layer and micro-batch, alive until its backward)
+        kernels = cpu_flash_kernels(scale, 0, q.shape[0], q.device)
     else:
         return masked_sink_attention(q, k, v, sinks, scale, window, q_pos, k_pos)
     bf = [t.transpose(0, 1).contiguous() for t in (q, k, v)]

@@ -54,21 +54,32 @@ class BiasedClampedExperts(GroupedSwiGLU):
         self.b_up = declare_(nn.Parameter(torch.zeros(num_experts, ffn_hidden)), {0: experts, 1: ffn}, expert=True)
         self.b_down = declare_(nn.Parameter(torch.zeros(num_experts, hidden)), {0: experts}, expert=True)
 
-    def forward(self, tokens, counts, max_count=None, replicas=None, segments=None):  # segments: for FP8's kernels, not used here
+    def forward(self, tokens, counts, max_count=None, replicas=None, segments=None):
+        """As :meth:`GroupedSwiGLU.forward` (no replicas: gpt-oss runs ``expert_balance = "none"``); with
+        ``grouped_kernels`` (FP8) each projection is its kernel, each source rank's rows quantized apart;
+        ``recompute_act``: the clamped SwiGLU rerun in the backward."""
         layout = GroupLayout(counts.to(tokens.device), tokens.shape[0], max_count)
         params = (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         if tokens.shape[0] == 0:  # every parameter in the graph, so its (zero) gradient exists on every rank
             return tokens + 0 * sum(p.sum() for p in params).to(tokens.dtype)
-        tokens, w_gate, w_up, w_down, b_gate, b_up, b_down = _autocast_operands(tokens, *params)
-        fast = grouped_mm_supported(tokens, w_gate, w_up, w_down)
         row = layout.group_of_row
-        gate = grouped_linear(tokens, w_gate, layout, fast) + b_gate[row]
-        up = grouped_linear(tokens, w_up, layout, fast) + b_up[row]
-        if self.recompute_act and torch.is_grad_enabled():  # [model].recompute's moe_act: gate and up kept
-            act = checkpoint(clamped_swiglu, gate, up, use_reentrant=False)
+        if self.grouped_kernels is not None:
+            seg = layout.counts.unsqueeze(1) if segments is None else segments
+            weights, biases = params[:3], params[3:]
+
+            def linear(i, x):
+                return self.grouped_kernels[i](x, weights[i], seg) + biases[i][row].to(x.dtype)
         else:
-            act = clamped_swiglu(gate, up)
-        return grouped_linear(act, w_down, layout, fast) + b_down[row]
+            tokens, *cast = _autocast_operands(tokens, *params)
+            weights, biases = cast[:3], cast[3:]
+            fast = grouped_mm_supported(tokens, *weights)
+
+            def linear(i, x):
+                return grouped_linear(x, weights[i], layout, fast) + biases[i][row]
+        gate, up = linear(0, tokens), linear(1, tokens)
+        if self.recompute_act and torch.is_grad_enabled():  # [model].recompute's moe_act: gate and up kept
+            return linear(2, checkpoint(clamped_swiglu, gate, up, use_reentrant=False))
+        return linear(2, clamped_swiglu(gate, up))
 
 
 class GptOssMoE(MoELayer):

@@ -10,11 +10,11 @@ from torch import nn
 from par_groups import declare_copies_
 
 from ...data.packing import Documents
-from ...model.dropout import attention_with_dropout
-from ...model.context import ChunkContext, context_attention
-from ...model.qk_clip import HeadLogitMax
-from ...model.rope import apply_rope, rope_for, set_shard_rope_tables_
-from ...model.recompute import checkpointed
+from ...blocks.dropout import attention_with_dropout
+from ...blocks.context import ChunkContext, context_attention
+from ...blocks.qk_clip import HeadLogitMax
+from ...blocks.rope import apply_rope, rope_for, set_shard_rope_tables_
+from ...blocks.recompute import checkpointed
 from ...training.dynamic_cp import DynamicDocuments
 
 

@@ -55,11 +55,11 @@ def gqa_model_config(hf: dict, where: str) -> dict:
                   rope_theta=theta, rope_scaling=scaling, norm_eps=hf_value(hf, "rms_norm_eps", "number", where, 1e-6),
                   tie_embeddings=hf_value(hf, "tie_word_embeddings", "bool", where, False))
     if kind in MOE_BLOCK:
-        kwargs |= _moe_keys(hf, kind, where)
+        kwargs |= moe_keys(hf, kind, where)
     return kwargs
 
 
-def _moe_keys(hf: dict, kind: str, where: str) -> dict:
+def moe_keys(hf: dict, kind: str, where: str) -> dict:
     experts = hf_value(hf, "num_experts" if kind == "qwen3_moe" and "num_experts" in hf else "num_local_experts",
                        "count", where)
     top_k = hf_value(hf, "num_experts_per_tok", "size", where)

@@ -5,7 +5,7 @@ queries and keys are RMS-normalised per head (``q_norm``, ``k_norm``), then RoPE
 ``partial_rotary_factor`` of each head's channels (rotate-half within them); the attention's output is
 multiplied by ``sigmoid(gate)`` before ``o_proj``. Heads split over tp (``q_proj`` by head rows, ``k_proj`` /
 ``v_proj`` by KV heads, ``o_proj`` row-parallel; the norms are copies with partial grads); the core is
-par-cp's attention (``model.context.context_attention``), packed documents as for every family.
+par-cp's attention (``blocks.context.context_attention``), packed documents as for every family.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from torch import nn
 from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
-from ...model.context import context_attention
-from ...model.recompute import checkpointed
-from ...model.rope import apply_rope, rope_for, set_shard_rope_tables_
+from ...blocks.context import context_attention
+from ...blocks.recompute import checkpointed
+from ...blocks.rope import apply_rope, rope_for, set_shard_rope_tables_
 
 
 def rotary_dim(m) -> int:

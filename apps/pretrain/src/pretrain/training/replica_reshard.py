@@ -1,0 +1,127 @@
+"""Under ``[train].buddy_shards = 1`` (ZeRO-1 over the whole dp), a new generation's state, re-sharded.
+
+A generation of another size shards every bucket anew, so no rank's pieces are the ones it held. Each
+previous shard ``k`` lives on its owner ``k`` or, when that replica was lost, on its buddy ``k - 1`` (which
+stepped it from the same gradients: par_zero/buddy.py); the members of the new data-parallel group (at one
+model-parallel coordinate; a joiner holds nothing) assemble every full tensor from those holders, each
+element from exactly one holder summed into zeros on the bits (an integer sum, so -0.0 and NaN payloads
+stay as they were), and each takes the pieces it owns now, its buddy's included. The assembled tensors'
+SHA-256 (the checkpoint code's hashing) must be the same on every member, and a joiner takes the
+lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py). One full tensor is
+held at a time; each is all-reduced whole, so the wire moves more than the pieces a joiner owns (what the
+``replica_joined`` event and ``plan`` count).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from par_groups import comm
+
+from ..checkpoint.integrity import new_hash
+
+def _sum_bits(t: torch.Tensor, group) -> None:
+    """All-reduce ``t`` (each element non-zero on at most one member) as integers: the holder's bits exactly."""
+    raw = t.view(-1).view(torch.uint8)
+    bits = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    comm.all_reduce(bits, group)
+
+
+def _slices(offsets, size) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, size))
+
+
+def _pieces(dp, kind: str, buddy: bool = True) -> dict[torch.Tensor, list]:
+    """``{param: [(offsets, box)]}`` of ``kind``: this rank's own range and (``buddy``) its buddy range."""
+    out: dict = {}
+    for pieces in (dp.owned_pieces(kind), dp.buddy_pieces(kind) if buddy else {}):
+        for p, v in pieces.items():
+            out.setdefault(p, []).extend(v.boxes)
+    return out
+
+
+@torch.no_grad()
+def reshard_state(old, new, done: int) -> tuple[int, int]:
+    """Fill ``new`` (this generation's trainer) from the members' previous trainers (``old``: this rank's,
+    None on a joiner) over ``new``'s data-parallel group; returns (the step to go on from: the members'
+    ``done``, the bytes this rank received as a joiner: every piece it owns, 0 on a survivor)."""
+    dp, model = new.model.dp, new.model
+    group = dp.buffer.dense_groups.inner
+    states = tuple(dp.optimizer_state.state_kinds())
+    for opt in (dp.optimizer, dp.buddy_optimizer):
+        if opt is not None:
+            opt.prepare_load(states)
+    if old is not None:  # the previous generation's shard index and count (every bucket's alike)
+        b = old.model.dp.buckets[0]
+        mine = [b.shard_lo // b.S, b.N // b.S, done, old.model.dp.step_count]
+    else:
+        mine = [-1, 0, -1, -1]
+    n = dist.get_world_size(group)
+    rows = torch.empty(n * 4, dtype=torch.int64)
+    comm.all_gather_into_tensor(rows, torch.tensor(mine, dtype=torch.int64), group)
+    rows = rows.view(n, 4).tolist()
+    alive, size = {r[0] for r in rows if r[0] >= 0}, max(r[1] for r in rows)
+    me, first = mine[0], min(alive)  # the lowest previous shard: the holder of what every replica holds whole
+
+    def holder(k: int) -> int:
+        for h in (k, (k - 1) % size):
+            if h in alive:
+                return h
+        raise RuntimeError(f"ZeRO shard {k} of {size} has no live copy: its owner and its buddy were both lost")
+
+    kinds = ("master",) + states
+    given: dict[str, dict[str, list]] = {}  # what this rank holds for the others: kind -> name -> boxes
+    if old is not None:
+        names = {t: name for name, t in old.model.full_named_tensors().items()}
+        buddy = size > 1 and holder((me + 1) % size) == me  # its buddy range is the lost owner's shard
+        given = {kind: {names[p]: v for p, v in _pieces(old.model.dp, kind, buddy).items()} for kind in kinds}
+    dtypes = {kind: dp.optimizer.range_state(dp.buckets[0], kind).dtype for kind in kinds}
+    wanted = {kind: _pieces(dp, kind) for kind in kinds}
+    full_shapes = {p: v.full_shape for p, v in dp.owned_pieces("master").items()}
+    olds = old.model.full_named_tensors() if old is not None else {}
+    digests, received = [], 0
+    for name, t in sorted(model.full_named_tensors().items()):
+        for kind in kinds if t in full_shapes else ("model",):
+            if kind == "model":  # held whole by every replica: from the lowest previous shard's rank
+                full = olds[name].detach().clone() if old is not None and me == first else torch.zeros_like(t)
+                _sum_bits(full, group)
+                boxes = [((0,) * t.dim(), t.detach())]
+                at = lambda offsets, box: full  # noqa: E731
+            else:
+                full = torch.zeros(tuple(full_shapes[t]), dtype=dtypes[kind])
+                for offsets, box in given.get(kind, {}).get(name, ()):
+                    full[_slices(offsets, box.shape)] = box
+                _sum_bits(full, group)
+                boxes = wanted[kind].get(t, [])
+                at = lambda offsets, box: full[_slices(offsets, box.shape)]  # noqa: E731
+            for offsets, box in boxes:
+                box.copy_(at(offsets, box))
+                received += box.numel() * box.element_size()
+            h = new_hash(Path(f"{kind}/{name}"))
+            h.update(full.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if full.numel() else b"")
+            digests.append(h.digest())
+    rng = torch.get_rng_state()
+    theirs = rng.clone() if old is not None and me == first else torch.zeros_like(rng)
+    _sum_bits(theirs, group)
+    if old is None:
+        torch.set_rng_state(theirs)
+    _check_digests(b"".join(digests), group)
+    dp.sync_params()
+    dp.step_count = max(r[3] for r in rows)
+    for opt in (dp.optimizer, dp.buddy_optimizer):
+        if opt is not None:
+            opt.finish_load({})  # an element-wise optimizer keeps no scalars
+    return max(r[2] for r in rows), (received if old is None else 0)
+
+
+def _check_digests(mine: bytes, group) -> None:
+    """Every member assembled the same bits (by SHA-256 of each full tensor), or the transfer is refused."""
+    n = dist.get_world_size(group)
+    out = torch.empty(n * len(mine), dtype=torch.uint8)
+    comm.all_gather_into_tensor(out, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group)
+    rows = out.view(n, -1)
+    if not all(torch.equal(rows[0], r) for r in rows):
+        raise RuntimeError("a re-sharded state piece arrived damaged: the members' SHA-256 of the assembled "
+                           "tensors differ")

@@ -1,0 +1,34 @@
+"""Buddy shards (``buddy_shards=1``, ZeRO-1): rank ``i`` of a sharding group of ``d`` also steps shard
+``(i + 1) % d``, a live copy of its neighbour's optimizer range that the neighbour's loss leaves behind.
+
+The copy is bitwise without sending any state each step: the gradients are all-reduced in place (every rank
+reads the same reduced values, the owner's range and its buddy's alike), the buddy's master starts from the
+same values as the owner's, and the update is the same element-wise arithmetic over a range of the same
+length. The params the all-gather brings after the step overwrite the buddy range with the owner's update,
+which is the same bits. What it costs: the buddy's optimizer state (and fp32 master where the params are
+not fp32), and an all-reduce of the gradients where ZeRO-1 reduce-scatters them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BuddyRange:
+    """Shard ``(i + 1) % d`` of a ZeRO-1 bucket, stepped by its rank ``i`` too: what the optimizer loops read
+    of a bucket (``master``, ``opt_grad``, ``opt_segments``)."""
+
+    def __init__(self, bucket, shard: int, master: torch.Tensor) -> None:
+        self.bucket, self.shard = bucket, shard
+        self.params, self.offsets, self.device = bucket.params, bucket.offsets, bucket.device
+        self.opt_lo, self.opt_hi = shard * bucket.S, (shard + 1) * bucket.S
+        self.master = master
+
+    @property
+    def opt_grad(self) -> torch.Tensor:
+        """The reduced grads of the buddy's range: a view of the bucket's all-reduced full buffer."""
+        return self.bucket.full_grad[self.opt_lo: self.opt_hi]
+
+    def opt_segments(self):
+        """As :meth:`Bucket.opt_segments`, over the buddy's range."""
+        return type(self.bucket).opt_segments(self)

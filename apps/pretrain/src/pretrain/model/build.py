@@ -18,6 +18,7 @@ from par_zero import DataParallel, TorchFSDP2, data_parallel
 from ..blocks.context import ChunkContext
 from ..blocks.dropout import DropoutPosition
 from .compile import compile_blocks_
+from .expert_grads import scale_expert_grads_
 from .fp8 import use_fp8_linears_
 from .fp8_gather import fp8_gathered_weights
 from .materialize import materialize_, on_meta
@@ -108,7 +109,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if cfg.train.compile:
         compile_blocks_([layer for chunk in chunks.values() for layer in chunk.decoder_layers()], groups.tp)
     module = chunks[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(c): chunks[c] for c in mine})
-    _scale_expert_grads(module, layout)
+    scale_expert_grads_(module, layout)
     t = cfg.train
     # Megatron's mixed precision: bf16 params for compute; fp32 main weights and Adam moments in the
     # (sharded) optimizer; grads accumulated and reduced in [train].grad_reduce_dtype
@@ -206,18 +207,3 @@ def _tie_embeddings(chunks: dict[int, ModelChunk], num_chunks: int, groups: Para
     if first in chunks:
         return [declare_copies_(chunks[first].embed_tokens, groups.embedding, partial_grad=True)]
     return []
-
-
-def _scale_expert_grads(module: nn.Module, layout) -> None:
-    """Make expert grads come out right under DP's mean over expert DP.
-
-    Each expert's grad sums the contributions of every rank of its ep x etp block (disjoint
-    tokens); DP averages over edp replicas, but the loss is a mean over dp x cp ranks: so scale
-    by edp / (dp * cp).
-    """
-    factor = layout.edp / (layout.dp * layout.cp)
-    if factor == 1.0:
-        return
-    for p in module.parameters():
-        if placement_of(p).expert and p.requires_grad:
-            p.register_hook(lambda g, f=factor: g * f)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..blocks.offload_policy import modules_at as offloaded_at
 from ..blocks.recompute_policy import modules_at
+from ..model.expert_grads import expert_grad_scale
 from ..models import family_of
 from .params import by_kind, chunk_layers, chunks_of
 from .replicas import declared_plan, held_replicas, replica_bytes
@@ -138,11 +139,13 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
     moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
     the returned rows, 2 h, are freed) and the experts' first grouped GEMM's (w_down's) gradients
     in the compute dtype, the weight's for this rank's experts ([E/ep, h, F/etp] before it is added
-    into the gradient buffer) and the rows' (F/etp per pair),
+    into the gradient buffer; twice where the expert gradients are scaled: the hook's scaled copy
+    beside it, :mod:`pretrain.model.expert_grads`) and the rows' (F/etp per pair),
     once those two and the experts' output (3 h per pair) are freed."""
     share = layout.tp if layout.sequence_parallel else 1
     rows, h, f = pairs * tokens / share, m.hidden, m.expert_ffn_hidden / layout.etp
-    return max(rows * h, m.num_experts / layout.ep * h * f + rows * (f - 3 * h), 0.0) * pb
+    copies = 1 if expert_grad_scale(layout) == 1.0 else 2
+    return max(rows * h, copies * m.num_experts / layout.ep * h * f + rows * (f - 3 * h), 0.0) * pb
 
 
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
@@ -205,11 +208,11 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     share = layout.tp if layout.sequence_parallel else 1
     message = m.hidden / share * pb * tokens
     last = chunk == layout.pp * layout.chunks_per_rank - 1
+    if not isinstance(m.recompute, str) or m.offload:  # per layer: a module policy, or offloaded modules
+        return _policy_chunk_bytes(cfg, layout, chunk, layers, tokens, pairs, replicas)
     layers = list(layers) + (list(range(m.layers, m.layers + m.mtp_depth)) if last else [])  # MTP: last stage
     kinds = by_kind(m, layers)
     moe_pairs = m.top_k * layout.etp if pairs is None else pairs  # each etp rank: the etp group's tokens
-    if not isinstance(m.recompute, str) or m.offload:  # per layer: a module policy, or offloaded modules
-        return _policy_chunk_bytes(cfg, layout, chunk, layers, tokens, pairs, replicas)
     saved = sum(n * layer_per_token(cfg, layout, i, m.recompute, pairs) for i, n in kinds) * tokens
     junctions = sum(n * _junctions(m, layout, i, pb, moe_pairs) for i, n in kinds) * tokens
     if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient

@@ -107,6 +107,22 @@ def test_gpt_oss_120b_at_world_256_matches_the_plan():
     _check(rank, [("all_to_all", "ep"), ("send", "pp")])
 
 
+def test_mtp_stage_under_a_module_policy_and_scaled_expert_grads_matches_the_plan():
+    # DeepSeek-V3's own widths, last stage of pp 2 (one MoE layer and the MTP layer) at tp 2 x ep 8:
+    # the expert grads are scaled (tp / ep), and the hook's scaled copy of the MTP experts' weight
+    # gradient sits beside the GEMM's at the stage's peak; under a recompute list the MTP layer's
+    # saved set counts once (the plan was 14 % under, and 10 % over with the copy alone)
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("deepseek-v3", ["model.layers=2", "model.moe_layers_start=0", "parallel.pp=2",
+                                      "parallel.last_stage_layers=0", "parallel.tp=2", "parallel.ep=8",
+                                      "parallel.zero=optim", "train.micro_batch=1", "train.seq_len=1024",
+                                      'model.recompute=["layernorm"]'])
+    (rank,) = simulate(cfg, 256, [cfg.validate_world(256).grid.ranks("pp")[0][-1]])["ranks"]
+    assert rank["stage"] == 1
+    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.05)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--world", "64", "--set", "parallel.tp=3"], "[parallel].tp=3 does not divide [model].heads=32"),
     (["--world", "63"], "does not fit 63 ranks"),
@@ -247,6 +263,4 @@ def test_deepseek_v3_on_2048_fits_with_its_policy_and_simulates_as_planned():
     chosen = config_plan(cfg, 2048, 8, 80.0)
     assert chosen["peak_gb"]["optim"] <= chosen["budget_gb"] < bare["peak_gb"]["optim"]
     for rank in simulate(cfg, 2048, [])["ranks"]:
-        # the last stage's MTP backward at tp 2 holds more than the plan counts (about 13 % here)
-        rel = 0.15 if rank["stage"] == cfg.parallel.pp - 1 else 0.10
-        assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=rel), rank["stage"]
+        assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10), rank["stage"]

@@ -41,25 +41,25 @@ def test_a_family_is_named_only_in_its_folder_and_its_one_registry_line():
     """No file of the app outside ``models/<family>/`` names the family (its folder, attention value or
     transformers model_type) but its line in ``FOLDERS``; ``gqa`` is the base the others build on."""
     registry = SRC / "models" / "__init__.py"
-    files = [p for p in SRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p != registry]
+    files = {p: p.read_text(errors="replace") for p in SRC.rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts and p != registry}
     for folder, family in zip(FOLDERS, FAMILIES):
         if folder == "gqa":  # the default attention, and the declaration others extend
             continue
         names = sorted({folder, folder.replace("_", "-"), family.attention, *family.hf_architectures})
         named = re.compile(r"(?<![\w-])(%s)(?![\w-])" % "|".join(map(re.escape, names)))
         assert [line for line in registry.read_text().splitlines() if named.search(line)] == [f'    "{folder}",']
-        found = {str(p.relative_to(SRC)) for p in files
-                 if SRC / "models" / folder not in p.parents and named.search(p.read_text(errors="replace"))}
+        found = {str(p.relative_to(SRC)) for p, text in files.items()
+                 if SRC / "models" / folder not in p.parents and named.search(text)}
         assert found <= NAMED_OUTSIDE.get(folder, set()), (folder, sorted(found - NAMED_OUTSIDE.get(folder, set())))
 
 
 def test_a_shipped_config_name_in_two_folders_is_one_error_line(monkeypatch, tmp_path):
     from pretrain.config import config_files
 
-    for where in ("configs", "models/b/configs", "models/c/configs"):
-        (tmp_path / where).mkdir(parents=True)
-        (tmp_path / where / f"{where.split('/')[-2] if '/' in where else 'a'}.toml").write_text("")
-    (tmp_path / "models/c/configs/b.toml").write_text("")
+    for shipped in ("configs/tiny.toml", "models/b/configs/b.toml", "models/c/configs/c.toml", "models/c/configs/b.toml"):
+        (tmp_path / shipped).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / shipped).write_text("")
     monkeypatch.setattr(config_files, "FOLDERS", ("b", "c"))
     monkeypatch.setattr(config_files.resources, "files", lambda package: tmp_path)
     res = CliRunner().invoke(app, ["plan", "--world", "1"])

@@ -22,7 +22,7 @@ trap cleanup EXIT
 git -C "$ROOT" worktree add --detach -q "$TREE" HEAD
 cd "$TREE"
 
-git rm -rq "$FOLDER" apps/pretrain/tests/test_gpt_oss.py tests/test_layouts_gpt_oss.py
+git rm -rq "$FOLDER" apps/pretrain/tests/test_gpt_oss.py tests/test_layouts_gpt_oss.py tests/test_family_diffstat.py
 "$ROOT/.venv/bin/python" - <<'EOF'
 import re
 from pathlib import Path

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# gpt-oss as a diff: HEAD without the family (its folder, its registry line, its test files and the test
-# lines naming it), built in a temporary git worktree, then `git diff --stat` from that tree to HEAD over
-# the app and packages (sources and tests). Fails unless the sources outside the folder differ by one line.
+# gpt-oss as a diff: HEAD without the family (its folder, its registry line and its own test files), built
+# in a temporary git worktree, then `git diff --stat` from that tree to HEAD over the app and packages.
+# Fails unless the sources left name gpt-oss nowhere and, outside the folder, differ by one line.
 #
-#   tools/family_diffstat.sh           # the diffstat and the one line
-#   tools/family_diffstat.sh --check   # also, in the tree without the folder: the family, config and
-#                                      # import-cycle tests and a 2-step `pretrain train` (the app runs)
+#   tools/family_diffstat.sh           # the diffstat and the one line (sources only: what the suite runs)
+#   tools/family_diffstat.sh --check   # also takes the gpt-oss cases out of the shared test files (edits
+#                                      # written below; a drifted test stops it), then, in the tree without
+#                                      # the folder: the family, config and import-cycle tests and a 2-step
+#                                      # `pretrain train` (the app runs)
 #   FAMILY_DIFF=1 tools/family_diffstat.sh   # also print the test lines it takes out
 #
 # The tree's sources are run with this checkout's .venv (uv sync first), the tree's src/ folders put first
@@ -23,7 +25,8 @@ git -C "$ROOT" worktree add --detach -q "$TREE" HEAD
 cd "$TREE"
 
 git rm -rq "$FOLDER" apps/pretrain/tests/test_gpt_oss.py tests/test_layouts_gpt_oss.py tests/test_family_diffstat.py
-"$ROOT/.venv/bin/python" - <<'EOF'
+sed -i '/^    "gpt_oss",$/d' apps/pretrain/src/pretrain/models/__init__.py  # the registry line
+[ "${1:-}" != "--check" ] || "$ROOT/.venv/bin/python" - <<'EOF'
 import re
 from pathlib import Path
 
@@ -39,8 +42,6 @@ def edit(path, old, new="", count=1):
 
 
 M = re.MULTILINE | re.DOTALL
-# the registry line
-edit("apps/pretrain/src/pretrain/models/__init__.py", '    "gpt_oss",\n')
 # tests that name the family beside the others
 edit("apps/pretrain/tests/test_config.py", '"gpt-oss-120b.toml", ')
 edit("apps/pretrain/tests/test_simulate.py", re.compile(r"^def test_gpt_oss_120b_at_world_256_matches_the_plan\(\):\n.*?\n\n\n", M))
@@ -60,12 +61,19 @@ edit("tests/test_hf_families.py", re.compile(r'^# gpt-oss trains 160-token.*?for
 edit("tests/test_hf_families.py", ', "deepseek_v3", "gpt_oss")', ', "deepseek_v3")')
 edit("tests/test_hf_families.py", re.compile(r'^# gpt-oss is the family this proves.*?for f in FAMILIES\]\)\n', M),
      '@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.extended) for f in FAMILIES])\n')
+edit("tests/test_recompute_policies.py", "    from pretrain.models.gpt_oss import moe as gpt_oss_moe\n")
+edit("tests/test_recompute_policies.py", "(te, gpt_oss_moe)", "(te,)")
+edit("tests/test_recompute_policies.py", re.compile(r'^    "gpt-oss-tp2": .*?(?=^    "qwen3-next-tp2")', M))
+edit("tests/test_recompute_policies.py", "# the newer families' own cores: gpt-oss's sink attention (and its clamped SwiGLU for moe_act), Qwen3-Next's",
+     "# the newer families' own cores: Qwen3-Next's")
+edit("tests/test_recompute_policies.py", "core_attn (and gpt-oss's moe_act) rerun", "core_attn reruns")
 EOF
 
 git add -A
 [ -z "${FAMILY_DIFF:-}" ] || git diff --cached -R -- tests apps/pretrain/tests ':!*gpt_oss*' 
 WITHOUT=$(git write-tree)
-left=$(git grep -n -I -E 'gpt_oss|gpt-oss|GptOss|GPT_OSS' "$WITHOUT" -- apps packages tests || true)
+NAMED=("${SOURCES[@]}"); [ "${1:-}" != "--check" ] || NAMED=(apps packages tests)
+left=$(git grep -n -I -E 'gpt_oss|gpt-oss|GptOss|GPT_OSS' "$WITHOUT" -- "${NAMED[@]}" || true)
 [ -z "$left" ] || { echo "error: the tree without gpt-oss still names it:"; echo "$left"; exit 1; } >&2
 
 echo "== git diff --stat <HEAD without gpt-oss> HEAD -- apps packages tests"

@@ -8,6 +8,15 @@ from pathlib import Path
 PHASES = ("forward", "backward", "reduction", "optimizer", "save")
 
 
+def _sha256(t) -> str:
+    """A tensor's bytes' SHA-256, on any device and dtype (the benchmark runs on GPUs too)."""
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -25,7 +34,6 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
-    import hashlib
     import json
     import time
 
@@ -60,10 +68,10 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         now["step"] = s + 1
         out = train_step(self, s)
         if s + 1 == self.cfg.train.steps:
-            state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+            state = {name: [[t.numel() * t.element_size(), _sha256(t)]
                             for t in boxes] for name, boxes in owned_state(self.model).items()}
             Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
-            buddy = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+            buddy = {name: [[t.numel() * t.element_size(), _sha256(t)]
                             for t in boxes] for name, boxes in buddy_state(self.model).items()}
             Path(pid_dir, f"buddy_{me}.json").write_text(json.dumps(buddy))
             Path(pid_dir, f"optimizer_steps_{me}").write_text(str(self.model.dp.step_count))

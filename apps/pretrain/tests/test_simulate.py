@@ -176,3 +176,20 @@ def test_offload_lowers_the_measured_activations_as_the_plan_does():
     assert moved["measured"]["activations"] < plain["measured"]["activations"]
     assert moved["planned"]["activations"] < plain["planned"]["activations"]
     assert moved["measured"]["activations"] == pytest.approx(moved["planned"]["activations"], rel=0.10)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)  # a llama3-70b rank built on fake tensors: about a minute on 2 cores
+def test_a_joiners_bytes_sent_through_the_counted_layer_are_the_plans_at_llama3_70b_world_1024():
+    """``[train].fault_tolerance = "replica"``: the bytes the replica transfer's own code sends a joiner (every
+    piece the rank owns, one rank of world 1024 on fake tensors and torch's fake process group, counted by
+    ``par_groups.comm``) equal ``plan``'s ``fault_tolerance.joiner_bytes`` for the same config."""
+    import json
+
+    from pretrain.simulate.joiner import joiner_bytes_sent
+
+    sets = ["train.fault_tolerance=replica", "checkpoint.async_save=false", "parallel.zero=no_shard"]
+    res = runner.invoke(app, ["plan", "llama3-70b", "--world", "1024", "--json", *(a for s in sets for a in ("--set", s))])
+    assert res.exit_code == 0, res.output
+    planned = json.loads(res.stdout)["fault_tolerance"]["joiner_bytes"]
+    assert joiner_bytes_sent(load_config("llama3-70b", sets), 1024, 0) == planned > 100e9, planned

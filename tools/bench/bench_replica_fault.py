@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "apps" / "pretrain" / "tests"))  # the kill helper
 
 
 def _run(app, runner, tmp: Path, steps: int, device: str, *extra: str):
-    args = ["train", "--nproc", "2", "--set", f"train.device={device}", "--set", "model.layers=2", "--set", f"train.steps={steps}",
+    args = ["train", "--nproc", "2", "--set", f"train.device={device}", "--set", "model.layers=2",
+            "--set", f"train.steps={steps}",
             "--set", "train.warmup_steps=1", "--set", "train.eval_every=0", "--set", "log.progress=false",
             "--set", f"log.dir={tmp / 'log'}", "--set", f"checkpoint.dir={tmp / 'ck'}", *extra]
     return runner.invoke(app, args)
@@ -64,7 +65,8 @@ def main() -> None:
         entry = functools.partial(replica_kills.sigkill_at, 1, a.kill_step, "forward", str(tmp / "pids"))
         with pytest.MonkeyPatch.context() as m:
             m.setattr("pretrain.training.run.run_rank", entry)
-            res = _run(app, runner, tmp, a.steps, a.device, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=false")
+            res = _run(app, runner, tmp, a.steps, a.device, "--set", "train.fault_tolerance=replica",
+                       "--set", "train.respawn=false")
         assert res.exit_code == 0, res.output
         killed = float((tmp / "pids" / "killed_1_at").read_text())
         steps = _steps(tmp / "log")

@@ -390,13 +390,13 @@ def test_a_generation_over_a_used_store_prefix_is_refused():
 
 
 def _resume(ck: Path, root: Path, layout: tuple, steps: int = 6) -> dict[int, tuple[float, float]]:
-    """Steps 5.. of a resume from a copy of the checkpoints ``ck`` under ``layout`` (dp, tp) at the same global batch."""
+    """Steps 5.. of a resume from a copy of the checkpoints ``ck`` under ``layout`` (dp, tp), global batch 4."""
     import shutil
 
     dp, tp = layout
     shutil.copytree(ck, root / "ck")
-    res = _run(root, dp, "--set", f"train.steps={steps}", "--set", "checkpoint.resume=true", "--set", "train.global_batch=4",
-               tp=tp)
+    res = _run(root, dp, "--set", f"train.steps={steps}", "--set", "checkpoint.resume=true",
+               "--set", "train.global_batch=4", tp=tp)
     assert res.exit_code == 0, res.output
     return _curve(root / "log")
 
@@ -434,6 +434,7 @@ def test_a_joiner_with_a_stale_optimizer_step_count_is_caught_by_the_curve(tmp_p
     with pytest.raises(AssertionError) as caught:
         _check_fault_run(tmp_path / "stale", 2, 1, 2, "forward", reference, admit_before=3, stale_step=True)
     got, expected = _curve(tmp_path / "stale" / "log"), reference(2)
-    assert math.isclose(got[3][0], expected[3][0], rel_tol=1e-6) and not math.isclose(got[4][0], expected[4][0], rel_tol=1e-6), (got, expected)
+    assert math.isclose(got[3][0], expected[3][0], rel_tol=1e-6), (got, expected)
+    assert not math.isclose(got[4][0], expected[4][0], rel_tol=1e-6), (got, expected)
     assert "(4, " in str(caught.value), caught.value  # the curve's check at step 4 failed first
     _check_fault_run(tmp_path / "fixed", 2, 1, 2, "forward", reference, admit_before=3)

@@ -189,7 +189,8 @@ def test_a_joiners_bytes_sent_through_the_counted_layer_are_the_plans_at_llama3_
     from pretrain.simulate.joiner import joiner_bytes_sent
 
     sets = ["train.fault_tolerance=replica", "checkpoint.async_save=false", "parallel.zero=no_shard"]
-    res = runner.invoke(app, ["plan", "llama3-70b", "--world", "1024", "--json", *(a for s in sets for a in ("--set", s))])
+    res = runner.invoke(app, ["plan", "llama3-70b", "--world", "1024", "--json",
+                              *(a for s in sets for a in ("--set", s))])
     assert res.exit_code == 0, res.output
     planned = json.loads(res.stdout)["fault_tolerance"]["joiner_bytes"]
     assert joiner_bytes_sent(load_config("llama3-70b", sets), 1024, 0) == planned > 100e9, planned

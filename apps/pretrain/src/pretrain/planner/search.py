@@ -146,8 +146,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         microbatches = per_rank // mb
         if s.schedule == "interleaved" and microbatches % s.pp:
             continue
-        work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
         layout = light_layout(s, mb, microbatches)
+        work = workload(cfg, layout)
         for recompute in recomputes:
             acts = [stage_peak_of(variants[recompute], layout, stage) for stage in range(s.pp)]
             peaks = {z: max(a + b.with_grads(grad_buffer(shaped, layout, p, z)) for a, b, p in zip(state[z], acts, params))

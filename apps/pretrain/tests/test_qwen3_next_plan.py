@@ -88,3 +88,23 @@ def test_auto_cost_model_counts_the_linear_layers_declared_cp_bytes(cp, kind):
         want = microbatches * full * {"p2p": 6, "allgather": 4}[kind] * (cp - 1) * kv + declared["cp_bytes_per_step"]
     assert declared["cp_bytes_per_step"] > 0 if kind != "a2a" else declared["cp_a2a_bytes_per_token"] > 0
     assert sent == pytest.approx(want, rel=1e-12), (sent, want)
+
+
+def test_rank_assignment_cost_counts_the_declared_bytes_at_each_hcp_level():
+    """a2a+p2p (hcp [2, 2]) on a run's own grid: the inner all-to-all carries the linear layers' heads, the
+    outer ring their state pass, beside the full-attention layers' K and V."""
+    from pretrain.config import load_config
+    from pretrain.models import family_of
+    from pretrain.runtime.rank_assignment import workload
+    from par_groups.topology import bytes_per_step
+
+    cfg = load_config(None, [q for q in Q if q != "--set"] + ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                                                              "parallel.hcp=[2,2]", "train.seq_len=512"])
+    m, layout = cfg.model, cfg.validate_world(4)
+    sent = bytes_per_step(layout.grid, workload(cfg, layout))
+    declared = family_of(m).recurrent_state(m, layout, layout.micro_batch, 2, "a2a+p2p")
+    full, linear, tokens = m.layers - declared["linear_layers"], declared["linear_layers"], 512 // 4 * layout.micro_batch
+    kv, n = tokens * m.hidden * 2, layout.microbatches
+    assert declared["cp_bytes_per_step"] > 0 and declared["cp_a2a_bytes_per_token"] > 0
+    assert sent["hcp0"] == pytest.approx(n * (full * 8 / 2 * kv + linear * tokens * declared["cp_a2a_bytes_per_token"]))
+    assert sent["hcp1"] == pytest.approx(n * full * 6 * kv + declared["cp_bytes_per_step"])

@@ -48,3 +48,80 @@ def test_offload_trains_bitwise_as_without_and_moves_the_planned_bytes(dist_run)
         assert (losses, norms) == reference[:2], offload
         assert all(out == back > 0 for out, back in moved), (offload, moved)
     assert others[-1][2][0][0] == planned(layout, '["mlp"]')  # a dense MLP's saved set, as the plan sizes it
+
+
+def test_the_device_peak_falls_by_exactly_the_offloaded_bytes_on_fake_tensors():
+    """plan --simulate's tracker (fake tensors) counts the device's memory, not the host copies: offloading
+    every dense MLP, whose saved sets all wait at the peak (the turn from forward to backward), lowers the
+    measured activations by exactly the bytes moved, which are the plan's, as is the plan's own fall."""
+    from pretrain.config import load_config
+    from pretrain.simulate.run import simulate_rank
+    from pretrain.sizing.offload import offloaded_bytes
+
+    base = ["model.layers=2", "train.seq_len=256", "train.global_batch=1", "train.dtype=bf16"]  # one micro-batch a step
+    plain, moved = (simulate_rank(load_config(None, base + [f"model.offload={o}"]), 1, 0) for o in ("[]", '["mlp"]'))
+    cfg = load_config(None, base + ['model.offload=["mlp"]'])
+    planned = offloaded_bytes(cfg, cfg.validate_world(1), 0)
+    assert moved["offloaded"] == {"out": planned, "back": planned, "planned": planned} and planned > 0
+    assert "offloaded" not in plain
+    assert plain["measured"]["activations"] - moved["measured"]["activations"] == planned
+    assert plain["planned"]["activations"] - moved["planned"]["activations"] == planned
+
+
+def test_a_tensor_freed_before_its_last_backward_use_fails_the_step_not_its_numbers(monkeypatch):
+    """A tensor three nodes save is moved once and kept until the last of them has run its backward; the
+    planted bug (freeing it at its first use) fails the backward rather than reading freed memory."""
+    import torch
+    from torch import nn
+
+    from pretrain.model import offload
+
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 4), torch.randn(3, 4)
+
+    def grads(offloader=None):
+        lin.zero_grad()
+        if offloader is None:
+            h = lin(x)
+            y = (h * h).sum() + h.sin().sum()
+        else:
+            with offloader.region(lin, x.device):
+                h = lin(x)
+                y = (h * h).sum() + h.sin().sum()  # h saved by the product (twice) and the sine
+        y.backward()
+        return [p.grad.clone() for p in lin.parameters()]
+
+    moved = offload.Offloader()
+    assert all(torch.equal(a, b) for a, b in zip(grads(moved), grads()))
+    assert moved.bytes_out == moved.bytes_in == 2 * 3 * 4 * 4  # x (the matmul's) and h once each, out and back
+    unpack = offload.Offloader._unpack
+
+    def freed_at_first_use(self, packed):
+        back = unpack(self, packed)
+        if isinstance(packed, offload._Moved):
+            packed.host = packed.back = None
+        return back
+
+    monkeypatch.setattr(offload.Offloader, "_unpack", freed_at_first_use)
+    with pytest.raises(RuntimeError, match="freed before its last use"):
+        grads(offload.Offloader())
+
+
+# the same proof through the other layouts' collectives and schedules; ZB-V in the default tier: its split
+# backward reads a junction's saved tensors in its B and again in its W (a count of uses freed them after B)
+EXTENDED = {
+    "cp2": (None, ["parallel.cp=2"], OFFLOADS),
+    "pp2-zbv": (None, ["parallel.pp=2", "parallel.schedule=zb-v", "train.micro_batch=1", "model.layers=4"], ('["layers:1", "mlp@3"]',)),
+    "zero3": (None, ["parallel.zero=optim_grads_params"], OFFLOADS),
+    "ep2": ("tiny-moe", ["parallel.ep=2", "model.bias_update_rate=0.01"], ('["moe", "attn@1"]', '["layers:1"]')),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n if n == "pp2-zbv" else pytest.param(n, marks=pytest.mark.extended) for n in EXTENDED])
+def test_offload_trains_bitwise_under_cp2_pp2_zbv_zero3_ep2(dist_run, name):
+    config, overrides, offloads = EXTENDED[name]
+    for reference, *others in dist_run(2, runs, config, overrides + ["train.dtype=fp32"], offloads):
+        for offload, (losses, norms, moved) in zip(offloads, others):
+            assert (losses, norms) == reference[:2], offload
+            assert all(out == back for out, back in moved), (offload, moved)

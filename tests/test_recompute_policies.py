@@ -73,3 +73,65 @@ def test_module_policies_train_bitwise_under_cp2_pp2_zbv_zero3(dist_run, name):
     config, overrides, policies = EXTENDED[name]
     world = 4 if name == "tp2-sp-ep2" else 2
     assert_bitwise(dist_run(world, runs, config, overrides, policies), policies)
+
+
+def counted_runs(config, overrides, policies):
+    """Per policy: (losses, grad norms, regions checkpointed in the steps: torch's checkpoint calls)."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.blocks import te
+    from pretrain.models.gpt_oss import moe as gpt_oss_moe
+    from pretrain.training.train_loop import Trainer
+
+    calls = [0]
+    patched = [(m, m.checkpoint) for m in (te, gpt_oss_moe) if hasattr(m, "checkpoint")]
+
+    def counting(original):
+        def checkpoint(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+        return checkpoint
+
+    for module, original in patched:
+        module.checkpoint = counting(original)
+    out = []
+    try:
+        for policy in ("none", *policies):
+            t = Trainer(load_config(config, list(COMMON) + list(overrides) + [f"model.recompute={policy}"]))
+            calls[0] = 0
+            steps = [t.train_step(s) for s in range(STEPS)]
+            out.append(([r.loss for r in steps], [r.grad_norm for r in steps], calls[0]))
+    finally:
+        for module, original in patched:
+            module.checkpoint = original
+    torch.distributed.barrier()
+    return out
+
+
+# the newer families' own cores: gpt-oss's sink attention (and its clamped SwiGLU for moe_act), Qwen3-Next's
+# gated attention and Gated DeltaNet (conv, gates and delta rule)
+FAMILIES = {
+    "gpt-oss-tp2": ("tiny-moe", ["model.attention=gpt_oss", "model.heads=4", "model.kv_heads=2", "model.kv_channels=16",
+                                 "model.moe_layers_start=0", "model.shared_experts=0", "model.num_experts=4",
+                                 "model.top_k=2", "model.moe_ffn_hidden=32", "model.norm_topk_prob=true",
+                                 "parallel.tp=2", "parallel.etp=1"], ('["core_attn"]', '["moe_act"]')),
+    "qwen3-next-tp2": (None, ["model.attention=qwen3_next", "model.full_attention_interval=2",
+                              "model.partial_rotary_factor=0.5", "model.heads=4", "model.kv_heads=2",
+                              "model.linear_key_heads=2", "model.linear_value_heads=4", "model.linear_key_dim=8",
+                              "model.linear_value_dim=8", "parallel.tp=2"], ('["core_attn"]',)),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_newer_families_recompute_their_cores_bitwise(dist_run, name):
+    """core_attn (and gpt-oss's moe_act) rerun in every layer of each micro-batch, and train bit for bit
+    as the policy-free run (on the 2 layers: qwen3-next's first a Gated DeltaNet, its second gated attention)."""
+    config, overrides, policies = FAMILIES[name]
+    for rank in dist_run(2, counted_runs, config, overrides, policies):
+        (losses, norms, none), *others = rank
+        assert none == 0
+        for policy, got in zip(policies, others):
+            assert got[:2] == (losses, norms), policy
+            assert got[2] == 2 * STEPS, (policy, got[2])  # each of the 2 layers, one micro-batch a step

@@ -78,3 +78,45 @@ def test_auto_says_how_it_judged_memory_and_simulate_measures_the_first_choice()
     (first,) = check["simulated"]  # it fits, so no other choice is simulated
     assert check["method"] == "simulated" and first["index"] == 0 and first["fits"]
     assert first["measured_gb"] == pytest.approx(first["estimated_gb"], rel=0.10)
+
+
+def _policy_plan(tmp_path, pcie: float) -> tuple[dict, dict, dict]:
+    """The tiny model at seq 4096 on one GPU of 0.09 GB (its activations do not fit without a policy):
+    --auto --auto-policy's first choice, and `plan` of its layout with that policy and without."""
+    import shlex
+
+    path = tmp_path / f"small-{pcie:g}.toml"
+    path.write_text(f'preset = "dgx-h100"\ngpu_memory_gb = 0.09\n[bandwidth]\nnvlink = 450\npcie = {pcie}\nnetwork = 50\n')
+    first = auto_plan(load_config(None, ["train.seq_len=4096"]), 1, str(path), policies=True)["best"][0]
+    flags = ["plan", "--world", "1", "--gpu-memory", "0.09", "--json", "--set", "train.seq_len=4096"]
+    flags += shlex.split(first["set"])
+    chosen, bare = (json.loads(CliRunner().invoke(app, flags + extra).stdout)
+                    for extra in ([], ["--set", "model.recompute=none", "--set", "model.offload=[]"]))
+    return first, chosen, bare
+
+
+@pytest.mark.parametrize("pcie, offloads", [(300.0, True), (100.0, False)])
+def test_auto_policy_fits_what_no_policy_fits_and_its_step_time_counts_the_reruns_and_copies(tmp_path, pcie, offloads):
+    """A host link fast enough makes offloading the first layers cheaper than recomputing; a slower one
+    does not. Either way the chosen layout does not fit policy-free and fits with the policy, its compute
+    is the model FLOPs plus the plan's recomputed FLOPs at the planner's rate, and its offload time is
+    what the plan's offloaded bytes take over the host link beyond the forward / backward windows."""
+    from pretrain.planner.estimate import host_seconds
+
+    first, chosen, bare = _policy_plan(tmp_path, pcie)
+    zero, lay = first["layout"]["zero"], first["layout"]
+    assert bare["peak_gb"][zero] > bare["budget_gb"]  # the same layout without a policy does not fit
+    assert chosen["peak_gb"][zero] == pytest.approx(first["memory_gb"], rel=1e-9) and first["memory_gb"] <= chosen["budget_gb"]
+    stage = chosen["activation_policy"]["stages"][0]
+    rate = 989e12 * 0.6  # H100 bf16 peak x the default efficiency
+    model = chosen["flops"]["per_rank_per_step"]
+    assert stage["model_flops_per_step"] == pytest.approx(model, rel=1e-9)
+    assert first["compute_s"] == pytest.approx((model + stage["recompute_flops_per_step"]) / rate, rel=1e-9)
+    assert bool(lay.get("offload")) == offloads
+    if offloads:
+        moved = stage["offloaded_bytes_per_step"]
+        exposed = host_seconds(moved, pcie, model / 3 / rate, first["compute_s"] - model / 3 / rate)
+        assert moved > 0 and first["comm_s"]["offload"] == pytest.approx(exposed, rel=1e-9) and exposed > 0
+        assert "--set model.offload='[\"layers:" in first["set"]
+    else:
+        assert stage["recompute_flops_per_step"] > 0 and "offload" not in first["comm_s"]

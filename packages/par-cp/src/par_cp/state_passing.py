@@ -90,7 +90,8 @@ class _PassStates(torch.autograd.Function):
     def backward(ctx, *grads):
         group, pieces, rank = ctx.group, ctx.pieces, ctx.rank
         n = len(grads)
-        a, s_in = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        saved = ctx.saved_tensors  # read once: a checkpointed region's saved tensors unpack once
+        a, s_in = saved[:n], saved[n:]
         d_local, d_a, d_in_next, works = [None] * n, [None] * n, None, []
         for p in reversed(ctx.mine):
             i = pieces[p][3]

@@ -12,7 +12,9 @@ work that made it; on the CPU to a second buffer, so that the same code and its 
 tested there) and its device copy dropped; it is copied back when the region's backward is about
 to run (the gradient of the region's output arriving: a prefetch on the side stream, which the
 compute stream waits for only at first use), or at first use. A tensor saved by several nodes is
-moved once and freed after its last use. Parameters and buffers (saved by the matmuls and
+moved once; both copies go when the last node that saved it releases it (after its last backward: a
+zero-bubble schedule's split backward reads a node's saved tensors in its B and again in its W, so uses
+are not counted). Parameters and buffers (saved by the matmuls and
 RoPE) stay where they are. Nothing here reads a device value: no host synchronisation.
 """
 
@@ -42,11 +44,13 @@ def host_copies(context):
 
 def _address(t: torch.Tensor) -> int:
     """Its storage's address (the same memory saved by several nodes, as one view or another), or on fake
-    tensors, which have none, the tensor's id (``region`` holds the tensors: neither is reused in it)."""
+    tensors, which have none, the storage object's id (``region`` holds the tensors, so their storages:
+    neither is reused in it)."""
+    storage = t.untyped_storage()
     try:
-        return t.untyped_storage().data_ptr() or id(t)
+        return storage.data_ptr() or id(storage)
     except RuntimeError:
-        return id(t)
+        return id(storage)
 
 
 class _Region(list):
@@ -58,10 +62,10 @@ class _Region(list):
 class _Moved:
     """One saved tensor out of the device: its host copy, and its device copy once fetched back."""
 
-    __slots__ = ("host", "device", "uses", "out_event", "in_event", "back")
+    __slots__ = ("host", "device", "out_event", "in_event", "back")
 
     def __init__(self, host, device, out_event) -> None:
-        self.host, self.device, self.uses, self.out_event = host, device, 0, out_event
+        self.host, self.device, self.out_event = host, device, out_event
         self.in_event, self.back = None, None
 
 
@@ -103,6 +107,8 @@ class Offloader:
                 before = moved.before() if moved.before is not None else None
                 if before is not None:
                     self._prefetch(before)
+                # the graph keeps this hook to the step's end: only the nodes that saved them keep the copies
+                moved.clear()
             out.register_hook(hook)
         return out
 
@@ -122,7 +128,6 @@ class Offloader:
             seen[key] = (moved, t)
             moved_list.append(moved)
             self.bytes_out += t.numel() * t.element_size()
-        moved.uses += 1
         return moved
 
     def _move_out(self, t: torch.Tensor) -> _Moved:
@@ -168,8 +173,4 @@ class Offloader:
         self._bring_back(packed)
         if packed.in_event is not None:
             torch.cuda.current_stream(self.device).wait_event(packed.in_event)
-        back = packed.back
-        packed.uses -= 1
-        if packed.uses == 0:  # its last saved use: free both copies
-            packed.host = packed.back = None
-        return back
+        return packed.back

@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..observe.metrics import lookup_peak_tflops
 from ..runtime.rank_assignment import described_topology
 from .choice_time import topology_spec
-from .estimate import ASSUMPTIONS, Cluster
+from .estimate import ASSUMPTIONS, OFFLOAD_ASSUMPTION, Cluster
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from .search import Choice, search, shape_config
 
@@ -36,7 +36,7 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
     if not 0 < efficiency <= 1:
         raise UsageError(f"--efficiency {efficiency:g} must be in (0, 1]: achieved / peak FLOP/s of the compute")
     topo = described_topology(dataclasses.replace(cfg, topology=spec), world)
-    cluster = Cluster(spec, len(topo.node_ranks()[0]), topo.largest_domain())
+    cluster = Cluster(spec, len(topo.node_ranks()[0]), topo.largest_domain(), topo.bandwidth["pcie"])
     gpu = topo.gpus[0]
     tflops = peak_tflops or lookup_peak_tflops(gpu.name, "bf16")
     if not tflops:
@@ -62,7 +62,7 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
                          "note": note if checks else ESTIMATED},
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
-                        "notes": list(ASSUMPTIONS)},
+                        "notes": list(ASSUMPTIONS) + ([OFFLOAD_ASSUMPTION] if policies else [])},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
         "best": [row(c, rows[0][0], cfg) | {"measured_gb": gb} for c, gb in rows[:top]],
     }
@@ -99,7 +99,7 @@ def layout_of(c: Choice) -> dict:
             "etp": s.etp, "edp": s.edp, "zero": c.zero, "micro_batch": c.micro_batch,
             "microbatches": c.microbatches,
             "recompute": c.recompute if isinstance(c.recompute, str) else list(c.recompute), "first_stage_layers": s.first,
-            "last_stage_layers": s.last}
+            "last_stage_layers": s.last} | ({"offload": list(c.offload)} if c.offload else {})
 
 
 def overrides(c: Choice, cfg) -> str:
@@ -112,11 +112,13 @@ def overrides(c: Choice, cfg) -> str:
     if s.tp > 1 and base.sequence_parallel is False:  # the search plans sequence parallelism with tp
         out.append("parallel.sequence_parallel=true")
     out += [f"parallel.zero={c.zero}", f"train.micro_batch={c.micro_batch}", f"model.recompute={_recompute_literal(c.recompute)}"]
+    if c.offload != cfg.model.offload:
+        out.append(f"model.offload={_recompute_literal(c.offload)}")
     return " ".join(f"--set {o}" for o in out)
 
 
 def _recompute_literal(value) -> str:
-    """A word as it is; a module list as a quoted TOML list the shell hands over whole."""
+    """A word as it is; a module list (or [model].offload's) as a quoted TOML list the shell hands over whole."""
     return value if isinstance(value, str) else "'[" + ",".join(f'"{v}"' for v in value) + "]'"
 
 
@@ -177,7 +179,8 @@ def render(plan: dict) -> str:
             if lay["first_stage_layers"]:
                 shape += f" stages {lay['first_stage_layers']}|..|{lay['last_stage_layers']}"
         comm = sum(r["comm_s"].values())
-        lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}, micro-batch {lay['micro_batch']} x "
+        offload = f", offload={lay['offload']}" if lay.get("offload") else ""
+        lines.append(f"{i}. {shape}, zero={lay['zero']}, recompute={lay['recompute']}{offload}, micro-batch {lay['micro_batch']} x "
                      f"{lay['microbatches']}: {r['memory_gb']:.1f} GB"
                      f"{'' if r.get('measured_gb') is None else ' (measured %.1f GB)' % r['measured_gb']}, step {r['step_s']:.3g} s (compute "
                      f"{r['compute_s']:.3g} + bubble {r['bubble_s']:.3g} + exposed comm {comm:.3g}), MFU {r['mfu']:.1%}")

@@ -36,6 +36,10 @@ ASSUMPTIONS = (
     "trainer saves them), the figures `plan --simulate` measures the trainer against, within the GPU's memory "
     "less the headroom",
 )
+# with --auto-policy (the search takes [model].offload too)
+OFFLOAD_ASSUMPTION = ("offload: the busiest stage's offloaded bytes per step go to the host during the forward (a third of "
+                      "its model compute) and come back during the backward and recomputation, over the topology's pcie "
+                      "bandwidth each way; what a window cannot hide is exposed (offload comm)")
 CANONICAL_ORDER = "tp-cp-ep-dp-pp"
 
 
@@ -108,6 +112,14 @@ def module_forward_flops(m, seq_len: int, i: int, recompute) -> float:
     return flops
 
 
+def host_seconds(offloaded: float, host_gbps: float, forward_s: float, backward_s: float) -> float:
+    """Exposed time of ``[model].offload``'s copies: the bytes go out during the forward and come back
+    during the backward (recomputation included), each direction on its own side stream; what does not
+    fit its window waits."""
+    copy = offloaded / (host_gbps * 1e9)
+    return max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
+
+
 @lru_cache(maxsize=4096)
 def pipeline_idle(schedule: str, pp: int, vpp: int, microbatches: int, full_recompute: bool) -> tuple[float, float]:
     """(idle, busy) slots of one rank for ``microbatches``, from par-pp's simulator."""
@@ -151,6 +163,7 @@ class Cluster:
     spec: object  # pretrain.config.TopologyConfig
     per_node: int
     domain: int  # GPUs per NVLink domain, 1 without NVLink
+    host_gbps: float = 0.0  # host <-> GPU, one direction (the topology's pcie bandwidth): [model].offload's copies
 
 
 @lru_cache(maxsize=4096)
@@ -200,14 +213,19 @@ def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None, gather_b
 
 def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, model_flops: float,
              peak_flops: float, efficiency: float, bandwidth: dict, muon_ns: str | None = None,
-             gather_bytes: float = 2.0) -> Estimate:
-    """Step time and MFU of one layout."""
+             gather_bytes: float = 2.0, offloaded: float = 0.0, host_gbps: float = 0.0) -> Estimate:
+    """Step time and MFU of one layout; ``offloaded``: the bytes per step the busiest stage's
+    ``[model].offload`` moves out and back over ``host_gbps`` (:func:`host_seconds`)."""
+    stage = shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
+    forward = model_flops / shape.world_size * stage / 3 / (peak_flops * efficiency)
     compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute))
-    compute *= shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
+    compute *= stage
     compute /= peak_flops * efficiency
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches,
                                recompute == "full" or recompute == ("full",))
     bubble = compute * idle / busy if shape.pp > 1 else 0.0
     comm = comm_seconds(shape, work, zero, bandwidth, muon_ns, gather_bytes)
+    if offloaded:
+        comm["offload"] = host_seconds(offloaded, host_gbps, forward, compute - forward)
     step = compute + bubble + sum(comm.values())
     return Estimate(compute, bubble, comm, step, model_flops / (shape.world_size * peak_flops * step))

@@ -24,6 +24,7 @@ from ..config.layout import Layout
 from ..runtime.rank_assignment import workload
 from ..sizing.activations import stage_peak_of
 from ..sizing.flops import param_counts, training_flops_per_step
+from ..sizing.offload import offloaded_bytes
 from ..sizing.params import rank_params
 from ..sizing.state import grad_buffer, muon_elements, optim_bytes, params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
@@ -46,6 +47,7 @@ class Choice:
     memory: float  # bytes per rank
     estimate: Estimate
     links: dict  # group type -> link class
+    offload: tuple[str, ...] = ()  # [model].offload (with --auto-policy)
 
 
 def zeros(cfg) -> tuple[str, ...]:
@@ -120,8 +122,10 @@ def light_layout(s: Shape, micro_batch: int = 1, microbatches: int = 1) -> Layou
                   micro_batch, microbatches)
 
 
-# With --auto-policy: per-module recompute lists searched beside the words (least recomputed first)
+# With --auto-policy: per-module recompute lists searched beside the words (least recomputed first), each
+# (but full) also with the whole first layers of each chunk offloaded (the ones waiting longest for their backward)
 POLICIES = (("layernorm",), ("core_attn", "layernorm"), ("core_attn", "mlp"), ("core_attn", "mlp", "layernorm"))
+OFFLOADS = (("layers:1",), ("layers:2",))
 
 
 def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, cluster: Cluster,
@@ -137,7 +141,10 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
     if min(state[ZERO[-1]]) > budget:
         return None
     recomputes = RECOMPUTE + (POLICIES if policies else ())
-    variants = {r: dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r)) for r in recomputes}
+    offloads = (shaped.model.offload,) + (tuple(o for o in OFFLOADS if o != shaped.model.offload) if policies else ())
+    policy = [(r, o) for r in recomputes for o in offloads if not (o and r == "full")]
+    variants = {(r, o): dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r, offload=o))
+                for r, o in policy}
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
     per_rank = t.global_batch // s.dp
     bandwidth = None
@@ -148,21 +155,30 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
             continue
         layout = light_layout(s, mb, microbatches)
         work = workload(cfg, layout)
-        for recompute in recomputes:
-            acts = [stage_peak_of(variants[recompute], layout, stage) for stage in range(s.pp)]
+        fitting: dict = {}  # recompute -> the ZeRO strategies it fits without offload
+        for recompute, offload in policy:
+            # an offload only adds host time: it matters where the same recompute alone does not fit
+            dominated = set(fitting.get(recompute, ())) if offload and not offloads[0] else set()
+            if dominated >= set(zeros(cfg)):
+                continue
+            variant = variants[(recompute, offload)]
+            acts = [stage_peak_of(variant, layout, stage) for stage in range(s.pp)]
             peaks = {z: max(a + b.with_grads(grad_buffer(shaped, layout, p, z)) for a, b, p in zip(state[z], acts, params))
                      for z in ZERO}  # the heaviest stage
+            if not offload:
+                fitting[recompute] = {z for z in ZERO if peaks[z] <= budget}
             if peaks[ZERO[-1]] > budget:
                 continue
             bandwidth = bandwidth or group_bandwidth(s, cluster)
+            moved = max(offloaded_bytes(variant, layout, stage) for stage in range(s.pp)) if offload else 0.0
             for zero in zeros(cfg):
                 memory = peaks[zero]
-                if memory > budget:
+                if memory > budget or zero in dominated:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth,
-                               t.optimizer_declaration.matrix_dtype, gather_bytes(m, t))
+                               t.optimizer_declaration.matrix_dtype, gather_bytes(m, t), moved, cluster.host_gbps)
                 choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
-                                {n: link for n, (_, link) in bandwidth.items()})
+                                {n: link for n, (_, link) in bandwidth.items()}, offload)
                 if best is None or _key(choice) < _key(best):
                     best = choice
     return best
@@ -171,7 +187,7 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
 def _key(c: Choice) -> tuple:
     """Fastest first; on a tie, the simpler layout (less sharding, recompute, parallelism)."""
     return (c.estimate.step_s, ZERO.index(c.zero), (RECOMPUTE + POLICIES).index(c.recompute),
-            c.shape.tp * c.shape.cp * c.shape.pp)
+            OFFLOADS.index(c.offload) + 1 if c.offload in OFFLOADS else 0, c.shape.tp * c.shape.cp * c.shape.pp)
 
 
 def search(cfg, world: int, budget: float, peak: float, efficiency: float,

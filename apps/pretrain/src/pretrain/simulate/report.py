@@ -107,6 +107,10 @@ def render(result: dict) -> str:
         lines.append(f"  {'other':12} {r['measured']['other'] / GB:9.2f} GB measured (RoPE tables, buffers; not planned)")
         if "replicas" in r:
             lines.append("  " + render_replicas(r["replicas"]))
+        if "offloaded" in r:  # [model].offload's copies (host memory: not in the device's figures above)
+            o = r["offloaded"]
+            lines.append(f"  offload      {o['out'] / GB:9.3f} GB out and {o['back'] / GB:.3f} GB back measured, "
+                         f"{o['planned'] / GB:.3f} GB planned (the simulated micro-batches)")
         for c in r["collectives"]:
             want = "" if c["theory_bytes"] is None else f"  theory {c['theory_bytes'] / GB:.3f} GB ({_pct(c['bytes'], c['theory_bytes'])})"
             kinds = "".join(f"; {k} {v / GB:.3f} GB" for k, v in c.get("by_dtype", {}).items())

@@ -108,6 +108,8 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             with comm.CommRecorder() as rec:
                 trainer.train_step(0)
             step = tracker.snapshot()
+            offloader = next((layer.offloader for chunk in trainer.model.chunks.values()
+                              for layer in chunk.decoder_layers()), None)  # [model].offload's, one per rank
             timings["step_s"] = time.perf_counter() - t1
             tracker.phase = "save"
             tracker.reset_peak()
@@ -128,6 +130,11 @@ def _simulate_rank(cfg, world: int, rank: int, imbalance: float, on_phase) -> di
             replicas = {"replicas": replica_figures(cfg, layout, stage_moe_layers(cfg, layout, stage),
                                                     state_dtypes(cfg.train)[0].itemsize,
                                                     routed_sizes(cfg, layout, DeclaredRouting(imbalance), ep_rank).pairs, ep_rank)}
+        if offloader is not None:  # what [model].offload moved out and back in the step, beside the plan's
+            from ..sizing.offload import offloaded_bytes
+
+            replicas["offloaded"] = {"out": offloader.bytes_out, "back": offloader.bytes_in,
+                                     "planned": offloaded_bytes(cfg, layout, stage)}
         return {**replicas,
             "rank": rank, "stage": stage, "coords": g.grid.coords(rank),
             "layers": cfg.parallel.stage_layers(cfg.model.layers)[stage],

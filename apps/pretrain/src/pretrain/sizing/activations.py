@@ -95,12 +95,13 @@ def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     m = cfg.model
     recomputed = modules_at(m.recompute, i)
     share = layout.tp if layout.sequence_parallel else 1
+    rstd = 0.0 if recomputed & {"full", "layernorm"} else 2 * 4 / share  # each norm's fp32 1/rms per token
     if module == "layer":  # its saved set as the recompute policy leaves it
-        return layer_per_token(cfg, layout, i, m.recompute)
+        return layer_per_token(cfg, layout, i, m.recompute) + rstd
     if "full" in recomputed or module in recomputed or (module == "mlp" and "moe" in recomputed and m.is_moe_layer(i)):
         return 0.0
     if module == "layernorm":
-        return 2 * 8 * m.hidden / share
+        return 2 * 8 * m.hidden / share + rstd
     if module == "attn":
         return family_of(m).saved_bytes(m, layout, "selective" if "core_attn" in recomputed else "none", pb)
     if (module == "moe") != m.is_moe_layer(i):
@@ -122,11 +123,14 @@ def offloaded_per_layer(cfg, layout, i: int, position: int | None) -> float:
 def _ring_backward_work(m, layout, pb: int) -> float:
     """Per local token: a context-parallel attention's backward working set (par-cp's ring): fp32
     dq and two steps' dk, dv, the fp32 dK|dV stack it sends home; in bf16 K|V and its spare, the
-    casts of the gradients out and the blocks' temporaries (5.5 q-widths: fitted to ``plan --simulate``)."""
+    casts of the gradients out and the blocks' temporaries (5.5 q-widths: fitted to ``plan --simulate``);
+    past two ranks the ring holds four more fp32 and three more bf16 K|V widths (fitted at cp 4 and 8: MLA's
+    K|V is as wide as its queries)."""
     if layout.cp == 1:
         return 0.0  # one fused SDPA call, as on a GPU
     q, kv = family_of(m).ring_widths(m, layout)
-    return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q)
+    longer = (4 * 4 + 3 * pb) * kv if layout.cp > 2 else 0.0
+    return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q) + longer
 
 
 def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float:
@@ -264,6 +268,8 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
         saved += loss
         forward = vocab * pb * tokens
         junctions += (vocab * pb + 4 * m.hidden / share) * tokens
+        if m.mtp_depth:  # MTP's layers run backward first, beside the main loss's buffers (as _chunk_bytes)
+            work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
         work = max(work - loss, 0.0)
     return ChunkBytes(saved, junctions, work, forward)
 

@@ -29,6 +29,7 @@ from par_groups.param_placement import declare_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
 from ...blocks.context import ChunkContext, context_attention
+from ...blocks.recompute import checkpointed
 from ...blocks.rope import apply_rope, rope_for, set_shard_rope_tables_
 from .kernel import sink_attention
 
@@ -134,11 +135,17 @@ class GptOssAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.heads * d, config.hidden, g.tp, bias=True, sequence_parallel=sp)
         self.sinks = declare_(nn.Parameter(torch.zeros(self.local_heads)), {0: (tp_rank, tp)})
         self.core = SinkWindowCore(config, context, index)
+        # [model].recompute's core_attn: RoPE and the sink attention rerun in the backward (no RNG inside)
+        self.selective, self.backend = context.recomputes("core_attn", index), context.backend
 
     def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
         x = enter_tensor_parallel_region(x, self.tp_group, self.sp)  # one entry for q, k and v
         q, k, v = self.q_proj.forward_local(x), self.k_proj.forward_local(x), self.v_proj.forward_local(x)
         s, b = q.shape[0], q.shape[1]
-        out = self.core(q.view(s, b, self.local_heads, self.head_dim), k.view(s, b, self.local_kv_heads, self.head_dim),
-                        v.view(s, b, self.local_kv_heads, self.head_dim), self.sinks, docs)
+        args = (q.view(s, b, self.local_heads, self.head_dim), k.view(s, b, self.local_kv_heads, self.head_dim),
+                v.view(s, b, self.local_kv_heads, self.head_dim), self.sinks, docs)
+        if self.selective and torch.is_grad_enabled():
+            out = checkpointed(self.core, *args, backend=self.backend, replay=False)
+        else:
+            out = self.core(*args)
         return self.o_proj(out.reshape(s, b, self.local_heads * self.head_dim))

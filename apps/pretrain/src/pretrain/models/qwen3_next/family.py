@@ -101,10 +101,10 @@ class Qwen3Next(Family):
         if is_full_attention(config, index):
             from .gated_attention import TPGatedAttention
 
-            return TPGatedAttention(config, context)
+            return TPGatedAttention(config, context, index)
         from .gdn import TPGatedDeltaNet
 
-        return TPGatedDeltaNet(config, context)
+        return TPGatedDeltaNet(config, context, index)
 
     def _fractions(self, m) -> tuple[float, float]:
         full = sum(is_full_attention(m, i) for i in range(m.layers)) / m.layers

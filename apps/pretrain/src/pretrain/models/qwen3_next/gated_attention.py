@@ -17,6 +17,7 @@ from par_groups import declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
 from ...blocks.context import context_attention
+from ...blocks.recompute import checkpointed
 from ...blocks.rope import apply_rope, rope_for, set_shard_rope_tables_
 
 
@@ -25,7 +26,7 @@ def rotary_dim(m) -> int:
 
 
 class TPGatedAttention(nn.Module):
-    def __init__(self, config, context) -> None:
+    def __init__(self, config, context, index: int = 0) -> None:
         super().__init__()
         g, d = context.groups, config.head_dim
         self.config, self.tp_group, self.sp, self.seq_len = config, g.tp, context.sequence_parallel, context.seq_len
@@ -38,6 +39,8 @@ class TPGatedAttention(nn.Module):
                                         sequence_parallel=self.sp)
         self.q_norm, self.k_norm = (declare_copies_(nn.RMSNorm(d, eps=config.norm_eps), g.tp, True) for _ in range(2))
         self.attn = context_attention(context)
+        # [model].recompute's core_attn: the q / k norms, RoPE and the attention rerun in the backward
+        self.selective, self.backend = context.recomputes("core_attn", index), context.backend
         self.register_buffer("cos", None, persistent=False)
         self.register_buffer("sin", None, persistent=False)
         self.init_buffers_(torch.get_default_device())
@@ -45,17 +48,24 @@ class TPGatedAttention(nn.Module):
     def init_buffers_(self, device: torch.device) -> None:
         set_shard_rope_tables_(self, device, self.seq_len, rotary_dim(self.config))
 
-    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
-        d, rot = self.config.head_dim, rotary_dim(self.config)
-        x = enter_tensor_parallel_region(x, self.tp_group, self.sp)
-        s, b = x.shape[:2]
-        q, gate = self.q_proj.forward_local(x).view(s, b, self.heads, 2 * d).split([d, d], dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj.forward_local(x).view(s, b, self.kv_heads, d))
-        v = self.v_proj.forward_local(x).view(s, b, self.kv_heads, d)
+    def _core(self, q, k, v, docs):
+        rot = rotary_dim(self.config)
+        q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_for(self, docs, q.dtype, rot)
         q = torch.cat([apply_rope(q[..., :rot], cos, sin), q[..., rot:]], -1)
         k = torch.cat([apply_rope(k[..., :rot], cos, sin), k[..., rot:]], -1)
-        out = self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
+        return self.attn(q, k, v, None if docs is None else docs.cu_seqlens)
+
+    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+        d = self.config.head_dim
+        x = enter_tensor_parallel_region(x, self.tp_group, self.sp)
+        s, b = x.shape[:2]
+        q, gate = self.q_proj.forward_local(x).view(s, b, self.heads, 2 * d).split([d, d], dim=-1)
+        k = self.k_proj.forward_local(x).view(s, b, self.kv_heads, d)
+        v = self.v_proj.forward_local(x).view(s, b, self.kv_heads, d)
+        if self.selective and torch.is_grad_enabled():
+            out = checkpointed(self._core, q, k, v, docs, backend=self.backend, replay=False)
+        else:
+            out = self._core(q, k, v, docs)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(s, b, -1))

@@ -35,6 +35,8 @@ from par_cp.ulysses import gathered_order
 from par_groups import declare_, declare_copies_
 from par_tp import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 
+from ...blocks.recompute import checkpointed
+
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """flash-linear-attention's (and transformers') L2 normalisation: ``x / sqrt(|x|^2 + 1e-6)``."""
@@ -48,7 +50,7 @@ def qkvz_layout(m) -> tuple[int, int, int]:
 
 
 class TPGatedDeltaNet(nn.Module):
-    def __init__(self, config, context) -> None:
+    def __init__(self, config, context, index: int = 0) -> None:
         super().__init__()
         g = context.groups
         tp, self.tp_group, self.sp = g.size("tp"), g.tp, context.sequence_parallel
@@ -68,6 +70,8 @@ class TPGatedDeltaNet(nn.Module):
         self.norm = declare_copies_(nn.RMSNorm(dv, eps=config.norm_eps), g.tp, True)
         self.out_proj = RowParallelLinear(nk * r * dv, config.hidden, g.tp, input_is_parallel=True,
                                           sequence_parallel=self.sp)
+        # [model].recompute's core_attn: the conv, the gates and the delta rule rerun in the backward
+        self.selective, self.backend = context.recomputes("core_attn", index), context.backend
 
     def _cp_groups(self):
         """(the group the all-to-all splits the key heads over, the group the state passes along), each None
@@ -105,6 +109,19 @@ class TPGatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz.forward_local(x).view(s, b, nk, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
         beta, a = self.in_proj_ba.forward_local(x).view(s, b, nk, 2 * r).split([r, r], dim=-1)
+        if self.selective and torch.is_grad_enabled():
+            o = checkpointed(self._core, q, k, v, beta, a, docs, x.dtype, backend=self.backend, replay=False)
+        else:
+            o = self._core(q, k, v, beta, a, docs, x.dtype)
+        o = self.norm(o) * F.silu(z.reshape(*z.shape[:2], -1, dv))
+        return self.out_proj(o.reshape(*o.shape[:2], -1))
+
+    def _core(self, q, k, v, beta, a, docs, dtype):
+        """The conv, the gates and the delta rule (the all-to-all's there and back included): ``[S, B, value
+        heads, dv]`` of this rank's tokens."""
+        c = self.config
+        dk, dv, nk, r = c.linear_key_dim, c.linear_value_dim, self.nk, self.r
+        s, b = q.shape[:2]
         weight = torch.cat([self.conv_q, self.conv_k, self.conv_v])
         A_log, dt_bias = self.A_log, self.dt_bias
         heads, cp = self._cp_groups()
@@ -117,7 +134,7 @@ class TPGatedDeltaNet(nn.Module):
             weight = torch.cat([w.narrow(0, j * len(w) // p, len(w) // p) for w in (wq, wk, wv)])
             A_log, dt_bias = (t.narrow(0, j * nk * r, nk * r) for t in (A_log, dt_bias))
         mixed = torch.cat([q.reshape(s, b, -1), k.reshape(s, b, -1), v.reshape(s, b, -1)], -1)
-        mixed = F.silu(causal_conv1d(mixed, weight, cp, self.seq_len, positions=self._positions(docs, cp, x.device)))
+        mixed = F.silu(causal_conv1d(mixed, weight, cp, self.seq_len, positions=self._positions(docs, cp, q.device)))
         q, k, v = mixed.split([nk * dk, nk * dk, nk * r * dv], dim=-1)
         q = l2norm(q.float().view(s, b, nk, dk)) * dk ** -0.5
         k = l2norm(k.float().view(s, b, nk, dk))
@@ -127,8 +144,7 @@ class TPGatedDeltaNet(nn.Module):
         beta = beta.reshape(s, b, -1).sigmoid()
         heads_first = [t.permute(1, 2, 0, 3) for t in (q, k, v)] + [t.permute(1, 2, 0) for t in (g, beta)]  # [B, H, S, ...]
         o = context_parallel_delta_rule(*heads_first, cp, self.seq_len, cu_seqlens=None if docs is None else docs.cu_seqlens)
-        o = o.permute(2, 0, 1, 3).to(x.dtype)  # [S, B, H, dv]
+        o = o.permute(2, 0, 1, 3).to(dtype)  # [S, B, H, dv]
         if heads is not None:  # back to this rank's tokens, all heads
             o = HeadsToSeq.apply(o.index_select(0, inverse), heads)
-        o = self.norm(o) * F.silu(z.reshape(*z.shape[:2], -1, dv))
-        return self.out_proj(o.reshape(*o.shape[:2], -1))
+        return o

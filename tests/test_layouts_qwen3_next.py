@@ -2,8 +2,8 @@
 the same model under tp, cp (p2p: the linear layers pass their state along the pieces; a2a: they split
 their key heads over the ranks; a2a+p2p: both), cp 4, tp x cp, pp, ZeRO-3 (AdamW and Muon), tp under
 Muon and packed documents at cp 2 and 4: 20 fp32 steps, loss and global grad norm equal to the single
-rank's. Its MoE variant (softmax top-2 with the sigmoid-gated shared expert) under ep2, ZeRO-3 and
-tp2+SP: each of 20 steps from the single rank's state (moe_stepwise, routing flips reported), at the
+rank's. Its MoE variant (softmax top-2 with the sigmoid-gated shared expert) under ep2, ZeRO-3,
+tp2+SP, pp2 and cp2: each of 20 steps from the single rank's state (moe_stepwise, routing flips reported), at the
 suite's 1e-6.
 
 Tolerance 1e-5 (not the suite's 1e-6): under cp the delta rule's chunks are cut at the pieces' borders
@@ -44,7 +44,8 @@ LAYOUTS = {
 MOE = ("model.moe_layers_start=0", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_hidden=32",
        "model.shared_experts=1", "model.norm_topk_prob=true", "model.bias_update_rate=0.001", "model.mlp_only_layers=[2]")
 MOE_LAYOUTS = {"ep2": ["parallel.ep=2"], "zero3": ["parallel.zero=optim_grads_params"],
-               "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"]}  # the shared gate: a copy, partial grads
+               "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],  # the shared gate: a copy, partial grads
+               "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}  # the hybrid's pattern split over stages / the state pass
 MOE_TOLERANCE = 1e-6
 
 
@@ -76,7 +77,9 @@ def test_qwen3_next_packed_documents_at_cp_match_single_rank(dist_run, data, cp)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(MOE_LAYOUTS))
 def test_qwen3_next_moe_layout_matches_single_rank(dist_run, moe_reference, name):
-    root, reference = moe_reference(QWEN3_NEXT + MOE)
-    results = dist_run(2, layout_steps, "tiny-moe", list(QWEN3_NEXT + MOE) + MOE_LAYOUTS[name], root, timeout=900)
+    # the balancing loss is per micro-batch: the pipeline's (of 2 sequences) on the single rank too
+    common = QWEN3_NEXT + MOE + (("train.micro_batch=2",) if name == "pp2" else ())
+    root, reference = moe_reference(common)
+    results = dist_run(2, layout_steps, "tiny-moe", list(common) + MOE_LAYOUTS[name], root, timeout=900)
     assert_moe_steps_same(results, reference, MOE_TOLERANCE, f"qwen3_next MoE {name}")
     assert reference[-1][0] < reference[0][0]  # and it learns

@@ -28,6 +28,10 @@
 #      par's own FP8 ([train].fp8 = tensorwise, rowwise: torch._scaled_mm) against bf16 on the same GPU,
 #      RESULT gpu-1b-fp8-<recipe> lines (tokens/s, MFU against the FP8 peak). Step 1 always runs par's FP8
 #      operand and GEMM check (packages/par-tp/tests/test_gpu_fp8.py).
+#   6. where 2 or more GPUs are visible: a dp2 `[train].fault_tolerance = "replica"` run, one rank per GPU
+#      over NCCL, rank 1 SIGKILLed (the NCCL abort and the regroup), against a restart from the last
+#      checkpoint (tools/bench/bench_replica_fault.py --device cuda), RESULT gpu-replica-fault lines; with
+#      fewer GPUs one line says it needs 2.
 # Without a CUDA GPU it prints one line and exits 0. Exit status 1 if any step failed.
 # The whole check keeps to CHECK_BUDGET_S seconds (470: under 8 minutes): each step's limit is cut
 # to what is left, and a step with under 20 s left is not run (and counts as a failure).
@@ -100,6 +104,15 @@ if [ "${PAR_GPU_CHECK_FP8:-0}" = 1 ]; then
     run "1B Llama, par's FP8 ($recipe)" 100 "$PY" tools/gpu/llama_1b.py --label "gpu-1b-fp8-$recipe" --steps "$TE_STEPS" \
       --no-baseline --no-torchtitan --set "train.fp8=$recipe" "${MODEL[@]}"
   done
+fi
+
+GPUS=0
+[ "${PAR_GPU_CHECK_ON_CPU:-0}" = 1 ] || GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+if [ "$GPUS" -ge 2 ]; then
+  run "replica fault on 2 GPUs (NCCL abort and regroup)" 120 "$PY" tools/bench/bench_replica_fault.py --device cuda \
+    --steps 8 --kill-step 4 --every 2 --label gpu-replica-fault
+else
+  echo "== replica fault (NCCL abort and regroup): not run, it needs 2 GPUs ($GPUS visible)"
 fi
 
 echo "== summary"

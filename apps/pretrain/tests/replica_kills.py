@@ -8,12 +8,21 @@ from pathlib import Path
 PHASES = ("forward", "backward", "reduction", "optimizer", "save")
 
 
+def _sha256(t) -> str:
+    """A tensor's bytes' SHA-256, on any device and dtype (the benchmark runs on GPUs too)."""
+    import hashlib
+
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
@@ -22,8 +31,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
     (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
-    receives its state."""
-    import hashlib
+    receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
+    receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
+    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
     import json
     import time
 
@@ -58,12 +68,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         now["step"] = s + 1
         out = train_step(self, s)
         if s + 1 == self.cfg.train.steps:
-            state = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+            state = {name: [[t.numel() * t.element_size(), _sha256(t)]
                             for t in boxes] for name, boxes in owned_state(self.model).items()}
             Path(pid_dir, f"state_{me}.json").write_text(json.dumps(state))
-            buddy = {name: [[t.numel() * t.element_size(), hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()]
+            buddy = {name: [[t.numel() * t.element_size(), _sha256(t)]
                             for t in boxes] for name, boxes in buddy_state(self.model).items()}
             Path(pid_dir, f"buddy_{me}.json").write_text(json.dumps(buddy))
+            Path(pid_dir, f"optimizer_steps_{me}").write_text(str(self.model.dp.step_count))
         return out
 
     admit = ReplicaRun.admit
@@ -91,6 +102,18 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return gather_digests(*a, **kw)
 
     store.gather_digests = gathering
+    if stale_step:
+        from pretrain.training import replica_transfer
+
+        receive = replica_transfer.receive_state
+
+        def stale(model, source):
+            fresh = model.dp.step_count
+            out = receive(model, source)
+            model.dp.step_count = fresh
+            return out
+
+        replica_transfer.receive_state = stale
     if joiner_dies:
         from pretrain.training import replica_transfer
 

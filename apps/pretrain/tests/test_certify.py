@@ -46,6 +46,15 @@ QWEN3_NEXT_CONFIGS = {  # opt-in, as its layout tests: the default tier has its 
     "qwen3-next-tp2-dp2-sp": (None, QWEN3_NEXT + ["parallel.tp=2"]),
     "qwen3-next-moe-ep2-dp2": ("tiny-moe", QWEN3_NEXT + ["parallel.ep=2", "model.moe_layers_start=0",
                                                         "model.num_experts=4", "model.bias_update_rate=0.001"]),
+    # the linear layers' state pass (p2p, cp 2 and 4), their key heads over the ranks (a2a), pp, ZeRO-3, and
+    # packed documents (the embedded data's) resetting the state and the conv at each start under cp
+    "qwen3-next-cp2-dp2-p2p": (None, QWEN3_NEXT + ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
+    "qwen3-next-cp2-dp2-a2a": (None, QWEN3_NEXT + ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
+    "qwen3-next-cp4-p2p": (None, QWEN3_NEXT + ["parallel.cp=4"]),
+    "qwen3-next-pp2-dp2": (None, QWEN3_NEXT + ["parallel.pp=2"]),
+    "qwen3-next-dp4-zero3": (None, QWEN3_NEXT + ["parallel.zero=optim_grads_params"]),
+    "qwen3-next-cp2-dp2-packed": (None, QWEN3_NEXT + ["parallel.cp=2", "data.document_mask=true",
+                                                      "data.reset_position_ids=true", "data.eod_mask_loss=true"]),
 }
 
 

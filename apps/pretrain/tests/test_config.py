@@ -10,14 +10,17 @@ from pretrain.config import Config, builtin_configs, load_config, parse_override
 from pretrain.errors import UsageError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# shipped: the package's configs/ and each family folder's models/<family>/configs/
+SHIPPED = [*CONFIG_DIR.glob("*.toml"), *CONFIG_DIR.resolve().parent.glob("models/*/configs/*.toml")]
 
 
 def test_shipped_configs_are_the_package_configs_and_all_load():
-    assert sorted(p.name for p in CONFIG_DIR.glob("*.toml")) == builtin_configs() == [
+    assert sorted(p.name for p in SHIPPED) == builtin_configs() == [
         "deepseek-v3.toml", "gpt-oss-120b.toml", "llama3-405b.toml", "llama3-70b.toml", "llama3-8b.toml", "llama3.2-1b.toml",
         "qwen3-next-80b-a3b.toml", "tiny-moe.toml", "tiny.toml"]
-    for name in builtin_configs():
-        cfg = load_config(str(CONFIG_DIR / name))
+    for path in SHIPPED:
+        cfg = load_config(str(path))
+        assert cfg == load_config(path.name[:-5])  # by its bare name too
         cfg.validate_world(cfg.train.nproc)
     assert load_config(None) == load_config(str(CONFIG_DIR / "tiny.toml"))
     assert load_config("tiny-moe").model.is_moe

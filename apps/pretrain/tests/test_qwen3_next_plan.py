@@ -60,3 +60,51 @@ def test_simulate_measures_the_planned_activations():  # (test_gdn_context_paral
         "parallel.cp=2", "train.global_batch=2", "train.seq_len=1024"])
     (rank,) = simulate(cfg, 4, [1])["ranks"]
     assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10)
+
+
+@pytest.mark.parametrize("cp, kind", [(2, "p2p"), (4, "p2p"), (4, "allgather"), (2, "a2a")])
+def test_auto_cost_model_counts_the_linear_layers_declared_cp_bytes(cp, kind):
+    """``plan --auto``'s estimate of a layout (``search.best_variant``'s workload): under CP only the
+    full-attention layers move K and V; the linear layers send what the family declares (the state pass
+    and the conv's halo along the ring, or the all-to-all of their heads' inputs and outputs)."""
+    from pretrain.config import load_config
+    from pretrain.models import family_of
+    from pretrain.planner.estimate import Shape, sizes
+    from pretrain.planner.search import light_layout
+    from pretrain.runtime.rank_assignment import workload
+    from par_groups.topology import bytes_per_step
+
+    cfg = load_config(None, [q for q in Q if q != "--set"] + [f"parallel.cp_comm_type={kind}", "train.seq_len=512"])
+    m, mb, microbatches = cfg.model, 2, 4
+    shape = Shape(cp, tp=1, cp=cp, pp=1, ep=1, etp=1)
+    layout = light_layout(shape, mb, microbatches)
+    sent = bytes_per_step(sizes(shape), workload(cfg, layout))["cp"]
+    declared = family_of(m).recurrent_state(m, layout, mb, 2, kind)
+    full, linear, tokens = m.layers - declared["linear_layers"], declared["linear_layers"], 512 // cp * mb
+    kv = tokens * m.hidden * 2  # the K/V model's one [S/cp, B, hidden] bf16 activation
+    if kind == "a2a":
+        want = microbatches * (full * 8 * (cp - 1) / cp * kv + linear * tokens * declared["cp_a2a_bytes_per_token"])
+    else:
+        want = microbatches * full * {"p2p": 6, "allgather": 4}[kind] * (cp - 1) * kv + declared["cp_bytes_per_step"]
+    assert declared["cp_bytes_per_step"] > 0 if kind != "a2a" else declared["cp_a2a_bytes_per_token"] > 0
+    assert sent == pytest.approx(want, rel=1e-12), (sent, want)
+
+
+def test_rank_assignment_cost_counts_the_declared_bytes_at_each_hcp_level():
+    """a2a+p2p (hcp [2, 2]) on a run's own grid: the inner all-to-all carries the linear layers' heads, the
+    outer ring their state pass, beside the full-attention layers' K and V."""
+    from pretrain.config import load_config
+    from pretrain.models import family_of
+    from pretrain.runtime.rank_assignment import workload
+    from par_groups.topology import bytes_per_step
+
+    cfg = load_config(None, [q for q in Q if q != "--set"] + ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                                                              "parallel.hcp=[2,2]", "train.seq_len=512"])
+    m, layout = cfg.model, cfg.validate_world(4)
+    sent = bytes_per_step(layout.grid, workload(cfg, layout))
+    declared = family_of(m).recurrent_state(m, layout, layout.micro_batch, 2, "a2a+p2p")
+    full, linear, tokens = m.layers - declared["linear_layers"], declared["linear_layers"], 512 // 4 * layout.micro_batch
+    kv, n = tokens * m.hidden * 2, layout.microbatches
+    assert declared["cp_bytes_per_step"] > 0 and declared["cp_a2a_bytes_per_token"] > 0
+    assert sent["hcp0"] == pytest.approx(n * (full * 8 / 2 * kv + linear * tokens * declared["cp_a2a_bytes_per_token"]))
+    assert sent["hcp1"] == pytest.approx(n * full * 6 * kv + declared["cp_bytes_per_step"])

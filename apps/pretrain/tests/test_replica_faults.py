@@ -63,7 +63,9 @@ def _reference(dp: int, root: str, tp: int = 1, layout: tuple = ()) -> dict[int,
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reference"))
-    return lambda dp, tp=1, layout=(): _reference(dp, root, tp, layout)
+    curve = lambda dp, tp=1, layout=(): _reference(dp, root, tp, layout)  # noqa: E731
+    curve.root = Path(root)  # each uninterrupted run's folder: ref<dp>x<tp>-<layout> (its log and checkpoints)
+    return curve
 
 
 def _alive(pid: int) -> bool:
@@ -76,17 +78,17 @@ def _alive(pid: int) -> bool:
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
-                     shard: int = 1, reference_layout: tuple | None = None) -> list[dict]:
+                     shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
     ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
     piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
-    per replica (HSDP)."""
+    per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count."""
     import replica_kills
 
     pids = tmp / "pids"
     pids.mkdir()
     entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also,
-                              admit_before=admit_before)
+                              admit_before=admit_before, stale_step=stale_step)
     respawn = respawn or bool(admit_before)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
@@ -133,6 +135,9 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
             else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
                 assert states[r] == states[r - replica_of(r) * shard * tp], r
         assert states[0], "no owned pieces"
+        # the joiner's optimizer counts the steps the live replicas count (AdamW's bias correction)
+        counts = [int((pids / f"optimizer_steps_{r}").read_text()) for r in range(world)]
+        assert counts == [4] * world, counts
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
         plan = runner.invoke(app, ["plan", "--world", str(world), "--json",
                                    *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])
@@ -382,3 +387,54 @@ def test_a_generation_over_a_used_store_prefix_is_refused():
     _fresh_prefix(store, 2, 2)  # the next generation: a fresh prefix
     with pytest.raises(RuntimeError, match="was used before"):
         _fresh_prefix(store, 1, 2)  # a two-member generation numbered as the previous one
+
+
+def _resume(ck: Path, root: Path, layout: tuple, steps: int = 6) -> dict[int, tuple[float, float]]:
+    """Steps 5.. of a resume from a copy of the checkpoints ``ck`` under ``layout`` (dp, tp), global batch 4."""
+    import shutil
+
+    dp, tp = layout
+    shutil.copytree(ck, root / "ck")
+    res = _run(root, dp, "--set", f"train.steps={steps}", "--set", "checkpoint.resume=true",
+               "--set", "train.global_batch=4", tp=tp)
+    assert res.exit_code == 0, res.output
+    return _curve(root / "log")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_the_final_checkpoint_of_a_fault_run_resumes_bitwise_and_under_another_layout(tmp_path, reference, fault_ranks):
+    """dp2, a replica killed in its forward and its replacement rejoined: the run's final checkpoint is the
+    uninterrupted run's, bitwise (each layout resumes both into the same steps, ``==``), at dp2 and under dp1 and
+    tp2; and under each the continuation is the uninterrupted run's at the suite's fp32 rule."""
+    (tmp_path / "fault").mkdir()
+    _check_fault_run(tmp_path / "fault", 2, 1, 2, "forward", reference, admit_before=4)
+    uninterrupted = reference.root / "ref2x1-" / "ck"
+    assert (uninterrupted / "latest").read_text().strip() == (tmp_path / "fault" / "ck" / "latest").read_text().strip()
+    curves = {}
+    for layout in ((2, 1), (1, 1), (1, 2)):
+        name = f"dp{layout[0]}xtp{layout[1]}"
+        curves[layout] = _resume(tmp_path / "fault" / "ck", tmp_path / f"fault-{name}", layout)
+        assert sorted(curves[layout]) == [5, 6], curves[layout]
+        assert curves[layout] == _resume(uninterrupted, tmp_path / f"uninterrupted-{name}", layout), name
+    for layout, curve in curves.items():
+        for s, (loss, norm) in curves[(2, 1)].items():
+            assert math.isclose(curve[s][0], loss, rel_tol=1e-6) and math.isclose(curve[s][1], norm, rel_tol=1e-6), \
+                (layout, s, curve[s], (loss, norm))
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_joiner_with_a_stale_optimizer_step_count_is_caught_by_the_curve(tmp_path, reference, fault_ranks):
+    """The planted bug "a joiner with a stale optimizer step count": a replacement that rejoins before step 3 with
+    its fresh step count (AdamW's bias correction of its first step, not the third) steps its replica's
+    weights differently, and step 4's loss is no longer the uninterrupted run's. Without the bug the
+    same run passes, its joiner's count equal to the live replica's (``_check_fault_run``)."""
+    (tmp_path / "stale").mkdir(), (tmp_path / "fixed").mkdir()
+    with pytest.raises(AssertionError) as caught:
+        _check_fault_run(tmp_path / "stale", 2, 1, 2, "forward", reference, admit_before=3, stale_step=True)
+    got, expected = _curve(tmp_path / "stale" / "log"), reference(2)
+    assert math.isclose(got[3][0], expected[3][0], rel_tol=1e-6), (got, expected)
+    assert not math.isclose(got[4][0], expected[4][0], rel_tol=1e-6), (got, expected)
+    assert "(4, " in str(caught.value), caught.value  # the curve's check at step 4 failed first
+    _check_fault_run(tmp_path / "fixed", 2, 1, 2, "forward", reference, admit_before=3)

@@ -264,3 +264,21 @@ def test_deepseek_v3_on_2048_fits_with_its_policy_and_simulates_as_planned():
     assert chosen["peak_gb"]["optim"] <= chosen["budget_gb"] < bare["peak_gb"]["optim"]
     for rank in simulate(cfg, 2048, [])["ranks"]:
         assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10), rank["stage"]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)  # a llama3-70b rank built on fake tensors: about a minute on 2 cores
+def test_a_joiners_bytes_sent_through_the_counted_layer_are_the_plans_at_llama3_70b_world_1024():
+    """``[train].fault_tolerance = "replica"``: the bytes the replica transfer's own code sends a joiner (every
+    piece the rank owns, one rank of world 1024 on fake tensors and torch's fake process group, counted by
+    ``par_groups.comm``) equal ``plan``'s ``fault_tolerance.joiner_bytes`` for the same config."""
+    import json
+
+    from pretrain.simulate.joiner import joiner_bytes_sent
+
+    sets = ["train.fault_tolerance=replica", "checkpoint.async_save=false", "parallel.zero=no_shard"]
+    res = runner.invoke(app, ["plan", "llama3-70b", "--world", "1024", "--json",
+                              *(a for s in sets for a in ("--set", s))])
+    assert res.exit_code == 0, res.output
+    planned = json.loads(res.stdout)["fault_tolerance"]["joiner_bytes"]
+    assert joiner_bytes_sent(load_config("llama3-70b", sets), 1024, 0) == planned > 100e9, planned

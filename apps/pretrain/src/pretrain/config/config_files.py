@@ -12,17 +12,32 @@ except ImportError:  # Python < 3.11
     import tomli
 
 from ..errors import UsageError
+from ..models import FOLDERS
 
 DEFAULT_CONFIG = "tiny.toml"
 
 
+def _shipped() -> dict[str, tuple[str, object]]:
+    """Every shipped config by file name, with its folder: ``configs/`` and each family's ``models/<family>/configs/``."""
+    found: dict[str, tuple[str, object]] = {}
+    for where in ["configs", *(f"models/{folder}/configs" for folder in FOLDERS)]:
+        folder = resources.files("pretrain").joinpath(*where.split("/"))
+        for ref in sorted(folder.iterdir() if folder.is_dir() else (), key=lambda r: r.name):
+            if ref.name.endswith(".toml"):
+                if ref.name in found:
+                    raise UsageError(f"shipped config {ref.name} is in both pretrain/{found[ref.name][0]}/ and "
+                                     f"pretrain/{where}/: shipped config names must be unique; rename one")
+                found[ref.name] = (where, ref)
+    return found
+
+
 def builtin_config_path(name: str):
     """A config shipped inside the package (``tiny.toml``, ``tiny-moe.toml``, ``llama3-8b.toml`` ...)."""
-    return resources.files("pretrain") / "configs" / name
+    return _shipped()[name][1]
 
 
 def builtin_configs() -> list[str]:
-    return sorted(p.name for p in (resources.files("pretrain") / "configs").iterdir() if p.name.endswith(".toml"))
+    return sorted(_shipped())
 
 
 MAX_CONFIG_BYTES = 4 << 20  # far above any real config; a larger file is not one (and would take long to parse)

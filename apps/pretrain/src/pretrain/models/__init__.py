@@ -1,24 +1,26 @@
-"""Model families: one folder each (``models/<family>/``) and one line in :data:`FAMILIES` below.
+"""Model families: one folder each (``models/<family>/``) and one line in :data:`FOLDERS` below.
 
 A family declares its attention once (``family.py``'s :class:`Family`): config keys and checks,
 tensor shapes and placements, modules, sizing, certify narrowing, Hugging Face mapping and the
-features it runs. The rest of the app asks :func:`family_of` instead of comparing names.
+features it runs; its shipped configs are its folder's ``configs/*.toml``. The rest of the app asks
+:func:`family_of` instead of comparing names.
 """
 
 from __future__ import annotations
 
-from .family import Family
-from .deepseek import FAMILY as DEEPSEEK
-from .gqa import FAMILY as GQA
-from .qwen3_next import FAMILY as QWEN3_NEXT
-from .gpt_oss import FAMILY as GPT_OSS
+from importlib import import_module
 
-FAMILIES: tuple[Family, ...] = (
-    GQA,
-    DEEPSEEK,
-    QWEN3_NEXT,
-    GPT_OSS,
+from .family import Family
+
+# the registry: each family's folder, one a line, in the order the app lists them
+FOLDERS: tuple[str, ...] = (
+    "gqa",
+    "deepseek",
+    "qwen3_next",
+    "gpt_oss",
 )
+
+FAMILIES: tuple[Family, ...] = tuple(import_module(f"{__name__}.{folder}").FAMILY for folder in FOLDERS)
 
 ATTENTIONS = tuple(f.attention for f in FAMILIES)
 _BY_ATTENTION = {f.attention: f for f in FAMILIES}

@@ -9,8 +9,8 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
   layer's own extra tensors: :meth:`moe_shapes`, built by :meth:`build_moe`),
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
-* sizing: the attention's FLOP widths and activation bytes (:meth:`value_width`,
-  :meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
+* sizing: the attention's FLOP widths and core FLOPs (:meth:`value_width`, :meth:`core_flops_per_token`),
+  activation bytes (:meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
 * certify: how its widths narrow (:meth:`narrowing`) and how many layers keep every kind (:meth:`layer_period`);
 * Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
   ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
@@ -78,6 +78,12 @@ class Family:
         from par_moe import MoELayer
 
         return MoELayer(moe_config, *args, **kwargs)
+
+    def core_flops_per_token(self, m, seq_len: int) -> float:
+        """Per token, every layer together, forward + backward: the attention's matmuls between activations
+        (its weights' are counted from the shapes): causal softmax attention's scores over the query/key width
+        and values over the value width, half of the full square."""
+        return 3.0 * m.layers * seq_len * m.heads * (m.qk_head_dim + self.value_width(m))
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token: what the attention keeps for backward (``sizing.activations``)."""

@@ -153,8 +153,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         microbatches = per_rank // mb
         if s.schedule == "interleaved" and microbatches % s.pp:
             continue
-        work = workload(cfg, SimpleNamespace(micro_batch=mb, microbatches=microbatches))
         layout = light_layout(s, mb, microbatches)
+        work = workload(cfg, layout)
         fitting: dict = {}  # recompute -> the ZeRO strategies it fits without offload
         for recompute, offload in policy:
             # an offload only adds host time: it matters where the same recompute alone does not fit

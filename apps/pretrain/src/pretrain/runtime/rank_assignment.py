@@ -57,14 +57,32 @@ class RunAssignment:
 
 
 def workload(cfg, layout) -> Workload:
-    """What one step of this config moves, for the rank-assignment cost model."""
+    """What one step of this config moves, for the rank-assignment cost model (and ``plan --auto``'s)."""
     m, t = cfg.model, cfg.train
     cp_comm = cfg.parallel.cp_comm_type if cfg.parallel.cp_comm_type in ("p2p", "a2a", "allgather") else "p2p"
+    pb = 4 if t.dtype == "fp32" else 2
     return Workload(hidden=m.hidden, ffn_hidden=m.ffn_hidden, layers=m.layers, seq_len=t.seq_len,
                     micro_batch=layout.micro_batch, microbatches=layout.microbatches, vocab=m.vocab_size,
                     moe_layers=m.num_moe_layers, experts=m.num_experts or None, topk=max(1, m.top_k),
                     expert_ffn_hidden=m.expert_ffn_hidden if m.is_moe else None,
-                    cp_comm=cp_comm, act_bytes=4 if t.dtype == "fp32" else 2)
+                    cp_comm=cp_comm, act_bytes=pb, **recurrent_cp(cfg, layout, pb, cp_comm))
+
+
+def recurrent_cp(cfg, layout, pb: int, cp_comm: str) -> dict:
+    """A hybrid's CP traffic as its family declares it (``Family.recurrent_state``): its full-attention
+    layers move K and V, its recurrent layers their states (the ring kinds) or their heads' inputs and
+    outputs (the all-to-alls), per micro-batch; empty for a family without recurrent layers."""
+    from ..models import family_of
+
+    m = cfg.model
+    kind = cfg.parallel.cp_comm_type if getattr(layout, "hcp", ()) else cp_comm  # the grid's levels decide
+    declared = family_of(m).recurrent_state(m, layout, layout.micro_batch, pb, kind)
+    if not declared or layout.cp == 1:
+        return {}
+    linear, tokens = declared["linear_layers"], cfg.train.seq_len // layout.cp * layout.micro_batch
+    return {"cp_kv_layers": m.layers - linear,
+            "cp_state_bytes": (declared["cp_state_bytes_per_layer"] + declared["cp_halo_bytes_per_layer"]) * linear,
+            "cp_a2a_bytes": declared["cp_a2a_bytes_per_token"] * tokens * linear}
 
 
 def described_topology(cfg, world: int) -> Topology | None:

@@ -9,7 +9,9 @@ FLOPs count matmuls only, 2 per multiply-add, forward + backward = 3 x forward, 
 excluded (model FLOPs, as MFU wants): 6 x (active matmul params) per token, plus causal attention
 scores and values, 6 x seq_len x h per layer per token (half of the full 12 x s x h: causal
 attention skips the masked half; with MLA 3 x s x heads x (qk_head_dim + v_head_dim)). Latent
-attention (MLA) counts DeepSeek's projections (models/deepseek); the MTP modules are counted apart.
+attention (MLA) counts DeepSeek's projections (models/deepseek); the MTP modules are counted apart. The
+attention core's FLOPs are the family's (``Family.core_flops_per_token``: a hybrid's linear layers run the
+chunked delta rule, linear in seq_len).
 
 The first pipeline stage holds the most micro-batches in flight: 1 without pp, M for GPipe, pp
 for 1F1B and zero-bubble, pp + (pp-1)/vpp for interleaved (Korthikanti et al.'s L(1 + (p-1)/(pm))),
@@ -115,8 +117,7 @@ def matmul_params_per_token(m: ModelConfig) -> int:
 
 def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Model FLOPs (forward + backward, no recomputation) per trained token."""
-    v_width = family_of(m).value_width(m)  # scores over qk, values over v
-    return 6.0 * matmul_params_per_token(m) + 3.0 * m.layers * seq_len * m.heads * (m.qk_head_dim + v_width)
+    return 6.0 * matmul_params_per_token(m) + family_of(m).core_flops_per_token(m, seq_len)
 
 
 def training_flops_per_step(m: ModelConfig, seq_len: int, global_batch: int) -> float:

@@ -23,10 +23,13 @@ from .owned_state import owned_state
 DIGEST = 32  # SHA-256 bytes
 
 
-def _pieces(model) -> list[tuple[str, torch.Tensor]]:
+def _owned(model) -> list[tuple[str, torch.Tensor]]:
     state = owned_state(model)
-    out = [(f"{name}#{i}", t) for name in sorted(state) for i, t in enumerate(state[name])]
-    return out + [("rng/cpu", torch.get_rng_state())]
+    return [(f"{name}#{i}", t) for name in sorted(state) for i, t in enumerate(state[name])]
+
+
+def _pieces(model) -> list[tuple[str, torch.Tensor]]:
+    return _owned(model) + [("rng/cpu", torch.get_rng_state())]
 
 
 def _digest(name: str, t: torch.Tensor) -> bytes:
@@ -53,6 +56,12 @@ def send_state(model, joiner: int, step: int) -> int:
     _batch([(dist.isend, meta), (dist.isend, digests), (dist.isend, torch.tensor(list(scalars), dtype=torch.uint8))]
            + [(dist.isend, t) for t in bufs], joiner)
     return int(meta[1:].sum())
+
+
+def send_owned(model, joiner: int) -> None:
+    """Send the owned pieces alone, as :func:`send_state` sends them (no RNG, digests or scalars): what
+    ``plan`` counts a joiner receiving, sent by ``--simulate``'s fake rank through the counted layer."""
+    _batch([(dist.isend, t.detach().contiguous()) for _, t in _owned(model)], joiner)
 
 
 @torch.no_grad()

@@ -50,6 +50,11 @@ class Workload:
     cp_comm: str = "p2p"
     act_bytes: int = 2
     grad_bytes: int = 4
+    # Hybrid models: the layers whose CP moves K and V (None: every layer); per micro-batch, the whole model,
+    # what one rank of the other (recurrent) layers sends along a CP ring (their states) and in all-to-alls
+    cp_kv_layers: int | None = None
+    cp_state_bytes: float = 0.0
+    cp_a2a_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         sizes = {k: getattr(self, k) for k in ("hidden", "layers", "seq_len", "micro_batch", "microbatches",
@@ -94,6 +99,7 @@ def bytes_per_step(grid: RankGrid, work: Workload) -> dict[str, float]:
     if t > 1:  # 2 all-reduces (or AG + RS with SP) forward, 2 backward, per layer
         out["tp"] = m * per_stage * 4 * 2 * _ring(t) * act
     kv = act / t  # one rank's K or V shard after TP splits the heads
+    kv_per_stage = (w.layers if w.cp_kv_layers is None else w.cp_kv_layers) / pp
     cp_levels: list[tuple[str, int, str]] = []
     if grid.hcp:
         cp_levels = [(f"hcp{i}", n, "a2a" if i == 0 else "p2p") for i, n in enumerate(grid.hcp)]
@@ -103,11 +109,13 @@ def bytes_per_step(grid: RankGrid, work: Workload) -> dict[str, float]:
         if n < 2:
             continue
         if kind == "a2a":  # q, k, v in and the output back, forward and backward
-            out[name] = m * per_stage * 8 * _ring(n) * kv
+            out[name] = m * kv_per_stage * 8 * _ring(n) * kv + m * w.cp_a2a_bytes / pp
         elif kind == "p2p":  # K, V around the ring forward; K, V and dK, dV backward
-            out[name] = m * per_stage * 6 * (n - 1) * kv
+            out[name] = m * kv_per_stage * 6 * (n - 1) * kv
         else:  # all-gather K, V forward, reduce-scatter dK, dV backward
-            out[name] = m * per_stage * 4 * (n - 1) * kv
+            out[name] = m * kv_per_stage * 4 * (n - 1) * kv
+        if kind != "a2a" and name in ("cp", "hcp1"):  # the recurrent layers' states pass along the (outer) ring
+            out[name] += m * w.cp_state_bytes / pp
     routed = w.topk * act / t  # tokens this rank dispatches (SP splits them over tp)
     if grid.ep > 1 and moe_per_stage:  # dispatch + combine, forward and backward
         out["ep"] = m * moe_per_stage * 4 * _ring(grid.ep) * routed

@@ -110,6 +110,14 @@ class Qwen3Next(Family):
         full = sum(is_full_attention(m, i) for i in range(m.layers)) / m.layers
         return full, 1 - full
 
+    def core_flops_per_token(self, m, seq_len: int) -> float:
+        """The full-attention layers' causal softmax attention; the linear layers' chunked delta rule
+        (``flops.py``)."""
+        from .flops import linear_core_flops
+
+        full = sum(is_full_attention(m, i) for i in range(m.layers))
+        return 3.0 * full * seq_len * m.heads * 2 * m.head_dim + (m.layers - full) * linear_core_flops(m, seq_len)
+
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token, averaged over the layer pattern: the full layers' gathered input, q (with its gate), k,
         v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (the chunked rule's

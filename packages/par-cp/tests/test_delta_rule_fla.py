@@ -66,8 +66,9 @@ def _kernel_signature():
 
 def _fla_recurrent(q, k, v, g, beta, s0):
     """fla's token-by-token reference, in par's ``[B, H, T, D]`` layout; q comes scaled, so scale 1."""
-    o, s = _naive().naive_recurrent_gated_delta_rule(*(x.transpose(1, 2) for x in (q, k, v)), beta=beta.transpose(1, 2),
-                                            g=g.transpose(1, 2), scale=1.0, initial_state=s0, output_final_state=True)
+    q, k, v, g, beta = (x.transpose(1, 2) for x in (q, k, v, g, beta))
+    o, s = _naive().naive_recurrent_gated_delta_rule(q, k, v, beta=beta, g=g, scale=1.0, initial_state=s0,
+                                                     output_final_state=True)  # its order: beta before g
     return o.transpose(1, 2), s
 
 

@@ -32,6 +32,11 @@ WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidd
 # single rank can take the dp ranks' micro-batches for one or the other, so the MoE runs leave the loss out
 MOE = ("model.aux_loss_coeff=0",)
 MX = ("model.kv_heads=8",)  # 8 x 8 / tp2 = 32: one MXFP8 block per tp rank
+# DeepSeek-V3's attention and multi-token prediction (tests/test_layouts_mla_mtp.py's model): MLA's
+# down-projections and MTP's eh_proj are replicated nn.Linears, their tokens reduced over tp under SP
+MLA_MTP = ("model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+           "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=1",
+           "model.mtp_loss_weight=0.5")
 
 LAYOUT_ONLY = ("train.fp8_param_gather",)  # train keys of the layout, not of the single rank's run
 
@@ -56,6 +61,15 @@ EXTENDED = {
     # the experts' grouped GEMMs in FP8 too, each source rank's rows apart (tests/test_fp8_experts.py)
     "rowwise-moe-ep2-dp4": ("rowwise", ["parallel.ep=2"], MOE, "tiny-moe"),
     "blockwise-moe-ep2-dp4": ("blockwise", ["parallel.ep=2"], MOE, "tiny-moe"),
+    # the rest of the layout matrix (tests/test_layouts_train_same_model.py): tp4, hierarchical CP, the
+    # DualPipeV schedule under ZeRO-3, torch's FSDP2, and MLA + MTP under tp2 with SP
+    "rowwise-tp4": ("rowwise", ["parallel.tp=4"], ()),
+    "tensorwise-cp4-a2a+p2p-hcp2x2": ("tensorwise", ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                                                     "parallel.hcp=[2,2]"], ()),
+    "rowwise-pp2-dp2-dualpipev-zero3": ("rowwise", ["parallel.pp=2", "parallel.schedule=dualpipev",
+                                                    "parallel.zero=optim_grads_params"], ("model.layers=4",)),
+    "tensorwise-dp4-torch_fsdp2": ("tensorwise", ["parallel.zero=torch_fsdp2"], ()),
+    "rowwise-mla-mtp-tp2-dp2-sp": ("rowwise", ["parallel.tp=2"], MLA_MTP),
 }
 
 

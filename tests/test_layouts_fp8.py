@@ -89,8 +89,8 @@ def train_and_wiring(config, overrides, steps: int = STEPS):
     for chunk in trainer.model.chunks.values():
         for name, m in chunk.named_modules():
             if name.endswith((".wk", ".wv")):  # KV projections (nn.Linear): this rank's kv heads, rows over tp
-                s = m.fp8_kernel.sharding
-                wiring[name] = s.tokens == (g.cp,) and s.in_features == () and s.out_features == (g.tp,)
+                s = getattr(getattr(m, "fp8_kernel", None), "sharding", None)  # none with fp8 off
+                wiring[name] = s is not None and s.tokens == (g.cp,) and s.in_features == () and s.out_features == (g.tp,)
                 continue
             if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 continue
@@ -141,6 +141,17 @@ def test_fp8_wiring(dist_run):
     for rank, (losses, _, wiring) in enumerate(results):
         assert len(wiring) >= 5 and all(wiring.values()), (rank, wiring)
         assert 0 < losses[0] < 10
+
+
+def test_fp8_on_and_off_are_distinguishable(dist_run):
+    """A run with FP8 on is not the high-precision run (FP8 is applied, not only wired): every recipe's
+    step-0 loss and grad norm differ from fp8=off's, and from each other's (each quantizes its own way).
+    (tests/test_fp8_bytes_pipeline.py and packages/par-tp/tests/test_fp8_bytes.py show every recipe's operands.)"""
+    runs = {recipe: dist_run(1, train_and_wiring, None, ["model.layers=2", f"train.fp8={recipe}"], steps=1,
+                             timeout=300)[0][:2]
+            for recipe in ("off", "tensorwise", "rowwise")}
+    seen = [(loss[0], norm[0]) for loss, norm in runs.values()]
+    assert len({loss for loss, _ in seen}) == len({norm for _, norm in seen}) == len(runs), runs
 
 
 @pytest.mark.extended

@@ -13,6 +13,8 @@ not divide the KV heads.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from par_tp.fp8 import RECIPES
 
 from ..model.shapes import full_shapes
@@ -22,6 +24,7 @@ ROW_PARALLEL = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 COLUMN_MLP = ("gate_proj.weight", "up_proj.weight")
 
 
+@lru_cache(maxsize=64)  # --auto asks once per shape
 def fp8_weight_rows(m, tp: int) -> dict[str, int]:
     """{full (Hugging Face) name: rows on one tp rank} of each weight the FP8 parameter gather shards."""
     family = family_of(m)

@@ -20,9 +20,11 @@ difference of large terms, where one flipped FP8 value moves it by percents. Dee
 layers has such steps (measured, rowwise, one rank: micro-batches of 4 instead of 2 move step 10's grad
 norm by 14 %, and FP8 off moves step 5's by 25 %), so the maximum over 20 steps is one sensitive step's,
 and 4x of it would accept a wrong layout at every other step. The single rank's drift must therefore lie
-within MEANINGFUL (a few 1e-2 in the grad norm, as every layout's here) and above 0 (a rounding change that
+within MEANINGFUL (up to 1e-1 in the grad norm; every case's here is below 5e-2) and above 0 (a rounding change that
 changes nothing measures nothing); MLA + MTP is compared at 2 layers (measured drift 4.6e-4 / 1.7e-2), and
-its operands bytewise under pp2 (tests/test_fp8_bytes_pipeline.py).
+its operands bytewise under pp2 (tests/test_fp8_bytes_pipeline.py). The same held of the blockwise case's
+4x wider model at the tiny model's learning rate: its own drift was 40 % in the grad norm (4x of it passed
+anything); it trains at a width-scaled one.
 
 The 20-step runs are in the extended tier (each is seconds of 4 ranks); the default tier checks the
 wiring (which scale groups each linear gets: what the bytes tests prove right), which
@@ -36,7 +38,10 @@ import pytest
 from layout_runs import NOISE_MARGIN, STEPS, max_errors, noise_micro_batches, single_rank
 
 TWO_LAYERS = ("model.layers=2",)
-WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidden=256")  # 128 per tp rank
+# 128 per tp rank; at the tiny model's learning rate the 4x wider model spikes (its own drift 40 % in the
+# grad norm, 3.7 % in the loss: no tolerance), at a width-scaled one it trains calmly (2.7e-3)
+WIDE = ("model.hidden=256", "model.heads=8", "model.kv_heads=8", "model.ffn_hidden=256", "train.lr=5e-4",
+        "train.min_lr=5e-5")
 # the balancing loss counts over the global micro-batch (every dp rank's), FP8 scales over one dp rank's: a
 # single rank can take the dp ranks' micro-batches for one or the other, so the MoE runs leave the loss out
 MOE = ("model.aux_loss_coeff=0",)
@@ -47,8 +52,9 @@ MLA_MTP = ("model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "m
            "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=1",
            "model.mtp_loss_weight=0.5")
 
-# the largest own drift (loss, grad norm) of the single rank that still makes a tolerance (module docstring)
-MEANINGFUL = (2e-3, 5e-2)
+# the largest own drift (loss, grad norm) of the single rank that still makes a tolerance (module docstring);
+# measured, every case's lies within 4.7e-4 / 4.7e-2 (the MoE's grad norm)
+MEANINGFUL = (2e-3, 1e-1)
 
 LAYOUT_ONLY = ("train.fp8_param_gather",)  # train keys of the layout, not of the single rank's run
 

@@ -111,8 +111,8 @@ def test_auto_searches_zero3_with_the_fp8_gather_and_counts_its_bytes():
 
 
 def test_fp8_gather_rows_are_the_trainers_and_auto_skips_the_layouts_it_refuses():
-    """The FP8 parameter gather's rows per tp rank in closed form are the built model's (the same weights,
-    none missing), checked against model/fp8_gather.py on one rank of the tiny model; --auto never proposes
+    """The FP8 parameter gather's rows per tp rank in closed form (the built models' rows: tests/
+    test_fp8_param_gather_trainer.py::test_plans_weight_rows_are_the_built_models_extended); --auto never proposes
     a layout whose weights do not split into whole 128-row blocks over ZeRO-3's ranks, nor one whose
     blockwise tiles straddle tp ranks (both refused by the trainer)."""
     from pretrain.sizing.fp8_gather_rows import fp8_gather_misfit, fp8_weight_rows

@@ -155,3 +155,39 @@ def test_blockwise_shard_of_partial_blocks_is_refused(dist_run):
     for message in dist_run(2, refused_job, timeout=120):
         assert message is not None and "fp8_param_gather=true" in message and "128-row blocks" in message, message
         assert "\n" not in message
+
+
+def weight_rows_job(config, overrides):
+    """On this rank: the rows of each weight the FP8 gather shards (model/fp8_gather.py, the built model)
+    and the plan's closed form for them (sizing/fp8_gather_rows.py), as multisets."""
+    from collections import Counter
+
+    from pretrain.config import load_config
+    from pretrain.model.fp8_gather import _fp8_weights
+    from pretrain.sizing.fp8_gather_rows import fp8_weight_rows
+    from pretrain.training.train_loop import Trainer
+
+    cfg = load_config(config, ["model.layers=2", "train.fp8=tensorwise"] + overrides)
+    built = Counter(w.shape[0] for c in Trainer(cfg).model.chunks.values() for _, w, _ in _fp8_weights(c))
+    return built, Counter(fp8_weight_rows(cfg.model, cfg.parallel.tp).values())
+
+
+MLA_MTP = ["model.attention=mla", "model.kv_heads=8", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+           "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=1"]
+ROWS = {  # (config, overrides, world): GQA with split and unsplit KV heads, MLA + MTP, shared experts, GDN
+    "gqa-tp2": ("tiny", ["parallel.tp=2"], 2),
+    "gqa-tp2-one-kv-head": ("tiny", ["parallel.tp=2", "model.kv_heads=1"], 2),
+    "mla-mtp-tp2": (None, ["parallel.tp=2"] + MLA_MTP, 2),
+    "moe-shared-experts": ("tiny-moe", ["model.shared_experts=1", "model.moe_layers_start=1"], 1),
+    "qwen3_next": ("tiny", ["model.layers=4", "model.attention=qwen3_next"], 1),
+}
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", list(ROWS))
+def test_plans_weight_rows_are_the_built_models_extended(dist_run, name):
+    """`plan` and `--auto` refuse a layout by the rows the FP8 gather would shard (planner/costs.py,
+    planner/search.py): those rows, in closed form, are the built model's on every tp rank, every weight."""
+    config, overrides, world = ROWS[name]
+    for built, closed in dist_run(world, weight_rows_job, config, overrides, timeout=300):
+        assert built == closed and built, (name, sorted(built.items()), sorted(closed.items()))

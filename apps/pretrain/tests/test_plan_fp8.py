@@ -2,6 +2,8 @@
 operands, the ZeRO-3 gather in FP8 against bf16's, the amax groups (none for tiles); ``--simulate``'s theory
 has the amax reductions, and its rows the bytes by dtype."""
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -72,7 +74,7 @@ def test_plan_names_the_amax_groups_of_experts_and_mla_and_counts_the_fp8_gather
     assert f["amax_groups"]["router"] == "high precision" and f["fp8_param_gather"]
     assert 0 < f["zero3_fp8_weights_gather_bytes_fp8"] <= 0.52 * f["zero3_fp8_weights_gather_bytes_bf16"]
     res = CliRunner().invoke(app, ["plan", "tiny", "--world", "2", "--set", "train.fp8=blockwise",
-                                   *sum((["--set", o] for o in zero3), [])])
+                                   *sum((["--set", o] for o in zero3 + WIDE), [])])
     assert res.exit_code == 0 and "a ZeRO-3 gather in FP8 ([train].fp8_param_gather) moves" in res.output, res.output
 
 
@@ -106,3 +108,51 @@ def test_auto_searches_zero3_with_the_fp8_gather_and_counts_its_bytes():
     work = workload(on, SimpleNamespace(micro_batch=1, microbatches=4))
     assert zero_traffic("optim_grads_params", work, None, gather_bytes(on.model, on.train)) < \
         zero_traffic("optim_grads_params", work)
+
+
+def test_fp8_gather_rows_are_the_trainers_and_auto_skips_the_layouts_it_refuses():
+    """The FP8 parameter gather's rows per tp rank in closed form (the built models' rows: tests/
+    test_fp8_param_gather_trainer.py::test_plans_weight_rows_are_the_built_models_extended); --auto never proposes
+    a layout whose weights do not split into whole 128-row blocks over ZeRO-3's ranks, nor one whose
+    blockwise tiles straddle tp ranks (both refused by the trainer)."""
+    from pretrain.sizing.fp8_gather_rows import fp8_gather_misfit, fp8_weight_rows
+
+    cfg = load_config("tiny", ["model.layers=2", "train.fp8=blockwise", "parallel.zero=optim_grads_params",
+                               "train.fp8_param_gather=true"] + WIDE[:-1])
+    rows = fp8_weight_rows(cfg.model, 2)
+    assert rows["model.layers.0.self_attn.q_proj.weight"] == 128 and rows["model.layers.0.self_attn.o_proj.weight"] == 256
+    assert rows["model.layers.1.mlp.gate_proj.weight"] == 128 and len(rows) == 2 * 7
+    layout = cfg.validate_world(2)
+    assert fp8_gather_misfit(cfg, layout, 2) is None
+    assert "do not split over the 4 ZeRO-3 sharding ranks" in fp8_gather_misfit(cfg, layout, 4)
+    flags = sum((["--set", o] for o in ["model.layers=2", "train.fp8=blockwise", "parallel.zero=optim_grads_params",
+                                         "train.fp8_param_gather=true"] + WIDE[:-1]), [])
+    res = CliRunner().invoke(app, ["plan", "tiny", "--world", "4", "--topology", "dgx-h100", "--auto", "--json",
+                                   *flags])
+    assert res.exit_code == 0, res.output
+    best = [r["layout"] for r in json.loads(res.output)["best"]]
+    assert best and all(b["tp"] <= 2 and b["dp"] * b["cp"] * b["tp"] <= 2 for b in best), best  # 256 rows / tp
+
+
+def test_auto_times_the_fp8_gemms_at_fp8s_rate():
+    """--auto's compute time under [train].fp8 is bf16's x the plan's ideal step time (the FP8 GEMMs'
+    share at FP8's rate), and its assumptions say so; the MFU stays the model's FLOPs against bf16's peak."""
+    from pretrain.sizing.fp8 import fp8_compute_time
+
+    def best(*overrides):
+        flags = sum((["--set", o] for o in ["model.layers=2", *overrides]), [])
+        res = CliRunner().invoke(app, ["plan", "tiny", "--world", "2", "--topology", "dgx-h100", "--auto", "--json", *flags])
+        assert res.exit_code == 0, res.output
+        plan = json.loads(res.output)
+        return {r["set"]: r for r in plan["best"]}, plan["assumptions"]["notes"]
+
+    (off, off_notes), (on, on_notes) = best(), best("train.fp8=rowwise")
+    cfg = load_config("tiny", ["model.layers=2", "train.fp8=rowwise"])
+    time = fp8_compute_time(cfg.model, cfg.train)
+    assert 0.5 < time < 1
+    same = set(off) & set(on)
+    assert same
+    for key in same:
+        assert on[key]["compute_s"] == pytest.approx(time * off[key]["compute_s"], rel=1e-9)
+        assert on[key]["mfu"] > off[key]["mfu"]  # the same FLOPs in a shorter step
+    assert len(on_notes) == len(off_notes) + 1 and "fp8='rowwise'" in on_notes[-1]

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
-def _fla():
+def _fla(q):
+    """flash-linear-attention's chunked kernel for CUDA tensors where installed, else None."""
+    if not q.is_cuda:
+        return None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional `gpu` extra
 
@@ -51,7 +54,7 @@ def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 def chunked_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = CHUNK):
     """``(O [B, H, T, dv], S_end [B, H, dk, dv])`` of the gated delta rule (module docstring), fp32.
     ``q, k [B, H, T, dk]``, ``v [B, H, T, dv]``, ``g, beta [B, H, T]``; ``initial_state`` zero when None."""
-    if q.is_cuda and (fla := _fla()) is not None:
+    if (fla := _fla(q)) is not None:  # its [B, T, H, D] layout; q comes scaled, g is the log decay
         o, s = fla(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), scale=1.0, initial_state=initial_state,
                    output_final_state=True)
         return o.transpose(1, 2).float(), s.float()

@@ -62,10 +62,21 @@ def auto_plan(cfg, world: int, topology: str, efficiency: float = 0.6, peak_tflo
                          "note": note if checks else ESTIMATED},
         "assumptions": {"peak_tflops": tflops, "efficiency": efficiency, "memory_budget_gb": budget / GB,
                         "headroom": HEADROOM, "seq_len": cfg.train.seq_len, "global_batch": cfg.train.global_batch,
-                        "notes": list(ASSUMPTIONS) + ([OFFLOAD_ASSUMPTION] if policies else [])},
+                        "notes": list(ASSUMPTIONS) + ([OFFLOAD_ASSUMPTION] if policies else []) + fp8_notes(cfg)},
         "shapes_tried": tried, "shapes_fitting": len(found), "search_seconds": seconds,
         "best": [row(c, rows[0][0], cfg) | {"measured_gb": gb} for c, gb in rows[:top]],
     }
+
+
+def fp8_notes(cfg) -> list[str]:
+    """Under par's FP8: its GEMMs' share of the compute at FP8's rate (sizing/fp8.py), MFU against bf16's peak."""
+    from ..sizing.fp8 import FP8_RATE, fp8_compute_time
+
+    time = fp8_compute_time(cfg.model, cfg.train)
+    if time == 1.0:
+        return []
+    return [f"[train].fp8={cfg.train.fp8!r}: the FP8 GEMMs at {FP8_RATE:g}x the peak, the rest at it (compute "
+            f"{time:.2f}x bf16's); MFU counts the model's FLOPs against the bf16 peak"]
 
 
 def choice_config(cfg, c: Choice):

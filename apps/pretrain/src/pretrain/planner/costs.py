@@ -9,8 +9,10 @@ DDP if it fits, then ZeRO-1, then ZeRO-2 / ZeRO-3, then HSDP when a ZeRO-3 dp gr
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from ..models import family_of
 from ..config.train_section import PAR_FP8
+from ..sizing.fp8_gather_rows import fp8_gather_misfit
 from ..sizing.flops import mtp_params, param_counts, training_flops_per_step, training_flops_per_token
 from ..sizing.memory import HEADROOM, budget_bytes, stage_sizes, worst_stage
 from ..sizing.replicas import replica_figures, stage_moe_layers
@@ -29,6 +31,9 @@ def crosses_nodes(ranks: list[list[int]], gpus_per_node: int) -> int:
 def config_plan(cfg, world: int, gpus_per_node: int, gpu_memory_gb: float) -> dict:
     layout = cfg.validate_world(world)
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    misfit = fp8_gather_misfit(cfg, layout, layout.dp * layout.cp // p.hsdp_replicas)
+    if misfit:  # what the trainer refuses at build time (model/fp8_gather.py), said before launching
+        raise UsageError(misfit)
     c = param_counts(m)
     dp_nodes = crosses_nodes(layout.grid.ranks("dp-cp"), gpus_per_node)
     replicas = p.hsdp_replicas if p.hsdp_replicas > 1 else dp_nodes

@@ -213,12 +213,15 @@ def zero_traffic(zero: str, work: Workload, muon_ns: str | None = None, gather_b
 
 def estimate(shape: Shape, work: Workload, zero: str, recompute: str, model, model_flops: float,
              peak_flops: float, efficiency: float, bandwidth: dict, muon_ns: str | None = None,
-             gather_bytes: float = 2.0, offloaded: float = 0.0, host_gbps: float = 0.0) -> Estimate:
-    """Step time and MFU of one layout; ``offloaded``: the bytes per step the busiest stage's
-    ``[model].offload`` moves out and back over ``host_gbps`` (:func:`host_seconds`)."""
+             gather_bytes: float = 2.0, offloaded: float = 0.0, host_gbps: float = 0.0,
+             compute_time: float = 1.0) -> Estimate:
+    """Step time and MFU (against ``peak_flops``, bf16's) of one layout; ``offloaded``: the bytes per step
+    the busiest stage's ``[model].offload`` moves out and back over ``host_gbps`` (:func:`host_seconds`);
+    ``compute_time``: the compute's time relative to all of it at bf16's rate (below 1 with FP8 GEMMs:
+    sizing/fp8.py)."""
     stage = shape.heaviest_stage(model.layers) * shape.pp / model.layers  # the busiest stage sets the pace
-    forward = model_flops / shape.world_size * stage / 3 / (peak_flops * efficiency)
-    compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute))
+    forward = model_flops / shape.world_size * stage / 3 * compute_time / (peak_flops * efficiency)
+    compute = model_flops / shape.world_size * (1.0 + recompute_fraction(model, work.seq_len, recompute)) * compute_time
     compute *= stage
     compute /= peak_flops * efficiency
     idle, busy = pipeline_idle(shape.schedule, shape.pp, shape.vpp, work.microbatches,

@@ -2,7 +2,8 @@
 
 Shapes: tp (powers of two dividing the heads), cp (1-8, ring), pp (up to 32) with 1F1B,
 interleaved (vpp 2) or ZB-V, or 1F1B with uneven first / last stages when the layers do not split, ep (divisors of the experts) with expert tp 1 or tp;
-each shape is checked by the config's own validation. For every shape, each micro-batch size
+each shape is checked by the config's own validation (and, under par's FP8, by its tile rule and the FP8
+parameter gather's whole row blocks). For every shape, each micro-batch size
 (1, 2, 4 sequences), recompute (none, selective, full) and ZeRO strategy whose per-rank memory
 (:mod:`pretrain.sizing`, the closed form `plan --simulate` measures the trainer against: the
 heaviest pipeline stage's model state and activations) fits the GPU less the headroom is
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import UsageError
+from ..config.fp8_rules import fp8_tile_rule
 from ..config.layout import Layout
 from ..runtime.rank_assignment import workload
 from ..sizing.activations import stage_peak_of
 from ..sizing.flops import param_counts, training_flops_per_step
 from ..sizing.offload import offloaded_bytes
+from ..sizing.fp8 import fp8_compute_time
+from ..sizing.fp8_gather_rows import fp8_gather_misfit
 from ..sizing.params import rank_params
 from ..sizing.state import grad_buffer, muon_elements, optim_bytes, params_state, state_dtypes
 from .estimate import CANONICAL_ORDER, Cluster, Estimate, Shape, estimate, group_bandwidth
@@ -146,6 +150,9 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
     variants = {(r, o): dataclasses.replace(shaped, model=dataclasses.replace(shaped.model, recompute=r, offload=o))
                 for r, o in policy}
     flops = training_flops_per_step(m, t.seq_len, t.global_batch)
+    compute_time = fp8_compute_time(m, t)  # FP8 GEMMs at FP8's rate
+    if fp8_gather_misfit(shaped, light_layout(s), s.dp * s.cp):  # ZeRO-3's FP8 gather needs whole row blocks
+        return None
     per_rank = t.global_batch // s.dp
     bandwidth = None
     best = None
@@ -154,6 +161,8 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
         if s.schedule == "interleaved" and microbatches % s.pp:
             continue
         layout = light_layout(s, mb, microbatches)
+        if not fp8_fits(shaped, layout):
+            continue
         work = workload(cfg, layout)
         fitting: dict = {}  # recompute -> the ZeRO strategies it fits without offload
         for recompute, offload in policy:
@@ -176,12 +185,23 @@ def best_variant(cfg, s: Shape, budget: float, peak: float, efficiency: float, c
                 if memory > budget or zero in dominated:
                     continue
                 est = estimate(s, work, zero, recompute, m, flops, peak, efficiency, bandwidth,
-                               t.optimizer_declaration.matrix_dtype, gather_bytes(m, t), moved, cluster.host_gbps)
+                               t.optimizer_declaration.matrix_dtype, gather_bytes(m, t), moved, cluster.host_gbps,
+                               compute_time)
                 choice = Choice(s, zero, mb, microbatches, recompute, memory, est,
                                 {n: link for n, (_, link) in bandwidth.items()}, offload)
                 if best is None or _key(choice) < _key(best):
                     best = choice
     return best
+
+
+def fp8_fits(cfg, layout: Layout) -> bool:
+    """Blockwise / MXFP8 tiles straddle no rank under ``layout`` (config/fp8_rules.py, which the trainer
+    checks of the world: the cp chunk's tokens depend on the micro-batch, so it is asked per variant)."""
+    try:
+        fp8_tile_rule(cfg, layout)
+    except UsageError:
+        return False
+    return True
 
 
 def _key(c: Choice) -> tuple:

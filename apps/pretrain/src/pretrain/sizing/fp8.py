@@ -31,6 +31,15 @@ def fp8_gemm_params_per_token(m) -> int:
     return attention + c.dense_mlp * c.dense_layers + (c.shared_experts + c.top_k * c.expert) * c.moe_layers
 
 
+def fp8_compute_time(m, t) -> float:
+    """A step's compute time relative to bf16's (1 with [train].fp8 off or Transformer Engine's): the
+    FP8 GEMMs' share of the model FLOPs at FP8_RATE, the rest at bf16's rate."""
+    if t.fp8 not in RECIPES:
+        return 1.0
+    share = 6.0 * fp8_gemm_params_per_token(m) / training_flops_per_token(m, t.seq_len)
+    return (1 - share) + share / FP8_RATE
+
+
 def amax_groups(recipe: str, layout, m=None) -> dict[str, str]:
     """Per kind of linear, the groups its scales' amaxes are MAX-reduced over (never dp); with the model
     ``m``, also its replicated linears (model/fp8.py: tokens over cp and tp) by name, and the router."""
@@ -141,7 +150,7 @@ def fp8_figures(cfg, layout, params_per_rank: float) -> dict:
         "gemm_flops_per_step": fp8_token * t.seq_len * t.global_batch,
         "gemm_share_of_model_flops": share,
         "fp8_rate_over_bf16": FP8_RATE,
-        "ideal_step_time_over_bf16": (1 - share) + share / FP8_RATE,
+        "ideal_step_time_over_bf16": fp8_compute_time(m, t),
         "transient_operand_bytes": operands + scales,
         "fp8_param_gather": t.fp8_param_gather,
         **_gather_bytes(m, layout, t.fp8, params_per_rank),

@@ -57,7 +57,10 @@ def test_simulate_measures_the_planned_activations():  # (test_gdn_context_paral
         "model.attention=qwen3_next", "model.layers=2", "model.full_attention_interval=2", "model.hidden=512", "model.heads=4", "model.kv_heads=2",
         "model.kv_channels=128", "model.linear_key_heads=4", "model.linear_value_heads=8", "model.linear_key_dim=64",
         "model.linear_value_dim=64", "model.ffn_hidden=1024", "model.vocab_size=8192", "parallel.tp=2",
-        "parallel.cp=2", "train.global_batch=2", "train.seq_len=1024"])
+        "parallel.cp=2", "train.global_batch=2", "train.seq_len=1024",
+        # the saved set as declared: llama3-8b's selective recompute reruns the GDN core, which the plan
+        # does not model yet (it plans the set as kept: an upper bound, measured 41 % over)
+        "model.recompute=none"])
     (rank,) = simulate(cfg, 4, [1])["ranks"]
     assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.10)
 

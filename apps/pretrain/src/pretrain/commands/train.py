@@ -29,6 +29,7 @@ def train(
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
+    from ..config.fault_rules import fault_tolerance_nodes
     from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
     from ..runtime.node_group import NodeGroup
     from ..training.preflight import check_run, checkpoint_root, run_lock
@@ -47,6 +48,7 @@ def train(
             from ..runtime.rank_assignment import check_before_launch
 
             check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
+        fault_tolerance_nodes(cfg, layout, n, nodes.nnodes)  # a replica split over launchers cannot be fenced
         leader = os.environ.get("RANK") == "0" if under_torchrun() else nodes.node_rank == 0
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():

@@ -297,6 +297,18 @@ def test_two_launchers_one_replica_per_node_a_rank_of_node_1_killed_goes_on_with
     _check_fault_run(tmp_path, 2, rank, 2, phase, reference, admit_before=admit_before, respawn=True, nodes=2)
 
 
+
+@pytest.mark.extended  # two launcher processes, each importing torch
+@pytest.mark.timeout(300)
+def test_two_launchers_without_fault_tolerance_a_rank_killed_on_node_1_is_named_on_node_0(tmp_path):
+    """Node 0's rank fails only with a closed connection; its launcher shows node 1's line, not that."""
+    (tmp_path / "pids").mkdir()
+    code, output = _run_nodes(tmp_path, 2, 2, {"args": [1, 2, "forward", str(tmp_path / "pids")], "kwargs": {}})
+    node0 = output.split("node 1 (exit")[0]
+    assert code == 1 and "node 0 (exit 1)" in output and "node 1 (exit 1)" in output, output
+    errors = [line for line in node0.splitlines() if line.startswith("error:")]
+    assert errors == ["error: node 1 failed: rank 1 failed: exited with code -9 (signal SIGKILL)"], output
+
 MUON = ("--set", "train.optimizer=muon")
 
 

@@ -275,13 +275,22 @@ class LocalRanks:
                     failures.append(_Failure(rank, body[0], 1, body[1], body[2]))
             if failures:
                 first_failure = first_failure or time.monotonic()
-                if not pending or time.monotonic() - first_failure > FAILURE_GRACE_S:
-                    root = next((f for f in failures if not f.collateral), failures[0])
+                waited = time.monotonic() - first_failure > FAILURE_GRACE_S
+                if not pending or waited:
+                    root = next((f for f in failures if not f.collateral), None)
+                    if root is None and self.nodes.nnodes > 1:  # the cause is on another node: its line, not ours
+                        if other := self.nodes.other_failure(self.store):
+                            raise Aborted(other, 1)
+                        if not waited:
+                            continue
+                    root = root or failures[0]
                     raise self._hang_named(root) or RankFailed(root.rank, root.error, root.exitcode, root.traceback,
                                                                root.usage)
                 continue
             if self.fencer is not None:
                 self._end_waiting(pending)
+            if self.nodes.nnodes > 1 and (other := self.nodes.other_failure(self.store)):
+                raise Aborted(other, 1)
             self._check_joined(joined)
             self._check_stop_deadline()
         self.returned = True
@@ -316,6 +325,10 @@ def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: fl
     try:
         ranks.start(entry, args)
         return ranks.wait()
+    except (RankFailed, Aborted) as e:
+        if ranks.store is not None and ranks.nodes.nnodes > 1:
+            ranks.nodes.fail(ranks.store, f"rank {e.rank} failed: {e.error}" if isinstance(e, RankFailed) else str(e))
+        raise
     finally:
         ranks.close()
         for s, handler in previous.items():

@@ -5,7 +5,9 @@ Node 0's launcher hosts the ranks' store at the endpoint the job names (every no
 names its first node), the others connect to it. The store lives in a launcher, not in a rank, so under
 ``[train].fault_tolerance = "replica"`` no rank's death takes it down. At the end each other node marks its
 launcher done in the store and node 0 closes the store only once every node has (or the wait is over): a
-node still fencing a replica or admitting a replacement would otherwise lose the store under it.
+node still fencing a replica or admitting a replacement would otherwise lose the store under it. A launcher
+whose run fails says so in the store, and every other launcher stops its ranks at once with that line, rather
+than after a collective's or the regroup's timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from ..errors import UsageError
 
 DONE_PREFIX = "pretrain/nodes/done/"
+FAILED_PREFIX = "pretrain/nodes/failed/"
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,17 @@ class NodeGroup:
                 time.sleep(0.1)
         except (RuntimeError, OSError):  # node 0 gone (it failed): nothing left to tell
             pass
+
+    def fail(self, store, message: str) -> None:
+        """Tell the other launchers this node's run failed (``message``: its one line)."""
+        try:
+            store.set(f"{FAILED_PREFIX}{self.node_rank}", message)
+        except (RuntimeError, OSError):  # the store is gone: node 0 failed first
+            pass
+
+    def other_failure(self, store) -> str | None:
+        """The line of another node whose run failed, if one has."""
+        for k in range(self.nnodes):
+            if k != self.node_rank and store.check([f"{FAILED_PREFIX}{k}"]):
+                return f"node {k} failed: {store.get(f'{FAILED_PREFIX}{k}').decode().splitlines()[0]}"
+        return None

@@ -95,7 +95,12 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
                                "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
                                *_settings(tmp, dp, *extra, tp=tp, layout=layout)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(nodes)]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:  # a hang: no launcher left behind (their ranks exit with them)
+        for p in procs:
+            p.kill()
+        raise
     codes = [p.returncode for p in procs]
     return next((c for c in codes if c), 0), "\n".join(f"node {k} (exit {c}):\n{o}" for k, (c, o) in enumerate(zip(codes, outputs)))
 

@@ -76,13 +76,44 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int = 1, layout: tuple = ()) -> tuple[int, str]:
+    """The run as ``nodes`` `pretrain train` launchers, each its own process (a "node" on 127.0.0.1, ``--nproc``
+    the world's share), node 0 hosting the store at a named endpoint; their ranks run ``sigkill_at(**kill)``.
+    The first non-zero exit code (0: every node exited 0) and every node's console."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env |= {"PYTHONPATH": os.pathsep.join([str(here), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    nproc = dp * tp * _pp(layout) // nodes
+    procs = [subprocess.Popen([sys.executable, str(here / "node_launcher.py"), json.dumps(kill), "--nproc", str(nproc),
+                               "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               *_settings(tmp, dp, *extra, tp=tp, layout=layout)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(nodes)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:  # a hang: no launcher left behind (their ranks exit with them)
+        for p in procs:
+            p.kill()
+        raise
+    codes = [p.returncode for p in procs]
+    return next((c for c in codes if c), 0), "\n".join(f"node {k} (exit {c}):\n{o}" for k, (c, o) in enumerate(zip(codes, outputs)))
+
+
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
-                     shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False) -> list[dict]:
+                     shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False,
+                     nodes: int = 1) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
     ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
     piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
-    per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count."""
+    per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count. ``nodes``: the run as
+    that many launchers sharing node 0's store (:func:`_run_nodes`), each node exiting 0."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -90,11 +121,18 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
     entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also,
                               admit_before=admit_before, stale_step=stale_step)
     respawn = respawn or bool(admit_before)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp, dp, "--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(respawn).lower()}",
-                   "--set", "log.sample_ids=true", tp=tp, layout=layout)
-    assert res.exit_code == 0, res.output
+    fault = ("--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(respawn).lower()}",
+             "--set", "log.sample_ids=true")
+    if nodes > 1:
+        kill = {"args": [rank, step, phase, str(pids)], "kwargs": dict(also=also, admit_before=admit_before,
+                                                                      stale_step=stale_step)}
+        code, output = _run_nodes(tmp, dp, nodes, kill, *fault, tp=tp, layout=layout)
+        assert code == 0, output
+    else:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("pretrain.training.run.run_rank", entry)
+            res = _run(tmp, dp, *fault, tp=tp, layout=layout)
+        assert res.exit_code == 0, res.output
     log = tmp / "log"
     expected, got = reference(dp, tp, layout if reference_layout is None else reference_layout), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
@@ -252,6 +290,29 @@ def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_
 def test_a_replacement_not_admitted_before_the_last_step_is_stopped_and_the_run_exits_0(tmp_path, reference, fault_ranks):
     _check_fault_run(tmp_path, 2, 1, 4, "forward", reference, respawn=True)
 
+
+@pytest.mark.extended  # two launcher processes, each importing torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase,admit_before", [(1, "forward", 4), (1, "reduction", 0)])
+def test_two_launchers_one_replica_per_node_a_rank_of_node_1_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, rank, phase, admit_before):
+    """Two `pretrain train` launchers ("nodes" on 127.0.0.1, one replica each) sharing node 0's store: node 1's
+    launcher fences its replica and publishes the loss, node 0's rank regroups alone, node 1 starts the
+    replacement (``admit_before``), and both nodes exit 0 with the uninterrupted run's curve."""
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, admit_before=admit_before, respawn=True, nodes=2)
+
+
+
+@pytest.mark.extended  # two launcher processes, each importing torch
+@pytest.mark.timeout(300)
+def test_two_launchers_without_fault_tolerance_a_rank_killed_on_node_1_is_named_on_node_0(tmp_path):
+    """Node 0's rank fails only with a closed connection; its launcher shows node 1's line, not that."""
+    (tmp_path / "pids").mkdir()
+    code, output = _run_nodes(tmp_path, 2, 2, {"args": [1, 2, "forward", str(tmp_path / "pids")], "kwargs": {}})
+    node0 = output.split("node 1 (exit")[0]
+    assert code == 1 and "node 0 (exit 1)" in output and "node 1 (exit 1)" in output, output
+    errors = [line for line in node0.splitlines() if line.startswith("error:")]
+    assert errors == ["error: node 1 failed: rank 1 failed: exited with code -9 (signal SIGKILL)"], output
 
 MUON = ("--set", "train.optimizer=muon")
 

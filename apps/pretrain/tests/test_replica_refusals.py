@@ -1,6 +1,7 @@
 """``[train].fault_tolerance = "replica"`` refuses up front, in one ``error:`` line and before any rank
 starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1), and
-the layouts whose regrouping is not built yet."""
+the layouts whose regrouping is not built yet, a replica split over several launchers (``--nnodes``: each
+fences only its own ranks) and launcher flags that name no node or no endpoint."""
 
 import pytest
 from typer.testing import CliRunner
@@ -29,6 +30,12 @@ CASES = {
                              "model.expert_balance=replicate+replace"], "[model].expert_balance=replicate+replace"),
     "ep with hsdp": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set", "parallel.zero=optim_grads_params",
                       "--set", "parallel.hsdp_replicas=2"], "[parallel].ep with hsdp_replicas=2"),
+    "a replica split over two launchers": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint",
+                                            "127.0.0.1:1", "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
+    "--nnodes without an endpoint": (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--rdzv-endpoint None must be HOST:PORT"),
+    "an endpoint without a port": (["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' must be"),
+    "--node-rank past --nnodes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"],
+                                  "--node-rank 2 must be in 0..1"),
 }
 
 

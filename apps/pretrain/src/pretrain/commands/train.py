@@ -22,11 +22,16 @@ def train(
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set section.key=value (repeatable)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Local ranks to start (default [train].nproc); ignored under torchrun."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda (default [train].device)."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Launchers (nodes) of the run, each starting --nproc ranks; ignored under torchrun."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This launcher's node, 0..nnodes-1 (node 0 hosts the store)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0's store (--nnodes > 1)."),
     force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
     from ..config import load_config
+    from ..config.fault_rules import fault_tolerance_nodes
     from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
+    from ..runtime.node_group import NodeGroup
     from ..training.preflight import check_run, checkpoint_root, run_lock
     from ..training.run import run_rank
 
@@ -35,21 +40,23 @@ def train(
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         device = device or cfg.train.device
+        nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint)
         if not under_torchrun():
             check_nproc(n, device)
-        layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n)
+        layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n * nodes.nnodes)
         if not under_torchrun():
             from ..runtime.rank_assignment import check_before_launch
 
             check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
-        leader = not under_torchrun() or os.environ.get("RANK") == "0"
+        fault_tolerance_nodes(cfg, layout, n, nodes.nnodes)  # a replica split over launchers cannot be fenced
+        leader = os.environ.get("RANK") == "0" if under_torchrun() else nodes.node_rank == 0
         check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,
                    join_timeout_s=cfg.train.join_timeout_s, preempt_timeout_s=cfg.train.preempt_timeout_s,
                    log_dir=cfg.log.dir if cfg.log.flight_records else None,  # flight records: a hang's summary
-                   fault_tolerance=cfg.train.fault_tolerance == "replica", respawn=cfg.train.respawn)
+                   fault_tolerance=cfg.train.fault_tolerance == "replica", respawn=cfg.train.respawn, nodes=nodes)
     except UsageError as e:
         raise fail(str(e))
     except Aborted as e:  # a second Ctrl-C, or ranks that did not stop within [train].preempt_timeout_s

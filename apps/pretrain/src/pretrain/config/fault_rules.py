@@ -48,3 +48,20 @@ def fault_tolerance_world(cfg, dp: int) -> None:
     _need(cfg.train.fault_tolerance != "replica" or dp >= 2,
           f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
           f"copy; start more ranks or set fault_tolerance='off'")
+
+
+def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
+    """Several launchers (``--nnodes``): a launcher fences only its own ranks, so each replica (the ranks one loss
+    ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group) must lie on one node."""
+    if cfg.train.fault_tolerance != "replica" or nnodes == 1:
+        return
+    p = cfg.parallel
+    shard = layout.dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
+    nodes: dict[int, set[int]] = {}
+    for rank in range(layout.world_size):
+        nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)
+    split = next((rep for rep, on in sorted(nodes.items()) if len(on) > 1), None)
+    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} needs each data-parallel replica "
+                         f"on one node (its launcher fences it), but replica {split} spans nodes "
+                         f"{sorted(nodes.get(split, ()))} at --nproc {nproc} per node: make --nproc a multiple of the "
+                         f"ranks per replica (and pp=1), or set fault_tolerance='off'")

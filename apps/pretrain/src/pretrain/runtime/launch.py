@@ -52,7 +52,7 @@ def check_nproc(nproc: int, device: str = "auto") -> None:
 
 def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: str = "auto",
            join_timeout_s: float = 300.0, preempt_timeout_s: float = 120.0, log_dir: str | None = None,
-           fault_tolerance: bool = False, respawn: bool = False) -> list[Any]:
+           fault_tolerance: bool = False, respawn: bool = False, nodes=None) -> list[Any]:
     """Run ``entry(*args)`` on every rank; returns the ranks' return values in rank order.
 
     Under torchrun this process is one rank: ``entry`` runs here (``nproc`` is ignored). Otherwise
@@ -62,15 +62,17 @@ def launch(entry: Callable[..., Any], args: tuple = (), nproc: int = 1, device: 
     to save and exit. ``log_dir``: where the ranks write flight records (:mod:`pretrain.runtime.hang`); a
     collective's timeout then ends the run naming the rank that has not arrived. ``fault_tolerance``: a
     rank's death ends its data-parallel replica only (see :mod:`.replica_membership`); the others go on;
-    ``respawn``: its ranks start again and rejoin.
+    ``respawn``: its ranks start again and rejoin. ``nodes`` (a :class:`.node_group.NodeGroup`): this
+    launcher is one node of several sharing node 0's store; it starts that node's ``nproc`` ranks.
     """
     if under_torchrun():
         return [entry(*args)]
     check_nproc(nproc, device)
-    if nproc > 1:
+    if nproc > 1 or nodes is not None and nodes.nnodes > 1:
         from .local_launcher import run_local_ranks
 
-        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn)
+        return run_local_ranks(entry, args, nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn,
+                               nodes)
     env = _single_rank_env()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -10,6 +10,11 @@ Rendezvous: the launcher hosts the ranks' TCPStore on a socket bound to the mast
 Each rank marks its arrival and its join in the store; a rank that has not joined within
 ``join_timeout_s`` ends the run with one line naming it, whatever held it up.
 
+Several launchers (``pretrain train --nnodes N --node-rank K --rdzv-endpoint HOST:PORT``, one per node):
+node 0's launcher hosts the store at the endpoint the job names, the others connect to it; each starts
+and watches its own ``nproc`` ranks (global ranks ``K * nproc ..``). Node 0 keeps the store up until
+every other node's launcher says its ranks are done (:mod:`.node_group`).
+
 Fault tolerance (``[train].fault_tolerance = "replica"``): a rank's death ends its data-parallel replica only;
 the launcher fences the replica's other ranks, publishes the survivors in its store and, with ``respawn``,
 starts the lost ranks again as replacements (:mod:`.replica_membership`).
@@ -39,6 +44,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import UsageError
+from .node_group import NodeGroup
 from .rank_env import LAUNCHER_ENV, STOP_SIGNALS, Aborted, RankFailed, join_key, off_a_closed_terminal
 
 MASTER_ADDR = "127.0.0.1"
@@ -110,8 +116,10 @@ class LocalRanks:
     """``nproc`` rank processes of one run; :meth:`wait` returns their results or raises."""
 
     def __init__(self, nproc: int, join_timeout_s: float, preempt_timeout_s: float, log_dir: str | None = None,
-                 fault_tolerance: bool = False, respawn: bool = False) -> None:
+                 fault_tolerance: bool = False, respawn: bool = False, nodes: NodeGroup | None = None) -> None:
         self.nproc, self.join_timeout_s, self.preempt_timeout_s = nproc, join_timeout_s, preempt_timeout_s
+        self.nodes = nodes or NodeGroup()
+        self.first, self.world = self.nodes.node_rank * nproc, self.nodes.nnodes * nproc  # this node's ranks: first..
         self.fault_tolerance = fault_tolerance  # a dead rank's replica is fenced and the others go on (replica_membership)
         self.fencer = None
         self.respawn = respawn  # a fenced replica's ranks start again and rejoin at a step boundary
@@ -124,21 +132,25 @@ class LocalRanks:
         self.returned = False
 
     def start(self, entry: Callable, args: tuple) -> None:
-        sock = _listening_socket(MASTER_ADDR)
-        port = sock.getsockname()[1]
-        self.store = dist.TCPStore(MASTER_ADDR, port, None, True, timedelta(seconds=self.join_timeout_s),
-                                   wait_for_workers=False, master_listen_fd=sock.detach())
+        if self.nodes.nnodes > 1:
+            host, port = self.nodes.host, self.nodes.port
+            self.store = self.nodes.store(self.join_timeout_s)
+        else:
+            host, sock = MASTER_ADDR, _listening_socket(MASTER_ADDR)
+            port = sock.getsockname()[1]
+            self.store = dist.TCPStore(MASTER_ADDR, port, None, True, timedelta(seconds=self.join_timeout_s),
+                                       wait_for_workers=False, master_listen_fd=sock.detach())
         if self.fault_tolerance:
             from .replica_membership import ReplicaFencer
 
-            self.fencer = ReplicaFencer(self.store, self.nproc, self.respawn)
+            self.fencer = ReplicaFencer(self.store, self.world, self.respawn)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
         # The trainer (and DCP, which it imports) too, whatever the entry: every rank of a run imports it.
         ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed", __name__, "pretrain.training.run",
                                     entry.__module__])
-        base = dict(os.environ) | {"WORLD_SIZE": str(self.nproc), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": MASTER_ADDR,
+        base = dict(os.environ) | {"WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": host,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
         self._spawn = lambda rank, extra=None: self._start_rank(ctx, base | (extra or {}), rank, entry, args)
         for rank in range(self.nproc):
@@ -148,7 +160,7 @@ class LocalRanks:
 
     def _start_rank(self, ctx, base: dict, rank: int, entry: Callable, args: tuple) -> None:
         parent, child = ctx.Pipe()
-        env = base | {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+        env = base | {"RANK": str(self.first + rank), "LOCAL_RANK": str(rank), "GROUP_RANK": str(self.nodes.node_rank)}
         proc = ctx.Process(target=_rank_main, args=(env, entry, args, child), name=f"pretrain-rank{rank}")
         proc.start()
         child.close()
@@ -169,17 +181,18 @@ class LocalRanks:
         if not self.respawn or self.stop_signal is not None:
             return
         for r in sorted(gone):
-            self._spawn(r, {JOIN_ENV: str(self.fencer.generation)})
+            self._spawn(r - self.first, {JOIN_ENV: str(self.fencer.generation)})
             self.fencer.joining.add(r)
-            pending[r] = self.conns[r]
+            pending[r] = self.conns[r - self.first]
 
     def _end_waiting(self, pending: dict) -> None:
-        """Every member has returned: replacements still waiting to be admitted never will; stop them."""
+        """Every member has returned: replacements still waiting to be admitted never will; stop them. (Members
+        of other nodes count too: their launchers mark them in the store.)"""
         waiting = self.fencer.waiting()
-        if pending and set(pending) <= waiting:
+        if pending and set(pending) <= waiting and self.fencer.over():
             for r in pending:
-                self.procs[r].kill()
-                self.procs[r].join()
+                self.procs[r - self.first].kill()
+                self.procs[r - self.first].join()
             pending.clear()
 
     # ---- signals ---------------------------------------------------------------------------
@@ -204,12 +217,12 @@ class LocalRanks:
     # ---- rendezvous ------------------------------------------------------------------------
     def _check_joined(self, joined: set[int]) -> None:
         """Add the ranks that have joined since; RankFailed naming the first missing one once the timeout passed."""
-        for rank in range(self.nproc):
+        for rank in range(self.world):
             if rank not in joined and self.store.check([join_key("joined", rank)]):
                 joined.add(rank)
-        if len(joined) == self.nproc or time.monotonic() - self.started <= self.join_timeout_s:
+        if len(joined) == self.world or time.monotonic() - self.started <= self.join_timeout_s:
             return
-        late = [r for r in range(self.nproc) if r not in joined]
+        late = [r for r in range(self.world) if r not in joined]
         absent = [r for r in late if not self.store.check([join_key("arrived", r)])]
         culprits = absent or late  # the ranks that never arrived hold up the others
         what = "reach" if absent else "complete"
@@ -234,42 +247,54 @@ class LocalRanks:
         results: dict[int, Any] = {}
         failures: list[_Failure] = []
         joined: set[int] = set()
-        pending = dict(enumerate(self.conns))
+        pending = {self.first + i: conn for i, conn in enumerate(self.conns)}
         first_failure = None
         while pending:
             for conn in wait(list(pending.values()), timeout=0.2):
-                rank = self.conns.index(conn)
+                rank = self.first + self.conns.index(conn)
                 if rank not in pending:  # a fenced rank of a replica lost in this same wait
                     continue
                 del pending[rank]
                 try:
                     status, *body = conn.recv()
                 except (EOFError, OSError):
-                    gone = self.fencer.lost(rank, self.procs) if self.fencer is not None else None
+                    local = {self.first + i: p for i, p in enumerate(self.procs)}
+                    gone = self.fencer.lost(rank, local) if self.fencer is not None else None
                     if gone is not None:  # its replica fenced, the others regroup without it
                         self._replace(gone, pending)
                         continue
-                    self.procs[rank].join(timeout=1.0)
-                    exitcode = self.procs[rank].exitcode
+                    self.procs[rank - self.first].join(timeout=1.0)
+                    exitcode = self.procs[rank - self.first].exitcode
                     failures.append(_Failure(rank, _death_message(exitcode), exitcode))
                     continue
                 if status == "ok":
                     results[rank] = body[0]
+                    if self.fencer is not None:
+                        self.fencer.returned(rank)
                 else:
                     failures.append(_Failure(rank, body[0], 1, body[1], body[2]))
             if failures:
                 first_failure = first_failure or time.monotonic()
-                if not pending or time.monotonic() - first_failure > FAILURE_GRACE_S:
-                    root = next((f for f in failures if not f.collateral), failures[0])
+                waited = time.monotonic() - first_failure > FAILURE_GRACE_S
+                if not pending or waited:
+                    root = next((f for f in failures if not f.collateral), None)
+                    if root is None and self.nodes.nnodes > 1:  # the cause is on another node: its line, not ours
+                        if other := self.nodes.other_failure(self.store):
+                            raise Aborted(other, 1)
+                        if not waited:
+                            continue
+                    root = root or failures[0]
                     raise self._hang_named(root) or RankFailed(root.rank, root.error, root.exitcode, root.traceback,
                                                                root.usage)
                 continue
             if self.fencer is not None:
                 self._end_waiting(pending)
+            if self.nodes.nnodes > 1 and (other := self.nodes.other_failure(self.store)):
+                raise Aborted(other, 1)
             self._check_joined(joined)
             self._check_stop_deadline()
         self.returned = True
-        return [results.get(r) for r in range(self.nproc)]  # None: a rank of a lost replica
+        return [results.get(self.first + i) for i in range(self.nproc)]  # None: a rank of a lost replica
 
     def close(self) -> None:
         """Let ranks that returned exit; kill the rest (after a failure, a timeout or a second signal)."""
@@ -281,21 +306,29 @@ class LocalRanks:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        if self.store is not None and self.nodes.nnodes > 1:
+            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S)
         self.store = None
 
 
 def run_local_ranks(entry: Callable, args: tuple, nproc: int, join_timeout_s: float, preempt_timeout_s: float,
-                    log_dir: str | None = None, fault_tolerance: bool = False, respawn: bool = False) -> list[Any]:
+                    log_dir: str | None = None, fault_tolerance: bool = False, respawn: bool = False,
+                    nodes: NodeGroup | None = None) -> list[Any]:
     """Run ``entry(*args)`` on ``nproc`` local ranks; their return values in rank order (see the module doc).
     ``log_dir``: where the ranks keep flight records; a timeout then names the rank that has not arrived.
     ``fault_tolerance``: a rank's death fences its data-parallel replica and the others go on (see
-    :mod:`.replica_membership`); ``respawn``: its ranks start again and rejoin."""
-    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn)
+    :mod:`.replica_membership`); ``respawn``: its ranks start again and rejoin. ``nodes``: this launcher is one
+    of several sharing one store (:mod:`.node_group`); its ranks are its node's, the return values too."""
+    ranks = LocalRanks(nproc, join_timeout_s, preempt_timeout_s, log_dir, fault_tolerance, respawn, nodes)
     handled = STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, ranks.on_signal) for s in handled}  # before start: no signal falls between
     try:
         ranks.start(entry, args)
         return ranks.wait()
+    except (RankFailed, Aborted) as e:
+        if ranks.store is not None and ranks.nodes.nnodes > 1:
+            ranks.nodes.fail(ranks.store, f"rank {e.rank} failed: {e.error}" if isinstance(e, RankFailed) else str(e))
+        raise
     finally:
         ranks.close()
         for s, handler in previous.items():

@@ -47,6 +47,11 @@ def ready_key(rank: int) -> str:
     return f"{FT_PREFIX}/ready/{rank}"
 
 
+def returned_key(rank: int) -> str:
+    """Where a launcher marks that rank ``rank`` returned from its entry (the run is over for it)."""
+    return f"{FT_PREFIX}/returned/{rank}"
+
+
 def claim(store, generation: int, event: dict) -> bool:
     """Publish ``event`` as generation ``generation``'s membership unless another claimed it first: the
     launcher (a loss) and rank 0 (an admission) may race for the same number."""
@@ -84,8 +89,15 @@ class ReplicaFencer:
         """Replacements started and not in the latest membership."""
         return self.joining - self.members()
 
+    def returned(self, rank: int) -> None:
+        self.store.set(returned_key(rank), "1")
+
+    def over(self) -> bool:
+        """Every member of the latest membership returned (whichever launcher started it): no admission follows."""
+        return self.store.check([returned_key(r) for r in self.members()])
+
     def lost(self, rank: int, procs) -> set[int] | None:
-        """``rank`` died: the ranks no longer running (it and its fenced replica), or None when the run cannot
+        """``procs``: this launcher's rank processes by global rank. ``rank`` died: the ranks no longer running (it and its fenced replica), or None when the run cannot
         go on (a rank whose replica is not known yet, or no other replica left)."""
         if rank in self.fenced:
             self.fenced.discard(rank)
@@ -99,8 +111,8 @@ class ReplicaFencer:
         replicas = {r: self.replica_of(r) for r in alive}
         mates = {r for r, rep in replicas.items() if rep == replica}
         survivors = alive - mates
-        if not survivors or any(replicas[r] is None for r in survivors):
-            return None
+        if not survivors or any(replicas[r] is None for r in survivors) or not mates <= set(procs):
+            return None  # (a replica spanning launchers: another node's mates cannot be fenced from here)
         started = time.monotonic()
         for r in mates - {rank}:
             if procs[r].exitcode is None:

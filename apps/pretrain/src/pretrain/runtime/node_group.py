@@ -1,0 +1,92 @@
+"""One launcher of several (``pretrain train --nnodes N --node-rank K --rdzv-endpoint HOST:PORT``): which node
+this is, the shared store and the end of the run.
+
+Node 0's launcher hosts the ranks' store at the endpoint the job names (every node must reach it; a SLURM job
+names its first node), the others connect to it. The store lives in a launcher, not in a rank, so under
+``[train].fault_tolerance = "replica"`` no rank's death takes it down. At the end each other node marks its
+launcher done in the store and node 0 closes the store only once every node has (or the wait is over): a
+node still fencing a replica or admitting a replacement would otherwise lose the store under it. A launcher
+whose run fails says so in the store, and every other launcher stops its ranks at once with that line, rather
+than after a collective's or the regroup's timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+DONE_PREFIX = "pretrain/nodes/done/"
+FAILED_PREFIX = "pretrain/nodes/failed/"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    nnodes: int = 1
+    node_rank: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @classmethod
+    def parse(cls, nnodes: int, node_rank: int, endpoint: str | None) -> "NodeGroup":
+        """The launcher's place from its flags; UsageError naming the flag that is wrong."""
+        if nnodes < 1:
+            raise UsageError(f"--nnodes {nnodes} must be >= 1")
+        if not 0 <= node_rank < nnodes:
+            raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
+        if nnodes == 1:
+            return cls()
+        host, _, port = (endpoint or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT (the first node's address and a free "
+                             f"port, the same on every node) when --nnodes {nnodes} > 1")
+        return cls(nnodes, node_rank, host, int(port))
+
+    def store(self, timeout_s: float) -> dist.TCPStore:
+        """Node 0: the store, listening at the endpoint; the others: a client that waits for it up to ``timeout_s``."""
+        timeout = timedelta(seconds=timeout_s)
+        if self.node_rank:
+            return dist.TCPStore(self.host, self.port, None, False, timeout)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise UsageError(f"--rdzv-endpoint {self.host}:{self.port}: node 0 cannot listen there ({e.strerror}); "
+                             f"name this host's address and a free port") from None
+        sock.listen(128)
+        return dist.TCPStore(self.host, self.port, None, True, timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+
+    def finish(self, store, wait_s: float) -> None:
+        """The others: mark this node done; node 0: wait (up to ``wait_s``) for every other node's mark."""
+        try:
+            if self.node_rank:
+                store.set(f"{DONE_PREFIX}{self.node_rank}", "1")
+                return
+            deadline = time.monotonic() + wait_s
+            keys = [f"{DONE_PREFIX}{k}" for k in range(1, self.nnodes)]
+            while not store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except (RuntimeError, OSError):  # node 0 gone (it failed): nothing left to tell
+            pass
+
+    def fail(self, store, message: str) -> None:
+        """Tell the other launchers this node's run failed (``message``: its one line)."""
+        try:
+            store.set(f"{FAILED_PREFIX}{self.node_rank}", message)
+        except (RuntimeError, OSError):  # the store is gone: node 0 failed first
+            pass
+
+    def other_failure(self, store) -> str | None:
+        """The line of another node whose run failed, if one has."""
+        for k in range(self.nnodes):
+            if k != self.node_rank and store.check([f"{FAILED_PREFIX}{k}"]):
+                return f"node {k} failed: {store.get(f'{FAILED_PREFIX}{k}').decode().splitlines()[0]}"
+        return None

@@ -68,6 +68,8 @@ CASES = {  # name: (spec, ranks, rank, what[, sets])
     # pp2 x dp2: ranks 0-1 stage 0 (dp 0, 1), ranks 2-3 stage 1; the wrong rank is not the one with the loss
     # (its rerun's outputs differ from an earlier chunk on). A matmul wrong on a stage without the head
     # moves the loss too little to be a suspect: not detected.
+    # the loss is rank 3's; rank 1's rerun changed in chunk 0, rank 3's only in chunk 1
+    "hidden-pp2-first-stage": ("flip_hidden:1:3", 4, 1, "transient", ["parallel.pp=2"]),
     "weight-pp2-1f1b-first-stage": ("flip_weight:1:2", 4, 1, "persistent", ["parallel.pp=2"]),  # loss: rank 3's
     "weight-pp2-zbv-middle-chunks": ("flip_weight:3:2", 4, 3, "persistent",  # chunks 1-2; loss: rank 1's
                                      ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),

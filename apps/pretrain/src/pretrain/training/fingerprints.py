@@ -90,9 +90,9 @@ class Fingerprints:
             self._add(output)
 
     @contextmanager
-    def forward(self, step: int, chunk: int, microbatch: int):
-        """One chunk's forward of one micro-batch: its modules' outputs are recorded."""
-        if not self.on:
+    def forward(self, step: int | None, chunk: int, microbatch: int):
+        """One chunk's forward of one micro-batch: its modules' outputs are recorded (none with ``step`` None)."""
+        if not self.on or step is None:
             yield
             return
         self.recording, self.chunk = self.kept.setdefault((step, chunk, microbatch), []), chunk

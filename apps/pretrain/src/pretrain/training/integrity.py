@@ -25,8 +25,11 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
   shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
   is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
-  coordinate's in the other replicas. A transient or correct one is named by its loss alone (within
-  its replica's tp and cp ranks at the loss's stage, the first).
+  coordinate's in the other replicas. A transient or correct one is the rank of its replica whose
+  rerun first differs from its own first run (fingerprints.py: each rank's module outputs, kept on the
+  device during the step; a fault seen first there, before a collective spread it); where none
+  differs or none was kept (an update applied since), the loss names it (within its replica's tp and
+  cp ranks at the loss's stage, the first).
 
 A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.

@@ -201,8 +201,9 @@ class Trainer:
             self.faults.at("forward")
             return prints.output(self.faults.output(module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)))
 
-    def _rerun_step(self) -> int:
-        return RERUN if self.integrity.rerunning else self._step
+    def _rerun_step(self) -> int | None:
+        """The step a forward's fingerprints are kept under: a training step's, a rerun's, none for an evaluation."""
+        return RERUN if self.integrity.rerunning else self._step if self.model.module.training else None
 
     @contextmanager
     def _send_span(self):

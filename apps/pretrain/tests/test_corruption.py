@@ -130,6 +130,7 @@ def test_injection_is_off_unless_asked_and_a_bad_spec_is_refused():
     assert not off.active and not off.bad_batch and not off.flip_grad
     assert not Faults(0, parse("flip_grad:1:2,slow:1:forward")).active  # another rank's
     assert Faults(3, parse("bad_batch:1:2")).bad_batch == {(1, 2)}  # the data's: every rank reads it so
+    assert Faults(3, parse("flip_hidden:3:2")).flip_hidden == {2}
     for bad in ("flip_grad:1", "bad_batch:x:2", "flip_grad:1:0", "slow:1:nowhere", "matmul:1:2"):
         with pytest.raises(UsageError, match="PAR_INJECT"):
             parse(bad)

@@ -55,9 +55,12 @@ CASES = {  # name: (spec, ranks, rank, what[, sets])
     "bad-batch-dp2": ("bad_batch:1:3", 2, 1, "correct"),
     "bad-batch-dp3": ("bad_batch:2:3", 3, 2, "correct"),
     "matmul-dp2xtp2": ("matmul:3", 4, 3, "persistent", TP2),  # the rerun's first module output unlike replica 0's
-    # a transient leaves nothing but the loss, which a replica's tp ranks share: the first of them is named
-    # (here the flipped one; a flip on rank 3 lands in a hidden state whose logits no label of that step reads)
+    # a transient leaves the loss, which a replica's tp ranks share: each rank's rerun against its own first
+    # run names the one where it entered (a flip in rank 3's logits lands in padded vocabulary: unseen)
     "activation-dp2xtp2": ("flip_activation:2:3", 4, 2, "transient", TP2),
+    # tp rank 1 of replica 1: its norm's output becomes inf, the next collective spreads it to rank 2 (whose
+    # outputs change later): rank 3, not the first of the group, is named
+    "hidden-tp-rank-1-dp2xtp2": ("flip_hidden:3:3", 4, 3, "transient", TP2),
     "weight-dp2xtp2": ("flip_weight:1:2", 4, 1, "copy", TP2),  # a replicated norm weight: 4 copies, one odd
     "optimizer-state-dp2xtp2": ("flip_state:2:2", 4, 2, "copy", TP2),
     "grad-dp2xtp2": ("flip_grad:3:2", 4, 3, "transient", TP2),
@@ -65,6 +68,8 @@ CASES = {  # name: (spec, ranks, rank, what[, sets])
     # pp2 x dp2: ranks 0-1 stage 0 (dp 0, 1), ranks 2-3 stage 1; the wrong rank is not the one with the loss
     # (its rerun's outputs differ from an earlier chunk on). A matmul wrong on a stage without the head
     # moves the loss too little to be a suspect: not detected.
+    # the loss is rank 3's; rank 1's rerun changed in chunk 0, rank 3's only in chunk 1
+    "hidden-pp2-first-stage": ("flip_hidden:1:3", 4, 1, "transient", ["parallel.pp=2"]),
     "weight-pp2-1f1b-first-stage": ("flip_weight:1:2", 4, 1, "persistent", ["parallel.pp=2"]),  # loss: rank 3's
     "weight-pp2-zbv-middle-chunks": ("flip_weight:3:2", 4, 3, "persistent",  # chunks 1-2; loss: rank 1's
                                      ["parallel.pp=2", "parallel.schedule=zb-v", "model.layers=4"]),
@@ -81,6 +86,8 @@ def test_the_class_and_the_rank_are_right(tmp_path, fault_ranks, name):
         assert res.exit_code == 0, res.output
         found = [(e["class"], e["rank"]) for e in events if e["event"] == "corruption"]
         assert found == [(what, rank)], events
+        if "hidden" in name:  # by its fingerprints, not by the loss
+            assert [e["named_by"] for e in events if e["event"] == "corruption"] == ["fingerprints"], events
     elif what == "persistent":
         stopped_naming(res, rank, "computes wrong results persistently", nproc)
     else:  # stopped at the flip's step, by the copy it flipped
@@ -123,6 +130,7 @@ def test_injection_is_off_unless_asked_and_a_bad_spec_is_refused():
     assert not off.active and not off.bad_batch and not off.flip_grad
     assert not Faults(0, parse("flip_grad:1:2,slow:1:forward")).active  # another rank's
     assert Faults(3, parse("bad_batch:1:2")).bad_batch == {(1, 2)}  # the data's: every rank reads it so
+    assert Faults(3, parse("flip_hidden:3:2")).flip_hidden == {2}
     for bad in ("flip_grad:1", "bad_batch:x:2", "flip_grad:1:0", "slow:1:nowhere", "matmul:1:2"):
         with pytest.raises(UsageError, match="PAR_INJECT"):
             parse(bad)
@@ -153,3 +161,51 @@ def test_a_verdict_is_one_event_and_one_console_line(tmp_path, capsys):
     assert [e["class"] for e in lines if e.get("event") == "corruption"] == ["transient"]
     assert "step 3: corruption check: transient on rank 1 (host node7, GPU 2), step 3's micro-batch 0" \
         in capsys.readouterr().out
+
+
+def test_the_rank_whose_own_rerun_changed_first_is_named():
+    """A transient fault on tp rank 1 of a replica (rank 3): its first run's fingerprints differ from its own
+    rerun's from module 2 on, rank 2's only after the collective that brought the wrong value (module 5).
+    Planted bugs, each naming rank 2: the first rank of the group; comparing across replicas (rank 2's
+    first run with rank 0's, whose data differ from the first module)."""
+    from pretrain.training.fingerprints import earliest, first_change
+
+    clean = [(0, v) for v in (11, 12, 13, 14, 15, 16)]
+    rerun = {r: clean for r in range(4)}
+    first = {0: [(0, v + 100) for _, v in clean], 1: [(0, v + 100) for _, v in clean],  # replica 0: other data
+             2: clean[:5] + [(0, -1)], 3: clean[:2] + [(0, -1)] * 4}
+    changes = {r: first_change(first[r], rerun[r]) for r in (2, 3)}
+    assert changes == {2: (0, 5), 3: (0, 2)}
+    assert earliest(changes, suspect=2) == 3
+    assert earliest({2: None, 3: None}, suspect=2) == 2  # nothing changed (a bad batch, a flipped gradient)
+    assert first_change(clean, clean + [(1, 9)]) == (1, 0) and first_change(clean, clean[:3]) == (0, 3)
+    # a later chunk comes after every module of an earlier one
+    assert earliest({2: (1, 0), 3: (0, 4)}, suspect=2) == 3
+    first_of_group = min(r for r, at in changes.items() if at is not None)
+    across = {r: first_change(first[r], first[r - 2]) for r in (2, 3)}
+    assert first_of_group == 2 and earliest(across, suspect=2) == 2
+
+
+def test_a_forward_keeps_one_fingerprint_per_module_output_and_drops_them_at_an_update():
+    """The fingerprint sees any flipped bit; recorded only inside a micro-batch's forward (not a
+    recompute); an applied update drops them (other weights)."""
+    from pretrain.training.fingerprints import RERUN, Fingerprints, fingerprint
+
+    t = torch.randn(32)
+    for bit in (0, 22, 30, 31):
+        flipped = t.clone()
+        flipped.view(torch.int32)[5] ^= 1 << bit
+        assert fingerprint(flipped) != fingerprint(t), bit
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    prints, x = Fingerprints({0: chunk}, on=True), torch.randn(3, 4)
+    with prints.forward(7, 0, 1):
+        prints.output(chunk(x))
+    chunk(x)  # outside a forward: a recompute
+    with prints.forward(RERUN, 0, 0):
+        prints.output(chunk(x))
+    first, rerun = prints.of(7, 1), prints.of(RERUN, 0)
+    assert len(first) == 5 and first == rerun  # 3 modules, the Sequential, its output as it left
+    assert prints.take_cost()["fingerprint_bytes"] == 5 * 8
+    prints.updated()
+    assert prints.of(7, 1) is None
+    assert Fingerprints({0: chunk}, on=False).of(7, 1) is None

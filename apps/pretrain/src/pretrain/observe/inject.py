@@ -11,6 +11,9 @@ rank: never on unless ``PAR_INJECT`` is set (the tests set it for the ranks they
   only the copies check at that step can see it; the next update would spread it to the weights).
 - ``flip_activation:R:STEP``: in step STEP, the top exponent bit of rank R's first forward output
   flips (once: transient).
+- ``flip_hidden:R:STEP``: in step STEP, the top exponent bit of the first element at least 1 of rank
+  R's first normalised hidden state (its first decoder layer's first norm's output: a value in [1, 2)
+  becomes inf or NaN) flips (once: transient). Under tp, rank R's own share, before any collective.
 - ``flip_grad:R:STEP``: in step STEP, the top exponent bit of the first positive element of rank R's
   reduced gradient (its first bucket's optimizer range, after the data-parallel reduction) flips (once).
 - ``bad_batch:D:STEP``: data-parallel rank D's share of step STEP holds, in its first micro-batch, token
@@ -35,8 +38,8 @@ from .stragglers import BUSY_PHASES
 
 ENV = "PAR_INJECT"
 FACTOR = 3.0
-KINDS = ("slow", "flip_weight", "flip_state", "flip_activation", "flip_grad", "bad_batch", "matmul")
-STEPPED = ("flip_weight", "flip_state", "flip_activation", "flip_grad", "bad_batch")  # KIND:RANK:STEP
+KINDS = ("slow", "flip_weight", "flip_state", "flip_activation", "flip_hidden", "flip_grad", "bad_batch", "matmul")
+STEPPED = ("flip_weight", "flip_state", "flip_activation", "flip_hidden", "flip_grad", "bad_batch")  # KIND:RANK:STEP
 
 
 def parse(text: str) -> list[tuple[str, int, str]]:
@@ -54,11 +57,11 @@ def parse(text: str) -> list[tuple[str, int, str]]:
     return out
 
 
-def flip_bit(t: torch.Tensor, bit: int = 30) -> None:
+def flip_bit(t: torch.Tensor, bit: int = 30, least: float = 0.0) -> None:
     """Flip one bit (the top exponent bit by default: 1.0 becomes inf, 0.01 about 1e35) of ``t``'s first
-    positive element (else its first), in place."""
+    positive element (with ``least``: its first in [least, 2 least)), else its first, in place."""
     flat = t.detach().view(-1)
-    positive = (flat > 0).nonzero()
+    positive = ((flat >= least) & (flat < 2 * least) if least else flat > 0).nonzero()
     at = int(positive[0, 0]) if len(positive) else 0
     flat = flat[at:at + 1]
     ints = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.int16)
@@ -74,6 +77,7 @@ class Faults:
         self.flip_weight = {int(arg) for kind, arg in mine if kind == "flip_weight"}
         self.flip_state = {int(arg) for kind, arg in mine if kind == "flip_state"}
         self.flip_activation = {int(arg) for kind, arg in mine if kind == "flip_activation"}
+        self.flip_hidden = {int(arg) for kind, arg in mine if kind == "flip_hidden"}
         self.flip_grad = {int(arg) for kind, arg in mine if kind == "flip_grad"}
         self.bad_batch = {(r, int(arg)) for kind, r, arg in entries if kind == "bad_batch"}  # data: every rank's
         self.active = bool(mine)
@@ -102,6 +106,22 @@ class Faults:
         self.owned = owned
         if self.step_no in self.flip_weight:
             self._flip(lambda n: n.startswith("master/"))
+
+    def modules(self, chunks: dict) -> None:
+        """Hook the module whose output ``flip_hidden`` flips (before any other hook on it sees the output)."""
+        if not self.flip_hidden or 0 not in chunks:
+            return
+        layer = chunks[0].decoder_layers()[0]
+        norm = next((m for m in layer.modules() if "norm" in type(m).__name__.lower()), layer)
+
+        def flip(module, inputs, output):
+            t = output[0] if isinstance(output, tuple) else output
+            if self.step_no in self.flip_hidden and "hidden" not in self.done and torch.is_tensor(t):
+                self.done.add("hidden")
+                with torch.no_grad():
+                    flip_bit(t.data, least=1.0)
+
+        norm.register_forward_hook(flip)
 
     def reduced(self, dp) -> None:
         """The gradients are reduced (before the norm and the update): flip one bit of this rank's, once."""

@@ -25,8 +25,11 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
   shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
   is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
-  coordinate's in the other replicas. A transient or correct one is named by its loss alone (within
-  its replica's tp and cp ranks at the loss's stage, the first).
+  coordinate's in the other replicas. A transient or correct one is the rank of its replica whose
+  rerun first differs from its own first run (fingerprints.py: each rank's module outputs, kept on the
+  device during the step; a fault seen first there, before a collective spread it); where none
+  differs or none was kept (an update applied since), the loss names it (within its replica's tp and
+  cp ranks at the loss's stage, the first).
 
 A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
@@ -48,6 +51,7 @@ from par_groups import comm
 from par_groups.param_placement import placement_of
 
 from ..errors import UsageError
+from .fingerprints import RERUN, Fingerprints, earliest, first_change
 
 SPIKE_RELATIVE, SPIKE_MADS = 0.5, 5.0
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -128,6 +132,9 @@ class Integrity:
         self.checks = 0
         self.ranks: list[tuple] | None = None  # every rank's (dp, model coordinate, host, gpu)
         self.trace: list = []  # the last rerun's module output hashes
+        m = trainer.cfg.model  # a training forward and its rerun compute alike only without dropout
+        self.prints = Fingerprints(trainer.model.chunks, bool(self.every) and not (m.hidden_dropout or m.attention_dropout))
+        self.rerunning = False
 
     def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None) -> None:
         """This step's micro-batch losses and the squared sum of this rank's own reduced gradient (on the
@@ -178,7 +185,8 @@ class Integrity:
         odd, split = ({}, {})
         if self.checks % self.every == 0:
             odd, split, cost = self._copies(trainer)
-            events.append({"event": "integrity_check", "step": step, **cost, "odd": len(odd), "split": len(split)})
+            events.append({"event": "integrity_check", "step": step, **cost, **self.prints.take_cost(),
+                           "odd": len(odd), "split": len(split)})
         row = self.worst.clone()
         self.worst.fill_(-float("inf"))
         every = torch.empty(len(who) * len(row), dtype=torch.float64, device=self.device)
@@ -196,11 +204,14 @@ class Integrity:
             at, micro = (int(rows[suspect][2]), int(rows[suspect][3])) if suspects else (int(rows[suspect][4]), 0)
             verdict = self._rerun(trainer, suspect, at, micro, [rows[o][1] for o in held if o != suspect])
             if verdict == "persistent":  # the loss is shared by its replica's tp and cp ranks: which computed wrong
-                suspect = self.first_to_differ(suspect)
-            events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect,
+                suspect, named_by = self.first_to_differ(suspect), "rerun_vs_replicas"
+            else:  # which of them computed something else the first time
+                suspect, named_by = self.first_to_change(suspect, at, micro)
+            events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
                            "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger,
                            "suspect_step": at + 1, "micro_batch": micro,
                            "suspect_loss": _finite(rows[suspect][1]) if suspects else None})
+        self.prints.updated()  # compared: the next check compares the steps after this one
         if dist.get_rank() == 0:
             self.events += events
         if odd:
@@ -250,10 +261,12 @@ class Integrity:
             return hook
 
         hooks = [m.register_forward_hook(record(c)) for c, chunk in trainer.model.chunks.items() for m in chunk.modules()]
+        self.rerunning = True  # its fingerprints kept apart from the first run's
         try:
             with torch.no_grad(), trainer._compute_context():
                 losses = trainer.runner.eval_losses(trainer.microbatches(one))
         finally:
+            self.rerunning = False
             for h in hooks:
                 h.remove()
             trainer.model.module.train(was)
@@ -273,6 +286,20 @@ class Integrity:
         if theirs and not any(same(own, v) for v in theirs):
             return "persistent"
         return "correct" if spike(own, peers_first) else "transient"
+
+    def first_to_change(self, suspect: int, step: int, microbatch: int) -> tuple[int, str]:
+        """Of the suspect's replica's ranks, the one whose rerun first differs from its own first run of the
+        micro-batch (fingerprints.py), and how it was named: by ``"fingerprints"``, or by ``"loss"`` (the
+        suspect) where no rank kept its first run's (an update applied since) or none changed. Every rank calls it."""
+        first, rerun = self.prints.of(step, microbatch), self.prints.of(RERUN, 0)
+        self.prints.kept = {k: v for k, v in self.prints.kept.items() if k[0] != RERUN}
+        mine = first_change(first, rerun or []) if first is not None else None
+        every: list = [None] * dist.get_world_size()
+        comm.all_gather_object(every, mine, None)
+        dp = self.ranks[suspect][0]
+        changes = {r: every[r] for r, w in enumerate(self.ranks) if w[0] == dp}
+        named = earliest(changes, suspect)
+        return named, "fingerprints" if any(c is not None for c in changes.values()) else "loss"
 
     def first_to_differ(self, suspect: int) -> int:
         """Of the ranks of the suspect's replica (its loss is shared by its tp and cp ranks, and its pipeline

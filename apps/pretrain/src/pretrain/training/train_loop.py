@@ -39,6 +39,7 @@ from .step_result import NonFinite, StepResult
 from .runners import make_runner
 from ..observe.step_timing import NoTimer
 from ..observe.inject import Faults
+from .fingerprints import RERUN
 from .integrity import Integrity
 from .owned_state import owned_state
 
@@ -107,6 +108,7 @@ class Trainer:
         self.timer.planned_layers = [len(ids) for ids in cfg.parallel.stage_layers(cfg.model.layers)]
         self.faults = Faults.from_env(dist.get_rank())  # none unless PAR_INJECT (observe/inject.py)
         self.faults.data(self.sampler, cfg.model.vocab_size)
+        self.faults.modules(self.model.chunks)  # before the integrity's hooks: they see what it flips
         self.integrity = Integrity(self, off=simulated or not self.integrity_checks)  # silent corruption, at log steps
         if hasattr(self.runner, "executor"):
             self.runner.executor.send_span = self._send_span
@@ -194,9 +196,14 @@ class Trainer:
             s = self.sampler
             first = self._step * s.global_batch + s.dp_rank * (s.global_batch // s.dp_size) + microbatch * s.micro_batch
             self.model.dropout.set(self.cfg.train.seed, self._step, first)
-        with self.timer.span("forward"), self.fp8_region():
+        prints = self.integrity.prints  # this rank's own outputs, to name where a transient fault entered
+        with self.timer.span("forward"), self.fp8_region(), prints.forward(self._rerun_step(), chunk_id, microbatch):
             self.faults.at("forward")
-            return self.faults.output(module(x, docs=batch.docs[microbatch]) if batch.docs else module(x))
+            return prints.output(self.faults.output(module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)))
+
+    def _rerun_step(self) -> int | None:
+        """The step a forward's fingerprints are kept under: a training step's, a rerun's, none for an evaluation."""
+        return RERUN if self.integrity.rerunning else self._step if self.model.module.training else None
 
     @contextmanager
     def _send_span(self):
@@ -286,6 +293,7 @@ class Trainer:
             return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
         dp.set_lr(lr)
         dp.step(self._qk_clip if cfg.train.muon_qk_clip > 0 else None)
+        self.integrity.prints.updated()
         dp.zero_grad()
         moe = self._update_moe()
         placement = None if self.expert_replacer is None else self.expert_replacer.after_step(step)

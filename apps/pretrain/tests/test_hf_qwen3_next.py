@@ -11,6 +11,9 @@ the exported model's loss in transformers is the trainer's eval loss (Qwen3.5 ex
 ``qwen3_next``, the same model). `plan` counts the shipped Qwen3-Next-80B-A3B's parameters as
 transformers does (its linear and full-attention layers apart)."""
 
+import importlib
+import sys
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -18,6 +21,25 @@ from typer.testing import CliRunner
 from pretrain.cli import app
 
 transformers = pytest.importorskip("transformers")
+
+
+def _import_without_fla(names: tuple[str, ...]) -> None:
+    """transformers binds flash-linear-attention's Triton kernels into its Gated DeltaNet when `fla` imports
+    (it does here: fla-core is the suite's oracle for par-cp's rule), and Triton has no CPU driver: its
+    modeling modules are imported with `fla` hidden, so they keep their own PyTorch path, the reference."""
+    hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        for name in names:
+            module = f"transformers.models.{name}.modeling_{name}"
+            assert module not in sys.modules, f"{module} was imported with fla before this test module"
+            importlib.import_module(module)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(hidden)
+
+
+_import_without_fla(("qwen3_next", "qwen3_5", "qwen3_5_moe"))
 runner = CliRunner()
 SEQ, BATCH, LAYERS = 16, 2, 4
 LINEAR = dict(vocab_size=256, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,

@@ -22,14 +22,16 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   coordinate in the other replicas: **persistent** if the suspect's rerun differs from its peers'
   (it computes wrong), **correct** if every rerun agrees and is itself anomalous (the data or the
   model), **transient** if every rerun agrees and is normal (its first result was a glitch). The
-  rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
+  check runs before the log step's update is applied (:meth:`Integrity.losses`, from
+  ``Trainer.train_step``): a suspect of the log step itself is rerun with its own step's weights, one
+  of an earlier step with the current weights. A persistent suspect's loss is
   shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
   is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
   coordinate's in the other replicas. A transient or correct one is the rank of its replica whose
   rerun first differs from its own first run (fingerprints.py: each rank's module outputs, kept on the
   device during the step; a fault seen first there, before a collective spread it); where none
-  differs or none was kept (an update applied since), the loss names it (within its replica's tp and
-  cp ranks at the loss's stage, the first).
+  differs or none was kept (an update applied since: a spike before the log step), the loss names
+  it (within its replica's tp and cp ranks at the loss's stage, the first).
 
 A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
@@ -125,7 +127,8 @@ class Integrity:
     def __init__(self, trainer, off: bool = False) -> None:
         self.every = 0 if off else trainer.cfg.log.integrity_every
         self.events: list[dict] = []  # for rank 0's log (:meth:`take`)
-        self.checked_at = -1
+        self.checked_at = self.losses_at = -1
+        self.found: tuple = (None, -1, -1, -1)  # the loss check's verdict, suspect, its step and micro-batch
         self.device = trainer.device
         # worst micro-batch loss's score, loss, step, micro-batch; the first step whose own gradient was not finite
         self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
@@ -179,7 +182,6 @@ class Integrity:
         if not self.every or step == self.checked_at:
             return []
         self.checked_at = step
-        who = self._who(trainer)
         events = []
         self.checks += 1
         odd, split = ({}, {})
@@ -187,6 +189,36 @@ class Integrity:
             odd, split, cost = self._copies(trainer)
             events.append({"event": "integrity_check", "step": step, **cost, **self.prints.take_cost(),
                            "odd": len(odd), "split": len(split)})
+        if dist.get_rank() == 0:
+            self.events += events
+        self.losses(trainer, step)  # a no-op where the step ran it before its update
+        verdict, suspect, at, micro = self.found
+        self.found = (None, -1, -1, -1)
+        if odd:
+            ranks = sorted({r for rs in odd.values() for r in rs})
+            key = next(iter(odd))
+            raise UsageError(f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
+                             f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
+        if verdict == "persistent":
+            raise UsageError(self.persistent_line(suspect, at, micro))
+        if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
+            self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
+                                "ranks": sorted({r for rs in split.values() for r in rs})})
+        return [f"{verdict} on {self.name(suspect)}"] if verdict else []
+
+    def persistent_line(self, suspect: int, at: int, micro: int) -> str:
+        return (f"silent corruption: {self.name(suspect)} computes wrong results persistently (its rerun of step "
+                f"{at + 1}'s micro-batch {micro} differs from its replicas'); stopping")
+
+    def losses(self, trainer, step: int) -> None:
+        """The loss check at log step ``step`` (every rank), once: the step runs it before its update where
+        it applies one (``Trainer.train_step``), so that the fingerprints of its own forward, taken with the
+        weights the rerun uses, can name the rank where a finite fault entered; else :meth:`check` runs it
+        after the step (a skipped update changed no weight). The verdict waits in ``found`` for :meth:`check`."""
+        if not self.every or step == self.losses_at:
+            return
+        self.losses_at = step
+        who = self._who(trainer)
         row = self.worst.clone()
         self.worst.fill_(-float("inf"))
         every = torch.empty(len(who) * len(row), dtype=torch.float64, device=self.device)
@@ -198,7 +230,7 @@ class Integrity:
         # have reached every replica through the reduction
         grads = [r for r, x in enumerate(rows) if x[4] >= 0 and any(
             rows[o][4] < 0 for o, w in enumerate(who) if w[1] == who[r][1] and w[0] != who[r][0])]
-        verdict, trigger = None, "loss" if suspects else "gradient"
+        trigger = "loss" if suspects else "gradient"
         if suspects or grads:
             suspect = max(suspects, key=lambda r: rows[r][0]) if suspects else grads[0]
             at, micro = (int(rows[suspect][2]), int(rows[suspect][3])) if suspects else (int(rows[suspect][4]), 0)
@@ -207,26 +239,13 @@ class Integrity:
                 suspect, named_by = self.first_to_differ(suspect), "rerun_vs_replicas"
             else:  # which of them computed something else the first time
                 suspect, named_by = self.first_to_change(suspect, at, micro)
-            events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
-                           "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger,
-                           "suspect_step": at + 1, "micro_batch": micro,
-                           "suspect_loss": _finite(rows[suspect][1]) if suspects else None})
+            self.found = (verdict, suspect, at, micro)
+            event = {"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
+                     "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger, "suspect_step": at + 1,
+                     "micro_batch": micro, "suspect_loss": _finite(rows[suspect][1]) if suspects else None}
+            if dist.get_rank() == 0:
+                self.events.append(event)
         self.prints.updated()  # compared: the next check compares the steps after this one
-        if dist.get_rank() == 0:
-            self.events += events
-        if odd:
-            ranks = sorted({r for rs in odd.values() for r in rs})
-            key = next(iter(odd))
-            raise UsageError(f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
-                             f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
-        if verdict == "persistent":
-            raise UsageError(f"silent corruption: {self.name(suspect)} computes wrong results persistently (its "
-                             f"rerun of step {at + 1}'s micro-batch {micro} differs "
-                             f"from its replicas'); stopping")
-        if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
-            self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
-                                "ranks": sorted({r for rs in split.values() for r in rs})})
-        return [f"{verdict} on {self.name(suspect)}"] if verdict else []
 
     def _copies(self, trainer) -> tuple[dict, dict, dict]:
         start = time.perf_counter()

@@ -291,6 +291,8 @@ class Trainer:
             timer.finish()
             self.non_finite = NonFinite(self.device)  # a skipped step does not stop the run
             return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
+        if self.log_step(step + 1):  # before the update: its forward's fingerprints hold for the rerun
+            self.integrity.losses(self, step + 1)
         dp.set_lr(lr)
         dp.step(self._qk_clip if cfg.train.muon_qk_clip > 0 else None)
         self.integrity.prints.updated()
@@ -307,6 +309,11 @@ class Trainer:
     def _qk_clip(self) -> None:
         """MuonClip: the heads whose max logit passed tau this step, scaled down (blocks/qk_clip.py)."""
         self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
+
+    def log_step(self, done: int) -> bool:
+        """Whether the step that makes ``done`` steps is logged (its values read on the host)."""
+        t = self.cfg.train
+        return done % self.cfg.log.every == 0 or done == (t.stop_at or t.steps)
 
     def check_finite(self) -> None:
         """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read).

@@ -198,6 +198,43 @@ def test_dp3_rank_killed_in_the_gradient_reduction_goes_on_with_the_uninterrupte
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,bad", [(1, 1), (2, 3)])
+def test_a_rank_that_computes_wrong_persistently_has_its_replica_dropped_not_replaced(tmp_path, reference, fault_ranks,
+                                                                                    tp, bad):
+    """dp2 (x tp2): every matmul of rank ``bad`` is wrong from the start. The check at step 1, before its update,
+    names the rank; its replica leaves (fenced as for a death, with ``respawn`` on and no replacement started:
+    its device computes wrong), the other redoes step 1 alone with both replicas' micro-batches, and the curve
+    is the uninterrupted run's without the fault (fp32, 1e-6) from step 1 on: the wrong step was never applied."""
+    import replica_kills
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", functools.partial(replica_kills.injected, f"matmul:{bad}", str(pids)))
+        res = _run(tmp_path, 2, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=true",
+                   "--set", "log.sample_ids=true", tp=tp)
+    assert res.exit_code == 0, res.output
+    log = tmp_path / "log"
+    events = [r for r in _records(log) if r.get("event") in ("corruption", "replica_lost", "replica_joined")]
+    replica = [r for r in range(2 * tp) if r // tp == 1]
+    assert [(e["event"], e["step"]) for e in events] == [("replica_lost", 0), ("corruption", 1)], events
+    assert events[0]["ranks"] == replica and events[0]["replica"] == 1, events
+    assert (events[1]["class"], events[1]["rank"], events[1]["gpu"]) == ("persistent", bad, "cpu") and events[1]["host"]
+    expected, got = reference(2, tp), _curve(log)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for s, (loss, norm) in expected.items():
+        assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
+    records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
+    for s in range(1, 5):  # the survivor trained every sample of every step (the latest generation's record)
+        latest = max(r["generation"] for r in records if r["step"] == s)
+        ids = sorted(i for r in records if r["step"] == s and r["generation"] == latest for i in r["samples"])
+        assert latest == 1 and ids == list(range((s - 1) * 4, s * 4)), (s, ids)
+    started = [int(p.name) for p in pids.glob("[0-9]*")]
+    assert len(started) == 2 * tp and not [p for p in started if _alive(p)], started  # no replacement, none left
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("dp,rank,step,phase", [(2, 1, 2, "forward"), (2, 0, 3, "backward"), (2, 1, 4, "optimizer"),
                                                 (3, 1, 2, "forward"), (3, 0, 3, "backward"), (3, 1, 4, "optimizer"),
                                                 (3, 0, 1, "reduction")])

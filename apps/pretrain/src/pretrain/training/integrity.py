@@ -33,7 +33,9 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   differs or none was kept (an update applied since: a spike before the log step), the loss names
   it (within its replica's tp and cp ranks at the loss's stage, the first).
 
-A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
+A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU
+(under ``fault_tolerance = "replica"`` a persistent rank's replica is dropped instead, before the
+step's update: replica_drop.py);
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
 Cost per copies check: one hash pass over the owned state on the device, one host read of the
 hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``integrity_check``).
@@ -41,7 +43,6 @@ hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``int
 
 from __future__ import annotations
 
-import copy
 import socket
 import statistics
 import time
@@ -117,6 +118,15 @@ def spike(value: float, peers: list[float]) -> bool:
     return value - base > max(SPIKE_RELATIVE * abs(base), SPIKE_MADS * mad)
 
 
+class PersistentRank(UsageError):
+    """A rank computes wrong results persistently: the run's one-line stop, or, where the trainer drops
+    replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
+
+    def __init__(self, line: str, rank: int, dp: int, event: dict) -> None:
+        super().__init__(line)
+        self.rank, self.dp, self.event = rank, dp, event  # the rank (this generation's), its data-parallel index
+
+
 def _finite(x: float) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
 
@@ -139,9 +149,9 @@ class Integrity:
         self.prints = Fingerprints(trainer.model.chunks, bool(self.every) and not (m.hidden_dropout or m.attention_dropout))
         self.rerunning = False
 
-    def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None) -> None:
-        """This step's micro-batch losses and the squared sum of this rank's own reduced gradient (on the
-        device; nothing read)."""
+    def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None, weight: float = 1.0) -> None:
+        """This step's micro-batch losses (each scaled by ``weight``: compared unscaled) and the squared sum of
+        this rank's own reduced gradient (on the device; nothing read)."""
         if not self.every:
             return
         if grad_sq is not None:
@@ -149,7 +159,7 @@ class Integrity:
             self.worst[4:].copy_(torch.where(bad, torch.full_like(self.worst[4:], step), self.worst[4:]))
         if not losses:
             return
-        loss = torch.stack([x.detach().double().reshape(()) for x in losses])
+        loss = torch.stack([x.detach().double().reshape(()) for x in losses]) / weight
         score = torch.where(torch.isfinite(loss), loss, torch.full_like(loss, float("inf")))
         m = score.argmax().reshape(1)  # gathered by index on the device: no host read
         top = score.gather(0, m)
@@ -243,6 +253,9 @@ class Integrity:
             event = {"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
                      "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger, "suspect_step": at + 1,
                      "micro_batch": micro, "suspect_loss": _finite(rows[suspect][1]) if suspects else None}
+            if verdict == "persistent" and trainer.drops_replicas:  # its replica leaves; this update is not applied
+                self.prints.updated()
+                raise PersistentRank(self.persistent_line(suspect, at, micro), suspect, who[suspect][0], event)
             if dist.get_rank() == 0:
                 self.events.append(event)
         self.prints.updated()  # compared: the next check compares the steps after this one
@@ -264,9 +277,7 @@ class Integrity:
     def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
         """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""
         dp, model, _, _ = self.ranks[suspect]
-        sampler = copy.copy(trainer.sampler)
-        sampler.dp_rank = dp
-        batch = sampler.train_batch(step)
+        batch = trainer.rerun_batch(dp, step)
         one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
         was = trainer.model.module.training
         trainer.model.module.eval()
@@ -293,7 +304,7 @@ class Integrity:
         self.trace = [(c, tuple(h)) for (c, _), h in zip(trace, hashes)]
         mine = torch.tensor([float("nan") if not losses else 0.0, 0.0], dtype=torch.float64, device=self.device)
         if losses:
-            mine[1] = losses[0].detach().double()
+            mine[1] = losses[0].detach().double() / trainer.loss_weight
             mine[0] = 1.0
         every = torch.empty(len(self.ranks) * 2, dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, mine, None)

@@ -198,10 +198,10 @@ def test_dp3_rank_killed_in_the_gradient_reduction_goes_on_with_the_uninterrupte
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp,bad", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("tp,bad", [(1, 1), (2, 3), (1, 0)])
 def test_a_rank_that_computes_wrong_persistently_has_its_replica_dropped_not_replaced(tmp_path, reference, fault_ranks,
                                                                                     tp, bad):
-    """dp2 (x tp2): every matmul of rank ``bad`` is wrong from the start. The check at step 1, before its update,
+    """dp2 (x tp2): every matmul of rank ``bad`` is wrong from the start (rank 0: the log's holder is lost). The check at step 1, before its update,
     names the rank; its replica leaves (fenced as for a death, with ``respawn`` on and no replacement started:
     its device computes wrong), the other redoes step 1 alone with both replicas' micro-batches, and the curve
     is the uninterrupted run's without the fault (fp32, 1e-6) from step 1 on: the wrong step was never applied."""
@@ -216,9 +216,9 @@ def test_a_rank_that_computes_wrong_persistently_has_its_replica_dropped_not_rep
     assert res.exit_code == 0, res.output
     log = tmp_path / "log"
     events = [r for r in _records(log) if r.get("event") in ("corruption", "replica_lost", "replica_joined")]
-    replica = [r for r in range(2 * tp) if r // tp == 1]
+    replica = [r for r in range(2 * tp) if r // tp == bad // tp]
     assert [(e["event"], e["step"]) for e in events] == [("replica_lost", 0), ("corruption", 1)], events
-    assert events[0]["ranks"] == replica and events[0]["replica"] == 1, events
+    assert events[0]["ranks"] == replica and events[0]["replica"] == bad // tp, events
     assert (events[1]["class"], events[1]["rank"], events[1]["gpu"]) == ("persistent", bad, "cpu") and events[1]["host"]
     expected, got = reference(2, tp), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]

@@ -209,6 +209,7 @@ class ReplicaRun:
                              "(`pretrain train --nproc N`), not torchrun; set it to 'off' there")
         self.cfg, self.stops, self.device = cfg, stops, device
         self.rank = int(os.environ.get(ORIGINAL_RANK, dist.get_rank()))  # generation 0's numbering: the launcher's
+        os.environ[ORIGINAL_RANK] = str(self.rank)  # what PAR_INJECT names (observe/inject.py), after any regroup
         self.layout = cfg.validate_world(int(os.environ.get(ORIGINAL_WORLD, dist.get_world_size())))
         self.store = _store(cfg)
         admitted = os.environ.get(ADMITTED)

@@ -148,13 +148,14 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
     return max(rows * h, copies * m.num_experts / layout.ep * h * f + rows * (f - 3 * h), 0.0) * pb
 
 
-def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
+def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: float = 0.0) -> float:
     """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and, under context parallelism, the attention's,
-    which runs once the MLP's saved set is freed."""
+    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and
+    the attention's (under context parallelism, and ``rerun`` per token: what its recomputed core brings
+    back beyond what the caller counted, ``Family.rerun_bytes``), which runs once the MLP's saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
-    attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
+    attention = (_ring_backward_work(m, layout, pb) + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
         return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
@@ -218,6 +219,7 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient
         saved += message
     recomputed = "selective" if m.recompute == "full" else None
+    rerun = family_of(m).rerun_bytes(m, layout, pb) if m.recompute != "none" else 0.0  # beyond the selective set
     # expert_balance = "replicate": each MoE layer keeps its fetched replica weights for backward
     # (refetched when recomputed), whose backward adds their gradients (sizing.replicas)
     replica = replica_bytes(m, layout.etp, replicas, pb)
@@ -227,7 +229,7 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
         again = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
         replicas = (2 if recomputed else 1) * replica if m.is_moe_layer(i) else 0.0
-        return again + _backward_work(cfg, layout, i, tokens, moe_pairs) + replicas
+        return again + _backward_work(cfg, layout, i, tokens, moe_pairs, rerun) + replicas
 
     work, forward = max((backward(i) for i, _ in kinds), default=0.0), 0.0
     if last:  # the loss's logits are saved with the chunk; the head's output gradient is a junction
@@ -263,7 +265,7 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
 
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
-        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs)
+        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs, _rerun_beyond(cfg, layout, i))
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:
@@ -275,6 +277,17 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
             work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
         work = max(work - loss, 0.0)
     return ChunkBytes(saved, junctions, work, forward)
+
+
+def _rerun_beyond(cfg, layout, i: int) -> float:
+    """Per token: what layer ``i``'s recomputed attention core brings back (``Family.rerun_bytes``) beyond
+    the averaged difference of ``Family.saved_bytes`` a module policy's rerun counts."""
+    m, pb = cfg.model, _pb(cfg)
+    if not modules_at(m.recompute, i) & {"core_attn", "mla_up_proj", "full"}:
+        return 0.0
+    family = family_of(m)
+    counted = family.saved_bytes(m, layout, "none", pb) - family.saved_bytes(m, layout, "selective", pb)
+    return max(family.rerun_bytes(m, layout, pb) - counted, 0.0)
 
 
 def stage_peak_of(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> StagePeak:

@@ -120,15 +120,25 @@ class Qwen3Next(Family):
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token, averaged over the layer pattern: the full layers' gathered input, q (with its gate), k,
-        v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (the chunked rule's
-        saved set, the conv's inputs, the output side)."""
+        v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (without
+        recomputation the chunked rule's saved set, the conv's inputs, the output side; with the core
+        recomputed its checkpoint's inputs and the output side)."""
         from .memory import gdn_saved_per_token
 
         full, linear = self._fractions(m)
         q, kv = m.heads * m.head_dim / layout.tp, m.kv_heads * m.head_dim / layout.tp
         attn = (m.hidden + 3 * q + 2 * kv) * pb
-        gdn = gdn_saved_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1))
+        gdn = gdn_saved_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1),
+                                  "none" if recompute == "none" else "selective")
         return full * attn + linear * gdn
+
+    def rerun_bytes(self, m, layout, pb: int) -> float:
+        """A linear layer's recomputed core: its conv's and chunked rule's saved set and the gates'
+        (``memory.gdn_rerun_per_token``); the full layers' core reruns one SDPA call."""
+        from .memory import gdn_rerun_per_token
+
+        _, linear = self._fractions(m)
+        return gdn_rerun_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1)) if linear else 0.0
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         full, _ = self._fractions(m)  # the linear layers move states, not tokens (state_bytes)

@@ -66,21 +66,21 @@ def test_simulate_measures_the_planned_activations():  # (test_gdn_context_paral
 
 
 @pytest.mark.extended  # ~5 s each
-@pytest.mark.parametrize("recompute", ["selective", '["core_attn"]'])
-@pytest.mark.parametrize("cp, tp", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("cp, tp, recompute", [(1, 1, "selective"), (1, 1, '["core_attn"]'), (2, 2, "selective"),
+                                               (2, 2, '["core_attn"]')])
 def test_simulate_measures_the_planned_recomputed_core(cp, tp, recompute):
     """With the linear layers' core recomputed (``models/qwen3_next/memory.py``) the plan counts the
-    checkpoint's inputs and the output side kept, and the core's saved set back in a layer's backward
-    (``rerun_bytes``), under the word (``selective``) and a module list alike: within 7 % per stage (the
-    plan holds every layer's kept set beside the rerun; the layers after it have freed theirs by then).
-    Two periods of three linear layers and a full one."""
+    checkpoint's inputs and the output side kept, and in a linear layer's backward the core's saved set
+    back beside the backward's working set (``Qwen3Next.backward_bytes``), less what the later layers'
+    backward freed; under the word (``selective``) and a module list alike: within 5 % per stage. Two
+    periods of three linear layers and a full one; cp 2 x tp 2: the last rank."""
     from pretrain.config import load_config
     from pretrain.simulate.report import simulate
 
     cfg = load_config("llama3-8b", SIMULATED + ["model.layers=8", "model.full_attention_interval=4", f"parallel.tp={tp}",
                                                 f"parallel.cp={cp}", f"model.recompute={recompute}"])
     (rank,) = simulate(cfg, cp * tp, [cp * tp - 1])["ranks"]
-    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.07)
+    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.05)
 
 
 @pytest.mark.parametrize("cp, kind", [(2, "p2p"), (4, "p2p"), (4, "allgather"), (2, "a2a")])

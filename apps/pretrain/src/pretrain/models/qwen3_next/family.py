@@ -132,13 +132,17 @@ class Qwen3Next(Family):
                                   "none" if recompute == "none" else "selective")
         return full * attn + linear * gdn
 
-    def rerun_bytes(self, m, layout, pb: int) -> float:
-        """A linear layer's recomputed core: its conv's and chunked rule's saved set and the gates'
-        (``memory.gdn_rerun_per_token``); the full layers' core reruns one SDPA call."""
-        from .memory import gdn_rerun_per_token
+    def backward_bytes(self, m, layout, i: int, recomputed: bool, pb: int) -> float:
+        """A linear layer's: its recomputed core's saved set and the gates' (``memory.gdn_rerun_per_token``)
+        and its backward's working set (``memory.gdn_backward_work_per_token``); a full layer's core
+        reruns one SDPA call."""
+        from .memory import gdn_backward_work_per_token, gdn_rerun_per_token
 
-        _, linear = self._fractions(m)
-        return gdn_rerun_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1)) if linear else 0.0
+        if is_full_attention(m, i):
+            return 0.0
+        tp, b = layout.tp, max(layout.micro_batch, 1)
+        rerun = gdn_rerun_per_token(m, tp, layout.cp, pb, b) if recomputed else 0.0
+        return rerun + gdn_backward_work_per_token(m, tp, pb)
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         full, _ = self._fractions(m)  # the linear layers move states, not tokens (state_bytes)

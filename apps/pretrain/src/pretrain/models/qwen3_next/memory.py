@@ -26,7 +26,8 @@ checkpoint (``gdn.py``: ``_core``), which keeps its inputs and none of their sav
 views of ``in_proj_qkvz``'s output, so its whole storage stays (``2 nk dk + 2 nv dv``, ``z`` with it),
 and ``beta`` and ``a`` keep ``in_proj_ba``'s (``2 nv``); the projections' input and the output side
 (the norm, the gate, ``out_proj``'s input) run outside and keep what they keep without it. The backward
-reruns the core: its saved set comes back for that layer's backward (:func:`gdn_rerun_per_token`).
+reruns the core: its saved set comes back for that layer's backward (:func:`gdn_rerun_per_token`),
+beside the backward's working set (:func:`gdn_backward_work_per_token`).
 ``layernorm``, ``mlp``, ``moe`` and ``moe_act`` leave the layer as it is (its input is the input norm's
 output either way); ``full`` keeps the decoder layer's input only, and its rerun keeps the whole set
 (the core is not checkpointed again inside a recomputed layer).
@@ -90,3 +91,12 @@ def gdn_rerun_per_token(m, tp: int, cp: int, pb: int, micro_batch: int, chunk: i
     recomputation less the checkpoint's."""
     return (gdn_saved_per_token(m, tp, cp, pb, micro_batch, "none", chunk)
             - gdn_saved_per_token(m, tp, cp, pb, micro_batch, "selective", chunk))
+
+
+def gdn_backward_work_per_token(m, tp: int, pb: int, chunk: int = CHUNK) -> float:
+    """Bytes a linear layer's backward holds per token beyond its saved set, at most: its input's gradient
+    (``hidden``, the compute dtype) and, per value head in fp32, 4 key widths (the rule's gradients of q
+    and k, before and after the repeat over a key head's value heads) and 2 chunk-square rows (the chunk
+    loop's and the inverse's gradients). A bound: the peak moves between the chunk loop and the inverse's
+    backward with the key and value widths, and the saved tensors freed by then vary with it."""
+    return pb * m.hidden + 4 * m.linear_value_heads / tp * (4 * m.linear_key_dim + 2 * chunk)

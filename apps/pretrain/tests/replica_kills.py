@@ -22,7 +22,7 @@ def _sigkill() -> None:
 
 
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False, stale_step: bool = False) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = ()) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
@@ -33,6 +33,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
+    ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
+    ("reduction" only), once.
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
     import json
     import time
@@ -59,6 +61,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             Path(pid_dir, f"killed_{me}_at").write_text(repr(time.time()))  # for the benchmark
             return True
         return False
+
+    def stalled(wanted: str) -> None:  # once per (rank, step, phase): a redone step is not held again
+        for r, s, p, seconds in stall:
+            marker = Path(pid_dir, f"stalled_{me}_{s}_{p}")
+            if (r, s, p) == (me, now["step"], wanted) and not marker.exists():
+                marker.touch()
+                time.sleep(seconds)
 
     train_step, forward_chunk, loss = ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss
     plain_step, plain_forward = Trainer.train_step, Trainer.forward_chunk
@@ -154,6 +163,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     def reducing(tensor, *a, **kw):
         if due("reduction") and tensor.numel() > 1:
             _sigkill()
+        if tensor.numel() > 1:
+            stalled("reduction")
         return all_reduce(tensor, *a, **kw)
 
     def updating(self, *a, **kw):

@@ -41,6 +41,7 @@ from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
                                           latest_generation, ready_key, replica_key)
+from .generation_sockets import open_sockets, shut_down
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
@@ -211,6 +212,7 @@ class ReplicaRun:
         self.replica = -1
         self.shard = _shard_size(cfg, self.layout.dp)  # data ranks per replica: an HSDP replica's sharding group
         self.logger = None
+        self.sockets = open_sockets()  # this generation's connections: its default and stop groups' so far
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -220,7 +222,9 @@ class ReplicaRun:
             return self._joined(self.admitted)
         layout = self.layout
         share = ReplicaShare(cfg.train.global_batch, layout.micro_batch, layout.dp, 0)
+        before = open_sockets()
         trainer = ReplicaTrainer(cfg, share, **kwargs)
+        self.sockets |= open_sockets() - before  # its groups'
         self.replica = trainer.groups.coords()["dp"] // self.shard
         trainer.share = replace(share, index=trainer.groups.coords()["dp"])
         trainer.sample_log = self._sample_log(trainer.groups.coords())
@@ -276,6 +280,9 @@ class ReplicaRun:
         done = trainer.completed if trainer.completed == step + 1 else step
         coords = trainer.groups.coords()
         _leave_groups(error, self.stops)
+        if error is not None:  # a survivor still in one of this generation's collectives on this rank fails now
+            shut_down(self.sockets, int(os.environ["MASTER_PORT"]))
+        self.sockets = set()
         if event is None:
             event = self._next_generation(error)
             self.missing[event["lost_replica"]] = event["lost"]
@@ -308,6 +315,7 @@ class ReplicaRun:
         alive = sorted(set(event["replicas"].values()))
         share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
         cfg = self._config(len(alive), share.count)  # a pipeline's schedule runs this replica's micro-batches
+        before = open_sockets()
         if not dist.is_initialized():
             _fresh_prefix(self.store, self.generation, len(event["ranks"]))
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
@@ -321,6 +329,7 @@ class ReplicaRun:
         rng = rng_state()  # a fresh trainer seeds torch: this process's stream goes on as it was
         fresh = ReplicaTrainer(cfg, share, sample_log, **self.kwargs)
         set_rng_state(rng)
+        self.sockets |= open_sockets() - before  # this generation's groups'
         fresh.cfg, fresh.generation = self.cfg, self.generation  # the run's config: its schedule, its checkpoints
         return fresh
 

@@ -35,7 +35,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
     ("reduction" only), once.
-    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
+    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
+    regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
+    GPUs) raises."""
     import json
     import time
 
@@ -101,6 +103,25 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return admit(self, trainer, s)
 
     ReplicaRun.admit = admitting
+    control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
+
+    def controlled(method):
+        def inside(*a, **kw):
+            control["depth"] += 1
+            try:
+                return method(*a, **kw)
+            finally:
+                control["depth"] -= 1
+        return inside
+
+    for name in ("regroup", "admit", "_joined"):
+        setattr(ReplicaRun, name, controlled(getattr(ReplicaRun, name)))
+
+    def device_group_only(group, tensors) -> None:
+        """The default group stands for the device group, NCCL on GPUs, which takes no host tensor: the control
+        traffic's integers (the agreement, an admission's flag, a transfer's sizes and digests) must not go there."""
+        if control["depth"] and group is None and any(t.is_cpu and not t.is_floating_point() for t in tensors):
+            raise RuntimeError("a host control tensor sent over the device group (NCCL refuses it)")
     from pretrain.checkpoint import store
 
     gather_digests = store.gather_digests
@@ -116,9 +137,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         receive = replica_transfer.receive_state
 
-        def stale(model, source):
+        def stale(model, source, *a):
             fresh = model.dp.step_count
-            out = receive(model, source)
+            out = receive(model, source, *a)
             model.dp.step_count = fresh
             return out
 
@@ -128,12 +149,12 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         receive_state = replica_transfer.receive_state
 
-        def dying(trainer, source):
+        def dying(trainer, source, *a):
             marker = Path(pid_dir, "joiner_died")
             if not marker.exists():
                 marker.touch()
                 _sigkill()
-            return receive_state(trainer, source)
+            return receive_state(trainer, source, *a)
 
         replica_transfer.receive_state = dying
         from pretrain.training import fault_replica
@@ -161,6 +182,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return out
 
     def reducing(tensor, *a, **kw):
+        device_group_only(a[0] if a else kw.get("group"), [tensor])
         if due("reduction") and tensor.numel() > 1:
             _sigkill()
         if tensor.numel() > 1:
@@ -184,5 +206,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss = stepping, forwarding, lossing
     if phase == "forward":
         Trainer.train_step, Trainer.forward_chunk = plain_stepping, plain_forwarding
-    comm.all_reduce, DataParallel.step = reducing, updating
+    batch_isend_irecv = comm.batch_isend_irecv
+
+    def point_to_point(ops):
+        device_group_only(ops[0].group, [op.tensor for op in ops])
+        return batch_isend_irecv(ops)
+
+    comm.all_reduce, DataParallel.step, comm.batch_isend_irecv = reducing, updating, point_to_point
     return run_rank(*run_args)

@@ -243,7 +243,7 @@ class ReplicaRun:
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
             step, got = reshard_state(None, fresh, -1)
         else:
-            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank]), 0
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -304,7 +304,7 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
-                sent += send_state(trainer.model, self._new_rank(event, joiner), done)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
@@ -349,13 +349,20 @@ class ReplicaRun:
             pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
         return pairs
 
+    @property
+    def control(self):
+        """The group of this generation's control traffic (the agreement, an admission's flag, a transfer's sizes,
+        digests and host tensors): its gloo group over every member, made with the generation (the stop
+        requests' too), so the device groups may be NCCL, which refuses host tensors."""
+        return self.stops.group
+
     def _agree(self, done: int, event: dict, began: float, sent: int = 0, timed_out: bool = False) -> int:
         """Every member goes on from the same step (the collective checks it); logs the event, with how many
         members noticed a loss only at a collective's timeout (``timed_out``: this one) rather than at once."""
         agreed = torch.tensor([done, -done], dtype=torch.int64)
         moved = torch.tensor([sent, int(timed_out)], dtype=torch.int64)
-        comm.all_reduce(agreed[:2], None, op=dist.ReduceOp.MAX)
-        comm.all_reduce(moved, None)
+        comm.all_reduce(agreed[:2], self.control, op=dist.ReduceOp.MAX)
+        comm.all_reduce(moved, self.control)
         if int(agreed[0]) != -int(agreed[1]):
             raise RuntimeError(f"generation {self.generation}'s members stopped at different steps "
                                f"({-int(agreed[1])} and {int(agreed[0])})")
@@ -381,7 +388,7 @@ class ReplicaRun:
                     event = self._admission(replica, ranks, trainer)
                     break
         flag = torch.tensor([0 if event is None else self.generation], dtype=torch.int64)  # the generation claimed
-        comm.all_reduce(flag, None, op=dist.ReduceOp.MAX)
+        comm.all_reduce(flag, self.control, op=dist.ReduceOp.MAX)
         if int(flag[0]):
             if event is None:
                 self.generation = int(flag[0])

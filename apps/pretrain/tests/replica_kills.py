@@ -21,8 +21,14 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sigkill_node() -> None:
+    """This rank's whole process group: under a launcher started in a session of its own, the node (launcher,
+    forkserver and every rank)."""
+    os.killpg(0, signal.SIGKILL)
+
+
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = ()) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
@@ -33,6 +39,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
+    ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
     ("reduction" only), once.
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
@@ -172,7 +179,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     def forwarding(self, *a, **kw):
         if due("forward"):
-            _sigkill()
+            _sigkill_node() if whole_node else _sigkill()
         return forward_chunk(self, *a, **kw)
 
     def lossing(self, *a, **kw):

@@ -373,9 +373,10 @@ class ReplicaRun:
                 self.logger.log_event("replica_joined", step=done, ranks=event["joined"], replica=event["joined_replica"],
                                       generation=self.generation, stood_still_s=still, bytes_moved=int(moved[0]))
             else:
+                node = {"node": event["node"]} if "node" in event else {}  # lost whole (its heartbeat stopped)
                 self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
                                       generation=self.generation, replicas_left=len(set(event["replicas"].values())),
-                                      stood_still_s=still, noticed_at_timeout=int(moved[1]))
+                                      stood_still_s=still, noticed_at_timeout=int(moved[1]), **node)
         return done
 
     def admit(self, trainer: ReplicaTrainer, step: int) -> None:

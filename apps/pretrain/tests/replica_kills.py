@@ -36,7 +36,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
-    (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
+    (rank, step) pairs killed in the same phase, or (rank, step, phase) in that one ("regroup": in the regroup
+    after a loss, before it arrives at the next generation). ``joiner_dies``: the first replacement SIGKILLs itself while it
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
@@ -60,8 +61,10 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     Path(pid_dir, str(os.getpid())).touch()
     me, now = int(os.environ["RANK"]), {"step": 0}
+    kills = {(rank, step, phase)} | {(r, s, *(p or (phase,))) for r, s, *p in also}
+
     def due(wanted: str) -> bool:
-        if wanted == phase and (me, now["step"]) in {(rank, step), *also}:
+        if (me, now["step"], wanted) in kills:
             # once per (rank, step): a replacement that joins quickly may run that step again
             marker = Path(pid_dir, f"killed_{me}_{now['step']}")
             if marker.exists():
@@ -110,6 +113,14 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return admit(self, trainer, s)
 
     ReplicaRun.admit = admitting
+    arrive = ReplicaRun._arrive
+
+    def arriving(self, event):  # the "regroup" phase: before this rank arrives at the next generation
+        if due("regroup"):
+            _sigkill()
+        return arrive(self, event)
+
+    ReplicaRun._arrive = arriving
     control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
 
     def controlled(method):

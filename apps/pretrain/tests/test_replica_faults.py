@@ -266,6 +266,16 @@ def test_dp3_two_replicas_lost_in_a_row_goes_on_with_the_uninterrupted_curve(tmp
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
+def test_dp3_a_survivor_lost_in_the_regroup_is_passed_over_and_the_curve_goes_on(tmp_path, reference, fault_ranks):
+    """Rank 2 dies in the regroup after rank 1's loss, before it arrives at generation 1: rank 0, waiting for
+    generation 1's members, goes on to generation 2 (published without rank 2) instead of waiting for rank 2 in
+    generation 1's group creation until its timeout. Both losses are logged."""
+    lost = _check_fault_run(tmp_path, 3, 1, 2, "forward", reference, also=((2, 2, "regroup"),))
+    assert [(e["step"], e["ranks"], e["replicas_left"], e["generation"]) for e in lost] == [(1, [1], 2, 1), (1, [2], 1, 2)]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("buddies", [False, True])
 def test_a_replacement_killed_while_it_receives_its_state_is_replaced_again(tmp_path, reference, fault_ranks, buddies):
     """Point to point from the live replica, or (ZeRO-1 with buddy shards) in the re-sharding collectives."""

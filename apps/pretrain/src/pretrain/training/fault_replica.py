@@ -207,6 +207,7 @@ class ReplicaRun:
         self.admitted = json.loads(admitted) if admitted else None  # a replacement: the generation it joined
         self.generation = self.admitted["generation"] if self.admitted else 0
         self.missing: dict[int, list[int]] = {}  # lost replicas (their ranks) waiting for a replacement
+        self.losses: list[tuple[int, dict]] = []  # (generation, membership) of each loss passed, logged at the agreement
         self.joined_at: int | None = None
         self.kwargs: dict = {}
         self.replica = -1
@@ -285,9 +286,9 @@ class ReplicaRun:
         self.sockets = set()
         if event is None:
             event = self._next_generation(error)
-            self.missing[event["lost_replica"]] = event["lost"]
         else:
             self.missing.pop(event["joined_replica"], None)
+        event = self._arrive(event)
         alive = sorted(set(event["replicas"].values()))
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
@@ -316,8 +317,7 @@ class ReplicaRun:
         share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
         cfg = self._config(len(alive), share.count)  # a pipeline's schedule runs this replica's micro-batches
         before = open_sockets()
-        if not dist.is_initialized():
-            _fresh_prefix(self.store, self.generation, len(event["ranks"]))
+        if not dist.is_initialized():  # (this rank counted itself in the generation's prefix on arrival)
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
                              _data_index(alive, self.replica, coords, self.shard))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
@@ -366,17 +366,18 @@ class ReplicaRun:
         if int(agreed[0]) != -int(agreed[1]):
             raise RuntimeError(f"generation {self.generation}'s members stopped at different steps "
                                f"({-int(agreed[1])} and {int(agreed[0])})")
+        losses, self.losses = self.losses, []
         if self.logger is not None:
-            self.logger.regrouped(event, done)
             still = round(time.monotonic() - began, 3)
+            for generation, lost in losses:  # every loss passed, the last one included
+                self.logger.regrouped(lost, done)
+                node = {"node": lost["node"]} if "node" in lost else {}  # lost whole (its heartbeat stopped)
+                self.logger.log_event("replica_lost", step=done, ranks=lost["lost"], replica=lost["lost_replica"],
+                                      generation=generation, replicas_left=len(set(lost["replicas"].values())),
+                                      stood_still_s=still, noticed_at_timeout=int(moved[1]), **node)
             if "joined" in event:
                 self.logger.log_event("replica_joined", step=done, ranks=event["joined"], replica=event["joined_replica"],
                                       generation=self.generation, stood_still_s=still, bytes_moved=int(moved[0]))
-            else:
-                node = {"node": event["node"]} if "node" in event else {}  # lost whole (its heartbeat stopped)
-                self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
-                                      generation=self.generation, replicas_left=len(set(event["replicas"].values())),
-                                      stood_still_s=still, noticed_at_timeout=int(moved[1]), **node)
         return done
 
     def admit(self, trainer: ReplicaTrainer, step: int) -> None:
@@ -418,10 +419,42 @@ class ReplicaRun:
             self.store.wait([key], timedelta(seconds=self.cfg.train.join_timeout_s))
         except Exception:  # noqa: BLE001 -- no replica was lost: the error was the step's own
             raise error from None
-        self.generation, event = latest_generation(self.store, self.generation)
+        return self._advance()
+
+    def _advance(self) -> dict:
+        """Go to the latest generation published: each loss passed leaves its replica missing (and is logged at the
+        agreement), each admission passed fills one."""
+        latest, event = latest_generation(self.store, self.generation)
+        for g in range(self.generation + 1, latest + 1):
+            passed = event if g == latest else json.loads(self.store.get(generation_key(g)))
+            if "joined" in passed:
+                self.missing.pop(passed["joined_replica"], None)
+            else:
+                self.missing[passed["lost_replica"]] = passed["lost"]
+                self.losses.append((g, passed))
+        self.generation = latest
         if self.rank not in event["ranks"]:
             raise RuntimeError(f"rank {self.rank} is not in generation {self.generation}'s membership")
         return event
+
+    def _arrive(self, event: dict) -> dict:
+        """Count this rank in ``event``'s generation and wait until every member has, so that the generation's
+        group creation waits for no lost member; a later generation published meanwhile (a member was lost before
+        it arrived) is gone on to instead. Returns the generation every member arrived at."""
+        deadline = time.monotonic() + self.cfg.train.collective_timeout_s
+        while True:
+            _fresh_prefix(self.store, self.generation, len(event["ranks"]))
+            counted = f"{generation_prefix(self.generation)}members"
+            while self.store.add(counted, 0) < len(event["ranks"]):
+                if self.store.check([generation_key(self.generation + 1)]):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"generation {self.generation}'s members did not all arrive within "
+                                       f"[train].collective_timeout_s={self.cfg.train.collective_timeout_s:g} s")
+                time.sleep(0.02)
+            else:
+                return event
+            event = self._advance()
 
     def _config(self, replicas: int, microbatches: int = 1):
         return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)

@@ -232,3 +232,14 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     comm.all_reduce, DataParallel.step, comm.batch_isend_irecv = reducing, updating, point_to_point
     return run_rank(*run_args)
+
+
+def injected(spec: str, pid_dir: str, *run_args) -> dict:
+    """``run_rank(*run_args)`` with ``PAR_INJECT=spec`` in this rank (pretrain.observe.inject); every rank
+    writes its pid to ``pid_dir`` first (a replacement too: none must start for a condemned replica)."""
+    from pretrain.observe.inject import ENV
+    from pretrain.training.run import run_rank
+
+    Path(pid_dir, str(os.getpid())).touch()
+    os.environ[ENV] = spec
+    return run_rank(*run_args)

@@ -21,8 +21,14 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sigkill_node() -> None:
+    """This rank's whole process group: under a launcher started in a session of its own, the node (launcher,
+    forkserver and every rank)."""
+    os.killpg(0, signal.SIGKILL)
+
+
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False, stale_step: bool = False) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
@@ -30,10 +36,16 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
-    (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
+    (rank, step) pairs killed in the same phase, or (rank, step, phase) in that one ("regroup": in the regroup
+    after a loss, before it arrives at the next generation). ``joiner_dies``: the first replacement SIGKILLs itself while it
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
-    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
+    ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
+    ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
+    ("reduction" only), once.
+    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
+    regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
+    GPUs) raises."""
     import json
     import time
 
@@ -49,8 +61,10 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     Path(pid_dir, str(os.getpid())).touch()
     me, now = int(os.environ["RANK"]), {"step": 0}
+    kills = {(rank, step, phase)} | {(r, s, *(p or (phase,))) for r, s, *p in also}
+
     def due(wanted: str) -> bool:
-        if wanted == phase and (me, now["step"]) in {(rank, step), *also}:
+        if (me, now["step"], wanted) in kills:
             # once per (rank, step): a replacement that joins quickly may run that step again
             marker = Path(pid_dir, f"killed_{me}_{now['step']}")
             if marker.exists():
@@ -59,6 +73,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             Path(pid_dir, f"killed_{me}_at").write_text(repr(time.time()))  # for the benchmark
             return True
         return False
+
+    def stalled(wanted: str) -> None:  # once per (rank, step, phase): a redone step is not held again
+        for r, s, p, seconds in stall:
+            marker = Path(pid_dir, f"stalled_{me}_{s}_{p}")
+            if (r, s, p) == (me, now["step"], wanted) and not marker.exists():
+                marker.touch()
+                time.sleep(seconds)
 
     train_step, forward_chunk, loss = ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss
     plain_step, plain_forward = Trainer.train_step, Trainer.forward_chunk
@@ -92,6 +113,33 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return admit(self, trainer, s)
 
     ReplicaRun.admit = admitting
+    arrive = ReplicaRun._arrive
+
+    def arriving(self, event):  # the "regroup" phase: before this rank arrives at the next generation
+        if due("regroup"):
+            _sigkill()
+        return arrive(self, event)
+
+    ReplicaRun._arrive = arriving
+    control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
+
+    def controlled(method):
+        def inside(*a, **kw):
+            control["depth"] += 1
+            try:
+                return method(*a, **kw)
+            finally:
+                control["depth"] -= 1
+        return inside
+
+    for name in ("regroup", "admit", "_joined"):
+        setattr(ReplicaRun, name, controlled(getattr(ReplicaRun, name)))
+
+    def device_group_only(group, tensors) -> None:
+        """The default group stands for the device group, NCCL on GPUs, which takes no host tensor: the control
+        traffic's integers (the agreement, an admission's flag, a transfer's sizes and digests) must not go there."""
+        if control["depth"] and group is None and any(t.is_cpu and not t.is_floating_point() for t in tensors):
+            raise RuntimeError("a host control tensor sent over the device group (NCCL refuses it)")
     from pretrain.checkpoint import store
 
     gather_digests = store.gather_digests
@@ -107,9 +155,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         receive = replica_transfer.receive_state
 
-        def stale(model, source):
+        def stale(model, source, *a):
             fresh = model.dp.step_count
-            out = receive(model, source)
+            out = receive(model, source, *a)
             model.dp.step_count = fresh
             return out
 
@@ -119,12 +167,12 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         receive_state = replica_transfer.receive_state
 
-        def dying(trainer, source):
+        def dying(trainer, source, *a):
             marker = Path(pid_dir, "joiner_died")
             if not marker.exists():
                 marker.touch()
                 _sigkill()
-            return receive_state(trainer, source)
+            return receive_state(trainer, source, *a)
 
         replica_transfer.receive_state = dying
         from pretrain.training import fault_replica
@@ -142,7 +190,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     def forwarding(self, *a, **kw):
         if due("forward"):
-            _sigkill()
+            _sigkill_node() if whole_node else _sigkill()
         return forward_chunk(self, *a, **kw)
 
     def lossing(self, *a, **kw):
@@ -152,8 +200,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return out
 
     def reducing(tensor, *a, **kw):
+        device_group_only(a[0] if a else kw.get("group"), [tensor])
         if due("reduction") and tensor.numel() > 1:
             _sigkill()
+        if tensor.numel() > 1:
+            stalled("reduction")
         return all_reduce(tensor, *a, **kw)
 
     def updating(self, *a, **kw):
@@ -173,7 +224,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     ReplicaTrainer.train_step, ReplicaTrainer.forward_chunk, ReplicaTrainer.loss = stepping, forwarding, lossing
     if phase == "forward":
         Trainer.train_step, Trainer.forward_chunk = plain_stepping, plain_forwarding
-    comm.all_reduce, DataParallel.step = reducing, updating
+    batch_isend_irecv = comm.batch_isend_irecv
+
+    def point_to_point(ops):
+        device_group_only(ops[0].group, [op.tensor for op in ops])
+        return batch_isend_irecv(ops)
+
+    comm.all_reduce, DataParallel.step, comm.batch_isend_irecv = reducing, updating, point_to_point
     return run_rank(*run_args)
 
 

@@ -26,3 +26,30 @@ def test_node_0_hosts_the_store_and_hears_the_others_done_and_failed():
     second.finish(client, 10)
     first.finish(server, 10)  # returns at once: node 1 is done
     assert server.check(["pretrain/nodes/done/1"])
+
+
+def test_node_0_names_a_node_whose_heartbeat_stopped_once_and_not_one_never_started_or_done(monkeypatch):
+    """Node 0 times each node's counter on its own clock: node 1 beats then stops, node 2 never beats (still
+    starting), node 3 stopped beating but is done. Only node 1 is lost, once, after ``node_timeout_s``."""
+    import torch.distributed as dist
+
+    from pretrain.runtime import node_group
+    from pretrain.runtime.node_group import Heartbeats
+
+    clock = [100.0]
+    monkeypatch.setattr(node_group.time, "monotonic", lambda: clock[0])
+    store = dist.HashStore()
+    watch = Heartbeats(NodeGroup(4, 0, node_timeout_s=5.0))
+    beats = {k: Heartbeats(NodeGroup(4, k, node_timeout_s=5.0)) for k in (1, 3)}
+    for k in (1, 3):
+        beats[k].beat(store)
+    NodeGroup(4, 3).finish(store, 0)  # node 3's launcher is done
+    assert watch.silent(store) == []
+    for _ in range(3):  # node 1 beats each second: not lost however long it runs
+        clock[0] += 1.0
+        beats[1].beat(store)
+        assert watch.silent(store) == []
+    clock[0] += 5.5
+    assert watch.silent(store) == [1]
+    clock[0] += 10.0
+    assert watch.silent(store) == []  # named once

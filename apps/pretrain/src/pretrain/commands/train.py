@@ -40,7 +40,8 @@ def train(
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         device = device or cfg.train.device
-        nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint)
+        nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint,
+                                                                     cfg.train.node_timeout_s)
         if not under_torchrun():
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n * nodes.nnodes)

@@ -103,6 +103,8 @@ class TrainConfig:
     # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
     fault_tolerance: str = "off"
     respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
+    # fault_tolerance = replica, --nnodes > 1: a node whose launcher has not beaten in the store for this long is lost
+    node_timeout_s: float = 30.0
     # 1: under ZeRO-1 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
     buddy_shards: int = 0
 
@@ -124,6 +126,7 @@ class TrainConfig:
         _timeout("[train].collective_timeout_s", self.collective_timeout_s)
         _timeout("[train].join_timeout_s", self.join_timeout_s)
         _timeout("[train].preempt_timeout_s", self.preempt_timeout_s)
+        _timeout("[train].node_timeout_s", self.node_timeout_s)
         _choice("[train].dtype", self.dtype, DTYPES)
         _choice("[train].device", self.device, DEVICES)
         _choice("[train].fp8", self.fp8, FP8)

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import UsageError
-from .node_group import NodeGroup
+from .node_group import Heartbeats, NodeGroup
 from .rank_env import LAUNCHER_ENV, STOP_SIGNALS, Aborted, RankFailed, join_key, off_a_closed_terminal
 
 MASTER_ADDR = "127.0.0.1"
@@ -122,6 +122,7 @@ class LocalRanks:
         self.first, self.world = self.nodes.node_rank * nproc, self.nodes.nnodes * nproc  # this node's ranks: first..
         self.fault_tolerance = fault_tolerance  # a dead rank's replica is fenced and the others go on (replica_membership)
         self.fencer = None
+        self.heartbeats = Heartbeats(self.nodes)
         self.respawn = respawn  # a fenced replica's ranks start again and rejoin at a step boundary
         self.log_dir = log_dir  # where the ranks write flight records (pretrain.runtime.hang); None: no hang summary
         self.stop_signal: int | None = None
@@ -194,6 +195,17 @@ class LocalRanks:
                 self.procs[r - self.first].kill()
                 self.procs[r - self.first].join()
             pending.clear()
+
+    def _watch_nodes(self) -> None:
+        """Beat; on node 0, a node whose heartbeat stopped is lost whole: the others go on without its replicas."""
+        self.heartbeats.beat(self.store)
+        for k in self.heartbeats.silent(self.store):
+            gone = self.fencer.node_lost(k, set(range(k * self.nproc, (k + 1) * self.nproc)))
+            if gone is None:
+                raise Aborted(f"node {k} lost: its launcher has not beaten in the store for "
+                              f"{self.nodes.node_timeout_s:g} s ([train].node_timeout_s), and no replica is left", 1)
+            if gone:
+                self.nodes.done(self.store, k)  # the end of the run does not wait for it
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
@@ -289,6 +301,8 @@ class LocalRanks:
                 continue
             if self.fencer is not None:
                 self._end_waiting(pending)
+                if self.nodes.nnodes > 1:
+                    self._watch_nodes()
             if self.nodes.nnodes > 1 and (other := self.nodes.other_failure(self.store)):
                 raise Aborted(other, 1)
             self._check_joined(joined)

@@ -8,6 +8,11 @@ launcher done in the store and node 0 closes the store only once every node has 
 node still fencing a replica or admitting a replacement would otherwise lose the store under it. A launcher
 whose run fails says so in the store, and every other launcher stops its ranks at once with that line, rather
 than after a collective's or the regroup's timeout.
+
+Under ``[train].fault_tolerance = "replica"`` each other launcher beats in the store (a counter it adds to every
+:data:`BEAT_S`) while its ranks run; node 0's launcher takes a node whose counter has not moved for
+``[train].node_timeout_s`` (once it has moved at all) as lost whole, launcher and ranks (:class:`Heartbeats`), and
+publishes the next generation without its replicas: the survivors go on then, not at ``join_timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from ..errors import UsageError
 
 DONE_PREFIX = "pretrain/nodes/done/"
 FAILED_PREFIX = "pretrain/nodes/failed/"
+BEAT_PREFIX = "pretrain/nodes/beat/"
+BEAT_S = 1.0  # a launcher's heartbeat period
 
 
 @dataclass(frozen=True)
@@ -31,9 +38,10 @@ class NodeGroup:
     node_rank: int = 0
     host: str = "127.0.0.1"
     port: int = 0
+    node_timeout_s: float = 30.0  # a node silent for this long is lost (fault tolerance)
 
     @classmethod
-    def parse(cls, nnodes: int, node_rank: int, endpoint: str | None) -> "NodeGroup":
+    def parse(cls, nnodes: int, node_rank: int, endpoint: str | None, node_timeout_s: float = 30.0) -> "NodeGroup":
         """The launcher's place from its flags; UsageError naming the flag that is wrong."""
         if nnodes < 1:
             raise UsageError(f"--nnodes {nnodes} must be >= 1")
@@ -45,7 +53,7 @@ class NodeGroup:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT (the first node's address and a free "
                              f"port, the same on every node) when --nnodes {nnodes} > 1")
-        return cls(nnodes, node_rank, host, int(port))
+        return cls(nnodes, node_rank, host, int(port), node_timeout_s)
 
     def store(self, timeout_s: float) -> dist.TCPStore:
         """Node 0: the store, listening at the endpoint; the others: a client that waits for it up to ``timeout_s``."""
@@ -84,9 +92,47 @@ class NodeGroup:
         except (RuntimeError, OSError):  # the store is gone: node 0 failed first
             pass
 
+    def done(self, store, node: int) -> None:
+        """Mark ``node`` done for it (node 0, for a node lost whole: :meth:`finish` does not wait for it)."""
+        store.set(f"{DONE_PREFIX}{node}", "1")
+
     def other_failure(self, store) -> str | None:
         """The line of another node whose run failed, if one has."""
         for k in range(self.nnodes):
             if k != self.node_rank and store.check([f"{FAILED_PREFIX}{k}"]):
                 return f"node {k} failed: {store.get(f'{FAILED_PREFIX}{k}').decode().splitlines()[0]}"
         return None
+
+
+class Heartbeats:
+    """A launcher's heartbeat in the store, and node 0's watch over the others'. A counter, not a time: the
+    nodes' clocks need not agree; node 0 times each counter's last move on its own clock."""
+
+    def __init__(self, nodes: NodeGroup) -> None:
+        self.nodes = nodes
+        self.next_beat = 0.0
+        self.moved: dict[int, tuple[int, float]] = {}  # node -> (its counter, when node 0 saw it move)
+        self.lost: set[int] = set()
+
+    def beat(self, store) -> None:
+        """Nodes other than 0: add to this node's counter, once per :data:`BEAT_S`."""
+        now = time.monotonic()
+        if self.nodes.node_rank and now >= self.next_beat:
+            store.add(f"{BEAT_PREFIX}{self.nodes.node_rank}", 1)
+            self.next_beat = now + BEAT_S
+
+    def silent(self, store) -> list[int]:
+        """Node 0: the nodes whose counter moved once and then not for ``node_timeout_s`` (each named once)."""
+        if self.nodes.node_rank:
+            return []
+        now, silent = time.monotonic(), []
+        for k in range(1, self.nodes.nnodes):
+            if k in self.lost or store.check([f"{DONE_PREFIX}{k}"]):
+                continue
+            count = store.add(f"{BEAT_PREFIX}{k}", 0)
+            if count and self.moved.get(k, (0, 0.0))[0] != count:
+                self.moved[k] = (count, now)
+            elif count and now - self.moved[k][1] > self.nodes.node_timeout_s:
+                self.lost.add(k)
+                silent.append(k)
+        return silent

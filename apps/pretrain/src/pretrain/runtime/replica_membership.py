@@ -132,13 +132,36 @@ class ReplicaFencer:
         self.joining -= mates
         event = {"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
                  "lost": sorted(mates), "lost_replica": replica, "died": rank, "fence_s": time.monotonic() - started}
+        self._publish(event, mates)
+        return mates
+
+    def node_lost(self, node: int, ranks: set[int]) -> set[int] | None:
+        """Node 0's launcher: ``node`` (its global ``ranks``) was lost whole, launcher and ranks (its heartbeat
+        stopped). Publishes the next generation without its members (whole replicas: a replica lies on one node)
+        and returns them; an empty set when none was left (they had all returned), None when the run cannot go on."""
+        alive = self.members()
+        gone = {r for r in ranks & alive if not self.store.check([returned_key(r)])}
+        if not gone:
+            return set()
+        replicas = {r: self.replica_of(r) for r in alive}
+        survivors = alive - gone
+        if not survivors or any(rep is None for rep in replicas.values()):
+            return None
+        lost = sorted({replicas[r] for r in gone})
+        self.joining -= ranks
+        self._publish({"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
+                       "lost": sorted(gone), "lost_replica": lost[0], "lost_replicas": lost, "node": node,
+                       "fence_s": 0.0}, gone)
+        return gone
+
+    def _publish(self, event: dict, mates: set[int]) -> None:
+        """Claim the next generation for ``event`` (a loss of ``mates``)."""
         generation = self.generation + 1
         while not claim(self.store, generation, event):  # an admission took that number: the next
             generation += 1
             event = self._after(generation - 1, event, mates)
         self.generation = generation
         self.events.append(event)
-        return mates
 
     def _after(self, generation: int, event: dict, mates: set[int]) -> dict:
         """``event`` rebased on the membership published as ``generation`` (it admitted a replacement)."""

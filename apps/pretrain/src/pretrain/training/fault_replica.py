@@ -41,6 +41,7 @@ from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
                                           latest_generation, ready_key, replica_key)
+from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
@@ -216,11 +217,13 @@ class ReplicaRun:
         self.admitted = json.loads(admitted) if admitted else None  # a replacement: the generation it joined
         self.generation = self.admitted["generation"] if self.admitted else 0
         self.missing: dict[int, list[int]] = {}  # lost replicas (their ranks) waiting for a replacement
+        self.losses: list[tuple[int, dict]] = []  # (generation, membership) of each loss passed, logged at the agreement
         self.joined_at: int | None = None
         self.kwargs: dict = {}
         self.replica = -1
         self.shard = _shard_size(cfg, self.layout.dp)  # data ranks per replica: an HSDP replica's sharding group
         self.logger = None
+        self.sockets = open_sockets()  # this generation's connections: its default and stop groups' so far
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -230,7 +233,9 @@ class ReplicaRun:
             return self._joined(self.admitted)
         layout = self.layout
         share = ReplicaShare(cfg.train.global_batch, layout.micro_batch, layout.dp, 0)
+        before = open_sockets()
         trainer = ReplicaTrainer(cfg, share, **kwargs)
+        self.sockets |= open_sockets() - before  # its groups'
         self.replica = trainer.groups.coords()["dp"] // self.shard
         trainer.share = replace(share, index=trainer.groups.coords()["dp"])
         trainer.sample_log = self._sample_log(trainer.groups.coords())
@@ -249,7 +254,7 @@ class ReplicaRun:
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
             step, got = reshard_state(None, fresh, -1)
         else:
-            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank]), 0
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -286,11 +291,14 @@ class ReplicaRun:
         done = trainer.completed if trainer.completed == step + 1 else step
         coords = trainer.groups.coords()
         _leave_groups(error, self.stops)
+        if error is not None:  # a survivor still in one of this generation's collectives on this rank fails now
+            shut_down(self.sockets, int(os.environ["MASTER_PORT"]))
+        self.sockets = set()
         if event is None:
             event = self._next_generation(error)
-            self.missing[event["lost_replica"]] = event["lost"]
         else:
             self.missing.pop(event["joined_replica"], None)
+        event = self._arrive(event)
         alive = sorted(set(event["replicas"].values()))
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
@@ -307,7 +315,7 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
-                sent += send_state(trainer.model, self._new_rank(event, joiner), done)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
@@ -318,8 +326,8 @@ class ReplicaRun:
         alive = sorted(set(event["replicas"].values()))
         share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
         cfg = self._config(len(alive), share.count)  # a pipeline's schedule runs this replica's micro-batches
-        if not dist.is_initialized():
-            _fresh_prefix(self.store, self.generation, len(event["ranks"]))
+        before = open_sockets()
+        if not dist.is_initialized():  # (this rank counted itself in the generation's prefix on arrival)
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
                              _data_index(alive, self.replica, coords, self.shard))
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
@@ -331,6 +339,7 @@ class ReplicaRun:
         rng = rng_state()  # a fresh trainer seeds torch: this process's stream goes on as it was
         fresh = ReplicaTrainer(cfg, share, sample_log, **self.kwargs)
         set_rng_state(rng)
+        self.sockets |= open_sockets() - before  # this generation's groups'
         fresh.cfg, fresh.generation = self.cfg, self.generation  # the run's config: its schedule, its checkpoints
         return fresh
 
@@ -350,26 +359,35 @@ class ReplicaRun:
             pairs[j] = min(sources, key=lambda r: event["replicas"][str(r)])
         return pairs
 
+    @property
+    def control(self):
+        """The group of this generation's control traffic (the agreement, an admission's flag, a transfer's sizes,
+        digests and host tensors): its gloo group over every member, made with the generation (the stop
+        requests' too), so the device groups may be NCCL, which refuses host tensors."""
+        return self.stops.group
+
     def _agree(self, done: int, event: dict, began: float, sent: int = 0, timed_out: bool = False) -> int:
         """Every member goes on from the same step (the collective checks it); logs the event, with how many
         members noticed a loss only at a collective's timeout (``timed_out``: this one) rather than at once."""
         agreed = torch.tensor([done, -done], dtype=torch.int64)
         moved = torch.tensor([sent, int(timed_out)], dtype=torch.int64)
-        comm.all_reduce(agreed[:2], None, op=dist.ReduceOp.MAX)
-        comm.all_reduce(moved, None)
+        comm.all_reduce(agreed[:2], self.control, op=dist.ReduceOp.MAX)
+        comm.all_reduce(moved, self.control)
         if int(agreed[0]) != -int(agreed[1]):
             raise RuntimeError(f"generation {self.generation}'s members stopped at different steps "
                                f"({-int(agreed[1])} and {int(agreed[0])})")
+        losses, self.losses = self.losses, []
         if self.logger is not None:
-            self.logger.regrouped(event, done)
             still = round(time.monotonic() - began, 3)
+            for generation, lost in losses:  # every loss passed, the last one included
+                self.logger.regrouped(lost, done)
+                node = {"node": lost["node"]} if "node" in lost else {}  # lost whole (its heartbeat stopped)
+                self.logger.log_event("replica_lost", step=done, ranks=lost["lost"], replica=lost["lost_replica"],
+                                      generation=generation, replicas_left=len(set(lost["replicas"].values())),
+                                      stood_still_s=still, noticed_at_timeout=int(moved[1]), **node)
             if "joined" in event:
                 self.logger.log_event("replica_joined", step=done, ranks=event["joined"], replica=event["joined_replica"],
                                       generation=self.generation, stood_still_s=still, bytes_moved=int(moved[0]))
-            else:
-                self.logger.log_event("replica_lost", step=done, ranks=event["lost"], replica=event["lost_replica"],
-                                      generation=self.generation, replicas_left=len(set(event["replicas"].values())),
-                                      stood_still_s=still, noticed_at_timeout=int(moved[1]))
         return done
 
     def admit(self, trainer: ReplicaTrainer, step: int) -> None:
@@ -382,7 +400,7 @@ class ReplicaRun:
                     event = self._admission(replica, ranks, trainer)
                     break
         flag = torch.tensor([0 if event is None else self.generation], dtype=torch.int64)  # the generation claimed
-        comm.all_reduce(flag, None, op=dist.ReduceOp.MAX)
+        comm.all_reduce(flag, self.control, op=dist.ReduceOp.MAX)
         if int(flag[0]):
             if event is None:
                 self.generation = int(flag[0])
@@ -411,10 +429,42 @@ class ReplicaRun:
             self.store.wait([key], timedelta(seconds=self.cfg.train.join_timeout_s))
         except Exception:  # noqa: BLE001 -- no replica was lost: the error was the step's own
             raise error from None
-        self.generation, event = latest_generation(self.store, self.generation)
+        return self._advance()
+
+    def _advance(self) -> dict:
+        """Go to the latest generation published: each loss passed leaves its replica missing (and is logged at the
+        agreement), each admission passed fills one."""
+        latest, event = latest_generation(self.store, self.generation)
+        for g in range(self.generation + 1, latest + 1):
+            passed = event if g == latest else json.loads(self.store.get(generation_key(g)))
+            if "joined" in passed:
+                self.missing.pop(passed["joined_replica"], None)
+            else:
+                self.missing[passed["lost_replica"]] = passed["lost"]
+                self.losses.append((g, passed))
+        self.generation = latest
         if self.rank not in event["ranks"]:
             raise RuntimeError(f"rank {self.rank} is not in generation {self.generation}'s membership")
         return event
+
+    def _arrive(self, event: dict) -> dict:
+        """Count this rank in ``event``'s generation and wait until every member has, so that the generation's
+        group creation waits for no lost member; a later generation published meanwhile (a member was lost before
+        it arrived) is gone on to instead. Returns the generation every member arrived at."""
+        deadline = time.monotonic() + self.cfg.train.collective_timeout_s
+        while True:
+            _fresh_prefix(self.store, self.generation, len(event["ranks"]))
+            counted = f"{generation_prefix(self.generation)}members"
+            while self.store.add(counted, 0) < len(event["ranks"]):
+                if self.store.check([generation_key(self.generation + 1)]):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"generation {self.generation}'s members did not all arrive within "
+                                       f"[train].collective_timeout_s={self.cfg.train.collective_timeout_s:g} s")
+                time.sleep(0.02)
+            else:
+                return event
+            event = self._advance()
 
     def _config(self, replicas: int, microbatches: int = 1):
         return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)

@@ -38,14 +38,21 @@ def _digest(name: str, t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _batch(ops: list[tuple], peer: int) -> None:
-    works = comm.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t in ops])
+def _batch(ops: list[tuple], peer: int, control=None) -> None:
+    """``ops``' host tensors over ``control`` (a gloo group: the device group may be NCCL, which refuses them),
+    the others over the default group; one batch per group, in the same order on both sides."""
+    by_group: dict = {}
+    for op, t in ops:
+        group = control if control is not None and t.device.type == "cpu" else None
+        by_group.setdefault(id(group), (group, []))[1].append(dist.P2POp(op, t, peer, group))
+    works = [w for group, p2p in by_group.values() for w in comm.batch_isend_irecv(p2p)]
     for w in works:
         w.wait()
 
 
-def send_state(model, joiner: int, step: int) -> int:
-    """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent."""
+def send_state(model, joiner: int, step: int, control=None) -> int:
+    """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent.
+    ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`)."""
     pieces = _pieces(model)
     bufs = [t.detach().contiguous() for _, t in pieces]
     dp = model.dp
@@ -54,7 +61,7 @@ def send_state(model, joiner: int, step: int) -> int:
     meta = torch.tensor([len(scalars)] + [t.numel() * t.element_size() for t in bufs], dtype=torch.int64)
     digests = torch.tensor(list(b"".join(_digest(n, t) for (n, _), t in zip(pieces, bufs))), dtype=torch.uint8)
     _batch([(dist.isend, meta), (dist.isend, digests), (dist.isend, torch.tensor(list(scalars), dtype=torch.uint8))]
-           + [(dist.isend, t) for t in bufs], joiner)
+           + [(dist.isend, t) for t in bufs], joiner, control)
     return int(meta[1:].sum())
 
 
@@ -65,20 +72,21 @@ def send_owned(model, joiner: int) -> None:
 
 
 @torch.no_grad()
-def receive_state(model, source: int) -> tuple[int, int]:
+def receive_state(model, source: int, control=None) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
-    piece checked by size and SHA-256; returns (the step to go on from, the bytes received)."""
+    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control``: as
+    :func:`send_state`'s."""
     dp = model.dp
     # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
     dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())
     pieces = _pieces(model)
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
-    _batch([(dist.irecv, meta)], source)
-    _batch([(dist.irecv, digests)], source)
+    _batch([(dist.irecv, meta)], source, control)
+    _batch([(dist.irecv, digests)], source, control)
     raw = torch.empty(int(meta[0]), dtype=torch.uint8)
     bufs = [torch.empty_like(t) for _, t in pieces]
-    _batch([(dist.irecv, raw)] + [(dist.irecv, t) for t in bufs], source)
+    _batch([(dist.irecv, raw)] + [(dist.irecv, t) for t in bufs], source, control)
     for i, ((name, mine), got) in enumerate(zip(pieces, bufs)):
         size = got.numel() * got.element_size()
         if size != int(meta[i + 1]) or _digest(name, got) != bytes(digests[i * DIGEST:(i + 1) * DIGEST].tolist()):

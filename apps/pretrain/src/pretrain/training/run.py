@@ -50,8 +50,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
     watching = ExitStack()
     try:
         watch = watching.enter_context(_watch(cfg, rank))  # over every collective of the run
-        dataset = load_dataset(cfg.data, cfg.model.vocab_size)
         replica = replica_run(cfg, stops, dev)  # [train].fault_tolerance: a lost replica's steps go on without it
+        dataset = load_dataset(cfg.data, cfg.model.vocab_size)  # (after: its connections are not the groups')
         trainer = (replica.trainer if replica else Trainer)(cfg, dataset=dataset, device=dev,
                                                             timer=StepTimer(watch, dev) if cfg.log.timing else None)
         if watch is not None:

@@ -22,7 +22,7 @@ def _sigkill() -> None:
 
 
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False, stale_step: bool = False) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False, whole_node: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
@@ -33,7 +33,9 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     (rank, step) pairs killed in the same phase. ``joiner_dies``: the first replacement SIGKILLs itself while it
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
-    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``."""
+    Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``.
+    ``whole_node``: in the forward, the rank SIGKILLs its whole process group instead (its node's launcher and ranks,
+    where the launcher was started in a session of its own)."""
     import json
     import time
 
@@ -142,7 +144,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     def forwarding(self, *a, **kw):
         if due("forward"):
-            _sigkill()
+            os.killpg(0, signal.SIGKILL) if whole_node else _sigkill()
         return forward_chunk(self, *a, **kw)
 
     def lossing(self, *a, **kw):

@@ -4,6 +4,8 @@ others (in-process stores; the two-launcher runs: tests/test_replica_faults.py).
 
 import socket
 
+import pytest
+
 from pretrain.runtime.node_group import NodeGroup
 
 
@@ -26,3 +28,36 @@ def test_node_0_hosts_the_store_and_hears_the_others_done_and_failed():
     second.finish(client, 10)
     first.finish(server, 10)  # returns at once: node 1 is done
     assert server.check(["pretrain/nodes/done/1"])
+
+
+def test_with_an_external_store_every_node_is_a_client_and_node_0_waits_for_no_one():
+    """``--external-store``: the store runs apart (`pretrain store`), node 0 connects to it as node 1 does, so its
+    death leaves the store up; node 0's finish returns at once (the store outlives it)."""
+    from pretrain.runtime.node_group import serve_store
+
+    port = _port()
+    server = serve_store("127.0.0.1", port, 10, "test")
+    nodes = [NodeGroup.parse(2, k, f"127.0.0.1:{port}", external=True) for k in (0, 1)]
+    clients = [node.store(10) for node in nodes]
+    clients[0].set("from-node-0", "1")
+    assert clients[1].get("from-node-0") == b"1" and server.get("from-node-0") == b"1"
+    nodes[0].finish(clients[0], 60)  # returns at once: nothing waits on node 1
+    # (a set is not answered: read back over the same connection, which the store serves in order)
+    assert clients[0].check(["pretrain/nodes/done/0"]) and not server.check(["pretrain/nodes/done/1"])
+    assert NodeGroup.parse(1, 0, f"127.0.0.1:{port}", external=True).external  # one node: the endpoint still counts
+
+
+@pytest.mark.parametrize("args,words", [(("--port", "0"), "--port 0 must be in 1..65535"),
+                                        (("--port", "{busy}"), "cannot listen there")])
+def test_pretrain_store_refuses_a_port_it_cannot_listen_on_in_one_line(args, words):
+    from typer.testing import CliRunner
+
+    from one_error_line import assert_one_error_line
+    from pretrain.cli import app
+    from pretrain.runtime.node_group import serve_store
+
+    port = _port()
+    held = serve_store("127.0.0.1", port, 10, "test")  # the port taken
+    res = CliRunner().invoke(app, ["store", "--host", "127.0.0.1", *(a.format(busy=port) for a in args)])
+    assert_one_error_line(res, "store", words)
+    del held

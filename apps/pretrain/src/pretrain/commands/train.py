@@ -24,7 +24,8 @@ def train(
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda (default [train].device)."),
     nnodes: int = typer.Option(1, "--nnodes", help="Launchers (nodes) of the run, each starting --nproc ranks; ignored under torchrun."),
     node_rank: int = typer.Option(0, "--node-rank", help="This launcher's node, 0..nnodes-1 (node 0 hosts the store)."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0's store (--nnodes > 1)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0's store (--nnodes > 1), or of `pretrain store`'s (--external-store)."),
+    external_store: bool = typer.Option(False, "--external-store", help="The store at --rdzv-endpoint runs apart (`pretrain store`): node 0 joins it as every node does."),
     force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
@@ -40,7 +41,7 @@ def train(
         cfg = load_config(config, overrides)
         n = nproc if nproc is not None else cfg.train.nproc
         device = device or cfg.train.device
-        nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint)
+        nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint, external_store)
         if not under_torchrun():
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n * nodes.nnodes)

@@ -6,7 +6,10 @@ model-parallel block). Each rank publishes its replica under :func:`replica_key`
 exist. When a rank's process dies, the launcher (which holds the store: no rank's death takes it down)
 kills the other ranks of that replica (fenced: a process left of a lost replica could otherwise still
 write to a checkpoint or a peer) and publishes the next generation's membership under
-:func:`generation_key`. The survivors, which saw a collective fail, wait for that key and build every
+:func:`generation_key`. Where no launcher of a lost rank survives it (a node lost whole, its launcher too) or none
+exists, the survivors claim that generation
+themselves: each checks in under :func:`alive_key` and, once every member has or a settling time has passed,
+:func:`survivors_event` names the replicas whose every rank checked in. The survivors, which saw a collective fail, wait for that key and build every
 process group again over the store prefix :func:`generation_prefix` (:mod:`pretrain.training.fault_replica`).
 """
 
@@ -19,6 +22,7 @@ import time
 
 FT_PREFIX = "pretrain/ft"
 JOIN_ENV = "PRETRAIN_FT_JOIN"  # set in a replacement rank: the generation it was started after
+CLAIM_ENV = "PRETRAIN_FT_SURVIVORS_CLAIM"  # set where the survivors claim a loss no launcher publishes
 
 
 def replica_key(rank: int) -> str:
@@ -50,6 +54,32 @@ def ready_key(rank: int) -> str:
 def returned_key(rank: int) -> str:
     """Where a launcher marks that rank ``rank`` returned from its entry (the run is over for it)."""
     return f"{FT_PREFIX}/returned/{rank}"
+
+
+def alive_key(generation: int, rank: int) -> str:
+    """Where a survivor of a failed collective checks in for ``generation`` (the one after the failure)."""
+    return f"{FT_PREFIX}/alive/{generation}/{rank}"
+
+
+def survivors_event(store, generation: int, members: set[int]) -> dict | None:
+    """The loss event the survivors claim as ``generation``: the replicas every rank of which checked in under
+    :func:`alive_key` (a replica with one rank missing is lost whole: its other ranks are fenced by their launcher
+    or torchrun's agent, or die with their node); None where nothing is lost (every member checked in: the error
+    was not a loss) or nothing is left."""
+    if not store.check([replica_key(r) for r in members]):  # a rank lost before it said its replica
+        return None
+    alive = {r for r in members if store.check([alive_key(generation, r)])}
+    replicas = {r: int(store.get(replica_key(r))) for r in members}
+    lost = {r for r in members if any(replicas[m] == replicas[r] and m not in alive for m in members)}
+    if not lost or lost == members:
+        return None
+    survivors = sorted(members - lost)
+    by_replica: dict[int, list[int]] = {}
+    for r in sorted(lost):
+        by_replica.setdefault(replicas[r], []).append(r)
+    return {"ranks": survivors, "replicas": {str(r): replicas[r] for r in survivors}, "lost": sorted(lost),
+            "lost_replica": min(by_replica), "lost_replicas": {str(k): v for k, v in by_replica.items()},
+            "died": min(lost - alive), "fence_s": 0.0}
 
 
 def claim(store, generation: int, event: dict) -> bool:
@@ -125,6 +155,8 @@ class ReplicaFencer:
                  "lost": sorted(mates), "lost_replica": replica, "died": rank, "fence_s": time.monotonic() - started}
         generation = self.generation + 1
         while not claim(self.store, generation, event):  # an admission took that number: the next
+            if not mates & set(json.loads(self.store.get(generation_key(generation)))["ranks"]):
+                break  # the survivors claimed this loss themselves (CLAIM_ENV): published already
             generation += 1
             event = self._after(generation - 1, event, mates)
         self.generation = generation

@@ -39,8 +39,8 @@ from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
-from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
-                                          latest_generation, ready_key, replica_key)
+from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
+                                          generation_prefix, latest_generation, ready_key, replica_key, survivors_event)
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
@@ -51,6 +51,7 @@ MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
+SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): how long a member has to check in after this one did
 
 # What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout), in
 # lower case: gloo says "Timed out waiting ... for recv" where a dead peer's socket was never closed to it
@@ -278,7 +279,8 @@ class ReplicaRun:
         _leave_groups(error, self.stops)
         if event is None:
             event = self._next_generation(error)
-            self.missing[event["lost_replica"]] = event["lost"]
+            lost = event.get("lost_replicas", {event["lost_replica"]: event["lost"]})  # survivors' claim: maybe several
+            self.missing |= {int(replica): ranks for replica, ranks in lost.items()}
         else:
             self.missing.pop(event["joined_replica"], None)
         alive = sorted(set(event["replicas"].values()))
@@ -398,6 +400,8 @@ class ReplicaRun:
         """The membership the launcher publishes after a loss (the latest, when several followed)."""
         key = generation_key(self.generation + 1)
         try:
+            if os.environ.get(CLAIM_ENV):
+                self._claim_loss()
             self.store.wait([key], timedelta(seconds=self.cfg.train.join_timeout_s))
         except Exception:  # noqa: BLE001 -- no replica was lost: the error was the step's own
             raise error from None
@@ -405,6 +409,30 @@ class ReplicaRun:
         if self.rank not in event["ranks"]:
             raise RuntimeError(f"rank {self.rank} is not in generation {self.generation}'s membership")
         return event
+
+    def _claim_loss(self) -> None:
+        """Where no launcher may publish the loss (:data:`CLAIM_ENV`): check in as a survivor of the current
+        generation; once every member has (then nothing was lost: raises) or :data:`SETTLE_S` passed, claim the
+        next generation for the replicas whose every rank checked in, unless a launcher or a peer published it."""
+        generation, current = self.generation + 1, self._members()
+        self.store.set(alive_key(generation, self.rank), "1")
+        deadline = time.monotonic() + min(SETTLE_S, self.cfg.train.collective_timeout_s)
+        while not self.store.check([generation_key(generation)]):
+            if self.store.check([alive_key(generation, r) for r in current]):
+                raise RuntimeError("every member is alive: no replica was lost")
+            if time.monotonic() > deadline:
+                event = survivors_event(self.store, generation, current)
+                if event is None:
+                    raise RuntimeError("no replica is left whole")
+                claim(self.store, generation, event)
+                return
+            time.sleep(0.05)
+
+    def _members(self) -> set[int]:
+        """The ranks (generation 0's numbering) of this rank's generation."""
+        if self.generation == 0:
+            return set(range(self.layout.world_size))
+        return set(json.loads(self.store.get(generation_key(self.generation)))["ranks"])
 
     def _config(self, replicas: int, microbatches: int = 1):
         return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)

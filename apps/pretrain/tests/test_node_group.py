@@ -47,6 +47,33 @@ def test_with_an_external_store_every_node_is_a_client_and_node_0_waits_for_no_o
     assert NodeGroup.parse(1, 0, f"127.0.0.1:{port}", external=True).external  # one node: the endpoint still counts
 
 
+def _torchrun_worker(monkeypatch, world: int, workers: int) -> None:
+    """This process as worker 0 of a torchrun whose rendezvous holds ``world`` workers, ``workers`` of them local."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(workers)}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("world,args,words", [
+    (2, (), "--rdzv-endpoint None must be HOST:PORT of the job's store (`pretrain store --port PORT`"),
+    (4, ("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"), "one torchrun per node (--standalone or --nnodes 1), its "
+                                                              "workers one replica group; got WORLD_SIZE=4 over 2")])
+def test_replica_fault_tolerance_under_torchrun_needs_the_jobs_store_and_one_torchrun_per_node(
+        monkeypatch, tmp_path, world, args, words):
+    from typer.testing import CliRunner
+
+    from one_error_line import assert_one_error_line, snapshot
+    from pretrain.cli import app
+
+    _torchrun_worker(monkeypatch, world, 2)
+    before = snapshot(tmp_path)
+    res = CliRunner().invoke(app, ["train", "--set", "train.fault_tolerance=replica", "--set", "train.global_batch=4",
+                                   "--set", f"log.dir={tmp_path / 'log'}", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+                                   *args])
+    assert_one_error_line(res, "torchrun", words)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("args,words", [(("--port", "0"), "--port 0 must be in 1..65535"),
                                         (("--port", "{busy}"), "cannot listen there")])
 def test_pretrain_store_refuses_a_port_it_cannot_listen_on_in_one_line(args, words):

@@ -80,8 +80,9 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
                store: str = "node0") -> tuple[list[int], str]:
     """The run as ``nodes`` `pretrain train` launchers, each its own process (a "node" on 127.0.0.1, ``--nproc``
     the world's share) in a session of its own, node 0 hosting the store at a named endpoint; their ranks run
-    ``sigkill_at(**kill)``. ``store="external"``: the store is `pretrain store`'s, every node its client. Every
-    node's exit code and every node's console."""
+    ``sigkill_at(**kill)``. ``store="external"``: the store is `pretrain store`'s, every node its client;
+    ``"torchrun"``: the same store, each node a torchrun (``--standalone --max-restarts 1``) whose workers run
+    `pretrain train`. Every node's exit code and every node's console."""
     import signal
     import socket
     import subprocess
@@ -100,11 +101,18 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
         server = subprocess.Popen([str(bin / "pretrain"), "store", "--host", "127.0.0.1", "--port", str(port)], env=env,
                                   stderr=subprocess.PIPE, text=True)
         assert "listening" in server.stderr.readline()
+    launcher = [sys.executable] if store != "torchrun" else [
+        str(bin / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        "--monitor-interval", "0.1"]
     flags = ["--external-store"] if store == "external" else []
-    procs = [subprocess.Popen([sys.executable, str(here / "node_launcher.py"), json.dumps(kill), "--nproc", str(nproc),
-                               "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               *flags, *_settings(tmp, dp, *extra, tp=tp, layout=layout)], start_new_session=True,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(nodes)]
+
+    def argv(k: int) -> list[str]:  # torchrun would read the train flags as its own: in the JSON (node_launcher.py)
+        train = ["--nproc", str(nproc), "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", *flags, *_settings(tmp, dp, *extra, tp=tp, layout=layout)]
+        return [json.dumps(kill | {"train": train})] if store == "torchrun" else [json.dumps(kill), *train]
+
+    procs = [subprocess.Popen([*launcher, str(here / "node_launcher.py"), *argv(k)], start_new_session=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(nodes)]
     try:
         deadline = time.monotonic() + 240
         outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
@@ -336,6 +344,21 @@ def test_a_store_no_node_hosts_outlives_node_0_killed_whole_and_node_1_goes_on_w
     survivor claims it (after checking in and a settling time), regroups alone, takes over the log as the lowest live
     rank, and exits 0 with the uninterrupted run's curve."""
     _check_fault_run(tmp_path, 2, 0, 2, "forward", reference, nodes=2, store="external", whole_node=True)
+
+
+@pytest.mark.extended  # a store process, two torchrun agents and their workers, each importing torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step,admit_before", [(2, 4), (4, 0)])
+def test_two_torchruns_one_replica_each_a_worker_killed_is_restarted_by_its_agent_and_rejoins(tmp_path, reference,
+                                                                                               step, admit_before):
+    """One torchrun per "node" (``--standalone``, its own rendezvous over its worker), every worker a rank of the job
+    through `pretrain store` (``--nnodes 2 --node-rank K --rdzv-endpoint``): node 1's worker SIGKILLed in its forward;
+    node 0's survivor claims the loss and goes on alone, node 1's agent restarts its worker once (``--max-restarts
+    1``), which rejoins as the replacement before step 4 with the live replica's state bitwise; both torchruns exit 0
+    with the uninterrupted run's curve. Killed in the last step, the replacement may come too late to be admitted: it
+    sees every member returned and exits 0 itself (no launcher of ours stops it)."""
+    _check_fault_run(tmp_path, 2, 1, step, "forward", reference, admit_before=admit_before, respawn=True, nodes=2,
+                     store="torchrun")
 
 
 @pytest.mark.extended  # two launcher processes, each importing torch

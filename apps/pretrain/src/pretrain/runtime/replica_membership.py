@@ -7,10 +7,11 @@ exist. When a rank's process dies, the launcher (which holds the store: no rank'
 kills the other ranks of that replica (fenced: a process left of a lost replica could otherwise still
 write to a checkpoint or a peer) and publishes the next generation's membership under
 :func:`generation_key`. Where no launcher of a lost rank survives it (a node lost whole, its launcher too) or none
-exists, the survivors claim that generation
+exists (torchrun, whose agent stops a failed worker's peers itself), the survivors claim that generation
 themselves: each checks in under :func:`alive_key` and, once every member has or a settling time has passed,
-:func:`survivors_event` names the replicas whose every rank checked in. The survivors, which saw a collective fail, wait for that key and build every
-process group again over the store prefix :func:`generation_prefix` (:mod:`pretrain.training.fault_replica`).
+:func:`survivors_event` names the replicas whose every rank checked in. The survivors, which saw a collective
+fail, wait for that key and build every process group again over the store prefix :func:`generation_prefix`
+(:mod:`pretrain.training.fault_replica`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
-                                          generation_prefix, latest_generation, ready_key, replica_key, survivors_event)
+                                          generation_prefix, latest_generation, ready_key, replica_key, returned_key,
+                                          survivors_event)
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
@@ -196,9 +197,10 @@ class ReplicaRun:
     replacements at step boundaries (``[train].respawn``), and, in a replacement, joins a running generation."""
 
     def __init__(self, cfg, stops, device: torch.device) -> None:
-        if LAUNCHER_ENV not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        if LAUNCHER_ENV not in os.environ:  # torchrun without the job's store (runtime/torchrun_replica.py)
             raise UsageError("[train].fault_tolerance='replica' runs under pretrain's own launcher "
-                             "(`pretrain train --nproc N`), not torchrun; set it to 'off' there")
+                             "(`pretrain train --nproc N`), or under torchrun with `pretrain train --nnodes N "
+                             "--node-rank K --rdzv-endpoint HOST:PORT` naming `pretrain store`'s; set it to 'off' there")
         self.cfg, self.stops, self.device = cfg, stops, device
         self.rank = int(os.environ.get(ORIGINAL_RANK, dist.get_rank()))  # generation 0's numbering: the launcher's
         self.layout = cfg.validate_world(int(os.environ.get(ORIGINAL_WORLD, dist.get_world_size())))
@@ -434,6 +436,10 @@ class ReplicaRun:
             return set(range(self.layout.world_size))
         return set(json.loads(self.store.get(generation_key(self.generation)))["ranks"])
 
+    def finished(self) -> None:
+        """This rank's run is over: said in the store, where a replacement not admitted (torchrun's) reads it."""
+        self.store.set(returned_key(self.rank), "1")
+
     def _config(self, replicas: int, microbatches: int = 1):
         return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)
 
@@ -532,8 +538,11 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
     me, world0, store = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), _store(cfg)
     generation = int(os.environ[JOIN_ENV])
     store.set(ready_key(me), "1")
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # no launcher of ours to stop it: it stops itself
     while True:  # the launcher ends a replacement never admitted once every member has returned
         if not store.check([generation_key(generation + 1)]):
+            if torchrun and _run_over(store, generation, world0):
+                raise SystemExit(0)
             time.sleep(0.05)
             continue
         generation += 1
@@ -551,6 +560,12 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
     os.environ.update({ORIGINAL_RANK: str(me), ORIGINAL_WORLD: str(world0), "RANK": str(rank),
                        "WORLD_SIZE": str(len(event["ranks"])), ADMITTED: json.dumps(event | {"generation": generation})})
     return rank, len(event["ranks"]), local_rank, torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")
+
+
+def _run_over(store, generation: int, world: int) -> bool:
+    """Whether every member of the latest generation from ``generation`` on has returned (:meth:`ReplicaRun.finished`)."""
+    _, event = latest_generation(store, generation)
+    return store.check([returned_key(r) for r in (event["ranks"] if event else range(world))])
 
 
 def replica_run(cfg, stops, device: torch.device) -> ReplicaRun | None:

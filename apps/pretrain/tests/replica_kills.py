@@ -21,6 +21,12 @@ def _sigkill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sigkill_node() -> None:
+    """This rank's whole process group: under a launcher started in a session of its own, the node (launcher,
+    forkserver and every rank)."""
+    os.killpg(0, signal.SIGKILL)
+
+
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
                joiner_dies: bool = False, stale_step: bool = False, whole_node: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
@@ -34,8 +40,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receives its state. ``stale_step``: the planted bug "a joiner with a stale optimizer step count": a joiner
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``.
-    ``whole_node``: in the forward, the rank SIGKILLs its whole process group instead (its node's launcher and ranks,
-    where the launcher was started in a session of its own)."""
+    ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`; the forward
+    only)."""
     import json
     import time
 
@@ -144,7 +150,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     def forwarding(self, *a, **kw):
         if due("forward"):
-            os.killpg(0, signal.SIGKILL) if whole_node else _sigkill()
+            _sigkill_node() if whole_node else _sigkill()
         return forward_chunk(self, *a, **kw)
 
     def lossing(self, *a, **kw):

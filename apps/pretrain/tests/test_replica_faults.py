@@ -522,7 +522,7 @@ def test_the_survivors_claim_the_replicas_whose_every_rank_checked_in():
         store.set(alive_key(1, rank), "1")
     event = survivors_event(store, 1, set(range(6)))
     assert (event["ranks"], event["lost"], event["lost_replica"], event["died"]) == ([0, 1, 4, 5], [2, 3], 1, 2)
-    assert event["replicas"] == {"0": 0, "1": 0, "4": 2, "5": 2} and event["lost_replicas"] == {"1": [2, 3]}
+    assert event["replicas"] == {"0": 0, "1": 0, "4": 2, "5": 2} and event["lost_by_replica"] == {"1": [2, 3]}
     store.set(alive_key(1, 2), "1")
     assert survivors_event(store, 1, set(range(6))) is None  # everyone alive: the error was not a loss
     assert survivors_event(store, 2, set(range(6))) is None  # no one checked in for generation 2: none left whole

@@ -79,7 +79,7 @@ def survivors_event(store, generation: int, members: set[int]) -> dict | None:
     for r in sorted(lost):
         by_replica.setdefault(replicas[r], []).append(r)
     return {"ranks": survivors, "replicas": {str(r): replicas[r] for r in survivors}, "lost": sorted(lost),
-            "lost_replica": min(by_replica), "lost_replicas": {str(k): v for k, v in by_replica.items()},
+            "lost_replica": min(by_replica), "lost_by_replica": {str(k): v for k, v in by_replica.items()},
             "died": min(lost - alive), "fence_s": 0.0}
 
 

@@ -281,7 +281,7 @@ class ReplicaRun:
         _leave_groups(error, self.stops)
         if event is None:
             event = self._next_generation(error)
-            lost = event.get("lost_replicas", {event["lost_replica"]: event["lost"]})  # survivors' claim: maybe several
+            lost = event.get("lost_by_replica", {event["lost_replica"]: event["lost"]})  # survivors' claim: maybe several
             self.missing |= {int(replica): ranks for replica, ranks in lost.items()}
         else:
             self.missing.pop(event["joined_replica"], None)

@@ -4,6 +4,8 @@ others (in-process stores; the two-launcher runs: tests/test_replica_faults.py).
 
 import socket
 
+import pytest
+
 from pretrain.runtime.node_group import NodeGroup
 
 
@@ -53,3 +55,63 @@ def test_node_0_names_a_node_whose_heartbeat_stopped_once_and_not_one_never_star
     assert watch.silent(store) == [1]
     clock[0] += 10.0
     assert watch.silent(store) == []  # named once
+
+
+def test_with_an_external_store_every_node_is_a_client_and_node_0_waits_for_no_one():
+    """``--external-store``: the store runs apart (`pretrain store`), node 0 connects to it as node 1 does, so its
+    death leaves the store up; node 0's finish returns at once (the store outlives it)."""
+    from pretrain.runtime.node_group import serve_store
+
+    port = _port()
+    server = serve_store("127.0.0.1", port, 10, "test")
+    nodes = [NodeGroup.parse(2, k, f"127.0.0.1:{port}", external=True) for k in (0, 1)]
+    clients = [node.store(10) for node in nodes]
+    clients[0].set("from-node-0", "1")
+    assert clients[1].get("from-node-0") == b"1" and server.get("from-node-0") == b"1"
+    nodes[0].finish(clients[0], 60)  # returns at once: nothing waits on node 1
+    # (a set is not answered: read back over the same connection, which the store serves in order)
+    assert clients[0].check(["pretrain/nodes/done/0"]) and not server.check(["pretrain/nodes/done/1"])
+    assert NodeGroup.parse(1, 0, f"127.0.0.1:{port}", external=True).external  # one node: the endpoint still counts
+
+
+def _torchrun_worker(monkeypatch, world: int, workers: int) -> None:
+    """This process as worker 0 of a torchrun whose rendezvous holds ``world`` workers, ``workers`` of them local."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(workers)}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("world,args,words", [
+    (2, (), "--rdzv-endpoint None must be HOST:PORT of the job's store (`pretrain store --port PORT`"),
+    (4, ("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"), "one torchrun per node (--standalone or --nnodes 1), its "
+                                                              "workers one replica group; got WORLD_SIZE=4 over 2")])
+def test_replica_fault_tolerance_under_torchrun_needs_the_jobs_store_and_one_torchrun_per_node(
+        monkeypatch, tmp_path, world, args, words):
+    from typer.testing import CliRunner
+
+    from one_error_line import assert_one_error_line, snapshot
+    from pretrain.cli import app
+
+    _torchrun_worker(monkeypatch, world, 2)
+    before = snapshot(tmp_path)
+    res = CliRunner().invoke(app, ["train", "--set", "train.fault_tolerance=replica", "--set", "train.global_batch=4",
+                                   "--set", f"log.dir={tmp_path / 'log'}", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+                                   *args])
+    assert_one_error_line(res, "torchrun", words)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args,words", [(("--port", "0"), "--port 0 must be in 1..65535"),
+                                        (("--port", "{busy}"), "cannot listen there")])
+def test_pretrain_store_refuses_a_port_it_cannot_listen_on_in_one_line(args, words):
+    from typer.testing import CliRunner
+
+    from one_error_line import assert_one_error_line
+    from pretrain.cli import app
+    from pretrain.runtime.node_group import serve_store
+
+    port = _port()
+    held = serve_store("127.0.0.1", port, 10, "test")  # the port taken
+    res = CliRunner().invoke(app, ["store", "--host", "127.0.0.1", *(a.format(busy=port) for a in args)])
+    assert_one_error_line(res, "store", words)
+    del held

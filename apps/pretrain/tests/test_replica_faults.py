@@ -78,46 +78,70 @@ def _alive(pid: int) -> bool:
 
 
 def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int = 1, layout: tuple = (),
-               lost_node: int | None = None) -> tuple[int, str]:
-    """The run as ``nodes`` `pretrain train` launchers, each its own process in a session of its own (a "node" on
-    127.0.0.1, ``--nproc`` the world's share), node 0 hosting the store at a named endpoint; their ranks run
-    ``sigkill_at(**kill)``. The first non-zero exit code (0: every node exited 0; ``lost_node``'s, SIGKILLed whole,
-    is not counted) and every node's console."""
+               store: str = "node0") -> tuple[list[int], str]:
+    """The run as ``nodes`` `pretrain train` launchers, each its own process (a "node" on 127.0.0.1, ``--nproc``
+    the world's share) in a session of its own, node 0 hosting the store at a named endpoint; their ranks run
+    ``sigkill_at(**kill)``. ``store="external"``: the store is `pretrain store`'s, every node its client;
+    ``"torchrun"``: the same store, each node a torchrun (``--standalone --max-restarts 1``) whose workers run
+    `pretrain train`. Every node's exit code and every node's console."""
+    import signal
     import socket
     import subprocess
     import sys
+    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    here = Path(__file__).parent
+    here, bin = Path(__file__).parent, Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env |= {"PYTHONPATH": os.pathsep.join([str(here), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     nproc = dp * tp * _pp(layout) // nodes
-    procs = [subprocess.Popen([sys.executable, str(here / "node_launcher.py"), json.dumps(kill), "--nproc", str(nproc),
-                               "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               *_settings(tmp, dp, *extra, tp=tp, layout=layout)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for k in range(nodes)]
+    server = None
+    if store != "node0":
+        server = subprocess.Popen([str(bin / "pretrain"), "store", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                  stderr=subprocess.PIPE, text=True)
+        assert "listening" in server.stderr.readline()
+    launcher = [sys.executable] if store != "torchrun" else [
+        str(bin / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+        "--monitor-interval", "0.1"]
+    flags = ["--external-store"] if store == "external" else []
+
+    def argv(k: int) -> list[str]:  # torchrun would read the train flags as its own: in the JSON (node_launcher.py)
+        train = ["--nproc", str(nproc), "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", *flags, *_settings(tmp, dp, *extra, tp=tp, layout=layout)]
+        return [json.dumps(kill | {"train": train})] if store == "torchrun" else [json.dumps(kill), *train]
+
+    procs = [subprocess.Popen([*launcher, str(here / "node_launcher.py"), *argv(k)], start_new_session=True, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(nodes)]
     try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:  # a hang: no launcher left behind (their ranks exit with them)
+        deadline = time.monotonic() + 240
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:  # a hang: no node left behind (its session: the launcher and its ranks)
         for p in procs:
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         raise
+    finally:
+        if server is not None:
+            server.terminate()
+            assert server.wait(timeout=30) == 0
     codes = [p.returncode for p in procs]
-    return next((c for k, c in enumerate(codes) if c and k != lost_node), 0), "\n".join(f"node {k} (exit {c}):\n{o}" for k, (c, o) in enumerate(zip(codes, outputs)))
+    return codes, "\n".join(f"node {k} (exit {c}):\n{o}" for k, (c, o) in enumerate(zip(codes, outputs)))
 
 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
                      shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False,
-                     nodes: int = 1, stall: tuple = (), whole_node: bool = False) -> list[dict]:
+                     nodes: int = 1, stall: tuple = (), store: str = "node0", whole_node: bool = False) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
     ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
     piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
     per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count. ``nodes``: the run as
-    that many launchers sharing node 0's store (:func:`_run_nodes`), each node exiting 0."""
+    that many launchers sharing node 0's store (:func:`_run_nodes`; ``store``: whose), each node exiting 0;
+    ``whole_node``: ``rank`` kills its node whole (launcher and ranks), whose exit is then SIGKILL's."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -130,9 +154,10 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
     if nodes > 1:
         kill = {"args": [rank, step, phase, str(pids)], "kwargs": dict(also=also, admit_before=admit_before,
                                                                       stale_step=stale_step, whole_node=whole_node)}
-        lost_node = rank // (dp * tp * _pp(layout) // nodes) if whole_node else None
-        code, output = _run_nodes(tmp, dp, nodes, kill, *fault, tp=tp, layout=layout, lost_node=lost_node)
-        assert code == 0 and (lost_node is None or f"node {lost_node} (exit -9)" in output), output
+        codes, output = _run_nodes(tmp, dp, nodes, kill, *fault, tp=tp, layout=layout, store=store)
+        dead = rank // (dp * tp * _pp(layout) // nodes) if whole_node else None
+        assert [c for k, c in enumerate(codes) if k != dead] == [0] * (nodes - (dead is not None)), output
+        assert dead is None or codes[dead] == -9, output
     else:
         with pytest.MonkeyPatch.context() as m:
             m.setattr("pretrain.training.run.run_rank", entry)
@@ -362,6 +387,32 @@ def test_two_launchers_one_replica_per_node_a_rank_of_node_1_killed_goes_on_with
 
 
 
+@pytest.mark.extended  # a store process and two launcher processes, each importing torch
+@pytest.mark.timeout(300)
+def test_a_store_no_node_hosts_outlives_node_0_killed_whole_and_node_1_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference):
+    """`pretrain store` holds the job's store, both launchers its clients (``--external-store``): rank 0 SIGKILLs its
+    node's whole process group (launcher and ranks) in its forward; no launcher publishes that loss, so node 1's
+    survivor claims it (after checking in and a settling time), regroups alone, takes over the log as the lowest live
+    rank, and exits 0 with the uninterrupted run's curve."""
+    _check_fault_run(tmp_path, 2, 0, 2, "forward", reference, nodes=2, store="external", whole_node=True)
+
+
+@pytest.mark.extended  # a store process, two torchrun agents and their workers, each importing torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step,admit_before", [(2, 4), (4, 0)])
+def test_two_torchruns_one_replica_each_a_worker_killed_is_restarted_by_its_agent_and_rejoins(tmp_path, reference,
+                                                                                               step, admit_before):
+    """One torchrun per "node" (``--standalone``, its own rendezvous over its worker), every worker a rank of the job
+    through `pretrain store` (``--nnodes 2 --node-rank K --rdzv-endpoint``): node 1's worker SIGKILLed in its forward;
+    node 0's survivor claims the loss and goes on alone, node 1's agent restarts its worker once (``--max-restarts
+    1``), which rejoins as the replacement before step 4 with the live replica's state bitwise; both torchruns exit 0
+    with the uninterrupted run's curve. Killed in the last step, the replacement may come too late to be admitted: it
+    sees every member returned and exits 0 itself (no launcher of ours stops it)."""
+    _check_fault_run(tmp_path, 2, 1, step, "forward", reference, admit_before=admit_before, respawn=True, nodes=2,
+                     store="torchrun")
+
+
 @pytest.mark.extended  # two launcher processes, each importing torch
 @pytest.mark.timeout(300)
 def test_two_launchers_node_1_lost_whole_is_noticed_at_its_heartbeat_and_the_curve_goes_on(tmp_path, reference):
@@ -379,9 +430,9 @@ def test_two_launchers_node_1_lost_whole_is_noticed_at_its_heartbeat_and_the_cur
 def test_two_launchers_without_fault_tolerance_a_rank_killed_on_node_1_is_named_on_node_0(tmp_path):
     """Node 0's rank fails only with a closed connection; its launcher shows node 1's line, not that."""
     (tmp_path / "pids").mkdir()
-    code, output = _run_nodes(tmp_path, 2, 2, {"args": [1, 2, "forward", str(tmp_path / "pids")], "kwargs": {}})
+    codes, output = _run_nodes(tmp_path, 2, 2, {"args": [1, 2, "forward", str(tmp_path / "pids")], "kwargs": {}})
     node0 = output.split("node 1 (exit")[0]
-    assert code == 1 and "node 0 (exit 1)" in output and "node 1 (exit 1)" in output, output
+    assert codes == [1, 1] and "node 0 (exit 1)" in output and "node 1 (exit 1)" in output, output
     errors = [line for line in node0.splitlines() if line.startswith("error:")]
     assert errors == ["error: node 1 failed: rank 1 failed: exited with code -9 (signal SIGKILL)"], output
 
@@ -519,6 +570,26 @@ def test_a_generation_over_a_used_store_prefix_is_refused():
     _fresh_prefix(store, 2, 2)  # the next generation: a fresh prefix
     with pytest.raises(RuntimeError, match="was used before"):
         _fresh_prefix(store, 1, 2)  # a two-member generation numbered as the previous one
+
+
+def test_the_survivors_claim_the_replicas_whose_every_rank_checked_in():
+    """Where no launcher publishes a loss, the survivors' event names the whole replicas that checked in: a replica
+    with a rank missing is lost whole; nothing when every member checked in (not a loss) or none is left whole."""
+    import torch.distributed as dist
+
+    from pretrain.runtime.replica_membership import alive_key, replica_key, survivors_event
+
+    store = dist.HashStore()
+    for rank in range(6):  # dp3 x tp2: replica = rank // 2
+        store.set(replica_key(rank), str(rank // 2))
+    for rank in (0, 1, 3, 4, 5):  # rank 2 died; rank 3, its replica's other rank, still checked in
+        store.set(alive_key(1, rank), "1")
+    event = survivors_event(store, 1, set(range(6)))
+    assert (event["ranks"], event["lost"], event["lost_replica"], event["died"]) == ([0, 1, 4, 5], [2, 3], 1, 2)
+    assert event["replicas"] == {"0": 0, "1": 0, "4": 2, "5": 2} and event["lost_by_replica"] == {"1": [2, 3]}
+    store.set(alive_key(1, 2), "1")
+    assert survivors_event(store, 1, set(range(6))) is None  # everyone alive: the error was not a loss
+    assert survivors_event(store, 2, set(range(6))) is None  # no one checked in for generation 2: none left whole
 
 
 def _resume(ck: Path, root: Path, layout: tuple, steps: int = 6) -> dict[int, tuple[float, float]]:

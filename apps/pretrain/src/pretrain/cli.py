@@ -7,7 +7,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from .commands import certify, cluster, convert, groups, hang, keys, plan, prepare, report, schedule, topo, train, verify
+from .commands import certify, cluster, convert, groups, hang, keys, plan, prepare, report, schedule, store, topo, train, verify
 
 
 # typer vendors click; its ClickException is public only as the base of typer.BadParameter
@@ -58,6 +58,7 @@ app.command("hang")(hang.hang)
 app.command("certify")(certify.certify)
 app.command("keys")(keys.keys)
 app.command("cluster")(cluster.cluster)
+app.command("store")(store.store)
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ def train(
     overrides: List[str] = typer.Option([], "--set", help="Override a key: --set section.key=value (repeatable)."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="Local ranks to start (default [train].nproc); ignored under torchrun."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda (default [train].device)."),
-    nnodes: int = typer.Option(1, "--nnodes", help="Launchers (nodes) of the run, each starting --nproc ranks; ignored under torchrun."),
-    node_rank: int = typer.Option(0, "--node-rank", help="This launcher's node, 0..nnodes-1 (node 0 hosts the store)."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0's store (--nnodes > 1)."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Launchers (nodes) of the run, each starting --nproc ranks; under torchrun (fault_tolerance=replica): the torchruns, one per node."),
+    node_rank: int = typer.Option(0, "--node-rank", help="This launcher's (or torchrun's) node, 0..nnodes-1 (node 0 hosts the store, unless --external-store)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0's store (--nnodes > 1), or of `pretrain store`'s (--external-store; torchrun with fault_tolerance=replica)."),
+    external_store: bool = typer.Option(False, "--external-store", help="The store at --rdzv-endpoint runs apart (`pretrain store`): node 0 joins it as every node does."),
     force: bool = typer.Option(False, "--force", help="Start a new run in a checkpoint dir that holds another run's checkpoints."),
 ) -> None:
     """Train a model. Without arguments: the embedded default on generated data, on the CPU."""
@@ -32,6 +33,7 @@ def train(
     from ..config.fault_rules import fault_tolerance_nodes
     from ..runtime.launch import Aborted, RankFailed, check_nproc, launch, under_torchrun
     from ..runtime.node_group import NodeGroup
+    from ..runtime.replica_membership import JOIN_ENV
     from ..training.preflight import check_run, checkpoint_root, run_lock
     from ..training.run import run_rank
 
@@ -41,7 +43,13 @@ def train(
         n = nproc if nproc is not None else cfg.train.nproc
         device = device or cfg.train.device
         nodes = NodeGroup() if under_torchrun() else NodeGroup.parse(nnodes, node_rank, rdzv_endpoint,
-                                                                     cfg.train.node_timeout_s)
+                                                                     cfg.train.node_timeout_s, external=external_store)
+        if under_torchrun() and cfg.train.fault_tolerance == "replica":  # a worker of the whole job (torchrun_replica.py)
+            from ..runtime.torchrun_replica import job_rank_env
+
+            nodes = NodeGroup.parse(nnodes, node_rank, rdzv_endpoint, cfg.train.node_timeout_s, external=True)
+            n = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            os.environ.update(job_rank_env(os.environ, nodes, cfg.train.join_timeout_s))
         if not under_torchrun():
             check_nproc(n, device)
         layout = cfg.validate_world(int(os.environ["WORLD_SIZE"]) if under_torchrun() else n * nodes.nnodes)
@@ -51,7 +59,8 @@ def train(
             check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
         fault_tolerance_nodes(cfg, layout, n, nodes.nnodes)  # a replica split over launchers cannot be fenced
         leader = os.environ.get("RANK") == "0" if under_torchrun() else nodes.node_rank == 0
-        check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
+        if JOIN_ENV not in os.environ:  # a restarted torchrun worker joins the run: whose checks passed, whose checkpoints
+            check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later
         with run_lock(cfg.log.dir, checkpoint_root(cfg)) if leader else nullcontext():
             log_dir = cfg.log.dir
             launch(run_rank, (config, list(overrides), device, force), nproc=n, device=device,

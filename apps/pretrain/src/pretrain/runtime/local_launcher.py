@@ -11,7 +11,8 @@ Each rank marks its arrival and its join in the store; a rank that has not joine
 ``join_timeout_s`` ends the run with one line naming it, whatever held it up.
 
 Several launchers (``pretrain train --nnodes N --node-rank K --rdzv-endpoint HOST:PORT``, one per node):
-node 0's launcher hosts the store at the endpoint the job names, the others connect to it; each starts
+node 0's launcher hosts the store at the endpoint the job names, the others connect to it (``--external-store``:
+every node connects to a store no node hosts, ``pretrain store``); each starts
 and watches its own ``nproc`` ranks (global ranks ``K * nproc ..``). Node 0 keeps the store up until
 every other node's launcher says its ranks are done (:mod:`.node_group`).
 
@@ -153,6 +154,10 @@ class LocalRanks:
                                     entry.__module__])
         base = dict(os.environ) | {"WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": host,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
+        if self.fault_tolerance and self.nodes.external:  # a node lost whole publishes no loss: its survivors do
+            from .replica_membership import CLAIM_ENV
+
+            base[CLAIM_ENV] = "1"
         self._spawn = lambda rank, extra=None: self._start_rank(ctx, base | (extra or {}), rank, entry, args)
         for rank in range(self.nproc):
             self._spawn(rank)

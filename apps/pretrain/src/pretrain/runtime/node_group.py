@@ -2,7 +2,10 @@
 this is, the shared store and the end of the run.
 
 Node 0's launcher hosts the ranks' store at the endpoint the job names (every node must reach it; a SLURM job
-names its first node), the others connect to it. The store lives in a launcher, not in a rank, so under
+names its first node), the others connect to it. With ``--external-store`` the store runs apart, in a process no
+training node hosts (``pretrain store``), and every node, node 0 too, connects to it: then node 0's death (its
+launcher with its ranks) takes the store with it no more, and the other nodes go on without its replicas. The
+store lives in a launcher, not in a rank, so under
 ``[train].fault_tolerance = "replica"`` no rank's death takes it down. At the end each other node marks its
 launcher done in the store and node 0 closes the store only once every node has (or the wait is over): a
 node still fencing a replica or admitting a replacement would otherwise lose the store under it. A launcher
@@ -39,43 +42,39 @@ class NodeGroup:
     host: str = "127.0.0.1"
     port: int = 0
     node_timeout_s: float = 30.0  # a node silent for this long is lost (fault tolerance)
+    external: bool = False  # the store runs apart (`pretrain store`): every node is its client
 
     @classmethod
-    def parse(cls, nnodes: int, node_rank: int, endpoint: str | None, node_timeout_s: float = 30.0) -> "NodeGroup":
-        """The launcher's place from its flags; UsageError naming the flag that is wrong."""
+    def parse(cls, nnodes: int, node_rank: int, endpoint: str | None, node_timeout_s: float = 30.0,
+              external: bool = False) -> "NodeGroup":
+        """The launcher's place from its flags; UsageError naming the flag that is wrong. ``external``: the store at
+        the endpoint runs apart (needed then even with one node)."""
         if nnodes < 1:
             raise UsageError(f"--nnodes {nnodes} must be >= 1")
         if not 0 <= node_rank < nnodes:
             raise UsageError(f"--node-rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
-        if nnodes == 1:
+        if nnodes == 1 and not external:
             return cls()
         host, _, port = (endpoint or "").rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if external:
+                raise UsageError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT of the job's store (`pretrain store "
+                                 f"--port PORT` on a host every node reaches)")
             raise UsageError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT (the first node's address and a free "
                              f"port, the same on every node) when --nnodes {nnodes} > 1")
-        return cls(nnodes, node_rank, host, int(port), node_timeout_s)
+        return cls(nnodes, node_rank, host, int(port), node_timeout_s, external)
 
     def store(self, timeout_s: float) -> dist.TCPStore:
         """Node 0: the store, listening at the endpoint; the others: a client that waits for it up to ``timeout_s``."""
-        timeout = timedelta(seconds=timeout_s)
-        if self.node_rank:
-            return dist.TCPStore(self.host, self.port, None, False, timeout)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as e:
-            sock.close()
-            raise UsageError(f"--rdzv-endpoint {self.host}:{self.port}: node 0 cannot listen there ({e.strerror}); "
-                             f"name this host's address and a free port") from None
-        sock.listen(128)
-        return dist.TCPStore(self.host, self.port, None, True, timeout, wait_for_workers=False,
-                             master_listen_fd=sock.detach())
+        if self.node_rank or self.external:
+            return dist.TCPStore(self.host, self.port, None, False, timedelta(seconds=timeout_s))
+        return serve_store(self.host, self.port, timeout_s, f"--rdzv-endpoint {self.host}:{self.port}: node 0")
 
     def finish(self, store, wait_s: float) -> None:
-        """The others: mark this node done; node 0: wait (up to ``wait_s``) for every other node's mark."""
+        """The others: mark this node done; node 0: wait (up to ``wait_s``) for every other node's mark (an external
+        store outlives every node: nothing to wait for)."""
         try:
-            if self.node_rank:
+            if self.node_rank or self.external:
                 store.set(f"{DONE_PREFIX}{self.node_rank}", "1")
                 return
             deadline = time.monotonic() + wait_s
@@ -136,3 +135,18 @@ class Heartbeats:
                 self.lost.add(k)
                 silent.append(k)
         return silent
+
+
+def serve_store(host: str, port: int, timeout_s: float, who: str) -> dist.TCPStore:
+    """A TCPStore server listening at ``host:port`` (bound there only); UsageError starting with ``who`` where it
+    cannot listen."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"{who} cannot listen there ({e.strerror}); name this host's address and a free port") from None
+    sock.listen(128)
+    return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.detach())

@@ -6,8 +6,12 @@ model-parallel block). Each rank publishes its replica under :func:`replica_key`
 exist. When a rank's process dies, the launcher (which holds the store: no rank's death takes it down)
 kills the other ranks of that replica (fenced: a process left of a lost replica could otherwise still
 write to a checkpoint or a peer) and publishes the next generation's membership under
-:func:`generation_key`. The survivors, which saw a collective fail, wait for that key and build every
-process group again over the store prefix :func:`generation_prefix` (:mod:`pretrain.training.fault_replica`).
+:func:`generation_key`. Where no launcher of a lost rank survives it (a node lost whole, its launcher too) or none
+exists (torchrun, whose agent stops a failed worker's peers itself), the survivors claim that generation
+themselves: each checks in under :func:`alive_key` and, once every member has or a settling time has passed,
+:func:`survivors_event` names the replicas whose every rank checked in. The survivors, which saw a collective
+fail, wait for that key and build every process group again over the store prefix :func:`generation_prefix`
+(:mod:`pretrain.training.fault_replica`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 
 FT_PREFIX = "pretrain/ft"
 JOIN_ENV = "PRETRAIN_FT_JOIN"  # set in a replacement rank: the generation it was started after
+CLAIM_ENV = "PRETRAIN_FT_SURVIVORS_CLAIM"  # set where the survivors claim a loss no launcher publishes
 
 
 def replica_key(rank: int) -> str:
@@ -55,6 +60,37 @@ def condemned_key(rank: int) -> str:
 def returned_key(rank: int) -> str:
     """Where a launcher marks that rank ``rank`` returned from its entry (the run is over for it)."""
     return f"{FT_PREFIX}/returned/{rank}"
+
+
+def alive_key(generation: int, rank: int) -> str:
+    """Where a survivor of a failed collective checks in for ``generation`` (the one after the failure)."""
+    return f"{FT_PREFIX}/alive/{generation}/{rank}"
+
+
+def survivors_event(store, generation: int, members: set[int]) -> dict | None:
+    """The loss event the survivors claim as ``generation``: the replicas every rank of which checked in under
+    :func:`alive_key` (a replica with one rank missing is lost whole: its other ranks are fenced by their launcher
+    or torchrun's agent, or die with their node); None where nothing is lost (every member checked in: the error
+    was not a loss) or nothing is left."""
+    if not store.check([replica_key(r) for r in members]):  # a rank lost before it said its replica
+        return None
+    alive = {r for r in members if store.check([alive_key(generation, r)])}
+    replicas = {r: int(store.get(replica_key(r))) for r in members}
+    lost = {r for r in members if any(replicas[m] == replicas[r] and m not in alive for m in members)}
+    if not lost or lost == members:
+        return None
+    survivors = sorted(members - lost)
+    by_replica: dict[int, list[int]] = {}
+    for r in sorted(lost):
+        by_replica.setdefault(replicas[r], []).append(r)
+    return {"ranks": survivors, "replicas": {str(r): replicas[r] for r in survivors}, "lost": sorted(lost),
+            "lost_replica": min(by_replica), "lost_by_replica": {str(k): v for k, v in by_replica.items()},
+            "died": min(lost - alive), "fence_s": 0.0}
+
+
+def lost_by_replica(event: dict) -> dict[int, list[int]]:
+    """A loss event's lost ranks by replica: several where a node or the survivors' claim lost more than one."""
+    return {int(k): v for k, v in event.get("lost_by_replica", {event["lost_replica"]: event["lost"]}).items()}
 
 
 def claim(store, generation: int, event: dict) -> bool:
@@ -147,10 +183,13 @@ class ReplicaFencer:
         survivors = alive - gone
         if not survivors or any(rep is None for rep in replicas.values()):
             return None
-        lost = sorted({replicas[r] for r in gone})
+        by_replica: dict[str, list[int]] = {}
+        for r in sorted(gone):
+            by_replica.setdefault(str(replicas[r]), []).append(r)
         self.joining -= ranks
         self._publish({"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
-                       "lost": sorted(gone), "lost_replica": lost[0], "lost_replicas": lost, "node": node,
+                       "lost": sorted(gone), "lost_replica": min(replicas[r] for r in gone),
+                       "lost_by_replica": by_replica, "node": node,
                        "fence_s": 0.0}, gone)
         return gone
 
@@ -158,6 +197,8 @@ class ReplicaFencer:
         """Claim the next generation for ``event`` (a loss of ``mates``)."""
         generation = self.generation + 1
         while not claim(self.store, generation, event):  # an admission took that number: the next
+            if not mates & set(json.loads(self.store.get(generation_key(generation)))["ranks"]):
+                break  # the survivors claimed this loss themselves (CLAIM_ENV): published already
             generation += 1
             event = self._after(generation - 1, event, mates)
         self.generation = generation

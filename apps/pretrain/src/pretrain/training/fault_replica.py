@@ -39,8 +39,9 @@ from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
-from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
-                                          latest_generation, ready_key, replica_key)
+from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
+                                          generation_prefix, latest_generation, lost_by_replica, ready_key,
+                                          replica_key, returned_key, survivors_event)
 from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
@@ -54,6 +55,7 @@ MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
+SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): how long a member has to check in after this one did
 
 # What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout), in
 # lower case: gloo says "Timed out waiting ... for recv" where a dead peer's socket was never closed to it
@@ -205,9 +207,10 @@ class ReplicaRun:
     replacements at step boundaries (``[train].respawn``), and, in a replacement, joins a running generation."""
 
     def __init__(self, cfg, stops, device: torch.device) -> None:
-        if LAUNCHER_ENV not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        if LAUNCHER_ENV not in os.environ:  # torchrun without the job's store (runtime/torchrun_replica.py)
             raise UsageError("[train].fault_tolerance='replica' runs under pretrain's own launcher "
-                             "(`pretrain train --nproc N`), not torchrun; set it to 'off' there")
+                             "(`pretrain train --nproc N`), or under torchrun with `pretrain train --nnodes N "
+                             "--node-rank K --rdzv-endpoint HOST:PORT` naming `pretrain store`'s; set it to 'off' there")
         self.cfg, self.stops, self.device = cfg, stops, device
         self.rank = int(os.environ.get(ORIGINAL_RANK, dist.get_rank()))  # generation 0's numbering: the launcher's
         os.environ[ORIGINAL_RANK] = str(self.rank)  # what PAR_INJECT names (observe/inject.py), after any regroup
@@ -426,6 +429,8 @@ class ReplicaRun:
         """The membership the launcher publishes after a loss (the latest, when several followed)."""
         key = generation_key(self.generation + 1)
         try:
+            if os.environ.get(CLAIM_ENV):
+                self._claim_loss()
             self.store.wait([key], timedelta(seconds=self.cfg.train.join_timeout_s))
         except Exception:  # noqa: BLE001 -- no replica was lost: the error was the step's own
             raise error from None
@@ -440,7 +445,7 @@ class ReplicaRun:
             if "joined" in passed:
                 self.missing.pop(passed["joined_replica"], None)
             else:
-                self.missing[passed["lost_replica"]] = passed["lost"]
+                self.missing |= lost_by_replica(passed)
                 self.losses.append((g, passed))
         self.generation = latest
         if self.rank not in event["ranks"]:
@@ -465,6 +470,34 @@ class ReplicaRun:
             else:
                 return event
             event = self._advance()
+
+    def _claim_loss(self) -> None:
+        """Where no launcher may publish the loss (:data:`CLAIM_ENV`): check in as a survivor of the current
+        generation; once every member has (then nothing was lost: raises) or :data:`SETTLE_S` passed, claim the
+        next generation for the replicas whose every rank checked in, unless a launcher or a peer published it."""
+        generation, current = self.generation + 1, self._members()
+        self.store.set(alive_key(generation, self.rank), "1")
+        deadline = time.monotonic() + min(SETTLE_S, self.cfg.train.collective_timeout_s)
+        while not self.store.check([generation_key(generation)]):
+            if self.store.check([alive_key(generation, r) for r in current]):
+                raise RuntimeError("every member is alive: no replica was lost")
+            if time.monotonic() > deadline:
+                event = survivors_event(self.store, generation, current)
+                if event is None:
+                    raise RuntimeError("no replica is left whole")
+                claim(self.store, generation, event)
+                return
+            time.sleep(0.05)
+
+    def _members(self) -> set[int]:
+        """The ranks (generation 0's numbering) of this rank's generation."""
+        if self.generation == 0:
+            return set(range(self.layout.world_size))
+        return set(json.loads(self.store.get(generation_key(self.generation)))["ranks"])
+
+    def finished(self) -> None:
+        """This rank's run is over: said in the store, where a replacement not admitted (torchrun's) reads it."""
+        self.store.set(returned_key(self.rank), "1")
 
     def _config(self, replicas: int, microbatches: int = 1):
         return generation_config(self.cfg, self.layout.micro_batch, replicas, self.shard, microbatches)
@@ -568,8 +601,11 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
     me, world0, store = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), _store(cfg)
     generation = int(os.environ[JOIN_ENV])
     store.set(ready_key(me), "1")
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # no launcher of ours to stop it: it stops itself
     while True:  # the launcher ends a replacement never admitted once every member has returned
         if not store.check([generation_key(generation + 1)]):
+            if torchrun and _run_over(store, generation, world0):
+                raise SystemExit(0)
             time.sleep(0.05)
             continue
         generation += 1
@@ -587,6 +623,12 @@ def join_distributed(cfg, device: str | None) -> tuple[int, int, int, torch.devi
     os.environ.update({ORIGINAL_RANK: str(me), ORIGINAL_WORLD: str(world0), "RANK": str(rank),
                        "WORLD_SIZE": str(len(event["ranks"])), ADMITTED: json.dumps(event | {"generation": generation})})
     return rank, len(event["ranks"]), local_rank, torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")
+
+
+def _run_over(store, generation: int, world: int) -> bool:
+    """Whether every member of the latest generation from ``generation`` on has returned (:meth:`ReplicaRun.finished`)."""
+    _, event = latest_generation(store, generation)
+    return store.check([returned_key(r) for r in (event["ranks"] if event else range(world))])
 
 
 def replica_run(cfg, stops, device: torch.device) -> ReplicaRun | None:

@@ -142,6 +142,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                                f"loss {first:.4f} -> {last:.4f}")
             logger.close()
         comm.barrier(None)  # only on success: a failed rank must not wait here for peers stuck in a step's collective
+        if replica:
+            replica.finished()
         return {"rank": rank, "first_loss": first, "last_loss": last, "seconds": time.time() - start, "steps": done}
     except BaseException:
         hold_stop_signals()  # under torchrun: its SIGTERM must not end this rank before it names a dead peer

@@ -25,8 +25,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                joiner_dies: bool = False, stale_step: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
-    all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
-    rank 0 gathers the digests). Every rank writes its pid to ``pid_dir`` first, and at the end the
+    all-reduce), the optimizer step or the checkpoint save after it (its files written, before rank 0
+    gathers the digests; a background save: in its publishing thread, while the next step trains). Every rank writes its pid to ``pid_dir`` first, and at the end the
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
@@ -49,10 +49,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     Path(pid_dir, str(os.getpid())).touch()
     me, now = int(os.environ["RANK"]), {"step": 0}
-    def due(wanted: str) -> bool:
-        if wanted == phase and (me, now["step"]) in {(rank, step), *also}:
+    def due(wanted: str, at: int | None = None) -> bool:
+        at = now["step"] if at is None else at
+        if wanted == phase and (me, at) in {(rank, step), *also}:
             # once per (rank, step): a replacement that joins quickly may run that step again
-            marker = Path(pid_dir, f"killed_{me}_{now['step']}")
+            marker = Path(pid_dir, f"killed_{me}_{at}")
             if marker.exists():
                 return False
             marker.touch()
@@ -102,6 +103,16 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return gather_digests(*a, **kw)
 
     store.gather_digests = gathering
+    from pretrain.checkpoint import background
+
+    publish = background.PendingSave._publish
+
+    def publishing(self):  # a background save: in its publishing thread, its files written, the step's own
+        if due("save", int(self.state["step"])):
+            _sigkill()
+        return publish(self)
+
+    background.PendingSave._publish = publishing
     if stale_step:
         from pretrain.training import replica_transfer
 

@@ -355,6 +355,44 @@ def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpo
     assert fifth[0] == fifth[1], fifth
 
 
+ASYNC = ("--set", "checkpoint.every=2", "--set", "checkpoint.async_save=true", "--set", "checkpoint.keep=3")
+
+
+def _resume_from(ck: Path, name: str, root: Path, layout: tuple) -> tuple[float, float]:
+    """The step after checkpoint ``ck/name`` (a copy of it alone, ``latest`` naming it), resumed at dp2."""
+    import shutil
+
+    root.mkdir()
+    shutil.copytree(ck / name, root / "ck" / name)
+    (root / "ck" / "latest").write_text(name + "\n")
+    after = int(name.split("_")[1]) + 1
+    res = _run(root, 2, "--set", f"train.steps={after}", "--set", "checkpoint.resume=true", layout=layout)
+    assert res.exit_code == 0, res.output
+    return _curve(root / "log")[after]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank,step,phase", [(1, 2, "save"), (0, 2, "save"), (1, 3, "forward")])
+def test_a_replica_killed_while_a_background_save_is_in_flight_loses_no_checkpoint(tmp_path, reference, fault_ranks,
+                                                                                   rank, step, phase):
+    """[checkpoint].async_save: a rank killed in its save's publishing thread (its files written, the next step
+    training), or in the next step's forward while the save may still be in flight. The survivors' save fails with
+    the lost peer; the new generation writes it again (same step, same state): every checkpoint of the
+    uninterrupted run is there, intact, and each resumes into the uninterrupted run's next step bitwise."""
+    _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=ASYNC)
+    ck, uninterrupted = tmp_path / "ck", reference.root / ("ref2x1-" + "-".join(a.replace("=", "_") for a in ASYNC
+                                                                              if a != "--set")) / "ck"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_2", "step_4"], sorted(ck.iterdir())
+    assert (ck / "latest").read_text().strip() == "step_4"
+    for name in ("step_2", "step_4"):
+        res = runner.invoke(app, ["verify", str(ck / name)])
+        assert res.exit_code == 0, res.output
+        if phase == "save" and rank == 1 or name == "step_2":
+            got = _resume_from(ck, name, tmp_path / f"resume-{name}", ASYNC)
+            assert got == _resume_from(uninterrupted, name, tmp_path / f"uninterrupted-{name}", ASYNC), name
+
+
 HSDP = ("--set", "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2")
 
 

@@ -45,6 +45,7 @@ from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
 from .replica_reshard import reshard_state
+from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
 from .train_loop import Trainer
 
 MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
@@ -211,6 +212,7 @@ class ReplicaRun:
         self.replica = -1
         self.shard = _shard_size(cfg, self.layout.dp)  # data ranks per replica: an HSDP replica's sharding group
         self.logger = None
+        self.saver = None  # the run's CheckpointSaver: its background save and group follow the generations
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -275,7 +277,9 @@ class ReplicaRun:
         began = time.monotonic()
         done = trainer.completed if trainer.completed == step + 1 else step
         coords = trainer.groups.coords()
-        _leave_groups(error, self.stops)
+        pending = take_save(self.saver, error)  # a background save of the old generation
+        _leave_groups(error, self.stops, *holders(self.saver, pending))
+        unsaved = unpublished(pending)
         if event is None:
             event = self._next_generation(error)
             self.missing[event["lost_replica"]] = event["lost"]
@@ -299,8 +303,16 @@ class ReplicaRun:
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
+        reopen(self.saver, self.cfg.train.collective_timeout_s)
+        unsaved = agreed_unpublished(self.saver, unsaved, error)
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
+            if unsaved is not None:
+                _discard_save(self.cfg, unsaved)
+        if unsaved is not None:  # the save a loss interrupted, written again (at the agreed step: the state now)
+            self.saver.save(trainer.checkpointed(), checkpoint_root(self.cfg), agreed, self.cfg.checkpoint.keep)
+            if self.logger is not None:
+                self.logger.message(f"checkpoint of step {unsaved} interrupted by the loss; saving step {agreed} again")
         return agreed
 
     def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:

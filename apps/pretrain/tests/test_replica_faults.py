@@ -25,12 +25,13 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
-def _pp(layout: tuple) -> int:
-    return next((int(a.split("=")[1]) for a in layout if a.startswith("parallel.pp=")), 1)
+def _pp(layout: tuple, key: str = "pp") -> int:
+    """``[parallel].<key>`` (pp, cp) that ``layout`` sets, else 1."""
+    return next((int(a.split("=")[1]) for a in layout if a.startswith(f"parallel.{key}=")), 1)
 
 
 def _run(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()):
-    return runner.invoke(app, ["train", "--nproc", str(dp * tp * _pp(layout)), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
+    return runner.invoke(app, ["train", "--nproc", str(dp * tp * _pp(layout) * _pp(layout, "cp")), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
 
 
 def _settings(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()) -> list[str]:
@@ -90,7 +91,7 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
     here = Path(__file__).parent
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env |= {"PYTHONPATH": os.pathsep.join([str(here), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    nproc = dp * tp * _pp(layout) // nodes
+    nproc = dp * tp * _pp(layout) * _pp(layout, "cp") // nodes
     procs = [subprocess.Popen([sys.executable, str(here / "node_launcher.py"), json.dumps(kill), "--nproc", str(nproc),
                                "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint", f"127.0.0.1:{port}",
                                *_settings(tmp, dp, *extra, tp=tp, layout=layout)],
@@ -141,11 +142,12 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s], (loss, norm))
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
-    world, pp = dp * tp * _pp(layout), _pp(layout)
-    block = tp * shard * pp  # a replica's ranks: order tp-cp-ep-dp-pp (an HSDP replica: consecutive dp ranks)
+    world, pp = dp * tp * _pp(layout) * _pp(layout, "cp"), _pp(layout)
+    inner = tp * _pp(layout, "cp")  # the ranks below dp in the order tp-cp-ep-dp-pp
+    block = inner * shard * pp  # a replica's ranks (an HSDP replica: consecutive dp ranks)
 
     def replica_of(r: int) -> int:
-        return (r // tp) % dp // shard
+        return (r // inner) % dp // shard
 
     replica = [r for r in range(world) if replica_of(r) == replica_of(rank)]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
@@ -168,10 +170,10 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in range(world)]
         for r in range(world):
             if buddies[r]:  # ZeRO-1 shards with buddies: each rank's buddy range is the next replica's own shard
-                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * tp
+                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * inner
                 assert buddies[r] == {k: states[after][k] for k in buddies[r]}, r
             else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-                assert states[r] == states[r - replica_of(r) * shard * tp], r
+                assert states[r] == states[r - replica_of(r) * shard * inner], r
         assert states[0], "no owned pieces"
         # the joiner's optimizer counts the steps the live replicas count (AdamW's bias correction)
         counts = [int((pids / f"optimizer_steps_{r}").read_text()) for r in range(world)]
@@ -353,6 +355,18 @@ def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpo
         assert res.exit_code == 0, res.output
         fifth.append(_curve(root / "log")[5])
     assert fifth[0] == fifth[1], fifth
+
+
+CP2 = ("--set", "parallel.cp=2")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase,admit_before", [(3, "backward", 0), (0, "reduction", 4)])
+def test_dp2_x_cp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase,
+                                                                         admit_before):
+    """Context parallelism lies inside a replica's block: its cp group is rebuilt with the generation's groups."""
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, layout=CP2, admit_before=admit_before)
 
 
 ASYNC = ("--set", "checkpoint.every=2", "--set", "checkpoint.async_save=true", "--set", "checkpoint.keep=3")

@@ -23,12 +23,12 @@ def fault_tolerance_rules(cfg) -> None:
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
           f"or zero='optim' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
+        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
         ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
         ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
         ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss))
         if unsupported]
-    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor and pipeline parallelism (zero='no_shard', "
+    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
 

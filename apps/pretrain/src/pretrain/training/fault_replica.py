@@ -162,20 +162,53 @@ class ReplicaTrainer(Trainer):
         return loss
 
 
+@dataclass(frozen=True)
+class HeldState:
+    """A trainer's state alone (its owned tensors, optimizer kinds, scalars and counts), without the trainer: the
+    old generation's groups, held by its modules, buckets and pending works, go once the trainer is let go."""
+
+    kinds: tuple
+    owned: dict
+    step_count: int
+    scalars: dict
+    non_finite: object
+    completed: int | None
+
+    @classmethod
+    def of(cls, trainer) -> "HeldState":
+        dp = trainer.model.dp
+        return cls(tuple(dp.optimizer_state.state_kinds()), owned_state(trainer.model), dp.step_count,
+                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed)
+
+
+def let_go(trainer) -> HeldState:
+    """``trainer``'s state, and the trainer emptied to what a regroup reads (the state held among it, should
+    another loss interrupt this regroup): a survivor's old groups close now, so a survivor still in one of
+    their collectives (two survivors of a group with lost ranks, as dp x cp's) fails at once, not at its
+    timeout, while this one waits for the next generation."""
+    if "held" in trainer.__dict__:  # emptied by a regroup a loss interrupted
+        return trainer.held
+    held = HeldState.of(trainer)
+    if trainer.prefetch is not None:
+        trainer.prefetch.close()
+    trainer.__dict__ = {"share": trainer.share, "sample_log": trainer.sample_log, "completed": trainer.completed,
+                        "coords": trainer.groups.coords(), "held": held}
+    return held
+
+
 @torch.no_grad()
-def copy_state(src, dst) -> None:
+def copy_state(src: HeldState, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
-    kinds = src.model.dp.optimizer_state.state_kinds()
-    dst.model.dp.optimizer_state.prepare_load(kinds)
-    a, b = owned_state(src.model), owned_state(dst.model)
+    dst.model.dp.optimizer_state.prepare_load(src.kinds)
+    a, b = src.owned, owned_state(dst.model)
     if a.keys() != b.keys():
         raise RuntimeError(f"regrouped trainer holds other state: {sorted(a.keys() ^ b.keys())[:4]}")
     for name, boxes in a.items():
         for x, y in zip(boxes, b[name], strict=True):
             y.copy_(x)
     dst.model.dp.sync_params()
-    dst.model.dp.step_count = src.model.dp.step_count
-    dst.model.dp.optimizer_state.finish_load(src.model.dp.optimizer_state.scalar_state())
+    dst.model.dp.step_count = src.step_count
+    dst.model.dp.optimizer_state.finish_load(src.scalars)
     dst.non_finite, dst.completed = src.non_finite, src.completed
 
 
@@ -276,7 +309,9 @@ class ReplicaRun:
 
         began = time.monotonic()
         done = trainer.completed if trainer.completed == step + 1 else step
-        coords = trainer.groups.coords()
+        coords = trainer.coords if "held" in trainer.__dict__ else trainer.groups.coords()
+        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+        held = None if buddies else let_go(trainer)
         pending = take_save(self.saver, error)  # a background save of the old generation
         _leave_groups(error, self.stops, *holders(self.saver, pending))
         unsaved = unpublished(pending)
@@ -289,14 +324,13 @@ class ReplicaRun:
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
-        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
         if buddies:
             reshard_state(trainer, fresh, done)
             fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
+            if trainer.prefetch is not None:
+                trainer.prefetch.close()
         else:
-            copy_state(trainer, fresh)
-        if trainer.prefetch is not None:
-            trainer.prefetch.close()
+            copy_state(held, fresh)
         trainer.__dict__ = fresh.__dict__  # every holder of the trainer (the loop, the saver) sees the new one
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():

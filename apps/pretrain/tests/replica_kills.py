@@ -163,7 +163,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return out
 
     def reducing(tensor, *a, **kw):
-        if due("reduction") and tensor.numel() > 1:
+        if tensor.numel() > 1 and due("reduction"):  # not a count (eod_mask_loss's kept tokens)
             _sigkill()
         return all_reduce(tensor, *a, **kw)
 

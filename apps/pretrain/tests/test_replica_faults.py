@@ -357,6 +357,18 @@ def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpo
     assert fifth[0] == fifth[1], fifth
 
 
+EOD = ("--set", "data.eod_mask_loss=true", "--set", "train.seq_len=64")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_dp3_eod_mask_loss_killed_in_the_reduction_normalises_by_the_global_kept_tokens(tmp_path, reference, fault_ranks):
+    """[data].eod_mask_loss: the loss is divided by the global batch's kept predictions (an all-reduce over the
+    survivors, who hold every micro-batch between them), so the 2 + 1 split needs no participants' weight on
+    top; one (the dp3 planted bug's) would make the second survivor's micro-batch count double."""
+    _check_fault_run(tmp_path, 3, 2, 3, "reduction", reference, layout=EOD)
+
+
 CP2 = ("--set", "parallel.cp=2")
 
 

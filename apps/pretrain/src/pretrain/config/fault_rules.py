@@ -14,7 +14,7 @@ SHARDED = ("optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -26,8 +26,7 @@ def fault_tolerance_rules(cfg) -> None:
         ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
         ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
         ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
-        ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss))
-        if unsupported]
+        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 

@@ -122,6 +122,8 @@ class ReplicaTrainer(Trainer):
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
+        if batch.loss_tokens is not None:  # eod_mask_loss: divided by the global batch's kept count per micro-batch
+            return loss  # of this rank already (train_loop.py), whatever share of the batch each replica trains
         return loss if self.share.weight == 1.0 else loss * self.share.weight
 
     def forward_chunk(self, batch, chunk_id, module, x, microbatch):

@@ -369,6 +369,19 @@ def test_dp3_eod_mask_loss_killed_in_the_reduction_normalises_by_the_global_kept
     _check_fault_run(tmp_path, 3, 2, 3, "reduction", reference, layout=EOD)
 
 
+MTP = ("--set", "model.mtp_depth=1")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,rank,step,phase,admit_before", [(3, 2, 3, "reduction", 0), (2, 1, 2, "backward", 4)])
+def test_mtp_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, dp, rank, step,
+                                                                  phase, admit_before):
+    """Multi-token prediction: its loss rides on the main loss's gradient, weighted with it; its layers are owned
+    pieces like the others (a joiner receives them)."""
+    _check_fault_run(tmp_path, dp, rank, step, phase, reference, layout=MTP, admit_before=admit_before)
+
+
 CP2 = ("--set", "parallel.cp=2")
 
 

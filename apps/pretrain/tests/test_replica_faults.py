@@ -491,6 +491,20 @@ def test_dp3_zero1_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterru
                      reference_layout=ZERO1)
 
 
+ZERO2 = ("--set", "parallel.zero=optim_grads")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,rank,step,phase,admit_before", [(2, 1, 2, "reduction", 4), (3, 2, 3, "optimizer", 0)])
+def test_zero2_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks, dp, rank, step, phase, admit_before):
+    """ZeRO-2 with buddies: the gradients all-reduced, each rank keeps its shard and its buddy's of the reduced
+    buffer; a survivor steps the lost shard as its buddy, and a rejoin re-shards it (each buddy range bitwise)."""
+    _check_fault_run(tmp_path, dp, rank, step, phase, reference, layout=(*ZERO2, "--set", "train.buddy_shards=1"),
+                     admit_before=admit_before, reference_layout=ZERO2)
+
+
 @pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_a_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_pieces(tmp_path, fault_ranks):

@@ -16,7 +16,7 @@ SMALL = ["--set", "model.layers=2", "--set", "train.steps=2", "--set", "train.wa
 CASES = {
     "zero-3 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params"],
                                  "shards it over the whole dp"),
-    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "or zero='optim' with [train].buddy_shards=1"),
+    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "or zero='optim' or 'optim_grads' with [train].buddy_shards=1"),
     "buddy shards under zero-3": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params", "--set", "train.buddy_shards=1"],
                                   "[train].buddy_shards=1 runs with [parallel].zero='optim'"),
     "buddy shards with muon": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=1", "--set",

@@ -103,7 +103,7 @@ class TrainConfig:
     # replica: a data-parallel replica that dies is fenced and the others go on at the same step and batch (off: the run ends)
     fault_tolerance: str = "off"
     respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
-    # 1: under ZeRO-1 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
+    # 1: under ZeRO-1 or ZeRO-2 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
     buddy_shards: int = 0
 
     def __post_init__(self) -> None:

@@ -412,14 +412,17 @@ def _resume_from(ck: Path, name: str, root: Path, layout: tuple) -> tuple[float,
 
 @pytest.mark.extended
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("rank,step,phase", [(1, 2, "save"), (0, 2, "save"), (1, 3, "forward")])
+@pytest.mark.parametrize("rank,step,phase,admit_before", [(1, 2, "save", 0), (0, 2, "save", 0), (1, 3, "forward", 0),
+                                                           (0, 2, "save", 4)])
 def test_a_replica_killed_while_a_background_save_is_in_flight_loses_no_checkpoint(tmp_path, reference, fault_ranks,
-                                                                                   rank, step, phase):
+                                                                                   rank, step, phase, admit_before):
     """[checkpoint].async_save: a rank killed in its save's publishing thread (its files written, the next step
     training), or in the next step's forward while the save may still be in flight. The survivors' save fails with
     the lost peer; the new generation writes it again (same step, same state): every checkpoint of the
-    uninterrupted run is there, intact, and each resumes into the uninterrupted run's next step bitwise."""
-    _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=ASYNC)
+    uninterrupted run is there, intact, and each resumes into the uninterrupted run's next step bitwise. With a
+    replacement admitted (a save of the smaller generation may be in flight then: it is finished first), the
+    replicas end bitwise equal."""
+    _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=ASYNC, admit_before=admit_before)
     ck, uninterrupted = tmp_path / "ck", reference.root / ("ref2x1-" + "-".join(a.replace("=", "_") for a in ASYNC
                                                                               if a != "--set")) / "ck"
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_2", "step_4"], sorted(ck.iterdir())

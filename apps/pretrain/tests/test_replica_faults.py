@@ -7,8 +7,9 @@ step's three micro-batches 2 + 1, which catches a loss normalised by the partici
 choice) and a lost replica's micro-batches dropped; a new generation over a used store prefix is refused.
 dp2 with Muon killed in its optimizer step: the survivor's step fails in Muon's collectives before any state
 changes, and the replacement receives the momentum (state Muon unpacks into copies) bitwise.
-The extended tier: the other phases, dp2, dp2 x tp2, two losses in a row, a replacement that rejoins
-(its state from a live replica, checked bitwise) and one killed while it receives its state.
+The extended tier: the other phases, dp2, dp2 x tp2, dp2 x cp2, MTP, eod_mask_loss, ZeRO-2 with buddy shards, a
+background checkpoint save in flight, two losses in a row, a replacement that rejoins (its state from a live
+replica, checked bitwise) and one killed while it receives its state.
 """
 
 import functools

@@ -186,3 +186,14 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         Trainer.train_step, Trainer.forward_chunk = plain_stepping, plain_forwarding
     comm.all_reduce, DataParallel.step = reducing, updating
     return run_rank(*run_args)
+
+
+def injected(spec: str, pid_dir: str, *run_args) -> dict:
+    """``run_rank(*run_args)`` with ``PAR_INJECT=spec`` in this rank (pretrain.observe.inject); every rank
+    writes its pid to ``pid_dir`` first (a replacement too: none must start for a condemned replica)."""
+    from pretrain.observe.inject import ENV
+    from pretrain.training.run import run_rank
+
+    Path(pid_dir, str(os.getpid())).touch()
+    os.environ[ENV] = spec
+    return run_rank(*run_args)

@@ -20,13 +20,13 @@ DOCS = ((0, 3, 8, 19, 32), (0, 12, 13, 32))  # 8 starts a piece at cp 2 and cp 4
 CASES = [(2, "p2p", None, None), (4, "p2p", None, DOCS), (4, "a2a", None, DOCS), (4, "a2a+p2p", (2, 2), DOCS)]
 
 
-def _layer(model, groups, mode):
+def _layer(model, groups, mode, recompute="none"):
     import torch
 
     from pretrain.blocks.context import ChunkContext
     from pretrain.models.qwen3_next.gdn import TPGatedDeltaNet
 
-    layer = TPGatedDeltaNet(model, ChunkContext(groups, False, mode, S, "none"))
+    layer = TPGatedDeltaNet(model, ChunkContext(groups, False, mode, S, recompute))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, p in sorted(layer.named_parameters()):
@@ -133,9 +133,9 @@ def test_all_to_all_kinds_split_the_key_heads(results, mode, hcp, ops):
                 "cp_halo_bytes_per_layer"], (case, rank)
 
 
-def saved_job(cp, seq):
+def saved_job(cp, seq, recomputes):
     """Bytes a bf16 forward of the layer saves for backward on this rank (parameters aside), on one rank
-    and at ``cp`` (p2p)."""
+    and at ``cp`` (p2p), under each ``[model].recompute`` of ``recomputes``."""
     import torch
     import torch.distributed as dist
 
@@ -145,21 +145,22 @@ def saved_job(cp, seq):
 
     model = load_config(None, MODEL).model
     x = torch.randn(seq, B, model.hidden, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
-    out = []
+    out = {}
     for c in (1, cp):
         groups = create_groups(RankGrid(dist.get_world_size(), cp=c))
-        layer = _layer(model, groups, "p2p").to(torch.bfloat16)
-        layer.seq_len = seq
-        params, seen = {p.untyped_storage().data_ptr() for p in layer.parameters()}, {}
+        for recompute in recomputes:
+            layer = _layer(model, groups, "p2p", recompute).to(torch.bfloat16)
+            layer.seq_len = seq
+            params, seen = {p.untyped_storage().data_ptr() for p in layer.parameters()}, {}
 
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            return t
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(shard_sequence(x, groups.rank_in("cp"), c).requires_grad_())
-        out.append(sum(seen.values()))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                layer(shard_sequence(x, groups.rank_in("cp"), c).requires_grad_())
+            out[(c, recompute)] = sum(seen.values())
     return out
 
 
@@ -167,15 +168,19 @@ def test_saved_bytes_are_the_family_declaration(dist_run):
     """What ``plan`` declares a Gated DeltaNet layer keeps for backward (``qwen3_next/memory.py``) is what a
     bf16 forward saves: on one rank, and on the busiest rank at cp 2 (both its pieces take the affine
     form), with its pieces' transitions and incoming states (``recurrent_state``). Within 0.1 %: a few
-    per-layer constants (the causal mask, the chunks' end decays) are not declared."""
+    per-layer constants (the causal mask, the chunks' end decays) are not declared. With its core
+    recomputed (``core_attn``) the layer keeps the checkpoint's inputs and the output side, at any cp."""
     from pretrain.config import load_config
     from pretrain.models import family_of
     from pretrain.models.qwen3_next.memory import gdn_saved_per_token
 
     model, seq = load_config(None, MODEL).model, 512
-    per_rank = dist_run(4, saved_job, 2, seq, timeout=300)
+    per_rank = dist_run(4, saved_job, 2, seq, ("none", "selective"), timeout=300)
     one = gdn_saved_per_token(model, 1, 1, 2, B) * seq * B
     pieces = family_of(model).recurrent_state(model, SimpleNamespace(tp=1, cp=2, pp=1, microbatches=1, hcp=()), B)
     cp2 = gdn_saved_per_token(model, 1, 2, 2, B) * seq // 2 * B + pieces["saved_bytes_per_layer"]
-    assert per_rank[0][0] == pytest.approx(one, rel=1e-3)
-    assert max(r[1] for r in per_rank) == pytest.approx(cp2, rel=1e-3), per_rank
+    assert per_rank[0][(1, "none")] == pytest.approx(one, rel=1e-3)
+    assert max(r[(2, "none")] for r in per_rank) == pytest.approx(cp2, rel=1e-3), per_rank
+    kept = gdn_saved_per_token(model, 1, 2, 2, B, "selective")  # the same at any cp: nothing of the core
+    assert per_rank[0][(1, "selective")] == kept * seq * B, per_rank
+    assert {r[(2, "selective")] for r in per_rank} == {kept * seq // 2 * B}, per_rank

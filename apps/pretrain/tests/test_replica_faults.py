@@ -6,7 +6,8 @@ The default tier kills one rank of dp3 in the gradient reduction: the two surviv
 step's three micro-batches 2 + 1, which catches a loss normalised by the participants (torchft's
 choice) and a lost replica's micro-batches dropped; a new generation over a used store prefix is refused.
 dp2 with Muon killed in its optimizer step: the survivor's step fails in Muon's collectives before any state
-changes, and the replacement receives the momentum (state Muon unpacks into copies) bitwise.
+changes, and the replacement receives the momentum (state Muon unpacks into copies) bitwise. A dp3 rank
+whose every matmul is wrong (persistent silent corruption) has its replica dropped, never replaced.
 The extended tier: the other phases, dp2, dp2 x tp2, dp2 x cp2, MTP, eod_mask_loss, ZeRO-2 with buddy shards, a
 background checkpoint save in flight, two losses in a row, a replacement that rejoins (its state from a live
 replica, checked bitwise) and one killed while it receives its state.
@@ -197,6 +198,45 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
 def test_dp3_rank_killed_in_the_gradient_reduction_goes_on_with_the_uninterrupted_curve(tmp_path, reference,
                                                                                          fault_ranks):
     _check_fault_run(tmp_path, 3, 2, 3, "reduction", reference)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,tp,bad", [(3, 1, 1)] + [pytest.param(*c, marks=pytest.mark.extended)
+                                                     for c in [(2, 1, 1), (2, 2, 3), (2, 1, 0)]])
+def test_a_rank_that_computes_wrong_persistently_has_its_replica_dropped_not_replaced(tmp_path, reference, fault_ranks,
+                                                                                    dp, tp, bad):
+    """Every matmul of rank ``bad`` is wrong from the start (rank 0: the log's holder is lost; dp3: the two
+    survivors split three micro-batches unevenly, and compare their losses unscaled). The check at step 1,
+    before its update, names the rank; its replica leaves (fenced as for a death, with ``respawn`` on and no
+    replacement started: its device computes wrong), the others redo step 1 with its micro-batches, and the
+    curve is the uninterrupted run's without the fault (fp32, 1e-6) from step 1 on: the wrong step was
+    never applied."""
+    import replica_kills
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", functools.partial(replica_kills.injected, f"matmul:{bad}", str(pids)))
+        res = _run(tmp_path, dp, "--set", "train.fault_tolerance=replica", "--set", "train.respawn=true",
+                   "--set", "log.sample_ids=true", tp=tp)
+    assert res.exit_code == 0, res.output
+    log = tmp_path / "log"
+    events = [r for r in _records(log) if r.get("event") in ("corruption", "replica_lost", "replica_joined")]
+    replica = [r for r in range(dp * tp) if r // tp == bad // tp]
+    assert [(e["event"], e["step"]) for e in events] == [("replica_lost", 0), ("corruption", 1)], events
+    assert events[0]["ranks"] == replica and events[0]["replica"] == bad // tp, events
+    assert (events[1]["class"], events[1]["rank"], events[1]["gpu"]) == ("persistent", bad, "cpu") and events[1]["host"]
+    expected, got = reference(dp, tp), _curve(log)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for s, (loss, norm) in expected.items():
+        assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
+    records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
+    for s in range(1, 5):  # the survivors trained every sample of every step (the latest generation's records)
+        latest = max(r["generation"] for r in records if r["step"] == s)
+        ids = sorted(i for r in records if r["step"] == s and r["generation"] == latest for i in r["samples"])
+        assert latest == 1 and ids == list(range((s - 1) * 2 * dp, s * 2 * dp)), (s, ids)
+    started = [int(p.name) for p in pids.glob("[0-9]*")]
+    assert len(started) == dp * tp and not [p for p in started if _alive(p)], started  # no replacement, none left
 
 
 @pytest.mark.extended

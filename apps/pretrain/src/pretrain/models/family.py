@@ -10,7 +10,7 @@ the family of a config (``pretrain.models.family_of``) instead of comparing name
   which of them tensor parallelism splits (:attr:`tp_split`), the modules built from them
   (:meth:`build_attention`) and their state-dict names where they differ (:attr:`renames`); initial weights, checkpoints and parameter counts read the shapes;
 * sizing: the attention's FLOP widths and core FLOPs (:meth:`value_width`, :meth:`core_flops_per_token`),
-  activation bytes (:meth:`saved_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
+  activation bytes (:meth:`saved_bytes`, :meth:`backward_bytes`, :meth:`ring_widths`, :meth:`junction_bytes`), its experts' (:attr:`expert_act_widths`);
 * certify: how its widths narrow (:meth:`narrowing`) and how many layers keep every kind (:meth:`layer_period`);
 * Hugging Face: the ``model_type`` values it reads and writes, config keys and tensor names both
   ways (:meth:`model_config_from_hf`, :meth:`hf_config`, :meth:`from_hf_names`, :meth:`to_hf_names`);
@@ -88,6 +88,13 @@ class Family:
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token: what the attention keeps for backward (``sizing.activations``)."""
         raise NotImplementedError
+
+    def backward_bytes(self, m, layout, i: int, recomputed: bool, pb: int) -> float:
+        """Per token: what layer ``i``'s attention holds in its backward beyond its kept set
+        (``saved_bytes``; ``selective``'s where ``recomputed``), once the MLP's saved set is freed: a
+        recomputed core's rerun and the backward's working set. 0: small beside the MLP's working set
+        (``sizing.activations``; the ring's under context parallelism is counted there)."""
+        return 0.0
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         """Per token on one tp rank: the (q, kv) widths context parallelism moves."""

@@ -37,6 +37,7 @@ from ..errors import UsageError
 from .stragglers import BUSY_PHASES
 
 ENV = "PAR_INJECT"
+RANK_ENV = "PRETRAIN_FT_RANK"  # the launcher's rank of a fault-tolerant run's process (training/fault_replica.py)
 FACTOR = 3.0
 KINDS = ("slow", "flip_weight", "flip_state", "flip_activation", "flip_hidden", "flip_grad", "bad_batch", "matmul")
 STEPPED = ("flip_weight", "flip_state", "flip_activation", "flip_hidden", "flip_grad", "bad_batch")  # KIND:RANK:STEP
@@ -92,7 +93,9 @@ class Faults:
 
     @classmethod
     def from_env(cls, rank: int) -> "Faults":
-        return cls(rank, parse(os.environ.get(ENV, "")))
+        """Rank ``rank``'s faults; under ``fault_tolerance = "replica"`` the launcher's rank (``RANK_ENV``): a
+        survivor renumbered by a regroup is not the rank a spec named."""
+        return cls(int(os.environ.get(RANK_ENV, rank)), parse(os.environ.get(ENV, "")))
 
     def step(self, step: int, owned) -> None:
         """Step ``step`` (0-based) starts; ``owned()``: this rank's owned state by name (a flip's target,

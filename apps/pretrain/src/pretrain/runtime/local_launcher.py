@@ -178,8 +178,8 @@ class LocalRanks:
 
         for r in sorted(gone):
             pending.pop(r, None)
-        if not self.respawn or self.stop_signal is not None:
-            return
+        if not self.respawn or self.stop_signal is not None or self.fencer.condemned(gone):
+            return  # (a condemned replica's device computes wrong: not started again on it)
         for r in sorted(gone):
             self._spawn(r - self.first, {JOIN_ENV: str(self.fencer.generation)})
             self.fencer.joining.add(r)

@@ -47,6 +47,11 @@ def ready_key(rank: int) -> str:
     return f"{FT_PREFIX}/ready/{rank}"
 
 
+def condemned_key(rank: int) -> str:
+    """Where rank ``rank`` says, before it exits, that it computes wrong (its replica is never replaced)."""
+    return f"{FT_PREFIX}/condemned/{rank}"
+
+
 def returned_key(rank: int) -> str:
     """Where a launcher marks that rank ``rank`` returned from its entry (the run is over for it)."""
     return f"{FT_PREFIX}/returned/{rank}"
@@ -88,6 +93,10 @@ class ReplicaFencer:
     def waiting(self) -> set[int]:
         """Replacements started and not in the latest membership."""
         return self.joining - self.members()
+
+    def condemned(self, ranks: set[int]) -> bool:
+        """Whether any of ``ranks`` left the run computing wrong (training/replica_drop.py): not replaced."""
+        return any(self.store.check([condemned_key(r)]) for r in ranks)
 
     def returned(self, rank: int) -> None:
         self.store.set(returned_key(rank), "1")

@@ -148,13 +148,14 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
     return max(rows * h, copies * m.num_experts / layout.ep * h * f + rows * (f - 3 * h), 0.0) * pb
 
 
-def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
+def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: float = 0.0) -> float:
     """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and, under context parallelism, the attention's,
-    which runs once the MLP's saved set is freed."""
+    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and
+    the attention's (under context parallelism, and ``rerun`` per token: what its family declares beyond
+    what the caller counted, :func:`_attention_backward`), which runs once the MLP's saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
-    attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
+    attention = (_ring_backward_work(m, layout, pb) + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
         return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
@@ -218,18 +219,22 @@ def _chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: float | 
     if m.recompute != "full" and chunk > 0:  # the received input, kept for the input gradient
         saved += message
     recomputed = "selective" if m.recompute == "full" else None
+    # what each layer's attention holds in its backward beyond the selective set (or none's)
+    extra = _attention_backward(cfg, layout, layers, lambda i: layer_per_token(cfg, layout, i, m.recompute, pairs),
+                                lambda i: m.recompute != "none", lambda i: 0.0)
     # expert_balance = "replicate": each MoE layer keeps its fetched replica weights for backward
     # (refetched when recomputed), whose backward adds their gradients (sizing.replicas)
     replica = replica_bytes(m, layout.etp, replicas, pb)
     if not recomputed:
         saved += sum(n * replica for i, n in kinds if m.is_moe_layer(i))
 
-    def backward(i: int) -> float:  # layer i's backward: its recomputed saved set and working set
+    def backward(i: int, rerun: float = 0.0) -> float:  # layer i's backward: its recomputed saved set and working set
         again = layer_per_token(cfg, layout, i, recomputed, pairs) * tokens if recomputed else 0.0
         replicas = (2 if recomputed else 1) * replica if m.is_moe_layer(i) else 0.0
-        return again + _backward_work(cfg, layout, i, tokens, moe_pairs) + replicas
+        return again + _backward_work(cfg, layout, i, tokens, moe_pairs, rerun) + replicas
 
-    work, forward = max((backward(i) for i, _ in kinds), default=0.0), 0.0
+    work = max([backward(i) for i, _ in kinds] + [backward(i, r) for i, r in extra.items()], default=0.0)
+    forward = 0.0
     if last:  # the loss's logits are saved with the chunk; the head's output gradient is a junction
         vocab, loss = m.padded_vocab(layout.tp) / layout.tp, _loss_saved(cfg, layout, tokens)
         saved += loss
@@ -261,9 +266,15 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
     replica = replica_bytes(m, layout.etp, replicas, pb)
     saved += sum(replica for i in ids if m.is_moe_layer(i))
 
+    family = family_of(m)
+    core = {i: bool(modules_at(m.recompute, i) & {"core_attn", "mla_up_proj", "full"}) for i in ids}
+    averaged = family.saved_bytes(m, layout, "none", pb) - family.saved_bytes(m, layout, "selective", pb)
+    extra = _attention_backward(cfg, layout, ids, lambda i: (kept[i] - out[i]) / tokens, core.get,
+                                lambda i: averaged if core[i] else 0.0)  # the rerun below counts the averaged set
+
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
-        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs)
+        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs, extra.get(i, 0.0))
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:
@@ -275,6 +286,24 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
             work = max(work, backward(m.layers) + vocab * (4 * tokens + m.hidden * pb))
         work = max(work - loss, 0.0)
     return ChunkBytes(saved, junctions, work, forward)
+
+
+def _attention_backward(cfg, layout, ids, kept, recomputed, counted) -> dict[int, float]:
+    """Per token, for the layers of ``ids`` (a chunk's, in order) whose family declares any: what the
+    attention holds in its backward (``Family.backward_bytes``) beyond what the caller counts for it
+    (``counted(i)``), less what the chunk's later layers, whose backward ran first, have freed by then
+    (``kept(j)`` per token each)."""
+    m, pb = cfg.model, _pb(cfg)
+    family = family_of(m)
+    declared = {i: family.backward_bytes(m, layout, i, recomputed(i), pb) for i in ids}
+    if not any(declared.values()):
+        return {}
+    out, freed = {}, 0.0
+    for i in reversed(ids):
+        if declared[i]:
+            out[i] = max(declared[i] - counted(i) - freed, 0.0)
+        freed += kept(i)
+    return out
 
 
 def stage_peak_of(cfg, layout, stage: int, routing=None, ep_rank: int = 0) -> StagePeak:

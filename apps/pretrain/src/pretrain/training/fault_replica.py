@@ -41,9 +41,11 @@ from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (JOIN_ENV, claim, coords_key, generation_key, generation_prefix,
                                           latest_generation, ready_key, replica_key)
+from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
+from .replica_drop import drop_replica
 from .replica_reshard import reshard_state
 from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
 from .train_loop import Trainer
@@ -99,7 +101,7 @@ class ReplicaShare:
 class ReplicaTrainer(Trainer):
     """A :class:`Trainer` that reads its :class:`ReplicaShare` of each global batch and weights its losses so."""
 
-    integrity_checks = False  # its data is its share, not the sampler's: a rerun could not fetch it (integrity.py)
+    drops_replicas = True  # a persistent rank's replica leaves the run (replica_drop.py)
 
     def __init__(self, cfg, share: ReplicaShare, sample_log: Path | None = None, **kwargs) -> None:
         self.share, self.sample_log = share, sample_log
@@ -112,8 +114,15 @@ class ReplicaTrainer(Trainer):
         if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
             self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
 
-    def _read_batch(self, step: int, eval: bool | str = False) -> Batch:
-        s, share = self.sampler, self.share
+    @property
+    def loss_weight(self) -> float:
+        return self.share.weight
+
+    def rerun_batch(self, dp: int, step: int) -> Batch:
+        return self._read_batch(step, share=replace(self.share, index=dp))
+
+    def _read_batch(self, step: int, eval: bool | str = False, share: ReplicaShare | None = None) -> Batch:
+        s, share = self.sampler, share or self.share
         stream = (s.test if eval == "test" else s.valid) if eval else s.train
         ids = share.samples(step)
         batch = stream.gather(ids.start, ids.stop)
@@ -236,6 +245,7 @@ class ReplicaRun:
                              "(`pretrain train --nproc N`), not torchrun; set it to 'off' there")
         self.cfg, self.stops, self.device = cfg, stops, device
         self.rank = int(os.environ.get(ORIGINAL_RANK, dist.get_rank()))  # generation 0's numbering: the launcher's
+        os.environ[ORIGINAL_RANK] = str(self.rank)  # what PAR_INJECT names (observe/inject.py), after any regroup
         self.layout = cfg.validate_world(int(os.environ.get(ORIGINAL_WORLD, dist.get_world_size())))
         self.store = _store(cfg)
         admitted = os.environ.get(ADMITTED)
@@ -516,6 +526,10 @@ class _Attempt:
         return None
 
     def __exit__(self, kind, error, tb) -> bool:
+        if isinstance(error, PersistentRank):
+            del tb
+            self.steps.next = drop_replica(self.steps.run, self.trainer, self.step, error)
+            return True
         if not isinstance(error, Exception) or not peer_lost(error):
             return False
         del tb

@@ -22,16 +22,20 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   coordinate in the other replicas: **persistent** if the suspect's rerun differs from its peers'
   (it computes wrong), **correct** if every rerun agrees and is itself anomalous (the data or the
   model), **transient** if every rerun agrees and is normal (its first result was a glitch). The
-  rerun uses the current weights, not those of the suspect's step. A persistent suspect's loss is
+  check runs before the log step's update is applied (:meth:`Integrity.losses`, from
+  ``Trainer.train_step``): a suspect of the log step itself is rerun with its own step's weights, one
+  of an earlier step with the current weights. A persistent suspect's loss is
   shared by the tp and cp ranks of its replica, and fed by its other pipeline stages: the one named
   is the rank whose rerun's module outputs (hashed, by chunk in order) first differ from its
   coordinate's in the other replicas. A transient or correct one is the rank of its replica whose
   rerun first differs from its own first run (fingerprints.py: each rank's module outputs, kept on the
   device during the step; a fault seen first there, before a collective spread it); where none
-  differs or none was kept (an update applied since), the loss names it (within its replica's tp and
-  cp ranks at the loss's stage, the first).
+  differs or none was kept (an update applied since: a spike before the log step), the loss names
+  it (within its replica's tp and cp ranks at the loss's stage, the first).
 
-A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU;
+A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU
+(under ``fault_tolerance = "replica"`` a persistent rank's replica is dropped instead, before the
+step's update: replica_drop.py);
 transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
 Cost per copies check: one hash pass over the owned state on the device, one host read of the
 hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``integrity_check``).
@@ -39,7 +43,6 @@ hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``int
 
 from __future__ import annotations
 
-import copy
 import socket
 import statistics
 import time
@@ -115,6 +118,15 @@ def spike(value: float, peers: list[float]) -> bool:
     return value - base > max(SPIKE_RELATIVE * abs(base), SPIKE_MADS * mad)
 
 
+class PersistentRank(UsageError):
+    """A rank computes wrong results persistently: the run's one-line stop, or, where the trainer drops
+    replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
+
+    def __init__(self, line: str, rank: int, dp: int, event: dict) -> None:
+        super().__init__(line)
+        self.rank, self.dp, self.event = rank, dp, event  # the rank (this generation's), its data-parallel index
+
+
 def _finite(x: float) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
 
@@ -125,7 +137,8 @@ class Integrity:
     def __init__(self, trainer, off: bool = False) -> None:
         self.every = 0 if off else trainer.cfg.log.integrity_every
         self.events: list[dict] = []  # for rank 0's log (:meth:`take`)
-        self.checked_at = -1
+        self.checked_at = self.losses_at = -1
+        self.found: tuple = (None, -1, -1, -1)  # the loss check's verdict, suspect, its step and micro-batch
         self.device = trainer.device
         # worst micro-batch loss's score, loss, step, micro-batch; the first step whose own gradient was not finite
         self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
@@ -136,9 +149,9 @@ class Integrity:
         self.prints = Fingerprints(trainer.model.chunks, bool(self.every) and not (m.hidden_dropout or m.attention_dropout))
         self.rerunning = False
 
-    def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None) -> None:
-        """This step's micro-batch losses and the squared sum of this rank's own reduced gradient (on the
-        device; nothing read)."""
+    def note(self, step: int, losses: list[torch.Tensor], grad_sq: torch.Tensor | None = None, weight: float = 1.0) -> None:
+        """This step's micro-batch losses (each scaled by ``weight``: compared unscaled) and the squared sum of
+        this rank's own reduced gradient (on the device; nothing read)."""
         if not self.every:
             return
         if grad_sq is not None:
@@ -146,7 +159,7 @@ class Integrity:
             self.worst[4:].copy_(torch.where(bad, torch.full_like(self.worst[4:], step), self.worst[4:]))
         if not losses:
             return
-        loss = torch.stack([x.detach().double().reshape(()) for x in losses])
+        loss = torch.stack([x.detach().double().reshape(()) for x in losses]) / weight
         score = torch.where(torch.isfinite(loss), loss, torch.full_like(loss, float("inf")))
         m = score.argmax().reshape(1)  # gathered by index on the device: no host read
         top = score.gather(0, m)
@@ -179,7 +192,6 @@ class Integrity:
         if not self.every or step == self.checked_at:
             return []
         self.checked_at = step
-        who = self._who(trainer)
         events = []
         self.checks += 1
         odd, split = ({}, {})
@@ -187,6 +199,36 @@ class Integrity:
             odd, split, cost = self._copies(trainer)
             events.append({"event": "integrity_check", "step": step, **cost, **self.prints.take_cost(),
                            "odd": len(odd), "split": len(split)})
+        if dist.get_rank() == 0:
+            self.events += events
+        self.losses(trainer, step)  # a no-op where the step ran it before its update
+        verdict, suspect, at, micro = self.found
+        self.found = (None, -1, -1, -1)
+        if odd:
+            ranks = sorted({r for rs in odd.values() for r in rs})
+            key = next(iter(odd))
+            raise UsageError(f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
+                             f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
+        if verdict == "persistent":
+            raise UsageError(self.persistent_line(suspect, at, micro))
+        if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
+            self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
+                                "ranks": sorted({r for rs in split.values() for r in rs})})
+        return [f"{verdict} on {self.name(suspect)}"] if verdict else []
+
+    def persistent_line(self, suspect: int, at: int, micro: int) -> str:
+        return (f"silent corruption: {self.name(suspect)} computes wrong results persistently (its rerun of step "
+                f"{at + 1}'s micro-batch {micro} differs from its replicas'); stopping")
+
+    def losses(self, trainer, step: int) -> None:
+        """The loss check at log step ``step`` (every rank), once: the step runs it before its update where
+        it applies one (``Trainer.train_step``), so that the fingerprints of its own forward, taken with the
+        weights the rerun uses, can name the rank where a finite fault entered; else :meth:`check` runs it
+        after the step (a skipped update changed no weight). The verdict waits in ``found`` for :meth:`check`."""
+        if not self.every or step == self.losses_at:
+            return
+        self.losses_at = step
+        who = self._who(trainer)
         row = self.worst.clone()
         self.worst.fill_(-float("inf"))
         every = torch.empty(len(who) * len(row), dtype=torch.float64, device=self.device)
@@ -198,7 +240,7 @@ class Integrity:
         # have reached every replica through the reduction
         grads = [r for r, x in enumerate(rows) if x[4] >= 0 and any(
             rows[o][4] < 0 for o, w in enumerate(who) if w[1] == who[r][1] and w[0] != who[r][0])]
-        verdict, trigger = None, "loss" if suspects else "gradient"
+        trigger = "loss" if suspects else "gradient"
         if suspects or grads:
             suspect = max(suspects, key=lambda r: rows[r][0]) if suspects else grads[0]
             at, micro = (int(rows[suspect][2]), int(rows[suspect][3])) if suspects else (int(rows[suspect][4]), 0)
@@ -207,26 +249,16 @@ class Integrity:
                 suspect, named_by = self.first_to_differ(suspect), "rerun_vs_replicas"
             else:  # which of them computed something else the first time
                 suspect, named_by = self.first_to_change(suspect, at, micro)
-            events.append({"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
-                           "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger,
-                           "suspect_step": at + 1, "micro_batch": micro,
-                           "suspect_loss": _finite(rows[suspect][1]) if suspects else None})
+            self.found = (verdict, suspect, at, micro)
+            event = {"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
+                     "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger, "suspect_step": at + 1,
+                     "micro_batch": micro, "suspect_loss": _finite(rows[suspect][1]) if suspects else None}
+            if verdict == "persistent" and trainer.drops_replicas:  # its replica leaves; this update is not applied
+                self.prints.updated()
+                raise PersistentRank(self.persistent_line(suspect, at, micro), suspect, who[suspect][0], event)
+            if dist.get_rank() == 0:
+                self.events.append(event)
         self.prints.updated()  # compared: the next check compares the steps after this one
-        if dist.get_rank() == 0:
-            self.events += events
-        if odd:
-            ranks = sorted({r for rs in odd.values() for r in rs})
-            key = next(iter(odd))
-            raise UsageError(f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
-                             f"(and {len(odd) - 1} more) unlike its replicas'; stopping")
-        if verdict == "persistent":
-            raise UsageError(f"silent corruption: {self.name(suspect)} computes wrong results persistently (its "
-                             f"rerun of step {at + 1}'s micro-batch {micro} differs "
-                             f"from its replicas'); stopping")
-        if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
-            self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
-                                "ranks": sorted({r for rs in split.values() for r in rs})})
-        return [f"{verdict} on {self.name(suspect)}"] if verdict else []
 
     def _copies(self, trainer) -> tuple[dict, dict, dict]:
         start = time.perf_counter()
@@ -245,9 +277,7 @@ class Integrity:
     def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
         """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""
         dp, model, _, _ = self.ranks[suspect]
-        sampler = copy.copy(trainer.sampler)
-        sampler.dp_rank = dp
-        batch = sampler.train_batch(step)
+        batch = trainer.rerun_batch(dp, step)
         one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
         was = trainer.model.module.training
         trainer.model.module.eval()
@@ -274,7 +304,7 @@ class Integrity:
         self.trace = [(c, tuple(h)) for (c, _), h in zip(trace, hashes)]
         mine = torch.tensor([float("nan") if not losses else 0.0, 0.0], dtype=torch.float64, device=self.device)
         if losses:
-            mine[1] = losses[0].detach().double()
+            mine[1] = losses[0].detach().double() / trainer.loss_weight
             mine[0] = 1.0
         every = torch.empty(len(self.ranks) * 2, dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, mine, None)

@@ -110,7 +110,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
                 first = result if first is None else first
                 _note_step(logger, result, done)
                 # Values are read on the host at log steps only (and checked finite there): see step_result.py
-                logged = done % cfg.log.every == 0 or done == last_step
+                logged = trainer.log_step(done)
                 if logged:
                     last = _log_step(trainer, logger, saver, result, done, clock)
                 profiler.after(done)  # after the log line: writing the trace is not the step's time

@@ -9,6 +9,7 @@ mean over every token of the global batch, identical on every rank.
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,6 +63,8 @@ class Trainer:
     """Holds this rank's model and data; ``train_step(step)`` runs one optimizer step."""
 
     integrity_checks = True  # the silent-corruption checks (integrity.py); off where a rerun cannot fetch the data
+    drops_replicas = False  # a persistent rank stops the run (fault_replica.py: its replica leaves it instead)
+    loss_weight = 1.0  # each micro-batch's loss factor (fault_replica.py: a replica's uneven share)
 
     def __init__(self, cfg, full_state: dict | None = None, dataset=None, device: torch.device | None = None,
                  topology=None, shapes_only: ShapesOnly | None = None, timer=None) -> None:
@@ -179,6 +182,12 @@ class Trainer:
             return s.global_eval_batch(step, split) if eval else s.global_train_batch(step)
         return s.eval_batch(step, split) if eval else s.train_batch(step)
 
+    def rerun_batch(self, dp: int, step: int):
+        """Data-parallel rank ``dp``'s share of training batch ``step`` (a suspect's, recomputed: integrity.py)."""
+        sampler = copy.copy(self.sampler)
+        sampler.dp_rank = dp
+        return sampler.train_batch(step)
+
     def _dynamic_microbatches(self, batch) -> MicroBatches:
         """One micro-batch per round of the dynamic CP plan: this rank's tokens ``[T, 1]``."""
         p, d = self.cfg.parallel, self.cfg.data
@@ -276,7 +285,7 @@ class Trainer:
         self.faults.reduced(dp)
         norm = dp.clip_grad_norm_(cfg.train.grad_clip or math.inf, norm_groups=(g.tp, g.pp),
                                   expert_norm_groups=(g.tp_ep, g.pp))
-        self.integrity.note(step, losses, getattr(getattr(dp, "buffer", None), "local_sq", None))
+        self.integrity.note(step, losses, getattr(getattr(dp, "buffer", None), "local_sq", None), self.loss_weight)
         elsewhere = (~torch.isfinite(norm)).float().reshape(1)  # a replica's norm (unreduced over dp): any rank's
         loss = self._mean_loss(losses, elsewhere)
         tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -291,6 +300,8 @@ class Trainer:
             timer.finish()
             self.non_finite = NonFinite(self.device)  # a skipped step does not stop the run
             return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
+        if self.log_step(step + 1):  # before the update: its forward's fingerprints hold for the rerun
+            self.integrity.losses(self, step + 1)
         dp.set_lr(lr)
         dp.step(self._qk_clip if cfg.train.muon_qk_clip > 0 else None)
         self.integrity.prints.updated()
@@ -307,6 +318,11 @@ class Trainer:
     def _qk_clip(self) -> None:
         """MuonClip: the heads whose max logit passed tau this step, scaled down (blocks/qk_clip.py)."""
         self.model.dp.scale_rows_(clip_scales(self.model.module, self.cfg.train.muon_qk_clip, self.groups.dp_cp))
+
+    def log_step(self, done: int) -> bool:
+        """Whether the step that makes ``done`` steps is logged (its values read on the host)."""
+        t = self.cfg.train
+        return done % self.cfg.log.every == 0 or done == (t.stop_at or t.steps)
 
     def check_finite(self) -> None:
         """Under [train].nan_policy=stop: the one-line stop if a step since the start was not finite (a host read).

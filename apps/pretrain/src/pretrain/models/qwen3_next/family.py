@@ -120,15 +120,29 @@ class Qwen3Next(Family):
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
         """Per token, averaged over the layer pattern: the full layers' gathered input, q (with its gate), k,
-        v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (the chunked rule's
-        saved set, the conv's inputs, the output side)."""
+        v and output; the linear layers' as ``memory.gdn_saved_per_token`` declares them (without
+        recomputation the chunked rule's saved set, the conv's inputs, the output side; with the core
+        recomputed its checkpoint's inputs and the output side)."""
         from .memory import gdn_saved_per_token
 
         full, linear = self._fractions(m)
         q, kv = m.heads * m.head_dim / layout.tp, m.kv_heads * m.head_dim / layout.tp
         attn = (m.hidden + 3 * q + 2 * kv) * pb
-        gdn = gdn_saved_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1))
+        gdn = gdn_saved_per_token(m, layout.tp, layout.cp, pb, max(layout.micro_batch, 1),
+                                  "none" if recompute == "none" else "selective")
         return full * attn + linear * gdn
+
+    def backward_bytes(self, m, layout, i: int, recomputed: bool, pb: int) -> float:
+        """A linear layer's: its recomputed core's saved set and the gates' (``memory.gdn_rerun_per_token``)
+        and its backward's working set (``memory.gdn_backward_work_per_token``); a full layer's core
+        reruns one SDPA call."""
+        from .memory import gdn_backward_work_per_token, gdn_rerun_per_token
+
+        if is_full_attention(m, i):
+            return 0.0
+        tp, b = layout.tp, max(layout.micro_batch, 1)
+        rerun = gdn_rerun_per_token(m, tp, layout.cp, pb, b) if recomputed else 0.0
+        return rerun + gdn_backward_work_per_token(m, tp, pb)
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         full, _ = self._fractions(m)  # the linear layers move states, not tokens (state_bytes)

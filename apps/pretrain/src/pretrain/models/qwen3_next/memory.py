@@ -13,12 +13,24 @@ incoming state's queries ``Q~``); its transition and incoming state are per piec
 (``Qwen3Next.recurrent_state``).
 
 The rest of the layer, per token: the projections' input (``hidden``, the compute dtype), the conv's
-``conv_kernel`` shifted inputs and its output (before SiLU) over its channels, the 4 value-wide
-tensors of the output side (the rule's output in the compute dtype, ``z``, the gate's product, the
-norm's output), the write strengths (``sigmoid(b)``); in fp32 the L2 norms' inputs and inverse norms of q and k, the decay's
-two scalars and the norm's scale per value head, the norm's input and normalised value; and the conv's
-``conv_kernel`` int64 gather indices per position (shared by the micro-batch's sequences). With flash-linear-attention on CUDA the rule saves less (its
-kernel recomputes the chunk states): the plan is then an upper bound.
+``conv_kernel`` shifted inputs and its output (before SiLU) over its channels, the 4 value-wide tensors
+of the output side in the compute dtype (``z``'s contiguous copy, ``silu(z)``, the norm's output, the
+gate's product ``out_proj`` reads), the write strengths (``sigmoid(b)``); in fp32 the L2 norms' inputs
+and inverse norms of q and k, the decay's two scalars and the norm's scale per value head, the norm's
+input and normalised value; and the conv's ``conv_kernel`` int64 gather indices per position (shared by
+the micro-batch's sequences). With flash-linear-attention on CUDA the rule saves less (its kernel
+recomputes the chunk states): the plan is then an upper bound.
+
+Under ``[model].recompute``'s ``core_attn`` (``selective``) the conv, the gates and the rule run in a
+checkpoint (``gdn.py``: ``_core``), which keeps its inputs and none of their saved set: q, k and v are
+views of ``in_proj_qkvz``'s output, so its whole storage stays (``2 nk dk + 2 nv dv``, ``z`` with it),
+and ``beta`` and ``a`` keep ``in_proj_ba``'s (``2 nv``); the projections' input and the output side
+(the norm, the gate, ``out_proj``'s input) run outside and keep what they keep without it. The backward
+reruns the core: its saved set comes back for that layer's backward (:func:`gdn_rerun_per_token`),
+beside the backward's working set (:func:`gdn_backward_work_per_token`).
+``layernorm``, ``mlp``, ``moe`` and ``moe_act`` leave the layer as it is (its input is the input norm's
+output either way); ``full`` keeps the decoder layer's input only, and its rerun keeps the whole set
+(the core is not checkpointed again inside a recomputed layer).
 """
 
 from __future__ import annotations
@@ -53,9 +65,38 @@ def conv_saved_per_token(m, tp: int, pb: int, micro_batch: int) -> float:
     return (m.conv_kernel + 1) * conv_channels(m, tp) * pb + 8 * m.conv_kernel / micro_batch
 
 
-def gdn_saved_per_token(m, tp: int, cp: int, pb: int, micro_batch: int, chunk: int = CHUNK) -> float:
-    """Bytes one Gated DeltaNet layer saves per token of this rank (module docstring), its pieces of
-    whole chunks (``CHUNK`` tokens)."""
+def kept_per_token(m, tp: int, pb: int, core_recomputed: bool) -> float:
+    """Bytes the layer keeps per token outside the conv and the rule (module docstring): the projections'
+    input and the output side; without ``core_attn`` the gates' and L2 norms' saved values, with it the
+    checkpoint's inputs (``in_proj_qkvz``'s and ``in_proj_ba``'s outputs)."""
     nk, nv, dk, dv = m.linear_key_heads / tp, m.linear_value_heads / tp, m.linear_key_dim, m.linear_value_dim
-    layer = pb * (m.hidden + 4 * nv * dv + nv) + 4 * (2 * nk * dk + 2 * nk + 3 * nv + 2 * nv * dv)
-    return scan_saved_per_token(m, tp, cp, chunk) + conv_saved_per_token(m, tp, pb, micro_batch) + layer
+    outside = pb * (m.hidden + 4 * nv * dv) + 4 * (nv + 2 * nv * dv)
+    if core_recomputed:
+        return outside + pb * (2 * nk * dk + 2 * nv * dv + 2 * nv)
+    return outside + pb * nv + 4 * (2 * nk * dk + 2 * nk + 2 * nv)
+
+
+def gdn_saved_per_token(m, tp: int, cp: int, pb: int, micro_batch: int, recompute: str = "none",
+                        chunk: int = CHUNK) -> float:
+    """Bytes one Gated DeltaNet layer saves per token of this rank (module docstring), its pieces of
+    whole chunks (``CHUNK`` tokens); ``recompute``: ``none``, or ``selective`` (its core recomputed)."""
+    if recompute == "selective":
+        return kept_per_token(m, tp, pb, True)
+    core = scan_saved_per_token(m, tp, cp, chunk) + conv_saved_per_token(m, tp, pb, micro_batch)
+    return core + kept_per_token(m, tp, pb, False)
+
+
+def gdn_rerun_per_token(m, tp: int, cp: int, pb: int, micro_batch: int, chunk: int = CHUNK) -> float:
+    """Bytes a recomputed core brings back per token for its layer's backward: the saved set without
+    recomputation less the checkpoint's."""
+    return (gdn_saved_per_token(m, tp, cp, pb, micro_batch, "none", chunk)
+            - gdn_saved_per_token(m, tp, cp, pb, micro_batch, "selective", chunk))
+
+
+def gdn_backward_work_per_token(m, tp: int, pb: int, chunk: int = CHUNK) -> float:
+    """Bytes a linear layer's backward holds per token beyond its saved set, at most: its input's gradient
+    (``hidden``, the compute dtype) and, per value head in fp32, 4 key widths (the rule's gradients of q
+    and k, before and after the repeat over a key head's value heads) and 2 chunk-square rows (the chunk
+    loop's and the inverse's gradients). A bound: the peak moves between the chunk loop and the inverse's
+    backward with the key and value widths, and the saved tensors freed by then vary with it."""
+    return pb * m.hidden + 4 * m.linear_value_heads / tp * (4 * m.linear_key_dim + 2 * chunk)

@@ -116,7 +116,9 @@ class ReplicaTrainer(Trainer):
 
     @property
     def loss_weight(self) -> float:
-        return self.share.weight
+        """Each micro-batch's loss factor: none under eod_mask_loss, whose loss is divided by the global batch's
+        kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
+        return 1.0 if self.cfg.data.eod_mask_loss else self.share.weight
 
     def rerun_batch(self, dp: int, step: int) -> Batch:
         return self._read_batch(step, share=replace(self.share, index=dp))
@@ -131,9 +133,7 @@ class ReplicaTrainer(Trainer):
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
-        if batch.loss_tokens is not None:  # eod_mask_loss: divided by the global batch's kept count per micro-batch
-            return loss  # of this rank already (train_loop.py), whatever share of the batch each replica trains
-        return loss if self.share.weight == 1.0 else loss * self.share.weight
+        return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 
     def forward_chunk(self, batch, chunk_id, module, x, microbatch):
         m = self.cfg.model

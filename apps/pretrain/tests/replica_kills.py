@@ -31,8 +31,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
-    all-reduce), the optimizer step or the (synchronous) checkpoint save after it (its files written, before
-    rank 0 gathers the digests). Every rank writes its pid to ``pid_dir`` first, and at the end the
+    all-reduce), the optimizer step or the checkpoint save after it (its files written, before rank 0
+    gathers the digests; a background save: in its publishing thread, while the next step trains). Every rank writes its pid to ``pid_dir`` first, and at the end the
     size and SHA-256 of every piece of state it owns to ``pid_dir/state_<rank>.json``. ``admit_before``: rank 0
     waits before that (1-based) step until the lost replica's replacement is ready (so the test does not race
     the replacement's start-up; and at every boundary after it while a replica is missing). ``also``: more
@@ -63,10 +63,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     me, now = int(os.environ["RANK"]), {"step": 0}
     kills = {(rank, step, phase)} | {(r, s, *(p or (phase,))) for r, s, *p in also}
 
-    def due(wanted: str) -> bool:
-        if (me, now["step"], wanted) in kills:
+    def due(wanted: str, at: int | None = None) -> bool:
+        at = now["step"] if at is None else at
+        if (me, at, wanted) in kills:
             # once per (rank, step): a replacement that joins quickly may run that step again
-            marker = Path(pid_dir, f"killed_{me}_{now['step']}")
+            marker = Path(pid_dir, f"killed_{me}_{at}")
             if marker.exists():
                 return False
             marker.touch()
@@ -150,6 +151,16 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return gather_digests(*a, **kw)
 
     store.gather_digests = gathering
+    from pretrain.checkpoint import background
+
+    publish = background.PendingSave._publish
+
+    def publishing(self):  # a background save: in its publishing thread, its files written, the step's own
+        if due("save", int(self.state["step"])):
+            _sigkill()
+        return publish(self)
+
+    background.PendingSave._publish = publishing
     if stale_step:
         from pretrain.training import replica_transfer
 
@@ -201,7 +212,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     def reducing(tensor, *a, **kw):
         device_group_only(a[0] if a else kw.get("group"), [tensor])
-        if due("reduction") and tensor.numel() > 1:
+        if tensor.numel() > 1 and due("reduction"):  # not a count (eod_mask_loss's kept tokens)
             _sigkill()
         if tensor.numel() > 1:
             stalled("reduction")

@@ -69,16 +69,33 @@ def test_plan_counts_the_buddy_shard_of_optimizer_state_and_its_bytes():
     assert ft["joiner_bytes"] == 2 * -(-n // 8) * (MAIN + 8)
 
 
+def test_plan_counts_the_buddy_shards_of_zero2_its_gradient_shard_and_bytes():
+    """Under ZeRO-2 (dp 8) a buddy holds a second shard of the reduced gradients too, and the all-reduce sends
+    (d - 1) / d of the full gradient buffer (eight of ZeRO-2's shards) once more."""
+    zero2 = ["parallel.zero=optim_grads"]
+    plain, buddy = plan(zero2), plan([*zero2, *BUDDY[1:]])
+    n = plain["params"]["per_rank_dense"]
+    mine, theirs = plain["model_state"]["optim_grads"], buddy["model_state"]["optim_grads"]
+    assert theirs["optim"] == 2 * mine["optim"] and theirs["grads"] == 2 * mine["grads"]
+    assert buddy["fault_tolerance"]["buddy"] == {"optim_bytes": mine["optim"], "grad_bytes": mine["grads"],
+                                                 "grad_bytes_per_step": mine["grads"] * 8 * 7 / 8}
+    assert buddy["fault_tolerance"]["joiner_bytes"] == 2 * -(-n // 8) * (MAIN + 8)
+
+
 @pytest.mark.extended
-def test_simulate_measures_the_buddy_shards_as_planned():
-    """The trainer's buddies on fake tensors (tp 2 x dp 4): optimizer bytes and the dp all-reduce as planned."""
+@pytest.mark.parametrize("zero", ["optim", "optim_grads"])
+def test_simulate_measures_the_buddy_shards_as_planned(zero):
+    """The trainer's buddies on fake tensors (tp 2 x dp 4): optimizer bytes (and ZeRO-2's gradient shards) and the
+    dp all-reduce as planned."""
     from pretrain.config import load_config
     from pretrain.simulate.report import simulate
 
-    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=2", "parallel.zero=optim",
+    cfg = load_config("llama3-8b", ["model.layers=2", "train.global_batch=32", "parallel.tp=2", f"parallel.zero={zero}",
                                     "train.buddy_shards=1"])
     rank = simulate(cfg, 8, [0])["ranks"][0]
     assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.02)
+    if zero == "optim_grads":
+        assert rank["measured"]["grads"] == pytest.approx(rank["planned"]["grads"], rel=0.02), rank
     dp = {c["op"]: c for c in rank["collectives"] if c["group"] == "dp"}
     assert set(dp) == {"all_reduce", "all_gather"}
     assert dp["all_reduce"]["ratio"] == pytest.approx(1.0, rel=0.01), dp

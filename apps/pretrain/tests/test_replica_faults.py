@@ -8,8 +8,9 @@ choice) and a lost replica's micro-batches dropped; a new generation over a used
 dp2 with Muon killed in its optimizer step: the survivor's step fails in Muon's collectives before any state
 changes, and the replacement receives the momentum (state Muon unpacks into copies) bitwise. A dp3 rank
 whose every matmul is wrong (persistent silent corruption) has its replica dropped, never replaced.
-The extended tier: the other phases, dp2, dp2 x tp2, two losses in a row, a replacement that rejoins
-(its state from a live replica, checked bitwise) and one killed while it receives its state.
+The extended tier: the other phases, dp2, dp2 x tp2, dp2 x cp2, MTP, eod_mask_loss, ZeRO-2 with buddy shards, a
+background checkpoint save in flight, two losses in a row, a replacement that rejoins (its state from a live
+replica, checked bitwise) and one killed while it receives its state.
 """
 
 import functools
@@ -26,12 +27,13 @@ from pretrain.cli import app
 runner = CliRunner()
 
 
-def _pp(layout: tuple) -> int:
-    return next((int(a.split("=")[1]) for a in layout if a.startswith("parallel.pp=")), 1)
+def _pp(layout: tuple, key: str = "pp") -> int:
+    """``[parallel].<key>`` (pp, cp) that ``layout`` sets, else 1."""
+    return next((int(a.split("=")[1]) for a in layout if a.startswith(f"parallel.{key}=")), 1)
 
 
 def _run(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()):
-    return runner.invoke(app, ["train", "--nproc", str(dp * tp * _pp(layout)), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
+    return runner.invoke(app, ["train", "--nproc", str(dp * tp * _pp(layout) * _pp(layout, "cp")), *_settings(tmp, dp, *extra, tp=tp, layout=layout)])
 
 
 def _settings(tmp: Path, dp: int, *extra: str, tp: int = 1, layout: tuple = ()) -> list[str]:
@@ -96,7 +98,7 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
     here, bin = Path(__file__).parent, Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env |= {"PYTHONPATH": os.pathsep.join([str(here), env.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    nproc = dp * tp * _pp(layout) // nodes
+    nproc = dp * tp * _pp(layout) * _pp(layout, "cp") // nodes
     server = None
     if store != "node0":
         server = subprocess.Popen([str(bin / "pretrain"), "store", "--host", "127.0.0.1", "--port", str(port)], env=env,
@@ -155,7 +157,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         kill = {"args": [rank, step, phase, str(pids)], "kwargs": dict(also=also, admit_before=admit_before,
                                                                       stale_step=stale_step, whole_node=whole_node)}
         codes, output = _run_nodes(tmp, dp, nodes, kill, *fault, tp=tp, layout=layout, store=store)
-        dead = rank // (dp * tp * _pp(layout) // nodes) if whole_node else None
+        dead = rank // (dp * tp * _pp(layout) * _pp(layout, "cp") // nodes) if whole_node else None
         assert [c for k, c in enumerate(codes) if k != dead] == [0] * (nodes - (dead is not None)), output
         assert dead is None or codes[dead] == -9, output
     else:
@@ -171,11 +173,12 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s], (loss, norm))
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
     # the interrupted step is redone, unless the survivors completed it (the lost rank had sent its gradient)
-    world, pp = dp * tp * _pp(layout), _pp(layout)
-    block = tp * shard * pp  # a replica's ranks: order tp-cp-ep-dp-pp (an HSDP replica: consecutive dp ranks)
+    world, pp = dp * tp * _pp(layout) * _pp(layout, "cp"), _pp(layout)
+    inner = tp * _pp(layout, "cp")  # the ranks below dp in the order tp-cp-ep-dp-pp
+    block = inner * shard * pp  # a replica's ranks (an HSDP replica: consecutive dp ranks)
 
     def replica_of(r: int) -> int:
-        return (r // tp) % dp // shard
+        return (r // inner) % dp // shard
 
     replica = [r for r in range(world) if replica_of(r) == replica_of(rank)]
     assert len(lost) == 1 + len(also) and lost[0]["ranks"] == replica and lost[0]["step"] in (step - 1, step), lost
@@ -198,10 +201,10 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in range(world)]
         for r in range(world):
             if buddies[r]:  # ZeRO-1 shards with buddies: each rank's buddy range is the next replica's own shard
-                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * tp
+                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * inner
                 assert buddies[r] == {k: states[after][k] for k in buddies[r]}, r
             else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
-                assert states[r] == states[r - replica_of(r) * shard * tp], r
+                assert states[r] == states[r - replica_of(r) * shard * inner], r
         assert states[0], "no owned pieces"
         # the joiner's optimizer counts the steps the live replicas count (AdamW's bias correction)
         counts = [int((pids / f"optimizer_steps_{r}").read_text()) for r in range(world)]
@@ -474,6 +477,84 @@ def test_a_replica_killed_in_a_checkpoint_save_discards_it_and_the_final_checkpo
     assert fifth[0] == fifth[1], fifth
 
 
+EOD = ("--set", "data.eod_mask_loss=true", "--set", "train.seq_len=64")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_dp3_eod_mask_loss_killed_in_the_reduction_normalises_by_the_global_kept_tokens(tmp_path, reference, fault_ranks):
+    """[data].eod_mask_loss: the loss is divided by the global batch's kept predictions (an all-reduce over the
+    survivors, who hold every micro-batch between them), so the 2 + 1 split needs no participants' weight on
+    top; one (the dp3 planted bug's) would make the second survivor's micro-batch count double."""
+    _check_fault_run(tmp_path, 3, 2, 3, "reduction", reference, layout=EOD)
+
+
+MTP = ("--set", "model.mtp_depth=1")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,rank,step,phase,admit_before", [(3, 2, 3, "reduction", 0), (2, 1, 2, "backward", 4)])
+def test_mtp_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, dp, rank, step,
+                                                                  phase, admit_before):
+    """Multi-token prediction: its loss rides on the main loss's gradient, weighted with it; its layers are owned
+    pieces like the others (a joiner receives them)."""
+    _check_fault_run(tmp_path, dp, rank, step, phase, reference, layout=MTP, admit_before=admit_before)
+
+
+CP2 = ("--set", "parallel.cp=2")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank,phase,admit_before", [(3, "backward", 0), (0, "reduction", 4)])
+def test_dp2_x_cp2_a_replica_killed_goes_on_with_the_uninterrupted_curve(tmp_path, reference, fault_ranks, rank, phase,
+                                                                         admit_before):
+    """Context parallelism lies inside a replica's block: its cp group is rebuilt with the generation's groups."""
+    _check_fault_run(tmp_path, 2, rank, 2, phase, reference, layout=CP2, admit_before=admit_before)
+
+
+ASYNC = ("--set", "checkpoint.every=2", "--set", "checkpoint.async_save=true", "--set", "checkpoint.keep=3")
+
+
+def _resume_from(ck: Path, name: str, root: Path, layout: tuple) -> tuple[float, float]:
+    """The step after checkpoint ``ck/name`` (a copy of it alone, ``latest`` naming it), resumed at dp2."""
+    import shutil
+
+    root.mkdir()
+    shutil.copytree(ck / name, root / "ck" / name)
+    (root / "ck" / "latest").write_text(name + "\n")
+    after = int(name.split("_")[1]) + 1
+    res = _run(root, 2, "--set", f"train.steps={after}", "--set", "checkpoint.resume=true", layout=layout)
+    assert res.exit_code == 0, res.output
+    return _curve(root / "log")[after]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank,step,phase,admit_before", [(1, 2, "save", 0), (0, 2, "save", 0), (1, 3, "forward", 0),
+                                                           (0, 2, "save", 4)])
+def test_a_replica_killed_while_a_background_save_is_in_flight_loses_no_checkpoint(tmp_path, reference, fault_ranks,
+                                                                                   rank, step, phase, admit_before):
+    """[checkpoint].async_save: a rank killed in its save's publishing thread (its files written, the next step
+    training), or in the next step's forward while the save may still be in flight. The survivors' save fails with
+    the lost peer; the new generation writes it again (same step, same state): every checkpoint of the
+    uninterrupted run is there, intact, and each resumes into the uninterrupted run's next step bitwise. With a
+    replacement admitted (a save of the smaller generation may be in flight then: it is finished first), the
+    replicas end bitwise equal."""
+    _check_fault_run(tmp_path, 2, rank, step, phase, reference, layout=ASYNC, admit_before=admit_before)
+    ck, uninterrupted = tmp_path / "ck", reference.root / ("ref2x1-" + "-".join(a.replace("=", "_") for a in ASYNC
+                                                                              if a != "--set")) / "ck"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_2", "step_4"], sorted(ck.iterdir())
+    assert (ck / "latest").read_text().strip() == "step_4"
+    for name in ("step_2", "step_4"):
+        res = runner.invoke(app, ["verify", str(ck / name)])
+        assert res.exit_code == 0, res.output
+        if phase == "save" and rank == 1 or name == "step_2":
+            got = _resume_from(ck, name, tmp_path / f"resume-{name}", ASYNC)
+            assert got == _resume_from(uninterrupted, name, tmp_path / f"uninterrupted-{name}", ASYNC), name
+
+
 HSDP = ("--set", "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2")
 
 
@@ -531,6 +612,20 @@ def test_dp3_zero1_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterru
     """Two replicas left still hold buddies (the lost shard on the rank before it); the rejoin re-shards over three."""
     _check_fault_run(tmp_path, 3, rank, step, phase, reference, layout=BUDDY, admit_before=admit_before,
                      reference_layout=ZERO1)
+
+
+ZERO2 = ("--set", "parallel.zero=optim_grads")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,rank,step,phase,admit_before", [(2, 1, 2, "reduction", 4), (3, 2, 3, "optimizer", 0)])
+def test_zero2_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks, dp, rank, step, phase, admit_before):
+    """ZeRO-2 with buddies: the gradients all-reduced, each rank keeps its shard and its buddy's of the reduced
+    buffer; a survivor steps the lost shard as its buddy, and a rejoin re-shards it (each buddy range bitwise)."""
+    _check_fault_run(tmp_path, dp, rank, step, phase, reference, layout=(*ZERO2, "--set", "train.buddy_shards=1"),
+                     admit_before=admit_before, reference_layout=ZERO2)
 
 
 @pytest.mark.extended

@@ -1,5 +1,6 @@
-"""buddy_shards=1 (ZeRO-1): training matches one process, and each rank's buddy range (the next rank's shard)
-holds that rank's master and AdamW moments bitwise after every step, fp32 params and bf16 ones (own masters)."""
+"""buddy_shards=1 (ZeRO-1, and ZeRO-2 in fp32): training matches one process, and each rank's buddy range (the next
+rank's shard) holds that rank's master and AdamW moments bitwise after every step, fp32 params and bf16 ones (own
+masters)."""
 
 import pytest
 import torch
@@ -21,32 +22,34 @@ def train_with_buddies(world: int) -> dict:
     rank = dist.get_rank()
     ref = reference_params(world)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        dp = data_parallel(tiny_model(), None, "optim", bucket_mb=BUCKET_MB, param_dtype=dtype, buddy_shards=1, **OPT)
+    for strategy, dtype in (("optim", torch.float32), ("optim", torch.bfloat16), ("optim_grads", torch.float32)):
+        dtype_key = dtype if strategy == "optim" else f"{strategy}-{dtype}"
+        dp = data_parallel(tiny_model(), None, strategy, bucket_mb=BUCKET_MB, param_dtype=dtype, buddy_shards=1, **OPT)
         assert len(dp.buffer.buddies) == len(dp.buckets) > 1
         train_parallel(dp, world, rank)
         got = dp.full_parameters()
-        out[f"{dtype}-error"] = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        out[f"{dtype_key}-error"] = max((got[k] - ref[k]).abs().max().item() for k in ref)
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             own, buddy = _flat(dp.optimizer, dp.buckets, kind), _flat(dp.buddy_optimizer, dp.buffer.buddies, kind)
             assert own.numel() == buddy.numel() > 0
             owns = torch.empty(world * own.numel())
             comm.all_gather_into_tensor(owns, own.contiguous(), None)
             nxt = owns.view(world, -1)[(rank + 1) % world]
-            out[f"{dtype}-{kind}-bitwise"] = torch.equal(nxt, buddy)
+            out[f"{dtype_key}-{kind}-bitwise"] = torch.equal(nxt, buddy)
         held = dp.model_state_bytes()["optim"]
-        plain = data_parallel(tiny_model(), None, "optim", bucket_mb=BUCKET_MB, param_dtype=dtype, **OPT)
+        plain = data_parallel(tiny_model(), None, strategy, bucket_mb=BUCKET_MB, param_dtype=dtype, **OPT)
         train_parallel(plain, world, rank, steps=1)
-        out[f"{dtype}-optim-bytes"] = (held, plain.model_state_bytes()["optim"])
+        out[f"{dtype_key}-optim-bytes"] = (held, plain.model_state_bytes()["optim"])
     return out
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_buddy_shards_train_like_one_process_and_mirror_the_next_rank_bitwise(dist_run, world):
     for r in dist_run(world, train_with_buddies, world, timeout=300):
-        assert r["torch.float32-error"] <= 2e-6, r
+        assert r["torch.float32-error"] <= 2e-6 and r["optim_grads-torch.float32-error"] <= 2e-6, r
         assert r["torch.bfloat16-error"] <= 5e-3, r  # bf16 params: the plain ZeRO-1 bound (test_matches_single_process)
         assert all(v for k, v in r.items() if k.endswith("bitwise")), r
-        for dtype in ("torch.float32", "torch.bfloat16"):  # a second shard of moments (and of masters in bf16)
+        for dtype in ("torch.float32", "torch.bfloat16", "optim_grads-torch.float32"):  # a second shard of moments
+            # (and of masters in bf16)
             held, plain = r[f"{dtype}-optim-bytes"]
             assert held == 2 * plain, (dtype, held, plain)

@@ -280,7 +280,15 @@ class Bucket:
     def _finish(self) -> None:
         """Put the averaged grads where the optimizer reads them."""
         out, self._reduce_out = self._reduce_out, None
-        if self.cfg.shard_grads:
+        if self.cfg.shard_grads and self.buddy is not None:  # ZeRO-2 with a buddy: our shard and its, of the whole
+            b = self.buddy
+            if self._opt_grad is None:  # the step's first reduction: copies, as the full buffer goes now
+                self._opt_grad, b.grad = out[self.opt_lo:self.opt_hi].clone(), out[b.opt_lo:b.opt_hi].clone()
+            else:
+                self._opt_grad.add_(out[self.opt_lo:self.opt_hi])
+                b.opt_grad.add_(out[b.opt_lo:b.opt_hi])
+            self.full_grad = None
+        elif self.cfg.shard_grads:
             if self._opt_grad is None:  # the first reduction of the step: its output is the shard
                 self._opt_grad = out
             else:
@@ -296,6 +304,8 @@ class Bucket:
         else:  # ZeRO-2/3 free the grad shard between steps, as torch's zero_grad(set_to_none)
             self.full_grad = None
             self._opt_grad = None
+            if self.buddy is not None:
+                self.buddy.grad = None
         self.reduced = False
         self.pending = len(self.params)
 
@@ -330,6 +340,8 @@ class Bucket:
         the master counts as optimizer state, and only when it is not the params themselves)."""
         params = [self.param_shard] if self.zero3 else [self.full_param]
         grads = [self.full_grad] if self.persistent_full_grad else [self.opt_grad]
+        if self.buddy is not None and not self.persistent_full_grad:  # ZeRO-2: the buddy's gradient shard
+            grads.append(self.buddy.opt_grad)
         optim = [] if self.master_is_param else [self.master]
         if self.buddy is not None and not self.master_is_param:
             optim.append(self.buddy.master)

@@ -1,4 +1,4 @@
-"""Buddy shards (``buddy_shards=1``, ZeRO-1): rank ``i`` of a sharding group of ``d`` also steps shard
+"""Buddy shards (``buddy_shards=1``, ZeRO-1 or ZeRO-2): rank ``i`` of a sharding group of ``d`` also steps shard
 ``(i + 1) % d``, a live copy of its neighbour's optimizer range that the neighbour's loss leaves behind.
 
 The copy is bitwise without sending any state each step: the gradients are all-reduced in place (every rank
@@ -6,7 +6,9 @@ reads the same reduced values, the owner's range and its buddy's alike), the bud
 same values as the owner's, and the update is the same element-wise arithmetic over a range of the same
 length. The params the all-gather brings after the step overwrite the buddy range with the owner's update,
 which is the same bits. What it costs: the buddy's optimizer state (and fp32 master where the params are
-not fp32), and an all-reduce of the gradients where ZeRO-1 reduce-scatters them.
+not fp32), and an all-reduce of the gradients where ZeRO-1 reduce-scatters them. Under ZeRO-2, which keeps only
+a shard of the reduced gradients, the all-reduced buffer leaves two shards behind, the rank's own and its
+buddy's (a second gradient shard), and goes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ class BuddyRange:
         self.params, self.offsets, self.device = bucket.params, bucket.offsets, bucket.device
         self.opt_lo, self.opt_hi = shard * bucket.S, (shard + 1) * bucket.S
         self.master = master
+        self.grad: torch.Tensor | None = None  # ZeRO-2: the buddy's reduced gradient shard, kept from the full buffer
 
     @property
     def opt_grad(self) -> torch.Tensor:
-        """The reduced grads of the buddy's range: a view of the bucket's all-reduced full buffer."""
-        return self.bucket.full_grad[self.opt_lo: self.opt_hi]
+        """The reduced grads of the buddy's range: a view of the bucket's all-reduced full buffer (ZeRO-1), or the
+        shard kept from it (ZeRO-2; zeros if no synced backward ran this step)."""
+        if not self.bucket.cfg.shard_grads:
+            return self.bucket.full_grad[self.opt_lo: self.opt_hi]
+        if self.grad is None:
+            self.grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=self.bucket.cfg.grad_dtype, device=self.device)
+        return self.grad
 
     def opt_segments(self):
         """As :meth:`Bucket.opt_segments`, over the buddy's range."""

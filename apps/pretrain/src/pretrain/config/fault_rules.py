@@ -11,34 +11,33 @@ from __future__ import annotations
 from .rules import _need
 
 SHARDED = ("optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
+BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par_zero/buddy.py)
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, d, t = cfg.model, cfg.parallel, cfg.data, cfg.train
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
     _need(p.zero not in SHARDED or p.hsdp_replicas >= 2 or t.buddy_shards,
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
-          f"or zero='optim' with [train].buddy_shards=1")
+          f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].cp", p.cp, p.cp > 1), ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
-        ("[model].mtp_depth", m.mtp_depth, m.mtp_depth > 0),
+        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
         ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
-        ("[parallel].dynamic_cp", "true", p.dynamic_cp), ("[data].eod_mask_loss", "true", d.eod_mask_loss),
-        ("[checkpoint].async_save", "true", cfg.checkpoint.async_save)) if unsupported]
-    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor and pipeline parallelism (zero='no_shard', "
-                     f"HSDP, or ZeRO-1 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
+        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
+    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
+                     f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
 
 def buddy_rules(cfg) -> None:
-    """buddy_shards=1: ZeRO-1 over the whole dp group, an element-wise optimizer, no expert parallelism."""
+    """buddy_shards=1: ZeRO-1 or ZeRO-2 over the whole dp group, an element-wise optimizer, no expert parallelism."""
     p, t = cfg.parallel, cfg.train
     if not t.buddy_shards:
         return
-    _need(p.zero == "optim" and p.hsdp_replicas == 1 and p.ep == 1 and t.optimizer_declaration.elementwise,
-          f"[train].buddy_shards=1 runs with [parallel].zero='optim' over the whole dp (hsdp_replicas=1), ep=1 and an "
+    _need(p.zero in BUDDIES and p.hsdp_replicas == 1 and p.ep == 1 and t.optimizer_declaration.elementwise,
+          f"[train].buddy_shards=1 runs with [parallel].zero='optim' or 'optim_grads' over the whole dp (hsdp_replicas=1), ep=1 and an "
           f"element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, ep={p.ep}, "
           f"optimizer={t.optimizer!r}: set buddy_shards=0 or change them")
 

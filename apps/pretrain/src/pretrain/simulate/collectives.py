@@ -38,7 +38,7 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         n = params.dense
         if p.zero == "no_shard":
             out[("all_reduce", dp)] += n * gb
-        elif cfg.train.buddy_shards and p.zero == "optim":  # buddies read the whole all-reduced gradient
+        elif cfg.train.buddy_shards and p.zero in ("optim", "optim_grads"):  # buddies read the whole all-reduced gradient
             out[("all_reduce", dp)] += n * gb
             out[("all_gather", dp)] += n * pb
         else:

@@ -28,7 +28,7 @@ def joiner_bytes(cfg, layout) -> int:
     if p.hsdp_replicas > 1 and p.zero != "no_shard":
         shard = max(layout.dp * layout.cp // p.hsdp_replicas, 1)
         expert_shard = max(layout.edp // p.hsdp_replicas, 1)
-    elif cfg.train.buddy_shards and p.zero == "optim":  # its ZeRO-1 shard and its buddy's (the next rank's)
+    elif cfg.train.buddy_shards and p.zero in ("optim", "optim_grads"):  # its ZeRO-1/2 shard and its buddy's
         shard, expert_shard, copies = layout.dp * layout.cp, layout.edp, 2
 
     def owned(stage: int) -> int:
@@ -42,12 +42,16 @@ def joiner_bytes(cfg, layout) -> int:
 
 
 def buddy_costs(cfg, layout, stage: int) -> dict:
-    """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1: the buddy's
-    optimizer state (a second shard of it), and per step the gradients' all-reduce in place of their
-    reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its gradient buffer once more)."""
+    """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1 or ZeRO-2: the
+    buddy's optimizer state (a second shard of it; under ZeRO-2 a second gradient shard too), and per step the
+    gradients' all-reduce in place of their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its
+    full gradient buffer once more)."""
     from .state import rank_state
 
     d = layout.dp * layout.cp
     state = rank_state(cfg, layout, stage)
+    zero2 = cfg.parallel.zero == "optim_grads"
+    full = state.grads / 2 * d if zero2 else state.grads  # ZeRO-2 holds two shards of the full buffer
     return {"optim_bytes": state.optim / 2 if d > 1 else 0.0,
-            "grad_bytes_per_step": state.grads * (d - 1) / d}
+            **({"grad_bytes": state.grads / 2 if d > 1 else 0.0} if zero2 else {}),
+            "grad_bytes_per_step": full * (d - 1) / d}

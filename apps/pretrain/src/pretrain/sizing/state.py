@@ -83,11 +83,12 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
 
 
 def with_buddy(cfg, state: ModelState, zero: str, d: int) -> ModelState:
-    """``[train].buddy_shards = 1`` under ZeRO-1 over ``d`` > 1 ranks: a second shard of optimizer state (the
-    next rank's, and its fp32 masters where the params are not fp32)."""
-    if not cfg.train.buddy_shards or zero != "optim" or d < 2:
+    """``[train].buddy_shards = 1`` under ZeRO-1 or ZeRO-2 over ``d`` > 1 ranks: a second shard of optimizer state
+    (the next rank's, and its fp32 masters where the params are not fp32); under ZeRO-2 a second shard of the
+    reduced gradients too (ZeRO-1 holds the whole buffer already)."""
+    if not cfg.train.buddy_shards or zero not in ("optim", "optim_grads") or d < 2:
         return state
-    return ModelState(state.params, state.grads, 2 * state.optim)
+    return ModelState(state.params, 2 * state.grads if zero == "optim_grads" else state.grads, 2 * state.optim)
 
 
 def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:

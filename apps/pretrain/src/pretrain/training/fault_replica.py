@@ -49,6 +49,7 @@ from .owned_state import owned_state
 from .preflight import checkpoint_root
 from .replica_drop import drop_replica
 from .replica_reshard import reshard_state
+from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
 from .train_loop import Trainer
 
 MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
@@ -118,7 +119,9 @@ class ReplicaTrainer(Trainer):
 
     @property
     def loss_weight(self) -> float:
-        return self.share.weight
+        """Each micro-batch's loss factor: none under eod_mask_loss, whose loss is divided by the global batch's
+        kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
+        return 1.0 if self.cfg.data.eod_mask_loss else self.share.weight
 
     def rerun_batch(self, dp: int, step: int) -> Batch:
         return self._read_batch(step, share=replace(self.share, index=dp))
@@ -133,7 +136,7 @@ class ReplicaTrainer(Trainer):
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
-        return loss if self.share.weight == 1.0 else loss * self.share.weight
+        return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 
     def forward_chunk(self, batch, chunk_id, module, x, microbatch):
         m = self.cfg.model
@@ -173,20 +176,53 @@ class ReplicaTrainer(Trainer):
         return loss
 
 
+@dataclass(frozen=True)
+class HeldState:
+    """A trainer's state alone (its owned tensors, optimizer kinds, scalars and counts), without the trainer: the
+    old generation's groups, held by its modules, buckets and pending works, go once the trainer is let go."""
+
+    kinds: tuple
+    owned: dict
+    step_count: int
+    scalars: dict
+    non_finite: object
+    completed: int | None
+
+    @classmethod
+    def of(cls, trainer) -> "HeldState":
+        dp = trainer.model.dp
+        return cls(tuple(dp.optimizer_state.state_kinds()), owned_state(trainer.model), dp.step_count,
+                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed)
+
+
+def let_go(trainer) -> HeldState:
+    """``trainer``'s state, and the trainer emptied to what a regroup reads (the state held among it, should
+    another loss interrupt this regroup): a survivor's old groups close now, so a survivor still in one of
+    their collectives (two survivors of a group with lost ranks, as dp x cp's) fails at once, not at its
+    timeout, while this one waits for the next generation."""
+    if "held" in trainer.__dict__:  # emptied by a regroup a loss interrupted
+        return trainer.held
+    held = HeldState.of(trainer)
+    if trainer.prefetch is not None:
+        trainer.prefetch.close()
+    trainer.__dict__ = {"share": trainer.share, "sample_log": trainer.sample_log, "completed": trainer.completed,
+                        "coords": trainer.groups.coords(), "held": held}
+    return held
+
+
 @torch.no_grad()
-def copy_state(src, dst) -> None:
+def copy_state(src: HeldState, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
-    kinds = src.model.dp.optimizer_state.state_kinds()
-    dst.model.dp.optimizer_state.prepare_load(kinds)
-    a, b = owned_state(src.model), owned_state(dst.model)
+    dst.model.dp.optimizer_state.prepare_load(src.kinds)
+    a, b = src.owned, owned_state(dst.model)
     if a.keys() != b.keys():
         raise RuntimeError(f"regrouped trainer holds other state: {sorted(a.keys() ^ b.keys())[:4]}")
     for name, boxes in a.items():
         for x, y in zip(boxes, b[name], strict=True):
             y.copy_(x)
     dst.model.dp.sync_params()
-    dst.model.dp.step_count = src.model.dp.step_count
-    dst.model.dp.optimizer_state.finish_load(src.model.dp.optimizer_state.scalar_state())
+    dst.model.dp.step_count = src.step_count
+    dst.model.dp.optimizer_state.finish_load(src.scalars)
     dst.non_finite, dst.completed = src.non_finite, src.completed
 
 
@@ -227,6 +263,7 @@ class ReplicaRun:
         self.shard = _shard_size(cfg, self.layout.dp)  # data ranks per replica: an HSDP replica's sharding group
         self.logger = None
         self.sockets = open_sockets()  # this generation's connections: its default and stop groups' so far
+        self.saver = None  # the run's CheckpointSaver: its background save and group follow the generations
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -292,11 +329,15 @@ class ReplicaRun:
 
         began = time.monotonic()
         done = trainer.completed if trainer.completed == step + 1 else step
-        coords = trainer.groups.coords()
-        _leave_groups(error, self.stops)
+        coords = trainer.coords if "held" in trainer.__dict__ else trainer.groups.coords()
+        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
+        held = None if buddies else let_go(trainer)
+        pending = take_save(self.saver, error)  # a background save of the old generation
+        _leave_groups(error, self.stops, *holders(self.saver, pending))
         if error is not None:  # a survivor still in one of this generation's collectives on this rank fails now
             shut_down(self.sockets, int(os.environ["MASTER_PORT"]))
         self.sockets = set()
+        unsaved = unpublished(pending)
         if event is None:
             event = self._next_generation(error)
         else:
@@ -306,22 +347,29 @@ class ReplicaRun:
         share = ReplicaShare(trainer.share.global_batch, trainer.share.micro_batch, len(alive) * self.shard,
                              _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
-        buddies = bool(self.cfg.train.buddy_shards)  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
         if buddies:
             reshard_state(trainer, fresh, done)
             fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
+            if trainer.prefetch is not None:
+                trainer.prefetch.close()
         else:
-            copy_state(trainer, fresh)
-        if trainer.prefetch is not None:
-            trainer.prefetch.close()
+            copy_state(held, fresh)
         trainer.__dict__ = fresh.__dict__  # every holder of the trainer (the loop, the saver) sees the new one
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
+        reopen(self.saver, self.cfg.train.collective_timeout_s)
+        unsaved = agreed_unpublished(self.saver, unsaved, error)
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
+            if unsaved is not None:
+                _discard_save(self.cfg, unsaved)
+        if unsaved is not None:  # the save a loss interrupted, written again (at the agreed step: the state now)
+            self.saver.save(trainer.checkpointed(), checkpoint_root(self.cfg), agreed, self.cfg.checkpoint.keep)
+            if self.logger is not None:
+                self.logger.message(f"checkpoint of step {unsaved} interrupted by the loss; saving step {agreed} again")
         return agreed
 
     def _generation_trainer(self, event: dict, coords: dict, share: ReplicaShare, sample_log) -> ReplicaTrainer:

@@ -69,6 +69,8 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
             trainer.load_checkpoint(ck.init_from, model_only=True)
             note = f"; weights from {ck.init_from}" + unverified_note(resolve_checkpoint(ck.init_from))
         saver = CheckpointSaver(ck.async_save, t.collective_timeout_s)  # async: one save in flight, published once written
+        if replica:
+            replica.saver = saver
         last_step = t.stop_at or t.steps
 
         def open_log(start: int, run_id: str) -> MetricsLogger:

@@ -261,9 +261,15 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
     replica = replica_bytes(m, layout.etp, replicas, pb)
     saved += sum(replica for i in ids if m.is_moe_layer(i))
 
+    # the offloaded layer before each (forward order): its last region comes back as this layer's first
+    # one's backward starts (model/offload.py's prefetch, which that backward overlaps)
+    prefetched, before = {}, 0.0
+    for i in ids:
+        prefetched[i], before = before, out[i] or before
+
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
-        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs)
+        return again + out[i] + (prefetched[i] if out[i] else 0.0) + _backward_work(cfg, layout, i, tokens, moe_pairs)
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:

@@ -81,6 +81,20 @@ def test_moe_at_world_64_routes_as_declared_and_matches_the_plan():
     assert last["measured"]["activations"] > first["measured"]["activations"]  # the loss's and MTP's logits
 
 
+def test_mla_stage_that_is_first_and_last_matches_the_plan_at_its_attention_backward():
+    """The narrowed DeepSeek-V3 on one dense layer at pp 1 (embedding, layer, head, loss and MTP on one
+    stage): the peak is the MTP layer's attention backward beside the main loss's fp32 buffer, where the
+    fused kernel's gradients (dout, dq, dk, dv at 128 heads x 192, and the 128-wide o_proj input's) outweigh
+    the MLP's; the plan counted the MLP's only (8.7 % under)."""
+    from pretrain.simulate.report import simulate
+
+    cfg = load_config("deepseek-v3", DEEPSEEK[-5:] + ["model.layers=1", "parallel.pp=1", "parallel.last_stage_layers=0", "parallel.ep=1",
+                                                    "train.global_batch=8"])
+    (rank,) = simulate(cfg, 8, [0])["ranks"]
+    assert rank["layers"] == [0]
+    assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.03)
+
+
 def test_split_backward_and_zero2_gradient_buffer_match_the_plan():
     # ZB-H1's last stage at pp 2: each micro-batch's saved set lives until its W, with the junction
     # grads its B recorded, and ZeRO-2's full gradient buffer from the first W on (sync is off for

@@ -134,6 +134,17 @@ def _ring_backward_work(m, layout, pb: int) -> float:
     return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q) + longer
 
 
+def _core_backward_work(m, layout, pb: int) -> float:
+    """Per local token at cp 1: the fused attention kernel's backward (one SDPA / flash call): the
+    output's gradient, dq, dk and dv at the widths it attends with, beside them the output projection's
+    input gradient where the value heads are narrower than those (MLA pads v to the q/k width), and the
+    residual's gradient (h)."""
+    q, kv = family_of(m).ring_widths(m, layout)
+    value = m.heads / layout.tp * family_of(m).value_width(m)
+    share = layout.tp if layout.sequence_parallel else 1
+    return (2 * q + 2 * kv + (value if value < q else 0.0) + m.hidden / share) * pb
+
+
 def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float:
     """An MoE layer's backward working set beyond its saved set (:func:`_mlp`), the larger of two
     moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
@@ -151,10 +162,12 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float) -> float:
     """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and, under context parallelism, the attention's,
-    which runs once the MLP's saved set is freed."""
+    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and the
+    attention's (its fused kernel's, or under context parallelism the ring's), which runs once the MLP's
+    saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
-    attention = (_ring_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
+    core = _ring_backward_work(m, layout, pb) if layout.cp > 1 else _core_backward_work(m, layout, pb)
+    attention = (core - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
         return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp

@@ -116,15 +116,21 @@ def test_moe_with_context_parallelism_matches_the_plan():
     assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.05)
 
 
-def test_gpt_oss_120b_at_world_256_matches_the_plan():
+@pytest.mark.parametrize("recompute", [None, '["moe_act"]'])
+def test_gpt_oss_120b_at_world_256_matches_the_plan(recompute):
     # the shipped gpt-oss-120b (full recomputation, pp 4 x ep 16 x dp 64) with 4 of its 36 layers, one a
     # stage: rank 0's sliding-window layer, recomputed in the backward (its experts' clamped SwiGLU keeps
-    # 7 F-wide rows a routed pair, Family.expert_act_widths), and its balanced routing's all-to-alls
+    # 7 F-wide rows a routed pair, Family.expert_act_widths), and its balanced routing's all-to-alls.
+    # Rerunning the expert activation alone (moe_act), the peak is that rerun, after w_down's and the
+    # combine's backward have freed theirs: the plan added the rerun to the w_down gradient's moment (10 % over)
     from pretrain.simulate.report import simulate
 
-    (rank,) = simulate(load_config("gpt-oss-120b", ["model.layers=4"]), 256, [0])["ranks"]
+    extra = [] if recompute is None else [f"model.recompute={recompute}"]
+    (rank,) = simulate(load_config("gpt-oss-120b", ["model.layers=4"] + extra), 256, [0])["ranks"]
     assert rank["stage"] == 0 and rank["layers"] == [0]
     _check(rank, [("all_to_all", "ep"), ("send", "pp")])
+    if recompute is not None:
+        assert rank["measured"]["activations"] == pytest.approx(rank["planned"]["activations"], rel=0.05)
 
 
 def test_mtp_stage_under_a_module_policy_and_scaled_expert_grads_matches_the_plan():

@@ -90,6 +90,21 @@ def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | N
     return norms + _attention(m, layout, word, pb) + mlp
 
 
+def _act_rerun(cfg, layout, i: int, pairs: float) -> tuple[float, float] | None:
+    """Per token, where ``moe_act`` alone reruns MoE layer ``i``'s expert activation: what the rerun brings
+    back (its saved set beyond the gate, up and product it keeps: ``Family.expert_act_widths`` - 3 F-wide
+    rows a routed pair), and that moment's bytes beyond the layer's saved set: the rerun's set and the
+    gradients of the product, gate and up (3 F), less what w_down's and the combine's backward have freed
+    (the product, F, and the expert output, weighted and returned rows, 3 h); None elsewhere."""
+    m = cfg.model
+    modules = modules_at(m.recompute, i)
+    if not m.is_moe_layer(i) or "moe_act" not in modules or modules & {"moe", "full"}:
+        return None
+    pb, share = _pb(cfg), layout.tp if layout.sequence_parallel else 1
+    f, widths = m.expert_ffn_hidden / layout.etp, family_of(m).expert_act_widths
+    return (pairs * (widths - 3) * f * pb / share, pairs * ((widths - 1) * f - 3 * m.hidden) * pb / share)
+
+
 def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     """Per token of the micro-batch: what ``module`` of layer ``i`` saves (0 where it is recomputed:
     its checkpoint keeps its input only, which the module before it saved)."""
@@ -282,7 +297,12 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
 
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
-        return again + out[i] + (prefetched[i] if out[i] else 0.0) + _backward_work(cfg, layout, i, tokens, moe_pairs)
+        work = _backward_work(cfg, layout, i, tokens, moe_pairs)
+        act = _act_rerun(cfg, layout, i, moe_pairs)
+        if act is not None:  # moe_act's rerun comes after w_down's backward: one moment or the other
+            brought, moment = act
+            again, work = again - brought * tokens, max(work, moment * tokens)
+        return again + out[i] + (prefetched[i] if out[i] else 0.0) + work
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:

@@ -55,12 +55,16 @@ def test_offload_trains_bitwise_as_without_and_moves_the_planned_bytes(dist_run)
 FAKE = ["model.layers=2", "train.seq_len=256", "train.global_batch=1", "train.dtype=bf16"]  # one micro-batch a step
 
 
+PP2 = ("model.layers=4", "parallel.pp=2", "parallel.rank_assignment=off")  # stage 0 of 2: layers 0 and 1, no loss
+
+
 @functools.lru_cache(maxsize=None)
-def _simulated(offload: str, recompute: str = "none"):
+def _simulated(offload: str, recompute: str = "none", layout: tuple = ()):
     from pretrain.config import load_config
     from pretrain.simulate.run import simulate_rank
 
-    return simulate_rank(load_config(None, FAKE + [f"model.offload={offload}", f"model.recompute={recompute}"]), 1, 0)
+    cfg = load_config(None, FAKE + list(layout) + [f"model.offload={offload}", f"model.recompute={recompute}"])
+    return simulate_rank(cfg, 2 if layout else 1, 0)
 
 
 @pytest.mark.parametrize("offload, recompute", [('["mlp"]', "none"), ('["attn"]', "none"), ('["layernorm"]', "none"),
@@ -89,6 +93,16 @@ def test_the_region_before_comes_back_with_each_regions_backward_in_the_plan():
     plan counts both (with one it was 48 % under the measured peak)."""
     both = _simulated('["layers:2"]')
     assert both["measured"]["activations"] == pytest.approx(both["planned"]["activations"], rel=0.05)
+
+
+def test_an_offloaded_first_layers_backward_comes_after_the_later_layers_freed_theirs():
+    """A pipeline stage's first layer offloaded (no loss on the stage: its peak is a forward or backward):
+    when its backward brings it back, the layer after it has freed its saved set; the plan's fall is the
+    measured one (it counted the layer back beside every saved set of the micro-batch: no fall at all)."""
+    plain, moved = _simulated("[]", layout=PP2), _simulated('["layers:1"]', layout=PP2)
+    fall = plain["measured"]["activations"] - moved["measured"]["activations"]
+    assert fall == moved["offloaded"]["planned"] > 0
+    assert plain["planned"]["activations"] - moved["planned"]["activations"] == pytest.approx(fall, rel=0.01)
 
 
 def test_a_tensor_freed_before_its_last_backward_use_fails_the_step_not_its_numbers(monkeypatch):

@@ -294,6 +294,8 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
     prefetched, before = {}, 0.0
     for i in ids:
         prefetched[i], before = before, out[i] or before
+    # a layer's backward runs once the layers after it (MTP's included) have freed their saved sets
+    freed = {i: sum(kept[j] - out[j] for j in ids[n + 1:]) for n, i in enumerate(ids)}
 
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
@@ -302,7 +304,7 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
         if act is not None:  # moe_act's rerun comes after w_down's backward: one moment or the other
             brought, moment = act
             again, work = again - brought * tokens, max(work, moment * tokens)
-        return again + out[i] + (prefetched[i] if out[i] else 0.0) + work
+        return again + out[i] + (prefetched[i] if out[i] else 0.0) + work - freed[i]
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:

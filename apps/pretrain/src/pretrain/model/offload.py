@@ -11,10 +11,12 @@ copied out when saved (on CUDA to pinned host memory, on a side stream after the
 work that made it; on the CPU to a second buffer, so that the same code and its byte counts are
 tested there) and its device copy dropped; it is copied back when the region's backward is about
 to run (the gradient of the region's output arriving: a prefetch on the side stream, which the
-compute stream waits for only at first use), or at first use. A tensor saved by several nodes is
-moved once; both copies go when the last node that saved it releases it (after its last backward: a
-zero-bubble schedule's split backward reads a node's saved tensors in its B and again in its W, so uses
-are not counted). Parameters and buffers (saved by the matmuls and
+compute stream waits for only at first use), or at first use. What moves is memory, not tensors: the
+span of its storage a saved tensor covers, once for every view inside it (an attention's output, saved
+by its kernel and, reshaped, by the output projection, is one storage: the device frees it once), each
+view rebuilt on the copy back; both copies go when the last node that saved one of its views releases
+it (after its last backward: a zero-bubble schedule's split backward reads a node's saved tensors in its
+B and again in its W, so uses are not counted). Parameters and buffers (saved by the matmuls and
 RoPE) stay where they are. Nothing here reads a device value: no host synchronisation.
 """
 
@@ -60,13 +62,31 @@ class _Region(list):
 
 
 class _Moved:
-    """One saved tensor out of the device: its host copy, and its device copy once fetched back."""
+    """One span of a storage out of the device (elements ``start`` to ``end`` of it, as its saved
+    tensors' dtype): its host copy, and its device copy once fetched back."""
 
-    __slots__ = ("host", "device", "out_event", "in_event", "back")
+    __slots__ = ("host", "device", "out_event", "in_event", "back", "start", "end", "version")
 
-    def __init__(self, host, device, out_event) -> None:
+    def __init__(self, host, device, out_event, start: int = 0, end: int = 0, version: int = 0) -> None:
         self.host, self.device, self.out_event = host, device, out_event
         self.in_event, self.back = None, None
+        self.start, self.end, self.version = start, end, version
+
+
+class _View:
+    """A saved tensor as a view of a moved span: what its node holds (and so the span)."""
+
+    __slots__ = ("moved", "shape", "stride", "offset")
+
+    def __init__(self, moved: _Moved, t: torch.Tensor) -> None:
+        self.moved, self.shape, self.stride = moved, tuple(t.shape), t.stride()
+        self.offset = t.storage_offset() - moved.start
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The elements of its storage ``t`` reads: [first, last + 1)."""
+    start = t.storage_offset()
+    return start, start + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 class Offloader:
@@ -121,29 +141,31 @@ class Offloader:
         if self._keep(t):
             return t
         moved_list, seen, _ = self._region
-        key = (_address(t), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
-        moved = seen.get(key, (None,))[0]
-        if moved is None:
-            moved = self._move_out(t)
-            seen[key] = (moved, t)
+        start, end = _span(t)
+        spans = seen.setdefault((_address(t), t.dtype), [])
+        moved = next((m for m, _ in spans if m.start <= start and end <= m.end and m.version == t._version), None)
+        if moved is None:  # a storage's first saved span, or one beyond those moved (or written since)
+            moved = self._move_out(t, start, end)
+            spans.append((moved, t))
             moved_list.append(moved)
-            self.bytes_out += t.numel() * t.element_size()
-        return moved
+            self.bytes_out += (end - start) * t.element_size()
+        return _View(moved, t)
 
-    def _move_out(self, t: torch.Tensor) -> _Moved:
+    def _move_out(self, t: torch.Tensor, start: int, end: int) -> _Moved:
+        span = t.as_strided((end - start,), (1,), start)
         if not self.cuda:  # a second buffer: what a host copy is on a GPU
             with host_memory():
-                host = torch.empty_like(t, memory_format=torch.contiguous_format)
-                host.copy_(t)
-            return _Moved(host, None, None)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host = torch.empty_like(span)
+                host.copy_(span)
+            return _Moved(host, None, None, start, end, t._version)
+        host = torch.empty(span.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is written
         with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)
+            host.copy_(span, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         t.record_stream(self.stream)  # its memory is not reused before the copy read it
-        return _Moved(host, None, event)
+        return _Moved(host, None, event, start, end, t._version)
 
     def _bring_back(self, moved: _Moved) -> None:
         if moved.back is not None:
@@ -168,9 +190,10 @@ class Offloader:
                 self._bring_back(m)
 
     def _unpack(self, packed):
-        if not isinstance(packed, _Moved):
+        if not isinstance(packed, _View):
             return packed
-        self._bring_back(packed)
-        if packed.in_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(packed.in_event)
-        return packed.back
+        moved = packed.moved
+        self._bring_back(moved)
+        if moved.in_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(moved.in_event)
+        return moved.back.as_strided(packed.shape, packed.stride, packed.offset)

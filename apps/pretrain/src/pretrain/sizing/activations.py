@@ -90,6 +90,21 @@ def _modules_per_token(cfg, layout, i: int, modules: frozenset, pairs: float | N
     return norms + _attention(m, layout, word, pb) + mlp
 
 
+def _act_rerun(cfg, layout, i: int, pairs: float) -> tuple[float, float] | None:
+    """Per token, where ``moe_act`` alone reruns MoE layer ``i``'s expert activation: what the rerun brings
+    back (its saved set beyond the gate, up and product it keeps: ``Family.expert_act_widths`` - 3 F-wide
+    rows a routed pair), and that moment's bytes beyond the layer's saved set: the rerun's set and the
+    gradients of the product, gate and up (3 F), less what w_down's and the combine's backward have freed
+    (the product, F, and the expert output, weighted and returned rows, 3 h); None elsewhere."""
+    m = cfg.model
+    modules = modules_at(m.recompute, i)
+    if not m.is_moe_layer(i) or "moe_act" not in modules or modules & {"moe", "full"}:
+        return None
+    pb, share = _pb(cfg), layout.tp if layout.sequence_parallel else 1
+    f, widths = m.expert_ffn_hidden / layout.etp, family_of(m).expert_act_widths
+    return (pairs * (widths - 3) * f * pb / share, pairs * ((widths - 1) * f - 3 * m.hidden) * pb / share)
+
+
 def _module_per_token(cfg, layout, i: int, module: str, pb: int) -> float:
     """Per token of the micro-batch: what ``module`` of layer ``i`` saves (0 where it is recomputed:
     its checkpoint keeps its input only, which the module before it saved)."""
@@ -134,6 +149,17 @@ def _ring_backward_work(m, layout, pb: int) -> float:
     return 4 * (q + 6 * kv) + pb * (4 * kv + 2 * (q + 2 * kv) + 5.5 * q) + longer
 
 
+def _core_backward_work(m, layout, pb: int) -> float:
+    """Per local token at cp 1: the fused attention kernel's backward (one SDPA / flash call): the
+    output's gradient, dq, dk and dv at the widths it attends with, beside them the output projection's
+    input gradient where the value heads are narrower than those (MLA pads v to the q/k width), and the
+    residual's gradient (h)."""
+    q, kv = family_of(m).ring_widths(m, layout)
+    value = m.heads / layout.tp * family_of(m).value_width(m)
+    share = layout.tp if layout.sequence_parallel else 1
+    return (2 * q + 2 * kv + (value if value < q else 0.0) + m.hidden / share) * pb
+
+
 def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float:
     """An MoE layer's backward working set beyond its saved set (:func:`_mlp`), the larger of two
     moments: the combine's backward (3 h of gradients per routed pair, once the weighted copy and
@@ -151,11 +177,13 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: float = 0.0) -> float:
     """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and
-    the attention's (under context parallelism, and ``rerun`` per token: what its family declares beyond
-    what the caller counted, :func:`_attention_backward`), which runs once the MLP's saved set is freed."""
+    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and the
+    attention's (its fused kernel's, or under context parallelism the ring's, and ``rerun`` per token: what its
+    family declares beyond what the caller counted, :func:`_attention_backward`), which runs once the MLP's
+    saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
-    attention = (_ring_backward_work(m, layout, pb) + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
+    core = _ring_backward_work(m, layout, pb) if layout.cp > 1 else _core_backward_work(m, layout, pb)
+    attention = (core + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
         return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
@@ -269,12 +297,25 @@ def _policy_chunk_bytes(cfg, layout, chunk: int, layers, tokens: float, pairs: f
     family = family_of(m)
     core = {i: bool(modules_at(m.recompute, i) & {"core_attn", "mla_up_proj", "full"}) for i in ids}
     averaged = family.saved_bytes(m, layout, "none", pb) - family.saved_bytes(m, layout, "selective", pb)
-    extra = _attention_backward(cfg, layout, ids, lambda i: (kept[i] - out[i]) / tokens, core.get,
+    # the later layers' freed sets are subtracted from the whole backward below (``freed``), not here
+    extra = _attention_backward(cfg, layout, ids, lambda i: 0.0, core.get,
                                 lambda i: averaged if core[i] else 0.0)  # the rerun below counts the averaged set
+    # the offloaded layer before each (forward order): its last region comes back as this layer's first
+    # one's backward starts (model/offload.py's prefetch, which that backward overlaps)
+    prefetched, before = {}, 0.0
+    for i in ids:
+        prefetched[i], before = before, out[i] or before
+    # a layer's backward runs once the layers after it (MTP's included) have freed their saved sets
+    freed = {i: sum(kept[j] - out[j] for j in ids[n + 1:]) for n, i in enumerate(ids)}
 
     def backward(i: int) -> float:
         again = layer_per_token(cfg, layout, i, "none", pairs) * tokens - kept[i]  # what the rerun brings back
-        return again + out[i] + _backward_work(cfg, layout, i, tokens, moe_pairs, extra.get(i, 0.0))
+        work = _backward_work(cfg, layout, i, tokens, moe_pairs, extra.get(i, 0.0))
+        act = _act_rerun(cfg, layout, i, moe_pairs)
+        if act is not None:  # moe_act's rerun comes after w_down's backward: one moment or the other
+            brought, moment = act
+            again, work = again - brought * tokens, max(work, moment * tokens)
+        return again + out[i] + (prefetched[i] if out[i] else 0.0) + work - freed[i]
 
     work, forward = max((backward(i) for i in ids), default=0.0), 0.0
     if last:

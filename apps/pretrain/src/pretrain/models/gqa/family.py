@@ -57,11 +57,15 @@ class GQA(Family):
                            comm_overlap=context.tp_comm_overlap)
 
     def saved_bytes(self, m, layout, recompute: str, pb: int) -> float:
-        """The TP region's gathered input (h), RoPE'd q, k and v, and the core's output (q width);
-        without recomputation also the pre-RoPE q and k."""
+        """The TP region's gathered input (h), q, k and v, and the core's output (q width, which the
+        output projection saves as a view of it). Recomputing the core (RoPE inside), its checkpoint keeps
+        q and k before RoPE; without, RoPE keeps its cos and sin (cast from the fp32 tables: none in fp32)
+        per position, and the fused kernel its fp32 log-sum-exp per query head, beside the RoPE'd q and k."""
         q = m.heads * m.head_dim / layout.tp
         kv = _kv_width(m, layout.tp)
-        return (m.hidden + 2 * q + 2 * kv) * pb + ((q + kv) * pb if recompute == "none" else 0)
+        rope = 2 * m.head_dim * pb * (pb < 4) / layout.micro_batch  # a table's row serves the micro-batch's sequences
+        core = rope + 4 * m.heads / layout.tp if recompute == "none" else 0
+        return (m.hidden + 2 * q + 2 * kv) * pb + core
 
     def ring_widths(self, m, layout) -> tuple[float, float]:
         return m.heads * m.head_dim / layout.tp, _kv_width(m, layout.tp)

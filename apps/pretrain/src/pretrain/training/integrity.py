@@ -124,8 +124,8 @@ def spike(value: float, peers: list[float]) -> bool:
 
 
 class PersistentRank(UsageError):
-    """A rank computes wrong results persistently: the run's one-line stop, or, where the trainer drops
-    replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
+    """A rank computes wrong results persistently (or holds an odd copy): the run's one-line stop, or, where the
+    trainer drops replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
 
     def __init__(self, line: str, rank: int, dp: int, event: dict) -> None:
         super().__init__(line)
@@ -289,7 +289,7 @@ class Integrity:
         key = next(iter(odd))
         line = (f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
                 f"(and {len(odd) - 1} more) unlike its replicas'")
-        event = {"event": "corruption", "step": step, "class": "copy", **self.named(ranks[0]), "named_by": "copies",
+        event = {"event": "corruption", "step": step, "class": "odd_copy", **self.named(ranks[0]), "named_by": "copies",
                  "key": key, "keys": len(odd), "ranks": [self.ranks[r][4] for r in ranks]}
         self.prints.updated()
         raise PersistentRank(line, ranks[0], self.ranks[ranks[0]][0], event)

@@ -41,7 +41,7 @@ def drop_replica(run, trainer, step: int, error) -> int:
     if run.logger is not None:
         kind, at = event.pop("event"), event.pop("step")
         run.logger.log_event(kind, step=at, **event, replica_dropped=True)
-        what = "an odd copy" if event["class"] == "copy" else "persistent"
+        what = "an odd copy" if event["class"] == "odd_copy" else "persistent"
         run.logger.message(f"step {at}: corruption check: {what} on rank {event['rank']} (host {event['host']}, "
                            f"GPU {event['gpu']}); its replica is dropped and the step redone without it")
     return done

@@ -28,7 +28,8 @@ def _sigkill_node() -> None:
 
 
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
-               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False) -> dict:
+               joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False,
+               inject: str = "") -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the checkpoint save after it (its files written, before rank 0
@@ -43,6 +44,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
     ("reduction" only), once.
+    ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
     regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
     GPUs) raises."""
@@ -60,6 +62,10 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     from pretrain.training.train_loop import Trainer
 
     Path(pid_dir, str(os.getpid())).touch()
+    if inject:
+        from pretrain.observe.inject import ENV
+
+        os.environ[ENV] = inject
     me, now = int(os.environ["RANK"]), {"step": 0}
     kills = {(rank, step, phase)} | {(r, s, *(p or (phase,))) for r, s, *p in also}
 

@@ -10,7 +10,8 @@ changes, and the replacement receives the momentum (state Muon unpacks into copi
 whose every matmul is wrong (persistent silent corruption) has its replica dropped, never replaced.
 The extended tier: the other phases, dp2, dp2 x tp2, dp2 x cp2, MTP, eod_mask_loss, ZeRO-2 with buddy shards, a
 background checkpoint save in flight, two losses in a row, a replacement that rejoins (its state from a live
-replica, checked bitwise) and one killed while it receives its state.
+replica, checked bitwise) and one killed while it receives its state; a rank with an odd copy of a weight
+(dropped as a persistent rank is), and one renumbered by a regroup, named by the launcher's rank.
 """
 
 import functools
@@ -736,3 +737,42 @@ def test_a_joiner_with_a_stale_optimizer_step_count_is_caught_by_the_curve(tmp_p
     assert not math.isclose(got[4][0], expected[4][0], rel_tol=1e-6), (got, expected)
     assert "(4, " in str(caught.value), caught.value  # the curve's check at step 4 failed first
     _check_fault_run(tmp_path / "fixed", 2, 1, 2, "forward", reference, admit_before=3)
+
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill,spec,what", [(None, "flip_weight:2:2", "odd_copy"), ((1, 1), "flip_weight:2:3", "persistent")])
+def test_a_corrupt_copy_has_its_replica_dropped_and_is_named_by_the_launchers_rank(tmp_path, reference, fault_ranks,
+                                                                                  kill, spec, what):
+    """dp3, a bit flipped in rank 2's master weight before step 2: its copy is the odd one of three. The copies
+    are compared before the step's update, so the two survivors (whose copies agree) redo the step without its
+    wrong gradient: the uninterrupted run's curve (fp32, 1e-6) at every step, no replacement started. Or rank 1
+    is SIGKILLed first (step 1), which renumbers rank 2 as 1, and the flip before step 3 leaves two copies (no
+    majority; no replacement: ``respawn`` off): the loss check finds it persistent; the event names rank 2,
+    as the console and ``replica_lost`` do."""
+    import replica_kills
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    entry = functools.partial(replica_kills.injected, spec, str(pids)) if kill is None else \
+        functools.partial(replica_kills.sigkill_at, *kill, "forward", str(pids), inject=spec)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("pretrain.training.run.run_rank", entry)
+        res = _run(tmp_path, 3, "--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(kill is None).lower()}",
+                   "--set", "log.every=1", "--set", "log.integrity_every=1")
+    assert res.exit_code == 0, res.output
+    log = tmp_path / "log"
+    events = [r for r in _records(log) if r.get("event") in ("corruption", "replica_lost", "replica_joined")]
+    at = int(spec.rsplit(":", 1)[1])
+    assert [(e["event"], e["ranks"]) for e in events if e["event"] != "corruption"] == \
+        [("replica_lost", [r]) for r in ([kill[0]] if kill else []) + [2]], events
+    bad = events[-1]
+    assert (bad["event"], bad["step"], bad["class"], bad["rank"], bad["gpu"]) == ("corruption", at, what, 2, "cpu"), events
+    assert bad["host"] and bad["replica_dropped"] and bad["generation_rank"] == (1 if kill else 2), bad
+    expected, got = reference(3), _curve(log)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for s, (loss, norm) in expected.items():
+        assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), (s, got[s])
+    started = [int(p.name) for p in pids.glob("[0-9]*")]
+    assert len(started) == 3 and not [p for p in started if _alive(p)], started  # no replacement, none left

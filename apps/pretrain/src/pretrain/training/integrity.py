@@ -33,16 +33,20 @@ Two checks, at log steps only (``Trainer.check_finite``, before any checkpoint i
   differs or none was kept (an update applied since: a spike before the log step), the loss names
   it (within its replica's tp and cp ranks at the loss's stage, the first).
 
-A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU
-(under ``fault_tolerance = "replica"`` a persistent rank's replica is dropped instead, before the
-step's update: replica_drop.py);
-transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
+A persistent rank or an odd copy stops the run with one line naming the rank, its host and its GPU.
+Under ``fault_tolerance = "replica"`` its replica is dropped instead (replica_drop.py), before the step's
+update: there the copies are compared before it too (with the loss check, ahead of its rerun), so the
+survivors, whose copies agree, redo the step without the odd one's contribution. Ranks are named in the
+launcher's numbering (``PRETRAIN_FT_RANK``: a regroup renumbers the survivors), as the console and the
+``replica_lost`` events name them; ``generation_rank`` is the current one.
+Transient and correct verdicts are logged (``"event": "corruption"``) and the run goes on.
 Cost per copies check: one hash pass over the owned state on the device, one host read of the
 hashes and one all-gather of them (``hash_bytes``, ``hash_s`` in the event ``integrity_check``).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -54,6 +58,7 @@ from par_groups import comm
 from par_groups.param_placement import placement_of
 
 from ..errors import UsageError
+from ..observe.inject import RANK_ENV
 from .fingerprints import RERUN, Fingerprints, earliest, first_change
 
 SPIKE_RELATIVE, SPIKE_MADS = 0.5, 5.0
@@ -119,8 +124,8 @@ def spike(value: float, peers: list[float]) -> bool:
 
 
 class PersistentRank(UsageError):
-    """A rank computes wrong results persistently: the run's one-line stop, or, where the trainer drops
-    replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
+    """A rank computes wrong results persistently (or holds an odd copy): the run's one-line stop, or, where the
+    trainer drops replicas (``[train].fault_tolerance = "replica"``), the verdict its replica leaves the run on."""
 
     def __init__(self, line: str, rank: int, dp: int, event: dict) -> None:
         super().__init__(line)
@@ -143,7 +148,8 @@ class Integrity:
         # worst micro-batch loss's score, loss, step, micro-batch; the first step whose own gradient was not finite
         self.worst = torch.tensor([-float("inf"), 0.0, -1.0, -1.0, -1.0], dtype=torch.float64, device=self.device)
         self.checks = 0
-        self.ranks: list[tuple] | None = None  # every rank's (dp, model coordinate, host, gpu)
+        self.ranks: list[tuple] | None = None  # every rank's (dp, model coordinate, host, gpu, launcher's rank)
+        self.copied: tuple = (-1, {}, {})  # the copies check's step, odd and split keys (once per step)
         self.trace: list = []  # the last rerun's module output hashes
         m = trainer.cfg.model  # a training forward and its rerun compute alike only without dropout
         self.prints = Fingerprints(trainer.model.chunks, bool(self.every) and not (m.hidden_dropout or m.attention_dropout))
@@ -173,13 +179,19 @@ class Integrity:
             gpu = str(self.device.index if self.device.index is not None else torch.cuda.current_device()) \
                 if self.device.type == "cuda" else self.device.type
             every: list = [None] * dist.get_world_size()
-            comm.all_gather_object(every, (coords["dp"], model, socket.gethostname(), gpu), None)
+            launched = int(os.environ.get(RANK_ENV, dist.get_rank()))
+            comm.all_gather_object(every, (coords["dp"], model, socket.gethostname(), gpu, launched), None)
             self.ranks = every
         return self.ranks
 
     def name(self, rank: int) -> str:
-        _, _, host, gpu = self.ranks[rank]
-        return f"rank {rank} (host {host}, GPU {gpu})"
+        _, _, host, gpu, launched = self.ranks[rank]
+        return f"rank {launched} (host {host}, GPU {gpu})"
+
+    def named(self, rank: int) -> dict:
+        """The event's keys naming ``rank`` (this generation's): the launcher's number, its host and GPU."""
+        _, _, host, gpu, launched = self.ranks[rank]
+        return {"rank": launched, "generation_rank": rank, "host": host, "gpu": gpu}
 
     def take(self) -> dict:
         """The events since the last take, for the log line (``MetricsLogger.log`` writes them)."""
@@ -192,15 +204,7 @@ class Integrity:
         if not self.every or step == self.checked_at:
             return []
         self.checked_at = step
-        events = []
-        self.checks += 1
-        odd, split = ({}, {})
-        if self.checks % self.every == 0:
-            odd, split, cost = self._copies(trainer)
-            events.append({"event": "integrity_check", "step": step, **cost, **self.prints.take_cost(),
-                           "odd": len(odd), "split": len(split)})
-        if dist.get_rank() == 0:
-            self.events += events
+        odd, split = self.compare_copies(trainer, step)
         self.losses(trainer, step)  # a no-op where the step ran it before its update
         verdict, suspect, at, micro = self.found
         self.found = (None, -1, -1, -1)
@@ -213,7 +217,7 @@ class Integrity:
             raise UsageError(self.persistent_line(suspect, at, micro))
         if split and dist.get_rank() == 0:  # two copies and no suspect yet: which one is wrong is not known
             self.events.append({"event": "copies_differ", "step": step, "key": next(iter(split)), "keys": len(split),
-                                "ranks": sorted({r for rs in split.values() for r in rs})})
+                                "ranks": sorted({self.ranks[r][4] for rs in split.values() for r in rs})})
         return [f"{verdict} on {self.name(suspect)}"] if verdict else []
 
     def persistent_line(self, suspect: int, at: int, micro: int) -> str:
@@ -229,6 +233,8 @@ class Integrity:
             return
         self.losses_at = step
         who = self._who(trainer)
+        if trainer.drops_replicas:  # an odd copy's replica leaves before this step's update, as a persistent rank's
+            self.drop_odd(step, self.compare_copies(trainer, step)[0])
         row = self.worst.clone()
         self.worst.fill_(-float("inf"))
         every = torch.empty(len(who) * len(row), dtype=torch.float64, device=self.device)
@@ -250,8 +256,8 @@ class Integrity:
             else:  # which of them computed something else the first time
                 suspect, named_by = self.first_to_change(suspect, at, micro)
             self.found = (verdict, suspect, at, micro)
-            event = {"event": "corruption", "step": step, "class": verdict, "rank": suspect, "named_by": named_by,
-                     "host": who[suspect][2], "gpu": who[suspect][3], "trigger": trigger, "suspect_step": at + 1,
+            event = {"event": "corruption", "step": step, "class": verdict, **self.named(suspect), "named_by": named_by,
+                     "trigger": trigger, "suspect_step": at + 1,
                      "micro_batch": micro, "suspect_loss": _finite(rows[suspect][1]) if suspects else None}
             if verdict == "persistent" and trainer.drops_replicas:  # its replica leaves; this update is not applied
                 self.prints.updated()
@@ -259,6 +265,34 @@ class Integrity:
             if dist.get_rank() == 0:
                 self.events.append(event)
         self.prints.updated()  # compared: the next check compares the steps after this one
+
+    def compare_copies(self, trainer, step: int) -> tuple[dict, dict]:
+        """The copies check at log step ``step`` where it is due (every ``integrity_every`` log steps), once
+        per step: (odd keys, split keys), each with the ranks concerned (this generation's numbering)."""
+        if self.copied[0] != step:
+            self.checks += 1
+            odd, split = {}, {}
+            if self.checks % self.every == 0:
+                self._who(trainer)
+                odd, split, cost = self._copies(trainer)
+                if dist.get_rank() == 0:
+                    self.events.append({"event": "integrity_check", "step": step, **cost, **self.prints.take_cost(),
+                                        "odd": len(odd), "split": len(split)})
+            self.copied = (step, odd, split)
+        return self.copied[1], self.copied[2]
+
+    def drop_odd(self, step: int, odd: dict) -> None:
+        """Raises the verdict that drops the replica holding the odd copies (every rank), where one does."""
+        ranks = sorted({r for rs in odd.values() for r in rs})
+        if not ranks or len({self.ranks[r][0] for r in ranks}) > 1:  # none, or in several replicas: the stop
+            return
+        key = next(iter(odd))
+        line = (f"silent corruption: {', '.join(self.name(r) for r in ranks)} holds a copy of {key} "
+                f"(and {len(odd) - 1} more) unlike its replicas'")
+        event = {"event": "corruption", "step": step, "class": "odd_copy", **self.named(ranks[0]), "named_by": "copies",
+                 "key": key, "keys": len(odd), "ranks": [self.ranks[r][4] for r in ranks]}
+        self.prints.updated()
+        raise PersistentRank(line, ranks[0], self.ranks[ranks[0]][0], event)
 
     def _copies(self, trainer) -> tuple[dict, dict, dict]:
         start = time.perf_counter()
@@ -276,7 +310,7 @@ class Integrity:
 
     def _rerun(self, trainer, suspect: int, step: int, microbatch: int, peers_first: list[float]) -> str:
         """Every replica recomputes the suspect's micro-batch; the verdict (the same on every rank)."""
-        dp, model, _, _ = self.ranks[suspect]
+        dp, model = self.ranks[suspect][:2]
         batch = trainer.rerun_batch(dp, step)
         one = type(batch)(batch.tokens[microbatch:microbatch + 1], batch.segments[microbatch:microbatch + 1])
         was = trainer.model.module.training
@@ -309,7 +343,7 @@ class Integrity:
         every = torch.empty(len(self.ranks) * 2, dtype=torch.float64, device=self.device)
         comm.all_gather_into_tensor(every, mine, None)
         reruns = every.view(-1, 2).tolist()
-        peers = [r for r, (d, m, _, _) in enumerate(self.ranks) if m == model and r != suspect and reruns[r][0] == 1.0]
+        peers = [r for r, w in enumerate(self.ranks) if w[1] == model and r != suspect and reruns[r][0] == 1.0]
         theirs = [reruns[r][1] for r in peers]
         own = reruns[suspect][1]
         same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - NaN reproduces NaN

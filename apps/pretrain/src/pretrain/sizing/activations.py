@@ -184,10 +184,22 @@ def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: floa
     m, pb = cfg.model, _pb(cfg)
     core = _ring_backward_work(m, layout, pb) if layout.cp > 1 else _core_backward_work(m, layout, pb)
     attention = (core + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
+    norm = (_norm_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
-        return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
+        return max(attention, norm, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
-    return max((m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb, attention)
+    down = (m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb
+    product = (m.hidden + 2 * ffn) * pb * tokens  # the product's three gradients, the product freed
+    return max(down, product, norm, attention)
+
+
+def _norm_backward_work(m, layout, pb: int) -> float:
+    """Per token: the MLP's RMSNorm's backward once the MLP's saved set is freed: torch's RMSNorm
+    backward's five fp32 temporaries (h each, the tokens it sees) and its gradient cast to the compute
+    dtype, beside the residual's gradient, less its fp32 normalized value, freed by then (12 h + 2 h
+    in the compute dtype net)."""
+    share = layout.tp if layout.sequence_parallel else 1
+    return (5 * 4 - 4 + 2 * pb) * m.hidden / share
 
 
 def _loss_saved(cfg, layout, tokens: float) -> float:

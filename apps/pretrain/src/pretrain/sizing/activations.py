@@ -175,9 +175,11 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
 
 
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: float = 0.0) -> float:
-    """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
+    """The largest of a layer's backward working sets: its MLP's (dense: w_down's, the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and the
+    compute dtype, before it is added into the fp32 gradient buffer; or the product's, once w_down freed
+    it: its gradient and those of silu(gate) and up (3 ffn/tp beside gate, up and silu(gate)); MoE:
+    :func:`_moe_backward_work`), the MLP's norm's (:func:`_norm_backward_work`) and the
     attention's (its fused kernel's, or under context parallelism the ring's, and ``rerun`` per token: what its
     family declares beyond what the caller counted, :func:`_attention_backward`), which runs once the MLP's
     saved set is freed."""

@@ -198,8 +198,8 @@ def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: floa
 def _norm_backward_work(m, layout, pb: int) -> float:
     """Per token: the MLP's RMSNorm's backward once the MLP's saved set is freed: torch's RMSNorm
     backward's five fp32 temporaries (h each, the tokens it sees) and its gradient cast to the compute
-    dtype, beside the residual's gradient, less its fp32 normalized value, freed by then (12 h + 2 h
-    in the compute dtype net)."""
+    dtype, beside the residual's gradient, less its fp32 normalized value, freed by then (net: four fp32
+    and two compute-dtype values of h)."""
     share = layout.tp if layout.sequence_parallel else 1
     return (5 * 4 - 4 + 2 * pb) * m.hidden / share
 

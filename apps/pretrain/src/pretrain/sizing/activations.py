@@ -175,19 +175,33 @@ def _moe_backward_work(m, layout, tokens: float, pairs: float, pb: int) -> float
 
 
 def _backward_work(cfg, layout, i: int, tokens: float, pairs: float, rerun: float = 0.0) -> float:
-    """The larger of a layer's two backward working sets: its MLP's (dense: the output gradient
+    """The largest of a layer's backward working sets: its MLP's (dense: w_down's, the output gradient
     gathered (h), one intermediate's gradient (ffn/tp) and one projection's weight gradient in the
-    compute dtype, before it is added into the fp32 gradient buffer; MoE: :func:`_moe_backward_work`) and the
+    compute dtype, before it is added into the fp32 gradient buffer; or the product's, once w_down freed
+    it: its gradient and those of silu(gate) and up (3 ffn/tp beside gate, up and silu(gate)); MoE:
+    :func:`_moe_backward_work`), the MLP's norm's (:func:`_norm_backward_work`) and the
     attention's (its fused kernel's, or under context parallelism the ring's, and ``rerun`` per token: what its
     family declares beyond what the caller counted, :func:`_attention_backward`), which runs once the MLP's
     saved set is freed."""
     m, pb = cfg.model, _pb(cfg)
     core = _ring_backward_work(m, layout, pb) if layout.cp > 1 else _core_backward_work(m, layout, pb)
     attention = (core + rerun - _mlp(m, layout, i, pb, pairs)) * tokens
+    norm = (_norm_backward_work(m, layout, pb) - _mlp(m, layout, i, pb, pairs)) * tokens
     if m.is_moe_layer(i):
-        return max(attention, _moe_backward_work(m, layout, tokens, pairs, pb))
+        return max(attention, norm, _moe_backward_work(m, layout, tokens, pairs, pb))
     ffn = m.ffn_hidden / layout.tp
-    return max((m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb, attention)
+    down = (m.hidden + ffn) * pb * tokens + m.hidden * ffn * pb
+    product = (m.hidden + 2 * ffn) * pb * tokens  # the product's three gradients, the product freed
+    return max(down, product, norm, attention)
+
+
+def _norm_backward_work(m, layout, pb: int) -> float:
+    """Per token: the MLP's RMSNorm's backward once the MLP's saved set is freed: torch's RMSNorm
+    backward's five fp32 temporaries (h each, the tokens it sees) and its gradient cast to the compute
+    dtype, beside the residual's gradient, less its fp32 normalized value, freed by then (net: four fp32
+    and two compute-dtype values of h)."""
+    share = layout.tp if layout.sequence_parallel else 1
+    return (5 * 4 - 4 + 2 * pb) * m.hidden / share
 
 
 def _loss_saved(cfg, layout, tokens: float) -> float:

@@ -361,7 +361,7 @@ class ReplicaRun:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
-        unsaved = agreed_unpublished(self.saver, unsaved, error)
+        unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)
         if error is not None and dist.get_rank() == 0:
             _discard_save(self.cfg, agreed)
             if unsaved is not None:

@@ -46,13 +46,14 @@ def unpublished(pending) -> int | None:
     return None if pending.final.is_dir() else int(pending.state["step"])
 
 
-def agreed_unpublished(saver, unsaved: int | None, error: BaseException | None) -> int | None:
+def agreed_unpublished(saver, unsaved: int | None, error: BaseException | None, control) -> int | None:
     """After a loss (``error``), in the new generation: the new rank 0's view (it is the old rank 0 where that
-    one lives, the only one that publishes), told to every member."""
+    one lives, the only one that publishes), told to every member over ``control`` (the generation's gloo group:
+    the device group may be NCCL, which refuses a host tensor)."""
     if error is None or saver is None or not saver.background:
         return None
     flag = torch.tensor([unsaved if unsaved is not None and dist.get_rank() == 0 else -1], dtype=torch.int64)
-    comm.all_reduce(flag, None, op=dist.ReduceOp.MAX)
+    comm.all_reduce(flag, control, op=dist.ReduceOp.MAX)
     return None if int(flag[0]) < 0 else int(flag[0])
 
 

@@ -141,11 +141,25 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
     for name in ("regroup", "admit", "_joined"):
         setattr(ReplicaRun, name, controlled(getattr(ReplicaRun, name)))
+    from pretrain.training import fault_replica
 
-    def device_group_only(group, tensors) -> None:
+    reshard = fault_replica.reshard_state
+
+    def resharding(old, new, done, *group):  # buddy shards: every group but the control group is a device group
+        control["reshard"] = group[0] if group else None
+        try:
+            return reshard(old, new, done, *group)
+        finally:
+            control.pop("reshard")
+
+    fault_replica.reshard_state = resharding
+
+    def device_group_only(group, tensors, device: bool | None = None) -> None:
         """The default group stands for the device group, NCCL on GPUs, which takes no host tensor: the control
-        traffic's integers (the agreement, an admission's flag, a transfer's sizes and digests) must not go there."""
-        if control["depth"] and group is None and any(t.is_cpu and not t.is_floating_point() for t in tensors):
+        traffic's integers (the agreement, an admission's flag, a transfer's sizes and digests) must not go there.
+        ``device``: whether ``group`` is a device group, if not only the default one is."""
+        device = group is None if device is None else device
+        if control["depth"] and device and any(t.is_cpu and not t.is_floating_point() for t in tensors):
             raise RuntimeError("a host control tensor sent over the device group (NCCL refuses it)")
     from pretrain.checkpoint import store
 
@@ -196,12 +210,12 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         reshard_state = fault_replica.reshard_state
 
-        def dying_in_reshard(old, new, done):  # buddy shards: the joiner (old is None) re-shards, receiving
+        def dying_in_reshard(old, new, *a):  # buddy shards: the joiner (old is None) re-shards, receiving
             marker = Path(pid_dir, "joiner_died")
             if old is None and not marker.exists():
                 marker.touch()
                 _sigkill()
-            return reshard_state(old, new, done)
+            return reshard_state(old, new, *a)
 
         fault_replica.reshard_state = dying_in_reshard
 
@@ -247,7 +261,15 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         device_group_only(ops[0].group, [op.tensor for op in ops])
         return batch_isend_irecv(ops)
 
+    all_gather_into_tensor = comm.all_gather_into_tensor
+
+    def gathering_into(output, input, group, *a, **kw):  # in a buddy re-shard: a gather is metadata (the state is
+        # all-reduced as its bits), and every group but the control group a device group (its data-parallel one)
+        device_group_only(group, [input], group is None or group is not control.get("reshard", group))
+        return all_gather_into_tensor(output, input, group, *a, **kw)
+
     comm.all_reduce, DataParallel.step, comm.batch_isend_irecv = reducing, updating, point_to_point
+    comm.all_gather_into_tensor = gathering_into
     return run_rank(*run_args)
 
 

@@ -57,6 +57,79 @@ def test_node_0_names_a_node_whose_heartbeat_stopped_once_and_not_one_never_star
     assert watch.silent(store) == []  # named once
 
 
+def test_a_node_lost_before_its_first_beat_is_timed_from_when_its_ranks_joined(monkeypatch):
+    """A counter that never moved: node 1's ranks joined, then the node died before it beat (its launcher
+    starved, say); node 2 is still starting. Node 1 is lost ``node_timeout_s`` after node 0 first saw it
+    started; node 2 is not timed while it has not started, however long that takes."""
+    import torch.distributed as dist
+
+    from pretrain.runtime import node_group
+    from pretrain.runtime.node_group import Heartbeats
+
+    clock = [100.0]
+    monkeypatch.setattr(node_group.time, "monotonic", lambda: clock[0])
+    store, started = dist.HashStore(), set()
+    watch = Heartbeats(NodeGroup(3, 0, node_timeout_s=5.0))
+    for _ in range(10):  # neither has started: never lost
+        clock[0] += 1.0
+        assert watch.silent(store, started.__contains__) == []
+    started.add(1)
+    assert watch.silent(store, started.__contains__) == []  # timed from here
+    clock[0] += 4.0
+    assert watch.silent(store, started.__contains__) == []
+    clock[0] += 1.5
+    assert watch.silent(store, started.__contains__) == [1]
+    clock[0] += 10.0
+    assert watch.silent(store, started.__contains__) == []  # named once; node 2 never started
+
+
+def test_a_node_whose_loss_the_survivors_claimed_first_is_marked_done_when_its_heartbeat_stops(monkeypatch):
+    """Node 1 lost whole, its loss claimed by the survivors before node 0's watch names it: no rank of it is left
+    in the membership to publish, yet node 0 marks it done, or the end of the run would wait for its mark for
+    ``join_timeout_s``."""
+    import json
+
+    import torch.distributed as dist
+
+    from pretrain.runtime import node_group
+    from pretrain.runtime.local_launcher import LocalRanks
+    from pretrain.runtime.node_group import BEAT_PREFIX
+    from pretrain.runtime.rank_env import join_key
+    from pretrain.runtime.replica_membership import ReplicaFencer, claim, replica_key
+
+    clock = [100.0]
+    monkeypatch.setattr(node_group.time, "monotonic", lambda: clock[0])
+    ranks = LocalRanks(1, 3600, 10, fault_tolerance=True, nodes=NodeGroup(2, 0, node_timeout_s=5.0))
+    ranks.store = store = dist.HashStore()
+    ranks.fencer = ReplicaFencer(store, 2)
+    for r in (0, 1):
+        store.set(replica_key(r), str(r))
+        store.set(join_key("joined", r), "1")
+    store.add(f"{BEAT_PREFIX}1", 1)
+    ranks._watch_nodes()
+    assert claim(store, 1, {"ranks": [0], "replicas": {"0": 0}, "lost": [1], "lost_replica": 1})
+    clock[0] += 6.0
+    ranks._watch_nodes()
+    assert store.check(["pretrain/nodes/done/1"]) and json.loads(store.get("pretrain/ft/generation/1"))["ranks"] == [0]
+
+
+def test_a_launcher_beats_before_its_ranks_start_and_then_from_a_thread():
+    """Node 1's first beat is in the store once :meth:`Heartbeats.start` returns (before any of its ranks can
+    join), and the counter goes on moving without the launcher's loop; it stops when told."""
+    from pretrain.runtime.node_group import BEAT_PREFIX, Heartbeats, serve_store
+
+    port = _port()
+    server = serve_store("127.0.0.1", port, 10, "test")
+    beats = Heartbeats(NodeGroup.parse(2, 1, f"127.0.0.1:{port}"))
+    beats.start(10)
+    assert server.add(f"{BEAT_PREFIX}1", 0) == 1
+    while server.add(f"{BEAT_PREFIX}1", 0) < 2:  # the thread's beat (bounded by the test's timeout)
+        beats.stopped.wait(0.05)
+    beats.stop()
+    Heartbeats(NodeGroup.parse(2, 0, f"127.0.0.1:{port}")).start(10)  # node 0 beats not (it watches)
+    assert not server.check([f"{BEAT_PREFIX}0"])
+
+
 def test_with_an_external_store_every_node_is_a_client_and_node_0_waits_for_no_one():
     """``--external-store``: the store runs apart (`pretrain store`), node 0 connects to it as node 1 does, so its
     death leaves the store up; node 0's finish returns at once (the store outlives it)."""

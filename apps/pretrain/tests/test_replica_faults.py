@@ -404,17 +404,19 @@ def test_a_store_no_node_hosts_outlives_node_0_killed_whole_and_node_1_goes_on_w
 
 @pytest.mark.extended  # a store process, two torchrun agents and their workers, each importing torch
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("step,admit_before", [(2, 4), (4, 0)])
-def test_two_torchruns_one_replica_each_a_worker_killed_is_restarted_by_its_agent_and_rejoins(tmp_path, reference,
-                                                                                               step, admit_before):
-    """One torchrun per "node" (``--standalone``, its own rendezvous over its worker), every worker a rank of the job
-    through `pretrain store` (``--nnodes 2 --node-rank K --rdzv-endpoint``): node 1's worker SIGKILLed in its forward;
-    node 0's survivor claims the loss and goes on alone, node 1's agent restarts its worker once (``--max-restarts
-    1``), which rejoins as the replacement before step 4 with the live replica's state bitwise; both torchruns exit 0
-    with the uninterrupted run's curve. Killed in the last step, the replacement may come too late to be admitted: it
-    sees every member returned and exits 0 itself (no launcher of ours stops it)."""
-    _check_fault_run(tmp_path, 2, 1, step, "forward", reference, admit_before=admit_before, respawn=True, nodes=2,
-                     store="torchrun")
+@pytest.mark.parametrize("rank,tp,step,admit_before", [(1, 1, 2, 4), (1, 1, 4, 0), (3, 2, 2, 4)],
+                         ids=["dp2", "dp2-last-step", "dp2xtp2"])
+def test_two_torchruns_one_replica_each_a_worker_killed_is_restarted_by_its_agent_and_rejoins(
+        tmp_path, reference, rank, tp, step, admit_before):
+    """One torchrun per "node" (``--standalone``, its own rendezvous over its workers), every worker a rank of the job
+    through `pretrain store` (``--nnodes 2 --node-rank K --rdzv-endpoint``): a worker of node 1 SIGKILLed in its
+    forward; node 0's survivors claim the loss and go on alone, node 1's agent stops the replica's other worker (dp2
+    x tp2: two workers per torchrun) and restarts its workers once (``--max-restarts 1``), which rejoin as the
+    replacement before step 4 with the live replica's state bitwise; both torchruns exit 0 with the uninterrupted
+    run's curve. Killed in the last step, the replacement may come too late to be admitted: it sees every member
+    returned and exits 0 itself (no launcher of ours stops it)."""
+    _check_fault_run(tmp_path, 2, rank, step, "forward", reference, tp=tp, admit_before=admit_before, respawn=True,
+                     nodes=2, store="torchrun")
 
 
 @pytest.mark.extended  # two launcher processes, each importing torch

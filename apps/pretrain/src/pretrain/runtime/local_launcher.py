@@ -146,6 +146,8 @@ class LocalRanks:
             from .replica_membership import ReplicaFencer
 
             self.fencer = ReplicaFencer(self.store, self.world, self.respawn)
+            if self.nodes.nnodes > 1:
+                self.heartbeats.start(self.join_timeout_s)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
@@ -201,16 +203,19 @@ class LocalRanks:
                 self.procs[r - self.first].join()
             pending.clear()
 
+    def _started(self, node: int) -> bool:
+        """Whether every rank of ``node`` joined the run (a node lost before its first beat is timed from then)."""
+        return self.store.check([join_key("joined", r) for r in range(node * self.nproc, (node + 1) * self.nproc)])
+
     def _watch_nodes(self) -> None:
-        """Beat; on node 0, a node whose heartbeat stopped is lost whole: the others go on without its replicas."""
-        self.heartbeats.beat(self.store)
-        for k in self.heartbeats.silent(self.store):
+        """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas."""
+        for k in self.heartbeats.silent(self.store, self._started):
             gone = self.fencer.node_lost(k, set(range(k * self.nproc, (k + 1) * self.nproc)))
             if gone is None:
                 raise Aborted(f"node {k} lost: its launcher has not beaten in the store for "
                               f"{self.nodes.node_timeout_s:g} s ([train].node_timeout_s), and no replica is left", 1)
-            if gone:
-                self.nodes.done(self.store, k)  # the end of the run does not wait for it
+            self.nodes.done(self.store, k)  # the end of the run does not wait for it (nor where its loss was
+            # published already, by the survivors' claim: no rank of it left in the membership)
 
     # ---- signals ---------------------------------------------------------------------------
     def on_signal(self, signum: int, frame) -> None:
@@ -325,6 +330,7 @@ class LocalRanks:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        self.heartbeats.stop()
         if self.store is not None and self.nodes.nnodes > 1:
             self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S)
         self.store = None

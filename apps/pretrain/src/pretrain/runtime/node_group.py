@@ -13,17 +13,20 @@ whose run fails says so in the store, and every other launcher stops its ranks a
 than after a collective's or the regroup's timeout.
 
 Under ``[train].fault_tolerance = "replica"`` each other launcher beats in the store (a counter it adds to every
-:data:`BEAT_S`) while its ranks run; node 0's launcher takes a node whose counter has not moved for
-``[train].node_timeout_s`` (once it has moved at all) as lost whole, launcher and ranks (:class:`Heartbeats`), and
-publishes the next generation without its replicas: the survivors go on then, not at ``join_timeout_s``.
+:data:`BEAT_S`, from a thread, once before its ranks start); node 0's launcher takes a node whose counter has not
+moved for ``[train].node_timeout_s`` (timed from its last move, or, for one that never moved, from when that node's
+ranks joined) as lost whole, launcher and ranks (:class:`Heartbeats`), and publishes the next generation without
+its replicas: the survivors go on then, not at ``join_timeout_s``.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -112,6 +115,27 @@ class Heartbeats:
         self.next_beat = 0.0
         self.moved: dict[int, tuple[int, float]] = {}  # node -> (its counter, when node 0 saw it move)
         self.lost: set[int] = set()
+        self.stopped = threading.Event()
+
+    def start(self, timeout_s: float) -> None:
+        """Nodes other than 0: beat once now (before this node's ranks start, so a node whose ranks run has beaten)
+        and then every :data:`BEAT_S` from a thread over a connection of its own, whatever the launcher's loop is
+        doing (starting the forkserver, fencing a replica): a busy launcher is not a lost node."""
+        if not self.nodes.node_rank:
+            return
+        store = self.nodes.store(timeout_s)
+        self.beat(store)
+        threading.Thread(target=self._beating, args=(store,), name="pretrain-heartbeat", daemon=True).start()
+
+    def _beating(self, store) -> None:
+        while not self.stopped.wait(BEAT_S):
+            try:
+                self.beat(store)
+            except (RuntimeError, OSError):  # the store is gone: node 0 ended
+                return
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     def beat(self, store) -> None:
         """Nodes other than 0: add to this node's counter, once per :data:`BEAT_S`."""
@@ -120,8 +144,10 @@ class Heartbeats:
             store.add(f"{BEAT_PREFIX}{self.nodes.node_rank}", 1)
             self.next_beat = now + BEAT_S
 
-    def silent(self, store) -> list[int]:
-        """Node 0: the nodes whose counter moved once and then not for ``node_timeout_s`` (each named once)."""
+    def silent(self, store, started: Callable[[int], bool] = lambda node: False) -> list[int]:
+        """Node 0: the nodes whose counter has not moved for ``node_timeout_s`` (each named once): since node 0 saw
+        it move, or, for a counter that never moved (a node lost before its first beat), since node 0 first saw
+        ``started(node)`` (its ranks joined the run); a node still starting is not timed."""
         if self.nodes.node_rank:
             return []
         now, silent = time.monotonic(), []
@@ -129,9 +155,11 @@ class Heartbeats:
             if k in self.lost or store.check([f"{DONE_PREFIX}{k}"]):
                 continue
             count = store.add(f"{BEAT_PREFIX}{k}", 0)
-            if count and self.moved.get(k, (0, 0.0))[0] != count:
-                self.moved[k] = (count, now)
-            elif count and now - self.moved[k][1] > self.nodes.node_timeout_s:
+            last = self.moved.get(k)
+            if last is None or last[0] != count:
+                if count or started(k):
+                    self.moved[k] = (count, now)
+            elif now - last[1] > self.nodes.node_timeout_s:
                 self.lost.add(k)
                 silent.append(k)
         return silent

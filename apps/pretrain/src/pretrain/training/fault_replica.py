@@ -292,7 +292,7 @@ class ReplicaRun:
         fresh = self._generation_trainer(event, self._coords(self.rank), ReplicaShare(
             self.cfg.train.global_batch, self.layout.micro_batch, 1, 0), self._sample_log(self._coords(self.rank)))
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
-            step, got = reshard_state(None, fresh, -1)
+            step, got = reshard_state(None, fresh, -1, self.control)
         else:
             (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
         fresh.completed = step
@@ -348,7 +348,7 @@ class ReplicaRun:
                              _data_index(alive, self.replica, coords, self.shard))
         fresh = self._generation_trainer(event, coords, share, trainer.sample_log)
         if buddies:
-            reshard_state(trainer, fresh, done)
+            reshard_state(trainer, fresh, done, self.control)
             fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
             if trainer.prefetch is not None:
                 trainer.prefetch.close()

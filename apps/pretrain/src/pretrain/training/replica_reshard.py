@@ -7,7 +7,10 @@ model-parallel coordinate; a joiner holds nothing) assemble every full tensor fr
 element from exactly one holder summed into zeros on the bits (an integer sum, so -0.0 and NaN payloads
 stay as they were), and each takes the pieces it owns now, its buddy's included. The assembled tensors'
 SHA-256 (the checkpoint code's hashing) must be the same on every member, and a joiner takes the
-lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py). One full tensor is
+lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py). The tensors assembled lie
+on the model's device and go over the data-parallel group; the host metadata (each member's previous shard,
+step and step count, the RNG state, the digests) over the generation's gloo control group, whose members are
+every rank: the device group may be NCCL, which refuses host tensors. One full tensor is
 held at a time; each is all-reduced whole, so the wire moves more than the pieces a joiner owns (what the
 ``replica_joined`` event and ``plan`` count).
 """
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from par_groups import comm
 
 from ..checkpoint.integrity import new_hash
+
 
 def _sum_bits(t: torch.Tensor, group) -> None:
     """All-reduce ``t`` (each element non-zero on at most one member) as integers: the holder's bits exactly."""
@@ -43,10 +47,11 @@ def _pieces(dp, kind: str, buddy: bool = True) -> dict[torch.Tensor, list]:
 
 
 @torch.no_grad()
-def reshard_state(old, new, done: int) -> tuple[int, int]:
+def reshard_state(old, new, done: int, control) -> tuple[int, int]:
     """Fill ``new`` (this generation's trainer) from the members' previous trainers (``old``: this rank's,
-    None on a joiner) over ``new``'s data-parallel group; returns (the step to go on from: the members'
-    ``done``, the bytes this rank received as a joiner: every piece it owns, 0 on a survivor)."""
+    None on a joiner) over ``new``'s data-parallel group, the host metadata over ``control`` (the generation's
+    gloo group over every member); returns (the step to go on from: the members' ``done``, the bytes this rank
+    received as a joiner: every piece it owns, 0 on a survivor)."""
     dp, model = new.model.dp, new.model
     group = dp.buffer.dense_groups.inner
     states = tuple(dp.optimizer_state.state_kinds())
@@ -58,10 +63,8 @@ def reshard_state(old, new, done: int) -> tuple[int, int]:
         mine = [b.shard_lo // b.S, b.N // b.S, done, old.model.dp.step_count]
     else:
         mine = [-1, 0, -1, -1]
-    n = dist.get_world_size(group)
-    rows = torch.empty(n * 4, dtype=torch.int64)
-    comm.all_gather_into_tensor(rows, torch.tensor(mine, dtype=torch.int64), group)
-    rows = rows.view(n, 4).tolist()
+    members = dist.get_process_group_ranks(group)  # this data-parallel group's, among every member's rows
+    rows = _gathered(torch.tensor(mine, dtype=torch.int64), control)[members].tolist()
     alive, size = {r[0] for r in rows if r[0] >= 0}, max(r[1] for r in rows)
     me, first = mine[0], min(alive)  # the lowest previous shard: the holder of what every replica holds whole
 
@@ -90,7 +93,7 @@ def reshard_state(old, new, done: int) -> tuple[int, int]:
                 boxes = [((0,) * t.dim(), t.detach())]
                 at = lambda offsets, box: full  # noqa: E731
             else:
-                full = torch.zeros(tuple(full_shapes[t]), dtype=dtypes[kind])
+                full = torch.zeros(tuple(full_shapes[t]), dtype=dtypes[kind], device=t.device)
                 for offsets, box in given.get(kind, {}).get(name, ()):
                     full[_slices(offsets, box.shape)] = box
                 _sum_bits(full, group)
@@ -100,14 +103,12 @@ def reshard_state(old, new, done: int) -> tuple[int, int]:
                 box.copy_(at(offsets, box))
                 received += box.numel() * box.element_size()
             h = new_hash(Path(f"{kind}/{name}"))
-            h.update(full.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if full.numel() else b"")
+            h.update(full.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes() if full.numel() else b"")
             digests.append(h.digest())
-    rng = torch.get_rng_state()
-    theirs = rng.clone() if old is not None and me == first else torch.zeros_like(rng)
-    _sum_bits(theirs, group)
-    if old is None:
-        torch.set_rng_state(theirs)
-    _check_digests(b"".join(digests), group)
+    rngs = _gathered(torch.get_rng_state(), control)
+    if old is None:  # the RNG of the member at this coordinate that held the lowest previous shard
+        torch.set_rng_state(rngs[next(r for r, row in zip(members, rows) if row[0] == first)].clone())
+    _check_digests(b"".join(digests), members, control)
     dp.sync_params()
     dp.step_count = max(r[3] for r in rows)
     for opt in (dp.optimizer, dp.buddy_optimizer):
@@ -116,12 +117,21 @@ def reshard_state(old, new, done: int) -> tuple[int, int]:
     return max(r[2] for r in rows), (received if old is None else 0)
 
 
-def _check_digests(mine: bytes, group) -> None:
-    """Every member assembled the same bits (by SHA-256 of each full tensor), or the transfer is refused."""
-    n = dist.get_world_size(group)
-    out = torch.empty(n * len(mine), dtype=torch.uint8)
-    comm.all_gather_into_tensor(out, torch.frombuffer(bytearray(mine), dtype=torch.uint8), group)
-    rows = out.view(n, -1)
+def _gathered(t: torch.Tensor, control) -> torch.Tensor:
+    """Every member's ``t`` (a host tensor, the same size on each), row ``r`` rank ``r``'s, over ``control``."""
+    n = dist.get_world_size(control)
+    out = torch.empty(n * t.numel(), dtype=t.dtype)
+    comm.all_gather_into_tensor(out, t.contiguous().view(-1), control)
+    return out.view(n, *t.shape)
+
+
+def _check_digests(mine: bytes, members: list[int], control) -> None:
+    """Every member of the data-parallel group (``members``: their ranks) assembled the same bits (by SHA-256 of
+    each full tensor, one SHA-256 of them all on the wire: the same size at every coordinate), or the transfer
+    is refused."""
+    digest = new_hash(Path("reshard"))
+    digest.update(mine)
+    rows = _gathered(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8), control)[members]
     if not all(torch.equal(rows[0], r) for r in rows):
         raise RuntimeError("a re-sharded state piece arrived damaged: the members' SHA-256 of the assembled "
                            "tensors differ")

@@ -2,7 +2,6 @@
 for another model, or a corrupt one, is one clear error; SIGTERM writes a checkpoint, then exits."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

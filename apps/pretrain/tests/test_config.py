@@ -150,7 +150,7 @@ def test_round_trip_through_toml(tmp_path):
     # issue 51: expert_balance = "replicate" refuses what it is not tested with, saying which
     (["model.expert_balance=spread"], 1, "[model].expert_balance='spread' is not one of none, replicate, replicate+replace"),
     (["model.replace_every=0"], 1, "[model].replace_every=0 must be >= 1"),
-    *(([f"model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate+replace", *extra], 4,
+    *((["model.num_experts=8", "parallel.ep=2", "model.expert_balance=replicate+replace", *extra], 4,
        f"[model].expert_balance='replicate+replace' is not supported with {refused}")
       for extra, refused in ((["parallel.zero=optim_grads_params"], "[parallel].zero='optim_grads_params'"),)),
     (["model.max_replicas_per_rank=0"], 1, "[model].max_replicas_per_rank=0 must be >= 1"),

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from pretrain.config import load_config

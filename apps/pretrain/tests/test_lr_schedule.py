@@ -8,7 +8,6 @@ par's step ``s`` (0-based) runs at Megatron's ``num_steps = s`` once warm, ``s +
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -16,7 +16,6 @@ A new run (no resume) refuses a directory that holds another run's checkpoints u
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import threading

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .shapes import mtp_layer_ids
 
 IGNORE = -100
 

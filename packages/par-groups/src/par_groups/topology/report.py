@@ -49,7 +49,7 @@ def _matrix(topo: Topology, ranks: list[int]) -> list[str]:
     others = [r for r in range(topo.world_size) if r not in set(ranks)]
     if others:
         same = [r for r in others if topo.link(ranks[0], r) == "nvlink"]
-        lines = f"  to other nodes: NET" + (f", except NV to ranks {compact(same)} (same NVLink domain)" if same else "")
+        lines = "  to other nodes: NET" + (f", except NV to ranks {compact(same)} (same NVLink domain)" if same else "")
         rows.append(lines)
     return rows
 

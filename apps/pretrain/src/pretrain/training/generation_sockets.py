@@ -18,21 +18,26 @@ import socket
 _FDS = "/proc/self/fd"
 
 
-def open_sockets() -> set[int]:
-    """The inodes of this process's sockets (empty where ``/proc`` is not there: nothing is shut down)."""
-    inodes = set()
+def _socket_fds() -> list[tuple[int, int]]:
+    """(descriptor, socket inode) of every socket this process holds (empty where ``/proc`` is not there)."""
+    found = []
     try:
         fds = os.listdir(_FDS)
     except OSError:
-        return inodes
+        return found
     for fd in fds:
         try:
             link = os.readlink(f"{_FDS}/{fd}")
         except OSError:  # closed meanwhile
             continue
         if link.startswith("socket:["):
-            inodes.add(int(link[len("socket:["):-1]))
-    return inodes
+            found.append((int(fd), int(link[len("socket:["):-1])))
+    return found
+
+
+def open_sockets() -> set[int]:
+    """The inodes of this process's sockets (empty where ``/proc`` is not there: nothing is shut down)."""
+    return {inode for _, inode in _socket_fds()}
 
 
 def shut_down(inodes: set[int], store_port: int) -> int:
@@ -40,16 +45,11 @@ def shut_down(inodes: set[int], store_port: int) -> int:
     both directions, so each peer reads the end of the stream. Listening sockets stay; the descriptors stay
     open (their groups close them when they go). Returns how many were shut down."""
     done = 0
-    try:
-        fds = os.listdir(_FDS)
-    except OSError:
-        return done
-    for fd in fds:
+    for fd, inode in _socket_fds():
+        if inode not in inodes:
+            continue
         try:
-            link = os.readlink(f"{_FDS}/{fd}")
-            if not link.startswith("socket:[") or int(link[len("socket:["):-1]) not in inodes:
-                continue
-            sock = socket.socket(fileno=os.dup(int(fd)))
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
         try:

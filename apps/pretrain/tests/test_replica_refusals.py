@@ -28,8 +28,6 @@ CASES = {
     "dynamic context parallel": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dynamic_cp=true", "--set",
                                   "parallel.max_seq_per_rank=64", "--set", "data.document_mask=true"],
                                  "got [parallel].dynamic_cp=true"),
-    "expert re-placement": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set",
-                             "model.expert_balance=replicate+replace"], "[model].expert_balance=replicate+replace"),
     "ep with hsdp": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set", "parallel.zero=optim_grads_params",
                       "--set", "parallel.hsdp_replicas=2"], "[parallel].ep with hsdp_replicas=2"),
     "a replica split over two launchers": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint",

@@ -15,7 +15,7 @@ BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -25,7 +25,6 @@ def fault_tolerance_rules(cfg) -> None:
           f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
         ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
-        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
         ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")

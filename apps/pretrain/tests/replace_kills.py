@@ -26,8 +26,8 @@ def placed(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args
         out = train_step(self, s)
         experts = self.expert_replacer
         placements = [list(layer.placement.expert_at) for layer in experts.layers]
-        Path(pid_dir, f"placement_{me}_{s + 1}.json").write_text(json.dumps({"expert_at": placements,
-                                                                             "load": experts.carried}))
+        loads = experts.state()[1] if hasattr(experts, "state") else experts.carried  # (the source before the fix)
+        Path(pid_dir, f"placement_{me}_{s + 1}.json").write_text(json.dumps({"expert_at": placements, "load": loads}))
         return out
 
     fault_replica.ReplicaTrainer.train_step = stepping

@@ -52,7 +52,8 @@ class ExpertReplacer:
         self.carried = [[0] * layer.config.num_experts for layer in layers]  # global load folded at saves
         self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
         self.each_step = False  # fold_each_step: the stage's counts summed every step
-        self.pending = None  # each_step: the step's summed counts, folded once the step completes (commit)
+        self.pending = None  # each_step: the step's summed counts (device), folded once the step completes (commit)
+        self.folded = None  # each_step: the completed steps' summed counts not yet in carried (device: no host read)
 
     @classmethod
     def of(cls, model_cfg, chunks, dp, groups, topology) -> "ExpertReplacer | None":
@@ -82,8 +83,7 @@ class ExpertReplacer:
         if not self.layers:
             return []
         if self.each_step:
-            self.commit()
-            return self.carried
+            return self._fold()
         totals = [[a + b for a, b in zip(row, carried)] for row, carried in zip(self._summed().tolist(), self.carried)]
         self.carried = totals
         return totals
@@ -98,16 +98,23 @@ class ExpertReplacer:
             self.pending = self._summed()
 
     def commit(self) -> None:
-        """The completed step's summed counts into the global load (one host read)."""
+        """The completed step's summed counts into the global load (on the device)."""
         if self.pending is not None:
-            self.carried = [[a + b for a, b in zip(row, carried)]
-                            for row, carried in zip(self.pending.tolist(), self.carried)]
+            self.folded = self.pending if self.folded is None else self.folded + self.pending
             self.pending = None
+
+    def _fold(self) -> list[list[int]]:
+        """The global load, the committed counts read into it (one host read); a step not committed stays out."""
+        if self.folded is not None:
+            self.carried = [[a + b for a, b in zip(row, carried)]
+                            for row, carried in zip(self.folded.tolist(), self.carried)]
+            self.folded = None
+        return self.carried
 
     def state(self) -> tuple[list[list[int]], list[list[int]]]:
         """At a step boundary (each_step): each layer's placement (``expert_at``) and global load since the last
-        re-placement, alike on every replica."""
-        return [list(layer.placement.expert_at) for layer in self.layers], [list(row) for row in self.carried]
+        re-placement, alike on every replica (a step interrupted before its commit is not in it)."""
+        return [list(layer.placement.expert_at) for layer in self.layers], [list(row) for row in self._fold()]
 
     def adopt(self, state: tuple[list[list[int]], list[list[int]]]) -> None:
         """Route by ``state``'s placement (this rank's experts' values and optimizer state are already in its slots,
@@ -118,7 +125,7 @@ class ExpertReplacer:
         for layer, expert_at in zip(self.layers, placements):
             layer.place_(ExpertPlacement(tuple(expert_at), layer.num_local_experts))
             layer.load_since_replace.zero_()
-        self.carried, self.pending = [list(row) for row in loads], None
+        self.carried, self.pending, self.folded = [list(row) for row in loads], None, None
 
     def after_step(self, step: int) -> dict | None:
         """After step ``step`` (0-based): re-place if it is a re-placement step; the log record (every

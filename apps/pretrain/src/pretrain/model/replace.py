@@ -111,19 +111,24 @@ class ExpertReplacer:
             self.folded = None
         return self.carried
 
-    def state(self) -> tuple[list[list[int]], list[list[int]]]:
-        """At a step boundary (each_step): each layer's placement (``expert_at``) and global load since the last
-        re-placement, alike on every replica (a step interrupted before its commit is not in it)."""
-        return [list(layer.placement.expert_at) for layer in self.layers], [list(row) for row in self._fold()]
+    def state(self) -> tuple[list[list[int]], list[list[int]], tuple[int, ...] | None]:
+        """At a step boundary (each_step): each layer's placement (``expert_at``), the global load since the last
+        re-placement (a step interrupted before its commit is not in it) and the EP ranks' NVLink domains the
+        packing keeps to, alike on every replica."""
+        return ([list(layer.placement.expert_at) for layer in self.layers], [list(row) for row in self._fold()],
+                self.domains)
 
-    def adopt(self, state: tuple[list[list[int]], list[list[int]]]) -> None:
+    def adopt(self, state: tuple) -> None:
         """Route by ``state``'s placement (this rank's experts' values and optimizer state are already in its slots,
-        copied or received) and go on counting from its load."""
-        placements, loads = state
+        copied or received) and go on counting from its load, packing by its domains (those the run started with,
+        whichever ranks a later generation holds)."""
+        placements, loads, domains = state
         if len(placements) != len(self.layers) or len(loads) != len(self.layers):
             raise RuntimeError(f"an expert placement of {len(placements)} layers for {len(self.layers)}")
+        self.domains = None if domains is None else tuple(domains)
         for layer, expert_at in zip(self.layers, placements):
             layer.place_(ExpertPlacement(tuple(expert_at), layer.num_local_experts))
+            layer.set_domains(self.domains)
             layer.load_since_replace.zero_()
         self.carried, self.pending, self.folded = [list(row) for row in loads], None, None
 

@@ -35,12 +35,20 @@ def _pieces(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def _placement(experts) -> list[tuple[str, torch.Tensor]]:
-    """``experts`` (an ``ExpertReplacer``, or None)'s placement and load, as host integer tensors ``[layers, E]``."""
+    """``experts`` (an ``ExpertReplacer``, or None)'s placement and load, as host integer tensors ``[layers, E]``,
+    and its EP ranks' NVLink domains ``[ep]`` (-1: none)."""
     if experts is None or not experts.layers:
         return []
-    placements, loads = experts.state()
+    placements, loads, domains = experts.state()
     return [("experts/placement", torch.tensor(placements, dtype=torch.int64)),
-            ("experts/load", torch.tensor(loads, dtype=torch.int64))]
+            ("experts/load", torch.tensor(loads, dtype=torch.int64)),
+            ("experts/domains", torch.tensor(domains or [-1] * experts.ep, dtype=torch.int64))]
+
+
+def _adopt(experts, placement: list[tuple[str, torch.Tensor]]) -> None:
+    """``experts`` routes by the placement received (:func:`_placement`'s pieces)."""
+    got = {name.split("/")[1]: t.tolist() for name, t in placement}
+    experts.adopt((got["placement"], got["load"], None if min(got["domains"]) < 0 else got["domains"]))
 
 
 def _digest(name: str, t: torch.Tensor) -> bytes:
@@ -97,8 +105,7 @@ def receive_state(model, source: int, control=None, experts=None) -> tuple[int, 
     placement, got = _placement(experts), 0
     if placement:
         _, got = _receive(placement, source, control)
-        placed = dict(placement)
-        experts.adopt((placed["experts/placement"].tolist(), placed["experts/load"].tolist()))
+        _adopt(experts, placement)
     dp = model.dp
     # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
     dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())

@@ -2,11 +2,12 @@
 expert-parallel group is the failure domain), the experts re-placed after steps 2 and 4, one rank SIGKILLed in
 step 3's gradient reduction (the placement changed at step 2; the survivors had counted step 3's routed pairs
 when it was discarded), its replacement rejoining before step 4; and one killed in the optimizer step of the
-re-placement step 2 (the survivors complete it and re-place, then notice the loss in step 3). The curve is the uninterrupted run's (fp32,
-1e-6), every sample once, no process left, the replicas' owned pieces bitwise equal (test_replica_faults.py's
-checks); every rank, the joiner too, holds the uninterrupted run's placement and load after each step it
-completed (its checkpoints' ``expert_placement``), so a step redone is counted once. Planted bugs, each caught:
-a joiner that does not receive the placement, a regrouped trainer that keeps the discarded step's counts."""
+re-placement step 2 (the survivors complete it and re-place, then notice the loss in step 3). The curve is the
+uninterrupted run's (fp32, 1e-6), every sample once, no process left, the replicas' owned pieces bitwise equal
+(test_replica_faults.py's checks); every rank, the joiner too, holds the uninterrupted run's placement and load
+after each step it completed (its checkpoints' ``expert_placement``), so a step redone is counted once. Planted
+bugs, each caught: a joiner routing by its own placement instead of the one it received, a regrouped trainer that
+keeps the discarded step's counts."""
 
 import functools
 import json
@@ -23,7 +24,7 @@ def _saved(root: Path, step: int) -> dict:
     """The ``expert_placement`` a checkpoint of ``step`` under ``root`` saved: per layer (by name), its map and load."""
     state = json.loads(next(root.glob(f"**/step_{step}/trainer_state.json")).read_text())
     layers = state["expert_placement"]["layers"]
-    return {"expert_at": [layers[n]["expert_at"] for n in sorted(layers)], "load": [layers[n]["load"] for n in sorted(layers)]}
+    return {key: [layers[name][key] for name in sorted(layers)] for key in ("expert_at", "load")}
 
 
 def _check(tmp: Path, reference, plant: str = "", rank: int = 1, step: int = 3, phase: str = "reduction",

@@ -95,7 +95,8 @@ class ExpertReplacer:
     def count_step(self) -> None:
         """each_step, before the step's update: its counts summed over the stage, folded by :meth:`commit`."""
         if self.each_step and self.layers:
-            self.pending = self._summed()
+            summed = self._summed()
+            self.pending = summed if self.pending is None else self.pending + summed
 
     def commit(self) -> None:
         """The completed step's summed counts into the global load (on the device)."""

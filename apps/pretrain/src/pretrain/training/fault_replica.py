@@ -193,7 +193,7 @@ class HeldState:
     scalars: dict
     non_finite: object
     completed: int | None
-    experts: tuple | None = None  # re-placed experts' placement and load (ExpertReplacer.state), without a discarded step's
+    experts: tuple | None = None  # ExpertReplacer.state: placement and load, a discarded step's not counted
 
     @classmethod
     def of(cls, trainer) -> "HeldState":

@@ -42,6 +42,7 @@ from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
                                           generation_prefix, latest_generation, lost_by_replica, ready_key,
                                           replica_key, returned_key, survivors_event)
+from .dynamic_cp import led_pieces
 from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
@@ -50,7 +51,6 @@ from .preflight import checkpoint_root
 from .replica_drop import drop_replica
 from .replica_reshard import reshard_state
 from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
-from .dynamic_cp import led_pieces
 from .train_loop import Trainer
 
 MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each of these coordinates
@@ -323,10 +323,8 @@ class ReplicaRun:
         return json.loads(self.store.get(coords_key(rank)))
 
     def _sample_log(self, coords: dict) -> Path | None:
-        if not self.cfg.log.sample_ids or coords["tp"] or coords["pp"]:  # one rank per replica writes (dynamic CP:
-            return None  # each cp rank, naming the pieces it leads)
-        if coords["cp"] and not self.cfg.parallel.dynamic_cp:
-            return None
+        if not self.cfg.log.sample_ids or coords["tp"] or coords["pp"] or coords["cp"] and not self.cfg.parallel.dynamic_cp:
+            return None  # one rank per replica writes; under dynamic CP each cp rank, naming the pieces it leads
         folder = Path(self.cfg.log.dir) / "samples"
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"rank_{self.rank}.jsonl"

@@ -4,7 +4,7 @@ whole global batch and plan it again over their own, fewer dp x cp ranks (more r
 of the new generation; every step's loss and grad norm are the uninterrupted run's (fp32, 1e-6), every piece of
 every sample trained exactly once, and after a rejoin the replicas are bitwise equal.
 
-The data mixes documents of 1 to 15 tokens in windows of 16 at 8 tokens per rank: a window's pieces go on one
+The data mixes documents of 2 to 16 tokens (EOS included) in windows of 16 at 8 tokens per rank: a window's pieces go on one
 rank or ring over two, and each step's plan differs (the sample log names each piece, its span and the ranks
 planned over). Planted: survivors that keep the lost generation's dp x cp rank set for the plan (the pieces on
 the lost ranks' places trained by no one) are caught by the curve and by the pieces.

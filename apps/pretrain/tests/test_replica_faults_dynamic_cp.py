@@ -7,7 +7,8 @@ every sample trained exactly once, and after a rejoin the replicas are bitwise e
 The data mixes documents of 2 to 16 tokens (EOS included) in windows of 16 at 8 tokens per rank: a window's pieces go on one
 rank or ring over two, and each step's plan differs (the sample log names each piece, its span and the ranks
 planned over). Planted: survivors that keep the lost generation's dp x cp rank set for the plan (the pieces on
-the lost ranks' places trained by no one) are caught by the curve and by the pieces.
+the lost ranks' places trained by no one) are caught by the curve and by the pieces. In the default tier: the
+layout is no longer refused, and an uneven share takes no participants' weight on top of the kept-count division.
 """
 
 import functools
@@ -111,3 +112,17 @@ def test_dynamic_cp_runs_under_replica_fault_tolerance_once_a_window_fits_one_re
     cfg = load_config(None, ["train.fault_tolerance=replica", "parallel.cp=2", "parallel.dynamic_cp=true",
                              "parallel.max_seq_per_rank=32", "data.document_mask=true"])
     assert cfg.validate_world(4).dp == 2
+
+
+def test_dynamic_cp_losses_take_no_participants_weight():
+    """Dynamic CP divides each round's loss by the global batch's kept count already, so a replica's uneven share
+    (3 micro-batches over 2 replicas: weights 2/3 and 4/3 without dynamic CP) must not weight it again."""
+    from types import SimpleNamespace
+
+    from pretrain.training.fault_replica import ReplicaShare, ReplicaTrainer
+
+    cfg = SimpleNamespace(data=SimpleNamespace(eod_mask_loss=False))
+    for index, weight in ((0, 2 / 3), (1, 4 / 3)):
+        share = ReplicaShare(3, 1, 2, index)
+        assert ReplicaTrainer.loss_weight.fget(SimpleNamespace(cfg=cfg, share=share, span_groups=None)) == weight
+        assert ReplicaTrainer.loss_weight.fget(SimpleNamespace(cfg=cfg, share=share, span_groups=object())) == 1.0

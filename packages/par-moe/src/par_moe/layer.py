@@ -248,13 +248,25 @@ class MoELayer(nn.Module):
         every rank applies the same update. Returns the load used. Every training-mode forward adds
         its counts, so a recomputed (activation-checkpointed) forward counts its tokens twice.
         """
+        return self.apply_bias(self.routed_load(*groups))
+
+    @torch.no_grad()
+    def routed_load(self, *groups: ProcessGroup | None) -> torch.Tensor:
+        """The routed pairs per expert since the last call, summed over ``groups`` (as :meth:`update_bias`'s);
+        this rank's counts restart from zero. A caller that must not run a collective after its optimizer step
+        sums them before it and passes the sum to :meth:`apply_bias` after it."""
         load = self.routed_since_update.clone()
         for group in groups:
             if group_size(group) > 1:
                 comm.all_reduce(load, group)
+        self.routed_since_update.zero_()
+        return load
+
+    @torch.no_grad()
+    def apply_bias(self, load: torch.Tensor) -> torch.Tensor:
+        """``bias += rate * sign(mean - load)`` of a summed ``load`` (:meth:`routed_load`'s); returns it."""
         delta = torch.sign(load.mean() - load) * self.config.bias_update_rate
         self.router.expert_bias += delta.to(self.router.expert_bias.dtype)
-        self.routed_since_update.zero_()
         return load
 
     def set_domains(self, domains: tuple[int, ...] | None) -> None:

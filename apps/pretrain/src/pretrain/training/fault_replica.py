@@ -117,8 +117,12 @@ class ReplicaTrainer(Trainer):
             optimizer.collectives_first = True
         if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
             self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
-        if self.expert_replacer is not None:  # the placement and its load alike on every replica at each boundary
-            self.expert_replacer.fold_each_step()
+        for counts in self._step_counts():  # summed before the update: alike on every replica at each boundary
+            counts.fold_each_step()
+
+    def _step_counts(self) -> list:
+        """What counts routed pairs per step for use after the update: the expert replacer, the bias balancing."""
+        return [c for c in (self.expert_replacer, self.bias_balance) if c is not None]
 
     @property
     def loss_weight(self) -> float:
@@ -165,8 +169,8 @@ class ReplicaTrainer(Trainer):
             result = super().train_step(step)
         finally:
             self._training = False
-        if self.expert_replacer is not None:  # a skipped update's counts count too, as without fault tolerance
-            self.expert_replacer.commit()
+        for counts in self._step_counts():  # a skipped update's counts count too, as without fault tolerance
+            counts.commit()
         self.completed = step + 1
         return result
 
@@ -183,8 +187,8 @@ class ReplicaTrainer(Trainer):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's
         collectives: this replica's samples are in the step's gradient now (logged when asked)."""
         loss = super()._mean_loss(losses, also)
-        if getattr(self, "_training", False) and self.expert_replacer is not None:  # before the update: a failed
-            self.expert_replacer.count_step()  # summation leaves the step discarded with nothing changed
+        for counts in self._step_counts() if getattr(self, "_training", False) else ():  # before the update: a
+            counts.count_step()  # failed summation leaves the step discarded with nothing changed
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
                 f.write(json.dumps({"step": self._step + 1, "generation": self.generation} | self._samples()) + "\n")
@@ -213,13 +217,15 @@ class HeldState:
     non_finite: object
     completed: int | None
     experts: tuple | None = None  # ExpertReplacer.state: placement and load, a discarded step's not counted
+    bias: list | None = None  # BiasBalance.state: the kept counts of skipped updates, a discarded step's not counted
 
     @classmethod
     def of(cls, trainer) -> "HeldState":
         dp, replacer = trainer.model.dp, trainer.expert_replacer
         return cls(tuple(dp.optimizer_state.state_kinds()), owned_state(trainer.model), dp.step_count,
                    dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed,
-                   None if replacer is None else replacer.state())
+                   None if replacer is None else replacer.state(),
+                   None if trainer.bias_balance is None else trainer.bias_balance.state())
 
 
 def let_go(trainer) -> HeldState:
@@ -242,6 +248,8 @@ def copy_state(src: HeldState, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
     if src.experts is not None:  # first: the pieces (boxes of the full tensors) follow from the placement
         dst.expert_replacer.adopt(src.experts)  # the slots hold what they held: route by the same placement
+    if dst.bias_balance is not None:  # the bias itself is a buffer of the owned state
+        dst.bias_balance.adopt(src.bias)
     dst.model.dp.optimizer_state.prepare_load(src.kinds)
     a, b = src.owned, owned_state(dst.model)
     if a.keys() != b.keys():
@@ -324,7 +332,7 @@ class ReplicaRun:
             step, got = reshard_state(None, fresh, -1, self.control)
         else:
             (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control,
-                                           fresh.expert_replacer), 0
+                                           fresh.expert_replacer, fresh.bias_balance), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -380,6 +388,8 @@ class ReplicaRun:
         if buddies:
             reshard_state(trainer, fresh, done, self.control)
             fresh.non_finite, fresh.completed = trainer.non_finite, trainer.completed
+            if fresh.bias_balance is not None:  # the bias itself is re-sharded with the model's buffers
+                fresh.bias_balance.adopt(trainer.bias_balance.state())
             if trainer.prefetch is not None:
                 trainer.prefetch.close()
         else:
@@ -389,7 +399,7 @@ class ReplicaRun:
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control,
-                                   trainer.expert_replacer)
+                                   trainer.expert_replacer, trainer.bias_balance)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
         unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)

@@ -69,15 +69,17 @@ def _batch(ops: list[tuple], peer: int, control=None) -> None:
         w.wait()
 
 
-def send_state(model, joiner: int, step: int, control=None, experts=None) -> int:
+def send_state(model, joiner: int, step: int, control=None, experts=None, bias=None) -> int:
     """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent.
     ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`); ``experts``: the
-    trainer's ``ExpertReplacer`` (None: no expert re-placement)."""
+    trainer's ``ExpertReplacer`` (None: no expert re-placement); ``bias``: its ``BiasBalance`` (None: none), whose
+    kept counts go with the scalars (the bias itself is a buffer of the owned state)."""
     placement = _placement(experts)
     sent = _send(placement, b"{}", joiner, control) if placement else 0
     dp = model.dp
     scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
-                          "scalars": dp.optimizer_state.scalar_state()}).encode()
+                          "scalars": dp.optimizer_state.scalar_state(),
+                          "bias_kept": None if bias is None else bias.state()}).encode()
     return sent + _send(_pieces(model), scalars, joiner, control)
 
 
@@ -98,10 +100,11 @@ def send_owned(model, joiner: int) -> None:
 
 
 @torch.no_grad()
-def receive_state(model, source: int, control=None, experts=None) -> tuple[int, int]:
+def receive_state(model, source: int, control=None, experts=None, bias=None) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
-    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control`` and
-    ``experts`` (which routes by the placement received, before the rest arrives): as :func:`send_state`'s."""
+    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control``,
+    ``experts`` (which routes by the placement received, before the rest arrives) and ``bias`` (which adopts the
+    kept counts received): as :func:`send_state`'s."""
     placement, got = _placement(experts), 0
     if placement:
         _, got = _receive(placement, source, control)
@@ -113,6 +116,8 @@ def receive_state(model, source: int, control=None, experts=None) -> tuple[int, 
     dp.sync_params()
     dp.step_count = scalars["optimizer_steps"]
     dp.optimizer_state.finish_load(scalars["scalars"])
+    if bias is not None:
+        bias.adopt(scalars["bias_kept"])
     return scalars["step"], got + size
 
 

@@ -28,6 +28,7 @@ from ..data.packing import IGNORE, Documents, cu_seqlens, mask_eod_labels, posit
 from .dynamic_cp import SpanGroups, imbalance, plan_step
 from ..blocks.kernels import fp8_regions, select_kernels
 from ..errors import UsageError
+from ..model.bias_balance import BiasBalance
 from ..model.build import RankModel, build_rank_model
 from ..model.mtp import mtp_streams
 from ..blocks.qk_clip import clip_scales, reset_logit_max
@@ -121,6 +122,7 @@ class Trainer:
         # the described cluster, as sizing plans them); "replicate+replace": experts re-placed by load
         self.expert_replacer = None if simulated else ExpertReplacer.of(
             cfg.model, self.model.chunks, self.model.dp, g, self.assignment.topology)
+        self.bias_balance = BiasBalance.of(self.model.chunks, g.tp_dp_cp)  # [model].bias_update_rate > 0
         if simulated:
             domains = declared_domains(cfg, layout)
             for moe in moe_layers(self.model.chunks):
@@ -393,9 +395,9 @@ class Trainer:
         layer's imbalance over the whole step (all its micro-batches; a device scalar, no host read), and
         under expert_balance = "replicate" the worst layer's pairs per EP rank (its last micro-batch's)."""
         imbalance, balance = [], []
+        if self.bias_balance is not None:
+            self.bias_balance.update()
         for moe in moe_layers(self.model.chunks):
-            if moe.config.bias_update_rate > 0:
-                moe.update_bias(self.groups.tp_dp_cp)
             stats = moe.step_metrics()
             if stats:
                 imbalance.append(stats["imbalance"])

@@ -1,0 +1,65 @@
+"""Rank entry of the aux-loss-free balancing fault tests: ``replica_kills.sigkill_at``, recording the routed pairs
+per expert each rank's bias update applied after every step it completes, with a planted bug if asked. Imported by
+name in the rank processes (as ``replica_kills``)."""
+
+import json
+import os
+from pathlib import Path
+
+PLANTS = ("", "joiner_without_the_bias", "discarded_counts_kept")
+
+
+def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args, **kwargs) -> dict:
+    """``sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)``; after each step it completes, every rank
+    writes the summed loads its MoE layers' bias updates applied in it to ``pid_dir/bias_<rank>_<step>.json``
+    (the launcher's numbering; a redone step's overwrites the discarded one's, were it written). ``plant``:
+    ``"joiner_without_the_bias"``: a joiner keeps its fresh expert bias, not the one it received;
+    ``"discarded_counts_kept"``: a regrouped trainer keeps the routed pairs the discarded step counted."""
+    import replica_kills
+    from par_moe.layer import MoELayer
+
+    from pretrain.model.moe import moe_layers
+    from pretrain.training import fault_replica, replica_transfer
+
+    me, applied = int(os.environ["RANK"]), []
+    train_step, apply_bias = fault_replica.ReplicaTrainer.train_step, MoELayer.apply_bias
+
+    def applying(self, load):
+        applied.append(load.tolist())
+        return apply_bias(self, load)
+
+    def stepping(self, s):
+        applied.clear()
+        out = train_step(self, s)
+        Path(pid_dir, f"bias_{me}_{s + 1}.json").write_text(json.dumps(applied))
+        return out
+
+    MoELayer.apply_bias, fault_replica.ReplicaTrainer.train_step = applying, stepping
+    if plant == "joiner_without_the_bias":
+        receive = replica_transfer.receive_state
+
+        def receiving(model, source, *a, **kw):
+            fresh = [moe.router.expert_bias.clone() for moe in moe_layers(model.chunks)]
+            out = receive(model, source, *a, **kw)
+            for moe, bias in zip(moe_layers(model.chunks), fresh):
+                moe.router.expert_bias.copy_(bias)
+            return out
+
+        replica_transfer.receive_state = receiving
+    elif plant == "discarded_counts_kept":
+        held, copy_state = fault_replica.HeldState.of, fault_replica.copy_state
+        kept = {}
+
+        def holding(trainer):
+            kept["counts"] = [moe.routed_since_update.clone() for moe in moe_layers(trainer.model.chunks)]
+            return held(trainer)
+
+        def copying(src, dst):
+            copy_state(src, dst)
+            for moe, counts in zip(moe_layers(dst.model.chunks), kept.pop("counts", [])):
+                moe.routed_since_update += counts
+
+        fault_replica.HeldState.of, fault_replica.copy_state = holding, copying
+    elif plant:
+        raise ValueError(f"plant={plant!r}; one of {PLANTS}")
+    return replica_kills.sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)

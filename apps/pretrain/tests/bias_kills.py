@@ -9,12 +9,38 @@ from pathlib import Path
 PLANTS = ("", "joiner_without_the_bias", "discarded_counts_kept")
 
 
-def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args, **kwargs) -> dict:
+def skipping(step: int, *run_args) -> dict:
+    """``run_rank(*run_args)`` whose update of (1-based) ``step`` is skipped (:func:`_skip_at`)."""
+    from pretrain.training.run import run_rank
+
+    _skip_at(step)
+    return run_rank(*run_args)
+
+
+def _skip_at(step: int) -> None:
+    """(1-based) ``step`` has a non-finite gradient norm where the skip is decided: its update is dropped under
+    nan_policy=skip (the logged norm is the real one)."""
+    import math
+
+    import torch
+
+    from pretrain.training.step_result import NonFinite
+
+    note = NonFinite.note
+
+    def noting(self, s, loss, norm):
+        return note(self, s, loss, torch.full_like(norm, math.inf) if s + 1 == step else norm)
+
+    NonFinite.note = noting
+
+
+def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args, skip: int = 0, **kwargs) -> dict:
     """``sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)``; after each step it completes, every rank
     writes the summed loads its MoE layers' bias updates applied in it to ``pid_dir/bias_<rank>_<step>.json``
     (the launcher's numbering; a redone step's overwrites the discarded one's, were it written). ``plant``:
     ``"joiner_without_the_bias"``: a joiner keeps its fresh expert bias, not the one it received;
-    ``"discarded_counts_kept"``: a regrouped trainer keeps the routed pairs the discarded step counted."""
+    ``"discarded_counts_kept"``: a regrouped trainer keeps the routed pairs the discarded step counted.
+    ``skip``: that step's update is skipped (:func:`skipping`)."""
     import replica_kills
     from par_moe.layer import MoELayer
 
@@ -62,4 +88,6 @@ def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_ar
         fault_replica.HeldState.of, fault_replica.copy_state = holding, copying
     elif plant:
         raise ValueError(f"plant={plant!r}; one of {PLANTS}")
+    if skip:
+        _skip_at(skip)
     return replica_kills.sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)

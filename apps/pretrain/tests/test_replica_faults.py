@@ -139,14 +139,15 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
                      shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False,
                      nodes: int = 1, stall: tuple = (), store: str = "node0", whole_node: bool = False,
-                     entry=None) -> list[dict]:
+                     entry=None, updates: int = 4) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
     ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
     piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
     per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count. ``nodes``: the run as
     that many launchers sharing node 0's store (:func:`_run_nodes`; ``store``: whose), each node exiting 0;
     ``whole_node``: ``rank`` kills its node whole (launcher and ranks), whose exit is then SIGKILL's. ``entry``: the
-    ranks' entry, called as ``replica_kills.sigkill_at`` (which it defaults to)."""
+    ranks' entry, called as ``replica_kills.sigkill_at`` (which it defaults to). ``updates``: the optimizer steps taken
+    (fewer than the steps where an update is skipped)."""
     import replica_kills
 
     pids = tmp / "pids"
@@ -211,7 +212,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         assert states[0], "no owned pieces"
         # the joiner's optimizer counts the steps the live replicas count (AdamW's bias correction)
         counts = [int((pids / f"optimizer_steps_{r}").read_text()) for r in range(world)]
-        assert counts == [4] * world, counts
+        assert counts == [updates] * world, counts
         # the bytes `plan` says a joiner receives: the sum of the pieces it owns
         plan = runner.invoke(app, ["plan", "--world", str(world), "--json",
                                    *_settings(tmp, dp, "--set", "train.fault_tolerance=replica", tp=tp, layout=layout)])

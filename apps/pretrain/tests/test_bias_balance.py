@@ -11,6 +11,7 @@ import torch
 from par_moe import MoEConfig
 from par_moe.layer import MoELayer
 
+from pretrain.cli import app
 from pretrain.model.bias_balance import BiasBalance
 
 E = 8
@@ -55,3 +56,16 @@ def test_summed_before_the_update_moves_the_bias_bitwise_as_after_it_with_skips_
         assert torch.equal(a.router.expert_bias, b.router.expert_bias)
         assert a.router.expert_bias.abs().sum() > 0
     assert each.state() is None and plain.kept is None
+
+
+def test_buddy_shards_skipping_updates_with_bias_balancing_is_one_error_line(tmp_path, monkeypatch):
+    """A joiner under buddy shards is re-sharded, not sent the scalars the kept counts travel with: refused."""
+    from one_error_line import assert_one_error_line, snapshot
+    from test_replica_refusals import SMALL, runner
+
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["train", *SMALL, "--nproc", "2", "tiny-moe", "--set", "parallel.zero=optim", "--set",
+                                 "train.buddy_shards=1", "--set", "train.nan_policy=skip", "--set",
+                                 "model.bias_update_rate=0.1", "--set", "log.dir=run"])
+    assert_one_error_line(res, "buddy shards, skip, bias", "[model].bias_update_rate=0.1: set it to 0")
+    assert snapshot(tmp_path) == {}

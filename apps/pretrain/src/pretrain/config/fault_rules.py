@@ -15,7 +15,7 @@ BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par
 
 
 def fault_tolerance_rules(cfg) -> None:
-    p, t = cfg.parallel, cfg.train
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -27,6 +27,10 @@ def fault_tolerance_rules(cfg) -> None:
         ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
+    _need(not (t.buddy_shards and t.nan_policy == "skip" and m.bias_update_rate > 0),
+          f"[train].fault_tolerance='replica' with [train].buddy_shards=1 and nan_policy='skip' runs without aux-loss-free "
+          f"balancing so far (a joiner re-sharded after a skipped update would miss its kept expert counts); got "
+          f"[model].bias_update_rate={m.bias_update_rate}: set it to 0, nan_policy='stop' or buddy_shards=0")
 
 
 def buddy_rules(cfg) -> None:

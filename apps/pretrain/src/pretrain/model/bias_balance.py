@@ -21,6 +21,8 @@ from .moe import moe_layers
 
 
 class BiasBalance:
+    """The bias updates of a rank's MoE layers with a bias update rate, their counts summed over ``group``."""
+
     def __init__(self, layers: list, group) -> None:
         self.layers, self.group = layers, group
         self.each_step = False  # fold_each_step: the counts summed before the update

@@ -89,8 +89,9 @@ class MoELayer(nn.Module):
         balanced = ReplicatingAllGatherDispatcher if config.dispatcher == "allgather" else ReplicatingDispatcher
         self.dispatcher = (balanced(config.num_experts, ep_group, config.max_replicas_per_rank, config.replicate_across_domains)
                            if self.replicate else make_dispatcher(config.dispatcher, config.num_experts, ep_group))
-        # Routed pairs per expert since the last update_bias (this rank's tokens only).
+        # Routed pairs per expert since the last update_bias (this rank's tokens only, until reduce_load sums them).
         self.register_buffer("routed_since_update", torch.zeros(config.num_experts, dtype=torch.float64), persistent=False)
+        self.load_reduced = False  # reduce_load summed routed_since_update over the groups already
         self.last_metrics: dict[str, torch.Tensor] = {}
         # The step's statistics, summed on the device over its training forwards (see step_metrics):
         # routed pairs per expert, and (dropped pairs, pairs, aux loss, seq aux loss, z loss).
@@ -243,19 +244,32 @@ class MoELayer(nn.Module):
     def update_bias(self, *groups: ProcessGroup | None) -> torch.Tensor:
         """Aux-loss-free balancing, after the optimizer step: ``bias += rate * sign(mean - load)``.
 
-        ``load`` is the routed pairs per expert since the last call summed over ``groups``: pass
+        ``load`` is the routed pairs per expert since the last call summed over ``groups`` (by :meth:`reduce_load`
+        already, if it ran since): pass
         every group whose ranks see different tokens (e.g. the tp-dp-cp group of the stage), so
         every rank applies the same update. Returns the load used. Every training-mode forward adds
         its counts, so a recomputed (activation-checkpointed) forward counts its tokens twice.
         """
         load = self.routed_since_update.clone()
-        for group in groups:
-            if group_size(group) > 1:
-                comm.all_reduce(load, group)
+        if not self.load_reduced:
+            for group in groups:
+                if group_size(group) > 1:
+                    comm.all_reduce(load, group)
+        self.load_reduced = False
         delta = torch.sign(load.mean() - load) * self.config.bias_update_rate
         self.router.expert_bias += delta.to(self.router.expert_bias.dtype)
         self.routed_since_update.zero_()
         return load
+
+    @torch.no_grad()
+    def reduce_load(self, *groups: ProcessGroup | None) -> None:
+        """Sum the routed pairs since the last update over ``groups`` now, in place: :meth:`update_bias` then applies
+        them with no collective of its own. A trainer calls it before its optimizer step, so that a step which
+        fails in a collective (a lost peer) has changed no state yet and can be redone whole."""
+        for group in groups:
+            if group_size(group) > 1:
+                comm.all_reduce(self.routed_since_update, group)
+        self.load_reduced = True
 
     def set_domains(self, domains: tuple[int, ...] | None) -> None:
         """The EP ranks' NVLink domains (None: one), every rank alike: replicas stay in their home rank's

@@ -24,7 +24,6 @@ def fault_tolerance_rules(cfg) -> None:
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
           f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
         ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
         ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "

@@ -302,6 +302,9 @@ class Trainer:
             return StepResult(step, loss, lr, norm, tokens, {}, skipped=True)
         if self.log_step(step + 1):  # before the update: its forward's fingerprints hold for the rerun
             self.integrity.losses(self, step + 1)
+        for layer in moe_layers(self.model.chunks):  # the bias update's sums before the update: a step whose
+            if layer.config.bias_update_rate > 0:  # collective fails (a lost replica) changed no state
+                layer.reduce_load(self.groups.tp_dp_cp)
         dp.set_lr(lr)
         dp.step(self._qk_clip if cfg.train.muon_qk_clip > 0 else None)
         self.integrity.prints.updated()

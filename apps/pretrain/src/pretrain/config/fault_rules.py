@@ -48,6 +48,21 @@ def fault_tolerance_world(cfg, dp: int) -> None:
           f"copy; start more ranks or set fault_tolerance='off'")
 
 
+def fault_tolerance_experts(cfg, layout) -> None:
+    """HSDP with expert parallelism: each HSDP replica holds a whole copy of the experts (model/build.py shards them
+    inside it) only where every expert-parallel group lies inside one replica; else a lost replica's experts
+    have no live copy."""
+    p = cfg.parallel
+    if cfg.train.fault_tolerance != "replica" or p.ep == 1 or p.hsdp_replicas == 1 or layout.dp % p.hsdp_replicas:
+        return
+    shard, grid = layout.dp // p.hsdp_replicas, layout.grid
+    split = next((g for g in grid.expert_ranks("tp-ep") if len({grid.coords(r)["dp"] // shard for r in g}) > 1), None)
+    _need(split is None, f"[train].fault_tolerance='replica' with [parallel].ep={p.ep} and hsdp_replicas={p.hsdp_replicas} "
+                         f"needs each expert-parallel group inside one HSDP replica ({shard} data ranks), but ranks "
+                         f"{split} span replicas, whose experts would have no live copy: make dp / hsdp_replicas a "
+                         f"multiple of ep, or set fault_tolerance='off'")
+
+
 def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
     """Several launchers (``--nnodes``): a launcher fences only its own ranks, so each replica (the ranks one loss
     ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group) must lie on one node."""

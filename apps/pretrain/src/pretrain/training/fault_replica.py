@@ -294,7 +294,8 @@ class ReplicaRun:
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
             step, got = reshard_state(None, fresh, -1, self.control)
         else:
-            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control,
+                                           _block(self._coords(self.rank), self.shard)), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -358,7 +359,8 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
-                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control,
+                                   _block(coords, self.shard))
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
         unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)
@@ -738,6 +740,11 @@ def _fresh_prefix(store, generation: int, world: int) -> None:
 def _same_block(a: dict, b: dict, shard: int = 1) -> bool:
     """Whether ``a`` and ``b`` hold the same state: the same model-parallel coordinates and HSDP shard."""
     return all(a[k] == b[k] for k in MODEL_PARALLEL) and a["dp"] % shard == b["dp"] % shard
+
+
+def _block(coords: dict, shard: int) -> dict:
+    """The state ``coords`` holds, the same in every generation: its model-parallel coordinates and HSDP shard."""
+    return {k: coords[k] for k in MODEL_PARALLEL} | {"shard": coords["dp"] % shard}
 
 
 def _shard_size(cfg, dp: int) -> int:

@@ -4,7 +4,9 @@ Every piece the joiner owns (fp32 masters and optimizer state of its trained ten
 parameters and buffers, this process's CPU RNG) goes in one batch of sends through the counted layer
 (``par_groups.comm``), followed by each piece's size and SHA-256 (the checkpoint code's hashing:
 ``checkpoint.integrity.new_hash``), and the scalars (the step, the optimizer's step count and scalar state) as
-JSON. The joiner receives into its own buffers, hashes what arrived and refuses a piece whose size or digest
+JSON, with the sender's coordinate (its model-parallel block and HSDP shard). The joiner receives into its own
+buffers, refuses state from another coordinate (its pieces may have the joiner's shapes and be other pieces of
+the model: another expert-parallel rank's experts), hashes what arrived and refuses a piece whose size or digest
 differs.
 """
 
@@ -50,13 +52,14 @@ def _batch(ops: list[tuple], peer: int, control=None) -> None:
         w.wait()
 
 
-def send_state(model, joiner: int, step: int, control=None) -> int:
+def send_state(model, joiner: int, step: int, control=None, block: dict | None = None) -> int:
     """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent.
-    ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`)."""
+    ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`). ``block``: this rank's
+    coordinate, which the joiner's must equal."""
     pieces = _pieces(model)
     bufs = [t.detach().contiguous() for _, t in pieces]
     dp = model.dp
-    scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
+    scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count, "block": block,
                           "scalars": dp.optimizer_state.scalar_state()}).encode()
     meta = torch.tensor([len(scalars)] + [t.numel() * t.element_size() for t in bufs], dtype=torch.int64)
     digests = torch.tensor(list(b"".join(_digest(n, t) for (n, _), t in zip(pieces, bufs))), dtype=torch.uint8)
@@ -72,10 +75,10 @@ def send_owned(model, joiner: int) -> None:
 
 
 @torch.no_grad()
-def receive_state(model, source: int, control=None) -> tuple[int, int]:
+def receive_state(model, source: int, control=None, block: dict | None = None) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
     piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control``: as
-    :func:`send_state`'s."""
+    :func:`send_state`'s; ``block``: this joiner's coordinate, which the source's must equal."""
     dp = model.dp
     # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
     dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())
@@ -83,10 +86,13 @@ def receive_state(model, source: int, control=None) -> tuple[int, int]:
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
     _batch([(dist.irecv, meta)], source, control)
-    _batch([(dist.irecv, digests)], source, control)
     raw = torch.empty(int(meta[0]), dtype=torch.uint8)
+    _batch([(dist.irecv, digests), (dist.irecv, raw)], source, control)
+    scalars = json.loads(bytes(raw.tolist()).decode())
+    if scalars["block"] != block:  # before its pieces, which may not even have this joiner's sizes
+        raise RuntimeError(f"state from rank {source} is of coordinate {scalars['block']}, not this joiner's {block}")
     bufs = [torch.empty_like(t) for _, t in pieces]
-    _batch([(dist.irecv, raw)] + [(dist.irecv, t) for t in bufs], source, control)
+    _batch([(dist.irecv, t) for t in bufs], source, control)
     for i, ((name, mine), got) in enumerate(zip(pieces, bufs)):
         size = got.numel() * got.element_size()
         if size != int(meta[i + 1]) or _digest(name, got) != bytes(digests[i * DIGEST:(i + 1) * DIGEST].tolist()):
@@ -96,7 +102,6 @@ def receive_state(model, source: int, control=None) -> tuple[int, int]:
             torch.set_rng_state(got)
         else:
             mine.copy_(got)
-    scalars = json.loads(bytes(raw.tolist()).decode())
     dp.sync_params()
     dp.step_count = scalars["optimizer_steps"]
     dp.optimizer_state.finish_load(scalars["scalars"])

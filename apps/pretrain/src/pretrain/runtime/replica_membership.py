@@ -174,7 +174,7 @@ class ReplicaFencer:
         if elsewhere:  # the replica spans nodes: the others fence their ranks of it before the survivors go on
             if not self.nodes.claim(generation, replica):
                 return here  # another launcher saw this loss too: it publishes it
-            if not self.nodes.request(generation, elsewhere, procs, self.respawn):
+            if not self.nodes.request(generation, elsewhere, procs, self.respawn and not self.condemned(mates)):
                 return None
         event = {"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
                  "lost": sorted(mates), "lost_replica": replica, "died": rank, "fence_s": time.monotonic() - started}

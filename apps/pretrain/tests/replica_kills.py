@@ -46,7 +46,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     ("reduction" only), once.
     ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
     ``fence_check``: each rank started first (not a replacement) also writes ``rank_<rank>_<pid>``, and a survivor,
-    once a loss's generation exists, writes ``fence_<rank>_<generation>``: the pids of that loss's ranks still there.
+    once a loss's generation exists, writes ``fence_<rank>_<generation>``: the state of each of that loss's ranks' first
+    processes then, by pid ("gone": reaped; else /proc's state letter, "Z": killed, not reaped).
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
     regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
     GPUs) raises."""
@@ -139,9 +140,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
 
         def checking(self, error):  # the lost replica's first processes, once the generation without it exists
             event = next_generation(self, error)
-            pids = [int(p.name.split("_")[2]) for r in event.get("lost", []) for p in Path(pid_dir).glob(f"rank_{r}_*")]
-            there = [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # a zombie too: killed, not reaped
-            Path(pid_dir, f"fence_{me}_{self.generation}").write_text(json.dumps({"checked": pids, "there": there}))
+            states = {}
+            for pid in (p.name.split("_")[2] for r in event.get("lost", []) for p in Path(pid_dir).glob(f"rank_{r}_*")):
+                try:
+                    states[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    states[pid] = "gone"
+            Path(pid_dir, f"fence_{me}_{self.generation}").write_text(json.dumps(states))
             return event
 
         ReplicaRun._next_generation = checking

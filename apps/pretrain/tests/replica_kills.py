@@ -47,7 +47,8 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
     ``fence_check``: each rank started first (not a replacement) also writes ``rank_<rank>_<pid>``, and a survivor,
     once a loss's generation exists, writes ``fence_<rank>_<generation>``: the state of each of that loss's ranks' first
-    processes then, by pid ("gone": reaped; else /proc's state letter, "Z": killed, not reaped).
+    processes then, by pid ("gone": reaped; else /proc's state letter, "Z": killed, not reaped), and a rank that lives
+    to see a generation without it (it was not fenced first) writes ``unfenced_<rank>``.
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
     regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
     GPUs) raises."""
@@ -139,7 +140,12 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         next_generation = ReplicaRun._next_generation
 
         def checking(self, error):  # the lost replica's first processes, once the generation without it exists
-            event = next_generation(self, error)
+            try:
+                event = next_generation(self, error)
+            except RuntimeError as e:
+                if "membership" in str(e):
+                    Path(pid_dir, f"unfenced_{me}").write_text(str(e))
+                raise
             states = {}
             for pid in (p.name.split("_")[2] for r in event.get("lost", []) for p in Path(pid_dir).glob(f"rank_{r}_*")):
                 try:

@@ -36,7 +36,7 @@ def test_two_launchers_each_replica_on_both_a_rank_killed_has_its_other_nodes_ha
     checks = {p.name: json.loads(p.read_text()) for p in pids.glob("fence_*")}
     # each survivor (ranks 0 and 2, one per node), once the generation without replica 1 existed: both of its
     # first processes were gone, rank 3's reaped by node 1's launcher
-    assert sorted(checks) == ["fence_0_1", "fence_2_1"], checks
+    assert sorted(checks) == ["fence_0_1", "fence_2_1"] and not list(pids.glob("unfenced_*")), checks
     assert all(c == {str(first[1]): "gone", str(first[3]): "gone"} for c in checks.values()), checks
     assert not Path(f"/proc/{first[3]}").exists()
 
@@ -71,6 +71,7 @@ def test_three_launchers_node_2_lost_whole_has_its_replicas_ranks_on_nodes_0_and
     first = {int(p.name.split("_")[1]): int(p.name.split("_")[2]) for p in pids.glob("rank_*")}
     checks = {p.name: json.loads(p.read_text()) for p in pids.glob("fence_*")}
     assert sorted(first) == list(range(6)) and sorted(checks) == ["fence_0_1", "fence_3_1"], checks
+    assert not list(pids.glob("unfenced_*"))
     # ranks 1 and 2 SIGKILLed and reaped by their launchers; 4 and 5 died with theirs (whoever reaps them, not it)
     assert all(sorted(c) == sorted(str(first[r]) for r in (1, 2, 4, 5)) for c in checks.values()), checks
     assert all(c[str(first[r])] == "gone" for c in checks.values() for r in (1, 2)), checks

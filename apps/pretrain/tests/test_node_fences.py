@@ -111,3 +111,53 @@ def test_a_node_lost_whole_has_its_replicas_ranks_on_the_other_nodes_fenced_and_
     assert (event["ranks"], event["lost"], event["node"]) == ([0, 1], [2, 3], 3), event
     assert fenced and fencers[2].nodes.taken == [({2}, False)] and not fencers[1].nodes.taken
     assert procs[1][1].exitcode is None
+
+
+def _in_thread(call) -> tuple[threading.Thread, list]:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_loss_two_launchers_see_is_published_once_and_the_later_request_spares_the_replacement(ranks):
+    """Both ranks of replica 1 die (rank 1 on node 0, rank 3 on node 1): node 0 claims the loss and asks node 1;
+    node 1, seeing its own rank die, fences it, publishes nothing and answers without fencing again (a replacement
+    it started for rank 3 is not the process that request named). One generation, both ranks lost."""
+    from pretrain.runtime.node_fences import request_key
+
+    store = dist.HashStore()
+    node0, node1 = _fencers(store, 2, 2, lambda r: r % 2)
+    procs0, procs1 = {0: ranks(), 1: ranks()}, {2: ranks(), 3: ranks()}
+    for rank in (procs0[1], procs1[3]):
+        rank.popen.send_signal(signal.SIGKILL)
+        rank.join()
+    thread, out = _in_thread(lambda: node0.lost(1, procs0))
+    store.wait([request_key(1)])
+    assert node1.lost(3, procs1) == {3} and not store.check([generation_key(1)])  # node 0 publishes it
+    procs1[3] = ranks()  # its replacement
+    node1.nodes.serve(procs1)
+    thread.join()
+    assert out == [{1}] and procs1[3].exitcode is None and not node1.nodes.taken
+    event = json.loads(store.get(generation_key(1)))
+    assert (event["ranks"], event["lost"]) == ([0, 2], [1, 3]) and not store.check([generation_key(2)]), event
+
+
+def test_two_launchers_losing_a_replica_each_at_once_fence_each_others_ranks_and_neither_waits_forever(ranks):
+    """dp3 x pp2, stage 0 on node 0 (ranks 0-2), stage 1 on node 1 (ranks 3-5), replica d = ranks d, d + 3: rank 1
+    dies on node 0 and rank 5 on node 1 at once; each launcher asks the other while the other waits for its own
+    answer, and answers it meanwhile. Two generations: replica 0 is left."""
+    store = dist.HashStore()
+    node0, node1 = _fencers(store, 2, 3, lambda r: r % 3)
+    procs0, procs1 = {r: ranks() for r in range(3)}, {r: ranks() for r in range(3, 6)}
+    for rank in (procs0[1], procs1[5]):
+        rank.popen.send_signal(signal.SIGKILL)
+        rank.join()
+    (t0, out0), (t1, out1) = _in_thread(lambda: node0.lost(1, procs0)), _in_thread(lambda: node1.lost(5, procs1))
+    t0.join()
+    t1.join()
+    assert (out0, out1) == ([{1}], [{5}])
+    assert (node0.nodes.taken, node1.nodes.taken) == ([({2}, True)], [({4}, True)])
+    assert procs0[2].reaped() and procs1[4].reaped() and procs0[0].exitcode is None and procs1[3].exitcode is None
+    latest = json.loads(store.get(generation_key(2)))
+    assert latest["ranks"] == [0, 3] and not store.check([generation_key(3)]), latest

@@ -161,3 +161,20 @@ def test_two_launchers_losing_a_replica_each_at_once_fence_each_others_ranks_and
     assert procs0[2].reaped() and procs1[4].reaped() and procs0[0].exitcode is None and procs1[3].exitcode is None
     latest = json.loads(store.get(generation_key(2)))
     assert latest["ranks"] == [0, 3] and not store.check([generation_key(3)]), latest
+
+
+def test_a_node_that_does_not_fence_its_ranks_in_time_stops_the_run_in_one_line_and_nothing_is_published(ranks):
+    """Node 1's launcher never answers (hung, cut off): node 0 publishes no generation beside a rank that may still
+    write, and stops once ``node_timeout_s`` passed, naming the node and its ranks."""
+    from pretrain.runtime.rank_env import Aborted
+
+    store = dist.HashStore()
+    node0, _ = _fencers(store, 2, 2, lambda r: r % 2)
+    node0.nodes.timeout_s = 0.2
+    procs0 = {0: ranks(), 1: ranks()}
+    procs0[1].popen.send_signal(signal.SIGKILL)
+    procs0[1].join()
+    with pytest.raises(Aborted, match=r"^node 1 did not fence ranks 3 of a lost replica within "
+                                      r"\[train\].node_timeout_s=0.2 s: stopped the run rather than go on beside them$"):
+        node0.lost(1, procs0)
+    assert not store.check([generation_key(1)])

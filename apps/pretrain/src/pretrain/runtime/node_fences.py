@@ -18,6 +18,7 @@ import signal
 import time
 
 from .node_group import DONE_PREFIX, FAILED_PREFIX
+from .rank_env import Aborted
 
 FENCE_PREFIX = "pretrain/ft/fence"
 POLL_S = 0.02
@@ -65,9 +66,10 @@ class NodeFences:
         mine = str(self.node)
         return self.store.compare_set(claim_key(generation, replica), "", mine).decode() == mine
 
-    def request(self, generation: int, ranks: set[int], procs, replace: bool) -> bool:
+    def request(self, generation: int, ranks: set[int], procs, replace: bool) -> None:
         """Ask the launchers of ``ranks`` (none on this node) to fence them and wait until each has (answering
-        other requests meanwhile); False where a node has not within ``timeout_s`` (nor ended or failed)."""
+        other requests meanwhile); Aborted where a node failed or has not within ``timeout_s`` (nor ended): the
+        survivors cannot go on beside ranks that may still write."""
         n = self.store.add(f"{FENCE_PREFIX}/count", 1)
         self.store.set(request_key(n), json.dumps({"generation": generation, "ranks": sorted(ranks), "replace": replace}))
         waiting, deadline = {self.node_of(r) for r in ranks}, time.monotonic() + self.timeout_s
@@ -75,11 +77,15 @@ class NodeFences:
             self.serve(procs)
             waiting = {k for k in waiting if not self.store.check([fenced_key(n, k)])
                        and not self.store.check([f"{DONE_PREFIX}{k}"])}
-            if any(self.store.check([f"{FAILED_PREFIX}{k}"]) for k in waiting) or time.monotonic() > deadline:
-                return False
+            late = sorted(k for k in waiting if self.store.check([f"{FAILED_PREFIX}{k}"]))
+            if late or waiting and time.monotonic() > deadline:
+                k = (late or sorted(waiting))[0]
+                mine = sorted(r for r in ranks if self.node_of(r) == k)
+                raise Aborted(f"node {k} did not fence ranks {', '.join(map(str, mine))} of a lost replica "
+                              f"{'(it failed)' if late else f'within [train].node_timeout_s={self.timeout_s:g} s'}: "
+                              f"stopped the run rather than go on beside them", 1)
             if waiting:
                 time.sleep(POLL_S)
-        return True
 
     def serve(self, procs) -> None:
         """Fence this node's ranks that the requests not read yet name, and say so for each."""
@@ -97,4 +103,5 @@ class NodeFences:
             self.served = n
 
     def fence_asked(self, ranks: set[int], procs, generation: int) -> None:
+        """What another launcher's request asks of this node, before it answers: its ranks killed and reaped."""
         self.kill(ranks, procs, generation)

@@ -18,8 +18,6 @@ fail, wait for that key and build every process group again over the store prefi
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 from .node_fences import NodeFences
@@ -150,7 +148,7 @@ class ReplicaFencer:
     def lost(self, rank: int, procs) -> set[int] | None:
         """``procs``: this launcher's rank processes by global rank. ``rank`` died: this node's ranks no longer
         running (it and its fenced replica's), or None when the run cannot go on (a rank whose replica is not known
-        yet, no other replica left, or another node that did not fence its ranks of the replica)."""
+        yet, or no other replica left); Aborted where another node did not fence its ranks of the replica."""
         if rank in self.fenced:
             self.fenced.discard(rank)
             return {rank}
@@ -174,8 +172,7 @@ class ReplicaFencer:
         if elsewhere:  # the replica spans nodes: the others fence their ranks of it before the survivors go on
             if not self.nodes.claim(generation, replica):
                 return here  # another launcher saw this loss too: it publishes it
-            if not self.nodes.request(generation, elsewhere, procs, self.respawn and not self.condemned(mates)):
-                return None
+            self.nodes.request(generation, elsewhere, procs, self.respawn and not self.condemned(mates))
         event = {"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
                  "lost": sorted(mates), "lost_replica": replica, "died": rank, "fence_s": time.monotonic() - started}
         self._publish(event, mates)
@@ -205,8 +202,8 @@ class ReplicaFencer:
             self.nodes.taken.append((here, False))
         elsewhere = {r for r in lost - gone - here if self.nodes.node_of(r) != node
                      and not self.store.check([returned_key(r)])}
-        if elsewhere and not self.nodes.request(self.generation, elsewhere, procs, False):
-            return None
+        if elsewhere:
+            self.nodes.request(self.generation, elsewhere, procs, False)
         by_replica: dict[str, list[int]] = {}
         for r in sorted(lost):
             by_replica.setdefault(str(replicas[r]), []).append(r)

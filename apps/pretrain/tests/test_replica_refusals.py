@@ -1,6 +1,6 @@
 """``[train].fault_tolerance = "replica"`` refuses up front, in one ``error:`` line and before any rank
-starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1), and
-the layouts whose regrouping is not built yet, a replica split over several launchers (``--nnodes``: each
+starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1, an
+expert-parallel group spanning HSDP replicas), a replica split over several launchers (``--nnodes``: each
 fences only its own ranks) and launcher flags that name no node or no endpoint."""
 
 import pytest
@@ -25,16 +25,15 @@ CASES = {
                          "[train].buddy_shards=2 is not one of 0, 1"),
     "dp = 1": (["--nproc", "1"], "needs dp >= 2 (got dp=1)"),
     "dp = 1 under tp": (["--nproc", "2", "--set", "parallel.tp=2"], "needs dp >= 2 (got dp=1)"),
-    "dynamic context parallel": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dynamic_cp=true", "--set",
-                                  "parallel.max_seq_per_rank=64", "--set", "data.document_mask=true"],
-                                 "got [parallel].dynamic_cp=true"),
-    "expert re-placement": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set",
-                             "model.expert_balance=replicate+replace"], "[model].expert_balance=replicate+replace"),
+    "dynamic cp, a window past one replica's ranks": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dynamic_cp=true",
+                                                      "--set", "parallel.max_seq_per_rank=16", "--set", "data.document_mask=true"],
+                                                     "to fit the 2 dp x cp ranks of one replica"),
     "an ep group spanning hsdp replicas": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=4", "--set",
                                             "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2"],
                                            "ranks [0, 1, 2, 3] span replicas"),
-    "a replica split over two launchers": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint",
-                                            "127.0.0.1:1", "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
+    "a replica split over two launchers, the store apart": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1",
+                                                             "--rdzv-endpoint", "127.0.0.1:1", "--external-store",
+                                                             "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
     "--nnodes without an endpoint": (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--rdzv-endpoint None must be HOST:PORT"),
     "an endpoint without a port": (["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' must be"),
     "--node-rank past --nnodes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"],

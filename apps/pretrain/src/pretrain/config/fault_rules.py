@@ -2,8 +2,8 @@
 
 A lost replica's state must live on elsewhere: every survivor holds all of its model-parallel
 coordinate's state only when data parallelism does not shard it (ZeRO over the whole dp leaves a
-lost replica's shards nowhere), and there must be another replica (dp >= 2). The layouts whose
-regrouping is not built yet are refused too, rather than run with a step that no longer matches.
+lost replica's shards nowhere), and there must be another replica (dp >= 2). Under HSDP each replica holds
+a whole copy of the experts only where every expert-parallel group lies inside one replica.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -23,11 +23,6 @@ def fault_tolerance_rules(cfg) -> None:
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
           f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
-    later = [f"{key}={value}" for key, value, unsupported in (
-        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
-        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
-    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
-                     f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
 
 def buddy_rules(cfg) -> None:
@@ -42,10 +37,19 @@ def buddy_rules(cfg) -> None:
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:
-    """Another replica to go on with: dp >= 2."""
-    _need(cfg.train.fault_tolerance != "replica" or dp >= 2,
-          f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
-          f"copy; start more ranks or set fault_tolerance='off'")
+    """Another replica to go on with: dp >= 2. Dynamic CP: a document of a whole window fits the dp x cp ranks of
+    one replica, the fewest a generation may plan the global batch over."""
+    p, t = cfg.parallel, cfg.train
+    if t.fault_tolerance != "replica":
+        return
+    _need(dp >= 2, f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
+                   f"copy; start more ranks or set fault_tolerance='off'")
+    ranks = p.cp * (dp // p.hsdp_replicas if p.hsdp_replicas > 1 else 1)
+    _need(not p.dynamic_cp or t.seq_len <= p.max_seq_per_rank * ranks,
+          f"[train].fault_tolerance='replica' with [parallel].dynamic_cp=true needs a document of a whole window "
+          f"([train].seq_len={t.seq_len}) to fit the {ranks} dp x cp ranks of one replica (what a generation may be left "
+          f"with) at [parallel].max_seq_per_rank={p.max_seq_per_rank}; raise max_seq_per_rank to at least "
+          f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
 def fault_tolerance_experts(cfg, layout) -> None:
@@ -63,10 +67,12 @@ def fault_tolerance_experts(cfg, layout) -> None:
                          f"multiple of ep, or set fault_tolerance='off'")
 
 
-def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
-    """Several launchers (``--nnodes``): a launcher fences only its own ranks, so each replica (the ranks one loss
-    ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group) must lie on one node."""
-    if cfg.train.fault_tolerance != "replica" or nnodes == 1:
+def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool = False) -> None:
+    """Several launchers (``--nnodes``) with the store apart (``--external-store``, torchrun): a node lost whole is
+    claimed by its survivors, and no launcher fences the other nodes' ranks of its replicas before that, so each
+    replica (the ranks one loss ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group)
+    must lie on one node. With node 0's store, its launcher fences a replica over several nodes (node_fences.py)."""
+    if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not external:
         return
     p = cfg.parallel
     shard = layout.dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
@@ -74,7 +80,8 @@ def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
     for rank in range(layout.world_size):
         nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)
     split = next((rep for rep, on in sorted(nodes.items()) if len(on) > 1), None)
-    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} needs each data-parallel replica "
-                         f"on one node (its launcher fences it), but replica {split} spans nodes "
-                         f"{sorted(nodes.get(split, ()))} at --nproc {nproc} per node: make --nproc a multiple of the "
-                         f"ranks per replica (and pp=1), or set fault_tolerance='off'")
+    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} and the store apart (--external-store, "
+                         f"torchrun) needs each data-parallel replica on one node (none fences a lost node's replicas "
+                         f"elsewhere), but replica {split} spans nodes {sorted(nodes.get(split, ()))} at --nproc {nproc} "
+                         f"per node: make --nproc a multiple of the ranks per replica (and pp=1), use node 0's store, or "
+                         f"set fault_tolerance='off'")

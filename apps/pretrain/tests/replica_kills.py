@@ -43,7 +43,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
-    ("reduction" only), once.
+    ("reduction"), or before it checks in as a survivor claiming a loss ("claim": it noticed the loss late), once.
     ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
     regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
@@ -128,6 +128,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return arrive(self, event)
 
     ReplicaRun._arrive = arriving
+    claim_loss = ReplicaRun._claim_loss
+
+    def claiming(self):  # the "claim" stall: a survivor that checks in late
+        stalled("claim")
+        return claim_loss(self)
+
+    ReplicaRun._claim_loss = claiming
     control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
 
     def controlled(method):

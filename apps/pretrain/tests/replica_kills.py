@@ -115,7 +115,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                     return admit(self, trainer, s)
                 finally:
                     self.missing = missing
+            deadline = time.monotonic() + min(self.cfg.train.join_timeout_s, 120.0)  # bounded: one line, no hang
             while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank 0: the replacement of {sorted(self.missing.values())} was not ready "
+                                       f"before step {s + 1} within {min(self.cfg.train.join_timeout_s, 120.0):g} s")
                 time.sleep(0.05)
         return admit(self, trainer, s)
 

@@ -146,3 +146,74 @@ def test_two_torchruns_a_survivor_late_past_the_settling_time_stays_a_survivor_a
     replacement block started, no worker of node 0 restarted."""
     _check_fault_run(tmp_path, 2, 3, 2, "forward", reference, tp=2, admit_before=4, respawn=True, nodes=2,
                      store="torchrun", stall=((1, 2, "claim", 8.0),))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_launcher_that_cannot_renew_its_heartbeat_calls_its_fence_with_one_line():
+    """Node 1's heartbeat reaches the store through a proxy; once the proxy passes nothing, the lease runs out and
+    the fence is called (from a thread of its own: the beat's own call blocks on the silent connection) with one line
+    naming the node and the setting; while the beats go through, it is not."""
+    from pretrain.runtime.node_group import NodeGroup, Heartbeats, serve_store
+
+    port = _free_port()
+    server = serve_store("127.0.0.1", port, 10, "test")  # noqa: F841 -- held open for the test
+    proxy = StoreProxy(port)
+    fenced, lines = threading.Event(), []
+    beats = Heartbeats(NodeGroup.parse(2, 1, f"127.0.0.1:{proxy.port}", node_timeout_s=2.0))
+    try:
+        beats.start(10, lambda line: (lines.append(line), fenced.set()))
+        while server.add("pretrain/nodes/beat/1", 0) < 3:  # beats renewed through the proxy: no fence
+            time.sleep(0.05)
+        assert not lines
+        proxy.cut()
+        assert fenced.wait(30), "the lease never ran out"
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert lines[0].startswith("node 1 cut off from the job's store at 127.0.0.1:") and "node_timeout_s=2" in lines[0]
+    finally:
+        beats.stop()
+        proxy.close()
+
+
+def test_a_survivor_claiming_a_loss_waits_for_a_member_still_beating(monkeypatch):
+    """The claim's watch: a member whose counter moves is never silent however long it has not checked in; one whose
+    counter stopped (or never beat) is, once its counter stood still for the quiet time on this survivor's clock."""
+    import torch.distributed as dist
+
+    from pretrain.runtime import member_beats
+    from pretrain.runtime.member_beats import Silence, beat_key
+
+    clock = [100.0]
+    monkeypatch.setattr(member_beats.time, "monotonic", lambda: clock[0])
+    store = dist.HashStore()
+    store.add(beat_key(1), 1)
+    store.add(beat_key(2), 1)
+    watch = Silence(store, 5.0)
+    assert watch.silent({1, 2, 3}) == set()
+    for _ in range(8):  # rank 1 beats each second (a late survivor), rank 2 died, rank 3 never beat
+        clock[0] += 1.0
+        store.add(beat_key(1), 1)
+        quiet = watch.silent({1, 2, 3})
+        assert 1 not in quiet
+    assert quiet == {2, 3}
+
+
+def test_node_0_at_the_end_does_not_wait_for_a_node_taken_as_lost(capsys):
+    """Node 0 waits at the end for every other node's done mark; a node whose heartbeat stopped (``lost``) never
+    marks itself, so it is not waited for; one that neither marks itself nor is lost is named in one line when the
+    wait runs out."""
+    import torch.distributed as dist
+
+    from pretrain.runtime.node_group import NodeGroup
+
+    store = dist.HashStore()
+    NodeGroup(3, 1).finish(store, 0)  # node 1 done
+    NodeGroup(3, 0).finish(store, 5.0, lambda: {2})  # node 2 lost: nothing to wait for
+    assert capsys.readouterr().err == ""
+    NodeGroup(3, 0).finish(store, 0.3, lambda: set())
+    assert capsys.readouterr().err.splitlines() == [
+        "pretrain: node 0 closes the store: node(s) 2 did not say they finished within 0.3 s"]

@@ -237,6 +237,12 @@ class LocalRanks:
         """Whether every rank of ``node`` joined the run (a node lost before its first beat is timed from then)."""
         return self.store.check([join_key("joined", r) for r in range(node * self.nproc, (node + 1) * self.nproc)])
 
+    def _lost_nodes(self) -> set[int]:
+        """On node 0 at the end: the nodes taken as lost (their heartbeat stopped), now or before: none will say it
+        finished."""
+        self.heartbeats.silent(self.store, self._started)
+        return self.heartbeats.lost
+
     def _watch_nodes(self) -> None:
         """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas."""
         for k in self.heartbeats.silent(self.store, self._started):
@@ -362,7 +368,8 @@ class LocalRanks:
             conn.close()
         self.heartbeats.stop()
         if self.store is not None and self.nodes.nnodes > 1:
-            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S)
+            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S,
+                              self._lost_nodes if self.fencer is not None else None)
         self.store = None
 
 

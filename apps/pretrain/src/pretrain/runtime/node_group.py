@@ -24,6 +24,7 @@ ranks and exits (:meth:`Heartbeats.start`), so a node taken as lost can no longe
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -80,17 +81,23 @@ class NodeGroup:
             return dist.TCPStore(self.host, self.port, None, False, timedelta(seconds=timeout_s))
         return serve_store(self.host, self.port, timeout_s, f"--rdzv-endpoint {self.host}:{self.port}: node 0")
 
-    def finish(self, store, wait_s: float) -> None:
+    def finish(self, store, wait_s: float, lost: Callable[[], set[int]] | None = None) -> None:
         """The others: mark this node done; node 0: wait (up to ``wait_s``) for every other node's mark (an external
-        store outlives every node: nothing to wait for)."""
+        store outlives every node: nothing to wait for), or for ``lost()`` to name it (its heartbeat stopped: it will
+        never mark itself); one line on stderr naming the nodes that did neither when the wait runs out."""
         try:
             if self.node_rank or self.external:
                 store.set(f"{DONE_PREFIX}{self.node_rank}", "1")
                 return
             deadline = time.monotonic() + wait_s
-            keys = [f"{DONE_PREFIX}{k}" for k in range(1, self.nnodes)]
-            while not store.check(keys) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            left = set(range(1, self.nnodes))
+            while left:
+                left -= {k for k in left if store.check([f"{DONE_PREFIX}{k}"])} | (lost() if lost else set())
+                if left and time.monotonic() >= deadline:
+                    print(f"pretrain: node 0 closes the store: node(s) {', '.join(map(str, sorted(left)))} did not say "
+                          f"they finished within {wait_s:g} s", file=sys.stderr)
+                    return
+                time.sleep(0.1 if left else 0)
         except (RuntimeError, OSError):  # node 0 gone (it failed): nothing left to tell
             pass
 

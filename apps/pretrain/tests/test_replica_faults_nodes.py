@@ -103,7 +103,7 @@ def test_a_node_cut_off_from_the_store_fences_its_ranks_and_node_0_goes_on_with_
     cutter.start()
     kill = {"args": [1, NEVER, "forward", str(pids)], "kwargs": {"stall": [[1, 2, "reduction", 30.0]]}}
     fault = ("--set", "train.fault_tolerance=replica", "--set", "train.respawn=false", "--set", "log.sample_ids=true",
-             "--set", "train.node_timeout_s=4", "--set", "train.join_timeout_s=60")
+             "--set", "train.node_timeout_s=6", "--set", "train.join_timeout_s=60")
     try:
         codes, output = _run_nodes(tmp_path, 2, 2, kill, *fault, store="external", port_of=port_of)
     finally:

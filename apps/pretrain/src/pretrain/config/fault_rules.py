@@ -15,7 +15,7 @@ BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -24,9 +24,7 @@ def fault_tolerance_rules(cfg) -> None:
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
           f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
-        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
-        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
+        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
@@ -43,10 +41,19 @@ def buddy_rules(cfg) -> None:
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:
-    """Another replica to go on with: dp >= 2."""
-    _need(cfg.train.fault_tolerance != "replica" or dp >= 2,
-          f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
-          f"copy; start more ranks or set fault_tolerance='off'")
+    """Another replica to go on with: dp >= 2. Dynamic CP: a document of a whole window fits the dp x cp ranks of
+    one replica, the fewest a generation may plan the global batch over."""
+    p, t = cfg.parallel, cfg.train
+    if t.fault_tolerance != "replica":
+        return
+    _need(dp >= 2, f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
+                   f"copy; start more ranks or set fault_tolerance='off'")
+    ranks = p.cp * (dp // p.hsdp_replicas if p.hsdp_replicas > 1 else 1)
+    _need(not p.dynamic_cp or t.seq_len <= p.max_seq_per_rank * ranks,
+          f"[train].fault_tolerance='replica' with [parallel].dynamic_cp=true needs a document of a whole window "
+          f"([train].seq_len={t.seq_len}) to fit the {ranks} dp x cp ranks of one replica (what a generation may be left "
+          f"with) at [parallel].max_seq_per_rank={p.max_seq_per_rank}; raise max_seq_per_rank to at least "
+          f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
 def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:

@@ -12,9 +12,9 @@ and the logged loss the same global mean.
 On a failed collective (:class:`ReplicaRun`'s :meth:`~StepRange.attempt`), the survivor leaves every process group,
 waits for the launcher's next generation (:mod:`pretrain.runtime.replica_membership`), joins a new
 default group over that generation's fresh store prefix, builds a new :class:`ReplicaTrainer` for the
-smaller world, copies its own state into it (weights, fp32 masters, optimizer state and step; this
-process's RNG is untouched), and the step loop goes on from the step boundary every survivor agrees
-on: the interrupted step is discarded and redone.
+smaller world, copies its own state into it (weights, fp32 masters, optimizer state and step, re-placed
+experts' placement and load; this process's RNG is untouched), and the step loop goes on from the step
+boundary every survivor agrees on: the interrupted step is discarded and redone.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
+from ..runtime.member_beats import MemberBeat, Silence
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
                                           generation_prefix, latest_generation, lost_by_replica, ready_key,
                                           replica_key, returned_key, survivors_event)
-from ..runtime.member_beats import MemberBeat, Silence
+from .dynamic_cp import led_pieces
 from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
@@ -117,19 +118,25 @@ class ReplicaTrainer(Trainer):
             optimizer.collectives_first = True
         if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
             self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
+        if self.expert_replacer is not None:  # the placement and its load alike on every replica at each boundary
+            self.expert_replacer.fold_each_step()
 
     @property
     def loss_weight(self) -> float:
-        """Each micro-batch's loss factor: none under eod_mask_loss, whose loss is divided by the global batch's
-        kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
-        return 1.0 if self.cfg.data.eod_mask_loss else self.share.weight
+        """Each micro-batch's loss factor: none under eod_mask_loss or dynamic CP, whose loss is divided by the global
+        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
+        return 1.0 if self.cfg.data.eod_mask_loss or self.span_groups is not None else self.share.weight
 
     def rerun_batch(self, dp: int, step: int) -> Batch:
         return self._read_batch(step, share=replace(self.share, index=dp))
 
     def _read_batch(self, step: int, eval: bool | str = False, share: ReplicaShare | None = None) -> Batch:
+        """The share's micro-batches; under dynamic CP the whole global batch ``[global_batch, seq_len + 1]``: every
+        rank plans all of it over this generation's dp x cp ranks (dynamic_cp.py), however many replicas are left."""
         s, share = self.sampler, share or self.share
         stream = (s.test if eval == "test" else s.valid) if eval else s.train
+        if self.span_groups is not None:
+            return stream.gather(step * share.global_batch, (step + 1) * share.global_batch)
         ids = share.samples(step)
         batch = stream.gather(ids.start, ids.stop)
         shape = (share.count, share.micro_batch, s.seq_len + 1)
@@ -147,6 +154,11 @@ class ReplicaTrainer(Trainer):
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
 
+    def _dynamic_microbatches(self, batch):
+        if self.sample_log is not None:  # the pieces this rank names in the sample log
+            self._led = led_pieces(batch, self.cfg.parallel.max_seq_per_rank, self.span_groups)
+        return super()._dynamic_microbatches(batch)
+
     def train_step(self, step: int):
         self.sync_params()
         self._training = True
@@ -154,6 +166,8 @@ class ReplicaTrainer(Trainer):
             result = super().train_step(step)
         finally:
             self._training = False
+        if self.expert_replacer is not None:  # a skipped update's counts count too, as without fault tolerance
+            self.expert_replacer.commit()
         self.completed = step + 1
         return result
 
@@ -170,11 +184,22 @@ class ReplicaTrainer(Trainer):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's
         collectives: this replica's samples are in the step's gradient now (logged when asked)."""
         loss = super()._mean_loss(losses, also)
+        if getattr(self, "_training", False) and self.expert_replacer is not None:  # before the update: a failed
+            self.expert_replacer.count_step()  # summation leaves the step discarded with nothing changed
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
-                f.write(json.dumps({"step": self._step + 1, "generation": self.generation,
-                                    "samples": list(self.share.samples(self._step))}) + "\n")
+                f.write(json.dumps({"step": self._step + 1, "generation": self.generation} | self._samples()) + "\n")
         return loss
+
+    def _samples(self) -> dict:
+        """This rank's record of the step's gradient: its replica's samples; under dynamic CP the pieces whose block
+        it leads (sequence, start, end, span; every piece of the global batch is led by one rank of the plan), the
+        samples whose first piece is among them, and the dp x cp ranks planned over."""
+        if self.span_groups is None:
+            return {"samples": list(self.share.samples(self._step))}
+        base = self._step * self.share.global_batch
+        return {"samples": [base + g for g, start, _, _ in self._led if start == 0], "width": len(self.span_groups.ranks),
+                "pieces": [[base + g, start, end, span] for g, start, end, span in self._led]}
 
 
 @dataclass(frozen=True)
@@ -188,12 +213,14 @@ class HeldState:
     scalars: dict
     non_finite: object
     completed: int | None
+    experts: tuple | None = None  # ExpertReplacer.state: placement and load, a discarded step's not counted
 
     @classmethod
     def of(cls, trainer) -> "HeldState":
-        dp = trainer.model.dp
+        dp, replacer = trainer.model.dp, trainer.expert_replacer
         return cls(tuple(dp.optimizer_state.state_kinds()), owned_state(trainer.model), dp.step_count,
-                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed)
+                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed,
+                   None if replacer is None else replacer.state())
 
 
 def let_go(trainer) -> HeldState:
@@ -214,6 +241,8 @@ def let_go(trainer) -> HeldState:
 @torch.no_grad()
 def copy_state(src: HeldState, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
+    if src.experts is not None:  # first: the pieces (boxes of the full tensors) follow from the placement
+        dst.expert_replacer.adopt(src.experts)  # the slots hold what they held: route by the same placement
     dst.model.dp.optimizer_state.prepare_load(src.kinds)
     a, b = src.owned, owned_state(dst.model)
     if a.keys() != b.keys():
@@ -297,7 +326,8 @@ class ReplicaRun:
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
             step, got = reshard_state(None, fresh, -1, self.control)
         else:
-            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control,
+                                           fresh.expert_replacer), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -307,8 +337,8 @@ class ReplicaRun:
         return json.loads(self.store.get(coords_key(rank)))
 
     def _sample_log(self, coords: dict) -> Path | None:
-        if not self.cfg.log.sample_ids or coords["tp"] or coords["cp"] or coords["pp"]:  # one rank per replica writes
-            return None
+        if not self.cfg.log.sample_ids or coords["tp"] or coords["pp"] or coords["cp"] and not self.cfg.parallel.dynamic_cp:
+            return None  # one rank per replica writes; under dynamic CP each cp rank, naming the pieces it leads
         folder = Path(self.cfg.log.dir) / "samples"
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"rank_{self.rank}.jsonl"
@@ -361,7 +391,8 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
-                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control,
+                                   trainer.expert_replacer)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
         unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)

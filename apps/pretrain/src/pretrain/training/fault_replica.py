@@ -39,6 +39,7 @@ from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
+from ..runtime.member_beats import MemberBeat, Silence
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
                                           generation_prefix, latest_generation, lost_by_replica, ready_key,
                                           replica_key, returned_key, survivors_event)
@@ -57,7 +58,7 @@ MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
-SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): how long a member has to check in after this one did
+SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): a member whose heartbeat has not moved for this long is lost
 
 # What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout), in
 # lower case: gloo says "Timed out waiting ... for recv" where a dead peer's socket was never closed to it
@@ -293,6 +294,8 @@ class ReplicaRun:
         self.logger = None
         self.sockets = open_sockets()  # this generation's connections: its default and stop groups' so far
         self.saver = None  # the run's CheckpointSaver: its background save and group follow the generations
+        # where the survivors claim a loss, they wait for every member still beating (runtime/member_beats.py)
+        self.beat = MemberBeat(lambda: _store(cfg), self.rank) if os.environ.get(CLAIM_ENV) else None
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -552,15 +555,19 @@ class ReplicaRun:
 
     def _claim_loss(self) -> None:
         """Where no launcher may publish the loss (:data:`CLAIM_ENV`): check in as a survivor of the current
-        generation; once every member has (then nothing was lost: raises) or :data:`SETTLE_S` passed, claim the
-        next generation for the replicas whose every rank checked in, unless a launcher or a peer published it."""
+        generation; once every member has (then nothing was lost: raises), or every member that has not is silent
+        (its heartbeat still for :data:`SETTLE_S`: dead), claim the next generation for the replicas whose every rank
+        checked in, unless a launcher or a peer published it. A member still beating is waited for (a survivor late
+        to notice the loss), up to ``collective_timeout_s`` (then it is passed over, as one stuck in a collective)."""
         generation, current = self.generation + 1, self._members()
         self.store.set(alive_key(generation, self.rank), "1")
-        deadline = time.monotonic() + min(SETTLE_S, self.cfg.train.collective_timeout_s)
+        watch = Silence(self.store, min(SETTLE_S, self.cfg.train.collective_timeout_s))
+        deadline = time.monotonic() + self.cfg.train.collective_timeout_s
         while not self.store.check([generation_key(generation)]):
-            if self.store.check([alive_key(generation, r) for r in current]):
+            absent = {r for r in current if not self.store.check([alive_key(generation, r)])}
+            if not absent:
                 raise RuntimeError("every member is alive: no replica was lost")
-            if time.monotonic() > deadline:
+            if watch.silent(absent) == absent or time.monotonic() > deadline:
                 event = survivors_event(self.store, generation, current)
                 if event is None:
                     raise RuntimeError("no replica is left whole")

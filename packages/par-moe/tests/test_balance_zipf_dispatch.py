@@ -11,6 +11,7 @@ standard all-to-all dispatch, where each rank computes all of its experts' pairs
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -87,8 +88,12 @@ def _as_fake_rank(rank: int, world: int, experts: int, top_k: int):
         dist.destroy_process_group()
 
 
+# ep 64: the same dispatch as ep 8 at DeepSeek-V3's expert count, each of 64 ranks planning in turn (a minute
+# on 2 cores): an issue-scale check outside both tiers' time budget, as tests/test_simulate.py's are
+AT_SCALE = pytest.mark.skipif(not os.environ.get("PAR_AT_SCALE"), reason="an issue-scale dispatch: PAR_AT_SCALE=1")
+
+
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
-# ep 64 in the extended tier: the same dispatch as ep 8, at DeepSeek-V3's expert count (a minute on 2 cores)
-@pytest.mark.parametrize("ep,experts,top_k", [(8, 64, 8), pytest.param(64, 256, 8, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("ep,experts,top_k", [(8, 64, 8), pytest.param(64, 256, 8, marks=AT_SCALE)])
 def test_zipf_routing_dispatches_balanced_at_ep8_and_ep64_on_fake_groups(ep, experts, top_k):
     check_balanced([_as_fake_rank(rank, ep, experts, top_k) for rank in range(ep)], f"ep{ep} fake E={experts} top{top_k}")

@@ -25,8 +25,7 @@ def fault_tolerance_rules(cfg) -> None:
           f"or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
         ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
-        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace"),
-        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
+        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace")) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1/2/3 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
@@ -47,18 +46,28 @@ def buddy_rules(cfg) -> None:
           f"optimizer={t.optimizer!r}: set buddy_shards=0 or change them")
     zero3 = [f"{key}={value}" for key, value, unsupported in (
         ("[parallel].pp", p.pp, p.pp > 1), ("[model].num_experts", cfg.model.num_experts, cfg.model.num_experts > 0),
-        ("[data].eod_mask_loss", "true", cfg.data.eod_mask_loss)) if unsupported]
-    _need(p.zero != "optim_grads_params" or not zero3,
+        ("[data].eod_mask_loss", "true", cfg.data.eod_mask_loss), ("[parallel].dynamic_cp", "true", p.dynamic_cp))
+        if unsupported]
+    _need(p.zero != "optim_grads_params" or t.fault_tolerance != "replica" or not zero3,
           f"[train].buddy_shards=1 under zero='optim_grads_params' pads a replica's micro-batches to the busiest "
-          f"replica's count (training/replica_padding.py), built for dense models at pp=1 without eod_mask_loss so far; "
-          f"got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
+          f"replica's count (training/replica_padding.py), built for dense models at pp=1 without eod_mask_loss or "
+          f"dynamic_cp so far; got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:
-    """Another replica to go on with: dp >= 2."""
-    _need(cfg.train.fault_tolerance != "replica" or dp >= 2,
-          f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
-          f"copy; start more ranks or set fault_tolerance='off'")
+    """Another replica to go on with: dp >= 2. Dynamic CP: a document of a whole window fits the dp x cp ranks of
+    one replica, the fewest a generation may plan the global batch over."""
+    p, t = cfg.parallel, cfg.train
+    if t.fault_tolerance != "replica":
+        return
+    _need(dp >= 2, f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
+                   f"copy; start more ranks or set fault_tolerance='off'")
+    ranks = p.cp * (dp // p.hsdp_replicas if p.hsdp_replicas > 1 else 1)
+    _need(not p.dynamic_cp or t.seq_len <= p.max_seq_per_rank * ranks,
+          f"[train].fault_tolerance='replica' with [parallel].dynamic_cp=true needs a document of a whole window "
+          f"([train].seq_len={t.seq_len}) to fit the {ranks} dp x cp ranks of one replica (what a generation may be left "
+          f"with) at [parallel].max_seq_per_rank={p.max_seq_per_rank}; raise max_seq_per_rank to at least "
+          f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
 def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:

@@ -86,16 +86,27 @@ def subsamples(segments: torch.Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+def schedule(batch, max_seq_per_rank: int, width: int):
+    """Every document piece of the global ``batch`` (:func:`subsamples`) and its block of the ``width`` ranks."""
+    subs = subsamples(batch.input_segments)
+    return subs, schedule_subsamples([e - s for _, s, e in subs], max_seq_per_rank, width, balance="compute")
+
+
+def led_pieces(batch, max_seq_per_rank: int, groups: SpanGroups) -> list[tuple[int, int, int, int]]:
+    """(sequence, start, end, span) of each piece of ``batch`` whose block this rank leads (its first rank), so
+    that every piece of the batch is named by exactly one rank of the plan."""
+    subs, sched = schedule(batch, max_seq_per_rank, len(groups.ranks))
+    return [(g, s, e, p.span) for (g, s, e), p in zip(subs, sched.spans) if p.ranks[0] == groups.me]
+
+
 def plan_step(batch, eos: int | None, eod_mask_loss: bool, max_seq_per_rank: int, groups: SpanGroups):
     """This rank's rounds of the global ``batch``: (tokens [T, 1], labels [T, 1], DynamicDocuments)
     per round, the number of kept predictions of the batch, and each rank's attention work."""
     inputs, labels = batch.inputs, batch.labels
     if eod_mask_loss:
         labels = mask_eod_labels(inputs, labels, eos)
-    subs = subsamples(batch.input_segments)
-    width = len(groups.ranks)
-    sched = schedule_subsamples([e - s for _, s, e in subs], max_seq_per_rank, width, balance="compute")
-    work = [0.0] * width
+    subs, sched = schedule(batch, max_seq_per_rank, len(groups.ranks))
+    work = [0.0] * len(groups.ranks)
     rounds = [([], [], [], []) for _ in range(sched.num_rounds)]  # tokens, labels, positions, pieces
     for (g, s, e), p in zip(subs, sched.spans):
         for r in p.ranks:

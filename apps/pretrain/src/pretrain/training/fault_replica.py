@@ -42,6 +42,7 @@ from ..runtime.launch import cpu_threads, device_type
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
                                           generation_prefix, latest_generation, lost_by_replica, ready_key,
                                           replica_key, returned_key, survivors_event)
+from .dynamic_cp import led_pieces
 from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
 from .micro_batches import NO_DOCUMENTS
@@ -120,10 +121,10 @@ class ReplicaTrainer(Trainer):
 
     @property
     def loss_weight(self) -> float:
-        """Each micro-batch's loss factor: none under eod_mask_loss, whose loss is divided by the global batch's
-        kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains;
+        """Each micro-batch's loss factor: none under eod_mask_loss or dynamic CP, whose loss is divided by the global
+        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains;
         under ZeRO-3 over the whole dp, the real micro-batches' of a padded share (replica_padding.py)."""
-        if self.cfg.data.eod_mask_loss:
+        if self.cfg.data.eod_mask_loss or self.span_groups is not None:
             return 1.0
         if not pads(self.cfg):
             return self.share.weight
@@ -134,8 +135,12 @@ class ReplicaTrainer(Trainer):
         return self._read_batch(step, share=replace(self.share, index=dp))
 
     def _read_batch(self, step: int, eval: bool | str = False, share: ReplicaShare | None = None) -> Batch:
+        """The share's micro-batches; under dynamic CP the whole global batch ``[global_batch, seq_len + 1]``: every
+        rank plans all of it over this generation's dp x cp ranks (dynamic_cp.py), however many replicas are left."""
         s, share = self.sampler, share or self.share
         stream = (s.test if eval == "test" else s.valid) if eval else s.train
+        if self.span_groups is not None:
+            return stream.gather(step * share.global_batch, (step + 1) * share.global_batch)
         ids = share.samples(step)
         batch = stream.gather(ids.start, ids.stop)
         shape = (share.count, share.micro_batch, s.seq_len + 1)
@@ -156,6 +161,11 @@ class ReplicaTrainer(Trainer):
             self.model.dropout.set(self.cfg.train.seed, self._step, first)
         with self.fp8_region():
             return module(x, docs=batch.docs[microbatch]) if batch.docs else module(x)
+
+    def _dynamic_microbatches(self, batch):
+        if self.sample_log is not None:  # the pieces this rank names in the sample log
+            self._led = led_pieces(batch, self.cfg.parallel.max_seq_per_rank, self.span_groups)
+        return super()._dynamic_microbatches(batch)
 
     def train_step(self, step: int):
         self.sync_params()
@@ -182,9 +192,18 @@ class ReplicaTrainer(Trainer):
         loss = super()._mean_loss(losses, also)
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
-                f.write(json.dumps({"step": self._step + 1, "generation": self.generation,
-                                    "samples": list(self.share.samples(self._step))}) + "\n")
+                f.write(json.dumps({"step": self._step + 1, "generation": self.generation} | self._samples()) + "\n")
         return loss
+
+    def _samples(self) -> dict:
+        """This rank's record of the step's gradient: its replica's samples; under dynamic CP the pieces whose block
+        it leads (sequence, start, end, span; every piece of the global batch is led by one rank of the plan), the
+        samples whose first piece is among them, and the dp x cp ranks planned over."""
+        if self.span_groups is None:
+            return {"samples": list(self.share.samples(self._step))}
+        base = self._step * self.share.global_batch
+        return {"samples": [base + g for g, start, _, _ in self._led if start == 0], "width": len(self.span_groups.ranks),
+                "pieces": [[base + g, start, end, span] for g, start, end, span in self._led]}
 
 
 @dataclass(frozen=True)
@@ -315,8 +334,8 @@ class ReplicaRun:
         return json.loads(self.store.get(coords_key(rank)))
 
     def _sample_log(self, coords: dict) -> Path | None:
-        if not self.cfg.log.sample_ids or coords["tp"] or coords["cp"] or coords["pp"]:  # one rank per replica writes
-            return None
+        if not self.cfg.log.sample_ids or coords["tp"] or coords["pp"] or coords["cp"] and not self.cfg.parallel.dynamic_cp:
+            return None  # one rank per replica writes; under dynamic CP each cp rank, naming the pieces it leads
         folder = Path(self.cfg.log.dir) / "samples"
         folder.mkdir(parents=True, exist_ok=True)
         return folder / f"rank_{self.rank}.jsonl"

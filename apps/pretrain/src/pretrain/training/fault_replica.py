@@ -149,8 +149,8 @@ class ReplicaTrainer(Trainer):
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
-        ys = getattr(batch, "labels", ())
-        if pads(self.cfg) and any(labels is y for y in ys[len(ys) - padding(self.share):]):
+        ys, real = getattr(batch, "labels", ()), self.share.count  # a padded batch: its real micro-batches, then copies
+        if pads(self.cfg) and len(ys) == real + padding(self.share) and any(labels is y for y in ys[real:]):
             return loss * 0.0  # a padding micro-batch (replica_padding.py): zero gradients, 0 in the mean
         return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 

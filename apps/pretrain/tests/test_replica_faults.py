@@ -138,18 +138,20 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
 def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, reference, tp: int = 1,
                      also: tuple = (), respawn: bool = False, layout: tuple = (), admit_before: int = 0,
                      shard: int = 1, reference_layout: tuple | None = None, stale_step: bool = False,
-                     nodes: int = 1, stall: tuple = (), store: str = "node0", whole_node: bool = False) -> list[dict]:
+                     nodes: int = 1, stall: tuple = (), store: str = "node0", whole_node: bool = False,
+                     entry=None) -> list[dict]:
     """``layout``: more ``--set`` arguments of both runs (``reference_layout``: the uninterrupted run's, if other).
     ``admit_before``: a replacement rejoins before that step, and the replicas end bitwise equal on every owned
     piece (with buddy shards: each rank's buddy range equal to the next replica's own). ``shard``: data ranks
     per replica (HSDP). ``stale_step``: plant a joiner that keeps a stale optimizer step count. ``nodes``: the run as
     that many launchers sharing node 0's store (:func:`_run_nodes`; ``store``: whose), each node exiting 0;
-    ``whole_node``: ``rank`` kills its node whole (launcher and ranks), whose exit is then SIGKILL's."""
+    ``whole_node``: ``rank`` kills its node whole (launcher and ranks), whose exit is then SIGKILL's. ``entry``: the
+    ranks' entry, called as ``replica_kills.sigkill_at`` (which it defaults to)."""
     import replica_kills
 
     pids = tmp / "pids"
     pids.mkdir()
-    entry = functools.partial(replica_kills.sigkill_at, rank, step, phase, str(pids), also=also,
+    entry = functools.partial(entry or replica_kills.sigkill_at, rank, step, phase, str(pids), also=also,
                               admit_before=admit_before, stale_step=stale_step, stall=stall)
     respawn = respawn or bool(admit_before)
     fault = ("--set", "train.fault_tolerance=replica", "--set", f"train.respawn={str(respawn).lower()}",

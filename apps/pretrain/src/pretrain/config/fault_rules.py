@@ -15,7 +15,7 @@ BUDDIES = ("optim", "optim_grads", "optim_grads_params")  # the ZeRO levels budd
 
 
 def fault_tolerance_rules(cfg) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     buddy_rules(cfg)
     if t.fault_tolerance != "replica":
         return
@@ -24,8 +24,7 @@ def fault_tolerance_rules(cfg) -> None:
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
           f"or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1")
     later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),
-        ("[model].expert_balance", m.expert_balance, m.expert_balance == "replicate+replace")) if unsupported]
+        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),) if unsupported]
     _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
                      f"HSDP, or ZeRO-1/2/3 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
 
@@ -70,10 +69,12 @@ def fault_tolerance_world(cfg, dp: int) -> None:
           f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
-def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
-    """Several launchers (``--nnodes``): a launcher fences only its own ranks, so each replica (the ranks one loss
-    ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group) must lie on one node."""
-    if cfg.train.fault_tolerance != "replica" or nnodes == 1:
+def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool = False) -> None:
+    """Several launchers (``--nnodes``) with the store apart (``--external-store``, torchrun): a node lost whole is
+    claimed by its survivors, and no launcher fences the other nodes' ranks of its replicas before that, so each
+    replica (the ranks one loss ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group)
+    must lie on one node. With node 0's store, its launcher fences a replica over several nodes (node_fences.py)."""
+    if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not external:
         return
     p = cfg.parallel
     shard = layout.dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
@@ -81,7 +82,8 @@ def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
     for rank in range(layout.world_size):
         nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)
     split = next((rep for rep, on in sorted(nodes.items()) if len(on) > 1), None)
-    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} needs each data-parallel replica "
-                         f"on one node (its launcher fences it), but replica {split} spans nodes "
-                         f"{sorted(nodes.get(split, ()))} at --nproc {nproc} per node: make --nproc a multiple of the "
-                         f"ranks per replica (and pp=1), or set fault_tolerance='off'")
+    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} and the store apart (--external-store, "
+                         f"torchrun) needs each data-parallel replica on one node (none fences a lost node's replicas "
+                         f"elsewhere), but replica {split} spans nodes {sorted(nodes.get(split, ()))} at --nproc {nproc} "
+                         f"per node: make --nproc a multiple of the ranks per replica (and pp=1), use node 0's store, or "
+                         f"set fault_tolerance='off'")

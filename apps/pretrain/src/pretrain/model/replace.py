@@ -13,6 +13,13 @@ a resume under the same ep re-places its experts as saved and counts on from the
 the uninterrupted run bitwise; under another ep it keeps the placement it loaded into. Under pp each
 stage re-places its own layers; the state file keeps every stage's maps, keyed by layer name.
 
+Under ``[train].fault_tolerance = "replica"`` (:meth:`ExpertReplacer.fold_each_step`) the counts are summed over
+the stage every step, before the optimizer step, and folded into the global load once the step completes: at a
+step boundary every replica holds the same placement and load (no rank's own counts), which is what a regrouped
+trainer keeps and a joiner receives (:meth:`~ExpertReplacer.state`, :meth:`~ExpertReplacer.adopt`); a step a lost
+replica interrupted folds nothing, so its redo is counted once, and a re-placement step reads no collective after
+its update.
+
 Node awareness: where the topology (``[topology]`` or NVML) puts the EP ranks in NVLink domains,
 and every EP group of the stage sees the same pattern of them, the packing keeps experts in their
 domain unless a swap across domains lowers the most loaded one (``pack_experts(domains=...)``).
@@ -44,6 +51,9 @@ class ExpertReplacer:
         self.pp_group = groups.pp if groups.size("pp") > 1 else None
         self.carried = [[0] * layer.config.num_experts for layer in layers]  # global load folded at saves
         self.noted: dict | None = None  # what the last save folded, for its state file (rank 0 writes it)
+        self.each_step = False  # fold_each_step: the stage's counts summed every step
+        self.pending = None  # each_step: the step's summed counts (device), folded once the step completes (commit)
+        self.folded = None  # each_step: the completed steps' summed counts not yet in carried (device: no host read)
 
     @classmethod
     def of(cls, model_cfg, chunks, dp, groups, topology) -> "ExpertReplacer | None":
@@ -59,22 +69,74 @@ class ExpertReplacer:
         return cls([layer for _, layer in named], [name for name, _ in named], dp, model_cfg.replace_every,
                    groups, domains)
 
-    def _global_load(self) -> list[list[int]]:
-        """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
-        and one host read; the device counts restart from zero."""
-        if not self.layers:
-            return []
+    def _summed(self) -> torch.Tensor:
+        """The layers' device counts summed over the stage (one all-reduce); they restart from zero."""
         load = torch.stack([layer.load_since_replace for layer in self.layers])
         comm.all_reduce(load, self.load_group)
         for layer in self.layers:
             layer.load_since_replace.zero_()
-        totals = [[a + b for a, b in zip(row, carried)] for row, carried in zip(load.tolist(), self.carried)]
+        return load
+
+    def _global_load(self) -> list[list[int]]:
+        """Each layer's pairs per expert since the last re-placement, over the whole stage: one all-reduce
+        and one host read (each_step: the folded load, no collective); the device counts restart from zero."""
+        if not self.layers:
+            return []
+        if self.each_step:
+            return self._fold()
+        totals = [[a + b for a, b in zip(row, carried)] for row, carried in zip(self._summed().tolist(), self.carried)]
         self.carried = totals
         return totals
+
+    def fold_each_step(self) -> None:
+        """Sum the counts every step (:meth:`count_step`) rather than at re-placement and save steps only."""
+        self.each_step = True
+
+    def count_step(self) -> None:
+        """each_step, before the step's update: its counts summed over the stage, folded by :meth:`commit`."""
+        if self.each_step and self.layers:
+            summed = self._summed()
+            self.pending = summed if self.pending is None else self.pending + summed
+
+    def commit(self) -> None:
+        """The completed step's summed counts into the global load (on the device)."""
+        if self.pending is not None:
+            self.folded = self.pending if self.folded is None else self.folded + self.pending
+            self.pending = None
+
+    def _fold(self) -> list[list[int]]:
+        """The global load, the committed counts read into it (one host read); a step not committed stays out."""
+        if self.folded is not None:
+            self.carried = [[a + b for a, b in zip(row, carried)]
+                            for row, carried in zip(self.folded.tolist(), self.carried)]
+            self.folded = None
+        return self.carried
+
+    def state(self) -> tuple[list[list[int]], list[list[int]], tuple[int, ...] | None]:
+        """At a step boundary (each_step): each layer's placement (``expert_at``), the global load since the last
+        re-placement (a step interrupted before its commit is not in it) and the EP ranks' NVLink domains the
+        packing keeps to, alike on every replica."""
+        return ([list(layer.placement.expert_at) for layer in self.layers], [list(row) for row in self._fold()],
+                self.domains)
+
+    def adopt(self, state: tuple) -> None:
+        """Route by ``state``'s placement (this rank's experts' values and optimizer state are already in its slots,
+        copied or received) and go on counting from its load, packing by its domains (those the run started with,
+        whichever ranks a later generation holds)."""
+        placements, loads, domains = state
+        if len(placements) != len(self.layers) or len(loads) != len(self.layers):
+            raise RuntimeError(f"an expert placement of {len(placements)} layers for {len(self.layers)}")
+        self.domains = None if domains is None else tuple(domains)
+        for layer, expert_at in zip(self.layers, placements):
+            layer.place_(ExpertPlacement(tuple(expert_at), layer.num_local_experts))
+            layer.set_domains(self.domains)
+            layer.load_since_replace.zero_()
+        self.carried, self.pending, self.folded = [list(row) for row in loads], None, None
 
     def after_step(self, step: int) -> dict | None:
         """After step ``step`` (0-based): re-place if it is a re-placement step; the log record (every
         stage's moves summed), else None."""
+        self.commit()
         if (step + 1) % self.every:
             return None
         totals = self._global_load()

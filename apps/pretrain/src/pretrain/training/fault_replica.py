@@ -12,9 +12,9 @@ and the logged loss the same global mean.
 On a failed collective (:class:`ReplicaRun`'s :meth:`~StepRange.attempt`), the survivor leaves every process group,
 waits for the launcher's next generation (:mod:`pretrain.runtime.replica_membership`), joins a new
 default group over that generation's fresh store prefix, builds a new :class:`ReplicaTrainer` for the
-smaller world, copies its own state into it (weights, fp32 masters, optimizer state and step; this
-process's RNG is untouched), and the step loop goes on from the step boundary every survivor agrees
-on: the interrupted step is discarded and redone.
+smaller world, copies its own state into it (weights, fp32 masters, optimizer state and step, re-placed
+experts' placement and load; this process's RNG is untouched), and the step loop goes on from the step
+boundary every survivor agrees on: the interrupted step is discarded and redone.
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ class ReplicaTrainer(Trainer):
             optimizer.collectives_first = True
         if getattr(self.model.dp, "buddy_optimizer", None) is not None:  # ZeRO-1 buddies: the params' gather
             self.model.dp.defer_param_sync = True  # opens the next step, so a step's update is whole or not begun
+        if self.expert_replacer is not None:  # the placement and its load alike on every replica at each boundary
+            self.expert_replacer.fold_each_step()
 
     @property
     def loss_weight(self) -> float:
@@ -174,6 +176,8 @@ class ReplicaTrainer(Trainer):
             result = super().train_step(step)
         finally:
             self._training = False
+        if self.expert_replacer is not None:  # a skipped update's counts count too, as without fault tolerance
+            self.expert_replacer.commit()
         self.completed = step + 1
         return result
 
@@ -190,6 +194,8 @@ class ReplicaTrainer(Trainer):
         """The global mean loss; in a training step, its reduction is the last of the step's gradient's
         collectives: this replica's samples are in the step's gradient now (logged when asked)."""
         loss = super()._mean_loss(losses, also)
+        if getattr(self, "_training", False) and self.expert_replacer is not None:  # before the update: a failed
+            self.expert_replacer.count_step()  # summation leaves the step discarded with nothing changed
         if getattr(self, "_training", False) and self.sample_log is not None:
             with open(self.sample_log, "a") as f:
                 f.write(json.dumps({"step": self._step + 1, "generation": self.generation} | self._samples()) + "\n")
@@ -217,12 +223,14 @@ class HeldState:
     scalars: dict
     non_finite: object
     completed: int | None
+    experts: tuple | None = None  # ExpertReplacer.state: placement and load, a discarded step's not counted
 
     @classmethod
     def of(cls, trainer) -> "HeldState":
-        dp = trainer.model.dp
+        dp, replacer = trainer.model.dp, trainer.expert_replacer
         return cls(tuple(dp.optimizer_state.state_kinds()), owned_state(trainer.model), dp.step_count,
-                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed)
+                   dp.optimizer_state.scalar_state(), trainer.non_finite, trainer.completed,
+                   None if replacer is None else replacer.state())
 
 
 def let_go(trainer) -> HeldState:
@@ -243,6 +251,8 @@ def let_go(trainer) -> HeldState:
 @torch.no_grad()
 def copy_state(src: HeldState, dst) -> None:
     """``dst`` (a fresh trainer of the same model-parallel layout) takes ``src``'s state, in this process."""
+    if src.experts is not None:  # first: the pieces (boxes of the full tensors) follow from the placement
+        dst.expert_replacer.adopt(src.experts)  # the slots hold what they held: route by the same placement
     dst.model.dp.optimizer_state.prepare_load(src.kinds)
     a, b = src.owned, owned_state(dst.model)
     if a.keys() != b.keys():
@@ -324,7 +334,8 @@ class ReplicaRun:
         if self.cfg.train.buddy_shards:  # ZeRO-1 re-sharded over the new generation (replica_reshard.py)
             step, got = reshard_state(None, fresh, -1, self.control)
         else:
-            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control), 0
+            (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control,
+                                           fresh.expert_replacer), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -388,7 +399,8 @@ class ReplicaRun:
         sent = 0
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
-                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control)
+                sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control,
+                                   trainer.expert_replacer)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
         unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)

@@ -5,7 +5,9 @@ parameters and buffers, this process's CPU RNG) goes in one batch of sends throu
 (``par_groups.comm``), followed by each piece's size and SHA-256 (the checkpoint code's hashing:
 ``checkpoint.integrity.new_hash``), and the scalars (the step, the optimizer's step count and scalar state) as
 JSON. The joiner receives into its own buffers, hashes what arrived and refuses a piece whose size or digest
-differs.
+differs. Under ``expert_balance = "replicate+replace"`` each layer's expert placement and the load since its
+last re-placement (``experts/...``) go first the same way, checked alike: the joiner routes by them before it
+receives the rest, whose pieces (boxes of the full tensors) follow from the placement.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def _pieces(model) -> list[tuple[str, torch.Tensor]]:
     return _owned(model) + [("rng/cpu", torch.get_rng_state())]
 
 
+def _placement(experts) -> list[tuple[str, torch.Tensor]]:
+    """``experts`` (an ``ExpertReplacer``, or None)'s placement and load, as host integer tensors ``[layers, E]``,
+    and its EP ranks' NVLink domains ``[ep]`` (-1: none)."""
+    if experts is None or not experts.layers:
+        return []
+    placements, loads, domains = experts.state()
+    return [("experts/placement", torch.tensor(placements, dtype=torch.int64)),
+            ("experts/load", torch.tensor(loads, dtype=torch.int64)),
+            ("experts/domains", torch.tensor(domains or [-1] * experts.ep, dtype=torch.int64))]
+
+
+def _adopt(experts, placement: list[tuple[str, torch.Tensor]]) -> None:
+    """``experts`` routes by the placement received (:func:`_placement`'s pieces)."""
+    got = {name.split("/")[1]: t.tolist() for name, t in placement}
+    experts.adopt((got["placement"], got["load"], None if min(got["domains"]) < 0 else got["domains"]))
+
+
 def _digest(name: str, t: torch.Tensor) -> bytes:
     h = new_hash(Path(name))
     h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -50,14 +69,21 @@ def _batch(ops: list[tuple], peer: int, control=None) -> None:
         w.wait()
 
 
-def send_state(model, joiner: int, step: int, control=None) -> int:
+def send_state(model, joiner: int, step: int, control=None, experts=None) -> int:
     """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent.
-    ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`)."""
-    pieces = _pieces(model)
-    bufs = [t.detach().contiguous() for _, t in pieces]
+    ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`); ``experts``: the
+    trainer's ``ExpertReplacer`` (None: no expert re-placement)."""
+    placement = _placement(experts)
+    sent = _send(placement, b"{}", joiner, control) if placement else 0
     dp = model.dp
     scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
                           "scalars": dp.optimizer_state.scalar_state()}).encode()
+    return sent + _send(_pieces(model), scalars, joiner, control)
+
+
+def _send(pieces: list[tuple[str, torch.Tensor]], scalars: bytes, joiner: int, control) -> int:
+    """``pieces``, then ``scalars`` (JSON), after their sizes and digests; the bytes of the pieces."""
+    bufs = [t.detach().contiguous() for _, t in pieces]
     meta = torch.tensor([len(scalars)] + [t.numel() * t.element_size() for t in bufs], dtype=torch.int64)
     digests = torch.tensor(list(b"".join(_digest(n, t) for (n, _), t in zip(pieces, bufs))), dtype=torch.uint8)
     _batch([(dist.isend, meta), (dist.isend, digests), (dist.isend, torch.tensor(list(scalars), dtype=torch.uint8))]
@@ -72,14 +98,26 @@ def send_owned(model, joiner: int) -> None:
 
 
 @torch.no_grad()
-def receive_state(model, source: int, control=None) -> tuple[int, int]:
+def receive_state(model, source: int, control=None, experts=None) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
-    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control``: as
-    :func:`send_state`'s."""
+    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control`` and
+    ``experts`` (which routes by the placement received, before the rest arrives): as :func:`send_state`'s."""
+    placement, got = _placement(experts), 0
+    if placement:
+        _, got = _receive(placement, source, control)
+        _adopt(experts, placement)
     dp = model.dp
     # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
     dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())
-    pieces = _pieces(model)
+    scalars, size = _receive(_pieces(model), source, control)
+    dp.sync_params()
+    dp.step_count = scalars["optimizer_steps"]
+    dp.optimizer_state.finish_load(scalars["scalars"])
+    return scalars["step"], got + size
+
+
+def _receive(pieces: list[tuple[str, torch.Tensor]], source: int, control) -> tuple[dict, int]:
+    """Into ``pieces`` (the CPU RNG: set), each checked by size and SHA-256; the scalars sent, the bytes received."""
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
     _batch([(dist.irecv, meta)], source, control)
@@ -96,8 +134,4 @@ def receive_state(model, source: int, control=None) -> tuple[int, int]:
             torch.set_rng_state(got)
         else:
             mine.copy_(got)
-    scalars = json.loads(bytes(raw.tolist()).decode())
-    dp.sync_params()
-    dp.step_count = scalars["optimizer_steps"]
-    dp.optimizer_state.finish_load(scalars["scalars"])
-    return scalars["step"], int(meta[1:].sum())
+    return json.loads(bytes(raw.tolist()).decode()), int(meta[1:].sum())

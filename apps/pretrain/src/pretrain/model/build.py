@@ -133,7 +133,7 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         else (groups.dp_cp, None)
     if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
         kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
-    if t.buddy_shards:  # config/fault_rules.py: ZeRO-1 or ZeRO-2 over the whole dp only
+    if t.buddy_shards:  # config/fault_rules.py: par's ZeRO-1, 2 or 3 over the whole dp only
         kwargs["buddy_shards"] = t.buddy_shards
     if outer is not None:
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)

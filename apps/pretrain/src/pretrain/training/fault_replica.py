@@ -50,6 +50,7 @@ from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
 from .replica_drop import drop_replica
+from .replica_padding import padded, padding, pads
 from .replica_reshard import reshard_state
 from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
 from .train_loop import Trainer
@@ -124,8 +125,14 @@ class ReplicaTrainer(Trainer):
     @property
     def loss_weight(self) -> float:
         """Each micro-batch's loss factor: none under eod_mask_loss or dynamic CP, whose loss is divided by the global
-        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
-        return 1.0 if self.cfg.data.eod_mask_loss or self.span_groups is not None else self.share.weight
+        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains;
+        under ZeRO-3 over the whole dp, the real micro-batches' of a padded share (replica_padding.py)."""
+        if self.cfg.data.eod_mask_loss or self.span_groups is not None:
+            return 1.0
+        if not pads(self.cfg):
+            return self.share.weight
+        s, n = self.share, self.share.count + padding(self.share)
+        return 1.0 if n * s.alive == s.microbatches else n * s.alive / s.microbatches
 
     def rerun_batch(self, dp: int, step: int) -> Batch:
         return self._read_batch(step, share=replace(self.share, index=dp))
@@ -140,10 +147,14 @@ class ReplicaTrainer(Trainer):
         ids = share.samples(step)
         batch = stream.gather(ids.start, ids.stop)
         shape = (share.count, share.micro_batch, s.seq_len + 1)
-        return Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
+        batch = Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
+        return padded(batch, padding(share)) if pads(self.cfg) else batch
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
+        ys, real = getattr(batch, "labels", ()), self.share.count  # a padded batch: its real micro-batches, then copies
+        if pads(self.cfg) and len(ys) == real + padding(self.share) and any(labels is y for y in ys[real:]):
+            return loss * 0.0  # a padding micro-batch (replica_padding.py): zero gradients, 0 in the mean
         return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 
     def forward_chunk(self, batch, chunk_id, module, x, microbatch):

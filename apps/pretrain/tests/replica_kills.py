@@ -43,7 +43,7 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
-    ("reduction" only), once.
+    ("reduction"), or before it checks in as a survivor claiming a loss ("claim": it noticed the loss late), once.
     ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
     ``fence_check``: each rank started first (not a replacement) also writes ``rank_<rank>_<pid>``, and a survivor,
     once a loss's generation exists, writes ``fence_<rank>_<generation>``: the state of each of that loss's ranks' first
@@ -119,7 +119,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                     return admit(self, trainer, s)
                 finally:
                     self.missing = missing
+            deadline = time.monotonic() + min(self.cfg.train.join_timeout_s, 120.0)  # bounded: one line, no hang
             while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank 0: the replacement of {sorted(self.missing.values())} was not ready "
+                                       f"before step {s + 1} within {min(self.cfg.train.join_timeout_s, 120.0):g} s")
                 time.sleep(0.05)
         return admit(self, trainer, s)
 
@@ -156,6 +160,13 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
             return event
 
         ReplicaRun._next_generation = checking
+    claim_loss = ReplicaRun._claim_loss
+
+    def claiming(self):  # the "claim" stall: a survivor that checks in late
+        stalled("claim")
+        return claim_loss(self)
+
+    ReplicaRun._claim_loss = claiming
     control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
 
     def controlled(method):

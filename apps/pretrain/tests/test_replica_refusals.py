@@ -16,9 +16,13 @@ SMALL = ["--set", "model.layers=2", "--set", "train.steps=2", "--set", "train.wa
 CASES = {
     "zero-3 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params"],
                                  "shards it over the whole dp"),
-    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "or zero='optim' or 'optim_grads' with [train].buddy_shards=1"),
-    "buddy shards under zero-3": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params", "--set", "train.buddy_shards=1"],
-                                  "[train].buddy_shards=1 runs with [parallel].zero='optim'"),
+    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"],
+                                 "or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1"),
+    "buddy shards under torch's fsdp2": (["--nproc", "2", "--set", "parallel.zero=torch_fsdp2", "--set", "train.buddy_shards=1"],
+                                         "use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, "
+                                         "or hsdp_replicas >= 2"),
+    "zero-3 buddy shards at pp 2": (["--nproc", "4", "--set", "parallel.zero=optim_grads_params", "--set",
+                                     "train.buddy_shards=1", "--set", "parallel.pp=2"], "got [parallel].pp=2"),
     "buddy shards with muon": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=1", "--set",
                                 "train.optimizer=muon"], "optimizer='muon'"),
     "buddy shards = 2": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=2"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .rules import _need
 
 SHARDED = ("optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
-BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par_zero/buddy.py)
+BUDDIES = ("optim", "optim_grads", "optim_grads_params")  # the ZeRO levels buddy shards run with (par_zero/buddy.py)
 
 
 def fault_tolerance_rules(cfg) -> None:
@@ -22,18 +22,31 @@ def fault_tolerance_rules(cfg) -> None:
     _need(p.zero not in SHARDED or p.hsdp_replicas >= 2 or t.buddy_shards,
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
-          f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
+          f"or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1")
 
 
 def buddy_rules(cfg) -> None:
-    """buddy_shards=1: ZeRO-1 or ZeRO-2 over the whole dp group, an element-wise optimizer, no expert parallelism."""
+    """buddy_shards=1: par's ZeRO-1, 2 or 3 over the whole dp group, an element-wise optimizer, no expert parallelism.
+    torch's FSDP2 keeps its shards in its own DTensors, which hold no second (buddy) range."""
     p, t = cfg.parallel, cfg.train
     if not t.buddy_shards:
         return
+    _need(p.zero != "torch_fsdp2",
+          f"[train].buddy_shards=1 steps a second shard inside par's own ZeRO, not torch's FSDP2 (zero='torch_fsdp2'): "
+          f"use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, or hsdp_replicas >= 2 with "
+          f"buddy_shards=0")
     _need(p.zero in BUDDIES and p.hsdp_replicas == 1 and p.ep == 1 and t.optimizer_declaration.elementwise,
-          f"[train].buddy_shards=1 runs with [parallel].zero='optim' or 'optim_grads' over the whole dp (hsdp_replicas=1), ep=1 and an "
-          f"element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, ep={p.ep}, "
+          f"[train].buddy_shards=1 runs with [parallel].zero='optim', 'optim_grads' or 'optim_grads_params' over the whole "
+          f"dp (hsdp_replicas=1), ep=1 and an element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, ep={p.ep}, "
           f"optimizer={t.optimizer!r}: set buddy_shards=0 or change them")
+    zero3 = [f"{key}={value}" for key, value, unsupported in (
+        ("[parallel].pp", p.pp, p.pp > 1), ("[model].num_experts", cfg.model.num_experts, cfg.model.num_experts > 0),
+        ("[data].eod_mask_loss", "true", cfg.data.eod_mask_loss), ("[parallel].dynamic_cp", "true", p.dynamic_cp))
+        if unsupported]
+    _need(p.zero != "optim_grads_params" or t.fault_tolerance != "replica" or not zero3,
+          f"[train].buddy_shards=1 under zero='optim_grads_params' pads a replica's micro-batches to the busiest "
+          f"replica's count (training/replica_padding.py), built for dense models at pp=1 without eod_mask_loss or "
+          f"dynamic_cp so far; got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:

@@ -108,6 +108,18 @@ class _Failure:
         return any(c in self.error for c in _COLLATERAL)
 
 
+def _running(pid: int | None) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not: it can write nothing more). A rank is the
+    forkserver's child, not the launcher's, so its exit is read from /proc rather than waited for."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def _death_message(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         return f"exited with code {exitcode} (signal {signal.Signals(-exitcode).name})"
@@ -149,7 +161,7 @@ class LocalRanks:
             self.fencer = ReplicaFencer(self.store, self.world, self.respawn, self.nproc, self.nodes.node_rank,
                                         self.nodes.node_timeout_s)
             if self.nodes.nnodes > 1:
-                self.heartbeats.start(self.join_timeout_s)
+                self.heartbeats.start(self.join_timeout_s, self._fence_self)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
@@ -216,9 +228,33 @@ class LocalRanks:
                 self.procs[r - self.first].join()
             pending.clear()
 
+    def _fence_self(self, line: str) -> None:
+        """This node is cut off from the job's store (its heartbeat's lease ran out: :mod:`.node_group`): SIGKILL
+        every rank, wait until none runs, and exit 1 with ``line``, from the lease's thread, whatever the loop is
+        blocked in (a call to the unreachable store)."""
+        procs = list(self.procs)
+        for proc in procs:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, TypeError):  # gone already / not started
+                pass
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while any(_running(p.pid) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running = [self.first + i for i, p in enumerate(procs) if _running(p.pid)]
+        still = f" (ranks {', '.join(map(str, running))} still running after SIGKILL)" if running else ""
+        os.write(2, f"error: {line}{still}\n".encode())
+        os._exit(1)
+
     def _started(self, node: int) -> bool:
         """Whether every rank of ``node`` joined the run (a node lost before its first beat is timed from then)."""
         return self.store.check([join_key("joined", r) for r in range(node * self.nproc, (node + 1) * self.nproc)])
+
+    def _lost_nodes(self) -> set[int]:
+        """On node 0 at the end: the nodes taken as lost (their heartbeat stopped), now or before: none will say it
+        finished."""
+        self.heartbeats.silent(self.store, self._started)
+        return self.heartbeats.lost
 
     def _watch_nodes(self, pending: dict | None = None) -> None:
         """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas (their
@@ -350,7 +386,8 @@ class LocalRanks:
             conn.close()
         self.heartbeats.stop()
         if self.store is not None and self.nodes.nnodes > 1:
-            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S)
+            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S,
+                              self._lost_nodes if self.fencer is not None else None)
         self.store = None
 
 

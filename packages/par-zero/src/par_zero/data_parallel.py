@@ -57,7 +57,8 @@ class DataParallel:
     HSDP: ``dp_group`` is the inner sharding group, ``outer_group`` the replicas, with
     ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params whose
     placement (``par_groups.placement_of``) says ``expert`` are data-parallel over
-    ``expert_dp_group`` (under HSDP: sharded over it, replicated over ``expert_outer_group``); frozen params are skipped. Weight decay skips the params for which
+    ``expert_dp_group`` (under HSDP: sharded over it, replicated over ``expert_outer_group``);
+    frozen params are skipped. Weight decay skips the params for which
     ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases). Each param of
     ``own_bucket`` gets a bucket of its own, so ranks holding different other params shard it
     alike (Megatron's shared embedding on the first and last pipeline stage).

@@ -11,6 +11,8 @@ and the incoming state is added through the piece's affine form (``par_cp.state_
 in another order than one rank does; measured at most 4.5e-6 in the grad norm (cp4 a2a+p2p) and 3.0e-7 in the
 loss over these 20 steps (`pytest -s` prints each)."""
 
+import os
+
 import pytest
 
 import layout_runs
@@ -23,6 +25,7 @@ QWEN3_NEXT = ("model.attention=qwen3_next", "model.full_attention_interval=2", "
               "model.linear_key_dim=8", "model.linear_value_dim=8")
 PACKED = ("data.document_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true")
 MUON = ("train.optimizer=muon", "train.muon_ns_dtype=fp32")
+FULL = pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="a layout others prove: PAR_FULL_MATRIX=1")
 LAYOUTS = {
     # opt-in: the default tier proves tp by transformers' logits (test_hf_qwen3_next) and cp, packed too,
     # on the layer's own rule and conv (packages/par-cp/tests/test_delta_rule.py)
@@ -30,9 +33,10 @@ LAYOUTS = {
     "tp2-dp2": pytest.param((4, ["parallel.tp=2"]), marks=pytest.mark.extended),
     "cp2-dp2-p2p": pytest.param((4, ["parallel.cp=2"]), marks=pytest.mark.extended),
     "cp2-a2a": pytest.param((2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]), marks=pytest.mark.extended),
-    "cp4-p2p": pytest.param((4, ["parallel.cp=4"]), marks=pytest.mark.extended),
+    # cp4 by ring alone and by all-to-all alone: cp4-hcp runs both at cp4, cp2 each alone (PAR_FULL_MATRIX=1)
+    "cp4-p2p": pytest.param((4, ["parallel.cp=4"]), marks=[pytest.mark.extended, FULL]),
     "cp4-a2a": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a", "model.heads=8", "model.kv_heads=4",
-                                 "model.linear_key_heads=4", "model.linear_value_heads=8"]), marks=pytest.mark.extended),
+                                 "model.linear_key_heads=4", "model.linear_value_heads=8"]), marks=[pytest.mark.extended, FULL]),
     "cp4-hcp": pytest.param((4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hcp=[2,2]"]),
                             marks=pytest.mark.extended),
     "pp2": pytest.param((2, ["parallel.pp=2"]), marks=pytest.mark.extended),

@@ -123,6 +123,7 @@ MOE = {
     "tp2-ep1-nosp": ["parallel.tp=2", "parallel.sequence_parallel=false"],  # experts copied over tp, each sees half
     "tp2-etp2-ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
     "cp2-dp2-ep2": ["parallel.cp=2", "parallel.ep=2"],
+    "hsdp2x2-ep2": ["parallel.ep=2", "parallel.zero=optim_grads_params", "parallel.hsdp_replicas=2"],
     # static shapes (every expert padded to this rank's token count): the dropless math of one rank
     "tp2-ep2-padded": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "model.dispatcher=alltoall_padded"],
 }
@@ -144,8 +145,9 @@ def moe_common(name: str) -> tuple[str, ...]:
 
 @pytest.mark.timeout(300)  # minutes under load on 2 cores: beyond the suite's 60 s bound
 # tp2-ep2-etp1 without SP in the extended tier: tp2-ep1-nosp proves the tp ranks' routing shares without SP
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n == "tp2-ep2-etp1-nosp" else n
-                                  for n in list(MOE) + list(MOE_PIPELINE)])
+# HSDP with ep2 (each HSDP replica a whole copy of the experts) in the extended tier too: ep2-dp2 proves its math
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in ("tp2-ep2-etp1-nosp", "hsdp2x2-ep2")
+                                  else n for n in list(MOE) + list(MOE_PIPELINE)])
 def test_moe_layout_matches_single_rank(dist_run, moe_reference, name):
     """Each step of the layout from the single rank's state, at 1e-6 (moe_stepwise: flips reported)."""
     common = moe_common(name)

@@ -29,7 +29,7 @@ def _sigkill_node() -> None:
 
 def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_before: int = 0, also: tuple = (),
                joiner_dies: bool = False, stale_step: bool = False, stall: tuple = (), whole_node: bool = False,
-               inject: str = "") -> dict:
+               inject: str = "", fence_check: bool = False) -> dict:
     """``run_rank(*run_args)``, except that ``rank`` (the launcher's numbering) SIGKILLs itself in ``phase`` of
     its (1-based) ``step``: the forward, the backward, the gradients' reduction (its first bucket's
     all-reduce), the optimizer step or the checkpoint save after it (its files written, before rank 0
@@ -43,8 +43,12 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     receiving its state point to point keeps its own fresh step count (no AdamW bias correction carried over).
     ``whole_node``: the kill is of the rank's whole process group (its node, under :func:`_sigkill_node`).
     ``stall``: (rank, step, phase, seconds) entries: that rank sleeps before its first all-reduce of that phase
-    ("reduction" only), once.
+    ("reduction"), or before it checks in as a survivor claiming a loss ("claim": it noticed the loss late), once.
     ``inject``: ``PAR_INJECT`` in every rank (a fault injected, pretrain.observe.inject).
+    ``fence_check``: each rank started first (not a replacement) also writes ``rank_<rank>_<pid>``, and a survivor,
+    once a loss's generation exists, writes ``fence_<rank>_<generation>``: the state of each of that loss's ranks' first
+    processes then, by pid ("gone": reaped; else /proc's state letter, "Z": killed, not reaped), and a rank that lives
+    to see a generation without it (it was not fenced first) writes ``unfenced_<rank>``.
     Every rank also writes its optimizer's step count at the end to ``pid_dir/optimizer_steps_<rank>``. In a
     regroup, an admission or a join, a host integer tensor sent over the default group (the device group, NCCL on
     GPUs) raises."""
@@ -115,7 +119,11 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
                     return admit(self, trainer, s)
                 finally:
                     self.missing = missing
+            deadline = time.monotonic() + min(self.cfg.train.join_timeout_s, 120.0)  # bounded: one line, no hang
             while not all(self.store.check([ready_key(r) for r in ranks]) for ranks in self.missing.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank 0: the replacement of {sorted(self.missing.values())} was not ready "
+                                       f"before step {s + 1} within {min(self.cfg.train.join_timeout_s, 120.0):g} s")
                 time.sleep(0.05)
         return admit(self, trainer, s)
 
@@ -128,6 +136,37 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
         return arrive(self, event)
 
     ReplicaRun._arrive = arriving
+    if fence_check:
+        from pretrain.runtime.replica_membership import JOIN_ENV
+
+        if JOIN_ENV not in os.environ:
+            Path(pid_dir, f"rank_{me}_{os.getpid()}").touch()
+        next_generation = ReplicaRun._next_generation
+
+        def checking(self, error):  # the lost replica's first processes, once the generation without it exists
+            try:
+                event = next_generation(self, error)
+            except RuntimeError as e:
+                if "membership" in str(e):
+                    Path(pid_dir, f"unfenced_{me}").write_text(str(e))
+                raise
+            states = {}
+            for pid in (p.name.split("_")[2] for r in event.get("lost", []) for p in Path(pid_dir).glob(f"rank_{r}_*")):
+                try:
+                    states[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    states[pid] = "gone"
+            Path(pid_dir, f"fence_{me}_{self.generation}").write_text(json.dumps(states))
+            return event
+
+        ReplicaRun._next_generation = checking
+    claim_loss = ReplicaRun._claim_loss
+
+    def claiming(self):  # the "claim" stall: a survivor that checks in late
+        stalled("claim")
+        return claim_loss(self)
+
+    ReplicaRun._claim_loss = claiming
     control = {"depth": 0}  # inside the fault tolerance's own traffic: a regroup, an admission, a join
 
     def controlled(method):

@@ -82,8 +82,26 @@ def test_plan_counts_the_buddy_shards_of_zero2_its_gradient_shard_and_bytes():
     assert buddy["fault_tolerance"]["joiner_bytes"] == 2 * -(-n // 8) * (MAIN + 8)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_plan_counts_the_buddy_shards_of_zero3_its_param_and_gradient_shards_and_bytes(dtype):
+    """Under par's ZeRO-3 (dp 8) a buddy holds a second shard of the reduced gradients and of the optimizer state,
+    and in fp32 (its master is the next rank's param shard) a second param shard; the gradients are all-reduced
+    (eight of ZeRO-3's shards, (d - 1) / d of them once more than a reduce-scatter); a joiner receives two shards."""
+    zero3 = ["parallel.zero=optim_grads_params", f"train.dtype={dtype}"]
+    plain, buddy = plan(zero3), plan([*zero3, *BUDDY[1:]])
+    n = plain["params"]["per_rank_dense"]
+    mine, theirs = plain["model_state"]["optim_grads_params"], buddy["model_state"]["optim_grads_params"]
+    assert theirs["optim"] == 2 * mine["optim"] and theirs["grads"] == 2 * mine["grads"]
+    assert theirs["params"] == (2 if dtype == "fp32" else 1) * mine["params"]
+    assert buddy["model_state"]["optim_grads"] != plain["model_state"]["optim_grads"]  # each ZeRO row as if chosen
+    assert buddy["fault_tolerance"]["buddy"] == {"optim_bytes": mine["optim"], "grad_bytes": mine["grads"],
+                                                 **({"param_bytes": mine["params"]} if dtype == "fp32" else {}),
+                                                 "grad_bytes_per_step": mine["grads"] * 8 * 7 / 8}
+    assert buddy["fault_tolerance"]["joiner_bytes"] == 2 * -(-n // 8) * (4 + 8)  # fp32 masters and moments
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("zero", ["optim", "optim_grads"])
+@pytest.mark.parametrize("zero", ["optim", "optim_grads", "optim_grads_params"])
 def test_simulate_measures_the_buddy_shards_as_planned(zero):
     """The trainer's buddies on fake tensors (tp 2 x dp 4): optimizer bytes (and ZeRO-2's gradient shards) and the
     dp all-reduce as planned."""
@@ -94,8 +112,9 @@ def test_simulate_measures_the_buddy_shards_as_planned(zero):
                                     "train.buddy_shards=1"])
     rank = simulate(cfg, 8, [0])["ranks"][0]
     assert rank["measured"]["optim"] == pytest.approx(rank["planned"]["optim"], rel=0.02)
-    if zero == "optim_grads":
+    if zero != "optim":
         assert rank["measured"]["grads"] == pytest.approx(rank["planned"]["grads"], rel=0.02), rank
+        assert rank["measured"]["params"] == pytest.approx(rank["planned"]["params"], rel=0.02), rank
     dp = {c["op"]: c for c in rank["collectives"] if c["group"] == "dp"}
     assert set(dp) == {"all_reduce", "all_gather"}
     assert dp["all_reduce"]["ratio"] == pytest.approx(1.0, rel=0.01), dp

@@ -81,12 +81,13 @@ def _alive(pid: int) -> bool:
 
 
 def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int = 1, layout: tuple = (),
-               store: str = "node0") -> tuple[list[int], str]:
+               store: str = "node0", port_of=None) -> tuple[list[int], str]:
     """The run as ``nodes`` `pretrain train` launchers, each its own process (a "node" on 127.0.0.1, ``--nproc``
     the world's share) in a session of its own, node 0 hosting the store at a named endpoint; their ranks run
     ``sigkill_at(**kill)``. ``store="external"``: the store is `pretrain store`'s, every node its client;
     ``"torchrun"``: the same store, each node a torchrun (``--standalone --max-restarts 1``) whose workers run
-    `pretrain train`. Every node's exit code and every node's console."""
+    `pretrain train`. ``port_of(k, port)``: the port node ``k`` reaches the store at (a proxy's). Every node's exit
+    code and every node's console."""
     import signal
     import socket
     import subprocess
@@ -112,7 +113,7 @@ def _run_nodes(tmp: Path, dp: int, nodes: int, kill: dict, *extra: str, tp: int 
 
     def argv(k: int) -> list[str]:  # torchrun would read the train flags as its own: in the JSON (node_launcher.py)
         train = ["--nproc", str(nproc), "--nnodes", str(nodes), "--node-rank", str(k), "--rdzv-endpoint",
-                 f"127.0.0.1:{port}", *flags, *_settings(tmp, dp, *extra, tp=tp, layout=layout)]
+                 f"127.0.0.1:{port if port_of is None else port_of(k, port)}", *flags, *_settings(tmp, dp, *extra, tp=tp, layout=layout)]
         return [json.dumps(kill | {"train": train})] if store == "torchrun" else [json.dumps(kill), *train]
 
     procs = [subprocess.Popen([*launcher, str(here / "node_launcher.py"), *argv(k)], start_new_session=True, env=env,
@@ -159,7 +160,8 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
              "--set", "log.sample_ids=true")
     if nodes > 1:
         kill = {"args": [rank, step, phase, str(pids)], "kwargs": dict(also=also, admit_before=admit_before,
-                                                                      stale_step=stale_step, whole_node=whole_node)}
+                                                                      stale_step=stale_step, whole_node=whole_node,
+                                                                      stall=stall)}
         codes, output = _run_nodes(tmp, dp, nodes, kill, *fault, tp=tp, layout=layout, store=store)
         dead = rank // (dp * tp * _pp(layout) * _pp(layout, "cp") // nodes) if whole_node else None
         assert [c for k, c in enumerate(codes) if k != dead] == [0] * (nodes - (dead is not None)), output
@@ -384,7 +386,10 @@ def test_a_replacement_not_admitted_before_the_last_step_is_stopped_and_the_run_
 
 @pytest.mark.extended  # two launcher processes, each importing torch
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank,phase,admit_before", [(1, "forward", 4), (1, "reduction", 0)])
+@pytest.mark.parametrize("rank,phase,admit_before", [
+    pytest.param(1, "forward", 4, marks=pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason=(
+        "two launchers with a rejoin: test_replica_faults_spanning.py's proves it: PAR_FULL_MATRIX=1"))),
+    (1, "reduction", 0)])
 def test_two_launchers_one_replica_per_node_a_rank_of_node_1_killed_goes_on_with_the_uninterrupted_curve(
         tmp_path, reference, rank, phase, admit_before):
     """Two `pretrain train` launchers ("nodes" on 127.0.0.1, one replica each) sharing node 0's store: node 1's
@@ -410,7 +415,9 @@ def test_a_store_no_node_hosts_outlives_node_0_killed_whole_and_node_1_goes_on_w
 @pytest.mark.parametrize("rank,tp,step,admit_before", [
     pytest.param(1, 1, 2, 4, marks=pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"),
                                                       reason="dp2xtp2 proves the same restart and rejoin: PAR_FULL_MATRIX=1")),
-    (1, 1, 4, 0), (3, 2, 2, 4)], ids=["dp2", "dp2-last-step", "dp2xtp2"])
+    (1, 1, 4, 0), pytest.param(3, 2, 2, 4, marks=pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason=(
+        "test_replica_faults_nodes.py's late-survivor case proves the same restart and rejoin: PAR_FULL_MATRIX=1")))],
+    ids=["dp2", "dp2-last-step", "dp2xtp2"])
 def test_two_torchruns_one_replica_each_a_worker_killed_is_restarted_by_its_agent_and_rejoins(
         tmp_path, reference, rank, tp, step, admit_before):
     """One torchrun per "node" (``--standalone``, its own rendezvous over its workers), every worker a rank of the job
@@ -432,7 +439,9 @@ def test_two_launchers_node_1_lost_whole_is_noticed_at_its_heartbeat_and_the_cur
     ``node_timeout_s`` and publishes the next generation; with ``join_timeout_s`` an hour, the survivor could not
     go on otherwise within the test's timeout. Node 0 exits 0 with the uninterrupted curve."""
     lost = _check_fault_run(tmp_path, 2, 1, 2, "forward", reference, nodes=2, whole_node=True, reference_layout=(),
-                            layout=("--set", "train.join_timeout_s=3600", "--set", "train.node_timeout_s=2"))
+                            layout=("--set", "train.join_timeout_s=3600", "--set", "train.node_timeout_s=6"))
+    # (node_timeout_s 6, not less: node 1 holds its heartbeat as a lease of half of it, which a loaded machine must
+    # not starve before the kill)
     assert [(e["node"], e["generation"], e["ranks"]) for e in lost] == [(1, 1, [1])], lost
 
 

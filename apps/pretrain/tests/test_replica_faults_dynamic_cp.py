@@ -121,7 +121,8 @@ def test_dynamic_cp_losses_take_no_participants_weight():
 
     from pretrain.training.fault_replica import ReplicaShare, ReplicaTrainer
 
-    cfg = SimpleNamespace(data=SimpleNamespace(eod_mask_loss=False))
+    cfg = SimpleNamespace(data=SimpleNamespace(eod_mask_loss=False), train=SimpleNamespace(buddy_shards=0),
+                          parallel=SimpleNamespace(zero="no_shard"))
     for index, weight in ((0, 2 / 3), (1, 4 / 3)):
         share = ReplicaShare(3, 1, 2, index)
         assert ReplicaTrainer.loss_weight.fget(SimpleNamespace(cfg=cfg, share=share, span_groups=None)) == weight

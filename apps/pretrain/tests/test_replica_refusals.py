@@ -1,6 +1,6 @@
 """``[train].fault_tolerance = "replica"`` refuses up front, in one ``error:`` line and before any rank
-starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1), and
-the layouts whose regrouping is not built yet, a replica split over several launchers (``--nnodes``: each
+starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1, an
+expert-parallel group spanning HSDP replicas), a replica split over several launchers (``--nnodes``: each
 fences only its own ranks) and launcher flags that name no node or no endpoint."""
 
 import pytest
@@ -16,9 +16,13 @@ SMALL = ["--set", "model.layers=2", "--set", "train.steps=2", "--set", "train.wa
 CASES = {
     "zero-3 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params"],
                                  "shards it over the whole dp"),
-    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"], "or zero='optim' or 'optim_grads' with [train].buddy_shards=1"),
-    "buddy shards under zero-3": (["--nproc", "2", "--set", "parallel.zero=optim_grads_params", "--set", "train.buddy_shards=1"],
-                                  "[train].buddy_shards=1 runs with [parallel].zero='optim'"),
+    "zero-1 over the whole dp": (["--nproc", "2", "--set", "parallel.zero=optim"],
+                                 "or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1"),
+    "buddy shards under torch's fsdp2": (["--nproc", "2", "--set", "parallel.zero=torch_fsdp2", "--set", "train.buddy_shards=1"],
+                                         "use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, "
+                                         "or hsdp_replicas >= 2"),
+    "zero-3 buddy shards at pp 2": (["--nproc", "4", "--set", "parallel.zero=optim_grads_params", "--set",
+                                     "train.buddy_shards=1", "--set", "parallel.pp=2"], "got [parallel].pp=2"),
     "buddy shards with muon": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=1", "--set",
                                 "train.optimizer=muon"], "optimizer='muon'"),
     "buddy shards = 2": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=2"],
@@ -28,10 +32,12 @@ CASES = {
     "dynamic cp, a window past one replica's ranks": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dynamic_cp=true",
                                                       "--set", "parallel.max_seq_per_rank=16", "--set", "data.document_mask=true"],
                                                      "to fit the 2 dp x cp ranks of one replica"),
-    "ep with hsdp": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=2", "--set", "parallel.zero=optim_grads_params",
-                      "--set", "parallel.hsdp_replicas=2"], "[parallel].ep with hsdp_replicas=2"),
-    "a replica split over two launchers": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint",
-                                            "127.0.0.1:1", "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
+    "an ep group spanning hsdp replicas": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=4", "--set",
+                                            "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2"],
+                                           "ranks [0, 1, 2, 3] span replicas"),
+    "a replica split over two launchers, the store apart": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1",
+                                                             "--rdzv-endpoint", "127.0.0.1:1", "--external-store",
+                                                             "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
     "--nnodes without an endpoint": (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--rdzv-endpoint None must be HOST:PORT"),
     "an endpoint without a port": (["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' must be"),
     "--node-rank past --nnodes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"],

@@ -110,8 +110,12 @@ class Bucket:
             for p, o in zip(params, self.offsets):
                 p.data = self.full_param[o : o + p.numel()].view(p.shape)
             self.param_shard = None
+            buddies = cfg.buddy_shards and d > 1
+            buddy_master = None  # ZeRO-3: the buddy's own master, taken before the full params go (fp32: they are `original`)
             if self.zero3:
                 self.param_shard = self.full_param[self.shard_lo : self.shard_lo + self.S].clone()
+                if buddies:
+                    buddy_master = original[self._buddy_shard() * self.S:][:self.S].clone()
                 _free(self.full_param)
             self.gathered = not self.zero3
             self._gather_work = None
@@ -135,7 +139,7 @@ class Bucket:
             else:
                 self.master = original[self.opt_lo : self.opt_hi].clone()
                 self.master_is_param = False
-            self.buddy = self._buddy(original) if cfg.buddy_shards and d > 1 else None
+            self.buddy = self._buddy(original, buddy_master) if buddies else None
         del original
         self.pending = len(params)
         self.reduced = False  # opt_grad holds reduced grads not yet stepped
@@ -151,10 +155,18 @@ class Bucket:
             self._opt_grad = torch.zeros(self.opt_hi - self.opt_lo, dtype=self.cfg.grad_dtype, device=self.device)
         return self._opt_grad
 
-    def _buddy(self, original: torch.Tensor) -> BuddyRange:
-        """ZeRO-1's buddy shard: the next rank's range, its master from the same values as that rank's."""
-        k = (self.shard_lo // self.S + 1) % self.groups.d
+    def _buddy_shard(self) -> int:
+        return (self.shard_lo // self.S + 1) % self.groups.d
+
+    def _buddy(self, original: torch.Tensor, zero3_master: torch.Tensor | None) -> BuddyRange:
+        """The buddy shard: the next rank's range, its master from the same values as that rank's. ZeRO-1/2 with
+        fp32 params step it in place in the full params (the gather after the step brings the owner's equal
+        update); ZeRO-3 holds no full params at rest, so its buddy master is a copy of its own
+        (``zero3_master``), which in fp32 is the next rank's param shard too."""
+        k = self._buddy_shard()
         lo, hi = k * self.S, (k + 1) * self.S
+        if zero3_master is not None:
+            return BuddyRange(self, k, zero3_master)
         return BuddyRange(self, k, self.full_param[lo:hi] if self.master_is_param else original[lo:hi].clone())
 
     def _param_view_of_opt_range(self) -> torch.Tensor:
@@ -280,7 +292,7 @@ class Bucket:
     def _finish(self) -> None:
         """Put the averaged grads where the optimizer reads them."""
         out, self._reduce_out = self._reduce_out, None
-        if self.cfg.shard_grads and self.buddy is not None:  # ZeRO-2 with a buddy: our shard and its, of the whole
+        if self.cfg.shard_grads and self.buddy is not None:  # ZeRO-2/3 with a buddy: our shard and its, of the whole
             b = self.buddy
             if self._opt_grad is None:  # the step's first reduction: copies, as the full buffer goes now
                 self._opt_grad, b.grad = out[self.opt_lo:self.opt_hi].clone(), out[b.opt_lo:b.opt_hi].clone()
@@ -345,6 +357,8 @@ class Bucket:
         optim = [] if self.master_is_param else [self.master]
         if self.buddy is not None and not self.master_is_param:
             optim.append(self.buddy.master)
+        elif self.buddy is not None and self.zero3:  # fp32 ZeRO-3: the buddy's master is the next rank's param shard
+            params.append(self.buddy.master)
         return {"params": params, "grads": grads, "optim": optim}
 
     def opt_segments(self):

@@ -45,7 +45,8 @@ class DataParallelConfig:
     # AdamW's update: torch's fused kernel (None: where the master lives on CUDA; True: on the CPU
     # too, faster there than the explicit ops but not bitwise torch's foreach=False; False: never)
     fused_adamw: bool | None = None
-    # 1: ZeRO-1 or ZeRO-2 ('optim', 'optim_grads'), an element-wise optimizer: each rank also steps the next rank's shard (buddy.py)
+    # 1: ZeRO-1, 2 or 3 (par's own: 'optim', 'optim_grads', 'optim_grads_params'), an element-wise optimizer: each
+    # rank also steps the next rank's shard (buddy.py)
     buddy_shards: int = 0
     # The strategy, parsed once (in __post_init__) into what it shards; the rest reads these.
     shard_optimizer: bool = field(init=False)  # ZeRO-1 and up: each rank steps its range only
@@ -71,10 +72,11 @@ class DataParallelConfig:
         if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(f"lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: need lr >= 0, eps > 0, wd >= 0")
         self._check_optimizer()
-        if self.buddy_shards not in (0, 1) or self.buddy_shards and (self.strategy not in ("optim", "optim_grads")
+        if self.buddy_shards not in (0, 1) or self.buddy_shards and (self.strategy not in SHARDED
                                                                        or not self.declaration.elementwise):
-            raise ValueError(f"buddy_shards={self.buddy_shards} must be 0, or 1 with strategy='optim' or 'optim_grads' and an element-wise "
-                             f"optimizer (got strategy={self.strategy!r}, optimizer={self.declaration.label!r})")
+            raise ValueError(f"buddy_shards={self.buddy_shards} must be 0, or 1 with strategy 'optim', 'optim_grads' or "
+                             f"'optim_grads_params' and an element-wise optimizer (got strategy={self.strategy!r}, "
+                             f"optimizer={self.declaration.label!r})")
         level = STRATEGIES.index(self.strategy)  # no_shard < optim < optim_grads < optim_grads_params < torch_fsdp2
         for name, value in (("shard_optimizer", level >= 1), ("shard_grads", level >= 2), ("shard_params", level >= 3),
                             ("outer_shard_optimizer", self.outer_strategy == "optim"),

@@ -57,7 +57,8 @@ class DataParallel:
     HSDP: ``dp_group`` is the inner sharding group, ``outer_group`` the replicas, with
     ``outer_strategy`` 'no_shard' or 'optim' (the latter only with ZeRO-3). Params whose
     placement (``par_groups.placement_of``) says ``expert`` are data-parallel over
-    ``expert_dp_group``; frozen params are skipped. Weight decay skips the params for which
+    ``expert_dp_group`` (under HSDP: sharded over it, replicated over ``expert_outer_group``);
+    frozen params are skipped. Weight decay skips the params for which
     ``no_decay(name, param)`` holds (default: 1-D ones, i.e. norms and biases). Each param of
     ``own_bucket`` gets a bucket of its own, so ranks holding different other params shard it
     alike (Megatron's shared embedding on the first and last pipeline stage).
@@ -93,6 +94,7 @@ class DataParallel:
         outer_group: ProcessGroup | None = None,
         outer_strategy: str = "no_shard",
         expert_dp_group: ProcessGroup | None = None,
+        expert_outer_group: ProcessGroup | None = None,
         all_gather_group: ProcessGroup | None = None,
         bucket_mb: float = 25.0,
         param_dtype: torch.dtype = torch.float32,
@@ -128,7 +130,7 @@ class DataParallel:
         if cfg.torch_native:
             raise ValueError("strategy='torch_fsdp2' is torch's fully_shard: build it with "
                              "par_zero.data_parallel(...) (or TorchFSDP2), not DataParallel")
-        cfg.check_outer(outer_group is not None)
+        cfg.check_outer(outer_group is not None or expert_outer_group is not None)
         self.module = module
         self.param_names = {p: n for n, p in module.named_parameters()}
         with torch.no_grad():  # frozen params compute in param_dtype too (and are not trained)
@@ -136,7 +138,7 @@ class DataParallel:
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(param_dtype)
         dense = BucketGroups(dp_group, outer_group, all_gather_group)
-        expert = BucketGroups(expert_dp_group) if expert_dp_group is not None else dense
+        expert = BucketGroups(expert_dp_group, expert_outer_group) if expert_dp_group is not None else dense
         if gathered_as and not cfg.shard_params:
             raise ValueError(f"gathered_as names params ZeRO-3 gathers: strategy={strategy!r} gathers none; "
                              f"use 'optim_grads_params'")

@@ -100,8 +100,9 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
                      f"per rank from the live replica (fp32 masters and optimizer state it owns)")
         if "buddy" in plan["fault_tolerance"]:
             b = plan["fault_tolerance"]["buddy"]
+            params = f", {human_bytes(b['param_bytes'])} more params (its param shard)" if "param_bytes" in b else ""
             lines.append(f"buddy shards: {human_bytes(b['optim_bytes'])} more optimizer state per rank (the next rank's "
-                         f"shard), {human_bytes(b['grad_bytes_per_step'])} more gradient bytes per step (all-reduce "
+                         f"shard){params}, {human_bytes(b['grad_bytes_per_step'])} more gradient bytes per step (all-reduce "
                          f"in place of reduce-scatter)")
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")

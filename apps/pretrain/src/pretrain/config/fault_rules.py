@@ -2,8 +2,8 @@
 
 A lost replica's state must live on elsewhere: every survivor holds all of its model-parallel
 coordinate's state only when data parallelism does not shard it (ZeRO over the whole dp leaves a
-lost replica's shards nowhere), and there must be another replica (dp >= 2). The layouts whose
-regrouping is not built yet are refused too, rather than run with a step that no longer matches.
+lost replica's shards nowhere), and there must be another replica (dp >= 2). Under HSDP each replica holds
+a whole copy of the experts only where every expert-parallel group lies inside one replica.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from .rules import _need
 
 SHARDED = ("optim", "optim_grads", "optim_grads_params", "torch_fsdp2")
-BUDDIES = ("optim", "optim_grads")  # the ZeRO levels buddy shards run with (par_zero/buddy.py)
+BUDDIES = ("optim", "optim_grads", "optim_grads_params")  # the ZeRO levels buddy shards run with (par_zero/buddy.py)
 
 
 def fault_tolerance_rules(cfg) -> None:
@@ -22,11 +22,7 @@ def fault_tolerance_rules(cfg) -> None:
     _need(p.zero not in SHARDED or p.hsdp_replicas >= 2 or t.buddy_shards,
           f"[train].fault_tolerance='replica' needs a live copy of each replica's state, but [parallel].zero={p.zero!r} "
           f"shards it over the whole dp (hsdp_replicas={p.hsdp_replicas}): use zero='no_shard', hsdp_replicas >= 2, "
-          f"or zero='optim' or 'optim_grads' with [train].buddy_shards=1")
-    later = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].ep with hsdp_replicas", p.ep, p.ep > 1 and p.hsdp_replicas > 1),) if unsupported]
-    _need(not later, f"[train].fault_tolerance='replica' runs with data, tensor, context and pipeline parallelism (zero='no_shard', "
-                     f"HSDP, or ZeRO-1/2 with buddy_shards) only so far; got {', '.join(later)}: set fault_tolerance='off' or drop them")
+          f"or zero='optim', 'optim_grads' or 'optim_grads_params' with [train].buddy_shards=1")
     _need(not (t.buddy_shards and t.nan_policy == "skip" and m.bias_update_rate > 0),
           f"[train].fault_tolerance='replica' with [train].buddy_shards=1 and nan_policy='skip' runs without aux-loss-free "
           f"balancing so far (a joiner re-sharded after a skipped update would miss its kept expert counts); got "
@@ -34,14 +30,27 @@ def fault_tolerance_rules(cfg) -> None:
 
 
 def buddy_rules(cfg) -> None:
-    """buddy_shards=1: ZeRO-1 or ZeRO-2 over the whole dp group, an element-wise optimizer, no expert parallelism."""
+    """buddy_shards=1: par's ZeRO-1, 2 or 3 over the whole dp group, an element-wise optimizer, no expert parallelism.
+    torch's FSDP2 keeps its shards in its own DTensors, which hold no second (buddy) range."""
     p, t = cfg.parallel, cfg.train
     if not t.buddy_shards:
         return
+    _need(p.zero != "torch_fsdp2",
+          f"[train].buddy_shards=1 steps a second shard inside par's own ZeRO, not torch's FSDP2 (zero='torch_fsdp2'): "
+          f"use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, or hsdp_replicas >= 2 with "
+          f"buddy_shards=0")
     _need(p.zero in BUDDIES and p.hsdp_replicas == 1 and p.ep == 1 and t.optimizer_declaration.elementwise,
-          f"[train].buddy_shards=1 runs with [parallel].zero='optim' or 'optim_grads' over the whole dp (hsdp_replicas=1), ep=1 and an "
-          f"element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, ep={p.ep}, "
+          f"[train].buddy_shards=1 runs with [parallel].zero='optim', 'optim_grads' or 'optim_grads_params' over the whole "
+          f"dp (hsdp_replicas=1), ep=1 and an element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, ep={p.ep}, "
           f"optimizer={t.optimizer!r}: set buddy_shards=0 or change them")
+    zero3 = [f"{key}={value}" for key, value, unsupported in (
+        ("[parallel].pp", p.pp, p.pp > 1), ("[model].num_experts", cfg.model.num_experts, cfg.model.num_experts > 0),
+        ("[data].eod_mask_loss", "true", cfg.data.eod_mask_loss), ("[parallel].dynamic_cp", "true", p.dynamic_cp))
+        if unsupported]
+    _need(p.zero != "optim_grads_params" or t.fault_tolerance != "replica" or not zero3,
+          f"[train].buddy_shards=1 under zero='optim_grads_params' pads a replica's micro-batches to the busiest "
+          f"replica's count (training/replica_padding.py), built for dense models at pp=1 without eod_mask_loss or "
+          f"dynamic_cp so far; got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:
@@ -60,10 +69,27 @@ def fault_tolerance_world(cfg, dp: int) -> None:
           f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
-def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
-    """Several launchers (``--nnodes``): a launcher fences only its own ranks, so each replica (the ranks one loss
-    ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group) must lie on one node."""
-    if cfg.train.fault_tolerance != "replica" or nnodes == 1:
+def fault_tolerance_experts(cfg, layout) -> None:
+    """HSDP with expert parallelism: each HSDP replica holds a whole copy of the experts (model/build.py shards them
+    inside it) only where every expert-parallel group lies inside one replica; else a lost replica's experts
+    have no live copy."""
+    p = cfg.parallel
+    if cfg.train.fault_tolerance != "replica" or p.ep == 1 or p.hsdp_replicas == 1 or layout.dp % p.hsdp_replicas:
+        return
+    shard, grid = layout.dp // p.hsdp_replicas, layout.grid
+    split = next((g for g in grid.expert_ranks("tp-ep") if len({grid.coords(r)["dp"] // shard for r in g}) > 1), None)
+    _need(split is None, f"[train].fault_tolerance='replica' with [parallel].ep={p.ep} and hsdp_replicas={p.hsdp_replicas} "
+                         f"needs each expert-parallel group inside one HSDP replica ({shard} data ranks), but ranks "
+                         f"{split} span replicas, whose experts would have no live copy: make dp / hsdp_replicas a "
+                         f"multiple of ep, or set fault_tolerance='off'")
+
+
+def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool = False) -> None:
+    """Several launchers (``--nnodes``) with the store apart (``--external-store``, torchrun): a node lost whole is
+    claimed by its survivors, and no launcher fences the other nodes' ranks of its replicas before that, so each
+    replica (the ranks one loss ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group)
+    must lie on one node. With node 0's store, its launcher fences a replica over several nodes (node_fences.py)."""
+    if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not external:
         return
     p = cfg.parallel
     shard = layout.dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
@@ -71,7 +97,8 @@ def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int) -> None:
     for rank in range(layout.world_size):
         nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)
     split = next((rep for rep, on in sorted(nodes.items()) if len(on) > 1), None)
-    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} needs each data-parallel replica "
-                         f"on one node (its launcher fences it), but replica {split} spans nodes "
-                         f"{sorted(nodes.get(split, ()))} at --nproc {nproc} per node: make --nproc a multiple of the "
-                         f"ranks per replica (and pp=1), or set fault_tolerance='off'")
+    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} and the store apart (--external-store, "
+                         f"torchrun) needs each data-parallel replica on one node (none fences a lost node's replicas "
+                         f"elsewhere), but replica {split} spans nodes {sorted(nodes.get(split, ()))} at --nproc {nproc} "
+                         f"per node: make --nproc a multiple of the ranks per replica (and pp=1), use node 0's store, or "
+                         f"set fault_tolerance='off'")

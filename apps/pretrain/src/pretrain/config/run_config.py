@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # pragma: no cover
 
 from par_groups import LayoutError
 from .checks import CROSS_SECTION_RULES
-from .fault_rules import fault_tolerance_world
+from .fault_rules import fault_tolerance_experts, fault_tolerance_world
 from .model_section import ModelConfig
 from .rules import _need
 from .fp8_rules import fp8_expert_rule, fp8_tile_rule
@@ -110,6 +110,8 @@ class Config:
         if p.hsdp_replicas > 1:
             _need(dp % p.hsdp_replicas == 0,
                   f"[parallel].hsdp_replicas={p.hsdp_replicas} does not divide dp={dp} (world {world_size})")
+        if not rest:
+            fault_tolerance_experts(self, layout)
         return layout
 
     def to_dict(self) -> dict:

@@ -105,7 +105,7 @@ class TrainConfig:
     respawn: bool = True  # fault_tolerance = replica: the launcher starts a replacement that rejoins at a step boundary
     # fault_tolerance = replica, --nnodes > 1: a node whose launcher has not beaten in the store for this long is lost
     node_timeout_s: float = 30.0
-    # 1: under ZeRO-1 or ZeRO-2 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
+    # 1: under par's ZeRO-1, 2 or 3 over the whole dp, each rank also steps the next rank's shard (a bitwise live copy for replica)
     buddy_shards: int = 0
 
     def __post_init__(self) -> None:

@@ -51,15 +51,39 @@ class RankModel:
                 for chunk in self.chunks.values() for n, t in chunk.state_dict(keep_vars=True).items()}
 
 
-def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta) -> tuple:
-    """Split every dp x cp group into ``replicas`` replicas of consecutive inner sharding groups."""
+def _hsdp_groups(groups: ParallelGroups, replicas: int, timeout: timedelta, moe: bool) -> tuple:
+    """Split every dp x cp group into ``replicas`` replicas of consecutive inner sharding groups; the experts'
+    groups alike (``moe``: :func:`_expert_hsdp_lists`). Returns (inner, outer, expert inner, expert outer): the
+    expert-dp group and None where the experts shard over their whole expert-dp group."""
     inner_lists, outer_lists = [], []
     for g in groups.physical(groups.grid.ranks("dp-cp")):
         h = len(g) // replicas
         inner_lists += [g[i * h:(i + 1) * h] for i in range(replicas)]
         outer_lists += [g[i::h] for i in range(h)]
-    inner, _ = dist.new_subgroups_by_enumeration(inner_lists, timeout=timeout)
-    outer, _ = dist.new_subgroups_by_enumeration(outer_lists, timeout=timeout)
+    made = [dist.new_subgroups_by_enumeration(lists, timeout=timeout)[0] for lists in (inner_lists, outer_lists)]
+    experts = _expert_hsdp_lists(groups, inner_lists) if moe else None
+    if experts is None:
+        return (*made, groups.edp, None)
+    return (*made, *(dist.new_subgroups_by_enumeration(lists, timeout=timeout)[0] for lists in experts))
+
+
+def _expert_hsdp_lists(groups: ParallelGroups, inner_lists: list[list[int]]) -> tuple | None:
+    """The experts' HSDP rank lists, (inner, outer): each expert-dp group split by HSDP replica (the dense
+    sharding group its ranks lie in), sharded inside one and replicated over the replicas, as the dense params
+    are, so that each replica holds a whole copy of the experts. None where a replica does not hold an equal part
+    of every expert-dp group (an expert-parallel group spanning replicas): the experts then shard over their
+    whole expert-dp group."""
+    replica_of = {r: i for i, g in enumerate(inner_lists) for r in g}
+    inner, outer = [], []
+    for g in groups.physical(groups.grid.expert_ranks("dp")):
+        parts: dict[int, list[int]] = {}
+        for r in g:
+            parts.setdefault(replica_of[r], []).append(r)
+        sizes = {len(part) for part in parts.values()}
+        if len(parts) < 2 or len(sizes) != 1:
+            return None
+        inner += list(parts.values())
+        outer += [list(ranks) for ranks in zip(*parts.values())]
     return inner, outer
 
 
@@ -129,12 +153,14 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
         optimizer = replace(optimizer, matrices=functools.partial(muon_param, tied=cfg.model.tie_embeddings),
                             matrix_group=lambda p: groups.etp if placement_of(p).expert else groups.tp)
     kwargs["optimizer"] = optimizer
-    inner, outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout) if cfg.parallel.hsdp_replicas > 1 \
-        else (groups.dp_cp, None)
+    inner, outer, expert_inner, expert_outer = _hsdp_groups(groups, cfg.parallel.hsdp_replicas, timeout, cfg.model.is_moe) \
+        if cfg.parallel.hsdp_replicas > 1 else (groups.dp_cp, None, groups.edp, None)
     if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
         kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
-    if t.buddy_shards:  # config/fault_rules.py: ZeRO-1 or ZeRO-2 over the whole dp only
+    if t.buddy_shards:  # config/fault_rules.py: par's ZeRO-1, 2 or 3 over the whole dp only
         kwargs["buddy_shards"] = t.buddy_shards
+    if expert_outer is not None:  # experts replicated over the HSDP replicas as the dense params
+        kwargs.update(expert_dp_group=expert_inner, expert_outer_group=expert_outer)
     if outer is not None:
         dp = data_parallel(module, inner, zero, outer_group=outer, **kwargs)
     else:

@@ -17,8 +17,9 @@ and watches its own ``nproc`` ranks (global ranks ``K * nproc ..``). Node 0 keep
 every other node's launcher says its ranks are done (:mod:`.node_group`).
 
 Fault tolerance (``[train].fault_tolerance = "replica"``): a rank's death ends its data-parallel replica only;
-the launcher fences the replica's other ranks, publishes the survivors in its store and, with ``respawn``,
-starts the lost ranks again as replacements (:mod:`.replica_membership`).
+the launcher fences the replica's other ranks (on other nodes: their launchers, at its request, :mod:`.node_fences`),
+publishes the survivors in its store and, with ``respawn``, each launcher starts its lost ranks again as
+replacements (:mod:`.replica_membership`).
 
 Signals: the first SIGTERM, SIGINT or SIGHUP reaching the launcher (alone, or with its whole process
 group, as SLURM and Kubernetes send it, and a closed terminal or a dropped ssh session sends SIGHUP)
@@ -107,6 +108,18 @@ class _Failure:
         return any(c in self.error for c in _COLLATERAL)
 
 
+def _running(pid: int | None) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not: it can write nothing more). A rank is the
+    forkserver's child, not the launcher's, so its exit is read from /proc rather than waited for."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def _death_message(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         return f"exited with code {exitcode} (signal {signal.Signals(-exitcode).name})"
@@ -145,9 +158,10 @@ class LocalRanks:
         if self.fault_tolerance:
             from .replica_membership import ReplicaFencer
 
-            self.fencer = ReplicaFencer(self.store, self.world, self.respawn)
+            self.fencer = ReplicaFencer(self.store, self.world, self.respawn, self.nproc, self.nodes.node_rank,
+                                        self.nodes.node_timeout_s)
             if self.nodes.nnodes > 1:
-                self.heartbeats.start(self.join_timeout_s)
+                self.heartbeats.start(self.join_timeout_s, self._fence_self)
         ctx = mp.get_context("forkserver")
         # imported once in the forkserver, not in every rank (the main module too: ranks would re-import
         # it). No effect when the forkserver already runs (par_groups' harness preloads torch too).
@@ -180,18 +194,29 @@ class LocalRanks:
         if self.stop_signal is not None:  # a signal came while ranks were starting
             os.kill(proc.pid, signal.SIGTERM)
 
-    def _replace(self, gone: set[int], pending: dict) -> None:
+    def _replace(self, gone: set[int], pending: dict, respawn: bool = True) -> None:
         """Start a replacement for each rank of a fenced replica; it rejoins at a step boundary."""
         from .replica_membership import JOIN_ENV
 
         for r in sorted(gone):
             pending.pop(r, None)
-        if not self.respawn or self.stop_signal is not None or self.fencer.condemned(gone):
+        if not (self.respawn and respawn) or self.stop_signal is not None or self.fencer.condemned(gone):
             return  # (a condemned replica's device computes wrong: not started again on it)
         for r in sorted(gone):
             self._spawn(r - self.first, {JOIN_ENV: str(self.fencer.generation)})
             self.fencer.joining.add(r)
             pending[r] = self.conns[r - self.first]
+
+    def _fenced_elsewhere(self, pending: dict) -> None:
+        """Fence this node's ranks of replicas another launcher lost (its requests in the store), and replace them."""
+        if self.nodes.nnodes > 1:
+            self.fencer.nodes.serve(self._local())
+        while self.fencer.nodes.taken:
+            ranks, respawn = self.fencer.nodes.taken.pop(0)
+            self._replace(ranks, pending, respawn)
+
+    def _local(self) -> dict:
+        return {self.first + i: p for i, p in enumerate(self.procs)}
 
     def _end_waiting(self, pending: dict) -> None:
         """Every member has returned: replacements still waiting to be admitted never will; stop them. (Members
@@ -203,14 +228,40 @@ class LocalRanks:
                 self.procs[r - self.first].join()
             pending.clear()
 
+    def _fence_self(self, line: str) -> None:
+        """This node is cut off from the job's store (its heartbeat's lease ran out: :mod:`.node_group`): SIGKILL
+        every rank, wait until none runs, and exit 1 with ``line``, from the lease's thread, whatever the loop is
+        blocked in (a call to the unreachable store)."""
+        procs = list(self.procs)
+        for proc in procs:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, TypeError):  # gone already / not started
+                pass
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while any(_running(p.pid) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running = [self.first + i for i, p in enumerate(procs) if _running(p.pid)]
+        still = f" (ranks {', '.join(map(str, running))} still running after SIGKILL)" if running else ""
+        os.write(2, f"error: {line}{still}\n".encode())
+        os._exit(1)
+
     def _started(self, node: int) -> bool:
         """Whether every rank of ``node`` joined the run (a node lost before its first beat is timed from then)."""
         return self.store.check([join_key("joined", r) for r in range(node * self.nproc, (node + 1) * self.nproc)])
 
-    def _watch_nodes(self) -> None:
-        """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas."""
+    def _lost_nodes(self) -> set[int]:
+        """On node 0 at the end: the nodes taken as lost (their heartbeat stopped), now or before: none will say it
+        finished."""
+        self.heartbeats.silent(self.store, self._started)
+        return self.heartbeats.lost
+
+    def _watch_nodes(self, pending: dict | None = None) -> None:
+        """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas (their
+        ranks on other nodes fenced)."""
         for k in self.heartbeats.silent(self.store, self._started):
-            gone = self.fencer.node_lost(k, set(range(k * self.nproc, (k + 1) * self.nproc)))
+            gone = self.fencer.node_lost(k, set(range(k * self.nproc, (k + 1) * self.nproc)), self._local())
+            self._fenced_elsewhere({} if pending is None else pending)
             if gone is None:
                 raise Aborted(f"node {k} lost: its launcher has not beaten in the store for "
                               f"{self.nodes.node_timeout_s:g} s ([train].node_timeout_s), and no replica is left", 1)
@@ -273,6 +324,8 @@ class LocalRanks:
         first_failure = None
         while pending:
             for conn in wait(list(pending.values()), timeout=0.2):
+                if conn not in self.conns:  # a rank fenced in this same wait, started again
+                    continue
                 rank = self.first + self.conns.index(conn)
                 if rank not in pending:  # a fenced rank of a replica lost in this same wait
                     continue
@@ -280,10 +333,10 @@ class LocalRanks:
                 try:
                     status, *body = conn.recv()
                 except (EOFError, OSError):
-                    local = {self.first + i: p for i, p in enumerate(self.procs)}
-                    gone = self.fencer.lost(rank, local) if self.fencer is not None else None
+                    gone = self.fencer.lost(rank, self._local()) if self.fencer is not None else None
                     if gone is not None:  # its replica fenced, the others regroup without it
                         self._replace(gone, pending)
+                        self._fenced_elsewhere(pending)
                         continue
                     self.procs[rank - self.first].join(timeout=1.0)
                     exitcode = self.procs[rank - self.first].exitcode
@@ -310,9 +363,10 @@ class LocalRanks:
                                                                root.usage)
                 continue
             if self.fencer is not None:
+                self._fenced_elsewhere(pending)
                 self._end_waiting(pending)
                 if self.nodes.nnodes > 1:
-                    self._watch_nodes()
+                    self._watch_nodes(pending)
             if self.nodes.nnodes > 1 and (other := self.nodes.other_failure(self.store)):
                 raise Aborted(other, 1)
             self._check_joined(joined)
@@ -332,7 +386,8 @@ class LocalRanks:
             conn.close()
         self.heartbeats.stop()
         if self.store is not None and self.nodes.nnodes > 1:
-            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S)
+            self.nodes.finish(self.store, self.join_timeout_s if self.returned else EXIT_GRACE_S,
+                              self._lost_nodes if self.fencer is not None else None)
         self.store = None
 
 

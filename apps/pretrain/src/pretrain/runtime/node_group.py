@@ -16,12 +16,15 @@ Under ``[train].fault_tolerance = "replica"`` each other launcher beats in the s
 :data:`BEAT_S`, from a thread, once before its ranks start); node 0's launcher takes a node whose counter has not
 moved for ``[train].node_timeout_s`` (timed from its last move, or, for one that never moved, from when that node's
 ranks joined) as lost whole, launcher and ranks (:class:`Heartbeats`), and publishes the next generation without
-its replicas: the survivors go on then, not at ``join_timeout_s``.
+its replicas: the survivors go on then, not at ``join_timeout_s``. Each other launcher holds that heartbeat as a
+lease: one that has not renewed it for half of ``node_timeout_s`` (cut off from the store, alive) fences its own
+ranks and exits (:meth:`Heartbeats.start`), so a node taken as lost can no longer write or talk.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +38,12 @@ from ..errors import UsageError
 DONE_PREFIX = "pretrain/nodes/done/"
 FAILED_PREFIX = "pretrain/nodes/failed/"
 BEAT_PREFIX = "pretrain/nodes/beat/"
-BEAT_S = 1.0  # a launcher's heartbeat period
+BEAT_S = 1.0  # a launcher's heartbeat period (shorter where node_timeout_s is short: eight beats to a timeout)
+# A launcher whose last renewed beat is older than this share of node_timeout_s fences itself. It times the beat from
+# when it was sent, never later than when the store counted it, and node 0 times the silence from no earlier than
+# that count, so the fence ends this much of node_timeout_s before node 0 takes the node as lost; the other half is
+# the margin for the kill and reap, the watch's poll and a loaded machine's scheduling.
+LEASE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,17 +81,23 @@ class NodeGroup:
             return dist.TCPStore(self.host, self.port, None, False, timedelta(seconds=timeout_s))
         return serve_store(self.host, self.port, timeout_s, f"--rdzv-endpoint {self.host}:{self.port}: node 0")
 
-    def finish(self, store, wait_s: float) -> None:
+    def finish(self, store, wait_s: float, lost: Callable[[], set[int]] | None = None) -> None:
         """The others: mark this node done; node 0: wait (up to ``wait_s``) for every other node's mark (an external
-        store outlives every node: nothing to wait for)."""
+        store outlives every node: nothing to wait for), or for ``lost()`` to name it (its heartbeat stopped: it will
+        never mark itself); one line on stderr naming the nodes that did neither when the wait runs out."""
         try:
             if self.node_rank or self.external:
                 store.set(f"{DONE_PREFIX}{self.node_rank}", "1")
                 return
             deadline = time.monotonic() + wait_s
-            keys = [f"{DONE_PREFIX}{k}" for k in range(1, self.nnodes)]
-            while not store.check(keys) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            left = set(range(1, self.nnodes))
+            while left:
+                left -= {k for k in left if store.check([f"{DONE_PREFIX}{k}"])} | (lost() if lost else set())
+                if left and time.monotonic() >= deadline:
+                    print(f"pretrain: node 0 closes the store: node(s) {', '.join(map(str, sorted(left)))} did not say "
+                          f"they finished within {wait_s:g} s", file=sys.stderr)
+                    return
+                time.sleep(0.1 if left else 0)
         except (RuntimeError, OSError):  # node 0 gone (it failed): nothing left to tell
             pass
 
@@ -116,33 +130,60 @@ class Heartbeats:
         self.moved: dict[int, tuple[int, float]] = {}  # node -> (its counter, when node 0 saw it move)
         self.lost: set[int] = set()
         self.stopped = threading.Event()
+        self.period = min(BEAT_S, nodes.node_timeout_s / 8)
+        self.lease_s = nodes.node_timeout_s * LEASE_SHARE
+        self.renewed = 0.0  # when the last beat the store counted was sent
 
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, fence: Callable[[str], None] | None = None) -> None:
         """Nodes other than 0: beat once now (before this node's ranks start, so a node whose ranks run has beaten)
-        and then every :data:`BEAT_S` from a thread over a connection of its own, whatever the launcher's loop is
-        doing (starting the forkserver, fencing a replica): a busy launcher is not a lost node."""
+        and then every beat period from a thread over a connection of its own, whatever the launcher's loop is
+        doing (starting the forkserver, fencing a replica): a busy launcher is not a lost node. ``fence(line)``:
+        called from a thread of its own (the store may hold the others blocked) once no beat was renewed for
+        :attr:`lease_s`; it must stop this node's ranks."""
         if not self.nodes.node_rank:
             return
         store = self.nodes.store(timeout_s)
+        self.renewed = time.monotonic()
         self.beat(store)
         threading.Thread(target=self._beating, args=(store,), name="pretrain-heartbeat", daemon=True).start()
+        if fence is not None:
+            threading.Thread(target=self._leasing, args=(fence,), name="pretrain-lease", daemon=True).start()
 
     def _beating(self, store) -> None:
-        while not self.stopped.wait(BEAT_S):
+        while not self.stopped.wait(self.period):
+            sent = time.monotonic()
             try:
-                self.beat(store)
-            except (RuntimeError, OSError):  # the store is gone: node 0 ended
+                if not self.beat(store):
+                    continue
+            except (RuntimeError, OSError):  # the store unreachable: a fresh connection (the lease decides how long)
+                try:
+                    store = self.nodes.store(self.lease_s)
+                except (RuntimeError, OSError):
+                    pass
+                continue
+            self.renewed = sent
+
+    def _leasing(self, fence: Callable[[str], None]) -> None:
+        while not self.stopped.wait(min(0.1, self.lease_s / 10)):
+            silent = time.monotonic() - self.renewed
+            if silent > self.lease_s:
+                n = self.nodes
+                fence(f"node {n.node_rank} cut off from the job's store at {n.host}:{n.port}: its heartbeat not "
+                      f"renewed for {silent:.1f} s (half of [train].node_timeout_s={n.node_timeout_s:g}); stopped "
+                      f"its ranks before node 0 takes it as lost")
                 return
 
     def stop(self) -> None:
         self.stopped.set()
 
-    def beat(self, store) -> None:
-        """Nodes other than 0: add to this node's counter, once per :data:`BEAT_S`."""
+    def beat(self, store) -> bool:
+        """Nodes other than 0: add to this node's counter, once per beat period (whether it did now)."""
         now = time.monotonic()
         if self.nodes.node_rank and now >= self.next_beat:
             store.add(f"{BEAT_PREFIX}{self.nodes.node_rank}", 1)
-            self.next_beat = now + BEAT_S
+            self.next_beat = now + self.period
+            return True
+        return False
 
     def silent(self, store, started: Callable[[int], bool] = lambda node: False) -> list[int]:
         """Node 0: the nodes whose counter has not moved for ``node_timeout_s`` (each named once): since node 0 saw

@@ -5,7 +5,8 @@ A failure domain is one data-parallel replica: every rank of one dp coordinate (
 model-parallel block). Each rank publishes its replica under :func:`replica_key` once its groups
 exist. When a rank's process dies, the launcher (which holds the store: no rank's death takes it down)
 kills the other ranks of that replica (fenced: a process left of a lost replica could otherwise still
-write to a checkpoint or a peer) and publishes the next generation's membership under
+write to a checkpoint or a peer; its ranks on other nodes are killed by their launchers first, :mod:`.node_fences`)
+and publishes the next generation's membership under
 :func:`generation_key`. Where no launcher of a lost rank survives it (a node lost whole, its launcher too) or none
 exists (torchrun, whose agent stops a failed worker's peers itself), the survivors claim that generation
 themselves: each checks in under :func:`alive_key` and, once every member has or a settling time has passed,
@@ -17,9 +18,9 @@ fail, wait for that key and build every process group again over the store prefi
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
+
+from .node_fences import NodeFences
 
 FT_PREFIX = "pretrain/ft"
 JOIN_ENV = "PRETRAIN_FT_JOIN"  # set in a replacement rank: the generation it was started after
@@ -111,12 +112,15 @@ class ReplicaFencer:
     """The launcher's part: on a rank's death, fence its replica, publish the survivors and (``respawn``)
     name the ranks to start again as replacements."""
 
-    def __init__(self, store, nproc: int, respawn: bool = False) -> None:
+    def __init__(self, store, nproc: int, respawn: bool = False, per_node: int | None = None, node: int = 0,
+                 node_timeout_s: float = 30.0) -> None:
         self.store, self.nproc, self.respawn = store, nproc, respawn
         self.generation = 0
         self.fenced: set[int] = set()
         self.joining: set[int] = set()  # replacements started, not admitted yet
         self.events: list[dict] = []
+        # a replica's ranks on other nodes: fenced by their launchers at this one's request (node_fences.py)
+        self.nodes = NodeFences(store, per_node or nproc, node, node_timeout_s)
 
     def replica_of(self, rank: int) -> int | None:
         key = replica_key(rank)
@@ -142,8 +146,9 @@ class ReplicaFencer:
         return self.store.check([returned_key(r) for r in self.members()])
 
     def lost(self, rank: int, procs) -> set[int] | None:
-        """``procs``: this launcher's rank processes by global rank. ``rank`` died: the ranks no longer running (it and its fenced replica), or None when the run cannot
-        go on (a rank whose replica is not known yet, or no other replica left)."""
+        """``procs``: this launcher's rank processes by global rank. ``rank`` died: this node's ranks no longer
+        running (it and its fenced replica's), or None when the run cannot go on (a rank whose replica is not known
+        yet, or no other replica left); Aborted where another node did not fence its ranks of the replica."""
         if rank in self.fenced:
             self.fenced.discard(rank)
             return {rank}
@@ -156,42 +161,58 @@ class ReplicaFencer:
         replicas = {r: self.replica_of(r) for r in alive}
         mates = {r for r, rep in replicas.items() if rep == replica}
         survivors = alive - mates
-        if not survivors or any(replicas[r] is None for r in survivors) or not mates <= set(procs):
-            return None  # (a replica spanning launchers: another node's mates cannot be fenced from here)
-        started = time.monotonic()
-        for r in mates - {rank}:
-            if procs[r].exitcode is None:
-                os.kill(procs[r].pid, signal.SIGKILL)
-        for r in mates:
-            procs[r].join()
-        self.fenced |= mates - {rank}
+        if not survivors or any(replicas[r] is None for r in survivors):
+            return None
+        started, generation, here = time.monotonic(), self.generation, mates & set(procs)
+        self.nodes.kill(here - {rank}, procs, generation)
+        self.nodes.born[rank] = generation + 1
+        self.fenced |= here - {rank}
         self.joining -= mates
+        elsewhere = {r for r in mates - here if not self.store.check([returned_key(r)])}
+        if elsewhere:  # the replica spans nodes: the others fence their ranks of it before the survivors go on
+            if not self.nodes.claim(generation, replica):
+                return here  # another launcher saw this loss too: it publishes it
+            self.nodes.request(generation, elsewhere, procs, self.respawn and not self.condemned(mates))
         event = {"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
                  "lost": sorted(mates), "lost_replica": replica, "died": rank, "fence_s": time.monotonic() - started}
         self._publish(event, mates)
-        return mates
+        return here
 
-    def node_lost(self, node: int, ranks: set[int]) -> set[int] | None:
+    def node_lost(self, node: int, ranks: set[int], procs=None) -> set[int] | None:
         """Node 0's launcher: ``node`` (its global ``ranks``) was lost whole, launcher and ranks (its heartbeat
-        stopped). Publishes the next generation without its members (whole replicas: a replica lies on one node)
-        and returns them; an empty set when none was left (they had all returned), None when the run cannot go on."""
+        stopped). Fences the other ranks of its replicas (this node's in ``procs``, the others' by their launchers:
+        put in ``self.nodes.taken``, not started again, their node's share being gone), publishes the next
+        generation without any of them and returns them; an empty set when none was left (they had all returned),
+        None when the run cannot go on."""
+        procs = procs or {}
         alive = self.members()
         gone = {r for r in ranks & alive if not self.store.check([returned_key(r)])}
         if not gone:
             return set()
         replicas = {r: self.replica_of(r) for r in alive}
-        survivors = alive - gone
-        if not survivors or any(rep is None for rep in replicas.values()):
+        if any(rep is None for rep in replicas.values()):
             return None
+        lost = {r for r in alive if replicas[r] in {replicas[g] for g in gone}}
+        survivors = alive - lost
+        if not survivors:
+            return None
+        started, here = time.monotonic(), (lost - gone) & set(procs)
+        self.nodes.kill(here, procs, self.generation)
+        if here:
+            self.nodes.taken.append((here, False))
+        elsewhere = {r for r in lost - gone - here if self.nodes.node_of(r) != node
+                     and not self.store.check([returned_key(r)])}
+        if elsewhere:
+            self.nodes.request(self.generation, elsewhere, procs, False)
         by_replica: dict[str, list[int]] = {}
-        for r in sorted(gone):
+        for r in sorted(lost):
             by_replica.setdefault(str(replicas[r]), []).append(r)
-        self.joining -= ranks
+        self.joining -= lost
         self._publish({"ranks": sorted(survivors), "replicas": {str(r): replicas[r] for r in sorted(survivors)},
-                       "lost": sorted(gone), "lost_replica": min(replicas[r] for r in gone),
+                       "lost": sorted(lost), "lost_replica": min(replicas[r] for r in gone),
                        "lost_by_replica": by_replica, "node": node,
-                       "fence_s": 0.0}, gone)
-        return gone
+                       "fence_s": time.monotonic() - started}, lost)
+        return lost
 
     def _publish(self, event: dict, mates: set[int]) -> None:
         """Claim the next generation for ``event`` (a loss of ``mates``)."""

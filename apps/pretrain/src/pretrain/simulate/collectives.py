@@ -16,7 +16,7 @@ from ..sizing.fp8 import amax_reduce_bytes
 from ..sizing.muon_comm import muon_split_gather_bytes, muon_step_bytes
 from ..sizing.params import chunks_of, rank_params
 from ..sizing.replicas import declared_plan, replica_bytes, stage_moe_layers
-from ..sizing.state import state_dtypes
+from ..sizing.state import BUDDY_LEVELS, state_dtypes
 
 
 def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, ep_rank: int = 0) -> dict[tuple[str, str], float]:
@@ -38,11 +38,9 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         n = params.dense
         if p.zero == "no_shard":
             out[("all_reduce", dp)] += n * gb
-        elif cfg.train.buddy_shards and p.zero in ("optim", "optim_grads"):  # buddies read the whole all-reduced gradient
-            out[("all_reduce", dp)] += n * gb
-            out[("all_gather", dp)] += n * pb
-        else:
-            out[("reduce_scatter", dp)] += n * gb
+        else:  # buddies read the whole all-reduced gradient
+            buddies = cfg.train.buddy_shards and p.zero in BUDDY_LEVELS
+            out[("all_reduce" if buddies else "reduce_scatter", dp)] += n * gb
             gathers = 2 * microbatches if p.zero == "optim_grads_params" else 1
             out[("all_gather", dp)] += gathers * (n * pb - _fp8_gather_saving(cfg, layout, layers, pb))
     if params.experts and layout.edp > 1:  # routed experts: the same over expert data parallel

@@ -5,7 +5,7 @@ owned parameter element its fp32 master and each state tensor the optimizer decl
 whole owned range (Muon's momentum and AdamW moments both, unpacked, as a checkpoint holds them), and the
 routers' expert bias of its MoE layers. A rank
 owns its whole model-parallel shard without ZeRO; with HSDP, its ZeRO shard inside its replica; with
-``[train].buddy_shards`` under ZeRO-1, its shard and its buddy's. The
+``[train].buddy_shards`` under ZeRO-1, 2 or 3, its shard and its buddy's. The
 heaviest pipeline stage's rank; the RNG state sent beside it (a few kB) is not counted.
 """
 
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .params import rank_params
 from .replicas import stage_moe_layers
+from .state import BUDDY_LEVELS
 
 MASTER_BYTES = 4  # fp32
 ROUTER_BIAS_BYTES = 4  # fp32, per expert of each MoE layer
@@ -28,7 +31,7 @@ def joiner_bytes(cfg, layout) -> int:
     if p.hsdp_replicas > 1 and p.zero != "no_shard":
         shard = max(layout.dp * layout.cp // p.hsdp_replicas, 1)
         expert_shard = max(layout.edp // p.hsdp_replicas, 1)
-    elif cfg.train.buddy_shards and p.zero in ("optim", "optim_grads"):  # its ZeRO-1/2 shard and its buddy's
+    elif cfg.train.buddy_shards and p.zero in BUDDY_LEVELS:  # its ZeRO-1/2/3 shard and its buddy's
         shard, expert_shard, copies = layout.dp * layout.cp, layout.edp, 2
 
     def owned(stage: int) -> int:
@@ -42,16 +45,18 @@ def joiner_bytes(cfg, layout) -> int:
 
 
 def buddy_costs(cfg, layout, stage: int) -> dict:
-    """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1 or ZeRO-2: the
-    buddy's optimizer state (a second shard of it; under ZeRO-2 a second gradient shard too), and per step the
-    gradients' all-reduce in place of their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its
-    full gradient buffer once more)."""
-    from .state import rank_state
+    """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1, 2 or 3: the
+    buddy's optimizer state (a second shard of it; under ZeRO-2/3 a second gradient shard too; under ZeRO-3 with
+    fp32 params a second param shard, the buddy's master), and per step the gradients' all-reduce in place of
+    their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its full gradient buffer once more)."""
+    from .state import rank_state, state_dtypes
 
     d = layout.dp * layout.cp
     state = rank_state(cfg, layout, stage)
-    zero2 = cfg.parallel.zero == "optim_grads"
-    full = state.grads / 2 * d if zero2 else state.grads  # ZeRO-2 holds two shards of the full buffer
+    sharded_grads = cfg.parallel.zero in ("optim_grads", "optim_grads_params")
+    zero3_fp32 = cfg.parallel.zero == "optim_grads_params" and state_dtypes(cfg.train)[0] == torch.float32
+    full = state.grads / 2 * d if sharded_grads else state.grads  # ZeRO-2/3 hold two shards of the full buffer
     return {"optim_bytes": state.optim / 2 if d > 1 else 0.0,
-            **({"grad_bytes": state.grads / 2 if d > 1 else 0.0} if zero2 else {}),
+            **({"grad_bytes": state.grads / 2 if d > 1 else 0.0} if sharded_grads else {}),
+            **({"param_bytes": state.params / 2 if d > 1 else 0.0} if zero3_fp32 else {}),
             "grad_bytes_per_step": full * (d - 1) / d}

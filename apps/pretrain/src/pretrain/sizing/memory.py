@@ -46,7 +46,7 @@ def worst_stage(cfg, layout, stages: list[tuple[RankParams, StagePeak]], zero: s
     best = None
     for stage, (p, peak) in enumerate(stages):
         state = with_buddy(cfg, params_state(p.dense, p.experts, d, layout.edp, zero, dtypes, replicas,
-                                             muon_elements(cfg.train, p), optim_bytes(cfg.train)), zero, d)
+                                             muon_elements(cfg.train, p), optim_bytes(cfg.train)), zero, d, dtypes)
         act = peak.with_grads(grad_buffer(cfg, layout, p, zero))
         if best is None or state.total + act > best[0]:
             best = (state.total + act, stage, state, act)

@@ -77,18 +77,25 @@ def rank_state(cfg, layout, stage: int, zero: str | None = None, replicas: int |
     p = rank_params(cfg, layout, stage)
     replicas = cfg.parallel.hsdp_replicas if replicas is None else replicas
     zero = zero or cfg.parallel.zero
-    return with_buddy(cfg, params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero,
-                                        state_dtypes(cfg.train, device_type), replicas, muon_elements(cfg.train, p),
-                                        optim_bytes(cfg.train)), zero, layout.dp * layout.cp)
+    dtypes = state_dtypes(cfg.train, device_type)
+    return with_buddy(cfg, params_state(p.dense, p.experts, layout.dp * layout.cp, layout.edp, zero, dtypes, replicas,
+                                        muon_elements(cfg.train, p), optim_bytes(cfg.train)), zero, layout.dp * layout.cp,
+                      dtypes)
 
 
-def with_buddy(cfg, state: ModelState, zero: str, d: int) -> ModelState:
-    """``[train].buddy_shards = 1`` under ZeRO-1 or ZeRO-2 over ``d`` > 1 ranks: a second shard of optimizer state
-    (the next rank's, and its fp32 masters where the params are not fp32); under ZeRO-2 a second shard of the
-    reduced gradients too (ZeRO-1 holds the whole buffer already)."""
-    if not cfg.train.buddy_shards or zero not in ("optim", "optim_grads") or d < 2:
+BUDDY_LEVELS = ("optim", "optim_grads", "optim_grads_params")  # par's ZeRO levels with buddy shards (par_zero/buddy.py)
+
+
+def with_buddy(cfg, state: ModelState, zero: str, d: int, dtypes) -> ModelState:
+    """``[train].buddy_shards = 1`` under ZeRO-1, 2 or 3 over ``d`` > 1 ranks: a second shard of optimizer state
+    (the next rank's, and its fp32 masters where the params are not fp32); under ZeRO-2/3 a second shard of the
+    reduced gradients too (ZeRO-1 holds the whole buffer already); under ZeRO-3 with fp32 params (``dtypes``:
+    :func:`state_dtypes`) a second param shard, the buddy's master being the next rank's param shard."""
+    if not cfg.train.buddy_shards or zero not in BUDDY_LEVELS or d < 2:
         return state
-    return ModelState(state.params, 2 * state.grads if zero == "optim_grads" else state.grads, 2 * state.optim)
+    zero3_fp32 = zero == "optim_grads_params" and dtypes[0] == torch.float32
+    return ModelState(2 * state.params if zero3_fp32 else state.params, state.grads if zero == "optim" else 2 * state.grads,
+                      2 * state.optim)
 
 
 def grad_buffer(cfg, layout, params, zero: str | None = None, device_type: str = "cuda") -> float:

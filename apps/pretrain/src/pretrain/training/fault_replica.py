@@ -39,6 +39,7 @@ from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
+from ..runtime.member_beats import MemberBeat, Silence
 from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
                                           generation_prefix, latest_generation, lost_by_replica, ready_key,
                                           replica_key, returned_key, survivors_event)
@@ -49,6 +50,7 @@ from .micro_batches import NO_DOCUMENTS
 from .owned_state import owned_state
 from .preflight import checkpoint_root
 from .replica_drop import drop_replica
+from .replica_padding import padded, padding, pads
 from .replica_reshard import reshard_state
 from .replica_saves import agreed_unpublished, holders, reopen, take_save, unpublished
 from .train_loop import Trainer
@@ -57,7 +59,7 @@ MODEL_PARALLEL = ("tp", "cp", "ep", "pp")  # a replica's block: one rank at each
 ORIGINAL_RANK = "PRETRAIN_FT_RANK"  # a replacement's rank in the launcher's numbering (RANK: its generation's)
 ORIGINAL_WORLD = "PRETRAIN_FT_WORLD"
 ADMITTED = "PRETRAIN_FT_ADMITTED"  # a replacement: the membership it was admitted with (JSON)
-SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): how long a member has to check in after this one did
+SETTLE_S = 5.0  # survivors claiming a loss (CLAIM_ENV): a member whose heartbeat has not moved for this long is lost
 
 # What a surviving rank reads when a peer died under a collective (gloo; NCCL: an error or the timeout), in
 # lower case: gloo says "Timed out waiting ... for recv" where a dead peer's socket was never closed to it
@@ -127,8 +129,14 @@ class ReplicaTrainer(Trainer):
     @property
     def loss_weight(self) -> float:
         """Each micro-batch's loss factor: none under eod_mask_loss or dynamic CP, whose loss is divided by the global
-        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains."""
-        return 1.0 if self.cfg.data.eod_mask_loss or self.span_groups is not None else self.share.weight
+        batch's kept count per micro-batch of this rank already (train_loop.py), whatever share each replica trains;
+        under ZeRO-3 over the whole dp, the real micro-batches' of a padded share (replica_padding.py)."""
+        if self.cfg.data.eod_mask_loss or self.span_groups is not None:
+            return 1.0
+        if not pads(self.cfg):
+            return self.share.weight
+        s, n = self.share, self.share.count + padding(self.share)
+        return 1.0 if n * s.alive == s.microbatches else n * s.alive / s.microbatches
 
     def rerun_batch(self, dp: int, step: int) -> Batch:
         return self._read_batch(step, share=replace(self.share, index=dp))
@@ -143,10 +151,14 @@ class ReplicaTrainer(Trainer):
         ids = share.samples(step)
         batch = stream.gather(ids.start, ids.stop)
         shape = (share.count, share.micro_batch, s.seq_len + 1)
-        return Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
+        batch = Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
+        return padded(batch, padding(share)) if pads(self.cfg) else batch
 
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
+        ys, real = getattr(batch, "labels", ()), self.share.count  # a padded batch: its real micro-batches, then copies
+        if pads(self.cfg) and len(ys) == real + padding(self.share) and any(labels is y for y in ys[real:]):
+            return loss * 0.0  # a padding micro-batch (replica_padding.py): zero gradients, 0 in the mean
         return loss if self.loss_weight == 1.0 else loss * self.loss_weight
 
     def forward_chunk(self, batch, chunk_id, module, x, microbatch):
@@ -301,6 +313,8 @@ class ReplicaRun:
         self.logger = None
         self.sockets = open_sockets()  # this generation's connections: its default and stop groups' so far
         self.saver = None  # the run's CheckpointSaver: its background save and group follow the generations
+        # where the survivors claim a loss, they wait for every member still beating (runtime/member_beats.py)
+        self.beat = MemberBeat(lambda: _store(cfg), self.rank) if os.environ.get(CLAIM_ENV) else None
 
     def trainer(self, cfg, **kwargs) -> ReplicaTrainer:
         """This rank's first trainer: generation 0's (every replica alive; publishes this rank's replica and
@@ -332,7 +346,8 @@ class ReplicaRun:
             step, got = reshard_state(None, fresh, -1, self.control)
         else:
             (step, _), got = receive_state(fresh.model, self._pairs(event)[self.rank], self.control,
-                                           fresh.expert_replacer, fresh.bias_balance), 0
+                                           fresh.expert_replacer, _block(self._coords(self.rank), self.shard),
+                                           fresh.bias_balance), 0
         fresh.completed = step
         self.joined_at = self._agree(step, event, began, got)
         self.missing = {int(r): v for r, v in event.get("missing", {}).items()}
@@ -399,7 +414,7 @@ class ReplicaRun:
         for joiner, source in self._pairs(event).items() if not buddies else ():
             if source == self.rank:
                 sent += send_state(trainer.model, self._new_rank(event, joiner), done, self.control,
-                                   trainer.expert_replacer, trainer.bias_balance)
+                                   trainer.expert_replacer, _block(coords, self.shard), trainer.bias_balance)
         agreed = self._agree(done, event, began, sent, timed_out=error is not None and "timed out" in str(error).lower())
         reopen(self.saver, self.cfg.train.collective_timeout_s)
         unsaved = agreed_unpublished(self.saver, unsaved, error, self.control)
@@ -562,15 +577,19 @@ class ReplicaRun:
 
     def _claim_loss(self) -> None:
         """Where no launcher may publish the loss (:data:`CLAIM_ENV`): check in as a survivor of the current
-        generation; once every member has (then nothing was lost: raises) or :data:`SETTLE_S` passed, claim the
-        next generation for the replicas whose every rank checked in, unless a launcher or a peer published it."""
+        generation; once every member has (then nothing was lost: raises), or every member that has not is silent
+        (its heartbeat still for :data:`SETTLE_S`: dead), claim the next generation for the replicas whose every rank
+        checked in, unless a launcher or a peer published it. A member still beating is waited for (a survivor late
+        to notice the loss), up to ``collective_timeout_s`` (then it is passed over, as one stuck in a collective)."""
         generation, current = self.generation + 1, self._members()
         self.store.set(alive_key(generation, self.rank), "1")
-        deadline = time.monotonic() + min(SETTLE_S, self.cfg.train.collective_timeout_s)
+        watch = Silence(self.store, min(SETTLE_S, self.cfg.train.collective_timeout_s))
+        deadline = time.monotonic() + self.cfg.train.collective_timeout_s
         while not self.store.check([generation_key(generation)]):
-            if self.store.check([alive_key(generation, r) for r in current]):
+            absent = {r for r in current if not self.store.check([alive_key(generation, r)])}
+            if not absent:
                 raise RuntimeError("every member is alive: no replica was lost")
-            if time.monotonic() > deadline:
+            if watch.silent(absent) == absent or time.monotonic() > deadline:
                 event = survivors_event(self.store, generation, current)
                 if event is None:
                     raise RuntimeError("no replica is left whole")
@@ -779,6 +798,11 @@ def _fresh_prefix(store, generation: int, world: int) -> None:
 def _same_block(a: dict, b: dict, shard: int = 1) -> bool:
     """Whether ``a`` and ``b`` hold the same state: the same model-parallel coordinates and HSDP shard."""
     return all(a[k] == b[k] for k in MODEL_PARALLEL) and a["dp"] % shard == b["dp"] % shard
+
+
+def _block(coords: dict, shard: int) -> dict:
+    """The state ``coords`` holds, the same in every generation: its model-parallel coordinates and HSDP shard."""
+    return {k: coords[k] for k in MODEL_PARALLEL} | {"shard": coords["dp"] % shard}
 
 
 def _shard_size(cfg, dp: int) -> int:

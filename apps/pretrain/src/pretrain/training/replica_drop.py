@@ -9,8 +9,8 @@ start a replacement for it even with ``[train].respawn`` (a replacement would ru
 which computes wrong: a GPU that failed this check should come back only once a person has looked at
 it). The others regroup without it, redo the step with its micro-batches split among them (what the
 discarded step left, as a non-finite loss the odd rank caused, is forgotten), and log the verdict
-(``"event": "corruption"``) next to ``replica_lost``. Where the launcher cannot fence it (a
-replica split over launchers), the survivors' wait for the next generation ends in the one-line stop.
+(``"event": "corruption"``) next to ``replica_lost``. A replica split over launchers is fenced by each for its
+ranks (runtime/node_fences.py), and none starts its share again.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Every piece the joiner owns (fp32 masters and optimizer state of its trained ten
 parameters and buffers, this process's CPU RNG) goes in one batch of sends through the counted layer
 (``par_groups.comm``), followed by each piece's size and SHA-256 (the checkpoint code's hashing:
 ``checkpoint.integrity.new_hash``), and the scalars (the step, the optimizer's step count and scalar state) as
-JSON. The joiner receives into its own buffers, hashes what arrived and refuses a piece whose size or digest
+JSON, with the sender's coordinate (its model-parallel block and HSDP shard). The joiner receives into its own
+buffers, refuses state from another coordinate (its pieces may have the joiner's shapes and be other pieces of
+the model: another expert-parallel rank's experts), hashes what arrived and refuses a piece whose size or digest
 differs. Under ``expert_balance = "replicate+replace"`` each layer's expert placement and the load since its
 last re-placement (``experts/...``) go first the same way, checked alike: the joiner routes by them before it
 receives the rest, whose pieces (boxes of the full tensors) follow from the placement.
@@ -69,15 +71,17 @@ def _batch(ops: list[tuple], peer: int, control=None) -> None:
         w.wait()
 
 
-def send_state(model, joiner: int, step: int, control=None, experts=None, bias=None) -> int:
+def send_state(model, joiner: int, step: int, control=None, experts=None, block: dict | None = None,
+               bias=None) -> int:
     """Send this rank's owned state of ``model`` (its ``RankModel``) to global rank ``joiner``; returns the bytes sent.
     ``control``: the gloo group of the sizes, digests and every host tensor (:func:`_batch`); ``experts``: the
-    trainer's ``ExpertReplacer`` (None: no expert re-placement); ``bias``: its ``BiasBalance`` (None: none), whose
-    kept counts go with the scalars (the bias itself is a buffer of the owned state)."""
+    trainer's ``ExpertReplacer`` (None: no expert re-placement); ``block``: this rank's coordinate, which the
+    joiner's must equal; ``bias``: the trainer's ``BiasBalance`` (None: none), whose kept counts go with the scalars
+    (the bias itself is a buffer of the owned state)."""
     placement = _placement(experts)
-    sent = _send(placement, b"{}", joiner, control) if placement else 0
+    sent = _send(placement, json.dumps({"block": block}).encode(), joiner, control) if placement else 0
     dp = model.dp
-    scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count,
+    scalars = json.dumps({"step": step, "optimizer_steps": dp.step_count, "block": block,
                           "scalars": dp.optimizer_state.scalar_state(),
                           "bias_kept": None if bias is None else bias.state()}).encode()
     return sent + _send(_pieces(model), scalars, joiner, control)
@@ -100,19 +104,20 @@ def send_owned(model, joiner: int) -> None:
 
 
 @torch.no_grad()
-def receive_state(model, source: int, control=None, experts=None, bias=None) -> tuple[int, int]:
+def receive_state(model, source: int, control=None, experts=None, block: dict | None = None,
+                  bias=None) -> tuple[int, int]:
     """Receive the owned state from global rank ``source`` into ``model``'s buffers (its ``RankModel``), each
-    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control``,
-    ``experts`` (which routes by the placement received, before the rest arrives) and ``bias`` (which adopts the
-    kept counts received): as :func:`send_state`'s."""
+    piece checked by size and SHA-256; returns (the step to go on from, the bytes received). ``control`` and
+    ``experts`` (which routes by the placement received, before the rest arrives): as :func:`send_state`'s;
+    ``block``: this joiner's coordinate, which the source's must equal; ``bias``: adopts the kept counts received."""
     placement, got = _placement(experts), 0
     if placement:
-        _, got = _receive(placement, source, control)
+        _, got = _receive(placement, source, control, block)
         _adopt(experts, placement)
     dp = model.dp
     # an optimizer whose state pieces are unpacked copies (Muon's) fills them between the two
     dp.optimizer_state.prepare_load(dp.optimizer_state.state_kinds())
-    scalars, size = _receive(_pieces(model), source, control)
+    scalars, size = _receive(_pieces(model), source, control, block)
     dp.sync_params()
     dp.step_count = scalars["optimizer_steps"]
     dp.optimizer_state.finish_load(scalars["scalars"])
@@ -121,15 +126,19 @@ def receive_state(model, source: int, control=None, experts=None, bias=None) -> 
     return scalars["step"], got + size
 
 
-def _receive(pieces: list[tuple[str, torch.Tensor]], source: int, control) -> tuple[dict, int]:
-    """Into ``pieces`` (the CPU RNG: set), each checked by size and SHA-256; the scalars sent, the bytes received."""
+def _receive(pieces: list[tuple[str, torch.Tensor]], source: int, control, block: dict | None) -> tuple[dict, int]:
+    """Into ``pieces`` (the CPU RNG: set), each checked by size and SHA-256, from a source at coordinate ``block``;
+    the scalars sent, the bytes received."""
     meta = torch.empty(len(pieces) + 1, dtype=torch.int64)
     digests = torch.empty(len(pieces) * DIGEST, dtype=torch.uint8)
     _batch([(dist.irecv, meta)], source, control)
-    _batch([(dist.irecv, digests)], source, control)
     raw = torch.empty(int(meta[0]), dtype=torch.uint8)
+    _batch([(dist.irecv, digests), (dist.irecv, raw)], source, control)
+    scalars = json.loads(bytes(raw.tolist()).decode())
+    if scalars["block"] != block:  # before its pieces, which may not even have this joiner's sizes
+        raise RuntimeError(f"state from rank {source} is of coordinate {scalars['block']}, not this joiner's {block}")
     bufs = [torch.empty_like(t) for _, t in pieces]
-    _batch([(dist.irecv, raw)] + [(dist.irecv, t) for t in bufs], source, control)
+    _batch([(dist.irecv, t) for t in bufs], source, control)
     for i, ((name, mine), got) in enumerate(zip(pieces, bufs)):
         size = got.numel() * got.element_size()
         if size != int(meta[i + 1]) or _digest(name, got) != bytes(digests[i * DIGEST:(i + 1) * DIGEST].tolist()):
@@ -139,4 +148,4 @@ def _receive(pieces: list[tuple[str, torch.Tensor]], source: int, control) -> tu
             torch.set_rng_state(got)
         else:
             mine.copy_(got)
-    return json.loads(bytes(raw.tolist()).decode()), int(meta[1:].sum())
+    return scalars, int(meta[1:].sum())

@@ -9,17 +9,17 @@ from pathlib import Path
 PLANTS = ("", "joiner_without_the_bias", "discarded_counts_kept")
 
 
-def skipping(step: int, *run_args) -> dict:
-    """``run_rank(*run_args)`` whose update of (1-based) ``step`` is skipped (:func:`_skip_at`)."""
+def skipping(steps: tuple, *run_args) -> dict:
+    """``run_rank(*run_args)`` whose updates of the (1-based) ``steps`` are skipped (:func:`_skip_at`)."""
     from pretrain.training.run import run_rank
 
-    _skip_at(step)
+    _skip_at(steps)
     return run_rank(*run_args)
 
 
-def _skip_at(step: int) -> None:
-    """(1-based) ``step`` has a non-finite gradient norm where the skip is decided: its update is dropped under
-    nan_policy=skip (the logged norm is the real one)."""
+def _skip_at(steps: tuple) -> None:
+    """The (1-based) ``steps`` have a non-finite gradient norm where the skip is decided: their updates are dropped
+    under nan_policy=skip (the logged norm is the real one)."""
     import math
 
     import torch
@@ -29,18 +29,18 @@ def _skip_at(step: int) -> None:
     note = NonFinite.note
 
     def noting(self, s, loss, norm):
-        return note(self, s, loss, torch.full_like(norm, math.inf) if s + 1 == step else norm)
+        return note(self, s, loss, torch.full_like(norm, math.inf) if s + 1 in steps else norm)
 
     NonFinite.note = noting
 
 
-def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args, skip: int = 0, **kwargs) -> dict:
+def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args, skip: tuple = (), **kwargs) -> dict:
     """``sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)``; after each step it completes, every rank
     writes the summed loads its MoE layers' bias updates applied in it to ``pid_dir/bias_<rank>_<step>.json``
     (the launcher's numbering; a redone step's overwrites the discarded one's, were it written). ``plant``:
     ``"joiner_without_the_bias"``: a joiner keeps its fresh expert bias, not the one it received;
     ``"discarded_counts_kept"``: a regrouped trainer keeps the routed pairs the discarded step counted.
-    ``skip``: that step's update is skipped (:func:`skipping`)."""
+    ``skip``: those steps' updates are skipped (:func:`skipping`)."""
     import replica_kills
     from par_moe.layer import MoELayer
 
@@ -48,11 +48,14 @@ def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_ar
     from pretrain.training import fault_replica, replica_transfer
 
     me, applied = int(os.environ["RANK"]), []
-    train_step, apply_bias = fault_replica.ReplicaTrainer.train_step, MoELayer.apply_bias
+    train_step = fault_replica.ReplicaTrainer.train_step
+    name = "apply_bias" if hasattr(MoELayer, "apply_bias") else "update_bias"  # (update_bias: the source before)
+    apply_bias = getattr(MoELayer, name)
 
-    def applying(self, load):
+    def applying(self, *a):
+        load = apply_bias(self, *a)
         applied.append(load.tolist())
-        return apply_bias(self, load)
+        return load
 
     def stepping(self, s):
         applied.clear()
@@ -60,7 +63,8 @@ def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_ar
         Path(pid_dir, f"bias_{me}_{s + 1}.json").write_text(json.dumps(applied))
         return out
 
-    MoELayer.apply_bias, fault_replica.ReplicaTrainer.train_step = applying, stepping
+    setattr(MoELayer, name, applying)
+    fault_replica.ReplicaTrainer.train_step = stepping
     if plant == "joiner_without_the_bias":
         receive = replica_transfer.receive_state
 

@@ -20,19 +20,20 @@ PAIRS = 2 * 4 * 16 * 2  # a step's routed pairs per layer: global batch 2 x dp, 
 
 
 def _check(tmp, reference, plant: str = "", rank: int = 2, step: int = 3, phase: str = "reduction",
-           admit_before: int = 4, layout: tuple = LAYOUT, skipped: int = 0) -> None:
-    """``skipped``: the step whose update is skipped in both runs (its counts go into the next update)."""
+           admit_before: int = 4, layout: tuple = LAYOUT, skipped: tuple = ()) -> None:
+    """``skipped``: the steps whose updates are skipped in both runs (their counts go into the next update)."""
     import bias_kills
 
     _check_fault_run(tmp, 4, rank, step, phase, reference, layout=layout, admit_before=admit_before, shard=2,
-                     entry=functools.partial(bias_kills.balanced, plant, skip=skipped), updates=4 - bool(skipped))
+                     entry=functools.partial(bias_kills.balanced, plant, skip=skipped), updates=4 - len(skipped))
     applied = {p.name: json.loads(p.read_text()) for p in (tmp / "pids").glob("bias_*.json")}
     survivors = [r for r in range(4) if r // 2 != rank // 2]
     assert {f"bias_{r}_{s}.json" for r in survivors for s in range(1, 5)} <= applied.keys(), sorted(applied)
     for name, loads in applied.items():
-        done = int(name.split("_")[2].split(".")[0])  # the step's pairs, and a skipped step's before it
-        want = [] if done == skipped else [(1 + bool(skipped) * (done - 1 == skipped)) * PAIRS] * len(loads)
-        assert (loads or done == skipped) and [sum(load) for load in loads] == want, (name, loads)
+        done = int(name.split("_")[2].split(".")[0])  # the step's pairs, and the skipped steps' right before it
+        steps = next(n for n in range(1, done + 1) if done - n not in skipped)
+        want = [] if done in skipped else [steps * PAIRS] * len(loads)
+        assert (loads or done in skipped) and [sum(load) for load in loads] == want, (name, loads)
 
 
 @pytest.mark.extended
@@ -54,19 +55,23 @@ def test_a_planted_bias_balancing_bug_is_caught(tmp_path, reference, fault_ranks
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-def test_dp2_x_ep2_a_skipped_updates_counts_reach_the_joiner(tmp_path, reference, fault_ranks):
-    """Step 2's update is skipped in both runs (nan_policy=skip, its gradient norm non-finite where the skip is
-    decided), its counts kept for step 3's; a rank killed in step 2's reduction, its replacement joins before step 3
-    and gets them."""
+@pytest.mark.parametrize("skipped,step", [((2,), 2), ((2, 3), 3)], ids=["skipped-step-redone", "kept-over-a-regroup"])
+def test_dp2_x_ep2_skipped_updates_counts_reach_the_next_update_and_the_joiner(tmp_path, reference, fault_ranks,
+                                                                              skipped, step):
+    """The ``skipped`` steps skip their updates in both runs (nan_policy=skip, their gradient norm non-finite where
+    the skip is decided), their counts kept for the next update; a rank killed in ``step``'s reduction (the skipped
+    step itself, redone; or the next skipped one: the survivors' regrouped trainers keep step 2's), its replacement
+    joining right after the last skipped step and receiving the kept counts."""
     import bias_kills
 
     layout = (*LAYOUT, "--set", "train.nan_policy=skip")
 
-    def skipping_reference(dp, tp, layout):  # the uninterrupted run, step 2 skipped alike
+    def skipping_reference(dp, tp, layout):  # the uninterrupted run, the same steps skipped
         with pytest.MonkeyPatch.context() as m:
-            m.setattr("pretrain.training.run.run_rank", functools.partial(bias_kills.skipping, 2))
+            m.setattr("pretrain.training.run.run_rank", functools.partial(bias_kills.skipping, skipped))
             res = _run(tmp_path / "ref", dp, tp=tp, layout=layout)
         assert res.exit_code == 0, res.output
         return _curve(tmp_path / "ref" / "log")
 
-    _check(tmp_path, skipping_reference, rank=1, step=2, admit_before=3, layout=layout, skipped=2)
+    _check(tmp_path, skipping_reference, rank=1, step=step, admit_before=max(skipped) + 1, layout=layout,
+           skipped=skipped)

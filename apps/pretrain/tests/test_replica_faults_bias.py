@@ -5,7 +5,8 @@ would be a collective with the lost replica), or in step 3's gradient reduction,
 step 4. The curve is the uninterrupted run's (fp32, 1e-6), every sample once, no process left, the replicas' owned
 pieces bitwise equal, the expert bias among them (test_replica_faults.py's checks); every bias update any rank
 applied counted each of its step's routed pairs once: the discarded attempt's not, the lost replica's micro-batches
-(trained by the survivors in the redo) too. Planted bugs, each caught: a joiner without the bias it was sent, a
+(trained by the survivors in the redo) too; a skipped update's counts go into the next one, over a regroup and to a
+joiner (fails on the in-place sum before the optimizer step: a regroup's fresh trainer drops them). Planted bugs, each caught: a joiner without the bias it was sent, a
 regrouped trainer that keeps the discarded step's counts."""
 
 import functools

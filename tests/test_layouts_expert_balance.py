@@ -3,6 +3,8 @@ the layout from the single rank's state at 1e-6 (tests/moe_stepwise.py), under a
 (moe_stepwise.skew_routing), and every step balanced; the planted replica bugs fail the same comparison.
 """
 
+import os
+
 import pytest
 
 from moe_stepwise import assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
@@ -48,6 +50,8 @@ SKEWED_PIPELINE = MOE_BALANCING + ("train.micro_batch=2", "model.top_k=4")
 # A case that repeats a proof the default tier makes (the same replicas through another schedule, a bug
 # caught on ep4 planted again on another layout): in the extended tier.
 AGAIN = pytest.mark.extended
+# the same planted bug on a further layout (ZeRO-3 and the pipeline each catch it already): PAR_FULL_MATRIX=1
+FULL = pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="a planted bug on a third layout: PAR_FULL_MATRIX=1")
 
 
 def balance_figures(results, name):
@@ -123,7 +127,7 @@ def test_replicated_experts_in_two_nvlink_domains_match_single_rank(dist_run, mo
                                                    marks=AGAIN),
                                       pytest.param("ep2-optim_grads_params-replicate", "stale_replica_weights", marks=AGAIN),
                                       pytest.param("tp2-pp2-ep2-1f1b-replicate", "replica_gradient_not_returned",
-                                                   marks=AGAIN),
+                                                   marks=[AGAIN, FULL]),
                                       pytest.param("ep2-dp2-allgather-replicate", "stale_replica_weights", marks=AGAIN)])
 def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_reference, name, bug):
     """The same comparison fails with a replica's gradient dropped, or replicas computing with stale weights."""

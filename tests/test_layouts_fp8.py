@@ -179,9 +179,11 @@ def test_fp8_on_and_off_are_distinguishable(dist_run):
 
 
 # layouts another recipe or layout already proves (rowwise-tp2-cp2, blockwise-tp2-dp2-sp; tp4's scale groups
-# are tp2's rule over more ranks; the interleaved pipeline's stages quantize as 1F1B's and ZB-V's): outside
+# are tp2's rule over more ranks; the interleaved pipeline's stages quantize as 1F1B's, ZB-V's split weight
+# gradients as DualPipeV's under ZeRO-3): outside
 # the extended tier's time budget; PAR_FULL_MATRIX=1 runs them
-REPEATS = ("tensorwise-tp2-cp2", "mxfp8-tp2-dp2-sp", "rowwise-tp4", "rowwise-pp2-dp2-interleaved-vpp2")
+REPEATS = ("tensorwise-tp2-cp2", "mxfp8-tp2-dp2-sp", "rowwise-tp4", "rowwise-pp2-dp2-interleaved-vpp2",
+           "rowwise-pp2-dp2-zb-v")
 _FULL = pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="a layout another recipe proves: PAR_FULL_MATRIX=1")
 
 

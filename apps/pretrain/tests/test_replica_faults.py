@@ -66,7 +66,11 @@ def _reference(dp: int, root: str, tp: int = 1, layout: tuple = ()) -> dict[int,
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("reference"))
+    # one folder per test process, whichever module asks (test_replica_faults_*.py import this fixture): `_reference`'s
+    # cache then runs each uninterrupted layout once per process, not once per module
+    root = tmp_path_factory.getbasetemp() / "reference"
+    root.mkdir(exist_ok=True)
+    root = str(root)
     curve = lambda dp, tp=1, layout=(): _reference(dp, root, tp, layout)  # noqa: E731
     curve.root = Path(root)  # each uninterrupted run's folder: ref<dp>x<tp>-<layout> (its log and checkpoints)
     return curve

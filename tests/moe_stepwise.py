@@ -51,13 +51,12 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
     import torch.nn.functional as F
 
     layer_cls, router_mod = par_moe.layer.MoELayer, par_moe.router
-    update_bias, functional = layer_cls.update_bias, router_mod.F
+    apply_bias, functional = layer_cls.apply_bias, router_mod.F
     log: list = []
 
-    def recording_update_bias(self, *groups):
-        load = update_bias(self, *groups)
+    def recording_apply_bias(self, load):  # the summed load each update applies (the trainer sums it first)
         log.append((self.layer_name, load.tolist()))
-        return load
+        return apply_bias(self, load)
 
     class PerturbedF:
         def __getattr__(self, name):
@@ -85,7 +84,7 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
             routed[self.layer_name] = [a + b for a, b in zip(routed.get(self.layer_name, [0] * len(load)), load)]
         return routing
 
-    layer_cls.update_bias = recording_update_bias
+    layer_cls.apply_bias = recording_apply_bias
     if perturb:
         router_mod.F = PerturbedF()
     if margins is not None or routed is not None:
@@ -94,7 +93,7 @@ def recorded_routing(margins: list | None = None, perturb: float = 0.0, routed: 
     try:
         yield log
     finally:  # the harness reuses its workers: leave the classes as found
-        layer_cls.update_bias, router_mod.F = update_bias, functional
+        layer_cls.apply_bias, router_mod.F = apply_bias, functional
         for cls, f in forwards.items():
             cls.forward = f
 

@@ -53,8 +53,8 @@ def test_recorded_routing_leaves_par_moe_as_found():
     import par_moe.layer
     import par_moe.router
 
-    before = (par_moe.layer.MoELayer.update_bias, par_moe.router.F, par_moe.router.Router.forward)
+    before = (par_moe.layer.MoELayer.apply_bias, par_moe.router.F, par_moe.router.Router.forward)
     with pytest.raises(RuntimeError), recorded_routing([], perturb=2.0 ** -23):
         assert par_moe.router.F is not before[1]
         raise RuntimeError
-    assert (par_moe.layer.MoELayer.update_bias, par_moe.router.F, par_moe.router.Router.forward) == before
+    assert (par_moe.layer.MoELayer.apply_bias, par_moe.router.F, par_moe.router.Router.forward) == before

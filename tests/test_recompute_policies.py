@@ -30,13 +30,13 @@ def runs(config, overrides, policies):
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
 
-    loads, update = [], MoELayer.update_bias
+    loads, routed_load = [], MoELayer.routed_load
 
-    def counted(self, *groups):
+    def counted(self, *groups):  # this rank's pairs since the last update, before they are summed
         loads.append(self.routed_since_update.clone())
-        return update(self, *groups)
+        return routed_load(self, *groups)
 
-    MoELayer.update_bias = counted
+    MoELayer.routed_load = counted
     out = []
     try:
         for policy in ("none", *policies):
@@ -45,7 +45,7 @@ def runs(config, overrides, policies):
             steps = [t.train_step(s) for s in range(STEPS)]
             out.append(([r.loss for r in steps], [r.grad_norm for r in steps], [x.tolist() for x in loads]))
     finally:
-        MoELayer.update_bias = update
+        MoELayer.routed_load = routed_load
     torch.distributed.barrier()
     return out
 

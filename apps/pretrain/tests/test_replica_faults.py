@@ -654,28 +654,34 @@ def test_zero2_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted
                      admit_before=admit_before, reference_layout=ZERO2)
 
 
-@pytest.mark.extended
-@pytest.mark.timeout(300)
-def test_a_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_pieces(tmp_path, fault_ranks):
-    """A checkpoint holds each ZeRO-1 shard once (its owner's); a resumed rank's buddy range is read from it, so
-    the buddy is its owner's state bitwise again (not fresh zeros a later loss would train from)."""
+def _check_buddy_resume(tmp_path: Path, layout: tuple) -> None:
+    """Two steps with buddy shards under ``layout``, then a resume into a third: each rank's buddy state (dumped by
+    the kill harness, which kills no rank here) equals its owner's own, bitwise."""
     import replica_kills
 
     ft = ("--set", "train.fault_tolerance=replica", "--set", "train.respawn=false")
-    res = _run(tmp_path, 2, *ft, "--set", "train.steps=2", layout=BUDDY)
+    res = _run(tmp_path, 2, *ft, "--set", "train.steps=2", layout=layout)
     assert res.exit_code == 0, res.output
     pids = tmp_path / "pids"
     pids.mkdir()
     entry = functools.partial(replica_kills.sigkill_at, 99, 0, "forward", str(pids))  # no rank is killed: the dumps
     with pytest.MonkeyPatch.context() as m:
         m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp_path, 2, *ft, "--set", "train.steps=3", "--set", "checkpoint.resume=true", layout=BUDDY)
+        res = _run(tmp_path, 2, *ft, "--set", "train.steps=3", "--set", "checkpoint.resume=true", layout=layout)
     assert res.exit_code == 0, res.output
     assert sorted(_curve(tmp_path / "log")) == [1, 2, 3]
     states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
     buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
     for r in (0, 1):
         assert buddies[r] and buddies[r] == {k: states[1 - r][k] for k in buddies[r]}, r
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_pieces(tmp_path, fault_ranks):
+    """A checkpoint holds each ZeRO-1 shard once (its owner's); a resumed rank's buddy range is read from it, so
+    the buddy is its owner's state bitwise again (not fresh zeros a later loss would train from)."""
+    _check_buddy_resume(tmp_path, BUDDY)
 
 
 def test_a_generation_over_a_used_store_prefix_is_refused():

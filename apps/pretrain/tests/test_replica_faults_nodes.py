@@ -7,10 +7,9 @@ import math
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from test_replica_faults import _check_fault_run, _curve, _records, _run_nodes, reference  # noqa: F401 -- a fixture
+from test_replica_faults import _alive, _check_fault_run, _curve, _records, _run_nodes, reference  # noqa: F401 -- a fixture
 
 NEVER = 99  # a kill step past the run: the harness's stall only
 
@@ -60,14 +59,6 @@ class StoreProxy:
         self.listener.close()
         for s in self.socks:
             s.close()
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.extended  # a store process and two launcher processes, each importing torch
@@ -131,7 +122,7 @@ def test_a_node_cut_off_from_the_store_fences_its_ranks_and_node_0_goes_on_with_
     # the fenced rank trained nothing past the cut: its last sample record is step 1's
     fenced = [json.loads(line) for line in (log / "samples" / "rank_1.jsonl").read_text().splitlines()]
     assert [r["step"] for r in fenced] == [1], fenced
-    left = [int(p.name) for p in pids.glob("[0-9]*") if _running(int(p.name))]
+    left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
     assert len(list(pids.glob("[0-9]*"))) == 2 and not left, left
 
 

@@ -5,12 +5,10 @@ its buddy; the survivors re-shard ZeRO-3 over themselves from the owners' and bu
 uninterrupted ZeRO-3 run's curve, and a replacement that rejoins receives its shard and its buddy's bitwise; a resume
 reads each buddy range from its owner's saved pieces."""
 
-import functools
-import json
 
 import pytest
 
-from test_replica_faults import _check_fault_run, _curve, _run, reference  # noqa: F401  (reference: the module fixture)
+from test_replica_faults import _check_buddy_resume, _check_fault_run, _curve, _run, reference  # noqa: F401  (reference: the module fixture)
 
 ZERO3 = ("--set", "parallel.zero=optim_grads_params")
 
@@ -29,21 +27,4 @@ def test_zero3_with_buddy_shards_a_replica_killed_goes_on_with_the_uninterrupted
 def test_a_zero3_resume_with_buddy_shards_reads_each_buddy_range_from_its_owners_pieces(tmp_path, fault_ranks):
     """A ZeRO-3 checkpoint holds each shard once (its owner's); a resumed rank's buddy master and moments are read
     from it, so the buddy is its owner's state bitwise again."""
-    import replica_kills
-
-    layout = (*ZERO3, "--set", "train.buddy_shards=1")
-    ft = ("--set", "train.fault_tolerance=replica", "--set", "train.respawn=false")
-    res = _run(tmp_path, 2, *ft, "--set", "train.steps=2", layout=layout)
-    assert res.exit_code == 0, res.output
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    entry = functools.partial(replica_kills.sigkill_at, 99, 0, "forward", str(pids))  # no rank is killed: the dumps
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr("pretrain.training.run.run_rank", entry)
-        res = _run(tmp_path, 2, *ft, "--set", "train.steps=3", "--set", "checkpoint.resume=true", layout=layout)
-    assert res.exit_code == 0, res.output
-    assert sorted(_curve(tmp_path / "log")) == [1, 2, 3]
-    states = [json.loads((pids / f"state_{r}.json").read_text()) for r in (0, 1)]
-    buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in (0, 1)]
-    for r in (0, 1):
-        assert buddies[r] and buddies[r] == {k: states[1 - r][k] for k in buddies[r]}, r
+    _check_buddy_resume(tmp_path, (*ZERO3, "--set", "train.buddy_shards=1"))

@@ -77,19 +77,7 @@ def balanced(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_ar
 
         replica_transfer.receive_state = receiving
     elif plant == "discarded_counts_kept":
-        held, copy_state = fault_replica.HeldState.of, fault_replica.copy_state
-        kept = {}
-
-        def holding(trainer):
-            kept["counts"] = [moe.routed_since_update.clone() for moe in moe_layers(trainer.model.chunks)]
-            return held(trainer)
-
-        def copying(src, dst):
-            copy_state(src, dst)
-            for moe, counts in zip(moe_layers(dst.model.chunks), kept.pop("counts", [])):
-                moe.routed_since_update += counts
-
-        fault_replica.HeldState.of, fault_replica.copy_state = holding, copying
+        replica_kills.keep_counts_over_a_regroup(lambda trainer: moe_layers(trainer.model.chunks), "routed_since_update")
     elif plant:
         raise ValueError(f"plant={plant!r}; one of {PLANTS}")
     if skip:

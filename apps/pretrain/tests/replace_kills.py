@@ -42,19 +42,7 @@ def placed(plant: str, rank: int, step: int, phase: str, pid_dir: str, *run_args
 
         replica_transfer.receive_state = receiving
     elif plant == "discarded_counts_kept":
-        held, copy_state = fault_replica.HeldState.of, fault_replica.copy_state
-        kept = {}
-
-        def holding(trainer):
-            kept["counts"] = [layer.load_since_replace.clone() for layer in trainer.expert_replacer.layers]
-            return held(trainer)
-
-        def copying(src, dst):
-            copy_state(src, dst)
-            for layer, counts in zip(dst.expert_replacer.layers, kept.pop("counts", [])):
-                layer.load_since_replace += counts
-
-        fault_replica.HeldState.of, fault_replica.copy_state = holding, copying
+        replica_kills.keep_counts_over_a_regroup(lambda trainer: trainer.expert_replacer.layers, "load_since_replace")
     elif plant:
         raise ValueError(f"plant={plant!r}; one of {PLANTS}")
     return replica_kills.sigkill_at(rank, step, phase, pid_dir, *run_args, **kwargs)

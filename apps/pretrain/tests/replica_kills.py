@@ -312,6 +312,26 @@ def sigkill_at(rank: int, step: int, phase: str, pid_dir: str, *run_args, admit_
     return run_rank(*run_args)
 
 
+def keep_counts_over_a_regroup(layers_of, attr: str) -> None:
+    """The planted bug "a discarded step's counts kept": a regrouped trainer adds back the counts (``attr`` of each of
+    ``layers_of(trainer)``) the interrupted step had made on the old trainer, which the fix discards."""
+    from pretrain.training import fault_replica
+
+    held, copy_state = fault_replica.HeldState.of, fault_replica.copy_state
+    kept = {}
+
+    def holding(trainer):
+        kept["counts"] = [getattr(layer, attr).clone() for layer in layers_of(trainer)]
+        return held(trainer)
+
+    def copying(src, dst):
+        copy_state(src, dst)
+        for layer, counts in zip(layers_of(dst), kept.pop("counts", [])):
+            getattr(layer, attr).add_(counts)
+
+    fault_replica.HeldState.of, fault_replica.copy_state = holding, copying
+
+
 def injected(spec: str, pid_dir: str, *run_args) -> dict:
     """``run_rank(*run_args)`` with ``PAR_INJECT=spec`` in this rank (pretrain.observe.inject); every rank
     writes its pid to ``pid_dir`` first (a replacement too: none must start for a condemned replica)."""

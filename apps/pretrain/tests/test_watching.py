@@ -56,7 +56,9 @@ def test_every_line_has_the_breakdown_and_the_slowed_rank_is_the_straggler(watch
     # while rank 1 sleeps (step 1: opening the log and W&B; later: logging, starting the profiler).
     later = lines[1:]
     assert sum(r["time_exposed_comm_s"] for r in later) / len(later) > 0.3 * SLOW_S, later
-    assert all(r["pp_bubble"] > 0.05 for r in later), later  # the median rank's: rank 0 idles, rank 1 hardly
+    # The mean over ranks: rank 0 idles through most of rank 1's sleep (0.9 measured), rank 1 hardly
+    # (0.05-0.2 measured), so the median of the two (the lower) sat on the edge of any threshold.
+    assert all(r["pp_bubble"] > 0.2 for r in later), later
     line = MetricsLogger.format(lines[1])  # the console's line (the ranks' stdout is not captured here)
     assert " | fwd-bwd " in line and "(comm " in line and "bubble " in line and " | slowest r1 " in line, line
 

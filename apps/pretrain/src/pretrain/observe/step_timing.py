@@ -6,7 +6,8 @@ forward and backward, the pipeline schedule, the gradient reduction), ``time_opt
 (partial-gradient sums, clipping, the loss all-reduce, the optimizer step). These three are the
 step. ``time_exposed_comm_s`` is the part of them this rank stood waiting in a collective or a
 receive, measured by ``par_groups.watch`` around each call; ``pp_bubble`` is the share of the
-pipeline schedule's time in which this rank ran no forward/backward (waiting for its inputs).
+pipeline schedule's time in which this rank ran no forward/backward (waiting for its inputs; the
+log carries its mean over ranks).
 On CUDA the phases are CUDA events recorded on the stream (no synchronize per phase: the GPU's
 times, read at log steps only); on the CPU, host timestamps. So is the exposed communication: on
 CUDA tensors the watch records an event pair on the compute stream around each collective (around
@@ -191,7 +192,10 @@ class StepTimer:
                 "time_busy_max_s": float(busy[slowest]), "straggler_rank": slowest,
                 "time_busy_by_rank_s": [round(b, 6) for b in busy.tolist()]}
         if bubble or rows[:, 4].any():
-            out["pp_bubble"] = float(rows[:, 4].median())  # the median rank's share
+            # the mean over ranks, the share of the pipeline's device-time idle (the simulator's bubble):
+            # stages differ by design (the first waits for gradients, the last for activations), and the
+            # median of two stages would be the less idle one's
+            out["pp_bubble"] = float(rows[:, 4].mean())
         if self.rule is None or len(self.rule.stages) != len(rows):  # once, and again after a regroup
             self.rule = StragglerRule.gathered(self.stage, self.device, self.planned_layers)  # every rank's stage, host, GPU
         return out | self.rule.observe(rows[:, 5:])

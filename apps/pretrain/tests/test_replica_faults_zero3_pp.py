@@ -1,0 +1,24 @@
+"""par's ZeRO-3 with ``[train].buddy_shards = 1`` under a pipeline and under eod_mask_loss: after a loss at dp3, the two
+survivors split the step's three micro-batches 2 + 1, and the replica with one runs a zero-weight copy of it
+(training/replica_padding.py) so that every stage's per-micro-batch param gathers over the dp stay matched: the
+pipeline schedule of each survivor is built for the padded count on every stage, and eod_mask_loss's global count of
+kept predictions leaves the copy out. The curve is the uninterrupted ZeRO-3 run's, and a replacement that rejoins ends
+bitwise equal to the live replicas."""
+
+import pytest
+
+from test_replica_faults import EOD, _check_fault_run, reference  # noqa: F401  (reference: the module fixture)
+from test_replica_faults_zero3_buddies import ZERO3
+
+PP2 = ("--set", "parallel.pp=2")
+BUDDIES = ("--set", "train.buddy_shards=1")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_dp3_x_pp2_zero3_buddies_eod_mask_loss_a_padded_survivor_goes_on_with_the_uninterrupted_curve(
+        tmp_path, reference, fault_ranks):  # noqa: F811
+    """Rank 5 (replica 2's last stage) killed in the backward of step 2: replica 0 trains micro-batch 0 and a padding
+    copy on both stages, replica 1 micro-batches 1 and 2, until the replacement rejoins before step 4."""
+    _check_fault_run(tmp_path, 3, 5, 2, "backward", reference, layout=(*ZERO3, *PP2, *EOD, *BUDDIES), admit_before=4,
+                     reference_layout=(*ZERO3, *PP2, *EOD))

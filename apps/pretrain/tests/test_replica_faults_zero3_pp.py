@@ -10,7 +10,7 @@ import pytest
 from test_replica_faults import EOD, _check_fault_run, reference  # noqa: F401  (reference: the module fixture)
 from test_replica_faults_zero3_buddies import ZERO3
 
-PP2 = ("--set", "parallel.pp=2")
+PP2 = ("--set", "parallel.pp=2", "--set", "train.micro_batch=2")  # dp3: three micro-batches a step, 2 + 1 after a loss
 BUDDIES = ("--set", "train.buddy_shards=1")
 
 

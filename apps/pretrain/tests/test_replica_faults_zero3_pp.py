@@ -12,6 +12,10 @@ from test_replica_faults_zero3_buddies import ZERO3
 
 PP2 = ("--set", "parallel.pp=2", "--set", "train.micro_batch=2")  # dp3: three micro-batches a step, 2 + 1 after a loss
 BUDDIES = ("--set", "train.buddy_shards=1")
+# a rank hung in a collective (a stage that ran another count of micro-batches than its dp peers) fails at the
+# collective's timeout, then waits join_timeout_s for a next generation that never comes: the run ends with one line
+# naming the rank well inside the test's timeout
+HANG = ("--set", "train.collective_timeout_s=45", "--set", "train.join_timeout_s=30")
 
 
 @pytest.mark.extended
@@ -20,5 +24,5 @@ def test_dp3_x_pp2_zero3_buddies_eod_mask_loss_a_padded_survivor_goes_on_with_th
         tmp_path, reference, fault_ranks):  # noqa: F811
     """Rank 5 (replica 2's last stage) killed in the backward of step 2: replica 0 trains micro-batch 0 and a padding
     copy on both stages, replica 1 micro-batches 1 and 2, until the replacement rejoins before step 4."""
-    _check_fault_run(tmp_path, 3, 5, 2, "backward", reference, layout=(*ZERO3, *PP2, *EOD, *BUDDIES), admit_before=4,
+    _check_fault_run(tmp_path, 3, 5, 2, "backward", reference, layout=(*ZERO3, *PP2, *EOD, *BUDDIES, *HANG), admit_before=4,
                      reference_layout=(*ZERO3, *PP2, *EOD))

@@ -17,6 +17,28 @@ BUDDIES = ("--set", "train.buddy_shards=1")
 # naming the rank well inside the test's timeout
 HANG = ("--set", "train.collective_timeout_s=45", "--set", "train.join_timeout_s=30")
 
+ZERO3_BUDDIES = ["train.fault_tolerance=replica", "parallel.zero=optim_grads_params", "train.buddy_shards=1"]
+
+
+@pytest.mark.parametrize("sets,world,refused", [
+    (["parallel.pp=2"], 4, None), (["data.eod_mask_loss=true"], 2, None),
+    (["parallel.pp=2", "data.eod_mask_loss=true"], 4, None),
+    (["model.num_experts=4", "model.top_k=2", "model.moe_ffn_hidden=32"], 2, "got [model].num_experts=4"),
+    (["parallel.cp=2", "parallel.dynamic_cp=true", "parallel.max_seq_per_rank=32", "data.document_mask=true"], 4,
+     "got [parallel].dynamic_cp=true")])
+def test_zero3_buddies_pad_under_a_pipeline_and_eod_mask_loss_and_still_refuse_experts_and_dynamic_cp(sets, world, refused):
+    """The refusal once named "[parallel].pp" and "[data].eod_mask_loss" too ("built for dense models at pp=1 without
+    eod_mask_loss or dynamic_cp"); those layouts validate now, while MoE and dynamic CP are still refused."""
+    from pretrain.config import load_config
+    from pretrain.errors import UsageError
+
+    if refused is None:
+        assert load_config(None, ZERO3_BUDDIES + sets).validate_world(world).dp == 2
+        return
+    with pytest.raises(UsageError) as e:
+        load_config(None, ZERO3_BUDDIES + sets).validate_world(world)
+    assert refused in str(e.value) and "pp=1" not in str(e.value) and "eod_mask_loss" not in str(e.value), e.value
+
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)

@@ -746,7 +746,7 @@ def _run_over(store, generation: int, world: int) -> bool:
 
 def freeze_imports(cfg) -> None:
     """Under fault tolerance, before the run makes anything (its groups first): what this rank process imported
-    (torch and the trainer, about a million objects) is left out of every later collection, so a regroup's
+    (torch and the trainer: most of its objects) is left out of every later collection, so a regroup's
     (:func:`_leave_groups`), which every survivor stands still for, walks only what the run made: what it must
     free (each generation's groups and trainers, a failed step's frames), which it still does."""
     if cfg.train.fault_tolerance == "replica":

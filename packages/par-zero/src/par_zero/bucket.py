@@ -156,7 +156,11 @@ class Bucket:
         return self._opt_grad
 
     def _buddy_shard(self) -> int:
-        return (self.shard_lo // self.S + 1) % self.groups.d
+        d, stride = self.groups.d, self.groups.buddy_stride
+        if stride % d == 0:
+            raise ValueError(f"buddy_stride={stride} names a rank's own shard in a sharding group of {d}: use a stride "
+                             f"that is not a multiple of {d}")
+        return (self.shard_lo // self.S + stride) % d
 
     def _buddy(self, original: torch.Tensor, zero3_master: torch.Tensor | None) -> BuddyRange:
         """The buddy shard: the next rank's range, its master from the same values as that rank's. ZeRO-1/2 with

@@ -8,6 +8,7 @@ counts the experts' buddy shards in the optimizer state, the gradients' all-redu
 
 import json
 import math
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -85,7 +86,8 @@ def test_plan_counts_the_experts_buddy_shards_their_all_reduce_and_a_joiners_byt
 
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank,step,phase", [(3, 2, "backward"), (1, 2, "optimizer")])
+@pytest.mark.parametrize("rank,step,phase", [(3, 2, "backward"), pytest.param(1, 2, "optimizer", marks=pytest.mark.skipif(
+    not os.environ.get("PAR_FULL_MATRIX"), reason="the log holder's replica killed in its optimizer step: PAR_FULL_MATRIX=1"))])
 def test_dp2_x_ep2_zero1_buddy_shards_a_replica_killed_rejoins_with_dense_and_expert_shards_bitwise(
         tmp_path, reference, fault_ranks, rank, step, phase):  # noqa: F811
     """4 ranks, two expert-parallel replicas: the survivor replica steps the lost one's dense and expert shards as

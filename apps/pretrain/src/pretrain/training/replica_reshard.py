@@ -95,6 +95,10 @@ def reshard_state(old, new, done: int, control) -> tuple[int, int]:
     # the model's buffers, held whole at each coordinate by every replica: from the member of this rank's expert-dp
     # group (its coordinate's ranks over the replicas) that held the lowest index of it
     first = min(fams[1].alive)
+    experts = any(placement_of(b.params[0]).expert for b in dp.buckets)
+    for f in fams[:1 + experts]:  # every previous shard has a live copy, or the transfer is refused
+        for k in range(f.size):
+            f.holder(k)
 
     kinds = ("master",) + states
     given: dict[str, dict[str, list]] = {}  # what this rank holds for the others: kind -> name -> boxes

@@ -21,8 +21,8 @@ CASES = {
     "buddy shards under torch's fsdp2": (["--nproc", "2", "--set", "parallel.zero=torch_fsdp2", "--set", "train.buddy_shards=1"],
                                          "use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, "
                                          "or hsdp_replicas >= 2"),
-    "zero-3 buddy shards at pp 2": (["--nproc", "4", "--set", "parallel.zero=optim_grads_params", "--set",
-                                     "train.buddy_shards=1", "--set", "parallel.pp=2"], "got [parallel].pp=2"),
+    "zero-3 buddy shards with experts": (["--nproc", "2", "tiny-moe", "--set", "parallel.zero=optim_grads_params", "--set",
+                                          "train.buddy_shards=1"], "got [model].num_experts="),
     "buddy shards with muon": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=1", "--set",
                                 "train.optimizer=muon"], "optimizer='muon'"),
     "buddy shards = 2": (["--nproc", "2", "--set", "parallel.zero=optim", "--set", "train.buddy_shards=2"],

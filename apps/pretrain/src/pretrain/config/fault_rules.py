@@ -52,13 +52,12 @@ def buddy_rules(cfg) -> None:
           f"far (it moves expert rows with their optimizer state, which the buddy ranges do not follow): use "
           f"expert_balance='replicate' or 'none', or buddy_shards=0")
     zero3 = [f"{key}={value}" for key, value, unsupported in (
-        ("[parallel].pp", p.pp, p.pp > 1), ("[model].num_experts", cfg.model.num_experts, cfg.model.num_experts > 0),
-        ("[data].eod_mask_loss", "true", cfg.data.eod_mask_loss), ("[parallel].dynamic_cp", "true", p.dynamic_cp))
-        if unsupported]
+        ("[model].num_experts", cfg.model.num_experts, cfg.model.num_experts > 0),
+        ("[parallel].dynamic_cp", "true", p.dynamic_cp)) if unsupported]
     _need(p.zero != "optim_grads_params" or t.fault_tolerance != "replica" or not zero3,
           f"[train].buddy_shards=1 under zero='optim_grads_params' pads a replica's micro-batches to the busiest "
-          f"replica's count (training/replica_padding.py), built for dense models at pp=1 without eod_mask_loss or "
-          f"dynamic_cp so far; got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
+          f"replica's count (training/replica_padding.py), built for dense models without dynamic_cp so far; "
+          f"got {', '.join(zero3)}: use zero='optim' or 'optim_grads' with buddy_shards=1, or drop them")
 
 
 def fault_tolerance_world(cfg, dp: int) -> None:

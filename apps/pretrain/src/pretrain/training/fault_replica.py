@@ -154,6 +154,10 @@ class ReplicaTrainer(Trainer):
         batch = Batch(batch.tokens.reshape(shape), batch.segments.reshape(shape))
         return padded(batch, padding(share)) if pads(self.cfg) else batch
 
+    def _counted(self, n: int) -> int:
+        """The real micro-batches of a padded share: a padding copy's predictions are not in the global batch."""
+        return self.share.count if pads(self.cfg) and n == self.share.count + padding(self.share) else n
+
     def loss(self, out, labels, batch=NO_DOCUMENTS):
         loss = super().loss(out, labels, batch)
         ys, real = getattr(batch, "labels", ()), self.share.count  # a padded batch: its real micro-batches, then copies
@@ -432,7 +436,8 @@ class ReplicaRun:
         """Join ``event``'s process group (a fresh store prefix) and build its trainer (the run's config once built)."""
         alive = sorted(set(event["replicas"].values()))
         share = replace(share, alive=len(alive) * self.shard, index=_data_index(alive, self.replica, coords, self.shard))
-        cfg = self._config(len(alive), share.count)  # a pipeline's schedule runs this replica's micro-batches
+        # a pipeline's schedule runs this replica's micro-batches, with their padding on every stage
+        cfg = self._config(len(alive), share.count + (padding(share) if pads(self.cfg) else 0))
         before = open_sockets()
         if not dist.is_initialized():  # (this rank counted itself in the generation's prefix on arrival)
             rank = _position(cfg.validate_world(len(event["ranks"])).grid, coords,
@@ -737,6 +742,15 @@ def _run_over(store, generation: int, world: int) -> bool:
     """Whether every member of the latest generation from ``generation`` on has returned (:meth:`ReplicaRun.finished`)."""
     _, event = latest_generation(store, generation)
     return store.check([returned_key(r) for r in (event["ranks"] if event else range(world))])
+
+
+def freeze_imports(cfg) -> None:
+    """Under fault tolerance, before the run makes anything (its groups first): what this rank process imported
+    (torch and the trainer, about a million objects) is left out of every later collection, so a regroup's
+    (:func:`_leave_groups`), which every survivor stands still for, walks only what the run made: what it must
+    free (each generation's groups and trainers, a failed step's frames), which it still does."""
+    if cfg.train.fault_tolerance == "replica":
+        gc.freeze()
 
 
 def replica_run(cfg, stops, device: torch.device) -> ReplicaRun | None:

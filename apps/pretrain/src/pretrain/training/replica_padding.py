@@ -6,7 +6,9 @@ A generation of ``D'`` replicas splits a step's ``M`` micro-batches ``floor`` or
 forward and backward, so ranks running fewer micro-batches would leave the others' gathers unanswered. A replica
 short of ``ceil(M / D')`` runs the missing ones as copies of its first micro-batch whose loss weighs 0: their
 gradients are zeros, their loss adds 0 to the step's mean, and each real micro-batch's weight is scaled to the
-padded count (the accumulation divides by it).
+padded count (the accumulation divides by it). Under a pipeline every stage reads and pads the same share, and its
+schedule is built for the padded count, so each stage's gathers over its dp group match; under eod_mask_loss the
+global batch's kept predictions count the real micro-batches only (a copy's are not in the global batch).
 """
 
 from __future__ import annotations

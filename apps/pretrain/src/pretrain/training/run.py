@@ -28,7 +28,7 @@ from .preflight import checkpoint_root
 from ..observe.profile_window import ProfileWindow
 from ..observe.step_timing import StepTimer
 from .step_clock import StepClock
-from .fault_replica import attempt, join_distributed, joining, replica_run
+from .fault_replica import attempt, freeze_imports, join_distributed, joining, replica_run
 from .train_loop import Trainer
 
 # A signal stops the run within this many steps (or [log].every, if fewer): the ranks agree on it
@@ -41,6 +41,7 @@ def run_rank(config: str | None, overrides: list[str], device: str | None = None
 
     ``device`` (the CLI's --device) overrides [train].device. ``force``: start a new run in a checkpoint directory holding another run's checkpoints."""
     cfg = load_config(config, overrides)
+    freeze_imports(cfg)  # under fault tolerance: a regroup's collection walks the run's objects only
     if device_type(device or cfg.train.device) == "cuda":
         os.environ.update(nccl_flight_env(cfg.log.dir))  # NCCL's flight recorder too (read at group creation)
     t = cfg.train

@@ -165,10 +165,14 @@ class Trainer:
                                       if d.eod_mask_loss else y))
         loss_tokens = None
         if d.eod_mask_loss:  # the global batch's kept predictions, as the share of one (rank, micro-batch)
-            kept = torch.stack([(y != IGNORE).sum() for y in labels]).sum().reshape(1).double()
+            kept = torch.stack([(y != IGNORE).sum() for y in labels[:self._counted(n)]]).sum().reshape(1).double()
             comm.all_reduce(kept, self.groups.dp_cp)
             loss_tokens = (kept / (self.groups.size("dp_cp") * n)).float().reshape(())  # on the device: no host read
         return MicroBatches(inputs, labels, docs, loss_tokens)
+
+    def _counted(self, n: int) -> int:
+        """How many of a batch's ``n`` micro-batches count in eod_mask_loss's kept predictions: all of them."""
+        return n
 
     def _batch(self, step: int, eval: bool | str = False):
         """This rank's batch ``step``; a training step's was read during the previous one (time_data waits for it)."""

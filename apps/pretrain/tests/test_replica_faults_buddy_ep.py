@@ -96,3 +96,17 @@ def test_dp2_x_ep2_zero1_buddy_shards_a_replica_killed_rejoins_with_dense_and_ex
     ranges the next replica's own pieces bitwise, the joiner's bytes `plan`'s."""
     _check_fault_run(tmp_path, 4, rank, step, phase, reference, layout=EP_BUDDY, admit_before=4, shard=2,
                      reference_layout=EP_ZERO1)
+
+
+CP2 = ("--set", "parallel.cp=2")
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="the same stride over a replica's cp ranks: PAR_FULL_MATRIX=1")
+def test_dp2_x_cp2_zero1_buddy_shards_keep_each_dense_buddy_on_the_other_replica(tmp_path, reference, fault_ranks):  # noqa: F811
+    """A replica's cp ranks lie consecutive in the dp x cp sharding group as an expert-parallel group's do: each
+    dense buddy is the other replica's rank at the same cp coordinate (``buddy_stride`` = cp), so the replica
+    killed leaves every shard on the survivors."""
+    _check_fault_run(tmp_path, 2, 3, 2, "backward", reference, layout=(*ZERO1, *CP2, "--set", "train.buddy_shards=1"),
+                     admit_before=4, reference_layout=(*ZERO1, *CP2))

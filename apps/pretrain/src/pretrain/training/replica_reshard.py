@@ -1,14 +1,17 @@
 """Under ``[train].buddy_shards = 1`` (par's ZeRO-1, 2 or 3 over the whole dp), a new generation's state, re-sharded.
 
 A generation of another size shards every bucket anew, so no rank's pieces are the ones it held. Each
-previous shard ``k`` lives on its owner ``k`` or, when that replica was lost, on its buddy ``k - 1`` (which
-stepped it from the same gradients: par_zero/buddy.py); the members of the new data-parallel group (at one
-model-parallel coordinate; a joiner holds nothing) assemble every full tensor from those holders, each
+previous shard ``k`` lives on its owner ``k`` or, when that replica was lost, on its buddy ``k - stride`` (which
+stepped it from the same gradients: par_zero/buddy.py; the stride is 1, or under expert parallelism the ranks of a
+replica in the dp group, ep x cp, for the dense params, and 1 in the expert-dp group for the experts), and a shard
+with neither is refused; the members of the new data-parallel group (at one model-parallel coordinate; the
+experts' and the model's buffers over the expert-dp group, one rank of each replica at this rank's expert-parallel
+coordinate; a joiner holds nothing) assemble every full tensor from those holders, each
 element from exactly one holder summed into zeros on the bits (an integer sum, so -0.0 and NaN payloads
 stay as they were), and each takes the pieces it owns now, its buddy's included (under ZeRO-3 the param shards
 are those masters, or written from them in bf16). The assembled tensors'
-SHA-256 (the checkpoint code's hashing) must be the same on every member, and a joiner takes the
-lowest surviving replica's RNG, as a point-to-point rejoin does (replica_transfer.py). The tensors assembled lie
+SHA-256 (the checkpoint code's hashing) must be the same on every member of its group, and a joiner takes the
+lowest surviving replica's RNG at its coordinate, as a point-to-point rejoin does (replica_transfer.py). The tensors assembled lie
 on the model's device and go over the data-parallel group; the host metadata (each member's previous shard,
 step and step count, the RNG state, the digests) over the generation's gloo control group, whose members are
 every rank: the device group may be NCCL, which refuses host tensors. One full tensor is

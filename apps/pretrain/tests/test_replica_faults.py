@@ -216,7 +216,7 @@ def _check_fault_run(tmp: Path, dp: int, rank: int, step: int, phase: str, refer
         buddies = [json.loads((pids / f"buddy_{r}.json").read_text()) for r in range(world)]
         for r in range(world):
             if buddies[r]:  # ZeRO-1 shards with buddies: each rank's buddy range is the next replica's own shard
-                after = r + ((replica_of(r) + 1) % dp - replica_of(r)) * inner
+                after = r + ((replica_of(r) + 1) % (dp // shard) - replica_of(r)) * shard * inner
                 assert buddies[r] == {k: states[after][k] for k in buddies[r]}, r
             else:  # every owned piece, by size and SHA-256, equal to its coordinate's in replica 0
                 assert states[r] == states[r - replica_of(r) * shard * inner], r

@@ -110,7 +110,7 @@ class Bucket:
             for p, o in zip(params, self.offsets):
                 p.data = self.full_param[o : o + p.numel()].view(p.shape)
             self.param_shard = None
-            buddies = cfg.buddy_shards and d > 1
+            buddies = cfg.buddy_shards and d > 1 and groups.buddy_stride % d != 0  # another replica to mirror
             buddy_master = None  # ZeRO-3: the buddy's own master, taken before the full params go (fp32: they are `original`)
             if self.zero3:
                 self.param_shard = self.full_param[self.shard_lo : self.shard_lo + self.S].clone()
@@ -156,7 +156,7 @@ class Bucket:
         return self._opt_grad
 
     def _buddy_shard(self) -> int:
-        return (self.shard_lo // self.S + 1) % self.groups.d
+        return (self.shard_lo // self.S + self.groups.buddy_stride) % self.groups.d
 
     def _buddy(self, original: torch.Tensor, zero3_master: torch.Tensor | None) -> BuddyRange:
         """The buddy shard: the next rank's range, its master from the same values as that rank's. ZeRO-1/2 with

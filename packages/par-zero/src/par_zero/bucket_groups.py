@@ -15,6 +15,9 @@ class BucketGroups:
     inner: ProcessGroup | None  # the sharding group (the whole DP group without HSDP)
     outer: ProcessGroup | None = None  # HSDP replicas
     all_gather: ProcessGroup | None = None  # same ranks as inner; separate so gathers overlap reductions
+    # buddy_shards: rank i's buddy is shard (i + buddy_stride) % d, the first rank of the next replica where a
+    # replica (the ranks lost together) is buddy_stride consecutive ranks of the sharding group; none in one replica
+    buddy_stride: int = 1
 
     @property
     def d(self) -> int:

@@ -1,5 +1,7 @@
 """Buddy shards (``buddy_shards=1``, ZeRO-1, 2 or 3): rank ``i`` of a sharding group of ``d`` also steps shard
-``(i + 1) % d``, a live copy of its neighbour's optimizer range that the neighbour's loss leaves behind.
+``(i + 1) % d``, a live copy of its neighbour's optimizer range that the neighbour's loss leaves behind; where a
+replica (the ranks lost together) is several consecutive ranks of the group, shard ``(i + buddy_stride) % d``, the
+next replica's (bucket_groups.py; the experts' group holds one rank of each replica: stride 1).
 
 The copy is bitwise without sending any state each step: the gradients are all-reduced in place (every rank
 reads the same reduced values, the owner's range and its buddy's alike), the buddy's master starts from the

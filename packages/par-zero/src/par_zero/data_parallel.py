@@ -75,6 +75,11 @@ class DataParallel:
     values, and sets what it returns as the param's ``zero3_gathered`` (None once released). The
     param's values are then never gathered: only a module that reads ``zero3_gathered`` may use it.
 
+    ``buddy_shards=1`` (ZeRO-1/2/3 over the whole group; buddy.py): rank ``i`` also steps shard ``(i + buddy_stride)
+    % d`` of each dense bucket, a live copy on another replica where a replica is ``buddy_stride`` consecutive ranks
+    of ``dp_group`` (expert parallelism: an expert-parallel group); of an expert bucket shard ``(i + 1) % d`` of
+    ``expert_dp_group``, whose ranks each lie in another replica.
+
     ``optimizer``: one declaration (declaration.py), which says its state, how it steps and what it
     gathers: ``AdamW(betas, eps, fused)``, ``SGD(momentum, dampening, nesterov)``, ``Lion(betas)`` (element-
     wise: every strategy steps its shard), ``Muon(..., adamw=AdamW(...), matrices=, matrix_group=)`` (each
@@ -115,6 +120,7 @@ class DataParallel:
         fused_adamw: bool | None = None,
         gathered_as: dict | None = None,
         buddy_shards: int = 0,
+        buddy_stride: int = 1,
     ):
         if optimizer == "Muon":  # the name before declarations, with its callbacks as keywords
             callbacks = {"matrices": muon_params, "matrix_group": matrix_group}
@@ -137,7 +143,8 @@ class DataParallel:
             for p in module.parameters():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(param_dtype)
-        dense = BucketGroups(dp_group, outer_group, all_gather_group)
+        dense = BucketGroups(dp_group, outer_group, all_gather_group, buddy_stride)
+        # the expert-dp group holds one rank of each replica: its buddy is the next rank
         expert = BucketGroups(expert_dp_group, expert_outer_group) if expert_dp_group is not None else dense
         if gathered_as and not cfg.shard_params:
             raise ValueError(f"gathered_as names params ZeRO-3 gathers: strategy={strategy!r} gathers none; "

@@ -158,7 +158,9 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
         kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
     if t.buddy_shards:  # config/fault_rules.py: par's ZeRO-1, 2 or 3 over the whole dp only
-        kwargs["buddy_shards"] = t.buddy_shards
+        # a dense shard's copy on the next replica: its ranks (an expert-parallel group, each rank's cp ranks) lie
+        # consecutive in the dp x cp group; the experts' copy on the next expert-dp rank, in the next replica
+        kwargs.update(buddy_shards=t.buddy_shards, buddy_stride=cfg.parallel.ep * cfg.parallel.cp)
     if expert_outer is not None:  # experts replicated over the HSDP replicas as the dense params
         kwargs.update(expert_dp_group=expert_inner, expert_outer_group=expert_outer)
     if outer is not None:

@@ -47,8 +47,9 @@ def step_collectives(cfg, layout, stage: int, microbatches: int, routing=None, e
         n = params.experts
         if p.zero == "no_shard":
             out[("all_reduce", "edp")] += n * gb
-        else:
-            out[("reduce_scatter", "edp")] += n * gb
+        else:  # buddies (the next expert-dp rank's shard) read the whole all-reduced gradient
+            buddies = cfg.train.buddy_shards and p.zero in BUDDY_LEVELS
+            out[("all_reduce" if buddies else "reduce_scatter", "edp")] += n * gb
             out[("all_gather", "edp")] += (2 * microbatches if p.zero == "optim_grads_params" else 1) * n * pb
     if routing is not None and layout.ep > 1 and m.expert_balance != "none":  # replicate+replace: as placed at the start
         for key, n in _replicated_moe(cfg, layout, stage, routing, ep_rank).items():

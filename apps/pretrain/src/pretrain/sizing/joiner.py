@@ -48,7 +48,10 @@ def buddy_costs(cfg, layout, stage: int) -> dict:
     """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1, 2 or 3: the
     buddy's optimizer state (a second shard of it; under ZeRO-2/3 a second gradient shard too; under ZeRO-3 with
     fp32 params a second param shard, the buddy's master), and per step the gradients' all-reduce in place of
-    their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its full gradient buffer once more)."""
+    their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its full gradient buffer once more). Routed
+    experts shard over the expert-dp group (``edp`` ranks, one per replica): theirs are its terms."""
+    from par_zero import bytes_per_param
+
     from .state import rank_state, state_dtypes
 
     d = layout.dp * layout.cp
@@ -56,7 +59,13 @@ def buddy_costs(cfg, layout, stage: int) -> dict:
     sharded_grads = cfg.parallel.zero in ("optim_grads", "optim_grads_params")
     zero3_fp32 = cfg.parallel.zero == "optim_grads_params" and state_dtypes(cfg.train)[0] == torch.float32
     full = state.grads / 2 * d if sharded_grads else state.grads  # ZeRO-2/3 hold two shards of the full buffer
+    params = rank_params(cfg, layout, stage)
+    if params.experts and layout.edp != d:  # the experts' gradients are all-reduced over their edp ranks
+        grad = bytes_per_param(*state_dtypes(cfg.train))[1]
+        per_step = (params.dense * (d - 1) / d + params.experts * (layout.edp - 1) / layout.edp) * grad
+    else:
+        per_step = full * (d - 1) / d
     return {"optim_bytes": state.optim / 2 if d > 1 else 0.0,
             **({"grad_bytes": state.grads / 2 if d > 1 else 0.0} if sharded_grads else {}),
             **({"param_bytes": state.params / 2 if d > 1 else 0.0} if zero3_fp32 else {}),
-            "grad_bytes_per_step": full * (d - 1) / d}
+            "grad_bytes_per_step": per_step}

@@ -1,7 +1,7 @@
 """``[train].buddy_shards = 1`` with expert parallelism (ZeRO-1/2 over the whole dp, ep > 1): a replica is an
 expert-parallel group of consecutive dp ranks. The dense params' buddy is the shard of the next replica's rank at the
-same place (par_zero's ``buddy_stride`` = ep), the experts' (sharded over the expert-dp group, one rank per replica)
-the next expert-dp rank's. A replica killed with SIGKILL leaves both on the survivors; they re-shard the dense params
+same place (par_zero's ``buddy_stride`` = ep x cp), the experts' (sharded over the expert-dp group, cp ranks per
+replica) the expert-dp rank cp further's. A replica killed with SIGKILL leaves both on the survivors; they re-shard the dense params
 over the dp survivors and the experts over the expert-dp survivors (training/replica_reshard.py), go on with the
 uninterrupted ZeRO-1 run's curve, and a replacement that rejoins receives its pieces of both, bitwise. `plan`
 counts the experts' buddy shards in the optimizer state, the gradients' all-reduce and a joiner's bytes."""
@@ -110,3 +110,14 @@ def test_dp2_x_cp2_zero1_buddy_shards_keep_each_dense_buddy_on_the_other_replica
     killed leaves every shard on the survivors."""
     _check_fault_run(tmp_path, 2, 3, 2, "backward", reference, layout=(*ZERO1, *CP2, "--set", "train.buddy_shards=1"),
                      admit_before=4, reference_layout=(*ZERO1, *CP2))
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.environ.get("PAR_FULL_MATRIX"), reason="8 ranks; the strides are checked up front by "
+                    "test_replica_copies_order.py: PAR_FULL_MATRIX=1")
+def test_dp4_x_cp2_x_ep2_zero1_buddy_shards_keep_the_expert_buddies_on_the_other_replica(tmp_path, reference, fault_ranks):  # noqa: F811
+    """An expert-parallel group is one dp rank's two cp ranks, so a replica (2 dp ranks, 4 ranks) holds two expert-dp
+    ranks: an expert buddy lies cp ranks on in the expert-dp group (at 1 it was in its own replica, lost with it)."""
+    _check_fault_run(tmp_path, 4, 5, 2, "backward", reference, layout=(*EP_BUDDY, *CP2), admit_before=4, shard=2,
+                     reference_layout=(*EP_ZERO1, *CP2))

@@ -77,8 +77,9 @@ class DataParallel:
 
     ``buddy_shards=1`` (ZeRO-1/2/3 over the whole group; buddy.py): rank ``i`` also steps shard ``(i + buddy_stride)
     % d`` of each dense bucket, a live copy on another replica where a replica is ``buddy_stride`` consecutive ranks
-    of ``dp_group`` (expert parallelism: an expert-parallel group); of an expert bucket shard ``(i + 1) % d`` of
-    ``expert_dp_group``, whose ranks each lie in another replica.
+    of ``dp_group`` (expert parallelism: an expert-parallel group); of an expert bucket shard ``(i + expert_buddy_stride)
+    % d`` of ``expert_dp_group``, a replica being that many consecutive ranks of it (more than one where an expert-
+    parallel group spans a replica's context-parallel ranks only).
 
     ``optimizer``: one declaration (declaration.py), which says its state, how it steps and what it
     gathers: ``AdamW(betas, eps, fused)``, ``SGD(momentum, dampening, nesterov)``, ``Lion(betas)`` (element-
@@ -121,6 +122,7 @@ class DataParallel:
         gathered_as: dict | None = None,
         buddy_shards: int = 0,
         buddy_stride: int = 1,
+        expert_buddy_stride: int = 1,
     ):
         if optimizer == "Muon":  # the name before declarations, with its callbacks as keywords
             callbacks = {"matrices": muon_params, "matrix_group": matrix_group}
@@ -144,8 +146,8 @@ class DataParallel:
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(param_dtype)
         dense = BucketGroups(dp_group, outer_group, all_gather_group, buddy_stride)
-        # the expert-dp group holds one rank of each replica: its buddy is the next rank
-        expert = BucketGroups(expert_dp_group, expert_outer_group) if expert_dp_group is not None else dense
+        expert = BucketGroups(expert_dp_group, expert_outer_group, buddy_stride=expert_buddy_stride) \
+            if expert_dp_group is not None else dense
         if gathered_as and not cfg.shard_params:
             raise ValueError(f"gathered_as names params ZeRO-3 gathers: strategy={strategy!r} gathers none; "
                              f"use 'optim_grads_params'")

@@ -76,19 +76,58 @@ def fault_tolerance_world(cfg, dp: int) -> None:
           f"{-(-t.seq_len // ranks)} or set fault_tolerance='off'")
 
 
+def replica_data_ranks(p, dp: int) -> int:
+    """The data ranks of one replica, lost and regrouped together: an HSDP replica's sharding group, an expert-
+    parallel group (its ranks hold one copy of the experts between them), else 1."""
+    return dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
+
+
 def fault_tolerance_experts(cfg, layout) -> None:
-    """HSDP with expert parallelism: each HSDP replica holds a whole copy of the experts (model/build.py shards them
-    inside it) only where every expert-parallel group lies inside one replica; else a lost replica's experts
-    have no live copy."""
-    p = cfg.parallel
-    if cfg.train.fault_tolerance != "replica" or p.ep == 1 or p.hsdp_replicas == 1 or layout.dp % p.hsdp_replicas:
+    """The layout's groups leave each replica's state a live copy (:func:`replica_copies`), checked up front on the
+    order as given; a rank checks them again on the order and permutation its placement chose."""
+    if cfg.train.fault_tolerance != "replica" or layout.dp % cfg.parallel.hsdp_replicas:
         return
-    shard, grid = layout.dp // p.hsdp_replicas, layout.grid
-    split = next((g for g in grid.expert_ranks("tp-ep") if len({grid.coords(r)["dp"] // shard for r in g}) > 1), None)
-    _need(split is None, f"[train].fault_tolerance='replica' with [parallel].ep={p.ep} and hsdp_replicas={p.hsdp_replicas} "
-                         f"needs each expert-parallel group inside one HSDP replica ({shard} data ranks), but ranks "
-                         f"{split} span replicas, whose experts would have no live copy: make dp / hsdp_replicas a "
-                         f"multiple of ep, or set fault_tolerance='off'")
+    replica_copies(cfg, layout.grid, layout.dp)
+
+
+def buddy_strides(p) -> tuple[int, int]:
+    """par_zero's ``buddy_stride`` of the dense buckets and of the expert ones under the order tp-cp-ep-dp-pp: a
+    replica's ranks (an expert-parallel group, each rank's cp ranks) lie consecutive in the dp x cp group, and an
+    expert-parallel group takes a replica's cp ranks first, so a replica holds cp ranks of the expert-dp group."""
+    return p.ep * p.cp, p.cp
+
+
+def replica_copies(cfg, grid, dp: int, permutation=None) -> None:
+    """Expert parallelism: a replica holds a whole copy of the experts (model/build.py shards them inside an HSDP
+    replica) only where every expert-parallel group lies inside one replica. Buddy shards: each ZeRO shard's buddy,
+    ``buddy_stride`` ranks further in its group (par_zero; a group's ranks are ordered by global rank, as torch orders
+    them), must lie in another replica. Either depends on the rank order (``[parallel].order``, or the one placement
+    chose) and the permutation of ranks; else a lost replica's experts or shards have no live copy."""
+    p = cfg.parallel
+    if cfg.train.fault_tolerance != "replica":
+        return
+    shard = replica_data_ranks(p, dp)
+    replica = {position: grid.coords(position)["dp"] // shard for position in range(grid.world_size)}
+    if p.ep > 1:
+        split = next((g for g in grid.expert_ranks("tp-ep") if len({replica[r] for r in g}) > 1), None)
+        _need(split is None, f"[train].fault_tolerance='replica' with [parallel].ep={p.ep} needs each expert-parallel group "
+                             f"inside one replica ({shard} data ranks), but ranks {split} span replicas under order "
+                             f"{grid.order!r}, whose experts would have no live copy: put ep inside dp in the order "
+                             f"(e.g. tp-cp-ep-dp-pp), make dp / hsdp_replicas a multiple of ep, or set fault_tolerance='off'")
+    if not cfg.train.buddy_shards:
+        return
+    place = list(permutation) if permutation else list(range(grid.world_size))
+    by_rank = {place[position]: position for position in range(grid.world_size)}
+    dense, expert = buddy_strides(p)
+    for groups, stride in ((grid.ranks("dp-cp"), dense), (grid.expert_ranks("dp") if p.ep > 1 else [], expert)):
+        for group in groups:
+            ordered = sorted(place[position] for position in group)  # the process group's ranks, in torch's order
+            own = next((r for i, r in enumerate(ordered) if len(ordered) > 1 and stride % len(ordered) and replica[
+                by_rank[r]] == replica[by_rank[ordered[(i + stride) % len(ordered)]]]), None)
+            _need(own is None, f"[train].buddy_shards=1 puts each ZeRO shard's copy on the rank {stride} further in its "
+                               f"data-parallel group, but under order {grid.order!r} rank {own}'s lies in its own "
+                               f"replica, lost with it: put cp and ep inside dp in the order (e.g. tp-cp-ep-dp-pp), "
+                               f"or set buddy_shards=0")
 
 
 def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool = False) -> None:
@@ -99,7 +138,7 @@ def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool =
     if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not external:
         return
     p = cfg.parallel
-    shard = layout.dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
+    shard = replica_data_ranks(p, layout.dp)
     nodes: dict[int, set[int]] = {}
     for rank in range(layout.world_size):
         nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)

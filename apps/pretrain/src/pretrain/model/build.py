@@ -17,6 +17,7 @@ from par_zero import DataParallel, TorchFSDP2, data_parallel
 
 from ..blocks.context import ChunkContext
 from ..blocks.dropout import DropoutPosition
+from ..config.fault_rules import buddy_strides
 from .compile import compile_blocks_
 from .expert_grads import scale_expert_grads_
 from .fp8 import use_fp8_linears_
@@ -158,9 +159,10 @@ def build_rank_model(cfg, layout, groups: ParallelGroups, full_state: dict[str, 
     if t.fp8_param_gather:  # ZeRO-3 gathers the FP8 linears' weights in FP8 (model/fp8_gather.py)
         kwargs["gathered_as"] = fp8_gathered_weights(chunks.values(), t.fp8, dist.get_world_size(inner))
     if t.buddy_shards:  # config/fault_rules.py: par's ZeRO-1, 2 or 3 over the whole dp only
-        # a dense shard's copy on the next replica: its ranks (an expert-parallel group, each rank's cp ranks) lie
-        # consecutive in the dp x cp group; the experts' copy on the next expert-dp rank, in the next replica
-        kwargs.update(buddy_shards=t.buddy_shards, buddy_stride=cfg.parallel.ep * cfg.parallel.cp)
+        # each shard's copy on the next replica (config/fault_rules.py: the strides, and the refusal of an order or
+        # placement under which a copy lies in its own replica)
+        dense, expert = buddy_strides(cfg.parallel)
+        kwargs.update(buddy_shards=t.buddy_shards, buddy_stride=dense, expert_buddy_stride=expert)
     if expert_outer is not None:  # experts replicated over the HSDP replicas as the dense params
         kwargs.update(expert_dp_group=expert_inner, expert_outer_group=expert_outer)
     if outer is not None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from par_groups import comm
 
 from ..checkpoint.rng_state import rng_state, set_rng_state
+from ..config.fault_rules import replica_data_ranks
 from ..data.sampler import Batch
 from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
@@ -820,10 +821,8 @@ def _block(coords: dict, shard: int) -> dict:
 
 
 def _shard_size(cfg, dp: int) -> int:
-    """The data ranks of one replica, lost and regrouped together: an HSDP replica's sharding group, an expert-
-    parallel group (its ranks hold one copy of the experts between them), else 1."""
-    p = cfg.parallel
-    return dp // p.hsdp_replicas if p.hsdp_replicas > 1 else p.ep
+    """The data ranks of one replica, lost and regrouped together (config/fault_rules.py)."""
+    return replica_data_ranks(cfg.parallel, dp)
 
 
 def _data_index(alive: list[int], replica: int, coords: dict, shard: int) -> int:

@@ -73,6 +73,7 @@ class Trainer:
         ``shapes_only``: the run is on fake tensors (see :class:`ShapesOnly`). ``timer``: where each step's
         time goes (a ``step_timing.StepTimer``; default none measured)."""
         from ..data import build_sampler
+        from ..config.fault_rules import replica_copies
         from ..runtime.rank_assignment import assign_run_ranks
 
         simulated = shapes_only is not None
@@ -85,6 +86,8 @@ class Trainer:
         self.layout = layout = cfg.validate_world(dist.get_world_size())
         torch.manual_seed(cfg.train.seed)
         self.assignment = assign_run_ranks(cfg, layout, topology)  # collective
+        if self.assignment.permutation or self.assignment.grid.order != layout.grid.order:  # placement moved ranks:
+            replica_copies(cfg, self.assignment.grid, layout.dp, self.assignment.permutation)  # as checked up front
         self.groups = g = create_groups(self.assignment.grid, timeout=timedelta(seconds=cfg.train.collective_timeout_s),
                                         permutation=self.assignment.permutation)
         self.model: RankModel = build_rank_model(cfg, layout, g, full_state, self.device,

@@ -123,29 +123,29 @@ def test_survivors_claim_under_pretrains_launchers_only_a_loss_whose_every_rank_
 def test_torchrun_with_a_replica_over_two_nodes_is_refused_in_one_line_and_launchers_with_the_store_apart_are_not(
         tmp_path, monkeypatch):
     """dp2 x tp2 at one rank per node: under torchrun one line naming the replica, its nodes and the way out; the
-    same layout for `pretrain train` launchers with the store apart passes the rule that refused it before."""
-    from one_error_line import assert_one_error_line, snapshot
+    same layout for `pretrain train` launchers with the store apart passes the rule that refused it before (it goes
+    on to reach the store, here at a port where none listens)."""
+    from one_error_line import assert_one_error_line
     from test_replica_refusals import SMALL, runner
 
     from pretrain.cli import app
-    from pretrain.config import load_config
-    from pretrain.config.fault_rules import fault_tolerance_nodes
     from pretrain.runtime.rank_env import LAUNCHER_ENV
     from pretrain.runtime.replica_membership import CLAIM_ENV
 
-    layout = ["--set", "parallel.tp=2"]
-    cfg = load_config(None, SMALL[1::2] + layout[1::2])
-    fault_tolerance_nodes(cfg, cfg.validate_world(4), 1, 4)  # launchers (either store): no refusal
+    layout, flags = ["--set", "parallel.tp=2"], ["--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1"]
     monkeypatch.chdir(tmp_path)
+    launchers = runner.invoke(app, ["train", "--nproc", "1", *SMALL, *layout, *flags, "--external-store", "--set",
+                                    "train.join_timeout_s=0.1", "--set", "log.dir=apart"])
+    assert launchers.exit_code == 1 and "timed out" in launchers.output, launchers.output
+    assert "on one node" not in launchers.output  # the old refusal's words, exit 2
     worker = {"TORCHELASTIC_RUN_ID": "t", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "RANK": "0",
               "TORCHELASTIC_RESTART_COUNT": "0"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", LAUNCHER_ENV, CLAIM_ENV):  # job_rank_env sets them
         worker[key] = ""
     for key, value in worker.items():  # each restored (or removed) after the test
         monkeypatch.setenv(key, value)
-    res = runner.invoke(app, ["train", *SMALL, *layout, "--nnodes", "4", "--node-rank", "1", "--rdzv-endpoint",
-                              "127.0.0.1:1", "--set", "log.dir=run"])
+    res = runner.invoke(app, ["train", *SMALL, *layout, *flags, "--set", "log.dir=run"])
     assert_one_error_line(res, "torchrun, a replica over two nodes",
                           "under torchrun with --nnodes 4 needs each data-parallel replica on one node")
     assert "replica 0 spans nodes [0, 1] at 1 workers per torchrun" in res.output
-    assert snapshot(tmp_path) == {}
+    assert not (tmp_path / "run").exists()

@@ -18,8 +18,8 @@ every other node's launcher says its ranks are done (:mod:`.node_group`).
 
 Fault tolerance (``[train].fault_tolerance = "replica"``): a rank's death ends its data-parallel replica only;
 the launcher fences the replica's other ranks (on other nodes: their launchers, at its request, :mod:`.node_fences`),
-publishes the survivors in its store (a node lost whole: the coordinator, :mod:`.node_group`) and, with ``respawn``, each launcher starts its lost ranks again as
-replacements (:mod:`.replica_membership`).
+publishes the survivors in its store (a node lost whole: the coordinator, :mod:`.node_group`) and, with
+``respawn``, each launcher starts its lost ranks again as replacements (:mod:`.replica_membership`).
 
 Signals: the first SIGTERM, SIGINT or SIGHUP reaching the launcher (alone, or with its whole process
 group, as SLURM and Kubernetes send it, and a closed terminal or a dropped ssh session sends SIGHUP)

@@ -151,8 +151,8 @@ class Heartbeats:
         return [] if self.nodes.node_rank else list(range(1, self.nodes.nnodes))
 
     def start(self, timeout_s: float, fence: Callable[[str], None] | None = None) -> None:
-        """Nodes other than 0 (node 0 too, the store apart): beat once now (before this node's ranks start, so a node whose ranks run has beaten)
-        and then every beat period from a thread over a connection of its own, whatever the launcher's loop is
+        """Where this launcher beats (:attr:`beating`): once now (before this node's ranks start, so a node whose
+        ranks run has beaten) and then every beat period from a thread over a connection of its own, whatever the launcher's loop is
         doing (starting the forkserver, fencing a replica): a busy launcher is not a lost node. ``fence(line)``:
         called from a thread of its own (the store may hold the others blocked) once no beat was renewed for
         :attr:`lease_s`; it must stop this node's ranks."""

@@ -79,11 +79,17 @@ def test_the_store_apart_node_0_lost_whole_node_1_coordinates_and_fences_node_2s
 
 def test_with_node_0s_store_node_0_alone_watches_and_holds_no_lease():
     """node 0's own store: node 0 times the others and beats not (its store ends with it); the store apart: every
-    launcher times every other one and beats, node 0's too."""
+    launcher beats, node 0's too, the coordinator times every other one and each other launcher the coordinator
+    alone, the next one once it is lost (or done)."""
+    store = dist.HashStore()
     hosted = [Heartbeats(NodeGroup(3, k, "127.0.0.1", 1, 30.0)) for k in range(3)]
     apart = [Heartbeats(_external(3, k, 30.0)) for k in range(3)]
-    assert [(h.beating, h.watched()) for h in hosted] == [(False, [1, 2]), (True, []), (True, [])]
-    assert [(h.beating, h.watched()) for h in apart] == [(True, [1, 2]), (True, [0, 2]), (True, [0, 1])]
+    assert [(h.beating, h.watched(store)) for h in hosted] == [(False, [1, 2]), (True, []), (True, [])]
+    assert [(h.beating, h.watched(store)) for h in apart] == [(True, [1, 2]), (True, [0]), (True, [0])]
+    apart[2].lost.add(0)
+    assert apart[2].watched(store) == [1]
+    store.set("pretrain/nodes/done/1", "1")
+    assert apart[2].watched(store) == [0, 1] and apart[2].coordinating(store)
 
 
 def test_the_store_apart_node_0_that_cannot_renew_its_heartbeat_calls_its_fence_with_one_line():

@@ -143,12 +143,16 @@ class Heartbeats:
         """Whether this launcher beats: every node but the store's host (node 0, unless the store runs apart)."""
         return bool(self.nodes.node_rank or self.nodes.external)
 
-    def watched(self) -> list[int]:
-        """The nodes whose beat this launcher times: node 0's launcher, the others'; with the store apart, every
-        launcher, every other node's (each must know when it becomes the coordinator)."""
-        if self.nodes.external:
-            return [k for k in range(self.nodes.nnodes) if k != self.nodes.node_rank]
-        return [] if self.nodes.node_rank else list(range(1, self.nodes.nnodes))
+    def watched(self, store) -> list[int]:
+        """The nodes whose beat this launcher times: node 0's launcher, the others'. With the store apart, the
+        coordinator's, every other node's; any other launcher's, the coordinator's alone (the lowest node below it
+        neither lost nor done), whose silence hands the role on: a few store calls per launcher, not one per node."""
+        n = self.nodes
+        if not n.external:
+            return [] if n.node_rank else list(range(1, n.nnodes))
+        coordinator = next((k for k in range(n.node_rank)
+                            if k not in self.lost and not store.check([f"{DONE_PREFIX}{k}"])), None)
+        return [k for k in range(n.nnodes) if k != n.node_rank] if coordinator is None else [coordinator]
 
     def start(self, timeout_s: float, fence: Callable[[str], None] | None = None) -> None:
         """Where this launcher beats (:attr:`beating`): once now (before this node's ranks start, so a node whose
@@ -207,7 +211,7 @@ class Heartbeats:
         saw it move, or, for a counter that never moved (a node lost before its first beat), since it first saw
         ``started(node)`` (its ranks joined the run); a node still starting is not timed."""
         now, silent = time.monotonic(), []
-        for k in self.watched():
+        for k in self.watched(store):
             if k in self.lost or store.check([f"{DONE_PREFIX}{k}"]):
                 continue
             count = store.add(f"{BEAT_PREFIX}{k}", 0)

@@ -1,7 +1,6 @@
 """``[train].fault_tolerance = "replica"`` refuses up front, in one ``error:`` line and before any rank
 starts, a layout in which a lost replica's state has no live copy (ZeRO over the whole dp, dp = 1, an
-expert-parallel group spanning HSDP replicas), a replica split over several launchers (``--nnodes``: each
-fences only its own ranks) and launcher flags that name no node or no endpoint."""
+expert-parallel group spanning HSDP replicas) and launcher flags that name no node or no endpoint."""
 
 import pytest
 from typer.testing import CliRunner
@@ -35,9 +34,6 @@ CASES = {
     "an ep group spanning hsdp replicas": (["--nproc", "4", "tiny-moe", "--set", "parallel.ep=4", "--set",
                                             "parallel.zero=optim_grads_params", "--set", "parallel.hsdp_replicas=2"],
                                            "ranks [0, 1, 2, 3] span replicas"),
-    "a replica split over two launchers, the store apart": (["--nproc", "1", "--nnodes", "4", "--node-rank", "1",
-                                                             "--rdzv-endpoint", "127.0.0.1:1", "--external-store",
-                                                             "--set", "parallel.tp=2"], "replica 0 spans nodes [0, 1]"),
     "--nnodes without an endpoint": (["--nproc", "1", "--nnodes", "2", "--node-rank", "1"], "--rdzv-endpoint None must be HOST:PORT"),
     "an endpoint without a port": (["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' must be"),
     "--node-rank past --nnodes": (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"],

@@ -57,7 +57,7 @@ def train(
             from ..runtime.rank_assignment import check_before_launch
 
             check_before_launch(cfg, layout)  # rank_assignment = "strict" refuses here, exit 2
-        fault_tolerance_nodes(cfg, layout, n, nodes.nnodes, nodes.external)  # a lost node's replicas unfenced elsewhere
+        fault_tolerance_nodes(cfg, layout, n, nodes.nnodes, under_torchrun())  # torchrun fences no other node's ranks
         leader = os.environ.get("RANK") == "0" if under_torchrun() else nodes.node_rank == 0
         if JOIN_ENV not in os.environ:  # a restarted torchrun worker joins the run: whose checks passed, whose checkpoints
             check_run(cfg, layout, force)  # the user's mistakes: one line now, not a rank's traceback later

@@ -130,12 +130,12 @@ def replica_copies(cfg, grid, dp: int, permutation=None) -> None:
                                f"or set buddy_shards=0")
 
 
-def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool = False) -> None:
-    """Several launchers (``--nnodes``) with the store apart (``--external-store``, torchrun): a node lost whole is
-    claimed by its survivors, and no launcher fences the other nodes' ranks of its replicas before that, so each
-    replica (the ranks one loss ends: a dp coordinate, an HSDP replica's sharding group, an expert-parallel group)
-    must lie on one node. With node 0's store, its launcher fences a replica over several nodes (node_fences.py)."""
-    if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not external:
+def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, torchrun: bool = False) -> None:
+    """Several torchruns (``--nnodes``): each agent stops only its own workers, and no launcher fences a lost
+    replica's ranks on another node, so each replica (the ranks one loss ends: a dp coordinate, an HSDP replica's
+    sharding group, an expert-parallel group) must lie on one node. `pretrain train` launchers fence a replica over
+    several nodes (node_fences.py), with node 0's store or the store apart."""
+    if cfg.train.fault_tolerance != "replica" or nnodes == 1 or not torchrun:
         return
     p = cfg.parallel
     shard = replica_data_ranks(p, layout.dp)
@@ -143,8 +143,9 @@ def fault_tolerance_nodes(cfg, layout, nproc: int, nnodes: int, external: bool =
     for rank in range(layout.world_size):
         nodes.setdefault(layout.grid.coords(rank)["dp"] // shard, set()).add(rank // nproc)
     split = next((rep for rep, on in sorted(nodes.items()) if len(on) > 1), None)
-    _need(split is None, f"[train].fault_tolerance='replica' with --nnodes {nnodes} and the store apart (--external-store, "
-                         f"torchrun) needs each data-parallel replica on one node (none fences a lost node's replicas "
-                         f"elsewhere), but replica {split} spans nodes {sorted(nodes.get(split, ()))} at --nproc {nproc} "
-                         f"per node: make --nproc a multiple of the ranks per replica (and pp=1), use node 0's store, or "
-                         f"set fault_tolerance='off'")
+    _need(split is None, f"[train].fault_tolerance='replica' under torchrun with --nnodes {nnodes} needs each "
+                         f"data-parallel replica on one node (an agent stops only its own workers: none fences a lost "
+                         f"replica's ranks on another node), but replica {split} spans nodes "
+                         f"{sorted(nodes.get(split, ()))} at {nproc} workers per torchrun: make the workers a multiple "
+                         f"of the ranks per replica (and pp=1), run `pretrain train` launchers instead, or set "
+                         f"fault_tolerance='off'")

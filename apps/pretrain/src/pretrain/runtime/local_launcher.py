@@ -18,8 +18,8 @@ every other node's launcher says its ranks are done (:mod:`.node_group`).
 
 Fault tolerance (``[train].fault_tolerance = "replica"``): a rank's death ends its data-parallel replica only;
 the launcher fences the replica's other ranks (on other nodes: their launchers, at its request, :mod:`.node_fences`),
-publishes the survivors in its store and, with ``respawn``, each launcher starts its lost ranks again as
-replacements (:mod:`.replica_membership`).
+publishes the survivors in its store (a node lost whole: the coordinator, :mod:`.node_group`) and, with
+``respawn``, each launcher starts its lost ranks again as replacements (:mod:`.replica_membership`).
 
 Signals: the first SIGTERM, SIGINT or SIGHUP reaching the launcher (alone, or with its whole process
 group, as SLURM and Kubernetes send it, and a closed terminal or a dropped ssh session sends SIGHUP)
@@ -170,10 +170,10 @@ class LocalRanks:
                                     entry.__module__])
         base = dict(os.environ) | {"WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.nproc), "MASTER_ADDR": host,
                 "MASTER_PORT": str(port), LAUNCHER_ENV: str(os.getpid())}
-        if self.fault_tolerance and self.nodes.external:  # a node lost whole publishes no loss: its survivors do
-            from .replica_membership import CLAIM_ENV
+        if self.fault_tolerance and self.nodes.external:  # a loss of dead ranks only: no launcher of theirs may be left
+            from .replica_membership import CLAIM_ENV, CLAIM_DEAD
 
-            base[CLAIM_ENV] = "1"
+            base[CLAIM_ENV] = CLAIM_DEAD
         self._spawn = lambda rank, extra=None: self._start_rank(ctx, base | (extra or {}), rank, entry, args)
         for rank in range(self.nproc):
             self._spawn(rank)
@@ -257,9 +257,9 @@ class LocalRanks:
         return self.heartbeats.lost
 
     def _watch_nodes(self, pending: dict | None = None) -> None:
-        """On node 0: a node whose heartbeat stopped is lost whole: the others go on without its replicas (their
-        ranks on other nodes fenced)."""
-        for k in self.heartbeats.silent(self.store, self._started):
+        """On the coordinator (node 0; with the store apart, the lowest node not lost): a node whose heartbeat
+        stopped is lost whole: the others go on without its replicas (their ranks on other nodes fenced)."""
+        for k in self.heartbeats.to_publish(self.store, self._started):
             gone = self.fencer.node_lost(k, set(range(k * self.nproc, (k + 1) * self.nproc)), self._local())
             self._fenced_elsewhere({} if pending is None else pending)
             if gone is None:

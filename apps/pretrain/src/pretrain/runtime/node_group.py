@@ -18,7 +18,10 @@ moved for ``[train].node_timeout_s`` (timed from its last move, or, for one that
 ranks joined) as lost whole, launcher and ranks (:class:`Heartbeats`), and publishes the next generation without
 its replicas: the survivors go on then, not at ``join_timeout_s``. Each other launcher holds that heartbeat as a
 lease: one that has not renewed it for half of ``node_timeout_s`` (cut off from the store, alive) fences its own
-ranks and exits (:meth:`Heartbeats.start`), so a node taken as lost can no longer write or talk.
+ranks and exits (:meth:`Heartbeats.start`), so a node taken as lost can no longer write or talk. With the store apart
+node 0's launcher beats and holds the lease too, and every launcher watches every other: the coordinator, the lowest
+node not taken as lost (node 0 until it is), fences and publishes a lost node's replicas; with node 0's store, node 0
+is the only coordinator (the store ends with it).
 """
 
 from __future__ import annotations
@@ -133,14 +136,31 @@ class Heartbeats:
         self.period = min(BEAT_S, nodes.node_timeout_s / 8)
         self.lease_s = nodes.node_timeout_s * LEASE_SHARE
         self.renewed = 0.0  # when the last beat the store counted was sent
+        self.published: set[int] = set()  # the lost nodes this launcher handled as the coordinator
+
+    @property
+    def beating(self) -> bool:
+        """Whether this launcher beats: every node but the store's host (node 0, unless the store runs apart)."""
+        return bool(self.nodes.node_rank or self.nodes.external)
+
+    def watched(self, store) -> list[int]:
+        """The nodes whose beat this launcher times: node 0's launcher, the others'. With the store apart, the
+        coordinator's, every other node's; any other launcher's, the coordinator's alone (the lowest node below it
+        neither lost nor done), whose silence hands the role on: a few store calls per launcher, not one per node."""
+        n = self.nodes
+        if not n.external:
+            return [] if n.node_rank else list(range(1, n.nnodes))
+        coordinator = next((k for k in range(n.node_rank)
+                            if k not in self.lost and not store.check([f"{DONE_PREFIX}{k}"])), None)
+        return [k for k in range(n.nnodes) if k != n.node_rank] if coordinator is None else [coordinator]
 
     def start(self, timeout_s: float, fence: Callable[[str], None] | None = None) -> None:
-        """Nodes other than 0: beat once now (before this node's ranks start, so a node whose ranks run has beaten)
-        and then every beat period from a thread over a connection of its own, whatever the launcher's loop is
+        """Where this launcher beats (:attr:`beating`): once now (before this node's ranks start, so a node whose
+        ranks run has beaten) and then every beat period from a thread over a connection of its own, whatever the launcher's loop is
         doing (starting the forkserver, fencing a replica): a busy launcher is not a lost node. ``fence(line)``:
         called from a thread of its own (the store may hold the others blocked) once no beat was renewed for
         :attr:`lease_s`; it must stop this node's ranks."""
-        if not self.nodes.node_rank:
+        if not self.beating:
             return
         store = self.nodes.store(timeout_s)
         self.renewed = time.monotonic()
@@ -168,31 +188,30 @@ class Heartbeats:
             silent = time.monotonic() - self.renewed
             if silent > self.lease_s:
                 n = self.nodes
+                who = "node 0 takes" if n.node_rank else "the other nodes take"
                 fence(f"node {n.node_rank} cut off from the job's store at {n.host}:{n.port}: its heartbeat not "
                       f"renewed for {silent:.1f} s (half of [train].node_timeout_s={n.node_timeout_s:g}); stopped "
-                      f"its ranks before node 0 takes it as lost")
+                      f"its ranks before {who} it as lost")
                 return
 
     def stop(self) -> None:
         self.stopped.set()
 
     def beat(self, store) -> bool:
-        """Nodes other than 0: add to this node's counter, once per beat period (whether it did now)."""
+        """Add to this node's counter (where it beats), once per beat period (whether it did now)."""
         now = time.monotonic()
-        if self.nodes.node_rank and now >= self.next_beat:
+        if self.beating and now >= self.next_beat:
             store.add(f"{BEAT_PREFIX}{self.nodes.node_rank}", 1)
             self.next_beat = now + self.period
             return True
         return False
 
     def silent(self, store, started: Callable[[int], bool] = lambda node: False) -> list[int]:
-        """Node 0: the nodes whose counter has not moved for ``node_timeout_s`` (each named once): since node 0 saw
-        it move, or, for a counter that never moved (a node lost before its first beat), since node 0 first saw
+        """The watched nodes whose counter has not moved for ``node_timeout_s`` (each named once): since this launcher
+        saw it move, or, for a counter that never moved (a node lost before its first beat), since it first saw
         ``started(node)`` (its ranks joined the run); a node still starting is not timed."""
-        if self.nodes.node_rank:
-            return []
         now, silent = time.monotonic(), []
-        for k in range(1, self.nodes.nnodes):
+        for k in self.watched(store):
             if k in self.lost or store.check([f"{DONE_PREFIX}{k}"]):
                 continue
             count = store.add(f"{BEAT_PREFIX}{k}", 0)
@@ -204,6 +223,25 @@ class Heartbeats:
                 self.lost.add(k)
                 silent.append(k)
         return silent
+
+    def coordinating(self, store) -> bool:
+        """Whether this launcher acts for the job on a lost node: node 0's with its store; with the store apart, the
+        lowest node neither taken as lost here nor done (node 0's silence past ``node_timeout_s`` hands the role on:
+        its lease fenced it at half that)."""
+        if not self.nodes.external:
+            return not self.nodes.node_rank
+        return all(k in self.lost or store.check([f"{DONE_PREFIX}{k}"]) for k in range(self.nodes.node_rank))
+
+    def to_publish(self, store, started: Callable[[int], bool] = lambda node: False) -> list[int]:
+        """The nodes lost (their beat silent) that this launcher, as the coordinator, has to fence and publish now:
+        each once; those lost before it became the coordinator too (a loss its predecessor published already is
+        found so by :meth:`.replica_membership.ReplicaFencer.node_lost`, with no rank of it left to fence)."""
+        self.silent(store, started)
+        if not self.coordinating(store):
+            return []
+        due = sorted(self.lost - self.published)
+        self.published |= set(due)
+        return due
 
 
 def serve_store(host: str, port: int, timeout_s: float, who: str) -> dist.TCPStore:

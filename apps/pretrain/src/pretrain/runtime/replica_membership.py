@@ -10,7 +10,8 @@ and publishes the next generation's membership under
 :func:`generation_key`. Where no launcher of a lost rank survives it (a node lost whole, its launcher too) or none
 exists (torchrun, whose agent stops a failed worker's peers itself), the survivors claim that generation
 themselves: each checks in under :func:`alive_key` and, once every member has or a settling time has passed,
-:func:`survivors_event` names the replicas whose every rank checked in. The survivors, which saw a collective
+:func:`survivors_event` names the replicas whose every rank checked in (under pretrain's launchers only where every
+lost rank is dead: :func:`claimable`). The survivors, which saw a collective
 fail, wait for that key and build every process group again over the store prefix :func:`generation_prefix`
 (:mod:`pretrain.training.fault_replica`).
 """
@@ -25,6 +26,10 @@ from .node_fences import NodeFences
 FT_PREFIX = "pretrain/ft"
 JOIN_ENV = "PRETRAIN_FT_JOIN"  # set in a replacement rank: the generation it was started after
 CLAIM_ENV = "PRETRAIN_FT_SURVIVORS_CLAIM"  # set where the survivors claim a loss no launcher publishes
+# CLAIM_ENV's value under pretrain's launchers with the store apart: the survivors claim only a loss whose every
+# lost rank is dead (a node lost whole, replicas on it alone); a lost replica with a rank still running is its
+# launcher's to fence, and that launcher (or the coordinator, for a node lost whole) publishes the loss after
+CLAIM_DEAD = "dead"
 
 
 def replica_key(rank: int) -> str:
@@ -87,6 +92,14 @@ def survivors_event(store, generation: int, members: set[int]) -> dict | None:
     return {"ranks": survivors, "replicas": {str(r): replicas[r] for r in survivors}, "lost": sorted(lost),
             "lost_replica": min(by_replica), "lost_by_replica": {str(k): v for k, v in by_replica.items()},
             "died": min(lost - alive), "fence_s": 0.0}
+
+
+def claimable(event: dict, dead: set[int], mode: str) -> bool:
+    """Whether survivors may publish ``event`` themselves (``dead``: the members whose beat stopped; ``mode``:
+    CLAIM_ENV's value): under torchrun, always (its agent stops a lost worker's peers on its node, where each replica
+    lies); under pretrain's launchers, only where every lost rank is dead: a live one (a spanning replica's other
+    half) may still write until its launcher fences it, and a generation without it must not exist before."""
+    return mode != CLAIM_DEAD or set(event["lost"]) <= dead
 
 
 def lost_by_replica(event: dict) -> dict[int, list[int]]:

@@ -41,9 +41,9 @@ from ..errors import UsageError
 from ..runtime.rank_env import LAUNCHER_ENV
 from ..runtime.launch import cpu_threads, device_type
 from ..runtime.member_beats import MemberBeat, Silence
-from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, coords_key, generation_key,
-                                          generation_prefix, latest_generation, lost_by_replica, ready_key,
-                                          replica_key, returned_key, survivors_event)
+from ..runtime.replica_membership import (CLAIM_ENV, JOIN_ENV, alive_key, claim, claimable, coords_key,
+                                          generation_key, generation_prefix, latest_generation, lost_by_replica,
+                                          ready_key, replica_key, returned_key, survivors_event)
 from .dynamic_cp import led_pieces
 from .generation_sockets import open_sockets, shut_down
 from .integrity import PersistentRank
@@ -585,7 +585,8 @@ class ReplicaRun:
         """Where no launcher may publish the loss (:data:`CLAIM_ENV`): check in as a survivor of the current
         generation; once every member has (then nothing was lost: raises), or every member that has not is silent
         (its heartbeat still for :data:`SETTLE_S`: dead), claim the next generation for the replicas whose every rank
-        checked in, unless a launcher or a peer published it. A member still beating is waited for (a survivor late
+        checked in, unless a launcher or a peer published it (under pretrain's launchers, only where every lost rank is
+        dead, :func:`claimable`: else the launcher fencing the live ones publishes). A member still beating is waited for (a survivor late
         to notice the loss), up to ``collective_timeout_s`` (then it is passed over, as one stuck in a collective)."""
         generation, current = self.generation + 1, self._members()
         self.store.set(alive_key(generation, self.rank), "1")
@@ -595,12 +596,14 @@ class ReplicaRun:
             absent = {r for r in current if not self.store.check([alive_key(generation, r)])}
             if not absent:
                 raise RuntimeError("every member is alive: no replica was lost")
-            if watch.silent(absent) == absent or time.monotonic() > deadline:
+            dead = watch.silent(absent)
+            if dead == absent or time.monotonic() > deadline:
                 event = survivors_event(self.store, generation, current)
                 if event is None:
                     raise RuntimeError("no replica is left whole")
-                claim(self.store, generation, event)
-                return
+                if claimable(event, dead, os.environ[CLAIM_ENV]):
+                    claim(self.store, generation, event)
+                return  # else a launcher fences the lost ranks still running, then publishes
             time.sleep(0.05)
 
     def _members(self) -> set[int]:

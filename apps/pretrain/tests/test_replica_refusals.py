@@ -28,6 +28,8 @@ CASES = {
                          "[train].buddy_shards=2 is not one of 0, 1"),
     "dp = 1": (["--nproc", "1"], "needs dp >= 2 (got dp=1)"),
     "dp = 1 under tp": (["--nproc", "2", "--set", "parallel.tp=2"], "needs dp >= 2 (got dp=1)"),
+    "one replica: dp = ep": (["--nproc", "2", "tiny-moe", "--set", "parallel.ep=2"],
+                             "needs two replicas, but dp=2 is one expert-parallel group ([parallel].ep=2)"),
     "dynamic cp, a window past one replica's ranks": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.dynamic_cp=true",
                                                       "--set", "parallel.max_seq_per_rank=16", "--set", "data.document_mask=true"],
                                                      "to fit the 2 dp x cp ranks of one replica"),

@@ -68,6 +68,9 @@ def fault_tolerance_world(cfg, dp: int) -> None:
         return
     _need(dp >= 2, f"[train].fault_tolerance='replica' needs dp >= 2 (got dp={dp}): a lost replica's state has no other "
                    f"copy; start more ranks or set fault_tolerance='off'")
+    _need(p.hsdp_replicas > 1 or dp // p.ep >= 2,
+          f"[train].fault_tolerance='replica' needs two replicas, but dp={dp} is one expert-parallel group ([parallel].ep="
+          f"{p.ep}), which a loss takes whole: start dp >= {2 * p.ep} ranks' worth or set fault_tolerance='off'")
     ranks = p.cp * (dp // p.hsdp_replicas if p.hsdp_replicas > 1 else 1)
     _need(not p.dynamic_cp or t.seq_len <= p.max_seq_per_rank * ranks,
           f"[train].fault_tolerance='replica' with [parallel].dynamic_cp=true needs a document of a whole window "

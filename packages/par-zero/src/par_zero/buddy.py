@@ -30,6 +30,7 @@ class BuddyRange:
         self.opt_lo, self.opt_hi = shard * bucket.S, (shard + 1) * bucket.S
         self.master = master
         self.grad: torch.Tensor | None = None  # ZeRO-2/3: the buddy's reduced gradient shard, kept from the full buffer
+        self.ortho: torch.Tensor | None = None  # Muon: this range of the owners' orthogonalized update (muon_buddy.py)
 
     @property
     def opt_grad(self) -> torch.Tensor:

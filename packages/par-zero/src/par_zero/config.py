@@ -73,9 +73,10 @@ class DataParallelConfig:
             raise ValueError(f"lr={self.lr}, eps={self.eps}, weight_decay={self.weight_decay}: need lr >= 0, eps > 0, wd >= 0")
         self._check_optimizer()
         if self.buddy_shards not in (0, 1) or self.buddy_shards and (self.strategy not in SHARDED
-                                                                       or not self.declaration.elementwise):
+                                                                       or not (self.declaration.elementwise
+                                                                               or self.declaration.gathers == "matrix")):
             raise ValueError(f"buddy_shards={self.buddy_shards} must be 0, or 1 with strategy 'optim', 'optim_grads' or "
-                             f"'optim_grads_params' and an element-wise optimizer (got strategy={self.strategy!r}, "
+                             f"'optim_grads_params' and an element-wise optimizer or Muon (got strategy={self.strategy!r}, "
                              f"optimizer={self.declaration.label!r})")
         level = STRATEGIES.index(self.strategy)  # no_shard < optim < optim_grads < optim_grads_params < torch_fsdp2
         for name, value in (("shard_optimizer", level >= 1), ("shard_grads", level >= 2), ("shard_params", level >= 3),

@@ -38,7 +38,7 @@ from .config import DataParallelConfig, skip_decay
 from .declaration import AdamW, Declaration, declare_optimizer
 from .fsdp2 import TorchFSDP2
 from .grad_buffer import GradBuffer
-from .optimizer_loops import optimizer_loop
+from .optimizer_loops import buddy_loop, optimizer_loop
 
 
 def data_parallel(module: nn.Module, dp_group: ProcessGroup | None, strategy: str = "no_shard",
@@ -159,8 +159,8 @@ class DataParallel:
         # (``params_stale`` until then), so a peer lost in it finds this rank's update whole
         self.defer_param_sync, self.params_stale = False, False
         buddies = self.buffer.buddies
-        self.buddy_optimizer = optimizer_loop(cfg.declaration, buddies, cfg, decayed,
-                                              self.param_names.__getitem__) if buddies else None
+        self.buddy_optimizer = buddy_loop(cfg.declaration, buddies, cfg, decayed,
+                                          self.param_names.__getitem__) if buddies else None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -229,12 +229,18 @@ class DataParallel:
     def step(self, after_update: Callable[[], None] | None = None) -> None:
         """The optimizer on each rank's range, then re-assemble the params (all-gather where sharded).
         ``after_update``: run between the two (e.g. :meth:`scale_rows_` of the updated weights).
-        Buddy ranges step first: the gather that follows brings their owners' (equal) update."""
-        if self.buddy_optimizer is not None:
-            self.buddy_optimizer.step_count = self.optimizer.step_count
-            self.buddy_optimizer.step()
+        Buddy ranges step before the gather, which brings their owners' (equal) update: an element-wise one first, a
+        matrix-wise one (Muon) after the owned step, whose collectives leave it its update (muon_buddy.py)."""
+        buddy = self.buddy_optimizer
+        first = buddy is not None and self.cfg.declaration.elementwise
+        if buddy is not None:
+            buddy.step_count = self.optimizer.step_count
+            if first:
+                buddy.step()
             if self.defer_param_sync:  # the update is whole on this rank before any collective
                 self.optimizer.step()
+                if not first:
+                    buddy.step()
                 if after_update is not None:
                     after_update()
                 self.params_stale = True
@@ -243,6 +249,8 @@ class DataParallel:
             self.buffer.sync_params(self.optimizer.step)
         else:
             self.optimizer.step()
+            if buddy is not None and not first:
+                buddy.step()
             if after_update is not None:
                 after_update()
             self.buffer.sync_params()

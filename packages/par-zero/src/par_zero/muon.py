@@ -74,27 +74,7 @@ class DistributedMuon(RangeStateOptimizer):
     def __init__(self, buckets: list[Bucket], cfg: DataParallelConfig, decayed: Callable[[nn.Parameter], bool],
                  is_matrix: Callable[[nn.Parameter], bool],
                  matrix_group: Callable[[nn.Parameter], ProcessGroup | None] = lambda p: None):
-        self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
-        self.args = cfg.declaration.args()  # a Muon declaration (declaration.py)
-        self.matrices = {b: [p for p in b.params if is_matrix(p)] for b in buckets}
-        for b, ps in self.matrices.items():
-            for p in ps:
-                if p.dim() < 2:
-                    raise ValueError(f"Muon steps matrices; a param of shape {list(p.shape)} is not one")
-        runs = lambda keep: {b: contiguous_runs([(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if keep(p)])  # noqa: E731
-                             for b in buckets}
-        self.adam_runs = runs(lambda p: not is_matrix(p))
-        self.adam_decay_runs = runs(lambda p: not is_matrix(p) and decayed(p))
-        self.muon_runs = runs(is_matrix)
-        self.decayed = decayed
-        # the state, packed: AdamW's moments over the AdamW runs, the momentum over the Muon runs, back to
-        # back (4 bytes per Muon param, 8 per AdamW param); range_state unpacks it over the optimizer range
-        self.packed = {b: {k: _packed(self.muon_runs[b] if k == "momentum_buffer" else self.adam_runs[b]) for k in KINDS}
-                       for b in buckets}
-        self.state = {b: {k: torch.zeros(sum(hi - lo for lo, hi, _ in self.packed[b][k]), dtype=torch.float32,
-                                         device=b.master.device) for k in KINDS} for b in buckets}
-        self._unpacked: dict[tuple[Bucket, str], torch.Tensor] | None = None  # during a load: what it fills
-        self.collectives_first = False  # see _step_collectives_first
+        self._init_state(buckets, cfg, decayed, is_matrix)
         self.owners = assign_buckets(buckets, self.matrices, self.args["ns_steps"])
         owned = {b: mine for o in self.owners for b, mine in o.owned.items()}
         self.owned = {b: owned[b] for b in buckets}
@@ -122,6 +102,30 @@ class DistributedMuon(RangeStateOptimizer):
                         raise ValueError("a split Muon matrix's blocks are not r // span along its split dim")
             self.split[b] = ({p: k for k, p in enumerate(split)}, next(iter(groups)) if groups else None, offsets)
         self.offset = {b: dict(zip(b.params, b.offsets)) for b in buckets}
+
+    def _init_state(self, buckets, cfg: DataParallelConfig, decayed, is_matrix) -> None:
+        """The state over the optimizer ranges of ``buckets`` (owned ranges, or buddy ranges: muon_buddy.py)."""
+        self.buckets, self.cfg, self.lr, self.step_count = buckets, cfg, cfg.lr, 0
+        self.args = cfg.declaration.args()  # a Muon declaration (declaration.py)
+        self.matrices = {b: [p for p in b.params if is_matrix(p)] for b in buckets}
+        for b, ps in self.matrices.items():
+            for p in ps:
+                if p.dim() < 2:
+                    raise ValueError(f"Muon steps matrices; a param of shape {list(p.shape)} is not one")
+        runs = lambda keep: {b: contiguous_runs([(lo, hi) for p, _, lo, hi, _ in b.opt_segments() if keep(p)])  # noqa: E731
+                             for b in buckets}
+        self.adam_runs = runs(lambda p: not is_matrix(p))
+        self.adam_decay_runs = runs(lambda p: not is_matrix(p) and decayed(p))
+        self.muon_runs = runs(is_matrix)
+        self.decayed = decayed
+        # the state, packed: AdamW's moments over the AdamW runs, the momentum over the Muon runs, back to
+        # back (4 bytes per Muon param, 8 per AdamW param); range_state unpacks it over the optimizer range
+        self.packed = {b: {k: _packed(self.muon_runs[b] if k == "momentum_buffer" else self.adam_runs[b]) for k in KINDS}
+                       for b in buckets}
+        self.state = {b: {k: torch.zeros(sum(hi - lo for lo, hi, _ in self.packed[b][k]), dtype=torch.float32,
+                                         device=b.master.device) for k in KINDS} for b in buckets}
+        self._unpacked: dict[tuple[Bucket, str], torch.Tensor] | None = None  # during a load: what it fills
+        self.collectives_first = False  # see _step_collectives_first
         self.matrix_set = {b: set(ps) for b, ps in self.matrices.items()}
 
     @property
@@ -206,11 +210,7 @@ class DistributedMuon(RangeStateOptimizer):
         """Steps the momentum ``buf`` (packed, in place) and returns this rank's range of the orthogonalized
         update (the collectives of the step)."""
         a = self.args
-        update = torch.zeros_like(b.master, dtype=torch.float32)  # over the optimizer range
-        for lo, hi, at in self.packed[b]["momentum_buffer"]:
-            m = buf[at:at + hi - lo]
-            m.lerp_(g[lo:hi], 1 - a["momentum"])
-            update[lo:hi] = g[lo:hi].lerp(m, a["momentum"]) if a["nesterov"] else m
+        update = self._momentum_step(b, g, buf)
         whole = update  # the update of the whole bucket
         sharded = (b.opt_lo, b.opt_hi) != (0, b.N)
         if sharded:
@@ -227,13 +227,28 @@ class DistributedMuon(RangeStateOptimizer):
             rows, cols = (slice(q, q + s) for q, s in zip(pl.offsets[-2:], p.shape[-2:]))
             ortho[o:o + p.numel()].view(-1, *p.shape[-2:])[experts] = out[..., rows, cols]
         mine = ortho
+        buddy = getattr(b, "buddy", None)
         if dist.get_world_size(b.groups.inner) > 1:  # x + 0 = x: the sum is each element's owner's value
-            if sharded:
+            if sharded and buddy is None:
                 mine = ortho.new_empty(b.S)
                 comm.reduce_scatter_tensor(mine, ortho, b.groups.inner)
-            else:
+            else:  # a buddy range (buddy_shards) takes its range of the whole result too: muon_buddy.py
                 comm.all_reduce(ortho, b.groups.inner)
+                mine = ortho[b.opt_lo:b.opt_hi]
+        if buddy is not None:
+            buddy.ortho = ortho[buddy.opt_lo:buddy.opt_hi]
         return mine
+
+    def _momentum_step(self, b, g: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Steps the momentum ``buf`` (packed, in place; torch's arithmetic) and returns the update over ``b``'s
+        optimizer range (Nesterov's, or the momentum), zeros off the Muon runs."""
+        a = self.args
+        update = torch.zeros_like(b.master, dtype=torch.float32)
+        for lo, hi, at in self.packed[b]["momentum_buffer"]:
+            m = buf[at:at + hi - lo]
+            m.lerp_(g[lo:hi], 1 - a["momentum"])
+            update[lo:hi] = g[lo:hi].lerp(m, a["momentum"]) if a["nesterov"] else m
+        return update
 
     def _apply_muon(self, b: Bucket, mine: torch.Tensor) -> None:
         for p, _, lo, hi, _ in b.opt_segments():

@@ -12,6 +12,7 @@ from typing import Callable
 from .declaration import AdamW, Declaration, Elementwise, Muon, TorchClass
 from .elementwise import ElementwiseOptimizer
 from .muon import DistributedMuon
+from .muon_buddy import BuddyMuon
 from .optimizer import DistributedAdamW
 from .torch_optimizer import TorchOptimizer
 
@@ -30,3 +31,11 @@ def optimizer_loop(declaration: Declaration, buckets, cfg, decayed: Callable, na
         return ElementwiseOptimizer(buckets, cfg, decayed, declaration)
     raise TypeError(f"no optimizer loop for {type(declaration).__name__}: declare it as an Elementwise, "
                     f"Muon or TorchClass optimizer")
+
+
+def buddy_loop(declaration: Declaration, buddies, cfg, decayed: Callable, name_of: Callable):
+    """The optimizer stepping the buddy ranges (buddy.py): the owned ranges' loop, or for Muon one that applies the
+    orthogonalized update its bucket's owned step left (muon_buddy.py)."""
+    if isinstance(declaration, Muon):
+        return BuddyMuon(buddies, cfg, decayed, lambda p: declaration.matrices(name_of(p), p))
+    return optimizer_loop(declaration, buddies, cfg, decayed, name_of)

@@ -30,7 +30,8 @@ def fault_tolerance_rules(cfg) -> None:
 
 
 def buddy_rules(cfg) -> None:
-    """buddy_shards=1: par's ZeRO-1, 2 or 3 over the whole dp group, an element-wise optimizer; with expert
+    """buddy_shards=1: par's ZeRO-1, 2 or 3 over the whole dp group, an element-wise optimizer (Muon: ZeRO-1 or 2
+    without expert parallelism); with expert
     parallelism ZeRO-1 or 2 (the experts' buddy the next expert-dp rank, the dense params' the next replica's rank).
     torch's FSDP2 keeps its shards in its own DTensors, which hold no second (buddy) range."""
     p, t = cfg.parallel, cfg.train
@@ -40,10 +41,14 @@ def buddy_rules(cfg) -> None:
           f"[train].buddy_shards=1 steps a second shard inside par's own ZeRO, not torch's FSDP2 (zero='torch_fsdp2'): "
           f"use [parallel].zero='optim_grads_params' (par's ZeRO-3) with buddy_shards=1, or hsdp_replicas >= 2 with "
           f"buddy_shards=0")
-    _need(p.zero in BUDDIES and p.hsdp_replicas == 1 and t.optimizer_declaration.elementwise,
+    matrix = t.optimizer_declaration.gathers == "matrix"  # Muon: its buddy applies its owners' update (par_zero/muon_buddy.py)
+    _need(p.zero in BUDDIES and p.hsdp_replicas == 1 and (t.optimizer_declaration.elementwise or matrix),
           f"[train].buddy_shards=1 runs with [parallel].zero='optim', 'optim_grads' or 'optim_grads_params' over the whole "
-          f"dp (hsdp_replicas=1) and an element-wise optimizer; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, "
+          f"dp (hsdp_replicas=1) and an element-wise optimizer or Muon; got zero={p.zero!r}, hsdp_replicas={p.hsdp_replicas}, "
           f"optimizer={t.optimizer!r}: set buddy_shards=0 or change them")
+    _need(not matrix or p.zero in ("optim", "optim_grads") and p.ep == 1,
+          f"[train].buddy_shards=1 with [train].optimizer={t.optimizer!r} runs with [parallel].zero='optim' or "
+          f"'optim_grads' (ZeRO-1/2) and ep=1 so far; got zero={p.zero!r}, ep={p.ep}: use them, or buddy_shards=0")
     _need(p.ep == 1 or p.zero in ("optim", "optim_grads"),
           f"[train].buddy_shards=1 with [parallel].ep={p.ep} runs with zero='optim' or 'optim_grads' (ZeRO-1/2) so far; "
           f"got zero={p.zero!r}: use one of them, ep=1, or buddy_shards=0")

@@ -118,8 +118,9 @@ def muon_collectives(cfg, layout, params) -> dict[tuple[str, str], float]:
     if cfg.train.optimizer_declaration.gathers != "matrix":  # an element-wise step gathers nothing
         return out
     ns, zero, dp = cfg.train.muon_ns_dtype, cfg.parallel.zero, "dp" if layout.cp == 1 else "dp_cp"
+    buddy = bool(cfg.train.buddy_shards) and zero in BUDDY_LEVELS
     for n, d, group in ((params.muon_dense, layout.dp * layout.cp, dp), (params.experts, layout.edp, "edp")):
-        for op, nbytes in muon_step_bytes(n, d, zero, ns).items():
+        for op, nbytes in muon_step_bytes(n, d, zero, ns, buddy).items():
             out[(op, group)] += nbytes
     if layout.tp > 1:
         out[("all_gather", "tp")] += muon_split_gather_bytes(params.muon_dense / (layout.dp * layout.cp), layout.tp)

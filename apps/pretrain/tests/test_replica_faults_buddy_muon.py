@@ -34,7 +34,8 @@ def _plan(*overrides: str) -> dict:
 def test_plan_counts_the_muon_buddy_shard_its_momentum_and_the_joiners_bytes():
     """Muon with buddy shards (ZeRO-1, dp 8): a second shard of the masters, momentum and AdamW moments per rank; a
     joiner receives both shards of every kind, unpacked over its ranges as the re-shard sends them (4 + 3 x 4 bytes
-    per element); the owners' results are all-reduced over dp in place of their reduce-scatter."""
+    per element); the owners' results (bf16) are all-reduced over dp in place of their reduce-scatter: (d - 1) / d of the
+    Muon matrices' 2 bytes once more per step."""
     plain = _plan("parallel.zero=optim")
     buddy = _plan("parallel.zero=optim", "train.fault_tolerance=replica", "train.buddy_shards=1",
                   "checkpoint.async_save=false")
@@ -42,9 +43,11 @@ def test_plan_counts_the_muon_buddy_shard_its_momentum_and_the_joiners_bytes():
     assert buddy["model_state"]["optim"]["optim"] == 2 * plain["model_state"]["optim"]["optim"]
     assert buddy["fault_tolerance"]["buddy"]["optim_bytes"] == plain["model_state"]["optim"]["optim"]
     assert buddy["fault_tolerance"]["joiner_bytes"] == 2 * -(-n // 8) * (4 + 3 * 4)
+    muon = buddy["optimizer"]["muon_params"]
+    assert 0 < muon < n
+    assert buddy["fault_tolerance"]["buddy"]["muon_bytes_per_step"] == pytest.approx(2 * muon * 7 / 8, rel=1e-6)
 
 
-@pytest.mark.extended
 def test_simulate_measures_the_muon_buddy_shards_as_planned():
     """The trainer's Muon buddies on fake tensors (tp 2 x dp 4, ZeRO-1): optimizer bytes as planned, and over dp an
     all-reduce (the gradients' and the owners' results) and all-gathers (the updates', the params') as planned."""

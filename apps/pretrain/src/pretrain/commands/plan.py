@@ -103,7 +103,8 @@ def render_config(plan: dict, seconds: dict | None = None) -> str:
             params = f", {human_bytes(b['param_bytes'])} more params (its param shard)" if "param_bytes" in b else ""
             lines.append(f"buddy shards: {human_bytes(b['optim_bytes'])} more optimizer state per rank (the next rank's "
                          f"shard){params}, {human_bytes(b['grad_bytes_per_step'])} more gradient bytes per step (all-reduce "
-                         f"in place of reduce-scatter)")
+                         f"in place of reduce-scatter)" + (f", {human_bytes(b['muon_bytes_per_step'])} more bytes of Muon's "
+                                                           f"orthogonalized updates per step (all-reduced too)" if "muon_bytes_per_step" in b else ""))
     lines.append(f"model state per rank ({plan['convention']}); peak = with the activations, heaviest stage, "
                  f"against {num(plan['budget_gb'])} GB (GPU memory less {plan['headroom']:.0%}):")
     for strategy, row in plan["model_state"].items():

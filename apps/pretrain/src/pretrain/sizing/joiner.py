@@ -48,7 +48,8 @@ def buddy_costs(cfg, layout, stage: int) -> dict:
     """What ``[train].buddy_shards = 1`` costs a rank of pipeline stage ``stage`` beside plain ZeRO-1, 2 or 3: the
     buddy's optimizer state (a second shard of it; under ZeRO-2/3 a second gradient shard too; under ZeRO-3 with
     fp32 params a second param shard, the buddy's master), and per step the gradients' all-reduce in place of
-    their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its full gradient buffer once more). Routed
+    their reduce-scatter (each rank sends and receives ``(d - 1) / d`` of its full gradient buffer once more; with Muon,
+    of its owners' results too, in the Newton-Schulz dtype). Routed
     experts shard over the expert-dp group (``edp`` ranks, one per replica): theirs are its terms."""
     from par_zero import bytes_per_param
 
@@ -65,7 +66,13 @@ def buddy_costs(cfg, layout, stage: int) -> dict:
         per_step = (params.dense * (d - 1) / d + params.experts * (layout.edp - 1) / layout.edp) * grad
     else:
         per_step = full * (d - 1) / d
+    muon = {}
+    if cfg.train.optimizer_declaration.gathers == "matrix":  # Muon: the owners' results all-reduced, not reduce-scattered
+        from .muon_comm import NS_BYTES
+
+        muon = {"muon_bytes_per_step": NS_BYTES[cfg.train.muon_ns_dtype] * (
+            params.muon_dense * (d - 1) / d + params.experts * (layout.edp - 1) / max(layout.edp, 1))}
     return {"optim_bytes": state.optim / 2 if d > 1 else 0.0,
             **({"grad_bytes": state.grads / 2 if d > 1 else 0.0} if sharded_grads else {}),
             **({"param_bytes": state.params / 2 if d > 1 else 0.0} if zero3_fp32 else {}),
-            "grad_bytes_per_step": per_step}
+            "grad_bytes_per_step": per_step, **muon}

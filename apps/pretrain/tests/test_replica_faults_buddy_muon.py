@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pretrain.cli import app
-from test_replica_faults import _check_fault_run, reference  # noqa: F401  (reference: the module fixture)
+from test_replica_faults import _check_buddy_resume, _check_fault_run, reference  # noqa: F401  (reference: the module fixture)
 
 MUON_ZERO1 = ("--set", "parallel.zero=optim", "--set", "train.optimizer=muon")
 
@@ -22,6 +22,14 @@ def test_dp2_muon_zero1_with_buddy_shards_killed_in_the_optimizer_step_rejoins_w
         tmp_path, reference, fault_ranks):  # noqa: F811
     _check_fault_run(tmp_path, 2, 1, 2, "optimizer", reference, layout=(*MUON_ZERO1, "--set", "train.buddy_shards=1"),
                      admit_before=4, reference_layout=MUON_ZERO1)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_a_muon_resume_with_buddy_shards_reads_each_buddy_momentum_from_its_owners_pieces(tmp_path, fault_ranks):
+    """Muon's buddy state is unpacked copies over the range while a checkpoint loads (as its owner's): a resume fills
+    them and packs them back, so each buddy's momentum and moments are its owner's bitwise again, not zeros."""
+    _check_buddy_resume(tmp_path, (*MUON_ZERO1, "--set", "train.buddy_shards=1"))
 
 
 def _plan(*overrides: str) -> dict:

@@ -69,6 +69,11 @@ def _quiet(fn):
     return wrapper
 
 
+def _loaded_optimizers(dp) -> list:
+    """The optimizers a load fills: the owned ranges' and, with ``[train].buddy_shards``, the buddy ranges'."""
+    return [dp.optimizer_state] + ([dp.buddy_optimizer] if getattr(dp, "buddy_optimizer", None) is not None else [])
+
+
 def _pieces(state: Checkpointed, with_optim: bool, buddies: bool = False) -> dict[str, Pieces]:
     """``model/<hf name>`` (and the optimizer state) of every tensor this rank holds: the pieces it owns.
 
@@ -246,7 +251,8 @@ def load_checkpoint(into: Checkpointed, path: str | Path, model_only: bool = Fal
     with_optim = state.get("optimizer", False) and not model_only
     if with_optim:
         check_optimizer_matches(path, state, cfg)
-        dp.optimizer_state.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))  # a torch.optim class's state is lazy
+        for opt in _loaded_optimizers(dp):  # a torch.optim class's state is lazy; Muon's buddy state unpacked copies
+            opt.prepare_load(state.get("optimizer_kinds", ADAMW_STATE))
     sd = _pieces(into, with_optim=with_optim, buddies=True)  # views of this rank's buffers: loading fills them in place
     stored = check_stored_shapes(path, sd)
     with_optim = with_optim and all(k in stored for k in sd)
@@ -270,7 +276,8 @@ def load_checkpoint(into: Checkpointed, path: str | Path, model_only: bool = Fal
         return 0
     step = int(state["step"])
     dp.step_count = int(state.get("optimizer_steps", step))
-    dp.optimizer_state.finish_load(state.get("optimizer_scalars", {}))
+    for opt in _loaded_optimizers(dp):
+        opt.finish_load(state.get("optimizer_scalars", {}))
     if read_rng:
         load_rng_state(path / rng)
     if into.experts is not None:  # re-placed experts: the saved map and load

@@ -38,6 +38,10 @@ ROUTING_NOISE = 1e-6
 # its second-best expert moves the mean loss by ~1e-6 at most); its grad norm is only reported.
 FLIPPED_LOSS_TOLERANCE = 1e-4
 MAX_FLIPPED_STEPS = 3  # of STEPS: near-ties flip rarely; a layout that flips routinely is wrong
+# A planted bug's run stops after the steps that show it: the comparison raises at its first wrong step
+# (rank 0's, before any other), a wrong expert order or a dropped replica gradient at step 0, replicas
+# computing with the first step's weights at step 1 (the first whose loaded weights moved); `pytest -s` prints it.
+PLANTED_STEPS = 2
 
 
 @contextlib.contextmanager
@@ -173,8 +177,8 @@ def planted(bug: str | None):
 
 
 def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0, bug: str | None = None,
-                 balance: bool = False):
-    """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s. ``balance``: each
+                 balance: bool = False, steps: int = STEPS):
+    """The layout's step s from the single rank's checkpoint ``root/step_s``, for every s < ``steps``. ``balance``: each
     step's MoE statistics too (the trainer's logged figures, and a re-placement's experts moved), as a fourth element."""
     from pretrain.config import load_config
     from pretrain.training.train_loop import Trainer
@@ -183,7 +187,7 @@ def layout_steps(config: str | None, overrides, root: str, perturb: float = 0.0,
     name_moe_layers(trainer)
     out = []
     with planted(bug):  # one bug over every step (a stale replica outlives its step)
-        for step in range(STEPS):
+        for step in range(steps):
             assert trainer.load_checkpoint(f"{root}/step_{step}") == step
             with recorded_routing(perturb=perturb) as log:
                 r = trainer.train_step(step)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from moe_stepwise import assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
+from moe_stepwise import PLANTED_STEPS, assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
 from test_layouts_train_same_model import MOE_BALANCING, MOE_PIPELINE, TOLERANCE, TWO_LAYERS
 
 # expert_balance = "replicate" under a forced skew (moe_stepwise.skew_routing: top 4 of 8, experts 0 and 1
@@ -134,7 +134,7 @@ def test_replicated_experts_layout_catches_a_planted_replica_bug(dist_run, moe_r
     common = SKEWED_PIPELINE if name in MOE_SKEWED_PIPELINE else SKEWED
     root, reference = moe_reference(common, skew=True)
     layout = list(common) + (MOE_SKEWED | MOE_SKEWED_PIPELINE)[name]
-    planted = dist_run(4, layout_steps, "tiny-moe", layout, root, bug=bug, timeout=900)
+    planted = dist_run(4, layout_steps, "tiny-moe", layout, root, bug=bug, steps=PLANTED_STEPS, timeout=900)
     with pytest.raises(AssertionError) as caught:
         assert_moe_steps_same(planted, reference, TOLERANCE, f"{name} {bug}")
     print(f"{bug}: {str(caught.value).splitlines()[0]}")

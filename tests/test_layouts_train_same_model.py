@@ -18,7 +18,7 @@ import pytest
 
 from layout_runs import COMMON, STEPS, assert_same, single_rank, train_steps
 from layout_runs import deferred_noise as noise
-from moe_stepwise import assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
+from moe_stepwise import PLANTED_STEPS, assert_moe_steps_same, layout_steps, moe_reference  # noqa: F401 (a fixture)
 
 TOLERANCE = 1e-6
 
@@ -169,9 +169,11 @@ def test_moe_layouts_hold_under_last_bit_router_noise_and_catch_a_wrong_expert_o
     layout = list(common) + MOE_PIPELINE[name]
     perturbed = dist_run(4, layout_steps, "tiny-moe", layout, root, perturb=2.0 ** -23, timeout=900)
     assert_moe_steps_same(perturbed, reference, TOLERANCE, name + " perturbed")
-    planted = dist_run(4, layout_steps, "tiny-moe", layout, root, bug="reversed_expert_counts", timeout=900)
-    with pytest.raises(AssertionError):
+    planted = dist_run(4, layout_steps, "tiny-moe", layout, root, bug="reversed_expert_counts", steps=PLANTED_STEPS,
+                       timeout=900)
+    with pytest.raises(AssertionError) as caught:
         assert_moe_steps_same(planted, reference, TOLERANCE, name + " planted bug")
+    print(f"reversed_expert_counts: {str(caught.value).splitlines()[0]}")
 
 
 # A placement only changes which process plays which grid position: the same model trains.

@@ -1,8 +1,10 @@
 """The watch over the counted layer: waits timed where a rank stands still, every call in the
 flight recorder with its group's sequence number, and a summary naming the rank not arrived."""
 
+import os
 import pickle
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,20 +16,43 @@ from par_groups.watch import CommWatch
 LATE_S = 0.3
 
 
-def late_rank_1():
+def _arrived(folder: str, name: str) -> None:
+    """Rank 0 is about to wait: its clock's time now, for rank 1 (the clock is the machine's, one for all
+    processes), written whole under a temporary name."""
+    path = Path(folder) / name
+    path.with_suffix(".tmp").write_text(repr(time.perf_counter()))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _later_than_rank_0(folder: str, name: str, seconds: float) -> None:
+    """Rank 1 arrives ``seconds`` after rank 0 started waiting, whenever that was: however late a busy
+    machine let rank 0 get there, it waits that long in the call (a fixed sleep on rank 1 left the margin
+    to the scheduler)."""
+    path = Path(folder) / name
+    while not path.exists():
+        time.sleep(0.005)
+    time.sleep(max(0.0, float(path.read_text()) + seconds - time.perf_counter()))
+
+
+def late_rank_1(folder: str):
     """Rank 1 reaches each call LATE_S after rank 0: rank 0 waits about that long, rank 1 hardly."""
     me = dist.get_rank()
     pair = dist.new_group([0, 1])  # the same ranks as the world, another group: its own label and numbers
     with CommWatch(capacity=8, names={(0, 1): "pair"}) as watch:
         x = torch.ones(3)
         if me == 1:
-            time.sleep(LATE_S)
+            _later_than_rank_0(folder, "blocking", LATE_S)
+        else:
+            _arrived(folder, "blocking")
         comm.all_reduce(x, None)  # blocking
         blocking = watch.take_wait()
-        if me == 1:
-            time.sleep(LATE_S)
-        work = comm.all_gather_into_tensor(torch.empty(6), x, pair, async_op=True)
-        time.sleep(LATE_S / 3)  # compute while the gather is in flight: not waiting
+        work = comm.all_gather_into_tensor(torch.empty(6), x, pair, async_op=True) if me == 0 else None
+        if me == 1:  # rank 0 computed LATE_S/3 while the gather was in flight (not waiting), then waits
+            _later_than_rank_0(folder, "overlapped", LATE_S * 2 / 3)
+            work = comm.all_gather_into_tensor(torch.empty(6), x, pair, async_op=True)
+        else:
+            time.sleep(LATE_S / 3)
+            _arrived(folder, "overlapped")
         work.wait()
         overlapped = watch.take_wait()
         peer = 1 - me
@@ -45,8 +70,8 @@ def late_rank_1():
     return blocking, overlapped, calls, views, digests, [(r.op, r.bytes) for r in rec.records]
 
 
-def test_waits_are_timed_where_the_rank_stands_still_and_calls_are_recorded(dist_run):
-    (wait0, over0, entries0, *objects0), (wait1, over1, entries1, *objects1) = dist_run(2, late_rank_1)
+def test_waits_are_timed_where_the_rank_stands_still_and_calls_are_recorded(dist_run, tmp_path):
+    (wait0, over0, entries0, *objects0), (wait1, over1, entries1, *objects1) = dist_run(2, late_rank_1, str(tmp_path))
     assert LATE_S * 0.8 < wait0 < LATE_S * 3 and wait1 < LATE_S * 0.5, (wait0, wait1)
     # rank 0 computed LATE_S/3 of rank 1's LATE_S lateness while the gather was in flight
     assert LATE_S * 0.4 < over0 < LATE_S * 3 and over1 < LATE_S * 0.5, (over0, over1)

@@ -101,7 +101,7 @@ def test_the_store_apart_node_0_that_cannot_renew_its_heartbeat_calls_its_fence_
     server = serve_store("127.0.0.1", port, 10, "test")
     proxy = StoreProxy(port)
     fenced, lines = threading.Event(), []
-    beats = Heartbeats(NodeGroup.parse(2, 0, f"127.0.0.1:{proxy.port}", node_timeout_s=1.0, external=True))
+    beats = Heartbeats(NodeGroup.parse(2, 0, f"127.0.0.1:{proxy.port}", node_timeout_s=4.0, external=True))
     try:
         beats.start(10, lambda line: (lines.append(line), fenced.set()))
         for _ in range(600):  # beats renewed through the proxy: no fence

@@ -155,7 +155,7 @@ def test_a_launcher_that_cannot_renew_its_heartbeat_calls_its_fence_with_one_lin
     server = serve_store("127.0.0.1", port, 10, "test")  # noqa: F841 -- held open for the test
     proxy = StoreProxy(port)
     fenced, lines = threading.Event(), []
-    beats = Heartbeats(NodeGroup.parse(2, 1, f"127.0.0.1:{proxy.port}", node_timeout_s=2.0))
+    beats = Heartbeats(NodeGroup.parse(2, 1, f"127.0.0.1:{proxy.port}", node_timeout_s=4.0))
     try:
         beats.start(10, lambda line: (lines.append(line), fenced.set()))
         while server.add("pretrain/nodes/beat/1", 0) < 3:  # beats renewed through the proxy: no fence
@@ -164,7 +164,7 @@ def test_a_launcher_that_cannot_renew_its_heartbeat_calls_its_fence_with_one_lin
         proxy.cut()
         assert fenced.wait(30), "the lease never ran out"
         assert len(lines) == 1 and "\n" not in lines[0], lines
-        assert lines[0].startswith("node 1 cut off from the job's store at 127.0.0.1:") and "node_timeout_s=2" in lines[0]
+        assert lines[0].startswith("node 1 cut off from the job's store at 127.0.0.1:") and "node_timeout_s=4" in lines[0]
     finally:
         beats.stop()
         proxy.close()

@@ -63,7 +63,7 @@ def test_three_launchers_node_2_lost_whole_has_its_replicas_ranks_on_nodes_0_and
     pids = tmp_path / "pids"
     pids.mkdir()
     kill = {"args": [4, 2, "forward", str(pids)], "kwargs": {"whole_node": True, "fence_check": True}}
-    fault = ("--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true", "--set", "train.node_timeout_s=2")
+    fault = ("--set", "train.fault_tolerance=replica", "--set", "log.sample_ids=true", "--set", "train.node_timeout_s=6")
     codes, output = _run_nodes(tmp_path, 3, 3, kill, *fault, layout=PP2)
     assert codes == [0, 0, -9], output
     expected, got = reference(3, 1, PP2), _curve(tmp_path / "log")

@@ -38,7 +38,7 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
         sq = torch.zeros((), dtype=torch.float64, device=device)
         for b in fam:
             for p, _, lo, hi, _ in b.opt_segments():
-                part = b.opt_grad[lo:hi].double().pow(2).sum()
+                part = b.opt_grad[lo:hi].double().square_().sum()  # the copy squared in place
                 local += part
                 if placement_of(p).counted():
                     sq += part

@@ -29,16 +29,16 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
     norm_groups = tuple(norm_groups)
     expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
     device = buffer.buckets[0].device if buffer.buckets else None
-    # float64 sums: each fp32 square is exact in float64 and the sums' rounding stays far below fp32's, so the norm
-    # has the same bits however the ranges are cut (a generation of another dp size after a replica is lost): a
-    # last-bit change of the clip coefficient would reach every update (Muon's Newton-Schulz makes it more)
+    # float64 sums of the fp32 squares (each rounded alike wherever it lies): their rounding stays far below fp32's,
+    # so the norm has the same bits however the ranges are cut (a generation of another dp size after a replica is
+    # lost): a last-bit change of the clip coefficient would reach every update (Muon's Newton-Schulz makes it more)
     total = torch.zeros((), dtype=torch.float64, device=device)
     local = torch.zeros((), dtype=torch.float64, device=device)
     for groups, fam in buffer.families():
         sq = torch.zeros((), dtype=torch.float64, device=device)
         for b in fam:
             for p, _, lo, hi, _ in b.opt_segments():
-                part = b.opt_grad[lo:hi].double().square_().sum()  # the copy squared in place
+                part = torch.sum(b.opt_grad[lo:hi].float().square(), dtype=torch.float64)  # no float64 copy
                 local += part
                 if placement_of(p).counted():
                     sq += part

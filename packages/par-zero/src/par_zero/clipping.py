@@ -49,7 +49,8 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
         for g in norm_groups if groups is buffer.dense_groups else expert_norm_groups:
             comm.all_reduce(sq, g)
         total += sq
-    buffer.local_sq = local.float()  # this rank's own ranges, copies too, before any reduction: where a wrong bit shows first
+    # this rank's own ranges, copies too, before any reduction: where a wrong bit shows first
+    buffer.local_sq = local.float()
     norm = total.float().sqrt()
     coef = clip_coefficient(norm, max_norm)
     for b in buffer.buckets + buffer.buddies:  # a buddy range steps from the same clipped grads as its owner

@@ -29,16 +29,13 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
     norm_groups = tuple(norm_groups)
     expert_norm_groups = norm_groups if expert_norm_groups is None else tuple(expert_norm_groups)
     device = buffer.buckets[0].device if buffer.buckets else None
-    # float64 sums of the fp32 squares (each rounded alike wherever it lies): their rounding stays far below fp32's,
-    # so the norm has the same bits however the ranges are cut (a generation of another dp size after a replica is
-    # lost): a last-bit change of the clip coefficient would reach every update (Muon's Newton-Schulz makes it more)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    local = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    local = torch.zeros((), dtype=torch.float32, device=device)
     for groups, fam in buffer.families():
-        sq = torch.zeros((), dtype=torch.float64, device=device)
+        sq = torch.zeros((), dtype=torch.float32, device=device)
         for b in fam:
             for p, _, lo, hi, _ in b.opt_segments():
-                part = torch.sum(b.opt_grad[lo:hi].float().square(), dtype=torch.float64)  # no float64 copy
+                part = b.opt_grad[lo:hi].float().pow(2).sum()
                 local += part
                 if placement_of(p).counted():
                     sq += part
@@ -49,9 +46,8 @@ def clip_grad_norm_(buffer: GradBuffer, max_norm: float, norm_groups: Iterable[P
         for g in norm_groups if groups is buffer.dense_groups else expert_norm_groups:
             comm.all_reduce(sq, g)
         total += sq
-    # this rank's own ranges, copies too, before any reduction: where a wrong bit shows first
-    buffer.local_sq = local.float()
-    norm = total.float().sqrt()
+    buffer.local_sq = local  # this rank's own ranges, copies too, before any reduction: where a wrong bit shows first
+    norm = total.sqrt()
     coef = clip_coefficient(norm, max_norm)
     for b in buffer.buckets + buffer.buddies:  # a buddy range steps from the same clipped grads as its owner
         b.opt_grad.mul_(coef)

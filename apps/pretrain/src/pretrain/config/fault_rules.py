@@ -49,6 +49,11 @@ def buddy_rules(cfg) -> None:
     _need(not matrix or p.zero in ("optim", "optim_grads") and p.ep == 1,
           f"[train].buddy_shards=1 with [train].optimizer={t.optimizer!r} runs with [parallel].zero='optim' or "
           f"'optim_grads' (ZeRO-1/2) and ep=1 so far; got zero={p.zero!r}, ep={p.ep}: use them, or buddy_shards=0")
+    # the fp32 grad norm is summed over each rank's ZeRO ranges, so a generation of another dp size may move the clip
+    # coefficient by its last bit; Newton-Schulz over tp-split matrices carried that past the 1e-6 rule by step 4
+    _need(not matrix or p.tp == 1 or t.fault_tolerance != "replica",
+          f"[train].buddy_shards=1 with [train].optimizer={t.optimizer!r} under fault_tolerance='replica' runs at tp=1 so "
+          f"far (got [parallel].tp={p.tp}): use tp=1, zero='no_shard' or hsdp_replicas >= 2 with buddy_shards=0")
     _need(p.ep == 1 or p.zero in ("optim", "optim_grads"),
           f"[train].buddy_shards=1 with [parallel].ep={p.ep} runs with zero='optim' or 'optim_grads' (ZeRO-1/2) so far; "
           f"got zero={p.zero!r}: use one of them, ep=1, or buddy_shards=0")

@@ -71,18 +71,28 @@ def test_a_node_cut_off_from_the_store_fences_its_ranks_and_node_0_goes_on_with_
     exits 1 with one line. Node 0's rank sees the closed connection, claims the loss and goes on alone with the
     uninterrupted curve, every sample once; node 1's rank trained nothing past the cut and no rank is left. Without
     the fence, node 1's rank wakes and trains steps 2 to 4 next to node 0's after node 0 took it as lost."""
+    errors, lost = _cut_off_run(tmp_path, reference, 1)
+    assert "stopped its ranks before node 0 takes it as lost" in errors[0] and "still running" not in errors[0], errors
+    assert [e["step"] for e in lost] == [1], lost
+
+
+def _cut_off_run(tmp_path, reference, node: int) -> tuple[list[str], list[dict]]:
+    """dp2, one replica per node, the store apart: node ``node`` (its launcher and its rank) reaches `pretrain store`
+    through a proxy cut while its rank is held in step 2's gradient reduction. It exits 1 with one line naming the
+    cut; the other node goes on with the uninterrupted curve, every sample once, and exits 0; the cut node's rank
+    trained nothing past step 1 and no rank is left. Returns the cut node's error lines and the loss events."""
     pids = tmp_path / "pids"
     pids.mkdir()
     proxies: list[StoreProxy] = []
 
     def port_of(k: int, port: int) -> int:
-        if k == 0:
+        if k != node:
             return port
         proxies.append(StoreProxy(port))
         return proxies[-1].port
 
-    def cutting() -> None:  # once node 1's rank is held in step 2's reduction
-        marker = pids / "stalled_1_2_reduction"
+    def cutting() -> None:  # once the node's rank is held in step 2's reduction
+        marker = pids / f"stalled_{node}_2_reduction"
         while not marker.exists() and not done.is_set():
             time.sleep(0.05)
         if proxies and marker.exists():
@@ -92,7 +102,7 @@ def test_a_node_cut_off_from_the_store_fences_its_ranks_and_node_0_goes_on_with_
     done, cut_at = threading.Event(), []
     cutter = threading.Thread(target=cutting, daemon=True)
     cutter.start()
-    kill = {"args": [1, NEVER, "forward", str(pids)], "kwargs": {"stall": [[1, 2, "reduction", 30.0]]}}
+    kill = {"args": [node, NEVER, "forward", str(pids)], "kwargs": {"stall": [[node, 2, "reduction", 30.0]]}}
     fault = ("--set", "train.fault_tolerance=replica", "--set", "train.respawn=false", "--set", "log.sample_ids=true",
              "--set", "train.node_timeout_s=6", "--set", "train.join_timeout_s=60")
     try:
@@ -103,27 +113,28 @@ def test_a_node_cut_off_from_the_store_fences_its_ranks_and_node_0_goes_on_with_
         for p in proxies:
             p.close()
     assert cut_at, output
-    node1 = output.split("node 1 (exit")[1]
-    errors = [line for line in node1.splitlines() if line.startswith("error:")]
-    assert codes == [0, 1] and len(errors) == 1 and "cut off from the job's store" in errors[0], output
-    assert "stopped its ranks before node 0 takes it as lost" in errors[0] and "still running" not in errors[0], output
+    mine = output.split("node 1 (exit")[node]
+    errors = [line for line in mine.splitlines() if line.startswith("error:")]
+    assert codes == [1 if k == node else 0 for k in (0, 1)] and len(errors) == 1, output
+    assert errors[0].startswith(f"error: node {node} cut off from the job's store"), output
     log = tmp_path / "log"
     expected, got = reference(2), _curve(log)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4], output
     for s, (loss, norm) in expected.items():
         assert math.isclose(got[s][0], loss, rel_tol=1e-6) and math.isclose(got[s][1], norm, rel_tol=1e-6), s
     lost = [r for r in _records(log) if r.get("event") == "replica_lost"]
-    assert [(e["ranks"], e["step"]) for e in lost] == [([1], 1)], lost
+    assert [e["ranks"] for e in lost] == [[node]], lost
     records = [json.loads(line) for f in (log / "samples").iterdir() for line in f.read_text().splitlines()]
     for s in range(1, 5):
         latest = max(r["generation"] for r in records if r["step"] == s)
         ids = sorted(i for r in records if r["step"] == s and r["generation"] == latest for i in r["samples"])
         assert ids == list(range((s - 1) * 4, s * 4)), (s, ids)
     # the fenced rank trained nothing past the cut: its last sample record is step 1's
-    fenced = [json.loads(line) for line in (log / "samples" / "rank_1.jsonl").read_text().splitlines()]
+    fenced = [json.loads(line) for line in (log / "samples" / f"rank_{node}.jsonl").read_text().splitlines()]
     assert [r["step"] for r in fenced] == [1], fenced
     left = [int(p.name) for p in pids.glob("[0-9]*") if _alive(int(p.name))]
     assert len(list(pids.glob("[0-9]*"))) == 2 and not left, left
+    return errors, lost
 
 
 @pytest.mark.extended  # a store process, two torchrun agents and their workers, each importing torch

@@ -1,39 +1,16 @@
 """Under fault tolerance a lost replica's state needs a live copy elsewhere, and where it lies follows the rank order
 (``[parallel].order``) and the permutation placement chooses: an expert-parallel group must lie inside one replica,
 and each buddy shard (the rank ``ep x cp`` further in its data-parallel group, in global-rank order) in another. An
-order that breaks either is refused in one line up front; a placement that breaks it, in the rank (``replica_copies``,
-here with a permutation directly, as placement hands it to the trainer). The default order passes with cp2: its
+order that breaks either is refused in one line up front (test_replica_refusals.py: "ep outside dp", "cp outside
+dp, buddies"); a placement that breaks it, in the rank (``replica_copies``, here with a permutation directly, as
+placement hands it to the trainer). The default order passes with cp2: its
 dense buddies lie ``cp`` ranks on, on the next replica (at stride 1 they were the cp peer, lost with the shard)."""
 
 import pytest
-from typer.testing import CliRunner
-
-from one_error_line import assert_one_error_line, snapshot
 from par_groups.grid import RankGrid
-from pretrain.cli import app
 from pretrain.config import load_config
 from pretrain.config.fault_rules import replica_copies
 from pretrain.errors import UsageError
-
-SMALL = ["--set", "model.layers=2", "--set", "train.steps=1", "--set", "train.warmup_steps=1", "--set",
-         "train.eval_every=0", "--set", "log.progress=false", "--set", "train.fault_tolerance=replica"]
-
-CASES = {
-    "ep outside dp": (["tiny-moe", "--nproc", "4", "--set", "parallel.ep=2", "--set", "parallel.order=tp-cp-dp-ep-pp"],
-                      "ranks [0, 2] span replicas under order 'tp-cp-dp-ep-pp'"),
-    "cp outside dp, buddies": (["--nproc", "4", "--set", "parallel.cp=2", "--set", "parallel.zero=optim", "--set",
-                                "train.buddy_shards=1", "--set", "parallel.order=tp-dp-cp-ep-pp"],
-                               "under order 'tp-dp-cp-ep-pp' rank 0's lies in its own replica"),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_an_order_that_leaves_a_replica_without_a_live_copy_is_one_error_line(tmp_path, monkeypatch, name):
-    monkeypatch.chdir(tmp_path)
-    args, words = CASES[name]
-    res = CliRunner().invoke(app, ["train", *SMALL, *args, "--set", "log.dir=run"])
-    assert_one_error_line(res, name, words)
-    assert snapshot(tmp_path) == {}, name
 
 
 def _cfg(*overrides):

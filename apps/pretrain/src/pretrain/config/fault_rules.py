@@ -50,7 +50,7 @@ def buddy_rules(cfg) -> None:
           f"[train].buddy_shards=1 with [train].optimizer={t.optimizer!r} runs with [parallel].zero='optim' or "
           f"'optim_grads' (ZeRO-1/2) and ep=1 so far; got zero={p.zero!r}, ep={p.ep}: use them, or buddy_shards=0")
     # the fp32 grad norm is summed over each rank's ZeRO ranges, so a generation of another dp size may move the clip
-    # coefficient by its last bit; Newton-Schulz over tp-split matrices carried that past the 1e-6 rule by step 4
+    # coefficient by its last bit, which Newton-Schulz over tp-split matrices amplifies (README: fault tolerance)
     _need(not matrix or p.tp == 1 or t.fault_tolerance != "replica",
           f"[train].buddy_shards=1 with [train].optimizer={t.optimizer!r} under fault_tolerance='replica' runs at tp=1 so "
           f"far (got [parallel].tp={p.tp}): use tp=1, zero='no_shard' or hsdp_replicas >= 2 with buddy_shards=0")
